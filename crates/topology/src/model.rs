@@ -1,0 +1,422 @@
+//! Plain data types shared by the probe side and the topology logic.
+//!
+//! Everything here is a value type: the prober fills in an [`Observation`]
+//! and the [`crate::Topology`] interprets it. Keeping these free of behaviour
+//! lets the probe crate depend on them without pulling in any policy.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A network endpoint of one PostgreSQL server.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostAddr {
+    /// Host name or IP literal, without brackets for IPv6.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+}
+
+impl HostAddr {
+    /// Builds an address from its parts.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        HostAddr {
+            host: host.into(),
+            port,
+        }
+    }
+}
+
+impl fmt::Display for HostAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // A bare IPv6 literal would make the port separator ambiguous.
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Why a `host:port` string was rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AddrParseError {
+    /// The input was empty (after trimming whitespace).
+    Empty,
+    /// No `:port` suffix was present.
+    MissingPort,
+    /// The host part was empty.
+    EmptyHost,
+    /// A `[` was not closed, or text other than `:port` followed the `]`.
+    BadBrackets,
+    /// An IPv6 literal was given without brackets, so the port cannot be told apart.
+    UnbracketedIpv6,
+    /// The port was not an integer in `1..=65535`.
+    InvalidPort(String),
+}
+
+impl fmt::Display for AddrParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AddrParseError::Empty => f.write_str("empty address, expected host:port"),
+            AddrParseError::MissingPort => f.write_str("missing port, expected host:port"),
+            AddrParseError::EmptyHost => f.write_str("empty host name, expected host:port"),
+            AddrParseError::BadBrackets => {
+                f.write_str("malformed bracketed host, expected [ipv6]:port")
+            }
+            AddrParseError::UnbracketedIpv6 => {
+                f.write_str("IPv6 address must be written in brackets, as [addr]:port")
+            }
+            AddrParseError::InvalidPort(p) => {
+                write!(f, "invalid port {p:?}, expected an integer from 1 to 65535")
+            }
+        }
+    }
+}
+
+impl std::error::Error for AddrParseError {}
+
+impl FromStr for HostAddr {
+    type Err = AddrParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(AddrParseError::Empty);
+        }
+        let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+            let close = rest.find(']').ok_or(AddrParseError::BadBrackets)?;
+            let host = &rest[..close];
+            let after = &rest[close + 1..];
+            let port = match after.strip_prefix(':') {
+                Some(p) => p,
+                None if after.is_empty() => return Err(AddrParseError::MissingPort),
+                None => return Err(AddrParseError::BadBrackets),
+            };
+            (host, port)
+        } else {
+            let (host, port) = s.rsplit_once(':').ok_or(AddrParseError::MissingPort)?;
+            if host.contains(':') {
+                return Err(AddrParseError::UnbracketedIpv6);
+            }
+            if host.contains('[') || host.contains(']') {
+                return Err(AddrParseError::BadBrackets);
+            }
+            (host, port)
+        };
+        if host.is_empty() {
+            return Err(AddrParseError::EmptyHost);
+        }
+        // u16::from_str accepts a leading '+', which is not a port anyone writes.
+        let port_num = if port.bytes().all(|b| b.is_ascii_digit()) {
+            port.parse::<u16>().ok()
+        } else {
+            None
+        };
+        match port_num {
+            Some(p) if p != 0 => Ok(HostAddr::new(host, p)),
+            _ => Err(AddrParseError::InvalidPort(port.to_string())),
+        }
+    }
+}
+
+/// The role a server reported for itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Not in recovery: accepts writes.
+    Primary,
+    /// In recovery: a streaming or archive replica.
+    Replica,
+    /// Never successfully probed.
+    #[default]
+    Unknown,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Primary => "primary",
+            Role::Replica => "replica",
+            Role::Unknown => "unknown",
+        })
+    }
+}
+
+/// A standby's synchronous-replication status as the primary reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncState {
+    /// Currently one of the priority-based synchronous standbys.
+    Sync,
+    /// A candidate in quorum-based (`ANY`) synchronous replication.
+    Quorum,
+    /// Would become synchronous if a current synchronous standby went away.
+    Potential,
+    /// Not taking part in synchronous replication.
+    Async,
+}
+
+impl SyncState {
+    /// Interprets the `sync_state` column of `pg_stat_replication`.
+    pub fn parse(s: &str) -> Option<SyncState> {
+        let s = s.trim();
+        [
+            ("sync", SyncState::Sync),
+            ("quorum", SyncState::Quorum),
+            ("potential", SyncState::Potential),
+            ("async", SyncState::Async),
+        ]
+        .into_iter()
+        .find(|(name, _)| s.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v)
+    }
+}
+
+impl fmt::Display for SyncState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SyncState::Sync => "sync",
+            SyncState::Quorum => "quorum",
+            SyncState::Potential => "potential",
+            SyncState::Async => "async",
+        })
+    }
+}
+
+/// One row of `pg_stat_replication`, as read on the primary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplicationRow {
+    /// The standby's `application_name`.
+    pub application_name: String,
+    /// The walsender state (`streaming`, `catchup`, ...).
+    pub state: String,
+    /// The raw `sync_state` text.
+    pub sync_state: String,
+    /// The standby's replay position, if reported.
+    pub replay_lsn: Option<u64>,
+}
+
+/// Everything one successful probe of one server returned.
+///
+/// Fields that only make sense for one role are `None` (or empty) for the other.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observation {
+    /// `pg_is_in_recovery()`.
+    pub in_recovery: bool,
+    /// Round-trip time of the probe query.
+    pub rtt: Duration,
+    /// Current timeline ID.
+    pub timeline: Option<u32>,
+    /// Primary only: `pg_current_wal_lsn()`.
+    pub current_lsn: Option<u64>,
+    /// Replica only: last WAL position received from upstream.
+    pub receive_lsn: Option<u64>,
+    /// Replica only: last WAL position replayed.
+    pub replay_lsn: Option<u64>,
+    /// Replica only: how far replay is behind in time.
+    pub replay_delay: Option<Duration>,
+    /// Replica only: `recovery_min_apply_delay`; non-zero marks a deliberately delayed replica.
+    pub min_apply_delay: Duration,
+    /// Replica only: the `application_name` its WAL receiver presents upstream,
+    /// i.e. the name it has in the primary's `pg_stat_replication`.
+    pub wal_receiver_name: Option<String>,
+    /// Primary only: raw `synchronous_standby_names` text.
+    pub synchronous_standby_names: Option<String>,
+    /// Primary only: the rows of `pg_stat_replication`.
+    pub replication: Vec<ReplicationRow>,
+}
+
+/// Outcome of probing one server.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ProbeResult {
+    /// The server answered.
+    Ok(Observation),
+    /// The server could not be reached or the probe failed; the text says why.
+    Err(String),
+}
+
+/// Parses PostgreSQL's textual LSN form `XXXXXXXX/XXXXXXXX` (two hex halves).
+///
+/// Mirrors `pg_lsn_in`: each half has 1 to 8 hex digits and nothing else is allowed.
+pub fn parse_lsn(s: &str) -> Option<u64> {
+    let (hi, lo) = s.split_once('/')?;
+    let half = |h: &str| -> Option<u64> {
+        if h.is_empty() || h.len() > 8 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u64::from_str_radix(h, 16).ok()
+    };
+    Some((half(hi)? << 32) | half(lo)?)
+}
+
+/// Static configuration of one managed server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostConfig {
+    /// Where to connect.
+    pub addr: HostAddr,
+    /// Name to look for in the primary's `pg_stat_replication` when this host
+    /// is a replica; when unset, the name the replica itself reports is used.
+    pub application_name: Option<String>,
+    /// Free-form labels; `offline` and `noloadbalance` keep a replica out of
+    /// load balancing.
+    pub tags: Vec<String>,
+}
+
+impl HostConfig {
+    /// A host with no name override and no tags.
+    pub fn new(addr: HostAddr) -> Self {
+        HostConfig {
+            addr,
+            application_name: None,
+            tags: Vec::new(),
+        }
+    }
+
+    /// Whether the host carries `tag`; tags compare ASCII case-insensitively
+    /// so that hand-written configuration does not trip over capitalisation.
+    pub fn has_tag(&self, tag: &str) -> bool {
+        self.tags.iter().any(|t| t.eq_ignore_ascii_case(tag))
+    }
+}
+
+/// How far behind a replica may fall before it stops receiving read traffic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LagLimit {
+    /// Maximum WAL distance from the primary, in bytes.
+    pub bytes: Option<u64>,
+    /// Maximum replay delay.
+    pub time: Option<Duration>,
+}
+
+impl LagLimit {
+    /// Whether the given lag breaks the limit. Unknown values never do, so a
+    /// replica is not punished for information the probe could not obtain.
+    pub fn exceeded(&self, lag_bytes: Option<u64>, replay_delay: Option<Duration>) -> bool {
+        let over_bytes = matches!((self.bytes, lag_bytes), (Some(max), Some(v)) if v > max);
+        let over_time = matches!((self.time, replay_delay), (Some(max), Some(v)) if v > max);
+        over_bytes || over_time
+    }
+}
+
+/// Tunables of the topology view.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopologyConfig {
+    /// Lag beyond which replicas are excluded; `None` disables exclusion.
+    pub max_replica_lag: Option<LagLimit>,
+    /// How long an excluded replica must stay within the limit before it is
+    /// readmitted, so that a replica hovering at the limit does not flap.
+    pub lag_hold: Duration,
+}
+
+impl Default for TopologyConfig {
+    fn default() -> Self {
+        TopologyConfig {
+            max_replica_lag: None,
+            lag_hold: Duration::from_secs(10),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_addr_round_trip() {
+        for (input, host, port, shown) in [
+            ("db1:5432", "db1", 5432, "db1:5432"),
+            ("10.0.0.1:6432", "10.0.0.1", 6432, "10.0.0.1:6432"),
+            ("[::1]:5432", "::1", 5432, "[::1]:5432"),
+            ("[fe80::1%eth0]:1", "fe80::1%eth0", 1, "[fe80::1%eth0]:1"),
+            (" db:65535 ", "db", 65535, "db:65535"),
+        ] {
+            let a: HostAddr = input.parse().unwrap();
+            assert_eq!(a, HostAddr::new(host, port), "{input}");
+            assert_eq!(a.to_string(), shown);
+            assert_eq!(shown.parse::<HostAddr>().unwrap(), a);
+        }
+    }
+
+    #[test]
+    fn host_addr_rejects() {
+        use AddrParseError::*;
+        for (input, err) in [
+            ("", Empty),
+            ("db", MissingPort),
+            (":5432", EmptyHost),
+            ("db:", InvalidPort(String::new())),
+            ("db:0", InvalidPort("0".into())),
+            ("db:65536", InvalidPort("65536".into())),
+            ("db:+5", InvalidPort("+5".into())),
+            ("db:x", InvalidPort("x".into())),
+            ("::1:5432", UnbracketedIpv6),
+            ("[::1]", MissingPort),
+            ("[::1:5432", BadBrackets),
+            ("[::1]x:5432", BadBrackets),
+            ("[]:5432", EmptyHost),
+            ("a]:5", BadBrackets),
+        ] {
+            assert_eq!(input.parse::<HostAddr>(), Err(err), "{input}");
+        }
+        // Every error renders as readable text.
+        assert!(InvalidPort("x".into()).to_string().contains("65535"));
+    }
+
+    #[test]
+    fn role_and_sync_state_text() {
+        assert_eq!(Role::Primary.to_string(), "primary");
+        assert_eq!(Role::Unknown.to_string(), "unknown");
+        for s in ["sync", "quorum", "potential", "async"] {
+            assert_eq!(SyncState::parse(s).unwrap().to_string(), s);
+        }
+        assert_eq!(SyncState::parse("SYNC"), Some(SyncState::Sync));
+        assert_eq!(SyncState::parse("bogus"), None);
+    }
+
+    #[test]
+    fn lsn_parsing() {
+        assert_eq!(parse_lsn("0/0"), Some(0));
+        assert_eq!(parse_lsn("0/16B3748"), Some(0x16B3748));
+        assert_eq!(parse_lsn("1/0"), Some(1 << 32));
+        assert_eq!(parse_lsn("FFFFFFFF/FFFFFFFF"), Some(u64::MAX));
+        assert_eq!(parse_lsn("ab/cd"), Some((0xab << 32) | 0xcd));
+        for bad in [
+            "",
+            "/",
+            "0/",
+            "/0",
+            "1",
+            "123456789/0",
+            "0/x",
+            "0/1/2",
+            " 0/1",
+            "+1/0",
+        ] {
+            assert_eq!(parse_lsn(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn lag_limit() {
+        let l = LagLimit {
+            bytes: Some(100),
+            time: Some(Duration::from_secs(5)),
+        };
+        assert!(!l.exceeded(None, None));
+        assert!(!l.exceeded(Some(100), Some(Duration::from_secs(5))));
+        assert!(l.exceeded(Some(101), None));
+        assert!(l.exceeded(None, Some(Duration::from_millis(5001))));
+        assert!(!LagLimit::default().exceeded(Some(u64::MAX), Some(Duration::MAX)));
+    }
+
+    #[test]
+    fn tags_ignore_case() {
+        let mut h = HostConfig::new(HostAddr::new("a", 1));
+        h.tags.push("NoLoadBalance".into());
+        assert!(h.has_tag("noloadbalance"));
+        assert!(!h.has_tag("offline"));
+    }
+}

@@ -1,0 +1,652 @@
+//! Choosing a backend host for a new client connection.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ewma::duration_ms;
+use crate::model::{Role, SyncState};
+use crate::state::{HostState, Topology};
+
+/// Tags that keep a replica out of plain replica load balancing.
+const NO_BALANCE_TAGS: [&str; 2] = ["offline", "noloadbalance"];
+
+/// How to pick among several eligible hosts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Rotate over the hosts, optionally only those close to the fastest.
+    #[default]
+    #[serde(alias = "roundrobin")]
+    RoundRobin,
+    /// Always the host with the lowest smoothed RTT.
+    Nearest,
+}
+
+/// A string that names no known value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseValueError {
+    /// What kind of value was being parsed.
+    pub what: &'static str,
+    /// The rejected input.
+    pub input: String,
+    /// The accepted spellings, for the message.
+    pub expected: &'static str,
+}
+
+impl fmt::Display for ParseValueError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown {} {:?}, expected one of: {}",
+            self.what, self.input, self.expected
+        )
+    }
+}
+
+impl std::error::Error for ParseValueError {}
+
+impl FromStr for Strategy {
+    type Err = ParseValueError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("round-robin") || t.eq_ignore_ascii_case("roundrobin") {
+            Ok(Strategy::RoundRobin)
+        } else if t.eq_ignore_ascii_case("nearest") {
+            Ok(Strategy::Nearest)
+        } else {
+            Err(ParseValueError {
+                what: "strategy",
+                input: s.to_string(),
+                expected: "round-robin, nearest",
+            })
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Strategy::RoundRobin => "round-robin",
+            Strategy::Nearest => "nearest",
+        })
+    }
+}
+
+/// What kind of host a client asked for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Want {
+    /// The writable primary.
+    Primary,
+    /// Any load-balanced, up-to-date, undelayed replica.
+    Replica,
+    /// A synchronous (or quorum) standby.
+    SyncStandby,
+    /// A replica running with `recovery_min_apply_delay`.
+    Delayed,
+    /// Any live host carrying this tag.
+    Tagged(String),
+}
+
+impl FromStr for Want {
+    type Err = ParseValueError;
+
+    /// Accepts `primary`, `replica`, `standby` or `sync`, `delayed`, and
+    /// `tag:NAME` (case-insensitive keywords; the tag name is kept as written).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        let is = |w: &str| t.eq_ignore_ascii_case(w);
+        if is("primary") {
+            Ok(Want::Primary)
+        } else if is("replica") {
+            Ok(Want::Replica)
+        } else if is("standby") || is("sync") {
+            Ok(Want::SyncStandby)
+        } else if is("delayed") {
+            Ok(Want::Delayed)
+        } else if let Some(tag) = t
+            .get(..4)
+            .filter(|p| p.eq_ignore_ascii_case("tag:"))
+            .map(|_| &t[4..])
+            .filter(|tag| !tag.is_empty())
+        {
+            Ok(Want::Tagged(tag.to_string()))
+        } else {
+            Err(ParseValueError {
+                what: "target",
+                input: s.to_string(),
+                expected: "primary, replica, standby, sync, delayed, tag:NAME",
+            })
+        }
+    }
+}
+
+impl fmt::Display for Want {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Want::Primary => f.write_str("primary"),
+            Want::Replica => f.write_str("replica"),
+            Want::SyncStandby => f.write_str("standby"),
+            Want::Delayed => f.write_str("delayed"),
+            Want::Tagged(t) => write!(f, "tag:{t}"),
+        }
+    }
+}
+
+/// Knobs of host selection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SelectPolicy {
+    /// How to pick among eligible hosts.
+    pub strategy: Strategy,
+    /// Round robin prefers hosts whose RTT is within this much of the fastest.
+    pub rtt_threshold: Duration,
+    /// Whether the RTT window applies at all.
+    pub rtt_threshold_enabled: bool,
+    /// Send non-primary requests to the primary when nothing else qualifies,
+    /// trading load for availability.
+    pub fallback_to_primary: bool,
+}
+
+impl Default for SelectPolicy {
+    fn default() -> Self {
+        SelectPolicy {
+            strategy: Strategy::RoundRobin,
+            rtt_threshold: Duration::from_millis(20),
+            rtt_threshold_enabled: true,
+            fallback_to_primary: true,
+        }
+    }
+}
+
+/// Why no host could be chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoTarget {
+    /// No live host is primary.
+    NoPrimary,
+    /// Several live hosts claim to be primary; choosing one could split writes.
+    PrimaryConflict,
+    /// No host qualifies and falling back to the primary was not possible.
+    NoCandidate {
+        /// What was asked for.
+        want: Want,
+    },
+}
+
+impl fmt::Display for NoTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NoTarget::NoPrimary => f.write_str("no primary is available"),
+            NoTarget::PrimaryConflict => {
+                f.write_str("several hosts claim to be primary; refusing to choose one")
+            }
+            NoTarget::NoCandidate { want } => write!(f, "no host is available for {want}"),
+        }
+    }
+}
+
+impl std::error::Error for NoTarget {}
+
+/// Picks hosts according to a [`SelectPolicy`].
+///
+/// Shared between connection handlers: the round-robin position is atomic,
+/// so selection needs only `&self`.
+#[derive(Debug, Default)]
+pub struct Selector {
+    policy: SelectPolicy,
+    counter: AtomicUsize,
+}
+
+impl Selector {
+    /// A selector starting its rotation at the first eligible host.
+    pub fn new(policy: SelectPolicy) -> Self {
+        Selector {
+            policy,
+            counter: AtomicUsize::new(0),
+        }
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> &SelectPolicy {
+        &self.policy
+    }
+
+    /// Chooses a host for `want`, returning its index in `topo`.
+    pub fn select(&self, topo: &Topology, want: &Want) -> Result<usize, NoTarget> {
+        if *want == Want::Primary {
+            return primary_or_reason(topo);
+        }
+        let candidates = candidates(topo, want);
+        if candidates.is_empty() {
+            return match topo.primary() {
+                Some(p) if self.policy.fallback_to_primary => Ok(p),
+                _ => Err(NoTarget::NoCandidate { want: want.clone() }),
+            };
+        }
+        Ok(match self.policy.strategy {
+            Strategy::Nearest => nearest(topo, &candidates),
+            Strategy::RoundRobin => {
+                let window = if self.policy.rtt_threshold_enabled {
+                    rtt_window(topo, &candidates, self.policy.rtt_threshold)
+                } else {
+                    candidates
+                };
+                let n = self.counter.fetch_add(1, Ordering::Relaxed);
+                window[n % window.len()]
+            }
+        })
+    }
+
+    /// The hosts `want` could currently be served by, including the
+    /// primary fallback; for display, not affected by the strategy.
+    pub fn eligible(&self, topo: &Topology, want: &Want) -> Vec<usize> {
+        if *want == Want::Primary {
+            return topo.primary().into_iter().collect();
+        }
+        let c = candidates(topo, want);
+        if c.is_empty() && self.policy.fallback_to_primary {
+            return topo.primary().into_iter().collect();
+        }
+        c
+    }
+}
+
+fn primary_or_reason(topo: &Topology) -> Result<usize, NoTarget> {
+    match topo.primary() {
+        Some(p) => Ok(p),
+        None if topo.conflict() => Err(NoTarget::PrimaryConflict),
+        None => Err(NoTarget::NoPrimary),
+    }
+}
+
+/// Hosts that qualify for `want` on their own merits, in index order.
+fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
+    let live_replica = |h: &HostState| h.alive && h.role == Role::Replica;
+    let ok = |h: &HostState| match want {
+        Want::Primary => false,
+        Want::Replica => {
+            live_replica(h)
+                && !h.lag_excluded
+                && !h.delayed
+                && !NO_BALANCE_TAGS.iter().any(|t| h.config.has_tag(t))
+        }
+        Want::Delayed => live_replica(h) && h.delayed,
+        Want::SyncStandby => {
+            live_replica(h)
+                && !h.lag_excluded
+                && matches!(h.sync_state, Some(SyncState::Sync | SyncState::Quorum))
+        }
+        Want::Tagged(tag) => h.alive && h.config.has_tag(tag),
+    };
+    topo.hosts()
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| ok(h))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Candidates within `threshold` of the fastest known RTT. Hosts without an
+/// estimate only count when no host has one; a sole candidate is always
+/// its own minimum, so the window never empties a non-empty set.
+fn rtt_window(topo: &Topology, candidates: &[usize], threshold: Duration) -> Vec<usize> {
+    let rtt = |i: usize| topo.hosts()[i].rtt.get();
+    let Some(min) = candidates
+        .iter()
+        .filter_map(|&i| rtt(i))
+        .min_by(f64::total_cmp)
+    else {
+        return candidates.to_vec();
+    };
+    let limit = min + duration_ms(threshold);
+    candidates
+        .iter()
+        .copied()
+        .filter(|&i| rtt(i).is_some_and(|r| r <= limit))
+        .collect()
+}
+
+fn nearest(topo: &Topology, candidates: &[usize]) -> usize {
+    let key = |i: usize| topo.hosts()[i].rtt.get().unwrap_or(f64::INFINITY);
+    // min_by keeps the first of equal elements, so ties go to the lowest index.
+    candidates
+        .iter()
+        .copied()
+        .min_by(|&a, &b| key(a).total_cmp(&key(b)))
+        .expect("called with at least one candidate")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{
+        HostConfig, LagLimit, Observation, ProbeResult, ReplicationRow, TopologyConfig,
+    };
+    use crate::state::tests::{cfg, primary_obs, replica_obs};
+    use std::collections::BTreeMap;
+    use std::time::Instant;
+
+    /// One host of a synthetic cluster: `Some(obs)` alive, `None` dead.
+    struct Spec {
+        config: HostConfig,
+        probe: Option<Observation>,
+    }
+
+    fn primary(name: &str) -> Spec {
+        Spec {
+            config: cfg(name),
+            probe: Some(primary_obs(1, 1000)),
+        }
+    }
+
+    fn replica(name: &str, rtt_ms: u64) -> Spec {
+        Spec {
+            config: cfg(name),
+            probe: Some(replica_obs(name, 1000, rtt_ms)),
+        }
+    }
+
+    fn dead(mut s: Spec) -> Spec {
+        // Seen alive once so the role is known, then lost.
+        s.config.tags.push("__dead".into());
+        s
+    }
+
+    fn build(specs: Vec<Spec>, config: TopologyConfig) -> Topology {
+        let now = Instant::now();
+        let mut t = Topology::new(specs.iter().map(|s| s.config.clone()).collect(), config);
+        for (i, s) in specs.iter().enumerate() {
+            if let Some(o) = &s.probe {
+                t.apply(i, ProbeResult::Ok(o.clone()), now);
+            }
+            if s.config.has_tag("__dead") {
+                t.apply(i, ProbeResult::Err("down".into()), now);
+            }
+        }
+        t
+    }
+
+    fn cluster(specs: Vec<Spec>) -> Topology {
+        build(specs, TopologyConfig::default())
+    }
+
+    fn policy(f: impl FnOnce(&mut SelectPolicy)) -> Selector {
+        let mut p = SelectPolicy::default();
+        f(&mut p);
+        Selector::new(p)
+    }
+
+    /// How often each host is chosen over `n` calls.
+    fn tally(sel: &Selector, t: &Topology, want: &Want, n: usize) -> BTreeMap<usize, usize> {
+        let mut m = BTreeMap::new();
+        for _ in 0..n {
+            *m.entry(sel.select(t, want).unwrap()).or_default() += 1;
+        }
+        m
+    }
+
+    fn chosen(sel: &Selector, t: &Topology, want: &Want) -> Vec<usize> {
+        tally(sel, t, want, 60).into_keys().collect()
+    }
+
+    #[test]
+    fn parse_strategy_and_want() {
+        for (s, v) in [
+            ("round-robin", Strategy::RoundRobin),
+            ("roundrobin", Strategy::RoundRobin),
+            ("Nearest", Strategy::Nearest),
+        ] {
+            assert_eq!(s.parse::<Strategy>(), Ok(v));
+        }
+        assert!("fastest".parse::<Strategy>().is_err());
+        for (s, v) in [
+            ("primary", Want::Primary),
+            ("replica", Want::Replica),
+            ("standby", Want::SyncStandby),
+            ("SYNC", Want::SyncStandby),
+            ("delayed", Want::Delayed),
+            ("tag:Backup", Want::Tagged("Backup".into())),
+        ] {
+            assert_eq!(s.parse::<Want>(), Ok(v.clone()), "{s}");
+            assert_eq!(v.to_string().parse::<Want>(), Ok(v));
+        }
+        for bad in ["", "tag:", "leader"] {
+            let e = bad.parse::<Want>().unwrap_err();
+            assert!(e.to_string().contains("expected one of"), "{e}");
+        }
+    }
+
+    #[test]
+    fn primary_selection_and_reasons() {
+        let sel = Selector::default();
+        let t = cluster(vec![replica("r", 1), primary("p")]);
+        assert_eq!(sel.select(&t, &Want::Primary), Ok(1));
+        let t = cluster(vec![replica("r", 1), dead(primary("p"))]);
+        assert_eq!(sel.select(&t, &Want::Primary), Err(NoTarget::NoPrimary));
+        assert_eq!(sel.eligible(&t, &Want::Primary), Vec::<usize>::new());
+        let t = cluster(vec![primary("a"), primary("b")]);
+        assert_eq!(
+            sel.select(&t, &Want::Primary),
+            Err(NoTarget::PrimaryConflict)
+        );
+        assert!(NoTarget::PrimaryConflict.to_string().contains("several"));
+        assert_eq!(
+            NoTarget::NoCandidate {
+                want: Want::Delayed
+            }
+            .to_string(),
+            "no host is available for delayed"
+        );
+    }
+
+    #[test]
+    fn dead_replica_keeps_role_but_is_not_selectable() {
+        let t = cluster(vec![primary("p"), dead(replica("r", 1)), replica("s", 5)]);
+        assert_eq!(t.hosts()[1].role, Role::Replica);
+        assert_eq!(chosen(&Selector::default(), &t, &Want::Replica), [2]);
+    }
+
+    #[test]
+    fn rtt_window_table() {
+        // (description, hosts, policy tweak, expected set of chosen hosts)
+        type Tweak = fn(&mut SelectPolicy);
+        let none: Tweak = |_| {};
+        let table: Vec<(&str, Vec<Spec>, Tweak, Vec<usize>)> = vec![
+            (
+                "slow replica outside the window",
+                vec![primary("p"), replica("fast", 1), replica("slow", 31)],
+                none,
+                vec![1],
+            ),
+            (
+                "fast one dead: slow one rather than the primary",
+                vec![primary("p"), dead(replica("fast", 1)), replica("slow", 31)],
+                none,
+                vec![2],
+            ),
+            (
+                "both dead: primary fallback",
+                vec![
+                    primary("p"),
+                    dead(replica("fast", 1)),
+                    dead(replica("slow", 31)),
+                ],
+                none,
+                vec![0],
+            ),
+            (
+                "threshold disabled: both",
+                vec![primary("p"), replica("fast", 1), replica("slow", 31)],
+                |p| p.rtt_threshold_enabled = false,
+                vec![1, 2],
+            ),
+            (
+                "wide threshold: both",
+                vec![primary("p"), replica("fast", 1), replica("slow", 31)],
+                |p| p.rtt_threshold = Duration::from_millis(30),
+                vec![1, 2],
+            ),
+            (
+                "threshold zero: only ties",
+                vec![
+                    primary("p"),
+                    replica("a", 4),
+                    replica("b", 5),
+                    replica("c", 4),
+                ],
+                |p| p.rtt_threshold = Duration::ZERO,
+                vec![1, 3],
+            ),
+            (
+                "nearest: lowest",
+                vec![
+                    primary("p"),
+                    replica("a", 9),
+                    replica("b", 3),
+                    replica("c", 4),
+                ],
+                |p| p.strategy = Strategy::Nearest,
+                vec![2],
+            ),
+            (
+                "nearest tie: lowest index",
+                vec![
+                    primary("p"),
+                    replica("a", 9),
+                    replica("b", 3),
+                    replica("c", 3),
+                ],
+                |p| p.strategy = Strategy::Nearest,
+                vec![2],
+            ),
+        ];
+        for (what, specs, tweak, want) in table {
+            let t = cluster(specs);
+            let sel = policy(tweak);
+            assert_eq!(chosen(&sel, &t, &Want::Replica), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn fallback_disabled_gives_no_candidate() {
+        let t = cluster(vec![primary("p"), dead(replica("r", 1))]);
+        let sel = policy(|p| p.fallback_to_primary = false);
+        assert_eq!(
+            sel.select(&t, &Want::Replica),
+            Err(NoTarget::NoCandidate {
+                want: Want::Replica
+            })
+        );
+        assert!(sel.eligible(&t, &Want::Replica).is_empty());
+        assert_eq!(Selector::default().eligible(&t, &Want::Replica), [0]);
+        // Fallback needs a primary.
+        let t = cluster(vec![dead(primary("p"))]);
+        assert!(matches!(
+            Selector::default().select(&t, &Want::Replica),
+            Err(NoTarget::NoCandidate { .. })
+        ));
+    }
+
+    #[test]
+    fn round_robin_is_even() {
+        let t = cluster(vec![
+            primary("p"),
+            replica("a", 2),
+            replica("b", 10),
+            replica("c", 21),
+            replica("far", 40),
+        ]);
+        let sel = Selector::default();
+        let m = tally(&sel, &t, &Want::Replica, 300);
+        assert_eq!(m, BTreeMap::from([(1, 100), (2, 100), (3, 100)]));
+        assert_eq!(sel.eligible(&t, &Want::Replica), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn candidate_filters() {
+        let now = Instant::now();
+        let mut tagged = replica("tagged", 1);
+        tagged.config.tags = vec!["noloadbalance".into(), "backup".into()];
+        let mut off = replica("off", 1);
+        off.config.tags = vec!["OFFLINE".into()];
+        let mut delayed = replica("delayed", 1);
+        if let Some(o) = delayed.probe.as_mut() {
+            o.min_apply_delay = Duration::from_secs(3600);
+        }
+        let mut lagging = replica("lagging", 1);
+        if let Some(o) = lagging.probe.as_mut() {
+            o.replay_lsn = Some(0);
+        }
+        let mut p = primary("p");
+        p.config.tags = vec!["backup".into()];
+        if let Some(o) = p.probe.as_mut() {
+            o.synchronous_standby_names = Some("ANY 1 (lagging, plain)".into());
+            o.replication = ["lagging", "plain"]
+                .iter()
+                .map(|n| ReplicationRow {
+                    application_name: n.to_string(),
+                    state: "streaming".into(),
+                    sync_state: "quorum".into(),
+                    replay_lsn: None,
+                })
+                .collect();
+        }
+        let specs = vec![
+            p,
+            tagged,
+            off,
+            delayed,
+            lagging,
+            replica("plain", 1),
+            dead(replica("gone", 1)),
+        ];
+        let mut t = build(
+            specs,
+            TopologyConfig {
+                max_replica_lag: Some(LagLimit {
+                    bytes: Some(10),
+                    time: None,
+                }),
+                lag_hold: Duration::from_secs(10),
+            },
+        );
+        // Re-apply the primary so every replica's lag is evaluated.
+        let obs = t.host(0).unwrap().observation().unwrap().clone();
+        t.apply(0, ProbeResult::Ok(obs), now);
+        assert!(t.hosts()[4].lag_excluded);
+        assert!(t.quorum_commit());
+        let sel = policy(|p| p.rtt_threshold_enabled = false);
+        for (want, expect) in [
+            (Want::Replica, vec![5]),
+            (Want::Delayed, vec![3]),
+            (Want::SyncStandby, vec![5]),
+            (Want::Tagged("backup".into()), vec![0, 1]),
+            (Want::Tagged("nothing".into()), vec![0]),
+        ] {
+            assert_eq!(sel.eligible(&t, &want), expect, "{want}");
+            assert_eq!(chosen(&sel, &t, &want), expect, "{want}");
+        }
+    }
+
+    #[test]
+    fn shared_across_threads() {
+        let t = cluster(vec![primary("p"), replica("a", 1), replica("b", 1)]);
+        let sel = Selector::default();
+        let total: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..100)
+                            .filter(|_| sel.select(&t, &Want::Replica) == Ok(1))
+                            .count()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(total, 200);
+    }
+}

@@ -1,0 +1,1081 @@
+//! The cluster view built from probe results.
+//!
+//! [`Topology`] is fed one probe result at a time and re-derives the
+//! cluster-wide facts (which host is primary, replica lag, synchronous
+//! standbys, lag exclusion) after each, returning only what changed so
+//! that callers can log transitions instead of every probe.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::ewma::Ewma;
+use crate::model::{
+    HostAddr, HostConfig, Observation, ProbeResult, Role, SyncState, TopologyConfig,
+};
+use crate::ssn::{self, SyncMethod, SyncStandbyNames};
+
+/// What is known about one configured host.
+///
+/// Fields are public for reading; only [`Topology`] changes them, and it
+/// hands out shared references only.
+#[derive(Clone, Debug)]
+pub struct HostState {
+    /// The host's configuration.
+    pub config: HostConfig,
+    /// Whether the most recent probe succeeded.
+    pub alive: bool,
+    /// Last role the host reported; kept while it is down so operators can
+    /// see what went missing.
+    pub role: Role,
+    /// Smoothed probe round-trip time; cleared when the host goes down so
+    /// that it re-enters with a fresh estimate.
+    pub rtt: Ewma,
+    /// Last reported timeline.
+    pub timeline: Option<u32>,
+    /// Synchronous-replication status per the primary; `None` unless the
+    /// host is a live replica the primary lists.
+    pub sync_state: Option<SyncState>,
+    /// WAL distance behind the primary, when both positions are known.
+    pub lag_bytes: Option<u64>,
+    /// Replay delay reported by the replica.
+    pub replay_delay: Option<Duration>,
+    /// The replica applies WAL with a deliberate delay (`recovery_min_apply_delay`).
+    pub delayed: bool,
+    /// Message of the last failed probe; cleared by a successful one.
+    pub error: Option<String>,
+    /// When the last successful probe was applied.
+    pub last_ok: Option<Instant>,
+    /// Excluded from read traffic for lagging too far behind.
+    pub lag_excluded: bool,
+    /// Since when an excluded replica has been continuously within the limit.
+    under_limit_since: Option<Instant>,
+    /// Whether any probe result has been applied yet.
+    probed: bool,
+    observation: Option<Observation>,
+}
+
+impl HostState {
+    fn new(config: HostConfig) -> Self {
+        HostState {
+            config,
+            alive: false,
+            role: Role::Unknown,
+            rtt: Ewma::new(),
+            timeline: None,
+            sync_state: None,
+            lag_bytes: None,
+            replay_delay: None,
+            delayed: false,
+            error: None,
+            last_ok: None,
+            lag_excluded: false,
+            under_limit_since: None,
+            probed: false,
+            observation: None,
+        }
+    }
+
+    /// The host's address.
+    pub fn addr(&self) -> &HostAddr {
+        &self.config.addr
+    }
+
+    /// The last successful observation, even if the host has since gone down.
+    pub fn observation(&self) -> Option<&Observation> {
+        self.observation.as_ref()
+    }
+
+    /// The name under which this host, as a replica, appears in the
+    /// primary's `pg_stat_replication`: the configured override, else what
+    /// its WAL receiver reports.
+    pub fn replication_name(&self) -> Option<&str> {
+        self.config.application_name.as_deref().or_else(|| {
+            self.observation
+                .as_ref()
+                .and_then(|o| o.wal_receiver_name.as_deref())
+        })
+    }
+
+    fn is_live_replica(&self) -> bool {
+        self.alive && self.role == Role::Replica
+    }
+}
+
+/// A change in the cluster view worth telling an operator about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TopologyEvent {
+    /// A host answered after being down (or on its first probe).
+    HostUp {
+        /// The host.
+        host: HostAddr,
+    },
+    /// A host stopped answering (or failed its first probe).
+    HostDown {
+        /// The host.
+        host: HostAddr,
+        /// The probe error.
+        error: String,
+    },
+    /// A host reported a different role than before.
+    RoleChanged {
+        /// The host.
+        host: HostAddr,
+        /// Previous role.
+        from: Role,
+        /// New role.
+        to: Role,
+    },
+    /// The resolved primary changed.
+    PrimaryChanged {
+        /// Previous primary.
+        from: Option<HostAddr>,
+        /// New primary.
+        to: Option<HostAddr>,
+    },
+    /// Several hosts claim to be primary and none can be preferred.
+    PrimaryConflict {
+        /// The claimants.
+        hosts: Vec<HostAddr>,
+    },
+    /// The set of synchronous standbys changed.
+    SyncSetChanged {
+        /// Hosts currently in state `sync` or `quorum`.
+        sync: Vec<HostAddr>,
+        /// Whether the primary uses quorum commit (`ANY`).
+        quorum: bool,
+    },
+    /// A replica fell too far behind and no longer takes read traffic.
+    LagExcluded {
+        /// The replica.
+        host: HostAddr,
+        /// Its WAL lag at the time.
+        lag_bytes: Option<u64>,
+        /// Its replay delay at the time.
+        replay_delay: Option<Duration>,
+    },
+    /// A previously excluded replica takes read traffic again.
+    LagReadmitted {
+        /// The replica.
+        host: HostAddr,
+    },
+    /// The primary's `synchronous_standby_names` could not be parsed.
+    SyncConfigInvalid {
+        /// The raw setting.
+        value: String,
+        /// Why it was rejected.
+        error: String,
+    },
+}
+
+fn addr_list(hosts: &[HostAddr]) -> String {
+    if hosts.is_empty() {
+        return "none".to_string();
+    }
+    hosts
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn opt_addr(a: &Option<HostAddr>) -> String {
+    a.as_ref()
+        .map_or_else(|| "none".to_string(), ToString::to_string)
+}
+
+impl fmt::Display for TopologyEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TopologyEvent::HostUp { host } => write!(f, "host {host} is up"),
+            TopologyEvent::HostDown { host, error } => write!(f, "host {host} is down: {error}"),
+            TopologyEvent::RoleChanged { host, from, to } => {
+                write!(f, "host {host} changed role from {from} to {to}")
+            }
+            TopologyEvent::PrimaryChanged { from, to } => write!(
+                f,
+                "primary changed from {} to {}",
+                opt_addr(from),
+                opt_addr(to)
+            ),
+            TopologyEvent::PrimaryConflict { hosts } => write!(
+                f,
+                "several hosts claim to be primary on the same timeline, refusing to pick one: {}",
+                addr_list(hosts)
+            ),
+            TopologyEvent::SyncSetChanged { sync, quorum } => write!(
+                f,
+                "synchronous standbys are now {} ({} commit)",
+                addr_list(sync),
+                if *quorum { "quorum" } else { "priority" }
+            ),
+            TopologyEvent::LagExcluded {
+                host,
+                lag_bytes,
+                replay_delay,
+            } => {
+                write!(f, "replica {host} excluded for lag")?;
+                let mut parts = Vec::new();
+                if let Some(b) = lag_bytes {
+                    parts.push(format!("{b} bytes behind"));
+                }
+                if let Some(d) = replay_delay {
+                    parts.push(format!("replay {:.3}s behind", d.as_secs_f64()));
+                }
+                if !parts.is_empty() {
+                    write!(f, " ({})", parts.join(", "))?;
+                }
+                Ok(())
+            }
+            TopologyEvent::LagReadmitted { host } => {
+                write!(f, "replica {host} readmitted after catching up")
+            }
+            TopologyEvent::SyncConfigInvalid { value, error } => write!(
+                f,
+                "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
+            ),
+        }
+    }
+}
+
+/// The cluster as pgwarden currently sees it.
+#[derive(Clone, Debug)]
+pub struct Topology {
+    hosts: Vec<HostState>,
+    config: TopologyConfig,
+    primary: Option<usize>,
+    conflict_hosts: Vec<usize>,
+    ssn: Option<SyncStandbyNames>,
+    ssn_error: Option<String>,
+    /// Last (value, error) reported as invalid, so a bad setting is reported once.
+    ssn_reported: Option<(String, String)>,
+    sync_set: Vec<usize>,
+    quorum: bool,
+}
+
+impl Topology {
+    /// A topology with every host not yet probed.
+    pub fn new(hosts: Vec<HostConfig>, config: TopologyConfig) -> Topology {
+        Topology {
+            hosts: hosts.into_iter().map(HostState::new).collect(),
+            config,
+            primary: None,
+            conflict_hosts: Vec::new(),
+            ssn: None,
+            ssn_error: None,
+            ssn_reported: None,
+            sync_set: Vec::new(),
+            quorum: false,
+        }
+    }
+
+    /// Replaces the tunables; lag exclusion follows the new limit from the
+    /// next [`Topology::apply`], which is the first moment a time is known.
+    pub fn set_config(&mut self, config: TopologyConfig) {
+        self.config = config;
+    }
+
+    /// Replaces the host list (configuration reload). Hosts whose address
+    /// remains keep their probe state under their new index; new hosts
+    /// start unprobed. Returns the changes to the derived view, e.g. a
+    /// primary that is no longer configured.
+    pub fn set_hosts(&mut self, hosts: Vec<HostConfig>) -> Vec<TopologyEvent> {
+        let prev = self.snapshot();
+        let mut old: Vec<Option<HostState>> = std::mem::take(&mut self.hosts)
+            .into_iter()
+            .map(Some)
+            .collect();
+        self.hosts = hosts
+            .into_iter()
+            .map(|cfg| {
+                let kept = old
+                    .iter_mut()
+                    .find(|o| o.as_ref().is_some_and(|s| s.config.addr == cfg.addr))
+                    .and_then(Option::take);
+                match kept {
+                    Some(mut state) => {
+                        state.config = cfg;
+                        state
+                    }
+                    None => HostState::new(cfg),
+                }
+            })
+            .collect();
+        let mut events = Vec::new();
+        self.derive(prev, &mut events);
+        events
+    }
+
+    /// Records one probe result for host `idx` and re-derives the cluster
+    /// view. Returns the resulting changes, in the order: host status,
+    /// primary, synchronous configuration, lag exclusion. An out-of-range
+    /// index is ignored.
+    pub fn apply(&mut self, idx: usize, result: ProbeResult, now: Instant) -> Vec<TopologyEvent> {
+        let mut events = Vec::new();
+        let prev = self.snapshot();
+        let Some(h) = self.hosts.get_mut(idx) else {
+            return events;
+        };
+        let first = !h.probed;
+        h.probed = true;
+        match result {
+            ProbeResult::Ok(obs) => {
+                if !h.alive {
+                    events.push(TopologyEvent::HostUp {
+                        host: h.config.addr.clone(),
+                    });
+                }
+                let role = if obs.in_recovery {
+                    Role::Replica
+                } else {
+                    Role::Primary
+                };
+                // The first role ever seen is not a change; HostUp covers it.
+                if h.role != role && h.role != Role::Unknown {
+                    events.push(TopologyEvent::RoleChanged {
+                        host: h.config.addr.clone(),
+                        from: h.role,
+                        to: role,
+                    });
+                }
+                h.alive = true;
+                h.role = role;
+                h.rtt.update(obs.rtt);
+                h.timeline = obs.timeline;
+                h.delayed = !obs.min_apply_delay.is_zero();
+                h.error = None;
+                h.last_ok = Some(now);
+                h.observation = Some(obs);
+            }
+            ProbeResult::Err(error) => {
+                if h.alive || first {
+                    events.push(TopologyEvent::HostDown {
+                        host: h.config.addr.clone(),
+                        error: error.clone(),
+                    });
+                }
+                h.alive = false;
+                h.rtt.reset();
+                h.error = Some(error);
+            }
+        }
+        self.derive(prev, &mut events);
+        self.update_lag_exclusion(now, &mut events);
+        events
+    }
+
+    /// All hosts, indexed by host id.
+    pub fn hosts(&self) -> &[HostState] {
+        &self.hosts
+    }
+
+    /// One host by id.
+    pub fn host(&self, idx: usize) -> Option<&HostState> {
+        self.hosts.get(idx)
+    }
+
+    /// The resolved primary, if exactly one can be trusted.
+    pub fn primary(&self) -> Option<usize> {
+        self.primary
+    }
+
+    /// Whether several live hosts claim to be primary and none wins.
+    pub fn conflict(&self) -> bool {
+        !self.conflict_hosts.is_empty()
+    }
+
+    /// The hosts in conflict (empty when there is none).
+    pub fn conflict_hosts(&self) -> &[usize] {
+        &self.conflict_hosts
+    }
+
+    /// Whether the primary uses quorum commit (`ANY n (...)`).
+    pub fn quorum_commit(&self) -> bool {
+        self.ssn
+            .as_ref()
+            .is_some_and(|s| s.method == SyncMethod::Any)
+    }
+
+    /// The primary's parsed `synchronous_standby_names`, if set and valid.
+    pub fn sync_standby_names(&self) -> Option<&SyncStandbyNames> {
+        self.ssn.as_ref()
+    }
+
+    /// Why the primary's `synchronous_standby_names` was rejected, if it was.
+    pub fn ssn_error(&self) -> Option<&str> {
+        self.ssn_error.as_deref()
+    }
+
+    /// Hosts currently in state `sync` or `quorum`.
+    pub fn sync_set(&self) -> &[usize] {
+        &self.sync_set
+    }
+
+    /// The tunables in force.
+    pub fn config(&self) -> &TopologyConfig {
+        &self.config
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let addr = |i: usize| self.hosts[i].config.addr.clone();
+        Snapshot {
+            primary: self.primary.map(addr),
+            conflict: self.conflict_hosts.iter().copied().map(addr).collect(),
+            sync: self.sync_set.iter().copied().map(addr).collect(),
+            quorum: self.quorum,
+        }
+    }
+
+    fn addrs(&self, idx: &[usize]) -> Vec<HostAddr> {
+        idx.iter()
+            .map(|&i| self.hosts[i].config.addr.clone())
+            .collect()
+    }
+
+    /// Recomputes primary, lag and sync states and reports differences
+    /// against `prev`.
+    fn derive(&mut self, prev: Snapshot, events: &mut Vec<TopologyEvent>) {
+        self.resolve_primary();
+        if !self.conflict_hosts.is_empty() {
+            let now = self.addrs(&self.conflict_hosts);
+            if now != prev.conflict {
+                events.push(TopologyEvent::PrimaryConflict { hosts: now });
+            }
+        }
+        let primary = self.primary.map(|i| self.hosts[i].config.addr.clone());
+        if primary != prev.primary {
+            events.push(TopologyEvent::PrimaryChanged {
+                from: prev.primary,
+                to: primary,
+            });
+        }
+
+        self.compute_lag();
+        self.compute_sync(events);
+        let sync = self.addrs(&self.sync_set);
+        if sync != prev.sync || self.quorum != prev.quorum {
+            events.push(TopologyEvent::SyncSetChanged {
+                sync,
+                quorum: self.quorum,
+            });
+        }
+    }
+
+    fn resolve_primary(&mut self) {
+        let claimants: Vec<usize> = (0..self.hosts.len())
+            .filter(|&i| self.hosts[i].alive && self.hosts[i].role == Role::Primary)
+            .collect();
+        self.primary = None;
+        self.conflict_hosts.clear();
+        match claimants.as_slice() {
+            [] => {}
+            [only] => self.primary = Some(*only),
+            _ => {
+                // A promoted replica switches to a new timeline, so with
+                // known timelines the highest one is the current primary and
+                // the others are stale. Without that evidence, refuse.
+                let timelines: Option<Vec<u32>> =
+                    claimants.iter().map(|&i| self.hosts[i].timeline).collect();
+                let winner = timelines.and_then(|tls| {
+                    let top = *tls.iter().max()?;
+                    let mut at_top = claimants.iter().zip(&tls).filter(|(_, &t)| t == top);
+                    let first = at_top.next()?;
+                    at_top.next().is_none().then_some(*first.0)
+                });
+                match winner {
+                    Some(w) => self.primary = Some(w),
+                    None => self.conflict_hosts = claimants,
+                }
+            }
+        }
+    }
+
+    fn compute_lag(&mut self) {
+        let primary_lsn = self
+            .primary
+            .and_then(|p| self.hosts[p].observation.as_ref())
+            .and_then(|o| o.current_lsn);
+        for h in &mut self.hosts {
+            if h.is_live_replica() {
+                let obs = h.observation.as_ref();
+                let replay = obs.and_then(|o| o.replay_lsn);
+                h.lag_bytes = match (primary_lsn, replay) {
+                    (Some(p), Some(r)) => Some(p.saturating_sub(r)),
+                    _ => None,
+                };
+                h.replay_delay = obs.and_then(|o| o.replay_delay);
+            } else {
+                h.lag_bytes = None;
+                h.replay_delay = None;
+            }
+        }
+    }
+
+    fn compute_sync(&mut self, events: &mut Vec<TopologyEvent>) {
+        let primary_obs = self.primary.and_then(|p| self.hosts[p].observation.clone());
+        self.ssn = None;
+        self.ssn_error = None;
+        if let Some(raw) = primary_obs
+            .as_ref()
+            .and_then(|o| o.synchronous_standby_names.as_deref())
+        {
+            match ssn::parse(raw) {
+                Ok(parsed) => {
+                    self.ssn = parsed;
+                    self.ssn_reported = None;
+                }
+                Err(e) => {
+                    let error = e.to_string();
+                    self.ssn_error = Some(error.clone());
+                    let report = (raw.to_string(), error.clone());
+                    if self.ssn_reported.as_ref() != Some(&report) {
+                        events.push(TopologyEvent::SyncConfigInvalid {
+                            value: raw.to_string(),
+                            error,
+                        });
+                        self.ssn_reported = Some(report);
+                    }
+                }
+            }
+        }
+        self.quorum = self.quorum_commit();
+
+        let rows = primary_obs.as_ref().map_or(&[][..], |o| &o.replication[..]);
+        let sync_configured = self.ssn.is_some();
+        self.sync_set.clear();
+        for i in 0..self.hosts.len() {
+            let h = &self.hosts[i];
+            let state = if h.is_live_replica() {
+                h.replication_name()
+                    .and_then(|name| {
+                        rows.iter()
+                            .find(|r| r.application_name.eq_ignore_ascii_case(name))
+                    })
+                    .and_then(|row| {
+                        // The server's own verdict is authoritative, except
+                        // that nothing can be synchronous without a setting.
+                        if sync_configured {
+                            SyncState::parse(&row.sync_state)
+                        } else {
+                            Some(SyncState::Async)
+                        }
+                    })
+            } else {
+                None
+            };
+            if matches!(state, Some(SyncState::Sync | SyncState::Quorum)) {
+                self.sync_set.push(i);
+            }
+            self.hosts[i].sync_state = state;
+        }
+    }
+
+    fn update_lag_exclusion(&mut self, now: Instant, events: &mut Vec<TopologyEvent>) {
+        let limit = self.config.max_replica_lag;
+        let hold = self.config.lag_hold;
+        for h in &mut self.hosts {
+            let was = h.lag_excluded;
+            match limit {
+                None => {
+                    h.lag_excluded = false;
+                    h.under_limit_since = None;
+                }
+                Some(_) if !h.alive => {
+                    // Time spent down proves nothing about catching up.
+                    h.under_limit_since = None;
+                }
+                Some(_) if h.role != Role::Replica => {
+                    h.lag_excluded = false;
+                    h.under_limit_since = None;
+                }
+                Some(limit) => {
+                    if limit.exceeded(h.lag_bytes, h.replay_delay) {
+                        h.lag_excluded = true;
+                        h.under_limit_since = None;
+                    } else if h.lag_excluded {
+                        let since = *h.under_limit_since.get_or_insert(now);
+                        if now.saturating_duration_since(since) >= hold {
+                            h.lag_excluded = false;
+                            h.under_limit_since = None;
+                        }
+                    }
+                }
+            }
+            if h.lag_excluded && !was {
+                events.push(TopologyEvent::LagExcluded {
+                    host: h.config.addr.clone(),
+                    lag_bytes: h.lag_bytes,
+                    replay_delay: h.replay_delay,
+                });
+            } else if was && !h.lag_excluded {
+                events.push(TopologyEvent::LagReadmitted {
+                    host: h.config.addr.clone(),
+                });
+            }
+        }
+    }
+}
+
+/// Derived facts before a change, by address so that they survive a host
+/// list reload that renumbers hosts.
+struct Snapshot {
+    primary: Option<HostAddr>,
+    conflict: Vec<HostAddr>,
+    sync: Vec<HostAddr>,
+    quorum: bool,
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::{LagLimit, ReplicationRow};
+
+    pub(crate) fn cfg(name: &str) -> HostConfig {
+        HostConfig::new(HostAddr::new(name, 5432))
+    }
+
+    pub(crate) fn addr(name: &str) -> HostAddr {
+        HostAddr::new(name, 5432)
+    }
+
+    pub(crate) fn primary_obs(tl: u32, lsn: u64) -> Observation {
+        Observation {
+            in_recovery: false,
+            rtt: Duration::from_millis(1),
+            timeline: Some(tl),
+            current_lsn: Some(lsn),
+            ..Observation::default()
+        }
+    }
+
+    pub(crate) fn replica_obs(name: &str, replay: u64, rtt_ms: u64) -> Observation {
+        Observation {
+            in_recovery: true,
+            rtt: Duration::from_millis(rtt_ms),
+            timeline: Some(1),
+            receive_lsn: Some(replay),
+            replay_lsn: Some(replay),
+            replay_delay: Some(Duration::ZERO),
+            wal_receiver_name: Some(name.to_string()),
+            ..Observation::default()
+        }
+    }
+
+    fn row(name: &str, sync: &str) -> ReplicationRow {
+        ReplicationRow {
+            application_name: name.to_string(),
+            state: "streaming".to_string(),
+            sync_state: sync.to_string(),
+            replay_lsn: None,
+        }
+    }
+
+    fn topo(names: &[&str]) -> Topology {
+        Topology::new(
+            names.iter().map(|n| cfg(n)).collect(),
+            TopologyConfig::default(),
+        )
+    }
+
+    #[test]
+    fn role_from_recovery_and_events() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r"]);
+        let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        assert_eq!(
+            ev,
+            vec![
+                TopologyEvent::HostUp { host: addr("p") },
+                TopologyEvent::PrimaryChanged {
+                    from: None,
+                    to: Some(addr("p"))
+                },
+            ]
+        );
+        let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 2)), t0);
+        assert_eq!(ev, vec![TopologyEvent::HostUp { host: addr("r") }]);
+        assert_eq!(t.hosts()[0].role, Role::Primary);
+        assert_eq!(t.hosts()[1].role, Role::Replica);
+        assert_eq!(t.primary(), Some(0));
+        assert_eq!(t.host(1).unwrap().last_ok, Some(t0));
+        // Repeating the same observation changes nothing.
+        assert!(t
+            .apply(1, ProbeResult::Ok(replica_obs("r", 100, 2)), t0)
+            .is_empty());
+        assert!(t.host(9).is_none());
+        assert!(t.apply(9, ProbeResult::Err("x".into()), t0).is_empty());
+    }
+
+    #[test]
+    fn dead_host_keeps_role_and_resets_rtt() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 30)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 10)), t0);
+        let ev = t.apply(1, ProbeResult::Err("timeout".into()), t0);
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::HostDown {
+                host: addr("r"),
+                error: "timeout".into()
+            }]
+        );
+        let h = &t.hosts()[1];
+        assert!(!h.alive);
+        assert_eq!(h.role, Role::Replica);
+        assert_eq!(h.rtt.get(), None);
+        assert_eq!(h.error.as_deref(), Some("timeout"));
+        assert!(h.observation().is_some());
+        // Further failures are not news.
+        assert!(t.apply(1, ProbeResult::Err("again".into()), t0).is_empty());
+        assert_eq!(t.hosts()[1].error.as_deref(), Some("again"));
+        // Recovery starts the RTT estimate afresh and clears the error.
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 7)), t0);
+        assert_eq!(t.hosts()[1].rtt.get(), Some(7.0));
+        assert_eq!(t.hosts()[1].error, None);
+        // Primary dies: no primary, role kept.
+        let ev = t.apply(0, ProbeResult::Err("refused".into()), t0);
+        assert!(ev.contains(&TopologyEvent::PrimaryChanged {
+            from: Some(addr("p")),
+            to: None
+        }));
+        assert_eq!(t.primary(), None);
+        assert_eq!(t.hosts()[0].role, Role::Primary);
+    }
+
+    #[test]
+    fn first_probe_failure_is_reported() {
+        let mut t = topo(&["a"]);
+        let ev = t.apply(0, ProbeResult::Err("no route".into()), Instant::now());
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::HostDown {
+                host: addr("a"),
+                error: "no route".into()
+            }]
+        );
+        assert_eq!(t.hosts()[0].role, Role::Unknown);
+    }
+
+    #[test]
+    fn primary_resolution_by_timeline() {
+        let t0 = Instant::now();
+        // (timeline of a, timeline of b, expected primary, conflict)
+        type Case = (Option<u32>, Option<u32>, Option<usize>, bool);
+        let table: &[Case] = &[
+            (Some(1), Some(2), Some(1), false),
+            (Some(3), Some(2), Some(0), false),
+            (Some(2), Some(2), None, true),
+            (None, Some(2), None, true),
+            (None, None, None, true),
+        ];
+        for &(ta, tb, want, conflict) in table {
+            let mut t = topo(&["a", "b"]);
+            let mut oa = primary_obs(0, 1);
+            oa.timeline = ta;
+            let mut ob = primary_obs(0, 1);
+            ob.timeline = tb;
+            t.apply(0, ProbeResult::Ok(oa), t0);
+            let ev = t.apply(1, ProbeResult::Ok(ob), t0);
+            assert_eq!(t.primary(), want, "{ta:?} {tb:?}");
+            assert_eq!(t.conflict(), conflict, "{ta:?} {tb:?}");
+            if conflict {
+                assert!(ev.contains(&TopologyEvent::PrimaryConflict {
+                    hosts: vec![addr("a"), addr("b")]
+                }));
+                assert!(ev.contains(&TopologyEvent::PrimaryChanged {
+                    from: Some(addr("a")),
+                    to: None
+                }));
+                assert_eq!(t.conflict_hosts(), &[0, 1]);
+            }
+        }
+    }
+
+    #[test]
+    fn promotion_reports_role_and_primary_change() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "b"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("b", 100, 1)), t0);
+        let ev = t.apply(1, ProbeResult::Ok(primary_obs(2, 200)), t0);
+        assert_eq!(
+            ev,
+            vec![
+                TopologyEvent::RoleChanged {
+                    host: addr("b"),
+                    from: Role::Replica,
+                    to: Role::Primary
+                },
+                TopologyEvent::PrimaryChanged {
+                    from: Some(addr("a")),
+                    to: Some(addr("b"))
+                },
+            ]
+        );
+        assert!(!t.conflict());
+    }
+
+    #[test]
+    fn lag_is_computed() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r1", "r2"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        let mut o = replica_obs("r1", 400, 1);
+        o.replay_delay = Some(Duration::from_millis(1500));
+        t.apply(1, ProbeResult::Ok(o), t0);
+        let mut o = replica_obs("r2", 0, 1);
+        o.replay_lsn = None;
+        o.min_apply_delay = Duration::from_secs(3600);
+        t.apply(2, ProbeResult::Ok(o), t0);
+        assert_eq!(t.hosts()[1].lag_bytes, Some(600));
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::from_millis(1500)));
+        assert!(!t.hosts()[1].delayed);
+        assert_eq!(t.hosts()[2].lag_bytes, None);
+        assert!(t.hosts()[2].delayed);
+        assert_eq!(t.hosts()[0].lag_bytes, None);
+        // A replica ahead of a stale primary reading is not negative.
+        t.apply(1, ProbeResult::Ok(replica_obs("r1", 5000, 1)), t0);
+        assert_eq!(t.hosts()[1].lag_bytes, Some(0));
+        // Without a primary the lag is unknown.
+        t.apply(0, ProbeResult::Err("down".into()), t0);
+        assert_eq!(t.hosts()[1].lag_bytes, None);
+    }
+
+    fn sync_cluster(
+        ssn_text: Option<&str>,
+        rows: Vec<ReplicationRow>,
+    ) -> (Topology, Vec<TopologyEvent>) {
+        let t0 = Instant::now();
+        let mut hosts: Vec<HostConfig> = ["p", "r1", "r2", "r3"].iter().map(|n| cfg(n)).collect();
+        hosts[3].application_name = Some("Custom".into());
+        let mut t = Topology::new(hosts, TopologyConfig::default());
+        t.apply(1, ProbeResult::Ok(replica_obs("r1", 1, 1)), t0);
+        t.apply(2, ProbeResult::Ok(replica_obs("R2", 1, 1)), t0);
+        t.apply(3, ProbeResult::Ok(replica_obs("ignored", 1, 1)), t0);
+        let mut p = primary_obs(1, 1);
+        p.synchronous_standby_names = ssn_text.map(str::to_string);
+        p.replication = rows;
+        let ev = t.apply(0, ProbeResult::Ok(p), t0);
+        (t, ev)
+    }
+
+    fn states(t: &Topology) -> Vec<Option<SyncState>> {
+        t.hosts().iter().map(|h| h.sync_state).collect()
+    }
+
+    #[test]
+    fn sync_marking() {
+        use SyncState::*;
+        let (t, ev) = sync_cluster(
+            Some("FIRST 1 (r1, r2, custom)"),
+            vec![
+                row("r1", "sync"),
+                row("r2", "potential"),
+                row("custom", "potential"),
+            ],
+        );
+        assert_eq!(
+            states(&t),
+            [None, Some(Sync), Some(Potential), Some(Potential)]
+        );
+        assert!(!t.quorum_commit());
+        assert_eq!(t.sync_standby_names().unwrap().num_sync, 1);
+        assert!(ev.contains(&TopologyEvent::SyncSetChanged {
+            sync: vec![addr("r1")],
+            quorum: false
+        }));
+
+        let (t, ev) = sync_cluster(
+            Some("ANY 2 (*)"),
+            vec![
+                row("r1", "quorum"),
+                row("R2", "quorum"),
+                row("CUSTOM", "quorum"),
+            ],
+        );
+        assert_eq!(states(&t), [None, Some(Quorum), Some(Quorum), Some(Quorum)]);
+        assert!(t.quorum_commit());
+        assert_eq!(t.sync_set(), &[1, 2, 3]);
+        assert!(ev.contains(&TopologyEvent::SyncSetChanged {
+            sync: vec![addr("r1"), addr("r2"), addr("r3")],
+            quorum: true
+        }));
+
+        // Missing row: no state. Empty setting: async whatever the row says.
+        let (t, _) = sync_cluster(Some(""), vec![row("r1", "sync")]);
+        assert_eq!(states(&t), [None, Some(Async), None, None]);
+        assert!(t.sync_standby_names().is_none());
+        let (t, ev) = sync_cluster(None, vec![row("r2", "async")]);
+        assert_eq!(states(&t), [None, None, Some(Async), None]);
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SyncSetChanged { .. })));
+    }
+
+    #[test]
+    fn invalid_sync_config_is_reported_once() {
+        let (mut t, ev) = sync_cluster(Some("FIRST 1 (r1"), vec![row("r1", "sync")]);
+        assert!(ev.iter().any(|e| matches!(e,
+            TopologyEvent::SyncConfigInvalid { value, .. } if value == "FIRST 1 (r1")));
+        assert!(t.ssn_error().is_some());
+        assert_eq!(t.hosts()[1].sync_state, Some(SyncState::Async));
+        let mut p = primary_obs(1, 1);
+        p.synchronous_standby_names = Some("FIRST 1 (r1".into());
+        let ev = t.apply(0, ProbeResult::Ok(p.clone()), Instant::now());
+        assert!(ev.is_empty(), "{ev:?}");
+        p.synchronous_standby_names = Some("r1".into());
+        p.replication = vec![row("r1", "sync")];
+        let ev = t.apply(0, ProbeResult::Ok(p), Instant::now());
+        assert_eq!(t.ssn_error(), None);
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::SyncSetChanged {
+                sync: vec![addr("r1")],
+                quorum: false
+            }]
+        );
+    }
+
+    fn lag_topo(hold: Duration) -> Topology {
+        Topology::new(
+            vec![cfg("p"), cfg("r")],
+            TopologyConfig {
+                max_replica_lag: Some(LagLimit {
+                    bytes: Some(100),
+                    time: None,
+                }),
+                lag_hold: hold,
+            },
+        )
+    }
+
+    #[test]
+    fn lag_hysteresis() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut t = lag_topo(s(10));
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        // Within the limit and never excluded: included at once.
+        let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 950, 1)), t0);
+        assert_eq!(ev, vec![TopologyEvent::HostUp { host: addr("r") }]);
+        assert!(!t.hosts()[1].lag_excluded);
+
+        // (seconds since t0, replay lsn, expect excluded, expected event)
+        #[derive(Debug, PartialEq)]
+        enum E {
+            None,
+            Excluded,
+            Readmitted,
+        }
+        let steps: &[(u64, u64, bool, E)] = &[
+            (1, 800, true, E::Excluded),
+            (2, 990, true, E::None),
+            (8, 990, true, E::None),
+            (9, 850, true, E::None), // excursion restarts the hold
+            (10, 990, true, E::None),
+            (19, 990, true, E::None),
+            (20, 990, false, E::Readmitted),
+            (21, 990, false, E::None),
+            (22, 899, true, E::Excluded),
+        ];
+        for (secs, lsn, excluded, want) in steps {
+            let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", *lsn, 1)), t0 + s(*secs));
+            assert_eq!(t.hosts()[1].lag_excluded, *excluded, "t={secs}");
+            let got = match ev.as_slice() {
+                [] => E::None,
+                [TopologyEvent::LagExcluded { lag_bytes, .. }] => {
+                    assert_eq!(*lag_bytes, Some(1000 - lsn));
+                    E::Excluded
+                }
+                [TopologyEvent::LagReadmitted { .. }] => E::Readmitted,
+                other => panic!("t={secs}: {other:?}"),
+            };
+            assert_eq!(&got, want, "t={secs}");
+        }
+    }
+
+    #[test]
+    fn lag_primary_advance_excludes_and_no_limit_clears() {
+        let t0 = Instant::now();
+        let mut t = lag_topo(Duration::ZERO);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0);
+        // The primary moving ahead is enough to exclude the replica.
+        let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, 2000)), t0);
+        assert!(ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::LagExcluded { .. })));
+        assert!(t.hosts()[1].lag_excluded);
+        // A dead excluded replica stays excluded.
+        t.apply(1, ProbeResult::Err("gone".into()), t0);
+        assert!(t.hosts()[1].lag_excluded);
+        // Zero hold readmits on the first good reading.
+        let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 2000, 1)), t0);
+        assert!(ev.contains(&TopologyEvent::LagReadmitted { host: addr("r") }));
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 0, 1)), t0);
+        assert!(t.hosts()[1].lag_excluded);
+        t.set_config(TopologyConfig::default());
+        let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 0, 1)), t0);
+        assert!(!t.hosts()[1].lag_excluded);
+        assert!(ev.contains(&TopologyEvent::LagReadmitted { host: addr("r") }));
+    }
+
+    #[test]
+    fn set_hosts_keeps_surviving_state() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "p", "r"]);
+        t.apply(1, ProbeResult::Ok(primary_obs(1, 10)), t0);
+        t.apply(2, ProbeResult::Ok(replica_obs("r", 10, 3)), t0);
+        let mut rcfg = cfg("r");
+        rcfg.tags = vec!["offline".into()];
+        let ev = t.set_hosts(vec![cfg("new"), rcfg, cfg("p")]);
+        assert!(ev.is_empty(), "{ev:?}");
+        assert_eq!(t.primary(), Some(2));
+        assert!(t.hosts()[1].alive);
+        assert!(t.hosts()[1].config.has_tag("offline"));
+        assert!(!t.hosts()[0].alive);
+        let ev = t.set_hosts(vec![cfg("r")]);
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::PrimaryChanged {
+                from: Some(addr("p")),
+                to: None
+            }]
+        );
+        assert_eq!(t.primary(), None);
+    }
+
+    #[test]
+    fn events_read_as_sentences() {
+        let shown = [
+            TopologyEvent::HostDown {
+                host: addr("a"),
+                error: "refused".into(),
+            },
+            TopologyEvent::PrimaryChanged {
+                from: None,
+                to: Some(HostAddr::new("::1", 5)),
+            },
+            TopologyEvent::LagExcluded {
+                host: addr("a"),
+                lag_bytes: Some(5),
+                replay_delay: Some(Duration::from_millis(1500)),
+            },
+            TopologyEvent::SyncSetChanged {
+                sync: vec![],
+                quorum: true,
+            },
+        ]
+        .map(|e| e.to_string());
+        assert_eq!(shown[0], "host a:5432 is down: refused");
+        assert_eq!(shown[1], "primary changed from none to [::1]:5");
+        assert_eq!(
+            shown[2],
+            "replica a:5432 excluded for lag (5 bytes behind, replay 1.500s behind)"
+        );
+        assert_eq!(
+            shown[3],
+            "synchronous standbys are now none (quorum commit)"
+        );
+    }
+}
