@@ -1,0 +1,507 @@
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::{io_err, PgBinaries, PgCtlError, Result, RunAs};
+
+/// The settings file pgwarden owns inside each data directory; included
+/// from `postgresql.conf` so the operator's own file stays untouched.
+const SETTINGS_FILE: &str = "pgwarden.conf";
+
+/// How long start-up, shutdown and promotion may take before we give up.
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
+
+/// PostgreSQL's shutdown modes (`pg_ctl stop -m`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopMode {
+    /// Wait for clients to disconnect (SIGTERM).
+    Smart,
+    /// Roll back open transactions and shut down cleanly (SIGINT).
+    Fast,
+    /// Quit without a shutdown checkpoint; recovery runs at next start (SIGQUIT).
+    Immediate,
+}
+
+impl StopMode {
+    fn signal(self) -> Signal {
+        match self {
+            StopMode::Smart => Signal::SIGTERM,
+            StopMode::Fast => Signal::SIGINT,
+            StopMode::Immediate => Signal::SIGQUIT,
+        }
+    }
+}
+
+/// Where and how one instance runs.
+#[derive(Debug, Clone)]
+pub struct InstanceSpec {
+    /// Member name; also its `cluster_name` and the `application_name` of
+    /// its WAL receiver, so the primary's `pg_stat_replication` names it.
+    pub name: String,
+    /// The data directory.
+    pub datadir: PathBuf,
+    /// Listen address (an IP address).
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+    /// Extra `postgresql.conf` settings, written to `pgwarden.conf`.
+    pub settings: BTreeMap<String, String>,
+    /// Ask the kernel to stop the postmaster (SIGQUIT) when the thread that
+    /// started it exits, so a crashed test never leaves servers behind. The
+    /// HA agent leaves this off: its PostgreSQL must outlive an agent restart.
+    pub die_with_parent: bool,
+}
+
+impl InstanceSpec {
+    /// A spec with the defaults used for local clusters.
+    pub fn new(name: impl Into<String>, datadir: impl Into<PathBuf>, port: u16) -> Self {
+        Self {
+            name: name.into(),
+            datadir: datadir.into(),
+            host: "127.0.0.1".into(),
+            port,
+            settings: BTreeMap::new(),
+            die_with_parent: false,
+        }
+    }
+}
+
+/// One local PostgreSQL instance (a data directory and, while running, its
+/// postmaster).
+#[derive(Debug)]
+pub struct Instance {
+    spec: InstanceSpec,
+    bins: PgBinaries,
+    run_as: RunAs,
+    child: Option<Child>,
+    upstream: Option<(String, u16)>,
+}
+
+impl Instance {
+    /// Describes an instance; nothing is created or started yet.
+    pub fn new(spec: InstanceSpec, bins: PgBinaries, run_as: RunAs) -> Self {
+        Self {
+            spec,
+            bins,
+            run_as,
+            child: None,
+            upstream: None,
+        }
+    }
+
+    /// Member name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// Listen address.
+    pub fn host(&self) -> &str {
+        &self.spec.host
+    }
+
+    /// TCP port.
+    pub fn port(&self) -> u16 {
+        self.spec.port
+    }
+
+    /// `host:port`.
+    pub fn addr(&self) -> String {
+        format!("{}:{}", self.spec.host, self.spec.port)
+    }
+
+    /// The data directory.
+    pub fn datadir(&self) -> &Path {
+        &self.spec.datadir
+    }
+
+    /// The server log (the postmaster's stderr).
+    pub fn log_path(&self) -> PathBuf {
+        let mut p = self.spec.datadir.clone().into_os_string();
+        p.push(".log");
+        p.into()
+    }
+
+    /// Changes the port used from the next start on.
+    pub fn set_port(&mut self, port: u16) -> Result<()> {
+        self.spec.port = port;
+        self.write_settings()
+    }
+
+    /// Creates a new cluster in the data directory with `initdb`, with data
+    /// checksums so that `pg_rewind` can later resynchronise a former primary.
+    pub fn initdb(&mut self, superuser: &str) -> Result<()> {
+        self.make_datadir()?;
+        let mut cmd = self.command("initdb");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .args([
+                "-U",
+                superuser,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C",
+            ])
+            .args(["--data-checksums", "--no-sync", "--no-instructions"]);
+        run(cmd, "initdb")?;
+        let conf = self.spec.datadir.join("postgresql.conf");
+        let mut text = fs::read_to_string(&conf).map_err(io_err(&conf))?;
+        let _ = write!(text, "\ninclude_if_exists = '{SETTINGS_FILE}'\n");
+        fs::write(&conf, text).map_err(io_err(&conf))?;
+        self.write_settings()
+    }
+
+    /// Clones a running primary with `pg_basebackup` and configures this
+    /// instance as its streaming standby.
+    pub fn basebackup(&mut self, source_host: &str, source_port: u16, user: &str) -> Result<()> {
+        self.make_datadir()?;
+        let mut cmd = self.command("pg_basebackup");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .args([
+                "-h",
+                source_host,
+                "-p",
+                &source_port.to_string(),
+                "-U",
+                user,
+            ])
+            .args(["-X", "stream", "-c", "fast", "--no-sync"]);
+        run(cmd, "pg_basebackup")?;
+        self.upstream = Some((source_host.to_string(), source_port));
+        self.write_standby(user)
+    }
+
+    /// Points this standby at another upstream (takes effect on reload in
+    /// PostgreSQL 13+).
+    pub fn follow(&mut self, host: &str, port: u16, user: &str) -> Result<()> {
+        self.upstream = Some((host.to_string(), port));
+        self.write_standby(user)
+    }
+
+    fn write_standby(&mut self, user: &str) -> Result<()> {
+        let (h, p) = self
+            .upstream
+            .clone()
+            .expect("upstream set before write_standby");
+        self.spec.settings.insert(
+            "primary_conninfo".into(),
+            format!(
+                "host={h} port={p} user={user} application_name={}",
+                self.spec.name
+            ),
+        );
+        let signal = self.spec.datadir.join("standby.signal");
+        fs::write(&signal, b"").map_err(io_err(&signal))?;
+        self.run_as.own(&signal)?;
+        self.write_settings()
+    }
+
+    /// Sets one `postgresql.conf` setting in pgwarden's settings file. A
+    /// running server sees it after [`Instance::reload`] (or a restart for
+    /// settings that need one).
+    pub fn set_setting(&mut self, key: &str, value: &str) -> Result<()> {
+        self.spec.settings.insert(key.into(), value.into());
+        self.write_settings()
+    }
+
+    /// Removes a setting from pgwarden's settings file.
+    pub fn remove_setting(&mut self, key: &str) -> Result<()> {
+        self.spec.settings.remove(key);
+        self.write_settings()
+    }
+
+    fn write_settings(&self) -> Result<()> {
+        let mut text = String::from("# Written by pgwarden; edits are overwritten.\n");
+        let _ = writeln!(text, "listen_addresses = '{}'", self.spec.host);
+        let _ = writeln!(text, "port = {}", self.spec.port);
+        // The probe and clients use TCP; a socket directory would tie the
+        // instance to a path of this machine.
+        let _ = writeln!(text, "unix_socket_directories = ''");
+        let _ = writeln!(text, "cluster_name = '{}'", self.spec.name);
+        for (k, v) in &self.spec.settings {
+            let _ = writeln!(text, "{k} = '{}'", v.replace('\'', "''"));
+        }
+        let path = self.spec.datadir.join(SETTINGS_FILE);
+        fs::write(&path, text).map_err(io_err(&path))?;
+        self.run_as.own(&path)
+    }
+
+    fn make_datadir(&self) -> Result<()> {
+        let dir = &self.spec.datadir;
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(io_err(dir))?;
+        self.run_as.own(dir)
+    }
+
+    /// Starts the postmaster and waits until it accepts connections.
+    pub fn start(&mut self) -> Result<()> {
+        self.spawn()?;
+        self.wait_ready(DEFAULT_DEADLINE)
+    }
+
+    /// Starts the postmaster without waiting for it to accept connections.
+    pub fn spawn(&mut self) -> Result<()> {
+        if self.is_running() {
+            return Ok(());
+        }
+        let log = self.log_path();
+        let log_file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(io_err(&log))?;
+        let log_err = log_file.try_clone().map_err(io_err(&log))?;
+        let mut cmd = self.command("postgres");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .stdin(Stdio::null())
+            .stdout(log_file)
+            .stderr(log_err);
+        // Own process group: a Ctrl-C in the terminal reaches us, and we
+        // decide how the server stops.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        if self.spec.die_with_parent {
+            crate::instance::die_with_parent(&mut cmd);
+        }
+        tracing::debug!(name = %self.spec.name, port = self.spec.port, "starting postgres");
+        let child = cmd.spawn().map_err(|source| PgCtlError::Spawn {
+            program: "postgres".into(),
+            source,
+        })?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Waits until the server accepts connections (`pg_isready`), failing
+    /// early if the postmaster exits.
+    pub fn wait_ready(&mut self, deadline: Duration) -> Result<()> {
+        let until = Instant::now() + deadline;
+        loop {
+            if let Some(child) = &mut self.child {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    return Err(PgCtlError::Exited {
+                        status: status.to_string(),
+                        log_tail: self.log_tail(),
+                    });
+                }
+            }
+            let mut cmd = Command::new(self.bins.path("pg_isready"));
+            cmd.args([
+                "-h",
+                &self.spec.host,
+                "-p",
+                &self.spec.port.to_string(),
+                "-t",
+                "1",
+            ])
+            .args(["-d", "postgres", "-U", "postgres"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+            if cmd.status().map(|s| s.success()).unwrap_or(false) {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                return Err(self.timeout("server start", deadline));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The postmaster's pid: our child's, or the one in `postmaster.pid`
+    /// when the server was started by someone else.
+    pub fn postmaster_pid(&mut self) -> Option<i32> {
+        if let Some(child) = &mut self.child {
+            match child.try_wait() {
+                Ok(None) => return Some(child.id() as i32),
+                _ => self.child = None,
+            }
+        }
+        let pidfile = self.spec.datadir.join("postmaster.pid");
+        let text = fs::read_to_string(pidfile).ok()?;
+        let pid: i32 = text.lines().next()?.trim().parse().ok()?;
+        kill(Pid::from_raw(pid), None).ok().map(|_| pid)
+    }
+
+    /// Whether a postmaster runs for this data directory.
+    pub fn is_running(&mut self) -> bool {
+        self.postmaster_pid().is_some()
+    }
+
+    /// Stops the server and waits for the postmaster to exit.
+    pub fn stop(&mut self, mode: StopMode) -> Result<()> {
+        let Some(pid) = self.postmaster_pid() else {
+            return Ok(());
+        };
+        let _ = kill(Pid::from_raw(pid), mode.signal());
+        if self.wait_exit(pid, DEFAULT_DEADLINE) {
+            Ok(())
+        } else {
+            Err(self.timeout("server stop", DEFAULT_DEADLINE))
+        }
+    }
+
+    /// Kills the postmaster and all its children with SIGKILL, as a node
+    /// crash would. The postmaster is frozen first so it cannot fork while
+    /// its children are collected.
+    pub fn kill9(&mut self) {
+        let Some(pid) = self.postmaster_pid() else {
+            return;
+        };
+        let pm = Pid::from_raw(pid);
+        let _ = kill(pm, Signal::SIGSTOP);
+        for c in children_of(pid) {
+            let _ = kill(Pid::from_raw(c), Signal::SIGKILL);
+        }
+        let _ = kill(pm, Signal::SIGKILL);
+        self.wait_exit(pid, Duration::from_secs(10));
+    }
+
+    /// Sends a signal to the postmaster (e.g. SIGSTOP to freeze it).
+    pub fn signal(&mut self, sig: Signal) -> Result<()> {
+        if let Some(pid) = self.postmaster_pid() {
+            let _ = kill(Pid::from_raw(pid), sig);
+        }
+        Ok(())
+    }
+
+    /// Makes the server re-read its configuration (SIGHUP).
+    pub fn reload(&mut self) -> Result<()> {
+        self.signal(Signal::SIGHUP)
+    }
+
+    /// Promotes a standby and waits until it accepts writes (`pg_ctl
+    /// promote -w`).
+    pub fn promote(&mut self) -> Result<()> {
+        let mut cmd = self.command("pg_ctl");
+        cmd.arg("promote").arg("-D").arg(&self.spec.datadir).args([
+            "-w",
+            "-t",
+            &DEFAULT_DEADLINE.as_secs().to_string(),
+        ]);
+        run(cmd, "pg_ctl promote")?;
+        let signal = self.spec.datadir.join("standby.signal");
+        let _ = fs::remove_file(signal);
+        self.spec.settings.remove("primary_conninfo");
+        self.upstream = None;
+        self.write_settings()
+    }
+
+    /// The last lines of the server log.
+    pub fn log_tail(&self) -> String {
+        tail(&self.log_path(), 4096)
+    }
+
+    fn wait_exit(&mut self, pid: i32, deadline: Duration) -> bool {
+        let until = Instant::now() + deadline;
+        loop {
+            let gone = match &mut self.child {
+                Some(child) if child.id() as i32 == pid => match child.try_wait() {
+                    Ok(Some(_)) | Err(_) => {
+                        self.child = None;
+                        true
+                    }
+                    Ok(None) => false,
+                },
+                _ => kill(Pid::from_raw(pid), None).is_err(),
+            };
+            if gone {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn timeout(&self, what: &str, deadline: Duration) -> PgCtlError {
+        PgCtlError::Timeout {
+            what: what.into(),
+            secs: deadline.as_secs(),
+            log_tail: self.log_tail(),
+        }
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(self.bins.path(program));
+        cmd.env("LC_ALL", "C").env_remove("PGDATA");
+        self.run_as.apply(&mut cmd);
+        cmd
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        // Only a server we started ourselves is ours to stop.
+        if let Some(child) = &mut self.child {
+            if let Ok(None) = child.try_wait() {
+                let pid = child.id() as i32;
+                let _ = kill(Pid::from_raw(pid), Signal::SIGQUIT);
+                if !self.wait_exit(pid, Duration::from_secs(10)) {
+                    self.kill9();
+                }
+            }
+        }
+    }
+}
+
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec and only makes the
+    // async-signal-safe prctl system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGQUIT).map_err(std::io::Error::from)
+        });
+    }
+}
+
+fn run(mut cmd: Command, program: &str) -> Result<()> {
+    let out = cmd.output().map_err(|source| PgCtlError::Spawn {
+        program: program.into(),
+        source,
+    })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let mut text = String::from_utf8_lossy(&out.stderr).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stdout));
+    let start = text.len().saturating_sub(2000);
+    let start = (start..text.len())
+        .find(|i| text.is_char_boundary(*i))
+        .unwrap_or(0);
+    Err(PgCtlError::CommandFailed {
+        program: program.into(),
+        status: out.status.to_string(),
+        output: text[start..].trim().to_string(),
+    })
+}
+
+fn children_of(pid: i32) -> Vec<i32> {
+    fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+}
+
+fn tail(path: &Path, max: u64) -> String {
+    let Ok(mut f) = fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(max)));
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
