@@ -1,0 +1,418 @@
+//! Probe scheduling, result application and snapshot publication.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use pgwarden_topology::{
+    HostAddr, HostConfig, ProbeResult, Topology, TopologyConfig, TopologyEvent,
+};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::{timeout, Instant, MissedTickBehavior};
+use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+
+use crate::query::{parse_observation_row, PROBE_QUERY};
+
+/// How the probe connects and how often.
+#[derive(Debug, Clone)]
+pub struct ProbeConfig {
+    /// Role the probe logs in as (needs `pg_monitor` to see replication rows).
+    pub user: String,
+    /// Database the probe connects to.
+    pub dbname: String,
+    /// Password, if the servers ask for one.
+    pub password: Option<String>,
+    /// `application_name` of the probe connections, so operators can tell
+    /// them apart in `pg_stat_activity`.
+    pub application_name: String,
+    /// Time between the starts of two rounds.
+    pub interval: Duration,
+    /// Longest time a connection attempt (TCP + startup + auth) may take.
+    pub connect_timeout: Duration,
+    /// Longest time the probe query may take; past it the host is dead.
+    pub query_timeout: Duration,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        Self {
+            user: "postgres".into(),
+            dbname: "postgres".into(),
+            password: None,
+            application_name: "pgwarden-probe".into(),
+            interval: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(2),
+            query_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// An immutable view of the cluster, replaced as a whole after every change.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Hosts, roles, RTT and the derived cluster view.
+    pub topology: Topology,
+    /// Number of completed probe rounds; 0 before the first one ends.
+    pub round: u64,
+}
+
+enum Command {
+    SetHosts(Vec<HostConfig>),
+    SetTopologyConfig(TopologyConfig),
+}
+
+/// The running topology engine. Dropping it stops all probing.
+pub struct Engine {
+    snapshot: Arc<ArcSwap<Snapshot>>,
+    rounds: watch::Receiver<u64>,
+    commands: mpsc::UnboundedSender<Command>,
+    task: JoinHandle<()>,
+}
+
+impl Engine {
+    /// Starts probing `hosts` on the current tokio runtime.
+    pub fn start(hosts: Vec<HostConfig>, topo: TopologyConfig, probe: ProbeConfig) -> Engine {
+        let snapshot = Arc::new(ArcSwap::from_pointee(Snapshot {
+            topology: Topology::new(hosts.clone(), topo),
+            round: 0,
+        }));
+        let (round_tx, rounds) = watch::channel(0);
+        let (commands, command_rx) = mpsc::unbounded_channel();
+        let aggregator = Aggregator {
+            snapshot: snapshot.clone(),
+            round_tx,
+            probe: Arc::new(probe),
+            hosts,
+        };
+        let task = tokio::spawn(aggregator.run(command_rx));
+        Engine {
+            snapshot,
+            rounds,
+            commands,
+            task,
+        }
+    }
+
+    /// The current view: a pointer load, no lock, no await.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// A handle readers can keep to load snapshots themselves.
+    pub fn snapshot_handle(&self) -> Arc<ArcSwap<Snapshot>> {
+        self.snapshot.clone()
+    }
+
+    /// Completed round numbers, to await the next round.
+    pub fn rounds(&self) -> watch::Receiver<u64> {
+        self.rounds.clone()
+    }
+
+    /// Waits until round `n` has completed.
+    pub async fn wait_round(&self, n: u64) {
+        let mut rx = self.rounds.clone();
+        let _ = rx.wait_for(|r| *r >= n).await;
+    }
+
+    /// Replaces the host list; state of hosts that stay is kept.
+    pub fn set_hosts(&self, hosts: Vec<HostConfig>) {
+        let _ = self.commands.send(Command::SetHosts(hosts));
+    }
+
+    /// Replaces the lag limits and hold time without a restart.
+    pub fn set_topology_config(&self, config: TopologyConfig) {
+        let _ = self.commands.send(Command::SetTopologyConfig(config));
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Aggregator {
+    snapshot: Arc<ArcSwap<Snapshot>>,
+    round_tx: watch::Sender<u64>,
+    probe: Arc<ProbeConfig>,
+    hosts: Vec<HostConfig>,
+}
+
+/// A probe result, tagged with the host-list generation it belongs to so
+/// results of a replaced host list are dropped.
+type Tagged = (u64, usize, ProbeResult);
+
+struct Prober {
+    trigger: mpsc::Sender<()>,
+    busy: bool,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What the aggregator owns while it runs.
+struct Running {
+    topology: Topology,
+    generation: u64,
+    probers: Vec<Prober>,
+    results: mpsc::UnboundedSender<Tagged>,
+}
+
+impl Running {
+    fn command(&mut self, cmd: Command, probe: &Arc<ProbeConfig>) {
+        match cmd {
+            Command::SetHosts(hosts) => {
+                for e in self.topology.set_hosts(hosts.clone()) {
+                    log_event(&e);
+                }
+                self.generation += 1;
+                self.probers = spawn_probers(&hosts, probe, self.generation, &self.results);
+            }
+            Command::SetTopologyConfig(c) => self.topology.set_config(c),
+        }
+    }
+
+    /// Applies a result; false if it belongs to a replaced host list.
+    fn result(&mut self, (gen, idx, result): Tagged) -> bool {
+        if gen != self.generation {
+            return false;
+        }
+        if let Some(p) = self.probers.get_mut(idx) {
+            p.busy = false;
+        }
+        for e in self.topology.apply(idx, result, Instant::now().into_std()) {
+            log_event(&e);
+        }
+        true
+    }
+}
+
+impl Aggregator {
+    async fn run(self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        let (results, mut result_rx) = mpsc::unbounded_channel::<Tagged>();
+        let mut st = Running {
+            topology: self.snapshot.load().topology.clone(),
+            generation: 0,
+            probers: spawn_probers(&self.hosts, &self.probe, 0, &results),
+            results,
+        };
+        let mut round = 0u64;
+        // Hosts probed in the open round that have not answered yet. A round
+        // closes when all have answered or when the next one is due, so a
+        // hung host never holds the others back; its result is applied
+        // whenever its own time-out fires.
+        let mut waiting: Vec<bool> = Vec::new();
+        let mut open = false;
+        let mut round_end = Instant::now();
+        let mut tick = tokio::time::interval(self.probe.interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            let close = tokio::select! {
+                started = tick.tick() => {
+                    if open {
+                        self.close_round(&st.topology, &mut round);
+                    }
+                    waiting = st.probers.iter_mut().map(|p| {
+                        let fire = !p.busy && p.trigger.try_send(()).is_ok();
+                        p.busy |= fire;
+                        fire
+                    }).collect();
+                    open = true;
+                    round_end = started + self.probe.interval;
+                    !waiting.contains(&true)
+                }
+                Some(r) = result_rx.recv() => {
+                    let idx = r.1;
+                    if st.result(r) {
+                        // Publish at once so a host found dead is unroutable
+                        // now, not at the end of the round.
+                        self.publish(&st.topology, round);
+                        if let Some(w) = waiting.get_mut(idx) {
+                            *w = false;
+                        }
+                    }
+                    open && !waiting.contains(&true)
+                }
+                Some(cmd) = commands.recv() => {
+                    st.command(cmd, &self.probe);
+                    waiting.clear();
+                    self.publish(&st.topology, round);
+                    open
+                }
+                _ = tokio::time::sleep_until(round_end), if open => true,
+            };
+            if close && open {
+                open = false;
+                self.close_round(&st.topology, &mut round);
+            }
+        }
+    }
+
+    fn close_round(&self, topology: &Topology, round: &mut u64) {
+        *round += 1;
+        self.publish(topology, *round);
+        self.round_tx.send_replace(*round);
+    }
+
+    fn publish(&self, topology: &Topology, round: u64) {
+        self.snapshot.store(Arc::new(Snapshot {
+            topology: topology.clone(),
+            round,
+        }));
+    }
+}
+
+fn log_event(e: &TopologyEvent) {
+    match e {
+        TopologyEvent::HostDown { .. }
+        | TopologyEvent::PrimaryConflict { .. }
+        | TopologyEvent::SyncConfigInvalid { .. }
+        | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
+        _ => tracing::info!(event = %e, "topology"),
+    }
+}
+
+fn spawn_probers(
+    hosts: &[HostConfig],
+    probe: &Arc<ProbeConfig>,
+    generation: u64,
+    results: &mpsc::UnboundedSender<Tagged>,
+) -> Vec<Prober> {
+    hosts
+        .iter()
+        .enumerate()
+        .map(|(idx, h)| {
+            let (trigger, trigger_rx) = mpsc::channel(1);
+            let task = tokio::spawn(probe_host(
+                generation,
+                idx,
+                h.addr.clone(),
+                probe.clone(),
+                trigger_rx,
+                results.clone(),
+            ));
+            Prober {
+                trigger,
+                busy: false,
+                task,
+            }
+        })
+        .collect()
+}
+
+async fn probe_host(
+    generation: u64,
+    idx: usize,
+    addr: HostAddr,
+    cfg: Arc<ProbeConfig>,
+    mut trigger: mpsc::Receiver<()>,
+    results: mpsc::UnboundedSender<Tagged>,
+) {
+    let mut client: Option<Client> = None;
+    while trigger.recv().await.is_some() {
+        let result = probe_once(&mut client, &addr, &cfg).await;
+        if results.send((generation, idx, result)).is_err() {
+            break;
+        }
+    }
+}
+
+async fn probe_once(
+    client: &mut Option<Client>,
+    addr: &HostAddr,
+    cfg: &ProbeConfig,
+) -> ProbeResult {
+    if client.as_ref().is_none_or(Client::is_closed) {
+        *client = None;
+        match timeout(cfg.connect_timeout, connect(addr, cfg)).await {
+            Ok(Ok(c)) => *client = Some(c),
+            Ok(Err(e)) => return ProbeResult::Err(error_text(&e)),
+            Err(_) => {
+                return ProbeResult::Err(format!(
+                    "connection timed out after {} ms",
+                    cfg.connect_timeout.as_millis()
+                ))
+            }
+        }
+    }
+    let c = client.as_ref().expect("connected above");
+    let started = Instant::now();
+    let outcome = timeout(cfg.query_timeout, c.simple_query(PROBE_QUERY)).await;
+    let rtt = started.elapsed();
+    let messages = match outcome {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => {
+            *client = None;
+            return ProbeResult::Err(error_text(&e));
+        }
+        Err(_) => {
+            // The connection may be wedged behind a partition; a fresh one
+            // is the only way to learn when the host is back.
+            *client = None;
+            return ProbeResult::Err(format!(
+                "probe query timed out after {} ms",
+                cfg.query_timeout.as_millis()
+            ));
+        }
+    };
+    let Some(row) = messages.iter().find_map(|m| match m {
+        SimpleQueryMessage::Row(r) => Some(r),
+        _ => None,
+    }) else {
+        return ProbeResult::Err("probe query returned no row".into());
+    };
+    let cols: Vec<Option<&str>> = (0..row.len()).map(|i| row.get(i)).collect();
+    match parse_observation_row(&cols, rtt) {
+        Ok(obs) => ProbeResult::Ok(obs),
+        Err(e) => ProbeResult::Err(e),
+    }
+}
+
+async fn connect(addr: &HostAddr, cfg: &ProbeConfig) -> Result<Client, tokio_postgres::Error> {
+    let mut pg = tokio_postgres::Config::new();
+    pg.host(&addr.host)
+        .port(addr.port)
+        .user(&cfg.user)
+        .dbname(&cfg.dbname)
+        .application_name(&cfg.application_name)
+        .connect_timeout(cfg.connect_timeout)
+        .keepalives(true);
+    if let Some(p) = &cfg.password {
+        pg.password(p);
+    }
+    let (client, connection) = pg.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "probe connection ended");
+        }
+    });
+    Ok(client)
+}
+
+fn error_text(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!("{}: {}", db.severity(), db.message());
+    }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let s = s.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        source = s_source(source);
+    }
+    text
+}
+
+fn s_source<'a>(
+    e: Option<&'a (dyn std::error::Error + 'static)>,
+) -> Option<&'a (dyn std::error::Error + 'static)> {
+    e.and_then(std::error::Error::source)
+}

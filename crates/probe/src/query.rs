@@ -1,0 +1,209 @@
+//! The probe query and the parsing of its one row.
+
+use std::time::Duration;
+
+use pgwarden_topology::{parse_lsn, Observation, ReplicationRow};
+
+/// One round trip tells everything the topology engine needs: role, WAL
+/// positions, replay delay, timeline, the synchronous configuration and,
+/// on a primary, its replication connections. Functions that fail during
+/// recovery sit behind `CASE` so the same text works on every role. Only
+/// functions readable by `pg_monitor` members are used.
+pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
+ CASE WHEN NOT pg_is_in_recovery() THEN pg_current_wal_lsn() END, \
+ pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn(), \
+ CASE WHEN pg_is_in_recovery() THEN \
+   CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() THEN 0 \
+   ELSE greatest(0, floor(extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp()) * 1000))::bigint END END, \
+ current_setting('recovery_min_apply_delay'), \
+ CASE WHEN NOT pg_is_in_recovery() \
+   THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int \
+   ELSE (SELECT received_tli FROM pg_stat_wal_receiver) END, \
+ current_setting('synchronous_standby_names'), \
+ current_setting('cluster_name'), \
+ (SELECT conninfo FROM pg_stat_wal_receiver), \
+ CASE WHEN NOT pg_is_in_recovery() THEN (SELECT string_agg(concat_ws(E'\\t', \
+   coalesce(application_name, ''), coalesce(state, ''), coalesce(sync_state, ''), \
+   coalesce(replay_lsn::text, '')), E'\\n') FROM pg_stat_replication) END";
+
+/// Builds an [`Observation`] from the text columns of the probe query's
+/// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
+/// errors: a monitoring probe must not fail a host over a surprise format.
+pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Observation, String> {
+    if cols.len() < 11 {
+        return Err(format!(
+            "probe query returned {} columns, expected 11",
+            cols.len()
+        ));
+    }
+    let in_recovery = match cols[0] {
+        Some("t") => true,
+        Some("f") => false,
+        other => return Err(format!("pg_is_in_recovery() returned {other:?}")),
+    };
+    let lsn = |i: usize| cols[i].and_then(parse_lsn);
+    let replay_delay = cols[4]
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    let min_apply_delay = cols[5].and_then(parse_pg_duration).unwrap_or_default();
+    let timeline = cols[6].and_then(|s| s.parse::<u32>().ok());
+    let wal_receiver_name = if in_recovery {
+        Some(walreceiver_name(cols[9], cols[8]))
+    } else {
+        None
+    };
+    let replication = cols[10]
+        .map(|text| text.lines().filter_map(parse_replication_line).collect())
+        .unwrap_or_default();
+    Ok(Observation {
+        in_recovery,
+        rtt,
+        timeline,
+        current_lsn: lsn(1),
+        receive_lsn: lsn(2),
+        replay_lsn: lsn(3),
+        replay_delay,
+        min_apply_delay,
+        wal_receiver_name,
+        synchronous_standby_names: if in_recovery {
+            None
+        } else {
+            cols[7].map(str::to_string)
+        },
+        replication,
+    })
+}
+
+/// The name a standby's WAL receiver reports to the primary: the
+/// `application_name` of `primary_conninfo`, else `cluster_name`, else
+/// `walreceiver` (PostgreSQL's own fallback order).
+fn walreceiver_name(conninfo: Option<&str>, cluster_name: Option<&str>) -> String {
+    conninfo
+        .and_then(|ci| {
+            ci.split_whitespace()
+                .find_map(|kv| kv.strip_prefix("application_name="))
+                .map(|v| v.trim_matches('\'').to_string())
+        })
+        .filter(|s| !s.is_empty())
+        .or_else(|| cluster_name.filter(|s| !s.is_empty()).map(str::to_string))
+        .unwrap_or_else(|| "walreceiver".to_string())
+}
+
+/// Parses a time setting as `current_setting()` shows it: a number with
+/// an optional unit (`0`, `250ms`, `5s`, `10min`, `2h`, `1d`); milliseconds
+/// when there is no unit, as for `recovery_min_apply_delay`.
+fn parse_pg_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let ms = match unit.trim() {
+        "" | "ms" => 1,
+        "s" => 1_000,
+        "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        "us" => return Some(Duration::from_micros(n)),
+        _ => return None,
+    };
+    n.checked_mul(ms).map(Duration::from_millis)
+}
+
+fn parse_replication_line(line: &str) -> Option<ReplicationRow> {
+    let mut f = line.split('\t');
+    Some(ReplicationRow {
+        application_name: f.next()?.to_string(),
+        state: f.next().unwrap_or_default().to_string(),
+        sync_state: f.next().unwrap_or_default().to_string(),
+        replay_lsn: f.next().and_then(parse_lsn),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(v: &[Option<&'static str>]) -> Vec<Option<&'static str>> {
+        v.to_vec()
+    }
+
+    #[test]
+    fn primary_row() {
+        let cols = row(&[
+            Some("f"),
+            Some("0/3000148"),
+            None,
+            None,
+            None,
+            Some("0"),
+            Some("3"),
+            Some("ANY 1 (node2, node3)"),
+            Some("node1"),
+            None,
+            Some("node2\tstreaming\tquorum\t0/3000148\nnode3\tcatchup\tquorum\t"),
+        ]);
+        let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
+        assert!(!o.in_recovery);
+        assert_eq!(o.current_lsn, Some(0x3000148));
+        assert_eq!(o.timeline, Some(3));
+        assert_eq!(
+            o.synchronous_standby_names.as_deref(),
+            Some("ANY 1 (node2, node3)")
+        );
+        assert_eq!(o.replication.len(), 2);
+        assert_eq!(o.replication[1].state, "catchup");
+        assert_eq!(o.replication[1].replay_lsn, None);
+        assert_eq!(o.wal_receiver_name, None);
+    }
+
+    #[test]
+    fn replica_row_names_its_walreceiver() {
+        let cols = row(&[
+            Some("t"),
+            None,
+            Some("0/5000000"),
+            Some("0/4000000"),
+            Some("1500"),
+            Some("1min"),
+            Some("1"),
+            Some(""),
+            Some("node2"),
+            Some("user=postgres host=127.0.0.1 port=5432 application_name=fast_one"),
+            None,
+        ]);
+        let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
+        assert!(o.in_recovery);
+        assert_eq!(o.replay_lsn, Some(0x4000000));
+        assert_eq!(o.replay_delay, Some(Duration::from_millis(1500)));
+        assert_eq!(o.min_apply_delay, Duration::from_secs(60));
+        assert_eq!(o.wal_receiver_name.as_deref(), Some("fast_one"));
+        assert_eq!(o.synchronous_standby_names, None);
+    }
+
+    #[test]
+    fn time_settings_with_units() {
+        assert_eq!(parse_pg_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_pg_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_pg_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_pg_duration("10min"), Some(Duration::from_secs(600)));
+        assert_eq!(parse_pg_duration("1d"), Some(Duration::from_secs(86_400)));
+        assert_eq!(parse_pg_duration("5 parsecs"), None);
+        assert_eq!(parse_pg_duration(""), None);
+    }
+
+    #[test]
+    fn walreceiver_name_falls_back_like_postgres() {
+        assert_eq!(walreceiver_name(Some("host=x"), Some("c")), "c");
+        assert_eq!(walreceiver_name(None, Some("")), "walreceiver");
+    }
+
+    #[test]
+    fn bad_rows_are_errors_not_panics() {
+        assert!(parse_observation_row(&[], Duration::ZERO).is_err());
+        let mut cols = vec![None; 11];
+        assert!(parse_observation_row(&cols, Duration::ZERO).is_err());
+        cols[0] = Some("t");
+        cols[4] = Some("garbage");
+        assert!(parse_observation_row(&cols, Duration::ZERO).is_ok());
+    }
+}
