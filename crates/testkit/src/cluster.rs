@@ -1,0 +1,219 @@
+//! Real PostgreSQL clusters for tests.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use pgwarden_pgctl::{
+    ClusterSpec, Instance, LocalCluster, PgBinaries, PgCtlError, RunAs, SyncSpec,
+};
+
+/// Prefix of every directory the kit creates under the temp dir; the
+/// creating process id follows, so leftovers of dead runs can be found.
+const DIR_PREFIX: &str = "pgwarden-test-";
+
+/// A free TCP port on 127.0.0.1 (the OS picks it; another process may
+/// still take it before we bind, which cluster start-up retries).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
+
+/// Builder of a [`TestCluster`]: `TestCluster::builder().replicas(2).start()`.
+#[derive(Debug, Default)]
+pub struct TestClusterBuilder {
+    replicas: usize,
+    sync: Option<SyncSpec>,
+    delayed: Option<Duration>,
+    settings: BTreeMap<String, String>,
+}
+
+impl TestClusterBuilder {
+    /// Number of streaming replicas besides the primary.
+    pub fn replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+
+    /// Synchronous replication over the non-delayed replicas.
+    pub fn sync(mut self, spec: SyncSpec) -> Self {
+        self.sync = Some(spec);
+        self
+    }
+
+    /// Makes the last replica a delayed replica.
+    pub fn delayed(mut self, delay: Duration) -> Self {
+        self.delayed = Some(delay);
+        self
+    }
+
+    /// An extra `postgresql.conf` setting on every node.
+    pub fn setting(mut self, key: &str, value: &str) -> Self {
+        self.settings.insert(key.into(), value.into());
+        self
+    }
+
+    /// Creates and starts the cluster, retrying with new ports if another
+    /// process took one of ours in the meantime.
+    pub fn start(self) -> TestCluster {
+        sweep_leftovers();
+        let bins = PgBinaries::discover().expect("PostgreSQL server binaries");
+        let run_as = RunAs::unprivileged().expect("an unprivileged user for PostgreSQL");
+        let mut last_err = None;
+        for _attempt in 0..3 {
+            let dir = tempfile::Builder::new()
+                .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
+                .tempdir()
+                .expect("temp dir");
+            let ports = (0..=self.replicas).map(|_| free_port()).collect();
+            let mut spec = ClusterSpec::new(dir.path().join("c"), ports);
+            spec.sync = self.sync.clone();
+            spec.delayed = self.delayed;
+            spec.die_with_parent = true;
+            spec.settings = test_settings();
+            spec.settings.extend(self.settings.clone());
+            match LocalCluster::start(spec, &bins, &run_as) {
+                Ok(cluster) => {
+                    return TestCluster {
+                        cluster: Some(cluster),
+                        dir,
+                    }
+                }
+                Err(e @ PgCtlError::Exited { .. }) | Err(e @ PgCtlError::Timeout { .. })
+                    if e.to_string().contains("could not bind")
+                        || e.to_string().contains("Address already in use") =>
+                {
+                    last_err = Some(e);
+                }
+                Err(e) => panic!("starting the test cluster failed: {e}"),
+            }
+        }
+        panic!(
+            "starting the test cluster failed: {}",
+            last_err.expect("set")
+        );
+    }
+}
+
+fn test_settings() -> BTreeMap<String, String> {
+    [
+        // Durability of test data does not matter; speed does.
+        ("fsync", "off"),
+        ("full_page_writes", "off"),
+        ("shared_buffers", "16MB"),
+        ("max_connections", "50"),
+        ("wal_keep_size", "128MB"),
+        ("log_min_messages", "warning"),
+        ("log_line_prefix", "%m [%p] "),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+/// A running cluster: node 0 is the initial primary, then the replicas.
+/// Dropping it stops every server and removes every directory, also when
+/// the test panicked; should the test process be killed outright, the
+/// servers die with it (parent-death signal) and the next run removes the
+/// directory.
+#[derive(Debug)]
+pub struct TestCluster {
+    cluster: Option<LocalCluster>,
+    dir: tempfile::TempDir,
+}
+
+impl TestCluster {
+    /// Starts describing a cluster.
+    pub fn builder() -> TestClusterBuilder {
+        TestClusterBuilder::default()
+    }
+
+    fn inner(&self) -> &LocalCluster {
+        self.cluster.as_ref().expect("cluster present until drop")
+    }
+
+    fn inner_mut(&mut self) -> &mut LocalCluster {
+        self.cluster.as_mut().expect("cluster present until drop")
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.inner().nodes().len()
+    }
+
+    /// Whether the cluster has no nodes (never, but clippy likes a pair).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Node `i` for stop/start/kill/promote.
+    pub fn node(&mut self, i: usize) -> &mut Instance {
+        self.inner_mut().node(i)
+    }
+
+    /// Port of node `i`.
+    pub fn port(&self, i: usize) -> u16 {
+        self.inner().nodes()[i].port()
+    }
+
+    /// `127.0.0.1:port` of node `i`.
+    pub fn addr(&self, i: usize) -> String {
+        self.inner().nodes()[i].addr()
+    }
+
+    /// Every node's `host:port`.
+    pub fn addrs(&self) -> Vec<String> {
+        self.inner().addrs()
+    }
+
+    /// The temp directory holding the data directories.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A libpq connection string for node `i`.
+    pub fn conninfo(&self, i: usize) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres",
+            self.port(i)
+        )
+    }
+
+    /// Sets `synchronous_standby_names` on node 0 and reloads it.
+    pub fn set_sync_standby_names(&mut self, value: &str) {
+        self.inner_mut()
+            .set_sync_standby_names(value)
+            .expect("set synchronous_standby_names");
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        // Servers first (Instance::drop), then the directory (TempDir::drop).
+        drop(self.cluster.take());
+    }
+}
+
+/// Removes directories left by test processes that no longer exist (a run
+/// killed by a time-out cannot clean up after itself).
+fn sweep_leftovers() {
+    let tmp = std::env::temp_dir();
+    let Ok(entries) = std::fs::read_dir(&tmp) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DIR_PREFIX)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        if !PathBuf::from(format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
