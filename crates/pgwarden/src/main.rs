@@ -1,0 +1,65 @@
+//! `pgwarden`: a PostgreSQL high-availability connection manager.
+//!
+//! The binary is thin: it parses the command line, sets up logging and the
+//! runtime, and hands over to the library crates.
+
+mod demo;
+mod topology_cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// PostgreSQL high-availability connection manager.
+#[derive(Debug, Parser)]
+#[command(name = "pgwarden", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Probe a cluster and show its topology, or the hosts a selector picks.
+    Topology(topology_cmd::Args),
+    /// Start a local demo cluster (a primary and replicas) and watch it.
+    Demo(demo::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgwarden: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
+        Command::Demo(args) => demo::run(args, &runtime),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pgwarden: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr so that stdout carries only the command's output
+/// (tables, JSON lines) and can be piped. `RUST_LOG` filters as usual.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
