@@ -77,7 +77,7 @@ pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> 
         let mut rounds = engine.rounds();
         loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break,
+                _ = crate::shutdown_signal() => break,
                 r = rounds.changed() => if r.is_err() { break },
             }
             if !quiet {

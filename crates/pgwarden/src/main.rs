@@ -53,6 +53,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM, the two ways operators and
+/// service managers ask a process to stop.
+pub(crate) async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
 /// Logs go to stderr so that stdout carries only the command's output
 /// (tables, JSON lines) and can be piped. `RUST_LOG` filters as usual.
 fn init_logging() {

@@ -149,7 +149,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     bail!("the topology engine stopped");
                 }
             }
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = crate::shutdown_signal() => return Ok(()),
         }
         let snap = engine.snapshot();
         let view = TopologyView::new(&snap.topology, snap.round);

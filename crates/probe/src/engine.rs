@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant, MissedTickBehavior};
 use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 
-use crate::query::{parse_observation_row, PROBE_QUERY};
+use crate::query::{parse_observation_row, PROBE_QUERY, RTT_QUERY};
 
 /// How the probe connects and how often.
 #[derive(Debug, Clone)]
@@ -341,10 +341,17 @@ async fn probe_once(
         }
     }
     let c = client.as_ref().expect("connected above");
-    let started = Instant::now();
-    let outcome = timeout(cfg.query_timeout, c.simple_query(PROBE_QUERY)).await;
-    let rtt = started.elapsed();
-    let messages = match outcome {
+    // RTT is timed on a trivial statement: the probe query itself reads
+    // replication views and costs about a millisecond of server time,
+    // which would drown the network latency the window is about.
+    let exchange = async {
+        let started = Instant::now();
+        c.simple_query(RTT_QUERY).await?;
+        let rtt = started.elapsed();
+        Ok::<_, tokio_postgres::Error>((rtt, c.simple_query(PROBE_QUERY).await?))
+    };
+    let outcome = timeout(cfg.query_timeout, exchange).await;
+    let (rtt, messages) = match outcome {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {
             *client = None;

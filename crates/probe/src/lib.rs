@@ -15,4 +15,4 @@ mod query;
 
 pub use engine::{Engine, ProbeConfig, Snapshot};
 pub use pgpass::pgpass_lookup;
-pub use query::{parse_observation_row, PROBE_QUERY};
+pub use query::{parse_observation_row, PROBE_QUERY, RTT_QUERY};

@@ -4,6 +4,10 @@ use std::time::Duration;
 
 use pgwarden_topology::{parse_lsn, Observation, ReplicationRow};
 
+/// The statement whose round trip is the host's RTT sample: as close to
+/// nothing as SQL gets, so the sample measures the path, not the server.
+pub const RTT_QUERY: &str = "SELECT 1";
+
 /// One round trip tells everything the topology engine needs: role, WAL
 /// positions, replay delay, timeline, the synchronous configuration and,
 /// on a primary, its replication connections. Functions that fail during
@@ -14,7 +18,8 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
  pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn(), \
  CASE WHEN pg_is_in_recovery() THEN \
    CASE WHEN pg_last_wal_receive_lsn() IS NOT DISTINCT FROM pg_last_wal_replay_lsn() THEN 0 \
-   ELSE greatest(0, floor(extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp()) * 1000))::bigint END END, \
+   WHEN pg_last_xact_replay_timestamp() IS NULL THEN NULL \
+   ELSE greatest(0, floor(extract(epoch FROM clock_timestamp() - pg_last_xact_replay_timestamp()) * 1000)::bigint) END END, \
  current_setting('recovery_min_apply_delay'), \
  CASE WHEN NOT pg_is_in_recovery() \
    THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int \

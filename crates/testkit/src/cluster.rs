@@ -68,6 +68,12 @@ impl TestClusterBuilder {
                 .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
                 .tempdir()
                 .expect("temp dir");
+            // The servers run as another user, who must reach the data dirs.
+            std::fs::set_permissions(
+                dir.path(),
+                std::os::unix::fs::PermissionsExt::from_mode(0o755),
+            )
+            .expect("chmod temp dir");
             let ports = (0..=self.replicas).map(|_| free_port()).collect();
             let mut spec = ClusterSpec::new(dir.path().join("c"), ports);
             spec.sync = self.sync.clone();

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -194,10 +194,24 @@ impl std::error::Error for NoTarget {}
 ///
 /// Shared between connection handlers: the round-robin position is atomic,
 /// so selection needs only `&self`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Selector {
     policy: SelectPolicy,
     counter: AtomicUsize,
+    /// Dynamic override of `policy.rtt_threshold` in microseconds;
+    /// `NO_OVERRIDE` when unset. Atomic so an operator can retune the
+    /// window while connections are being routed, without a restart.
+    threshold_override: AtomicU64,
+    /// Dynamic override of `policy.rtt_threshold_enabled`: 0 unset, 1 off, 2 on.
+    enabled_override: AtomicU8,
+}
+
+const NO_OVERRIDE: u64 = u64::MAX;
+
+impl Default for Selector {
+    fn default() -> Self {
+        Selector::new(SelectPolicy::default())
+    }
 }
 
 impl Selector {
@@ -206,6 +220,43 @@ impl Selector {
         Selector {
             policy,
             counter: AtomicUsize::new(0),
+            threshold_override: AtomicU64::new(NO_OVERRIDE),
+            enabled_override: AtomicU8::new(0),
+        }
+    }
+
+    /// Overrides the static RTT threshold from now on (`None` restores it).
+    pub fn set_rtt_threshold_override(&self, threshold: Option<Duration>) {
+        let v = threshold.map_or(NO_OVERRIDE, |d| {
+            u64::try_from(d.as_micros()).unwrap_or(NO_OVERRIDE - 1)
+        });
+        self.threshold_override.store(v, Ordering::Relaxed);
+    }
+
+    /// Overrides whether the RTT window applies (`None` restores the policy).
+    pub fn set_rtt_threshold_enabled_override(&self, enabled: Option<bool>) {
+        let v = match enabled {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        };
+        self.enabled_override.store(v, Ordering::Relaxed);
+    }
+
+    /// The RTT threshold in force: the dynamic override, else the policy's.
+    pub fn rtt_threshold(&self) -> Duration {
+        match self.threshold_override.load(Ordering::Relaxed) {
+            NO_OVERRIDE => self.policy.rtt_threshold,
+            us => Duration::from_micros(us),
+        }
+    }
+
+    /// Whether the RTT window is in force.
+    pub fn rtt_threshold_enabled(&self) -> bool {
+        match self.enabled_override.load(Ordering::Relaxed) {
+            1 => false,
+            2 => true,
+            _ => self.policy.rtt_threshold_enabled,
         }
     }
 
@@ -229,8 +280,8 @@ impl Selector {
         Ok(match self.policy.strategy {
             Strategy::Nearest => nearest(topo, &candidates),
             Strategy::RoundRobin => {
-                let window = if self.policy.rtt_threshold_enabled {
-                    rtt_window(topo, &candidates, self.policy.rtt_threshold)
+                let window = if self.rtt_threshold_enabled() {
+                    rtt_window(topo, &candidates, self.rtt_threshold())
                 } else {
                     candidates
                 };
@@ -563,6 +614,49 @@ mod tests {
         let m = tally(&sel, &t, &Want::Replica, 300);
         assert_eq!(m, BTreeMap::from([(1, 100), (2, 100), (3, 100)]));
         assert_eq!(sel.eligible(&t, &Want::Replica), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn dynamic_threshold_overrides_take_effect_at_once() {
+        let t = cluster(vec![primary("p"), replica("fast", 1), replica("slow", 31)]);
+        let sel = Selector::default();
+        assert_eq!(sel.rtt_threshold(), Duration::from_millis(20));
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 10)]),
+            "a default selector has no override"
+        );
+        let t2 = cluster(vec![primary("p"), replica("a", 1), replica("b", 11)]);
+        assert_eq!(
+            tally(&sel, &t2, &Want::Replica, 10),
+            BTreeMap::from([(1, 5), (2, 5)])
+        );
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 10)])
+        );
+        sel.set_rtt_threshold_override(Some(Duration::from_millis(40)));
+        assert_eq!(sel.rtt_threshold(), Duration::from_millis(40));
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 5), (2, 5)])
+        );
+        sel.set_rtt_threshold_override(None);
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 10)])
+        );
+        sel.set_rtt_threshold_enabled_override(Some(false));
+        assert!(!sel.rtt_threshold_enabled());
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 5), (2, 5)])
+        );
+        sel.set_rtt_threshold_enabled_override(None);
+        assert_eq!(
+            tally(&sel, &t, &Want::Replica, 10),
+            BTreeMap::from([(1, 10)])
+        );
     }
 
     #[test]

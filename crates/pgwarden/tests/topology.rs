@@ -1,0 +1,511 @@
+//! The topology engine against real PostgreSQL clusters.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::{engine, fast_probe, sql, sql_value, until};
+use pgwarden_probe::Engine;
+use pgwarden_testkit::{Relay, StopMode, SyncSpec, TestCluster};
+use pgwarden_topology::{
+    LagLimit, NoTarget, Role, SelectPolicy, Selector, Strategy, SyncState, Topology,
+    TopologyConfig, Want,
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn roles(t: &Topology) -> Vec<(Role, bool)> {
+    t.hosts().iter().map(|h| (h.role, h.alive)).collect()
+}
+
+fn picks(sel: &Selector, t: &Topology, want: &Want, n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|_| sel.select(t, want).expect("a host"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_probe_marking_and_dead_detection_after_kill9() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "primary and two replicas", WAIT, |s| {
+        let r = roles(&s.topology);
+        (r == [
+            (Role::Primary, true),
+            (Role::Replica, true),
+            (Role::Replica, true),
+        ])
+        .then_some(())
+        .ok_or(format!("{r:?}"))
+    })
+    .await;
+    assert_eq!(snap.topology.primary(), Some(0));
+    assert!(snap.topology.hosts().iter().all(|h| h.timeline == Some(1)));
+
+    // One probe connection per host, recognisable by its application_name.
+    for i in 0..3 {
+        let n = sql_value(
+            &c.conninfo(i),
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgwarden-probe'",
+        )
+        .await;
+        assert_eq!(n.as_deref(), Some("1"), "probe connections on node {i}");
+    }
+
+    // kill -9 of a replica: dead within two probe rounds, keeps its role,
+    // shows the error, and is no longer selected.
+    let before = e.snapshot().round;
+    c.node(2).kill9();
+    e.wait_round(before + 2).await;
+    let snap = e.snapshot();
+    let h = &snap.topology.hosts()[2];
+    assert!(!h.alive, "replica still alive two rounds after kill -9");
+    assert_eq!(h.role, Role::Replica, "a dead host keeps its last role");
+    assert!(h.error.is_some());
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 6)
+        .iter()
+        .all(|&i| i == 1));
+
+    // kill -9 of the primary: no primary is selectable any more.
+    let before = e.snapshot().round;
+    c.node(0).kill9();
+    e.wait_round(before + 2).await;
+    let snap = e.snapshot();
+    assert!(!snap.topology.hosts()[0].alive);
+    assert_eq!(snap.topology.hosts()[0].role, Role::Primary);
+    assert_eq!(
+        sel.select(&snap.topology, &Want::Primary),
+        Err(NoTarget::NoPrimary)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_quorum_marking() {
+    let mut c = TestCluster::builder()
+        .replicas(2)
+        .sync(SyncSpec::First(1))
+        .start();
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let sync_states = |s: &pgwarden_probe::Snapshot| -> Vec<Option<SyncState>> {
+        s.topology.hosts().iter().map(|h| h.sync_state).collect()
+    };
+    let snap = until(&e, "FIRST 1: one sync, one potential", WAIT, |s| {
+        let st = sync_states(s);
+        (st == [None, Some(SyncState::Sync), Some(SyncState::Potential)])
+            .then_some(())
+            .ok_or(format!("{st:?}"))
+    })
+    .await;
+    assert!(!snap.topology.quorum_commit());
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::SyncStandby, 4)
+        .iter()
+        .all(|&i| i == 1));
+
+    c.set_sync_standby_names("ANY 1 (node2, node3)");
+    let snap = until(&e, "ANY 1: both quorum", WAIT, |s| {
+        let st = sync_states(s);
+        (st == [None, Some(SyncState::Quorum), Some(SyncState::Quorum)]
+            && s.topology.quorum_commit())
+        .then_some(())
+        .ok_or(format!("{st:?} quorum={}", s.topology.quorum_commit()))
+    })
+    .await;
+    let got: BTreeSet<usize> = picks(&sel, &snap.topology, &Want::SyncStandby, 4)
+        .into_iter()
+        .collect();
+    assert_eq!(
+        got,
+        BTreeSet::from([1, 2]),
+        "{:?}",
+        snap.topology
+            .hosts()
+            .iter()
+            .map(|h| (h.rtt.get(), h.sync_state))
+            .collect::<Vec<_>>()
+    );
+
+    c.set_sync_standby_names("");
+    until(&e, "no sync config: async", WAIT, |s| {
+        let st = sync_states(s);
+        (st == [None, Some(SyncState::Async), Some(SyncState::Async)]
+            && !s.topology.quorum_commit())
+        .then_some(())
+        .ok_or(format!("{st:?}"))
+    })
+    .await;
+}
+
+/// A cluster whose second replica sits behind a relay adding `delay` each way.
+fn relayed_cluster(delay: Duration) -> (TestCluster, Relay, Vec<String>) {
+    let c = TestCluster::builder().replicas(2).start();
+    let target: SocketAddr = c.addr(2).parse().unwrap();
+    let relay = Relay::start(target).expect("relay");
+    relay.set_delay(delay, delay);
+    let addrs = vec![c.addr(0), c.addr(1), relay.addr().to_string()];
+    (c, relay, addrs)
+}
+
+async fn rtts_settled(e: &Engine) -> std::sync::Arc<pgwarden_probe::Snapshot> {
+    until(e, "fast and slow replica measured", WAIT, |s| {
+        let rtt = |i: usize| s.topology.hosts()[i].rtt.get();
+        match (rtt(1), rtt(2)) {
+            (Some(fast), Some(slow))
+                if slow >= 30.0 && s.topology.hosts().iter().all(|h| h.alive) =>
+            {
+                let _ = fast;
+                Ok(())
+            }
+            other => Err(format!("rtt {other:?}")),
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rtt_window_prefers_fast_replica_then_slow_then_primary() {
+    let (mut c, _relay, addrs) = relayed_cluster(Duration::from_millis(15));
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = rtts_settled(&e).await;
+    let sel = Selector::default();
+    assert!(
+        picks(&sel, &snap.topology, &Want::Replica, 20)
+            .iter()
+            .all(|&i| i == 1),
+        "the replica 30 ms slower is outside the default 20 ms window"
+    );
+    // Without the window both replicas take turns.
+    let open = Selector::new(SelectPolicy {
+        rtt_threshold_enabled: false,
+        ..SelectPolicy::default()
+    });
+    let got: BTreeSet<usize> = picks(&open, &snap.topology, &Want::Replica, 4)
+        .into_iter()
+        .collect();
+    assert_eq!(got, BTreeSet::from([1, 2]));
+    // The same through the dynamic switch, without a new selector.
+    sel.set_rtt_threshold_enabled_override(Some(false));
+    let got: BTreeSet<usize> = picks(&sel, &snap.topology, &Want::Replica, 4)
+        .into_iter()
+        .collect();
+    assert_eq!(got, BTreeSet::from([1, 2]));
+    sel.set_rtt_threshold_enabled_override(None);
+
+    // The fast replica stops: the slow one is used, before the primary.
+    c.node(1).stop(StopMode::Fast).unwrap();
+    let snap = until(&e, "fast replica dead", WAIT, |s| {
+        (!s.topology.hosts()[1].alive)
+            .then_some(())
+            .ok_or("alive".into())
+    })
+    .await;
+    assert!(snap.topology.hosts()[2].alive);
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 10)
+        .iter()
+        .all(|&i| i == 2));
+
+    // No replica left: fall back to the primary (unless told not to).
+    c.node(2).stop(StopMode::Fast).unwrap();
+    let snap = until(&e, "slow replica dead", WAIT, |s| {
+        (!s.topology.hosts()[2].alive)
+            .then_some(())
+            .ok_or("alive".into())
+    })
+    .await;
+    assert_eq!(sel.select(&snap.topology, &Want::Replica), Ok(0));
+    let strict = Selector::new(SelectPolicy {
+        fallback_to_primary: false,
+        ..SelectPolicy::default()
+    });
+    assert!(matches!(
+        strict.select(&snap.topology, &Want::Replica),
+        Err(NoTarget::NoCandidate { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nearest_picks_the_lowest_rtt() {
+    let (_c, relay, addrs) = relayed_cluster(Duration::from_millis(15));
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = rtts_settled(&e).await;
+    let nearest = Selector::new(SelectPolicy {
+        strategy: Strategy::Nearest,
+        // Nearest ignores the window, even a huge one.
+        rtt_threshold: Duration::from_secs(10),
+        ..SelectPolicy::default()
+    });
+    assert!(picks(&nearest, &snap.topology, &Want::Replica, 5)
+        .iter()
+        .all(|&i| i == 1));
+
+    // Make the direct replica the slow one: put the relayed one at 0 delay
+    // and compare against the EWMA the engine reports.
+    relay.set_delay(Duration::ZERO, Duration::ZERO);
+    let snap = until(&e, "relayed replica fast again", WAIT, |s| {
+        let r = s.topology.hosts()[2].rtt.get().unwrap_or(f64::MAX);
+        (r < 10.0).then_some(()).ok_or(format!("{r}"))
+    })
+    .await;
+    let h = snap.topology.hosts();
+    let lowest = if h[1].rtt.get() <= h[2].rtt.get() {
+        1
+    } else {
+        2
+    };
+    assert_eq!(nearest.select(&snap.topology, &Want::Replica), Ok(lowest));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
+    let c = TestCluster::builder().replicas(1).start();
+    let relay = Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string()];
+    let e = engine(&addrs, TopologyConfig::default());
+    until(&e, "both alive", WAIT, |s| {
+        s.topology
+            .hosts()
+            .iter()
+            .all(|h| h.alive)
+            .then_some(())
+            .ok_or("not yet".into())
+    })
+    .await;
+
+    let probe = fast_probe();
+    relay.set_blackhole(true);
+    let start = Instant::now();
+    let round0 = e.snapshot().round;
+    let snap = until(&e, "black-holed host dead", WAIT, |s| {
+        (!s.topology.hosts()[1].alive)
+            .then_some(())
+            .ok_or("alive".into())
+    })
+    .await;
+    let took = start.elapsed();
+    // The probe in flight (or the next one, at most an interval later)
+    // runs into the query time-out.
+    assert!(
+        took <= probe.query_timeout + probe.interval + Duration::from_millis(750),
+        "dead after {took:?}"
+    );
+    assert!(snap.topology.hosts()[1]
+        .error
+        .as_deref()
+        .unwrap_or("")
+        .contains("timed out"));
+    // Meanwhile the other host's rounds went on at the normal pace.
+    let rounds = snap.round - round0;
+    let expected = (took.as_millis() / probe.interval.as_millis()) as u64;
+    assert!(
+        rounds + 2 >= expected,
+        "{rounds} rounds in {took:?}: the hung host stalled the others"
+    );
+    let last_ok = snap.topology.hosts()[0].last_ok.expect("primary probed");
+    assert!(
+        last_ok.elapsed() < probe.interval * 3,
+        "primary not probed recently"
+    );
+    assert!(snap.topology.hosts()[0].alive);
+
+    relay.set_blackhole(false);
+    until(&e, "host back after the partition", WAIT, |s| {
+        s.topology.hosts()[1]
+            .alive
+            .then_some(())
+            .ok_or("dead".into())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_reconnects_after_a_reset() {
+    let c = TestCluster::builder().replicas(1).start();
+    let relay = Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string()];
+    let e = engine(&addrs, TopologyConfig::default());
+    until(&e, "both alive", WAIT, |s| {
+        s.topology
+            .hosts()
+            .iter()
+            .all(|h| h.alive)
+            .then_some(())
+            .ok_or("not yet".into())
+    })
+    .await;
+    relay.reset_all();
+    let r0 = e.snapshot().round;
+    e.wait_round(r0 + 3).await;
+    let snap = e.snapshot();
+    assert!(snap.topology.hosts()[1].alive, "probe did not reconnect");
+    assert_eq!(relay.connections(), 1, "exactly one probe connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_replica_is_skipped_and_readmitted_after_hold() {
+    let c = TestCluster::builder().replicas(2).start();
+    let hold = Duration::from_millis(1500);
+    let e = engine(
+        &c.addrs(),
+        TopologyConfig {
+            max_replica_lag: Some(LagLimit {
+                bytes: Some(1 << 20),
+                time: None,
+            }),
+            lag_hold: hold,
+        },
+    );
+    until(&e, "all alive", WAIT, |s| {
+        s.topology
+            .hosts()
+            .iter()
+            .all(|h| h.alive)
+            .then_some(())
+            .ok_or("not yet".into())
+    })
+    .await;
+    // A replayed commit first, so the replica has a replay timestamp to
+    // measure its delay against.
+    sql(&c.conninfo(0), "CREATE TABLE first_commit (x int)").await;
+    until(&e, "replicas caught up", WAIT, |s| {
+        let lags: Vec<_> = s.topology.hosts()[1..]
+            .iter()
+            .map(|h| h.lag_bytes)
+            .collect();
+        (lags == [Some(0), Some(0)])
+            .then_some(())
+            .ok_or(format!("{lags:?}"))
+    })
+    .await;
+    let replayed = c.conninfo(1);
+    pgwarden_testkit::eventually("node2 replayed a commit", WAIT, || {
+        let ci = replayed.clone();
+        async move {
+            match sql_value(&ci, "SELECT pg_last_xact_replay_timestamp() IS NOT NULL").await {
+                Some(v) if v == "t" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    sql(&c.conninfo(1), "SELECT pg_wal_replay_pause()").await;
+    sql(
+        &c.conninfo(0),
+        "CREATE TABLE filler AS SELECT g, repeat('x', 200) AS pad FROM generate_series(1, 40000) g",
+    )
+    .await;
+    let snap = until(&e, "node2 excluded for lag, node3 not", WAIT, |s| {
+        let h = s.topology.hosts();
+        (h[1].lag_excluded
+            && !h[2].lag_excluded
+            && h[1].replay_delay.is_some_and(|d| d > Duration::ZERO))
+        .then_some(())
+        .ok_or(format!(
+            "lag {:?} {:?} delay {:?}",
+            h[1].lag_bytes, h[2].lag_bytes, h[1].replay_delay
+        ))
+    })
+    .await;
+    assert!(snap.topology.hosts()[1].lag_bytes.unwrap() > 1 << 20);
+    assert!(snap.topology.hosts()[1].alive, "lagging is not dead");
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 6)
+        .iter()
+        .all(|&i| i == 2));
+
+    sql(&c.conninfo(1), "SELECT pg_wal_replay_resume()").await;
+    let caught_up = until(&e, "node2 within the limit", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.lag_bytes.is_some_and(|l| l <= 1 << 20))
+            .then_some(())
+            .ok_or(format!("{:?}", h.lag_bytes))
+    })
+    .await;
+    let seen_under = Instant::now();
+    if caught_up.topology.hosts()[1].lag_excluded {
+        let snap = until(&e, "node2 readmitted", WAIT, |s| {
+            (!s.topology.hosts()[1].lag_excluded)
+                .then_some(())
+                .ok_or("excluded".into())
+        })
+        .await;
+        // Not before it stayed under the limit for the hold time (the
+        // first under-limit probe may precede our observation by a round).
+        assert!(seen_under.elapsed() + fast_probe().interval * 2 >= hold);
+        let got: BTreeSet<usize> = picks(&sel, &snap.topology, &Want::Replica, 4)
+            .into_iter()
+            .collect();
+        assert_eq!(got, BTreeSet::from([1, 2]));
+    } else {
+        panic!("readmitted at once, without the hold time");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_primaries_higher_timeline_wins_equal_timelines_conflict() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let other = TestCluster::builder().replicas(0).start();
+    // A promoted replica moves to timeline 2 while the old primary still runs.
+    c.node(1).promote().unwrap();
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "both primaries seen", WAIT, |s| {
+        let r = roles(&s.topology);
+        (r == [(Role::Primary, true), (Role::Primary, true)])
+            .then_some(())
+            .ok_or(format!("{r:?}"))
+    })
+    .await;
+    assert_eq!(snap.topology.hosts()[1].timeline, Some(2));
+    assert_eq!(snap.topology.primary(), Some(1));
+    assert!(!snap.topology.conflict());
+
+    // Two unrelated primaries on timeline 1: nobody is selectable.
+    let e2 = engine(&[c.addr(0), other.addr(0)], TopologyConfig::default());
+    let snap = until(&e2, "conflict", WAIT, |s| {
+        s.topology
+            .conflict()
+            .then_some(())
+            .ok_or(format!("{:?}", roles(&s.topology)))
+    })
+    .await;
+    assert_eq!(snap.topology.primary(), None);
+    assert_eq!(
+        Selector::default().select(&snap.topology, &Want::Primary),
+        Err(NoTarget::PrimaryConflict)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_replica_is_flagged_and_kept_out_of_replica_reads() {
+    let c = TestCluster::builder()
+        .replicas(2)
+        .delayed(Duration::from_secs(600))
+        .start();
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "delayed replica flagged", WAIT, |s| {
+        let h = &s.topology.hosts()[2];
+        (h.alive && h.delayed).then_some(()).ok_or(format!("{h:?}"))
+    })
+    .await;
+    assert!(!snap.topology.hosts()[1].delayed);
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 4)
+        .iter()
+        .all(|&i| i == 1));
+    assert_eq!(sel.select(&snap.topology, &Want::Delayed), Ok(2));
+    // A commit reaches the delayed replica but is not applied: it lags in
+    // bytes, and its delay is unknown (nothing replayed since it started)
+    // rather than a misleading zero.
+    sql(&c.conninfo(0), "CREATE TABLE t_delay (x int)").await;
+    let snap = until(&e, "delayed replica lags", WAIT, |s| {
+        let h = &s.topology.hosts()[2];
+        h.lag_bytes
+            .is_some_and(|l| l > 0)
+            .then_some(())
+            .ok_or(format!("{:?}", h.lag_bytes))
+    })
+    .await;
+    assert_ne!(snap.topology.hosts()[2].replay_delay, Some(Duration::ZERO));
+}

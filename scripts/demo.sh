@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job, from a fresh machine: install PostgreSQL if missing, build
+# pgwarden, start a local cluster (a primary and two replicas) and watch its
+# topology. Ctrl-C stops and removes everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+cargo build --release --quiet
+exec target/release/pgwarden demo "$@"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the system packages pgwarden's demo and tests need on Debian 12:
+# the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench).
+# Idempotent: does nothing when everything is already there.
+set -euo pipefail
+
+packages=(postgresql-15 postgresql-client-15)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+echo "installing: ${missing[*]}" >&2
+$sudo apt-get update -qq
+# The package would start a cluster of its own on 5432; pgwarden manages its
+# own clusters, so keep services from starting during the install.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' | $sudo tee /usr/sbin/policy-rc.d >/dev/null
+  $sudo chmod +x /usr/sbin/policy-rc.d
+  trap '$sudo rm -f /usr/sbin/policy-rc.d' EXIT
+fi
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
