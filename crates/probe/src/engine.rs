@@ -66,6 +66,7 @@ enum Command {
 pub struct Engine {
     snapshot: Arc<ArcSwap<Snapshot>>,
     rounds: watch::Receiver<u64>,
+    changes: watch::Receiver<u64>,
     commands: mpsc::UnboundedSender<Command>,
     task: JoinHandle<()>,
 }
@@ -78,10 +79,12 @@ impl Engine {
             round: 0,
         }));
         let (round_tx, rounds) = watch::channel(0);
+        let (changes_tx, changes) = watch::channel(0);
         let (commands, command_rx) = mpsc::unbounded_channel();
         let aggregator = Aggregator {
             snapshot: snapshot.clone(),
             round_tx,
+            changes: changes_tx,
             probe: Arc::new(probe),
             hosts,
         };
@@ -89,6 +92,7 @@ impl Engine {
         Engine {
             snapshot,
             rounds,
+            changes,
             commands,
             task,
         }
@@ -107,6 +111,13 @@ impl Engine {
     /// Completed round numbers, to await the next round.
     pub fn rounds(&self) -> watch::Receiver<u64> {
         self.rounds.clone()
+    }
+
+    /// A counter bumped on every published snapshot, for reacting to a
+    /// change (a host found dead, a new primary) without waiting for the
+    /// round to end.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.clone()
     }
 
     /// Waits until round `n` has completed.
@@ -135,6 +146,7 @@ impl Drop for Engine {
 struct Aggregator {
     snapshot: Arc<ArcSwap<Snapshot>>,
     round_tx: watch::Sender<u64>,
+    changes: watch::Sender<u64>,
     probe: Arc<ProbeConfig>,
     hosts: Vec<HostConfig>,
 }
@@ -264,6 +276,7 @@ impl Aggregator {
             topology: topology.clone(),
             round,
         }));
+        self.changes.send_modify(|v| *v += 1);
     }
 }
 

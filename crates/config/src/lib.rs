@@ -1,0 +1,86 @@
+//! The pgwarden configuration file.
+//!
+//! The file is TOML. [`load`] reads and checks it in one step and returns a
+//! [`Config`] in which every default is filled in and every derived value
+//! (listen ports, per-service policies) is worked out, so the rest of
+//! pgwarden never needs to know which keys were actually written.
+//!
+//! Mistakes are reported with the file name, the line and the key: values
+//! that can be judged alone are checked while the TOML is deserialised, so
+//! the parser's own position information applies; checks that combine
+//! several keys recover positions from `toml::Spanned` values.
+//!
+//! * [`sections`]: one resolved type per section.
+//! * [`service`]: services and what they select.
+//! * [`duration`]: the duration syntax shared by all time-valued keys.
+
+pub mod duration;
+mod error;
+mod keypath;
+mod raw;
+mod resolve;
+pub mod sections;
+pub mod service;
+
+use std::path::Path;
+
+pub use duration::{format_duration, parse_duration, DurationError};
+pub use error::ConfigError;
+pub use sections::{
+    ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat, PoolConfig, PoolMode,
+    PoolOverride,
+};
+pub use service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
+
+/// A complete, checked configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// `[cluster]`.
+    pub cluster: ClusterConfig,
+    /// `[listen]`, with absent addresses derived.
+    pub listen: ListenConfig,
+    /// `[engine]`.
+    pub engine: EngineConfig,
+    /// `[pool]`.
+    pub pool: PoolConfig,
+    /// `[log]`.
+    pub log: LogConfig,
+    /// Resolved services; private so that the listener checks made at load
+    /// time cannot be bypassed.
+    services: Vec<ServiceConfig>,
+}
+
+impl Config {
+    /// Every service: `read_write`, then `read_only`, then the
+    /// `[services.NAME]` tables in name order.
+    pub fn services(&self) -> Vec<ServiceConfig> {
+        self.services.clone()
+    }
+
+    /// The service called `name`, if there is one.
+    pub fn service(&self, name: &str) -> Option<&ServiceConfig> {
+        self.services.iter().find(|s| s.name == name)
+    }
+}
+
+/// Reads and checks the configuration file at `path`.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+        path: path.to_path_buf(),
+        error,
+    })?;
+    parse(&text, &path.display().to_string())
+}
+
+/// Checks configuration text; `origin` names it in error messages, and is
+/// normally the file name.
+pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    let src = resolve::Source { text, origin };
+    let raw: raw::RawFile = toml::from_str(text).map_err(|error| ConfigError::Syntax {
+        origin: origin.to_string(),
+        line: error.span().map(|s| src.line_of(s.start)),
+        key: error.span().and_then(|s| keypath::key_at(text, &s)),
+        error: Box::new(error),
+    })?;
+    resolve::resolve(raw, &src)
+}

@@ -1,0 +1,612 @@
+//! From the raw file to a [`Config`]: defaults, derived values and the
+//! checks that involve more than one key.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::ops::Range;
+use std::time::Duration;
+
+use pgwarden_topology::{HostConfig, SelectPolicy};
+use toml::Spanned;
+
+use crate::duration::Dur;
+use crate::error::ConfigError;
+use crate::keypath::segment as key_segment;
+use crate::raw::{
+    ListenAddr, RawCluster, RawEngine, RawFile, RawListen, RawLog, RawPool, RawPoolOverride,
+    RawService,
+};
+use crate::sections::{
+    ClusterConfig, EngineConfig, ListenConfig, LogConfig, PoolConfig, PoolOverride,
+};
+use crate::service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
+use crate::Config;
+
+/// How far the derived listen ports sit above the first host's port.
+const RW_OFFSET: u32 = 1000;
+const RO_OFFSET: u32 = 1001;
+const HTTP_OFFSET: u32 = 1002;
+
+/// Longest service name; names end up in metrics labels and log fields,
+/// where a bounded length keeps them readable.
+const MAX_NAME_LEN: usize = 63;
+
+/// Upper bound for `engine.worker_threads`, far above anything useful, to
+/// catch a misplaced digit before it spawns thousands of threads.
+const MAX_WORKER_THREADS: usize = 1024;
+
+const LOG_LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// Where the text came from, for turning byte spans into error messages.
+pub(crate) struct Source<'a> {
+    pub text: &'a str,
+    pub origin: &'a str,
+}
+
+impl Source<'_> {
+    /// 1-based line of a byte offset.
+    pub fn line_of(&self, offset: usize) -> usize {
+        let end = offset.min(self.text.len());
+        self.text.as_bytes()[..end]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            + 1
+    }
+
+    fn invalid(
+        &self,
+        span: Option<Range<usize>>,
+        key: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ConfigError {
+        ConfigError::Invalid {
+            origin: self.origin.to_string(),
+            line: span.map(|s| self.line_of(s.start)),
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigError> {
+    // Derived listen ports come from the first host, so errors about them
+    // point at it.
+    let first_host = raw.cluster.hosts.0[0].span();
+    let cluster = cluster(raw.cluster, src)?;
+    let engine = engine(&raw.engine, src)?;
+    let pool = pool(raw.pool, src)?;
+    let log = log(raw.log, src)?;
+    let (listen, services) = services(
+        &raw.listen,
+        raw.services,
+        first_host,
+        &cluster,
+        &engine,
+        &pool,
+        src,
+    )?;
+    Ok(Config {
+        cluster,
+        listen,
+        engine,
+        pool,
+        log,
+        services,
+    })
+}
+
+fn cluster(raw: RawCluster, src: &Source<'_>) -> Result<ClusterConfig, ConfigError> {
+    let mut hosts: Vec<HostConfig> = Vec::with_capacity(raw.hosts.0.len());
+    for item in raw.hosts.0 {
+        let span = item.span();
+        let h = item.into_inner();
+        // Host names are case-insensitive, so DB1 and db1 are one server.
+        if let Some(other) = hosts
+            .iter()
+            .find(|o| o.addr.port == h.addr.port && o.addr.host.eq_ignore_ascii_case(&h.addr.host))
+        {
+            return Err(src.invalid(
+                Some(span),
+                "cluster.hosts",
+                format!("{} is listed more than once", other.addr),
+            ));
+        }
+        if let Some(name) = &h.application_name {
+            if let Some(other) = hosts
+                .iter()
+                .find(|o| o.application_name.as_deref() == Some(name))
+            {
+                return Err(src.invalid(
+                    Some(span),
+                    "cluster.hosts",
+                    format!(
+                        "application_name {name:?} of {} is already used by {}",
+                        h.addr, other.addr
+                    ),
+                ));
+            }
+        }
+        hosts.push(HostConfig {
+            addr: h.addr,
+            application_name: h.application_name,
+            tags: h.tags,
+        });
+    }
+    if let (Some(_), Some(file)) = (&raw.password, &raw.password_file) {
+        return Err(src.invalid(
+            Some(file.span()),
+            "cluster.password_file",
+            "cluster.password is set too; keep only one of them",
+        ));
+    }
+    let d = ClusterConfig::new(Vec::new());
+    Ok(ClusterConfig {
+        hosts,
+        user: raw.user.map_or(d.user, |s| s.0),
+        dbname: raw.dbname.map_or(d.dbname, |s| s.0),
+        password: raw.password.map(Spanned::into_inner),
+        password_file: raw.password_file.map(|p| p.into_inner().into()),
+        probe_interval: raw.probe_interval.map_or(d.probe_interval, |v| v.0),
+        connect_timeout: raw.connect_timeout.map_or(d.connect_timeout, |v| v.0),
+        query_timeout: raw.query_timeout.map_or(d.query_timeout, |v| v.0),
+        rtt_threshold: raw.rtt_threshold.map_or(d.rtt_threshold, |v| v.0),
+        rtt_threshold_enabled: raw.rtt_threshold_enabled.unwrap_or(d.rtt_threshold_enabled),
+        max_replica_lag_bytes: raw.max_replica_lag_bytes,
+        max_replica_lag: raw.max_replica_lag.map(|v| v.0),
+        lag_hold: raw.lag_hold.map_or(d.lag_hold, |v| v.0),
+    })
+}
+
+fn engine(raw: &RawEngine, src: &Source<'_>) -> Result<EngineConfig, ConfigError> {
+    let d = EngineConfig::default();
+    if let Some(n) = &raw.worker_threads {
+        if !(1..=MAX_WORKER_THREADS).contains(n.get_ref()) {
+            return Err(src.invalid(
+                Some(n.span()),
+                "engine.worker_threads",
+                format!(
+                    "{} is out of range: expected 1 to {MAX_WORKER_THREADS}, or leave it out to size by core count",
+                    n.get_ref()
+                ),
+            ));
+        }
+    }
+    Ok(EngineConfig {
+        worker_threads: raw.worker_threads.as_ref().map(|n| *n.get_ref()),
+        connect_wait_timeout: raw
+            .connect_wait_timeout
+            .map_or(d.connect_wait_timeout, |v| v.0),
+        server_connect_timeout: raw
+            .server_connect_timeout
+            .map_or(d.server_connect_timeout, |v| v.0),
+        shutdown_timeout: raw.shutdown_timeout.map_or(d.shutdown_timeout, |v| v.0),
+    })
+}
+
+/// Zero turns a pool timeout off.
+fn optional_timeout(v: Option<Dur>, default: Option<Duration>) -> Option<Duration> {
+    match v {
+        Some(Dur(d)) if d.is_zero() => None,
+        Some(Dur(d)) => Some(d),
+        None => default,
+    }
+}
+
+fn at_least_one(v: &Option<Spanned<u32>>, key: &str, src: &Source<'_>) -> Result<(), ConfigError> {
+    match v {
+        Some(s) if *s.get_ref() == 0 => Err(src.invalid(Some(s.span()), key, "must be at least 1")),
+        _ => Ok(()),
+    }
+}
+
+fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
+    let d = PoolConfig::default();
+    at_least_one(&raw.size, "pool.size", src)?;
+    at_least_one(&raw.max_client_conn, "pool.max_client_conn", src)?;
+    let size = raw.size.as_ref().map_or(d.size, |s| *s.get_ref());
+    let min_size = raw.min_size.as_ref().map_or(d.min_size, |s| *s.get_ref());
+    if let Some(m) = &raw.min_size {
+        if min_size > size {
+            return Err(src.invalid(
+                Some(m.span()),
+                "pool.min_size",
+                format!("{min_size} is larger than pool.size ({size})"),
+            ));
+        }
+    }
+    let databases = overrides("databases", raw.databases, min_size, src)?;
+    let users = overrides("users", raw.users, min_size, src)?;
+    Ok(PoolConfig {
+        mode: raw.mode.unwrap_or(d.mode),
+        size,
+        min_size,
+        max_client_conn: raw
+            .max_client_conn
+            .map_or(d.max_client_conn, Spanned::into_inner),
+        server_idle_timeout: optional_timeout(raw.server_idle_timeout, d.server_idle_timeout),
+        server_lifetime: optional_timeout(raw.server_lifetime, d.server_lifetime),
+        query_wait_timeout: optional_timeout(raw.query_wait_timeout, d.query_wait_timeout),
+        client_idle_timeout: optional_timeout(raw.client_idle_timeout, d.client_idle_timeout),
+        databases,
+        users,
+    })
+}
+
+/// `[pool.databases]` or `[pool.users]`.
+fn overrides(
+    table: &str,
+    raw: BTreeMap<Spanned<String>, RawPoolOverride>,
+    min_size: u32,
+    src: &Source<'_>,
+) -> Result<BTreeMap<String, PoolOverride>, ConfigError> {
+    let mut out = BTreeMap::new();
+    for (name, o) in raw {
+        let prefix = format!("pool.{table}.{}", key_segment(name.get_ref()));
+        if name.get_ref().is_empty() {
+            return Err(src.invalid(Some(name.span()), prefix, "name must not be empty"));
+        }
+        if let Some(s) = &o.size {
+            let key = format!("{prefix}.size");
+            at_least_one(&o.size, &key, src)?;
+            // Keeping min_size connections in a pool capped below that
+            // could never be satisfied.
+            if *s.get_ref() < min_size {
+                return Err(src.invalid(
+                    Some(s.span()),
+                    key,
+                    format!("{} is smaller than pool.min_size ({min_size})", s.get_ref()),
+                ));
+            }
+        }
+        out.insert(
+            name.into_inner(),
+            PoolOverride {
+                mode: o.mode,
+                size: o.size.map(Spanned::into_inner),
+            },
+        );
+    }
+    Ok(out)
+}
+
+fn log(raw: RawLog, src: &Source<'_>) -> Result<LogConfig, ConfigError> {
+    let d = LogConfig::default();
+    let level = match raw.level {
+        None => d.level,
+        Some(l) => {
+            let text = l.get_ref().trim();
+            // A filter with targets is passed through for the logging
+            // library to judge; a lone word must be a level, which catches
+            // the common typo.
+            let is_filter = text.contains('=') || text.contains(',');
+            if text.is_empty()
+                || (!is_filter && !LOG_LEVELS.iter().any(|v| v.eq_ignore_ascii_case(text)))
+            {
+                return Err(src.invalid(
+                    Some(l.span()),
+                    "log.level",
+                    format!(
+                        "unknown level {:?}: expected one of {} or a filter such as \"info,pgwarden_probe=debug\"",
+                        l.get_ref(),
+                        LOG_LEVELS.join(", ")
+                    ),
+                ));
+            }
+            text.to_string()
+        }
+    };
+    Ok(LogConfig {
+        level,
+        format: raw.format.unwrap_or(d.format),
+    })
+}
+
+/// Whether a service name can be used as written.
+fn valid_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b) if b.is_ascii_alphabetic())
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        && name.len() <= MAX_NAME_LEN
+}
+
+/// A listener in the making: where its address came from decides which
+/// key an error names and which line it points at.
+struct Listener {
+    key: String,
+    addr: SocketAddr,
+    /// `None` when derived from the first host's port.
+    span: Option<Range<usize>>,
+}
+
+/// Both listeners claim the same port on addresses that overlap: equal, or
+/// one of them a wildcard that covers the other (`[::]` covers IPv4 too on
+/// a dual-stack system, which is the common default).
+fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers = |w: SocketAddr, x: SocketAddr| match w.ip() {
+        IpAddr::V6(ip) => ip.is_unspecified(),
+        IpAddr::V4(ip) => ip.is_unspecified() && x.is_ipv4(),
+    };
+    a.port() == b.port() && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+}
+
+fn check_distinct(listeners: &[Listener], src: &Source<'_>) -> Result<(), ConfigError> {
+    for (j, later) in listeners.iter().enumerate() {
+        let Some(earlier) = listeners[..j].iter().find(|e| overlaps(e.addr, later.addr)) else {
+            continue;
+        };
+        // Point at a key the operator actually wrote when one of the two
+        // was derived.
+        let (at, other) = if later.span.is_none() && earlier.span.is_some() {
+            (earlier, later)
+        } else {
+            (later, earlier)
+        };
+        let derived = if other.span.is_none() {
+            " (derived from the first host's port)"
+        } else {
+            ""
+        };
+        let message = if at.addr == other.addr {
+            format!("{} is already used by {}{derived}", at.addr, other.key)
+        } else {
+            format!(
+                "{} overlaps {} of {}{derived}",
+                at.addr, other.addr, other.key
+            )
+        };
+        return Err(src.invalid(at.span.clone(), at.key.clone(), message));
+    }
+    Ok(())
+}
+
+fn services(
+    raw_listen: &RawListen,
+    mut raw_services: BTreeMap<Spanned<String>, RawService>,
+    first_host: Range<usize>,
+    cluster: &ClusterConfig,
+    engine: &EngineConfig,
+    pool: &PoolConfig,
+    src: &Source<'_>,
+) -> Result<(ListenConfig, Vec<ServiceConfig>), ConfigError> {
+    for name in raw_services.keys() {
+        if !valid_name(name.get_ref()) {
+            return Err(src.invalid(
+                Some(name.span()),
+                format!("services.{}", key_segment(name.get_ref())),
+                format!(
+                    "invalid service name: use a letter followed by letters, digits, '_' or '-', at most {MAX_NAME_LEN} characters"
+                ),
+            ));
+        }
+    }
+    // The implicit services are handled apart from the named ones.
+    let mut take = |name: &str| {
+        let key = raw_services.keys().find(|k| k.get_ref() == name)?.clone();
+        raw_services.remove(&key)
+    };
+    let rw = take(READ_WRITE);
+    let ro = take(READ_ONLY);
+
+    // The first host's span stands in for the missing key: changing that
+    // port, or setting the key, is the fix.
+    let first = &cluster.hosts[0];
+    let derive = |key: &str, offset: u32| -> Result<Listener, ConfigError> {
+        let port = u32::from(first.addr.port) + offset;
+        let port = u16::try_from(port).map_err(|_| {
+            src.invalid(
+                Some(first_host.clone()),
+                key,
+                format!(
+                    "not set, and the derived port {port} (port {} of the first host + {offset}) is above 65535; set {key} explicitly",
+                    first.addr.port
+                ),
+            )
+        })?;
+        Ok(Listener {
+            key: key.to_string(),
+            addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port),
+            span: None,
+        })
+    };
+    let written = |key: &str, v: &Spanned<ListenAddr>| Listener {
+        key: key.to_string(),
+        addr: v.get_ref().0,
+        span: Some(v.span()),
+    };
+    // An implicit service's address can come from [listen] or from its
+    // own table, but not both: two sources for one value invite edits to
+    // the one that is not in effect.
+    let implicit = |name: &str,
+                    from_listen: &Option<Spanned<ListenAddr>>,
+                    raw: Option<&RawService>,
+                    offset: u32|
+     -> Result<Listener, ConfigError> {
+        let listen_key = format!("listen.{name}");
+        let service_key = format!("services.{name}.listen");
+        match (from_listen, raw.and_then(|r| r.listen.as_ref())) {
+            (Some(_), Some(s)) => Err(src.invalid(
+                Some(s.span()),
+                service_key,
+                format!("{listen_key} is set too; keep only one of them"),
+            )),
+            (Some(l), None) => Ok(written(&listen_key, l)),
+            (None, Some(s)) => Ok(written(&service_key, s)),
+            (None, None) => derive(&listen_key, offset),
+        }
+    };
+    let rw_listener = implicit(READ_WRITE, &raw_listen.read_write, rw.as_ref(), RW_OFFSET)?;
+    let ro_listener = implicit(READ_ONLY, &raw_listen.read_only, ro.as_ref(), RO_OFFSET)?;
+    let http_listener = match &raw_listen.http {
+        Some(l) => written("listen.http", l),
+        None => derive("listen.http", HTTP_OFFSET)?,
+    };
+
+    let listen = ListenConfig {
+        read_write: rw_listener.addr,
+        read_only: ro_listener.addr,
+        http: http_listener.addr,
+    };
+    let defaults = Defaults {
+        cluster,
+        engine,
+        pool,
+        src,
+    };
+    let mut out = vec![
+        defaults.service(
+            READ_WRITE,
+            rw.as_ref(),
+            ServiceKind::Primary,
+            listen.read_write,
+        )?,
+        defaults.service(
+            READ_ONLY,
+            ro.as_ref(),
+            ServiceKind::Replica,
+            listen.read_only,
+        )?,
+    ];
+    let mut listeners = vec![rw_listener, ro_listener, http_listener];
+    for (name, raw) in &raw_services {
+        let prefix = format!("services.{}", name.get_ref());
+        let required =
+            |what: &str| src.invalid(Some(name.span()), format!("{prefix}.{what}"), "is required");
+        let listen = raw.listen.as_ref().ok_or_else(|| required("listen"))?;
+        let kind = raw.select.as_ref().ok_or_else(|| required("select"))?;
+        listeners.push(written(&format!("{prefix}.listen"), listen));
+        out.push(defaults.service(
+            name.get_ref(),
+            Some(raw),
+            *kind.get_ref(),
+            listen.get_ref().0,
+        )?);
+    }
+    check_distinct(&listeners, src)?;
+    Ok((listen, out))
+}
+
+/// Cluster-, engine- and pool-wide values that services inherit.
+struct Defaults<'a> {
+    cluster: &'a ClusterConfig,
+    engine: &'a EngineConfig,
+    pool: &'a PoolConfig,
+    src: &'a Source<'a>,
+}
+
+impl Defaults<'_> {
+    fn service(
+        &self,
+        name: &str,
+        raw: Option<&RawService>,
+        default_kind: ServiceKind,
+        listen: SocketAddr,
+    ) -> Result<ServiceConfig, ConfigError> {
+        let prefix = format!("services.{name}");
+        let kind = raw
+            .and_then(|r| r.select.as_ref())
+            .map_or(default_kind, |s| *s.get_ref());
+        if name == READ_WRITE && !kind.is_primary() {
+            let span = raw.and_then(|r| r.select.as_ref()).map(|s| s.span());
+            return Err(self.src.invalid(
+                span,
+                format!("{prefix}.select"),
+                format!("the read_write service must select primary or default, not {kind}"),
+            ));
+        }
+        // The read_only service keeps its promise even when pointed at the
+        // primary; any other primary service is writable unless told.
+        let default_read_only = !kind.is_primary() || name == READ_ONLY;
+        let read_only = match raw.and_then(|r| r.read_only.as_ref()) {
+            None => default_read_only,
+            Some(v) => {
+                let v_bool = *v.get_ref();
+                if !v_bool && !kind.is_primary() {
+                    return Err(self.src.invalid(
+                        Some(v.span()),
+                        format!("{prefix}.read_only"),
+                        format!(
+                            "cannot be false for select = \"{kind}\": a replica cannot take writes"
+                        ),
+                    ));
+                }
+                if v_bool && name == READ_WRITE {
+                    return Err(self.src.invalid(
+                        Some(v.span()),
+                        format!("{prefix}.read_only"),
+                        "the read_write service cannot be read-only; define a separate service",
+                    ));
+                }
+                v_bool
+            }
+        };
+        let policy = SelectPolicy {
+            strategy: raw.and_then(|r| r.strategy).unwrap_or_default(),
+            rtt_threshold: raw
+                .and_then(|r| r.rtt_threshold)
+                .map_or(self.cluster.rtt_threshold, |v| v.0),
+            rtt_threshold_enabled: raw
+                .and_then(|r| r.rtt_threshold_enabled)
+                .unwrap_or(self.cluster.rtt_threshold_enabled),
+            fallback_to_primary: raw
+                .and_then(|r| r.fallback_to_primary)
+                .unwrap_or(kind.default_fallback()),
+        };
+        Ok(ServiceConfig {
+            name: name.to_string(),
+            kind,
+            listen,
+            want: kind.want(),
+            policy,
+            read_only,
+            pool_mode: raw.and_then(|r| r.pool_mode).unwrap_or(self.pool.mode),
+            connect_wait_timeout: raw
+                .and_then(|r| r.connect_wait_timeout)
+                .map_or(self.engine.connect_wait_timeout, |v| v.0),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn overlap_rules() {
+        assert!(overlaps(sa("127.0.0.1:1"), sa("127.0.0.1:1")));
+        assert!(!overlaps(sa("127.0.0.1:1"), sa("127.0.0.1:2")));
+        assert!(!overlaps(sa("127.0.0.1:1"), sa("127.0.0.2:1")));
+        assert!(overlaps(sa("0.0.0.0:1"), sa("10.0.0.1:1")));
+        assert!(overlaps(sa("10.0.0.1:1"), sa("0.0.0.0:1")));
+        assert!(!overlaps(sa("0.0.0.0:1"), sa("[::1]:1")));
+        assert!(overlaps(sa("[::]:1"), sa("127.0.0.1:1")));
+        assert!(overlaps(sa("[::1]:1"), sa("[::]:1")));
+    }
+
+    #[test]
+    fn names() {
+        for ok in ["standby", "a", "reports-2", "x_y", &"a".repeat(63)] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in ["", "2x", "-a", "a b", "a.b", "é", &"a".repeat(64)] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn line_numbers() {
+        let src = Source {
+            text: "a\nbb\n\nc",
+            origin: "f",
+        };
+        assert_eq!(src.line_of(0), 1);
+        assert_eq!(src.line_of(2), 2);
+        assert_eq!(src.line_of(5), 3);
+        assert_eq!(src.line_of(6), 4);
+        assert_eq!(src.line_of(999), 4);
+    }
+}

@@ -1,0 +1,286 @@
+//! The resolved configuration, one type per section of the file.
+//!
+//! These are plain values with every default filled in; the serde-facing
+//! shapes, which must keep optional keys and source positions apart, live
+//! in `raw` and never leave the crate.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pgwarden_topology::{HostConfig, LagLimit, TopologyConfig};
+use serde::Deserialize;
+
+/// `[cluster]`: the PostgreSQL servers and how the prober talks to them.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// The managed servers, in file order. Never empty, no duplicates.
+    pub hosts: Vec<HostConfig>,
+    /// Role the prober logs in as.
+    pub user: String,
+    /// Database the prober connects to.
+    pub dbname: String,
+    /// Password written in the file, if any.
+    pub password: Option<String>,
+    /// File whose first line is the password; never set together with
+    /// `password`.
+    pub password_file: Option<PathBuf>,
+    /// Time between the starts of two probe rounds; never zero.
+    pub probe_interval: Duration,
+    /// Longest a probe connection attempt may take; never zero.
+    pub connect_timeout: Duration,
+    /// Longest the probe query may take; never zero.
+    pub query_timeout: Duration,
+    /// Default RTT window for round-robin services.
+    pub rtt_threshold: Duration,
+    /// Whether services apply the RTT window unless they say otherwise.
+    pub rtt_threshold_enabled: bool,
+    /// Replicas further behind than this many WAL bytes stop taking reads.
+    pub max_replica_lag_bytes: Option<u64>,
+    /// Replicas whose replay is further behind than this stop taking reads.
+    pub max_replica_lag: Option<Duration>,
+    /// How long an excluded replica must stay within the lag limits before
+    /// it is readmitted.
+    pub lag_hold: Duration,
+}
+
+impl ClusterConfig {
+    /// A cluster section with the given hosts and every other key at its
+    /// default.
+    pub fn new(hosts: Vec<HostConfig>) -> Self {
+        ClusterConfig {
+            hosts,
+            user: "postgres".into(),
+            dbname: "postgres".into(),
+            password: None,
+            password_file: None,
+            probe_interval: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(2),
+            query_timeout: Duration::from_secs(2),
+            rtt_threshold: Duration::from_millis(20),
+            rtt_threshold_enabled: true,
+            max_replica_lag_bytes: None,
+            max_replica_lag: None,
+            lag_hold: TopologyConfig::default().lag_hold,
+        }
+    }
+
+    /// The topology tunables these settings imply.
+    pub fn topology_config(&self) -> TopologyConfig {
+        let limited = self.max_replica_lag_bytes.is_some() || self.max_replica_lag.is_some();
+        TopologyConfig {
+            max_replica_lag: limited.then_some(LagLimit {
+                bytes: self.max_replica_lag_bytes,
+                time: self.max_replica_lag,
+            }),
+            lag_hold: self.lag_hold,
+        }
+    }
+
+    /// The hosts, as the topology wants them.
+    pub fn host_configs(&self) -> Vec<HostConfig> {
+        self.hosts.clone()
+    }
+}
+
+// Written by hand so that a password never ends up in a log line through
+// `{:?}`.
+impl fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("hosts", &self.hosts)
+            .field("user", &self.user)
+            .field("dbname", &self.dbname)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("password_file", &self.password_file)
+            .field("probe_interval", &self.probe_interval)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("query_timeout", &self.query_timeout)
+            .field("rtt_threshold", &self.rtt_threshold)
+            .field("rtt_threshold_enabled", &self.rtt_threshold_enabled)
+            .field("max_replica_lag_bytes", &self.max_replica_lag_bytes)
+            .field("max_replica_lag", &self.max_replica_lag)
+            .field("lag_hold", &self.lag_hold)
+            .finish()
+    }
+}
+
+/// `[listen]`: where the two default services and the HTTP endpoint
+/// accept connections, after deriving the ones the file left out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListenConfig {
+    /// The `read_write` service.
+    pub read_write: SocketAddr,
+    /// The `read_only` service.
+    pub read_only: SocketAddr,
+    /// The HTTP status and metrics endpoint.
+    pub http: SocketAddr,
+}
+
+/// `[engine]`: the proxy runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Worker threads; `None` sizes the pool from the core count, see
+    /// [`EngineConfig::effective_worker_threads`].
+    pub worker_threads: Option<usize>,
+    /// How long a new client may wait for an eligible host to appear
+    /// (during a failover, say) before it is turned away.
+    pub connect_wait_timeout: Duration,
+    /// Longest a connection to a PostgreSQL server may take to open.
+    pub server_connect_timeout: Duration,
+    /// On shutdown, how long to let clients finish before closing them.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            worker_threads: None,
+            connect_wait_timeout: Duration::from_secs(5),
+            server_connect_timeout: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Worker threads to start on a machine with `cores` cores.
+    ///
+    /// Relaying bytes needs far fewer threads than cores, and the machine
+    /// is usually shared with PostgreSQL itself; two is the floor so that
+    /// one busy connection cannot stall the rest.
+    pub fn effective_worker_threads(&self, cores: usize) -> usize {
+        self.worker_threads.unwrap_or((cores / 4).clamp(2, 8))
+    }
+}
+
+/// When a server connection goes back to the pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolMode {
+    /// When the client disconnects: every session feature works.
+    #[default]
+    Session,
+    /// At the end of each transaction: far fewer server connections, but
+    /// session state (prepared statements, `SET`, advisory locks) does not
+    /// survive between transactions.
+    Transaction,
+}
+
+impl fmt::Display for PoolMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PoolMode::Session => "session",
+            PoolMode::Transaction => "transaction",
+        })
+    }
+}
+
+/// `[pool.databases.NAME]` or `[pool.users.NAME]`: per-name exceptions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolOverride {
+    /// Pool mode for this database or user.
+    pub mode: Option<PoolMode>,
+    /// Pool size for this database or user; at least 1 and at least
+    /// `pool.min_size`.
+    pub size: Option<u32>,
+}
+
+/// `[pool]`: server connection pooling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Default pool mode.
+    pub mode: PoolMode,
+    /// Server connections per (host, database, user) pool; at least 1.
+    pub size: u32,
+    /// Server connections kept open even when idle; at most `size`.
+    pub min_size: u32,
+    /// Client connections accepted across all listeners; at least 1.
+    pub max_client_conn: u32,
+    /// Close server connections idle this long; `None` keeps them.
+    pub server_idle_timeout: Option<Duration>,
+    /// Close server connections this old once they are idle; `None` keeps
+    /// them indefinitely.
+    pub server_lifetime: Option<Duration>,
+    /// Fail a query that waited this long for a server connection; `None`
+    /// waits indefinitely.
+    pub query_wait_timeout: Option<Duration>,
+    /// Disconnect clients idle this long; `None` never does.
+    pub client_idle_timeout: Option<Duration>,
+    /// Exceptions by database name.
+    pub databases: BTreeMap<String, PoolOverride>,
+    /// Exceptions by user name.
+    pub users: BTreeMap<String, PoolOverride>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            mode: PoolMode::Session,
+            size: 20,
+            min_size: 0,
+            max_client_conn: 10_000,
+            server_idle_timeout: Some(Duration::from_secs(600)),
+            server_lifetime: Some(Duration::from_secs(3600)),
+            query_wait_timeout: Some(Duration::from_secs(120)),
+            client_idle_timeout: None,
+            databases: BTreeMap::new(),
+            users: BTreeMap::new(),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Pool mode for a client of a service whose mode is `service_mode`
+    /// (see [`crate::ServiceConfig::pool_mode`]). The most specific setting
+    /// wins: user, then database, then the service.
+    pub fn mode_for(&self, service_mode: PoolMode, database: &str, user: &str) -> PoolMode {
+        self.users
+            .get(user)
+            .and_then(|o| o.mode)
+            .or_else(|| self.databases.get(database).and_then(|o| o.mode))
+            .unwrap_or(service_mode)
+    }
+
+    /// Pool size for a (database, user) pair: user, then database, then
+    /// `pool.size`.
+    pub fn size_for(&self, database: &str, user: &str) -> u32 {
+        self.users
+            .get(user)
+            .and_then(|o| o.size)
+            .or_else(|| self.databases.get(database).and_then(|o| o.size))
+            .unwrap_or(self.size)
+    }
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// `[log]`: logging.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogConfig {
+    /// A level (`error`, `warn`, `info`, `debug`, `trace`, `off`) or a
+    /// filter such as `info,pgwarden_probe=debug`.
+    pub level: String,
+    /// Line format.
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}

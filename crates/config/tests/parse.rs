@@ -1,0 +1,630 @@
+//! The file format as an operator sees it: what parses, what the defaults
+//! are, and what the error messages point at.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pgwarden_config::{
+    parse, ConfigError, LogFormat, PoolMode, ServiceKind, READ_ONLY, READ_WRITE,
+};
+use pgwarden_topology::{HostAddr, LagLimit, Strategy, Want};
+
+const FILE: &str = "pgwarden.toml";
+
+const MINIMAL: &str = r#"[cluster]
+hosts = ["127.0.0.1:5432", "127.0.0.1:5433", "127.0.0.1:5434"]
+user = "postgres"              # the probe connects as this user
+
+[listen]
+read_write = "127.0.0.1:6432"
+read_only = "127.0.0.1:6433"
+http = "127.0.0.1:6434"
+
+[services.standby]
+listen = "127.0.0.1:6435"
+select = "standby"
+"#;
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Parses `text`, which must fail, and checks that the message names the
+/// file, the line and the key, so an operator can find the mistake.
+#[track_caller]
+fn fails(text: &str, line: usize, key: &str, why: &str) -> String {
+    let err = parse(text, FILE).expect_err("configuration should be rejected");
+    let msg = err.to_string();
+    assert_eq!(err.line(), Some(line), "wrong line in:\n{msg}");
+    assert!(msg.starts_with(FILE), "no file name in:\n{msg}");
+    assert!(
+        msg.contains(&format!("{FILE}:{line}:")) || msg.contains(&format!("at line {line},")),
+        "no line {line} in:\n{msg}"
+    );
+    assert!(msg.contains(key), "no key {key:?} in:\n{msg}");
+    assert!(msg.contains(why), "no {why:?} in:\n{msg}");
+    msg
+}
+
+/// A valid file with `extra` appended.
+fn with(extra: &str) -> String {
+    format!("[cluster]\nhosts = [\"db1:5432\", \"db2:5432\"]\n{extra}")
+}
+
+#[test]
+fn minimal_file() {
+    let c = parse(MINIMAL, FILE).unwrap();
+    let addrs: Vec<_> = c.cluster.hosts.iter().map(|h| h.addr.clone()).collect();
+    assert_eq!(
+        addrs,
+        [5432, 5433, 5434].map(|p| HostAddr::new("127.0.0.1", p))
+    );
+    assert_eq!(c.cluster.user, "postgres");
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:6432"));
+    assert_eq!(c.listen.read_only, sa("127.0.0.1:6433"));
+    assert_eq!(c.listen.http, sa("127.0.0.1:6434"));
+
+    let services = c.services();
+    let names: Vec<_> = services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, [READ_WRITE, READ_ONLY, "standby"]);
+
+    let rw = &services[0];
+    assert_eq!(rw.kind, ServiceKind::Primary);
+    assert_eq!(rw.want, Want::Primary);
+    assert!(!rw.read_only);
+    assert!(!rw.policy.fallback_to_primary);
+
+    let ro = &services[1];
+    assert_eq!(ro.want, Want::Replica);
+    assert_eq!(ro.listen, sa("127.0.0.1:6433"));
+    assert!(ro.read_only);
+    assert!(ro.policy.fallback_to_primary);
+
+    let sb = c.service("standby").unwrap();
+    assert_eq!(sb.kind, ServiceKind::Standby);
+    assert_eq!(sb.want, Want::SyncStandby);
+    assert_eq!(sb.listen, sa("127.0.0.1:6435"));
+    assert!(sb.read_only);
+    assert!(sb.policy.fallback_to_primary);
+    assert_eq!(sb.policy.strategy, Strategy::RoundRobin);
+    assert_eq!(sb.policy.rtt_threshold, ms(20));
+    assert!(sb.policy.rtt_threshold_enabled);
+    assert_eq!(sb.pool_mode, PoolMode::Session);
+    assert_eq!(sb.connect_wait_timeout, Duration::from_secs(5));
+
+    // Later additions to the same file.
+    let c = parse(
+        &format!("{MINIMAL}\n[pool]\nmode = \"transaction\"\nsize = 20\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.pool.mode, PoolMode::Transaction);
+    assert_eq!(
+        c.service("standby").unwrap().pool_mode,
+        PoolMode::Transaction
+    );
+}
+
+#[test]
+fn defaults() {
+    let c = parse("[cluster]\nhosts = [\"db1:5432\"]\n", FILE).unwrap();
+    let cl = &c.cluster;
+    assert_eq!(cl.user, "postgres");
+    assert_eq!(cl.dbname, "postgres");
+    assert_eq!(cl.password, None);
+    assert_eq!(cl.password_file, None);
+    assert_eq!(cl.probe_interval, Duration::from_secs(1));
+    assert_eq!(cl.connect_timeout, Duration::from_secs(2));
+    assert_eq!(cl.query_timeout, Duration::from_secs(2));
+    assert_eq!(cl.rtt_threshold, ms(20));
+    assert!(cl.rtt_threshold_enabled);
+    assert_eq!(cl.max_replica_lag_bytes, None);
+    assert_eq!(cl.max_replica_lag, None);
+    assert_eq!(cl.lag_hold, Duration::from_secs(10));
+    assert_eq!(cl.topology_config().max_replica_lag, None);
+    assert_eq!(cl.host_configs(), cl.hosts);
+
+    // Derived from the first host's port.
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:6432"));
+    assert_eq!(c.listen.read_only, sa("127.0.0.1:6433"));
+    assert_eq!(c.listen.http, sa("127.0.0.1:6434"));
+    assert_eq!(c.services().len(), 2);
+
+    assert_eq!(c.engine.worker_threads, None);
+    assert_eq!(c.engine.connect_wait_timeout, Duration::from_secs(5));
+    assert_eq!(c.engine.server_connect_timeout, Duration::from_secs(2));
+    assert_eq!(c.engine.shutdown_timeout, Duration::from_secs(30));
+    for (cores, threads) in [(1, 2), (8, 2), (12, 3), (32, 8), (128, 8)] {
+        assert_eq!(c.engine.effective_worker_threads(cores), threads, "{cores}");
+    }
+
+    let p = &c.pool;
+    assert_eq!(p.mode, PoolMode::Session);
+    assert_eq!((p.size, p.min_size, p.max_client_conn), (20, 0, 10_000));
+    assert_eq!(p.server_idle_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(p.server_lifetime, Some(Duration::from_secs(3600)));
+    assert_eq!(p.query_wait_timeout, Some(Duration::from_secs(120)));
+    assert_eq!(p.client_idle_timeout, None);
+    assert!(p.databases.is_empty() && p.users.is_empty());
+
+    assert_eq!(c.log.level, "info");
+    assert_eq!(c.log.format, LogFormat::Text);
+}
+
+#[test]
+fn derived_ports_follow_the_first_host() {
+    let c = parse("[cluster]\nhosts = [\"db1:6000\", \"db2:5432\"]\n", FILE).unwrap();
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:7000"));
+    assert_eq!(c.listen.read_only, sa("127.0.0.1:7001"));
+    assert_eq!(c.listen.http, sa("127.0.0.1:7002"));
+    // Only the missing ones are derived.
+    let c = parse(&with("[listen]\nread_only = \"0.0.0.0:7777\"\n"), FILE).unwrap();
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:6432"));
+    assert_eq!(c.listen.read_only, sa("0.0.0.0:7777"));
+}
+
+#[test]
+fn full_example_parses() {
+    let c = parse(
+        include_str!("../pgwarden.example.toml"),
+        "pgwarden.example.toml",
+    )
+    .unwrap();
+    let cl = &c.cluster;
+    assert_eq!(cl.hosts.len(), 4);
+    assert_eq!(cl.hosts[2].application_name.as_deref(), Some("n3"));
+    assert!(cl.hosts[2].has_tag("offline"));
+    assert_eq!(cl.hosts[3].addr, HostAddr::new("fd00::14", 5432));
+    assert_eq!(
+        cl.password_file.as_deref(),
+        Some(std::path::Path::new("/etc/pgwarden/password"))
+    );
+    let topo = cl.topology_config();
+    assert_eq!(
+        topo.max_replica_lag,
+        Some(LagLimit {
+            bytes: Some(16 << 20),
+            time: Some(Duration::from_secs(30)),
+        })
+    );
+    assert_eq!(c.engine.effective_worker_threads(64), 4);
+    assert_eq!(c.pool.min_size, 2);
+    assert_eq!(c.pool.client_idle_timeout, None);
+    assert_eq!(c.pool.size_for("analytics", "app"), 5);
+    assert_eq!(c.pool.size_for("other", "app"), 20);
+    assert_eq!(
+        c.pool
+            .mode_for(PoolMode::Transaction, "analytics", "migrator"),
+        PoolMode::Session
+    );
+    assert_eq!(c.log.format, LogFormat::Json);
+
+    let names: Vec<_> = c.services().into_iter().map(|s| s.name).collect();
+    assert_eq!(
+        names,
+        [READ_WRITE, READ_ONLY, "admin", "audit", "reports", "standby"]
+    );
+    let ro = c.service(READ_ONLY).unwrap();
+    assert_eq!(ro.policy.strategy, Strategy::Nearest);
+    assert_eq!(ro.policy.rtt_threshold, ms(5));
+    assert_eq!(ro.listen, sa("0.0.0.0:6433"));
+    let reports = c.service("reports").unwrap();
+    assert_eq!(reports.want, Want::Tagged("offline".into()));
+    assert!(!reports.policy.fallback_to_primary);
+    assert_eq!(reports.pool_mode, PoolMode::Transaction);
+    assert_eq!(reports.connect_wait_timeout, Duration::from_secs(30));
+    let audit = c.service("audit").unwrap();
+    assert_eq!(audit.want, Want::Delayed);
+    assert!(!audit.policy.fallback_to_primary);
+    let admin = c.service("admin").unwrap();
+    assert_eq!(
+        (admin.kind, admin.want.clone()),
+        (ServiceKind::Default, Want::Primary)
+    );
+    assert!(!admin.read_only);
+    assert_eq!(admin.pool_mode, PoolMode::Session);
+}
+
+#[test]
+fn host_forms() {
+    let c = parse(
+        "[cluster]\nhosts = [\"DB1:5432\", { addr = \"db2:5433\" }, { addr = \"db3:5434\", tags = [\"x\"], application_name = \"n3\" }]\n",
+        FILE,
+    )
+    .unwrap();
+    let h = &c.cluster.hosts;
+    assert_eq!(h[0].addr, HostAddr::new("DB1", 5432));
+    assert!(h[1].tags.is_empty() && h[1].application_name.is_none());
+    assert_eq!(h[2].tags, ["x"]);
+}
+
+#[test]
+fn durations_everywhere() {
+    let c = parse(
+        &with("probe_interval = 250\nrtt_threshold = 0\nlag_hold = \"1.5min\"\nmax_replica_lag = \"1h\"\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.cluster.probe_interval, ms(250));
+    assert_eq!(c.cluster.rtt_threshold, Duration::ZERO);
+    assert_eq!(c.cluster.lag_hold, Duration::from_secs(90));
+    assert_eq!(c.cluster.max_replica_lag, Some(Duration::from_secs(3600)));
+    // Zero turns pool timeouts off.
+    let c = parse(
+        &format!(
+            "{}\n[pool]\nserver_lifetime = \"0s\"\nclient_idle_timeout = \"5min\"\n",
+            with("")
+        ),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.pool.server_lifetime, None);
+    assert_eq!(c.pool.client_idle_timeout, Some(Duration::from_secs(300)));
+}
+
+#[test]
+fn service_overrides() {
+    let text = with(
+        "rtt_threshold = \"7ms\"\nrtt_threshold_enabled = false\n\
+         [engine]\nconnect_wait_timeout = \"9s\"\n\
+         [services.read_write]\nlisten = \"127.0.0.1:7000\"\nselect = \"default\"\n\
+         [services.fast]\nlisten = \"127.0.0.1:7001\"\nselect = \"replica\"\nstrategy = \"nearest\"\n\
+         rtt_threshold_enabled = true\nconnect_wait_timeout = \"1s\"\nfallback_to_primary = false\n\
+         [services.writer]\nlisten = \"127.0.0.1:7002\"\nselect = \"primary\"\nread_only = true\n",
+    );
+    let c = parse(&text, FILE).unwrap();
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:7000"));
+    let rw = c.service(READ_WRITE).unwrap();
+    assert_eq!(rw.kind, ServiceKind::Default);
+    assert_eq!(rw.listen, sa("127.0.0.1:7000"));
+    assert_eq!(rw.connect_wait_timeout, Duration::from_secs(9));
+    assert!(!rw.policy.rtt_threshold_enabled);
+    let fast = c.service("fast").unwrap();
+    assert_eq!(fast.policy.strategy, Strategy::Nearest);
+    assert_eq!(fast.policy.rtt_threshold, ms(7));
+    assert!(fast.policy.rtt_threshold_enabled);
+    assert!(!fast.policy.fallback_to_primary);
+    assert_eq!(fast.connect_wait_timeout, Duration::from_secs(1));
+    let writer = c.service("writer").unwrap();
+    assert!(writer.read_only);
+    assert_eq!(writer.want, Want::Primary);
+}
+
+#[test]
+fn password_is_not_debug_printed() {
+    let c = parse(&with("password = \"hunter2\"\n"), FILE).unwrap();
+    assert_eq!(c.cluster.password.as_deref(), Some("hunter2"));
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("redacted"));
+}
+
+#[test]
+fn unknown_keys_in_every_section() {
+    for (text, line, key) in [
+        ("[cluster]\nhosts = [\"db:1\"]\nhost = \"x\"\n", 3, "host"),
+        (
+            "[cluster]\nhosts = [{ addr = \"db:1\", tag = \"x\" }]\n",
+            2,
+            "tag",
+        ),
+        (
+            &with("[listen]\nreadwrite = \"127.0.0.1:1\"\n"),
+            4,
+            "readwrite",
+        ),
+        (
+            &with("[services.a]\nlisten = \"127.0.0.1:1\"\nselect = \"replica\"\nmode = \"x\"\n"),
+            6,
+            "mode",
+        ),
+        (&with("[engine]\nthreads = 4\n"), 4, "threads"),
+        (&with("[pool]\npool_size = 4\n"), 4, "pool_size"),
+        (&with("[pool.users.app]\nmin_size = 4\n"), 4, "min_size"),
+        (&with("[log]\nlevl = \"info\"\n"), 4, "levl"),
+        (&with("[logging]\nlevel = \"info\"\n"), 3, "logging"),
+    ] {
+        fails(text, line, key, "unknown field");
+    }
+}
+
+#[test]
+fn bad_values() {
+    fails(
+        &with("probe_interval = \"5 parsecs\"\n"),
+        3,
+        "probe_interval",
+        "unknown unit \"parsecs\"",
+    );
+    fails(
+        &with("probe_interval = \"0s\"\n"),
+        3,
+        "probe_interval",
+        "greater than zero",
+    );
+    fails(&with("lag_hold = -5\n"), 3, "lag_hold", "negative");
+    fails(&with("lag_hold = 1.5\n"), 3, "lag_hold", "\"1.5s\"");
+    fails(
+        &with("[engine]\nshutdown_timeout = \"5m\"\n"),
+        4,
+        "shutdown_timeout",
+        "ambiguous",
+    );
+    fails(
+        &with("[listen]\nhttp = \"localhost:8080\"\n"),
+        4,
+        "http",
+        "invalid listen address",
+    );
+    fails(
+        &with("[listen]\nhttp = \"127.0.0.1:70000\"\n"),
+        4,
+        "http",
+        "invalid listen",
+    );
+    fails(
+        &with("[listen]\nhttp = \"127.0.0.1:0\"\n"),
+        4,
+        "http",
+        "port 0",
+    );
+    fails(
+        "[cluster]\nhosts = [\"db1:5432\", \"db2\"]\n",
+        2,
+        "hosts",
+        "missing port",
+    );
+    // The excerpt of an item in a multi-line array shows no key, so the
+    // message names it.
+    let msg = fails(
+        "[cluster]\nhosts = [\n  \"db1:5432\",\n  \"db2\",\n]\n",
+        4,
+        "cluster.hosts[1]: ",
+        "missing port",
+    );
+    assert!(
+        msg.starts_with("pgwarden.toml: cluster.hosts[1]: "),
+        "{msg}"
+    );
+    fails(
+        "[cluster]\nhosts = [{ addr = \"db1:99999\" }]\n",
+        2,
+        "hosts",
+        "invalid port",
+    );
+    fails("[cluster]\nhosts = []\n", 2, "hosts", "at least one");
+    fails(&with("user = \"\"\n"), 3, "user", "must not be empty");
+    fails(
+        &with("[services.x]\nlisten = \"127.0.0.1:7000\"\nselect = \"leader\"\n"),
+        5,
+        "select",
+        "unknown variant `leader`",
+    );
+    fails(
+        &with("[services.x]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\nstrategy = \"fastest\"\n"),
+        6,
+        "strategy",
+        "unknown variant",
+    );
+    fails(
+        &with("[pool]\nmode = \"statement\"\n"),
+        4,
+        "mode",
+        "unknown variant",
+    );
+    fails(&with("[pool]\nsize = -1\n"), 4, "size", "u32");
+    fails(
+        &with("[log]\nformat = \"xml\"\n"),
+        4,
+        "format",
+        "unknown variant",
+    );
+}
+
+#[test]
+fn missing_required_keys() {
+    let err = parse("[listen]\nhttp = \"127.0.0.1:1\"\n", FILE).unwrap_err();
+    assert!(err.to_string().contains("missing field `cluster`"), "{err}");
+    let err = parse("[cluster]\nuser = \"x\"\n", FILE).unwrap_err();
+    assert_eq!(err.key(), Some("cluster"));
+    fails("[cluster]\nuser = \"x\"\n", 1, "hosts", "missing field");
+    fails(
+        &with("[services.x]\nselect = \"replica\"\n"),
+        3,
+        "services.x.listen",
+        "is required",
+    );
+    fails(
+        &with("[services.x]\nlisten = \"127.0.0.1:7000\"\n"),
+        3,
+        "services.x.select",
+        "is required",
+    );
+}
+
+#[test]
+fn duplicate_listen_addresses() {
+    let mut text = MINIMAL.replace("127.0.0.1:6435", "127.0.0.1:6432");
+    fails(
+        &text,
+        11,
+        "services.standby.listen",
+        "127.0.0.1:6432 is already used by listen.read_write",
+    );
+    text = MINIMAL.replace(
+        "read_only = \"127.0.0.1:6433\"",
+        "read_only = \"0.0.0.0:6434\"",
+    );
+    fails(
+        &text,
+        8,
+        "listen.http",
+        "overlaps 0.0.0.0:6434 of listen.read_only",
+    );
+    // Against a derived address the error points at the written key.
+    fails(
+        &with("[listen]\nhttp = \"127.0.0.1:6433\"\n"),
+        4,
+        "listen.http",
+        "already used by listen.read_only (derived from the first host's port)",
+    );
+    fails(
+        &with("[listen]\nread_write = \"127.0.0.1:6433\"\n"),
+        4,
+        "listen.read_write",
+        "already used by listen.read_only",
+    );
+    fails(
+        &with("[listen]\nread_write = \"127.0.0.1:7000\"\n[services.read_write]\nlisten = \"127.0.0.1:7001\"\n"),
+        6,
+        "services.read_write.listen",
+        "keep only one",
+    );
+}
+
+#[test]
+fn derived_port_overflow() {
+    fails(
+        "[cluster]\nhosts = [\n  \"db1:64536\",\n  \"db2:5432\",\n]\n",
+        3,
+        "listen.read_write",
+        "65536",
+    );
+    // Only the keys that are actually derived can overflow.
+    fails(
+        "[cluster]\nhosts = [\"db1:64534\"]\n[listen]\nread_write = \"127.0.0.1:1\"\nread_only = \"127.0.0.1:2\"\n",
+        2,
+        "listen.http",
+        "65536",
+    );
+    parse(
+        "[cluster]\nhosts = [\"db1:65535\"]\n[listen]\nread_write = \"127.0.0.1:1\"\nread_only = \"127.0.0.1:2\"\nhttp = \"127.0.0.1:3\"\n",
+        FILE,
+    )
+    .unwrap();
+}
+
+#[test]
+fn replica_services_cannot_be_writable() {
+    fails(
+        &with(
+            "[services.r]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\nread_only = false\n",
+        ),
+        6,
+        "services.r.read_only",
+        "a replica cannot take writes",
+    );
+    fails(
+        &with("[services.read_only]\nselect = \"delayed\"\nread_only = false\n"),
+        5,
+        "services.read_only.read_only",
+        "cannot take writes",
+    );
+    fails(
+        &with("[services.read_write]\nselect = \"replica\"\n"),
+        4,
+        "services.read_write.select",
+        "primary or default",
+    );
+    fails(
+        &with("[services.read_write]\nread_only = true\n"),
+        4,
+        "services.read_write.read_only",
+        "cannot be read-only",
+    );
+}
+
+#[test]
+fn cluster_cross_checks() {
+    fails(
+        "[cluster]\nhosts = [\"db1:5432\", \"DB1:5432\"]\n",
+        2,
+        "cluster.hosts",
+        "db1:5432 is listed more than once",
+    );
+    fails(
+        "[cluster]\nhosts = [\n  { addr = \"a:1\", application_name = \"n\" },\n  { addr = \"b:1\", application_name = \"n\" },\n]\n",
+        4,
+        "cluster.hosts",
+        "application_name \"n\" of b:1 is already used by a:1",
+    );
+    fails(
+        &with("password = \"x\"\npassword_file = \"/p\"\n"),
+        4,
+        "cluster.password_file",
+        "keep only one",
+    );
+}
+
+#[test]
+fn pool_and_engine_checks() {
+    fails(&with("[pool]\nsize = 0\n"), 4, "pool.size", "at least 1");
+    fails(
+        &with("[pool]\nsize = 5\nmin_size = 6\n"),
+        5,
+        "pool.min_size",
+        "larger than pool.size (5)",
+    );
+    fails(&with("[pool]\nmin_size = 21\n"), 4, "pool.min_size", "(20)");
+    fails(
+        &with("[pool]\nmin_size = 3\n[pool.databases.\"my.db\"]\nsize = 2\n"),
+        6,
+        "pool.databases.\"my.db\".size",
+        "smaller than pool.min_size (3)",
+    );
+    fails(
+        &with("[pool]\nmax_client_conn = 0\n"),
+        4,
+        "pool.max_client_conn",
+        "at least 1",
+    );
+    fails(
+        &with("[engine]\nworker_threads = 0\n"),
+        4,
+        "engine.worker_threads",
+        "out of range",
+    );
+    fails(
+        &with("[log]\nlevel = \"verbose\"\n"),
+        4,
+        "log.level",
+        "unknown level",
+    );
+    let c = parse(
+        &with("[log]\nlevel = \"info,pgwarden_probe=debug\"\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.log.level, "info,pgwarden_probe=debug");
+}
+
+#[test]
+fn service_names() {
+    fails(
+        &with("[services.\"my service\"]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\n"),
+        3,
+        "services.\"my service\"",
+        "invalid service name",
+    );
+    fails(
+        &with("[services.2nd]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\n"),
+        3,
+        "services.2nd",
+        "invalid service name",
+    );
+}
+
+#[test]
+fn missing_file() {
+    let path = std::path::Path::new("/nonexistent/pgwarden.toml");
+    let err = pgwarden_config::load(path).unwrap_err();
+    assert!(matches!(err, ConfigError::Read { .. }));
+    assert!(
+        err.to_string().starts_with("/nonexistent/pgwarden.toml: "),
+        "{err}"
+    );
+}
