@@ -4,6 +4,7 @@
 //! runtime, and hands over to the library crates.
 
 mod demo;
+mod run_cmd;
 mod topology_cmd;
 
 use std::process::ExitCode;
@@ -20,6 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the connection manager in front of a cluster (standalone mode).
+    Run(run_cmd::Args),
     /// Probe a cluster and show its topology, or the hosts a selector picks.
     Topology(topology_cmd::Args),
     /// Start a local demo cluster (a primary and replicas) and watch it.
@@ -29,6 +32,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
+    if let Command::Run(args) = cli.command {
+        return report(run_cmd::run(args));
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -40,10 +46,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = match cli.command {
+    report(match cli.command {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
-    };
+        Command::Run(_) => unreachable!("handled above"),
+    })
+}
+
+fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,0 +1,139 @@
+//! `pgwarden run`: the connection manager in front of a cluster
+//! (standalone mode: whatever manages the cluster).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use pgwarden_config::{Config, PoolMode};
+use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
+use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
+
+/// Options of `pgwarden run`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The configuration file (TOML).
+    #[arg(long, short, value_name = "FILE")]
+    config: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = pgwarden_config::load(&args.config)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = config.engine.effective_worker_threads(cores);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("pgwarden-worker")
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    tracing::info!(worker_threads = threads, "starting");
+    runtime.block_on(serve(&args.config, config))
+}
+
+async fn serve(path: &Path, config: Config) -> anyhow::Result<()> {
+    let engine = Engine::start(
+        config.cluster.host_configs(),
+        config.cluster.topology_config(),
+        probe_config(&config)?,
+    );
+    warn_unimplemented(&config);
+    let mut proxy = Proxy::start(
+        proxy_spec(&config),
+        engine.snapshot_handle(),
+        engine.changes(),
+    )
+    .await?;
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut running = config;
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                match pgwarden_config::load(path) {
+                    Ok(new) => {
+                        if new.cluster.probe_interval != running.cluster.probe_interval
+                            || new.cluster.connect_timeout != running.cluster.connect_timeout
+                            || new.cluster.query_timeout != running.cluster.query_timeout
+                            || new.cluster.user != running.cluster.user
+                            || new.cluster.dbname != running.cluster.dbname
+                        {
+                            tracing::warn!("probe settings (interval, time-outs, user, dbname) take effect at the next restart");
+                        }
+                        engine.set_hosts(new.cluster.host_configs());
+                        engine.set_topology_config(new.cluster.topology_config());
+                        warn_unimplemented(&new);
+                        match proxy.apply(proxy_spec(&new)).await {
+                            Ok(()) => tracing::info!(file = %path.display(), "configuration reloaded"),
+                            Err(e) => tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address"),
+                        }
+                        running = new;
+                    }
+                    Err(e) => tracing::error!("reload rejected, the running configuration stays: {e}"),
+                }
+            }
+            _ = crate::shutdown_signal() => break,
+        }
+    }
+    tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions");
+    proxy.shutdown().await;
+    Ok(())
+}
+
+fn warn_unimplemented(config: &Config) {
+    let transaction = config.pool.mode == PoolMode::Transaction
+        || config
+            .services()
+            .iter()
+            .any(|s| s.pool_mode == PoolMode::Transaction);
+    if transaction {
+        tracing::warn!("transaction pooling is not implemented yet: every client session gets its own server connection (session mode)");
+    }
+}
+
+/// Probe settings from the `[cluster]` section; the password from the
+/// file, the config, `PGPASSWORD` or `~/.pgpass`, in that order.
+pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
+    let c = &config.cluster;
+    let password = match (&c.password, &c.password_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(file)) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("cluster.password_file: {}", file.display()))?
+                .trim_end_matches(['\r', '\n'])
+                .to_string(),
+        ),
+        (None, None) => std::env::var("PGPASSWORD").ok().or_else(|| {
+            let first = &c.hosts[0].addr;
+            pgpass_lookup(&first.host, first.port, &c.dbname, &c.user)
+        }),
+    };
+    Ok(ProbeConfig {
+        user: c.user.clone(),
+        dbname: c.dbname.clone(),
+        password,
+        interval: c.probe_interval,
+        connect_timeout: c.connect_timeout,
+        query_timeout: c.query_timeout,
+        ..ProbeConfig::default()
+    })
+}
+
+/// The proxy's services and ports from the configuration.
+pub fn proxy_spec(config: &Config) -> ProxySpec {
+    ProxySpec {
+        services: config
+            .services()
+            .into_iter()
+            .map(|s| ServiceSpec {
+                name: s.name,
+                listen: s.listen,
+                want: s.want,
+                policy: s.policy,
+                read_only: s.read_only,
+                connect_wait_timeout: s.connect_wait_timeout,
+            })
+            .collect(),
+        http: Some(config.listen.http),
+        server_connect_timeout: config.engine.server_connect_timeout,
+        shutdown_timeout: config.engine.shutdown_timeout,
+    }
+}

@@ -1,0 +1,94 @@
+//! The HTTP port: health, cluster state and metrics.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use pgwarden_topology::view::TopologyView;
+use serde::Serialize;
+
+use crate::proxy::Shared;
+
+/// The HTTP routes, over the proxy's shared state.
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/cluster", get(cluster))
+        .route("/metrics", get(metrics))
+        .with_state(shared)
+}
+
+async fn health(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    if shared.accepting.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+    }
+}
+
+#[derive(Serialize)]
+struct ServiceView {
+    name: String,
+    listen: String,
+    select: String,
+    strategy: String,
+    read_only: bool,
+    /// Hosts a new session could be routed to now, in `host:port` form.
+    targets: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct ClusterView {
+    #[serde(flatten)]
+    topology: TopologyView,
+    services: Vec<ServiceView>,
+    sessions: usize,
+}
+
+async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    let snap = shared.snapshot.load_full();
+    let topo = &snap.topology;
+    let mut services: Vec<ServiceView> = shared
+        .services
+        .lock()
+        .expect("poisoned")
+        .values()
+        .map(|s| {
+            let s = s.load_full();
+            ServiceView {
+                name: s.spec.name.clone(),
+                listen: s.spec.listen.to_string(),
+                select: s.spec.want.to_string(),
+                strategy: s.spec.policy.strategy.to_string(),
+                read_only: s.spec.read_only,
+                targets: s
+                    .selector
+                    .eligible(topo, &s.spec.want)
+                    .into_iter()
+                    .map(|i| topo.hosts()[i].config.addr.to_string())
+                    .collect(),
+            }
+        })
+        .collect();
+    services.sort_by(|a, b| a.name.cmp(&b.name));
+    Json(ClusterView {
+        topology: TopologyView::new(topo, snap.round),
+        services,
+        sessions: shared.sessions.lock().expect("poisoned").len(),
+    })
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    let snap = shared.snapshot.load_full();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        shared.metrics.render(&snap),
+    )
+}

@@ -1,0 +1,214 @@
+//! Prometheus metrics. Every metric is documented in
+//! `docs/configuration.md#metrics`; names are part of the interface.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use pgwarden_probe::Snapshot;
+use pgwarden_topology::Role;
+
+/// Label set naming a service.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabel {
+    /// Service name, e.g. `read_write`.
+    pub service: String,
+}
+
+/// Label set naming a host.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HostLabel {
+    /// `host:port`.
+    pub host: String,
+}
+
+/// Label set of a connection error.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    /// Service name.
+    pub service: String,
+    /// Short reason, e.g. `no_host`, `server_connect`, `protocol`.
+    pub reason: String,
+}
+
+/// Label set of a routing decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabel {
+    /// Service name.
+    pub service: String,
+    /// Chosen `host:port`.
+    pub host: String,
+}
+
+/// The proxy's metrics. Handles to individual series are cloned into
+/// sessions once, so the per-message path only does atomic adds.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// Open client connections per service.
+    pub client_connections: Family<ServiceLabel, Gauge>,
+    /// Open server connections per host.
+    pub server_connections: Family<HostLabel, Gauge>,
+    /// Bytes received from clients per service.
+    pub bytes_from_clients: Family<ServiceLabel, Counter>,
+    /// Bytes sent to clients per service.
+    pub bytes_to_clients: Family<ServiceLabel, Counter>,
+    /// Failed or refused client connections by reason.
+    pub connection_errors: Family<ErrorLabel, Counter>,
+    /// New sessions routed, per service and chosen host.
+    pub routing_decisions: Family<RouteLabel, Counter>,
+    /// Sessions ended by pgwarden because their host changed role or died.
+    pub sessions_terminated: Family<ErrorLabel, Counter>,
+    /// Statements refused on read-only services.
+    pub read_only_refusals: Family<ServiceLabel, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let m = Metrics {
+            registry: Mutex::new(Registry::with_prefix("pgwarden")),
+            client_connections: Family::default(),
+            server_connections: Family::default(),
+            bytes_from_clients: Family::default(),
+            bytes_to_clients: Family::default(),
+            connection_errors: Family::default(),
+            routing_decisions: Family::default(),
+            sessions_terminated: Family::default(),
+            read_only_refusals: Family::default(),
+        };
+        {
+            let mut r = m.registry.lock().expect("metrics registry");
+            r.register(
+                "client_connections",
+                "Open client connections",
+                m.client_connections.clone(),
+            );
+            r.register(
+                "server_connections",
+                "Open server connections",
+                m.server_connections.clone(),
+            );
+            r.register(
+                "client_received_bytes",
+                "Bytes received from clients",
+                m.bytes_from_clients.clone(),
+            );
+            r.register(
+                "client_sent_bytes",
+                "Bytes sent to clients",
+                m.bytes_to_clients.clone(),
+            );
+            r.register(
+                "connection_errors",
+                "Client connections that failed, by reason",
+                m.connection_errors.clone(),
+            );
+            r.register(
+                "routing_decisions",
+                "New sessions routed, by service and host",
+                m.routing_decisions.clone(),
+            );
+            r.register(
+                "sessions_terminated",
+                "Sessions ended because their host changed role or died",
+                m.sessions_terminated.clone(),
+            );
+            r.register(
+                "read_only_refusals",
+                "Statements refused on read-only services",
+                m.read_only_refusals.clone(),
+            );
+        }
+        m
+    }
+
+    /// Counts a connection error.
+    pub fn error(&self, service: &str, reason: &str) {
+        self.connection_errors
+            .get_or_create(&ErrorLabel {
+                service: service.into(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// The Prometheus text exposition: the proxy's own series plus one
+    /// gauge set per host from the current topology snapshot.
+    pub fn render(&self, snapshot: &Snapshot) -> String {
+        let mut out = String::new();
+        {
+            let r = self.registry.lock().expect("metrics registry");
+            let _ = encode(&mut out, &r);
+        }
+        // encode() ends with "# EOF"; host gauges go before it.
+        if let Some(pos) = out.rfind("# EOF") {
+            out.truncate(pos);
+        }
+        let hosts = snapshot.topology.hosts();
+        let primary = snapshot.topology.primary();
+        let gauges: [(&str, &str, &str); 5] = [
+            (
+                "pgwarden_host_up",
+                "gauge",
+                "1 if the last probe of the host succeeded",
+            ),
+            (
+                "pgwarden_host_primary",
+                "gauge",
+                "1 if the host is the selectable primary",
+            ),
+            (
+                "pgwarden_host_replica",
+                "gauge",
+                "1 if the host last reported itself a replica",
+            ),
+            (
+                "pgwarden_host_rtt_seconds",
+                "gauge",
+                "Smoothed probe round-trip time",
+            ),
+            (
+                "pgwarden_host_lag_bytes",
+                "gauge",
+                "WAL bytes the replica has yet to replay",
+            ),
+        ];
+        for (i, (name, kind, help)) in gauges.iter().enumerate() {
+            out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
+            for (idx, h) in hosts.iter().enumerate() {
+                let value = match i {
+                    0 => Some(f64::from(u8::from(h.alive))),
+                    1 => Some(f64::from(u8::from(primary == Some(idx)))),
+                    2 => Some(f64::from(u8::from(h.role == Role::Replica))),
+                    3 => h.rtt.get().map(|ms| ms / 1000.0),
+                    _ => h.lag_bytes.map(|b| b as f64),
+                };
+                if let Some(v) = value {
+                    out.push_str(&format!("{name}{{host=\"{}\"}} {v}\n", h.config.addr));
+                }
+            }
+        }
+        out.push_str(&format!(
+            "# HELP pgwarden_topology_rounds Completed probe rounds.\n# TYPE pgwarden_topology_rounds counter\npgwarden_topology_rounds_total {}\n# EOF\n",
+            snapshot.round
+        ));
+        out
+    }
+}

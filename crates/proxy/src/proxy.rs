@@ -1,0 +1,371 @@
+//! Listeners, services, the session registry and the router task.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use pgwarden_probe::Snapshot;
+use pgwarden_topology::{HostAddr, SelectPolicy, Selector, Want};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::cancel::CancelRegistry;
+use crate::metrics::Metrics;
+
+/// One service: where it listens and how it picks hosts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceSpec {
+    /// Name, e.g. `read_write`, `read_only`, `standby`.
+    pub name: String,
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// The kind of host wanted.
+    pub want: Want,
+    /// Strategy, RTT window, fallback.
+    pub policy: SelectPolicy,
+    /// Sessions cannot write, whatever host they land on.
+    pub read_only: bool,
+    /// How long a new client waits for an eligible host.
+    pub connect_wait_timeout: Duration,
+}
+
+/// Everything the connection manager serves.
+#[derive(Debug, Clone)]
+pub struct ProxySpec {
+    /// The services, each with its own listener.
+    pub services: Vec<ServiceSpec>,
+    /// The HTTP status port.
+    pub http: Option<SocketAddr>,
+    /// Longest connection attempt to a server.
+    pub server_connect_timeout: Duration,
+    /// How long shutdown lets sessions finish before closing them.
+    pub shutdown_timeout: Duration,
+}
+
+/// A service as sessions see it: swapped whole on reload.
+pub(crate) struct Service {
+    pub spec: ServiceSpec,
+    pub selector: Selector,
+}
+
+/// Why pgwarden ends a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kill {
+    /// The host is no longer the primary a read-write session needs.
+    NotPrimary,
+    /// The host stopped answering its probes.
+    HostDown,
+    /// pgwarden is shutting down.
+    Shutdown,
+}
+
+pub(crate) struct SessionEntry {
+    pub service: Arc<str>,
+    pub want: Want,
+    pub host: HostAddr,
+    pub kill: watch::Sender<Option<Kill>>,
+}
+
+/// State shared by listeners, sessions, the router and the HTTP port.
+pub(crate) struct Shared {
+    pub snapshot: Arc<ArcSwap<Snapshot>>,
+    pub changes: watch::Receiver<u64>,
+    pub cancel: CancelRegistry,
+    pub metrics: Metrics,
+    pub sessions: Mutex<HashMap<u64, SessionEntry>>,
+    pub next_session: AtomicU64,
+    pub server_connect_timeout: Mutex<Duration>,
+    pub services: Mutex<HashMap<String, Arc<ArcSwap<Service>>>>,
+    pub accepting: AtomicBool,
+}
+
+impl Shared {
+    pub fn server_connect_timeout(&self) -> Duration {
+        *self.server_connect_timeout.lock().expect("poisoned")
+    }
+}
+
+struct Listener {
+    addr: SocketAddr,
+    service: Arc<ArcSwap<Service>>,
+    task: JoinHandle<()>,
+}
+
+/// The running connection manager.
+pub struct Proxy {
+    shared: Arc<Shared>,
+    listeners: HashMap<String, Listener>,
+    http: Option<(SocketAddr, JoinHandle<()>)>,
+    router: JoinHandle<()>,
+    shutdown_timeout: Duration,
+}
+
+/// Why the proxy could not start or apply a spec.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// A listen address could not be bound.
+    #[error("cannot listen on {addr} for service {service}: {source}")]
+    Bind {
+        /// The service.
+        service: String,
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Proxy {
+    /// Binds every listener and starts serving, routing by the snapshots
+    /// of a topology engine (`snapshot`, `changes` from
+    /// [`pgwarden_probe::Engine`]).
+    pub async fn start(
+        spec: ProxySpec,
+        snapshot: Arc<ArcSwap<Snapshot>>,
+        changes: watch::Receiver<u64>,
+    ) -> Result<Proxy, ProxyError> {
+        let shared = Arc::new(Shared {
+            snapshot,
+            changes: changes.clone(),
+            cancel: CancelRegistry::default(),
+            metrics: Metrics::new(),
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            server_connect_timeout: Mutex::new(spec.server_connect_timeout),
+            services: Mutex::new(HashMap::new()),
+            accepting: AtomicBool::new(true),
+        });
+        let router = tokio::spawn(route_changes(shared.clone(), changes));
+        let mut proxy = Proxy {
+            shared,
+            listeners: HashMap::new(),
+            http: None,
+            router,
+            shutdown_timeout: spec.shutdown_timeout,
+        };
+        proxy.apply(spec).await?;
+        Ok(proxy)
+    }
+
+    /// The address each service listens on (useful with port 0 in tests).
+    pub fn service_addrs(&self) -> HashMap<String, SocketAddr> {
+        self.listeners
+            .iter()
+            .map(|(n, l)| (n.clone(), l.addr))
+            .collect()
+    }
+
+    /// The HTTP port's address.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(|(a, _)| *a)
+    }
+
+    /// Number of client sessions currently relayed.
+    pub fn session_count(&self) -> usize {
+        self.shared.sessions.lock().expect("poisoned").len()
+    }
+
+    /// Applies a new spec (a reload): services whose address is unchanged
+    /// keep their listener and get the new routing rules for new sessions;
+    /// changed addresses are rebound; removed services stop accepting.
+    /// Existing sessions are never dropped. On a bind error nothing that
+    /// was already serving is changed for that service.
+    pub async fn apply(&mut self, spec: ProxySpec) -> Result<(), ProxyError> {
+        *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
+        self.shutdown_timeout = spec.shutdown_timeout;
+        let mut first_err = None;
+        let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
+        for svc in spec.services {
+            let name = svc.name.clone();
+            let service = Service {
+                selector: Selector::new(svc.policy.clone()),
+                spec: svc.clone(),
+            };
+            match self.listeners.get(&name) {
+                Some(l)
+                    if l.addr == svc.listen
+                        || (svc.listen.port() == 0 && l.addr.ip() == svc.listen.ip()) =>
+                {
+                    l.service.store(Arc::new(service));
+                }
+                _ => match TcpListener::bind(svc.listen).await {
+                    Ok(listener) => {
+                        let addr = listener.local_addr().unwrap_or(svc.listen);
+                        let handle = Arc::new(ArcSwap::from_pointee(service));
+                        let task = tokio::spawn(accept_loop(
+                            self.shared.clone(),
+                            handle.clone(),
+                            listener,
+                        ));
+                        if let Some(old) = self.listeners.insert(
+                            name.clone(),
+                            Listener {
+                                addr,
+                                service: handle.clone(),
+                                task,
+                            },
+                        ) {
+                            old.task.abort();
+                        }
+                        self.shared
+                            .services
+                            .lock()
+                            .expect("poisoned")
+                            .insert(name.clone(), handle);
+                        tracing::info!(service = %name, %addr, "listening");
+                    }
+                    Err(source) => {
+                        tracing::error!(service = %name, addr = %svc.listen, error = %source, "cannot listen");
+                        first_err.get_or_insert(ProxyError::Bind {
+                            service: name,
+                            addr: svc.listen,
+                            source,
+                        });
+                    }
+                },
+            }
+        }
+        let removed: Vec<String> = self
+            .listeners
+            .keys()
+            .filter(|n| !wanted.contains(n))
+            .cloned()
+            .collect();
+        for name in removed {
+            if let Some(l) = self.listeners.remove(&name) {
+                l.task.abort();
+                self.shared.services.lock().expect("poisoned").remove(&name);
+                tracing::info!(service = %name, "service removed; its sessions continue");
+            }
+        }
+        match (&self.http, spec.http) {
+            (Some((addr, _)), Some(want)) if *addr == want || want.port() == 0 => {}
+            (_, None) => {
+                if let Some((_, t)) = self.http.take() {
+                    t.abort();
+                }
+            }
+            (_, Some(want)) => match TcpListener::bind(want).await {
+                Ok(listener) => {
+                    let addr = listener.local_addr().unwrap_or(want);
+                    let app = crate::http::router(self.shared.clone());
+                    let task = tokio::spawn(async move {
+                        if let Err(e) = axum::serve(listener, app).await {
+                            tracing::error!(error = %e, "HTTP server failed");
+                        }
+                    });
+                    if let Some((_, old)) = self.http.replace((addr, task)) {
+                        old.abort();
+                    }
+                    tracing::info!(%addr, "HTTP listening");
+                }
+                Err(source) => {
+                    first_err.get_or_insert(ProxyError::Bind {
+                        service: "http".into(),
+                        addr: want,
+                        source,
+                    });
+                }
+            },
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Stops accepting, lets sessions finish for up to the shutdown
+    /// time-out, then ends the rest with an error that says why.
+    pub async fn shutdown(mut self) {
+        self.shared.accepting.store(false, Ordering::SeqCst);
+        for (_, l) in self.listeners.drain() {
+            l.task.abort();
+        }
+        let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
+        let mut changes = self.shared.changes.clone();
+        while self.session_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = changes.changed() => {}
+            }
+        }
+        {
+            let sessions = self.shared.sessions.lock().expect("poisoned");
+            for e in sessions.values() {
+                let _ = e.kill.send(Some(Kill::Shutdown));
+            }
+        }
+        let grace = tokio::time::Instant::now() + Duration::from_secs(2);
+        while self.session_count() > 0 && tokio::time::Instant::now() < grace {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.router.abort();
+        if let Some((_, t)) = self.http.take() {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.router.abort();
+        for l in self.listeners.values() {
+            l.task.abort();
+        }
+        if let Some((_, t)) = &self.http {
+            t.abort();
+        }
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let svc = service.load_full();
+                tokio::spawn(crate::session::run(shared.clone(), svc, stream, peer));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Off the traffic path: on every topology change, end the sessions whose
+/// host is no longer right for them.
+async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
+    while changes.changed().await.is_ok() {
+        let snap = shared.snapshot.load_full();
+        let topo = &snap.topology;
+        let index: HashMap<&HostAddr, usize> = topo
+            .hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (&h.config.addr, i))
+            .collect();
+        let sessions = shared.sessions.lock().expect("poisoned");
+        for e in sessions.values() {
+            if e.kill.borrow().is_some() {
+                continue;
+            }
+            let idx = index.get(&e.host).copied();
+            let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
+            let kill = if !alive {
+                Some(Kill::HostDown)
+            } else if e.want == Want::Primary && topo.primary() != idx {
+                Some(Kill::NotPrimary)
+            } else {
+                None
+            };
+            if let Some(k) = kill {
+                tracing::info!(service = %e.service, host = %e.host, reason = ?k, "ending session");
+                let _ = e.kill.send(Some(k));
+            }
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The per-message hot path: move bytes between client and server, looking
+//! only at the few message types a direction cares about.
+//!
+//! Bytes are forwarded in the chunks they were read in. Only messages whose
+//! body must be inspected (e.g. a Query on a read-only service) are held
+//! back until complete; everything else, including a 64 MiB DataRow or
+//! COPY chunk, streams through without being buffered whole.
+
+use bytes::{Buf, BytesMut};
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Read buffer size per direction.
+const CHUNK: usize = 16 * 1024;
+
+/// Longest message pgwarden holds back for inspection. Larger inspected
+/// messages are a protocol error (PostgreSQL itself caps a Query at 1 GB).
+pub const MAX_INSPECTED: usize = 256 * 1024 * 1024;
+
+/// What to do with one inspected, complete message.
+pub enum Verdict {
+    /// Forward it (possibly modified in place).
+    Keep,
+    /// Forward these bytes instead.
+    Replace(BytesMut),
+    /// Forward nothing more: the session ends for this reason.
+    Stop(String),
+}
+
+/// Where one scan of the buffer got to.
+enum Step {
+    /// Forward `buf[..n]` and read more.
+    Forward(usize),
+    /// Forward `buf[..start]`, then `with` instead of `buf[start..end]`.
+    Replace {
+        start: usize,
+        end: usize,
+        with: BytesMut,
+    },
+    /// Forward `buf[..start]` and stop.
+    Stop { start: usize, reason: String },
+}
+
+/// How a pump ended.
+#[derive(Debug)]
+pub enum End {
+    /// The reading side closed the connection.
+    Eof,
+    /// An inspected message ended the session.
+    Stopped(String),
+    /// The byte stream is not the PostgreSQL protocol.
+    Protocol(String),
+    /// A socket error.
+    Io(std::io::Error),
+}
+
+/// Message framing state of one direction, kept outside the pump future so
+/// the session can tell, after cancelling it, whether the peer is at a
+/// message boundary (and may be sent an ErrorResponse).
+#[derive(Debug, Default)]
+pub struct Framing {
+    /// Bytes of the current message still to pass through unexamined.
+    skip: usize,
+    /// Bytes read but not yet forwarded (a partial inspected message).
+    pending: usize,
+    /// A write to the peer was in progress.
+    writing: bool,
+}
+
+impl Framing {
+    /// Whether the peer has received only whole messages.
+    pub fn at_boundary(&self) -> bool {
+        self.skip == 0 && self.pending == 0 && !self.writing
+    }
+
+    fn scan(
+        &mut self,
+        buf: &mut [u8],
+        interesting: &impl Fn(u8) -> bool,
+        inspect: &mut impl FnMut(u8, &mut [u8]) -> Verdict,
+    ) -> Result<Step, String> {
+        let mut pos = 0;
+        if self.skip > 0 {
+            pos = self.skip.min(buf.len());
+            self.skip -= pos;
+        }
+        while buf.len() - pos >= 5 {
+            let tag = buf[pos];
+            let len = u32::from_be_bytes([buf[pos + 1], buf[pos + 2], buf[pos + 3], buf[pos + 4]])
+                as usize;
+            if len < 4 {
+                return Err(format!(
+                    "invalid message length {len} for message type {:?}",
+                    tag as char
+                ));
+            }
+            let total = len + 1;
+            let avail = buf.len() - pos;
+            if interesting(tag) {
+                if total > MAX_INSPECTED {
+                    return Err(format!("message of {total} bytes is too long"));
+                }
+                if avail < total {
+                    break;
+                }
+                match inspect(tag, &mut buf[pos..pos + total]) {
+                    Verdict::Keep => pos += total,
+                    Verdict::Replace(with) => {
+                        return Ok(Step::Replace {
+                            start: pos,
+                            end: pos + total,
+                            with,
+                        })
+                    }
+                    Verdict::Stop(reason) => return Ok(Step::Stop { start: pos, reason }),
+                }
+            } else if avail >= total {
+                pos += total;
+            } else {
+                self.skip = total - avail;
+                pos = buf.len();
+            }
+        }
+        Ok(Step::Forward(pos))
+    }
+}
+
+/// Copies messages from `reader` to `writer` until EOF, an error, or an
+/// inspected message that stops the session.
+pub async fn pump<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    framing: &mut Framing,
+    bytes: &Counter,
+    interesting: impl Fn(u8) -> bool,
+    mut inspect: impl FnMut(u8, &mut [u8]) -> Verdict,
+) -> End
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = BytesMut::with_capacity(CHUNK);
+    loop {
+        if buf.capacity() - buf.len() < CHUNK / 4 {
+            buf.reserve(CHUNK);
+        }
+        match reader.read_buf(&mut buf).await {
+            Ok(0) => return End::Eof,
+            Ok(n) => {
+                bytes.inc_by(n as u64);
+            }
+            Err(e) => return End::Io(e),
+        }
+        loop {
+            let step = match framing.scan(&mut buf, &interesting, &mut inspect) {
+                Ok(s) => s,
+                Err(e) => return End::Protocol(e),
+            };
+            framing.writing = true;
+            let result = match step {
+                Step::Forward(n) => {
+                    let r = if n > 0 {
+                        writer.write_all(&buf[..n]).await
+                    } else {
+                        Ok(())
+                    };
+                    buf.advance(n);
+                    framing.pending = buf.len();
+                    framing.writing = false;
+                    if let Err(e) = r {
+                        return End::Io(e);
+                    }
+                    break;
+                }
+                Step::Replace { start, end, with } => {
+                    let r = async {
+                        writer.write_all(&buf[..start]).await?;
+                        writer.write_all(&with).await
+                    }
+                    .await;
+                    buf.advance(end);
+                    r
+                }
+                Step::Stop { start, reason } => {
+                    let r = writer.write_all(&buf[..start]).await;
+                    framing.writing = false;
+                    framing.pending = 0;
+                    return match r {
+                        Ok(()) => End::Stopped(reason),
+                        Err(e) => End::Io(e),
+                    };
+                }
+            };
+            framing.writing = false;
+            if let Err(e) = result {
+                return End::Io(e);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut v = vec![tag];
+        v.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+        v.extend_from_slice(body);
+        v
+    }
+
+    #[tokio::test]
+    async fn streams_uninteresting_and_replaces_inspected_messages_across_chunk_edges() {
+        let mut input = Vec::new();
+        input.extend(msg(b'D', &vec![7u8; 100_000]));
+        input.extend(msg(b'Q', b"bad\0"));
+        input.extend(msg(b'Q', b"good\0"));
+        let (mut client, mut proxy_in) = tokio::io::duplex(977);
+        let (mut proxy_out, mut server) = tokio::io::duplex(1 << 20);
+        let writer = tokio::spawn(async move {
+            client.write_all(&input).await.unwrap();
+        });
+        let reader = tokio::spawn(async move {
+            let mut out = Vec::new();
+            server.read_to_end(&mut out).await.unwrap();
+            out
+        });
+        let mut framing = Framing::default();
+        let counter = Counter::default();
+        let end = pump(
+            &mut proxy_in,
+            &mut proxy_out,
+            &mut framing,
+            &counter,
+            |t| t == b'Q',
+            |_, m| {
+                if &m[5..] == b"bad\0" {
+                    Verdict::Replace(BytesMut::from(&msg(b'Q', b"fixed\0")[..]))
+                } else {
+                    Verdict::Keep
+                }
+            },
+        )
+        .await;
+        writer.await.unwrap();
+        assert!(matches!(end, End::Eof));
+        drop(proxy_out);
+        let out = reader.await.unwrap();
+        let mut expected = msg(b'D', &vec![7u8; 100_000]);
+        expected.extend(msg(b'Q', b"fixed\0"));
+        expected.extend(msg(b'Q', b"good\0"));
+        assert_eq!(out, expected);
+        assert!(framing.at_boundary());
+    }
+
+    #[tokio::test]
+    async fn bad_length_is_a_protocol_error() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&[b'Q', 0, 0, 0, 1]).await.unwrap();
+        let mut sink = tokio::io::sink();
+        let end = pump(
+            &mut b,
+            &mut sink,
+            &mut Framing::default(),
+            &Counter::default(),
+            |_| true,
+            |_, _| Verdict::Keep,
+        )
+        .await;
+        assert!(matches!(end, End::Protocol(_)));
+    }
+}

@@ -1,0 +1,522 @@
+//! One client connection: startup, routing, the relay, and its end.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use pgwarden_topology::{HostAddr, NoTarget};
+use pgwarden_wire::encode::{self, Severity};
+use pgwarden_wire::message::{backend, frontend};
+use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc, Violation};
+use pgwarden_wire::sqlstate::{self, SqlState};
+use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::cancel::BackendKey;
+use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
+use crate::proxy::{Kill, Service, SessionEntry, Shared};
+use crate::relay::{pump, End, Framing, Verdict};
+
+/// A client that has not sent its startup packet within this time is
+/// dropped, so idle sockets cannot pile up.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An error to report to the client before closing.
+struct Refusal {
+    code: SqlState,
+    message: String,
+    reason: &'static str,
+}
+
+impl Refusal {
+    fn new(code: SqlState, reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            reason,
+        }
+    }
+}
+
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    service: Arc<Service>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+) {
+    let _ = client.set_nodelay(true);
+    let name = service.spec.name.clone();
+    let label = ServiceLabel {
+        service: name.clone(),
+    };
+    let gauge = shared
+        .metrics
+        .client_connections
+        .get_or_create(&label)
+        .clone();
+    gauge.inc();
+    let span = tracing::debug_span!("session", service = %name, client = %peer);
+    let _enter = span.enter();
+    let outcome = serve(&shared, &service, &mut client).await;
+    if let Err(r) = outcome {
+        shared.metrics.error(&name, r.reason);
+        tracing::debug!(reason = r.reason, message = %r.message, "client refused");
+        let mut out = BytesMut::new();
+        encode::error_response(
+            &mut out,
+            Severity::Fatal,
+            r.code.code(),
+            &r.message,
+            None,
+            None,
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+        let _ = client.shutdown().await;
+    }
+    gauge.dec();
+}
+
+async fn serve(
+    shared: &Arc<Shared>,
+    service: &Arc<Service>,
+    client: &mut TcpStream,
+) -> Result<(), Refusal> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let mut startup =
+        match tokio::time::timeout(STARTUP_TIMEOUT, read_startup(client, &mut buf, shared)).await {
+            Ok(Ok(Some(s))) => s,
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(r)) => return Err(r),
+            Err(_) => {
+                return Err(Refusal::new(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    "startup_timeout",
+                    "timeout waiting for the startup packet",
+                ))
+            }
+        };
+    let spec = &service.spec;
+    if spec.read_only {
+        if startup_sets_read_only_guc(&startup) {
+            return Err(Refusal::new(
+                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                "read_only",
+                format!("service \"{}\" is read-only: startup parameters may not change default_transaction_read_only or transaction_read_only", spec.name),
+            ));
+        }
+        // The server enforces read-only from the first statement on, and
+        // RESET/DISCARD return to this value, since startup parameters are
+        // a session's defaults.
+        startup.set("default_transaction_read_only", "on");
+    }
+
+    let (server, host) = connect_server(shared, service).await?;
+    shared
+        .metrics
+        .routing_decisions
+        .get_or_create(&RouteLabel {
+            service: spec.name.clone(),
+            host: host.to_string(),
+        })
+        .inc();
+    relay(shared, service, client, buf, server, host, startup).await;
+    Ok(())
+}
+
+/// Reads until a StartupMessage; answers SSL and GSS encryption requests
+/// with 'N' (plaintext only) and serves cancel requests. `None` = nothing
+/// more to do (cancel served, or the client went away).
+async fn read_startup(
+    client: &mut TcpStream,
+    buf: &mut BytesMut,
+    shared: &Shared,
+) -> Result<Option<StartupMessage>, Refusal> {
+    loop {
+        match parse_startup(buf) {
+            Ok(Some(StartupFrame::SslRequest)) | Ok(Some(StartupFrame::GssEncRequest)) => {
+                if client
+                    .write_all(&[encode::ssl_response(false)])
+                    .await
+                    .is_err()
+                {
+                    return Ok(None);
+                }
+                continue;
+            }
+            Ok(Some(StartupFrame::Cancel { pid, secret })) => {
+                forward_cancel(shared, pid, secret).await;
+                return Ok(None);
+            }
+            Ok(Some(StartupFrame::Startup(m))) => return Ok(Some(m)),
+            Ok(None) => {}
+            Err(e) => return Err(Refusal::new(e.sqlstate(), "protocol", e.to_string())),
+        }
+        match client.read_buf(buf).await {
+            Ok(0) | Err(_) => return Ok(None),
+            Ok(_) => {}
+        }
+    }
+}
+
+async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
+    // An unknown key is ignored silently, as PostgreSQL does: a wrong
+    // guess must not learn anything.
+    let Some(key) = shared.cancel.lookup((pid, secret)) else {
+        tracing::debug!("cancel request with an unknown key ignored");
+        return;
+    };
+    let timeout = shared.server_connect_timeout();
+    if let Ok(Ok(mut s)) = tokio::time::timeout(timeout, TcpStream::connect(key.server)).await {
+        let _ = s
+            .write_all(&encode::cancel_request(key.pid, key.secret))
+            .await;
+        let mut sink = [0u8; 1];
+        // The server closes once it has read the request.
+        let _ = tokio::time::timeout(timeout, s.read(&mut sink)).await;
+    }
+}
+
+/// Picks a host and connects, waiting up to the service's
+/// `connect_wait_timeout` for one to become available and trying the
+/// other eligible hosts when one fails.
+async fn connect_server(
+    shared: &Shared,
+    service: &Service,
+) -> Result<(TcpStream, HostAddr), Refusal> {
+    let spec = &service.spec;
+    let deadline = tokio::time::Instant::now() + spec.connect_wait_timeout;
+    let mut changes = shared.changes.clone();
+    let mut last: Refusal;
+    loop {
+        let snap = shared.snapshot.load_full();
+        let topo = &snap.topology;
+        let mut order: Vec<usize> = Vec::new();
+        match service.selector.select(topo, &spec.want) {
+            Ok(i) => {
+                order.push(i);
+                order.extend(
+                    service
+                        .selector
+                        .eligible(topo, &spec.want)
+                        .into_iter()
+                        .filter(|&j| j != i),
+                );
+                last = Refusal::new(
+                    sqlstate::CONNECTION_FAILURE,
+                    "server_connect",
+                    format!(
+                        "service \"{}\": could not connect to any eligible host",
+                        spec.name
+                    ),
+                );
+            }
+            Err(e) => {
+                let why = match e {
+                    NoTarget::NoPrimary => {
+                        "no primary is available (failover in progress?)".to_string()
+                    }
+                    other => other.to_string(),
+                };
+                last = Refusal::new(
+                    sqlstate::CANNOT_CONNECT_NOW,
+                    "no_host",
+                    format!("service \"{}\": {why}", spec.name),
+                );
+            }
+        }
+        for i in order {
+            let addr = topo.hosts()[i].config.addr.clone();
+            let timeout = shared.server_connect_timeout();
+            match tokio::time::timeout(timeout, TcpStream::connect((addr.host.as_str(), addr.port)))
+                .await
+            {
+                Ok(Ok(s)) => {
+                    let _ = s.set_nodelay(true);
+                    return Ok((s, addr));
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
+                    last = Refusal::new(
+                        sqlstate::CONNECTION_FAILURE,
+                        "server_connect",
+                        format!(
+                            "service \"{}\": could not connect to {addr}: {e}",
+                            spec.name
+                        ),
+                    );
+                }
+                Err(_) => {
+                    tracing::warn!(host = %addr, "server connection timed out; trying the next eligible host");
+                    last = Refusal::new(
+                        sqlstate::CONNECTION_FAILURE,
+                        "server_connect",
+                        format!("service \"{}\": connection to {addr} timed out", spec.name),
+                    );
+                }
+            }
+        }
+        // Nothing usable now: wait for the topology to change.
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return Err(last) },
+            _ = tokio::time::sleep_until(deadline) => return Err(last),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(last);
+        }
+    }
+}
+
+/// The DO block that replaces a refused statement on a read-only service:
+/// the server raises the error itself, so the client sees it in its place
+/// in the stream of replies, pipelined or not.
+fn refusal_sql(message: &str) -> String {
+    format!(
+        "DO $pgwarden$BEGIN RAISE EXCEPTION USING ERRCODE = '25006', MESSAGE = '{}'; END$pgwarden$",
+        message.replace('\'', "''")
+    )
+}
+
+fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesMut> {
+    let body = &msg[5..];
+    let (text, parse) = match tag {
+        frontend::QUERY => (pgwarden_wire::message::query_bytes(body).ok()?, None),
+        frontend::PARSE => {
+            let p = pgwarden_wire::message::parse_message(body).ok()?;
+            (
+                p.query.as_bytes(),
+                Some((p.name.to_string(), p.param_type_count)),
+            )
+        }
+        _ => return None,
+    };
+    let violation = match check_read_only_bytes(text) {
+        Ok(()) => return None,
+        // DISCARD ALL resets to the startup value, which pgwarden pins to
+        // read-only; pooling drivers send it on every checkout.
+        Err(v) if matches!(v.kind, Violation::DiscardAll) => return None,
+        Err(v) => v,
+    };
+    let sql = refusal_sql(&format!("service \"{service}\" is read-only: {violation}"));
+    let mut out = BytesMut::new();
+    match parse {
+        None => encode::query(&mut out, &sql),
+        Some((name, n)) => encode::parse(&mut out, &name, &sql, &vec![0; usize::from(n)]),
+    }
+    Some(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    shared: &Arc<Shared>,
+    service: &Arc<Service>,
+    client: &mut TcpStream,
+    early: BytesMut,
+    mut server: TcpStream,
+    host: HostAddr,
+    startup: StartupMessage,
+) {
+    let spec = &service.spec;
+    let server_addr = server.peer_addr().ok();
+    let host_gauge = shared
+        .metrics
+        .server_connections
+        .get_or_create(&HostLabel {
+            host: host.to_string(),
+        })
+        .clone();
+    host_gauge.inc();
+    let (kill_tx, mut kill_rx) = watch::channel(None);
+    let id = shared
+        .next_session
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    shared.sessions.lock().expect("poisoned").insert(
+        id,
+        SessionEntry {
+            service: Arc::from(spec.name.as_str()),
+            want: spec.want.clone(),
+            host: host.clone(),
+            kill: kill_tx,
+        },
+    );
+    let label = ServiceLabel {
+        service: spec.name.clone(),
+    };
+    let from_client = shared
+        .metrics
+        .bytes_from_clients
+        .get_or_create(&label)
+        .clone();
+    let to_client = shared
+        .metrics
+        .bytes_to_clients
+        .get_or_create(&label)
+        .clone();
+    let refusals = shared
+        .metrics
+        .read_only_refusals
+        .get_or_create(&label)
+        .clone();
+    let mut cancel_key: Option<(i32, i32)> = None;
+
+    let result = async {
+        server.write_all(&startup.encode()).await?;
+        if !early.is_empty() {
+            // Bytes the client pipelined behind its startup packet.
+            server.write_all(&early).await?;
+        }
+        Ok::<_, std::io::Error>(())
+    }
+    .await;
+    if result.is_err() {
+        finish(shared, id, cancel_key, &host_gauge);
+        return;
+    }
+
+    let (mut cr, mut cw) = client.split();
+    let (mut sr, mut sw) = server.split();
+    let read_only = spec.read_only;
+    let name = spec.name.clone();
+    let mut c2s = Framing::default();
+    let mut s2c = Framing::default();
+    let ended = {
+        let upstream = pump(
+            &mut cr,
+            &mut sw,
+            &mut c2s,
+            &from_client,
+            |t| read_only && (t == frontend::QUERY || t == frontend::PARSE),
+            |tag, msg| match guard_message(&name, tag, msg) {
+                Some(replacement) => {
+                    refusals.inc();
+                    Verdict::Replace(replacement)
+                }
+                None => Verdict::Keep,
+            },
+        );
+        let cancel = &shared.cancel;
+        let key_slot = &mut cancel_key;
+        let downstream = pump(
+            &mut sr,
+            &mut cw,
+            &mut s2c,
+            &to_client,
+            |t| t == backend::BACKEND_KEY_DATA || (read_only && t == backend::PARAMETER_STATUS),
+            |tag, msg| {
+                if tag == backend::BACKEND_KEY_DATA {
+                    if let (Ok((pid, secret)), Some(server)) = (
+                        pgwarden_wire::message::backend_key_data(&msg[5..]),
+                        server_addr,
+                    ) {
+                        let (p, s) = cancel.register(BackendKey {
+                            server,
+                            pid,
+                            secret,
+                        });
+                        *key_slot = Some((p, s));
+                        msg[5..9].copy_from_slice(&p.to_be_bytes());
+                        msg[9..13].copy_from_slice(&s.to_be_bytes());
+                    }
+                    return Verdict::Keep;
+                }
+                match pgwarden_wire::message::parameter_status(&msg[5..]) {
+                    Ok(("default_transaction_read_only", v)) if !v.eq_ignore_ascii_case("on") => {
+                        Verdict::Stop(
+                            "the session was made read-write on a read-only service".into(),
+                        )
+                    }
+                    _ => Verdict::Keep,
+                }
+            },
+        );
+        tokio::select! {
+            e = upstream => Ended::Upstream(e),
+            e = downstream => Ended::Downstream(e),
+            k = kill_rx.wait_for(Option::is_some) => Ended::Killed(k.ok().and_then(|k| *k)),
+        }
+    };
+
+    if let Ended::Upstream(End::Io(e)) | Ended::Downstream(End::Io(e)) = &ended {
+        tracing::debug!(error = %e, "session ended by a socket error");
+    }
+    let notice = match &ended {
+        Ended::Killed(Some(Kill::NotPrimary)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {host} is no longer the primary; reconnect to reach the new one"))),
+        Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {host} is down"))),
+        Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
+        Ended::Downstream(End::Stopped(why)) => Some((sqlstate::READ_ONLY_SQL_TRANSACTION, format!("terminating connection: {why}"))),
+        Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
+        _ => None,
+    };
+    if let Ended::Killed(Some(k)) = &ended {
+        shared
+            .metrics
+            .sessions_terminated
+            .get_or_create(&crate::metrics::ErrorLabel {
+                service: spec.name.clone(),
+                reason: format!("{k:?}"),
+            })
+            .inc();
+    }
+    if let Some((code, message)) = notice {
+        if s2c.at_boundary() {
+            let mut out = BytesMut::new();
+            encode::error_response(&mut out, Severity::Fatal, code.code(), &message, None, None);
+            let _ = tokio::time::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
+        }
+    }
+    let _ = cw.shutdown().await;
+    let _ = sw.shutdown().await;
+    finish(shared, id, cancel_key, &host_gauge);
+}
+
+enum Ended {
+    Upstream(End),
+    Downstream(End),
+    Killed(Option<Kill>),
+}
+
+fn finish(
+    shared: &Shared,
+    id: u64,
+    key: Option<(i32, i32)>,
+    gauge: &prometheus_client::metrics::gauge::Gauge,
+) {
+    shared.sessions.lock().expect("poisoned").remove(&id);
+    if let Some(k) = key {
+        shared.cancel.remove(k);
+    }
+    gauge.dec();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_statements_become_a_server_side_error_and_others_pass() {
+        let mut q = BytesMut::new();
+        encode::query(&mut q, "SELECT 1; SET default_transaction_read_only = off");
+        let r = guard_message("read_only", frontend::QUERY, &q).expect("refused");
+        let text = pgwarden_wire::message::query_text(&r[5..]).unwrap();
+        assert!(text.starts_with("DO $pgwarden$"), "{text}");
+        assert!(text.contains("25006"));
+
+        let mut ok = BytesMut::new();
+        encode::query(&mut ok, "SELECT 'it''s fine'");
+        assert!(guard_message("read_only", frontend::QUERY, &ok).is_none());
+
+        let mut p = BytesMut::new();
+        encode::parse(&mut p, "s1", "BEGIN READ WRITE", &[23]);
+        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
+        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
+        assert_eq!(parsed.name, "s1");
+        assert_eq!(parsed.param_type_count, 1);
+    }
+
+    #[test]
+    fn refusal_message_quotes_are_escaped() {
+        assert!(refusal_sql("it's").contains("'it''s'"));
+    }
+}
