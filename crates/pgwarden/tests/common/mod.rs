@@ -71,3 +71,77 @@ pub async fn sql_value(conninfo: &str, query: &str) -> Option<String> {
             _ => None,
         })?
 }
+
+/// A connection manager in front of `addrs`, every listener on a free
+/// port: services `read_write`, `read_only` and `standby`.
+pub async fn proxy(addrs: &[String], connect_wait: Duration) -> (Engine, pgwarden_proxy::Proxy) {
+    use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
+    use pgwarden_topology::{SelectPolicy, Want};
+    let e = engine(addrs, TopologyConfig::default());
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let svc = |name: &str, want: Want, read_only: bool, fallback: bool| ServiceSpec {
+        name: name.into(),
+        listen: any,
+        want,
+        policy: SelectPolicy {
+            fallback_to_primary: fallback,
+            ..SelectPolicy::default()
+        },
+        read_only,
+        connect_wait_timeout: connect_wait,
+    };
+    let spec = ProxySpec {
+        services: vec![
+            svc("read_write", Want::Primary, false, false),
+            svc("read_only", Want::Replica, true, true),
+            svc("standby", Want::SyncStandby, true, true),
+        ],
+        http: Some(any),
+        server_connect_timeout: Duration::from_secs(2),
+        shutdown_timeout: Duration::from_secs(5),
+    };
+    let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
+        .await
+        .expect("proxy starts");
+    (e, p)
+}
+
+/// libpq-style connection string for a service of `proxy`.
+pub fn via(proxy: &pgwarden_proxy::Proxy, service: &str) -> String {
+    let addr = proxy.service_addrs()[service];
+    format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        addr.port()
+    )
+}
+
+/// Connects with tokio-postgres; the connection task runs in the background.
+pub async fn client(conninfo: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    Ok(client)
+}
+
+/// A plain HTTP/1.0 GET; returns (status, body).
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect HTTP");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The SQLSTATE of a tokio-postgres error, if the server (or pgwarden) sent one.
+pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
+    e.code().map(|c| c.code().to_string())
+}

@@ -1,0 +1,549 @@
+//! The connection manager with a real cluster and real clients.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use common::{client, http_get, proxy, sql_value, sqlstate, until, via};
+use pgwarden_testkit::{StopMode, TestCluster};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn ready(e: &pgwarden_probe::Engine, replicas: usize) {
+    until(e, "all hosts probed", WAIT, |s| {
+        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
+        (alive == replicas + 1 && s.topology.primary().is_some())
+            .then_some(())
+            .ok_or(format!("{alive} alive"))
+    })
+    .await;
+}
+
+async fn one(c: &tokio_postgres::Client, q: &str) -> String {
+    let rows = c
+        .simple_query(q)
+        .await
+        .unwrap_or_else(|e| panic!("{q}: {e}"));
+    rows.iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .expect("a row")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_write_reaches_primary_and_read_only_a_replica() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let rw = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&rw, "SELECT pg_is_in_recovery()").await, "f");
+    assert_eq!(
+        one(&rw, "SELECT inet_server_port()").await,
+        c.port(0).to_string()
+    );
+    let ro = client(&via(&p, "read_only")).await.unwrap();
+    assert_eq!(one(&ro, "SELECT pg_is_in_recovery()").await, "t");
+    assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_passthrough_extended_binary_errors_notices_and_large_rows() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 0).await;
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    // Extended protocol with parameters and binary results.
+    let row = db
+        .query_one(
+            "SELECT $1::int8 * 2, $2::text || '!', $3::bytea",
+            &[&21i64, &"hi", &vec![0u8, 255, 1]],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 42);
+    assert_eq!(row.get::<_, String>(1), "hi!");
+    assert_eq!(row.get::<_, Vec<u8>>(2), vec![0u8, 255, 1]);
+    // A named prepared statement reused.
+    let stmt = db.prepare("SELECT $1::int4 + 1").await.unwrap();
+    for i in 0..3i32 {
+        assert_eq!(
+            db.query_one(&stmt, &[&i]).await.unwrap().get::<_, i32>(0),
+            i + 1
+        );
+    }
+    // Errors pass through with their SQLSTATE and the session lives on.
+    let err = db.simple_query("SELECT 1/0").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("22012"));
+    // Transactions.
+    db.batch_execute("CREATE TABLE t (id int primary key, v text); BEGIN; INSERT INTO t VALUES (1, 'a'); COMMIT;")
+        .await
+        .unwrap();
+    assert_eq!(one(&db, "SELECT v FROM t WHERE id = 1").await, "a");
+    // ParameterStatus follows SET.
+    db.batch_execute("SET application_name = 'through-pgwarden'")
+        .await
+        .unwrap();
+    assert_eq!(one(&db, "SHOW application_name").await, "through-pgwarden");
+    // A large row (64 MiB) streams through.
+    let big = db
+        .query_one("SELECT repeat('x', 64 * 1024 * 1024)", &[])
+        .await
+        .unwrap();
+    assert_eq!(big.get::<_, String>(0).len(), 64 * 1024 * 1024);
+    // And a large value the other way.
+    let payload = "y".repeat(8 * 1024 * 1024);
+    let n = db
+        .query_one("SELECT length($1::text)", &[&payload])
+        .await
+        .unwrap();
+    assert_eq!(n.get::<_, i32>(0), 8 * 1024 * 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psql_copy_listen_notify_and_notices() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 0).await;
+    let port = p.service_addrs()["read_write"].port().to_string();
+    let psql = |args: &[&str], stdin: &str| {
+        let mut child = std::process::Command::new("psql")
+            .args([
+                "-X",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("psql");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(stdin.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "psql failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    psql(&["-c", "CREATE TABLE c (a int, b text)"], "");
+    let rows: String = (0..5000).map(|i| format!("{i}\trow {i}\n")).collect();
+    psql(&["-c", "COPY c FROM STDIN"], &rows);
+    let (out, _) = psql(&["-At", "-c", "SELECT count(*), sum(a) FROM c"], "");
+    assert_eq!(out.trim(), "5000|12497500");
+    let (out, _) = psql(
+        &[
+            "-At",
+            "-c",
+            "COPY (SELECT a FROM c ORDER BY a LIMIT 3) TO STDOUT",
+        ],
+        "",
+    );
+    assert_eq!(out, "0\n1\n2\n");
+    let (out, _) = psql(
+        &[
+            "-c",
+            "LISTEN ch",
+            "-c",
+            "NOTIFY ch, 'hello'",
+            "-c",
+            "SELECT 1",
+        ],
+        "",
+    );
+    assert!(
+        out.contains("Asynchronous notification \"ch\" with payload \"hello\""),
+        "{out}"
+    );
+    let (_, err) = psql(
+        &["-c", "DO $$BEGIN RAISE NOTICE 'note from server'; END$$"],
+        "",
+    );
+    assert!(err.contains("note from server"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_startup_packets_get_08p01_and_a_close() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    let addr = p.service_addrs()["read_write"];
+    let exchange = |bytes: Vec<u8>| {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(&bytes).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        out
+    };
+    let error_code = |out: &[u8]| -> String {
+        assert_eq!(out.first(), Some(&b'E'), "an ErrorResponse: {out:?}");
+        let text = String::from_utf8_lossy(out);
+        let c = text.find("C08P01").or_else(|| text.find('C')).unwrap();
+        text[c + 1..c + 6].to_string()
+    };
+    // Too short a length.
+    assert_eq!(error_code(&exchange(vec![0, 0, 0, 5, 0])), "08P01");
+    // Larger than 10,000 bytes.
+    let mut big = 20_000u32.to_be_bytes().to_vec();
+    big.extend(vec![0u8; 100]);
+    assert_eq!(error_code(&exchange(big)), "08P01");
+    // No user: PostgreSQL's own code for it is 28000.
+    let mut m = Vec::new();
+    m.extend(196_608u32.to_be_bytes());
+    m.extend(b"database\0x\0\0");
+    let mut pkt = ((m.len() + 4) as u32).to_be_bytes().to_vec();
+    pkt.extend(m);
+    assert_eq!(error_code(&exchange(pkt)), "28000");
+    // SSLRequest is answered 'N' (no TLS yet), and the session can go on.
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]).unwrap();
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).unwrap();
+    assert_eq!(b[0], b'N');
+    // The proxy still serves normal clients.
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_requests_reach_the_right_backend_and_unknown_keys_are_ignored() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    for service in ["read_write", "read_only"] {
+        let db = client(&via(&p, service)).await.unwrap();
+        let token = db.cancel_token();
+        let q = tokio::spawn(async move { db.simple_query("SELECT pg_sleep(30)").await });
+        // Cancel once the query is running on the server.
+        let target = if service == "read_write" {
+            c.conninfo(0)
+        } else {
+            c.conninfo(1)
+        };
+        pgwarden_testkit::eventually("sleep running", WAIT, || {
+            let t = target.clone();
+            async move {
+                match sql_value(
+                    &t,
+                    "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)'",
+                )
+                .await
+                .as_deref()
+                {
+                    Some("1") => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        })
+        .await;
+        token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+        let err = tokio::time::timeout(Duration::from_secs(10), q)
+            .await
+            .expect("cancelled in time")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{service}: {err}");
+    }
+    // A made-up key: the connection is closed without an answer and
+    // nothing else is affected.
+    let addr = p.service_addrs()["read_write"];
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&pgwarden_wire::encode::cancel_request(12345, 67890))
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(out.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_sessions_cannot_be_made_read_write() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let rw = client(&via(&p, "read_write")).await.unwrap();
+    rw.batch_execute("CREATE TABLE w (x int)").await.unwrap();
+    let replica = c.conninfo(1);
+    pgwarden_testkit::eventually("table replicated", WAIT, || {
+        let r = replica.clone();
+        async move {
+            match sql_value(&r, "SELECT to_regclass('w') IS NOT NULL")
+                .await
+                .as_deref()
+            {
+                Some("t") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+
+    let attacks = [
+        "SET default_transaction_read_only = off",
+        "set  DEFAULT_TRANSACTION_READ_ONLY to false",
+        "SET SESSION default_transaction_read_only = off",
+        "SET/**/default_transaction_read_only=off",
+        "SET \"default_transaction_read_only\" = off",
+        "SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE",
+        "BEGIN READ WRITE",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE, READ WRITE",
+        "START TRANSACTION READ WRITE",
+        "SET TRANSACTION READ WRITE",
+        "SET LOCAL transaction_read_only = off",
+        "RESET ALL",
+        "RESET default_transaction_read_only",
+        "SELECT set_config('default_transaction_read_only', 'off', false)",
+        "SELECT pg_catalog.set_config('transaction_read_only', 'off', true)",
+        "SELECT 1; SET default_transaction_read_only = off",
+        "DO $$BEGIN EXECUTE 'SET default_transaction_read_only = off'; END$$",
+        "DO $$BEGIN PERFORM set_config('default_transaction_read_only', 'off', false); END$$",
+    ];
+    // Also when the read-only service has fallen back to the primary.
+    for phase in ["replica", "primary fallback"] {
+        if phase == "primary fallback" {
+            c.node(1).stop(StopMode::Fast).unwrap();
+            until(&e, "replica down", WAIT, |s| {
+                (!s.topology.hosts()[1].alive)
+                    .then_some(())
+                    .ok_or("alive".into())
+            })
+            .await;
+        }
+        let ro = client(&via(&p, "read_only")).await.unwrap();
+        let expect_recovery = if phase == "replica" { "t" } else { "f" };
+        assert_eq!(
+            one(&ro, "SELECT pg_is_in_recovery()").await,
+            expect_recovery,
+            "{phase}"
+        );
+        for attack in attacks {
+            // Simple protocol.
+            let err = ro.simple_query(attack).await.expect_err(attack);
+            assert_eq!(
+                sqlstate(&err).as_deref(),
+                Some("25006"),
+                "{phase}: {attack}: {err}"
+            );
+            // Extended protocol (Parse/Bind/Execute).
+            if !attack.contains(';') {
+                let err = ro.execute(attack, &[]).await.expect_err(attack);
+                assert_eq!(
+                    sqlstate(&err).as_deref(),
+                    Some("25006"),
+                    "{phase} extended: {attack}: {err}"
+                );
+            }
+            ro.simple_query("ROLLBACK").await.unwrap();
+            assert_eq!(
+                one(&ro, "SHOW transaction_read_only").await,
+                "on",
+                "{phase}: after {attack}"
+            );
+        }
+        let err = ro
+            .simple_query("INSERT INTO w VALUES (1)")
+            .await
+            .unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{phase}: {err}");
+        // Legitimate session settings still work.
+        for ok in [
+            "SET search_path TO public",
+            "BEGIN READ ONLY",
+            "COMMIT",
+            "DISCARD ALL",
+        ] {
+            ro.batch_execute(ok)
+                .await
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
+    }
+    // A startup packet that asks for read-write is refused.
+    let conninfo = format!(
+        "{} options='-c default_transaction_read_only=off'",
+        via(&p, "read_only")
+    );
+    let err = client(&conninfo).await.err().expect("refused");
+    assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
+    let _ = e;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_host_waits_then_57p03_naming_the_service() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_millis(1500)).await;
+    ready(&e, 0).await;
+    c.node(0).stop(StopMode::Fast).unwrap();
+    until(&e, "primary down", WAIT, |s| {
+        s.topology
+            .primary()
+            .is_none()
+            .then_some(())
+            .ok_or("still primary".into())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let err = client(&via(&p, "read_write")).await.err().expect("no host");
+    let waited = started.elapsed();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err}");
+    let text = err
+        .as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default();
+    assert!(
+        text.contains("read_write") && text.contains("no primary"),
+        "{text}"
+    );
+    assert!(
+        waited >= Duration::from_millis(1400),
+        "waited only {waited:?}"
+    );
+
+    // A client that arrives while the primary is down is served as soon
+    // as it is back, within the wait.
+    let conninfo = via(&p, "read_write");
+    let pending = tokio::spawn(async move { client(&conninfo).await });
+    c.node(0).start().unwrap();
+    let db = pending.await.unwrap();
+    // The wait (1.5 s) may be shorter than a restart on a slow machine;
+    // then the client saw 57P03 and a retry must succeed.
+    let db = match db {
+        Ok(db) => db,
+        Err(e2) => {
+            assert_eq!(sqlstate(&e2).as_deref(), Some("57P03"));
+            ready(&e, 0).await;
+            client(&via(&p, "read_write")).await.unwrap()
+        }
+    };
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_change_ends_old_sessions_and_routes_new_ones_to_the_new_primary() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(5)).await;
+    ready(&e, 1).await;
+    let old = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(
+        one(&old, "SELECT inet_server_port()").await,
+        c.port(0).to_string()
+    );
+    c.node(1).promote().unwrap();
+    until(&e, "node2 is the primary", WAIT, |s| {
+        (s.topology.primary() == Some(1))
+            .then_some(())
+            .ok_or(format!("{:?}", s.topology.primary()))
+    })
+    .await;
+    // The old session is ended with an error that says why.
+    let err = pgwarden_testkit::eventually("old session ended", WAIT, || {
+        let r = old.is_closed();
+        async move {
+            if r {
+                Ok(())
+            } else {
+                Err("open".into())
+            }
+        }
+    })
+    .await;
+    let _ = err;
+    let e2 = old.simple_query("SELECT 1").await.unwrap_err();
+    assert!(
+        e2.is_closed() || sqlstate(&e2).as_deref() == Some("57P01"),
+        "{e2}"
+    );
+    let new = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(
+        one(&new, "SELECT inet_server_port()").await,
+        c.port(1).to_string()
+    );
+    assert_eq!(one(&new, "SELECT pg_is_in_recovery()").await, "f");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_on_a_partitioned_host_are_closed_promptly() {
+    let c = TestCluster::builder().replicas(1).start();
+    // The replica is reached (by the probe and by sessions) through a relay.
+    let relay = pgwarden_testkit::Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string()];
+    let (e, p) = proxy(&addrs, Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let ro = client(&via(&p, "read_only")).await.unwrap();
+    assert_eq!(one(&ro, "SELECT pg_is_in_recovery()").await, "t");
+    // A partition: sockets stay open and silent, so without pgwarden the
+    // client would wait for TCP time-outs (minutes).
+    relay.set_blackhole(true);
+    let q = tokio::spawn(async move { ro.simple_query("SELECT 1").await });
+    let r = tokio::time::timeout(Duration::from_secs(15), q).await;
+    relay.set_blackhole(false);
+    let err = r.expect("closed promptly").unwrap().unwrap_err();
+    assert!(
+        err.is_closed() || sqlstate(&err).as_deref() == Some("08006"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_health_cluster_and_metrics() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+    let http = p.http_addr().unwrap();
+    let (status, body) = tokio::task::spawn_blocking(move || http_get(http, "/health"))
+        .await
+        .unwrap();
+    assert_eq!((status, body.trim()), (200, "ok"));
+    let (status, body) = tokio::task::spawn_blocking(move || http_get(http, "/cluster"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(doc["primary"], serde_json::json!(c.addr(0)));
+    assert_eq!(doc["hosts"].as_array().unwrap().len(), 2);
+    let services = doc["services"].as_array().unwrap();
+    let rw = services.iter().find(|s| s["name"] == "read_write").unwrap();
+    assert_eq!(rw["targets"], serde_json::json!([c.addr(0)]));
+    let ro = services.iter().find(|s| s["name"] == "read_only").unwrap();
+    assert_eq!(ro["targets"], serde_json::json!([c.addr(1)]));
+    assert_eq!(ro["read_only"], true);
+    let (status, body) = tokio::task::spawn_blocking(move || http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    for series in [
+        "pgwarden_client_connections{service=\"read_write\"} 1",
+        "pgwarden_server_connections{host=",
+        "pgwarden_client_received_bytes_total{service=\"read_write\"}",
+        "pgwarden_client_sent_bytes_total{service=\"read_write\"}",
+        "pgwarden_routing_decisions_total{service=\"read_write\",host=",
+        "pgwarden_host_up{host=",
+        "pgwarden_host_primary{host=",
+        "pgwarden_host_rtt_seconds{host=",
+        "pgwarden_host_lag_bytes{host=",
+    ] {
+        assert!(body.contains(series), "missing {series} in\n{body}");
+    }
+}
