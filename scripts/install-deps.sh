@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages pgwarden's demo and tests need on Debian 12:
-# the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench).
+# the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench)
+# and psycopg 3 for the driver tests.
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
 
@@ -9,6 +10,13 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+
+# psycopg 3: the non-Rust driver the integration tests use.
+if ! python3 -c "import psycopg" 2>/dev/null; then
+  python3 -m pip install -q "psycopg[binary]" 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages "psycopg[binary]"
+fi
+
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -4,9 +4,6 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use pgwarden_pgctl::{ClusterSpec, LocalCluster, PgBinaries, RunAs};
-use pgwarden_probe::{Engine, ProbeConfig};
-use pgwarden_topology::view::TopologyView;
-use pgwarden_topology::{HostAddr, HostConfig, TopologyConfig};
 
 /// Options of `pgwarden demo`.
 #[derive(Debug, clap::Args)]
@@ -63,33 +60,31 @@ pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> 
         );
     }
     println!(
-        "probing with: pgwarden topology --watch --hosts {}",
+        "probe:      pgwarden topology --watch --hosts {}",
         cluster.addrs().join(",")
     );
-    let hosts = cluster
-        .addrs()
-        .iter()
-        .map(|a| a.parse::<HostAddr>().map(HostConfig::new))
-        .collect::<Result<Vec<_>, _>>()?;
-    let quiet = args.quiet;
-    let result = runtime.block_on(async move {
-        let engine = Engine::start(hosts, TopologyConfig::default(), ProbeConfig::default());
-        let mut rounds = engine.rounds();
-        loop {
-            tokio::select! {
-                _ = crate::shutdown_signal() => break,
-                r = rounds.changed() => if r.is_err() { break },
-            }
-            if !quiet {
-                let snap = engine.snapshot();
-                println!(
-                    "{}",
-                    TopologyView::new(&snap.topology, snap.round).to_table()
-                );
-            }
-        }
-        anyhow::Ok(())
-    });
+    // The connection manager in front of it, configured by the same kind of
+    // file an operator writes, so the demo shows the real thing.
+    let (rw, ro, http) = match args.port {
+        Some(p) => (p + 1000, p + 1001, p + 1002),
+        None => (free_port()?, free_port()?, free_port()?),
+    };
+    let hosts: Vec<String> = cluster.addrs().iter().map(|a| format!("\"{a}\"")).collect();
+    let config_text = format!(
+        "[cluster]\nhosts = [{}]\nuser = \"postgres\"\n\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n",
+        hosts.join(", ")
+    );
+    let config_path = base.join("pgwarden.toml");
+    std::fs::write(&config_path, &config_text)?;
+    let config = pgwarden_config::load(&config_path)?;
+    println!("read-write: psql \"host=127.0.0.1 port={rw} user=postgres\"");
+    println!("read-only:  psql \"host=127.0.0.1 port={ro} user=postgres\"");
+    println!("HTTP:       http://127.0.0.1:{http}/cluster  /metrics  /health");
+    println!(
+        "config:     {} (edit it and send SIGHUP to reload)",
+        config_path.display()
+    );
+    let result = runtime.block_on(crate::run_cmd::serve(&config_path, config, !args.quiet));
     eprintln!("stopping the demo cluster");
     cluster.stop_all()?;
     drop(cluster);

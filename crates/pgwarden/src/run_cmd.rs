@@ -27,15 +27,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     tracing::info!(worker_threads = threads, "starting");
-    runtime.block_on(serve(&args.config, config))
+    runtime.block_on(serve(&args.config, config, false))
 }
 
-async fn serve(path: &Path, config: Config) -> anyhow::Result<()> {
+/// Runs the topology engine and the connection manager until SIGINT or
+/// SIGTERM, reloading `path` on SIGHUP. With `print_rounds`, the topology
+/// table is printed after every probe round (the demo).
+pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::Result<()> {
     let engine = Engine::start(
         config.cluster.host_configs(),
         config.cluster.topology_config(),
         probe_config(&config)?,
     );
+    if print_rounds {
+        let mut rounds = engine.rounds();
+        let snapshots = engine.snapshot_handle();
+        tokio::spawn(async move {
+            while rounds.changed().await.is_ok() {
+                let snap = snapshots.load_full();
+                println!(
+                    "{}",
+                    pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round)
+                        .to_table()
+                );
+            }
+        });
+    }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
         proxy_spec(&config),

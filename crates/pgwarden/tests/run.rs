@@ -1,0 +1,247 @@
+//! `pgwarden run` as a process: the configuration file, reloads on SIGHUP,
+//! graceful shutdown on SIGTERM, and a non-Rust driver (psycopg 3).
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{client, sqlstate};
+use pgwarden_testkit::{eventually, free_port, TestCluster};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Running {
+    child: Child,
+    stderr: std::path::PathBuf,
+}
+
+impl Running {
+    fn start(config: &Path, dir: &Path) -> Running {
+        let stderr = dir.join("pgwarden.stderr");
+        let child = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+            .args(["run", "--config"])
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("start pgwarden run");
+        Running { child, stderr }
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write(path: &Path, text: &str) {
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+}
+
+async fn select_one(conninfo: String) -> Result<String, String> {
+    let db = client(&conninfo).await.map_err(|e| e.to_string())?;
+    let rows = db
+        .simple_query("SELECT pg_is_in_recovery()")
+        .await
+        .map_err(|e| e.to_string())?;
+    rows.iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .ok_or_else(|| "no row".into())
+}
+
+/// Waits until `port` serves and lands on a host whose recovery state is
+/// `want` (`t` replica, `f` primary): right after start the probe may not
+/// have seen the replicas yet, and a read-only service falls back.
+async fn lands_on(what: &str, port: u16, want: &str) {
+    eventually(what, WAIT, || async move {
+        match select_one(conninfo(port)).await {
+            Ok(v) if v == want => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await
+}
+
+fn conninfo(port: u16) -> String {
+    format!("host=127.0.0.1 port={port} user=postgres dbname=postgres")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minimal_config_reload_and_graceful_shutdown() {
+    let c = TestCluster::builder().replicas(2).start();
+    let (rw, ro, http, standby, extra) = (
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    let base = format!(
+        r#"[cluster]
+hosts = ["{}", "{}", "{}"]
+user = "postgres"              # the probe connects as this user
+
+[listen]
+read_write = "127.0.0.1:{rw}"
+read_only = "127.0.0.1:{ro}"
+http = "127.0.0.1:{http}"
+
+[services.standby]
+listen = "127.0.0.1:{standby}"
+select = "standby"
+"#,
+        c.addr(0),
+        c.addr(1),
+        c.addr(2)
+    );
+    let shutdown = "\n[engine]\nshutdown_timeout = \"1s\"\n";
+    write(&config, &format!("{base}{shutdown}"));
+    let pg = Running::start(&config, dir.path());
+    let v = eventually("read-write port serves", WAIT, || select_one(conninfo(rw))).await;
+    assert_eq!(v, "f");
+    assert_eq!(
+        eventually("read-only port serves", WAIT, || select_one(conninfo(ro))).await,
+        "t"
+    );
+    // No synchronous standby: the standby service falls back to the primary.
+    assert_eq!(
+        eventually("standby service serves", WAIT, || select_one(conninfo(
+            standby
+        )))
+        .await,
+        "f"
+    );
+    let held = client(&conninfo(rw)).await.unwrap();
+
+    // Reload with a new service: it starts listening; held sessions go on.
+    write(
+        &config,
+        &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra}\"\nselect = \"replica\"\n"),
+    );
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    assert_eq!(
+        eventually("new service after SIGHUP", WAIT, || select_one(conninfo(
+            extra
+        )))
+        .await,
+        "t"
+    );
+    held.simple_query("SELECT 1")
+        .await
+        .expect("session survives the reload");
+
+    // A bad file is refused with file, line and key; everything keeps running.
+    write(&config, &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra}\"\nselect = \"replica\"\nbogus = 1\n"));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("reload rejected in the log", WAIT, || {
+        let log = pg.log();
+        async move {
+            if log.contains("reload rejected")
+                && log.contains("bogus")
+                && log.contains("pgwarden.toml")
+            {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        }
+    })
+    .await;
+    held.simple_query("SELECT 1").await.expect("still serving");
+    assert_eq!(
+        select_one(conninfo(extra)).await.unwrap(),
+        "t",
+        "old config stays"
+    );
+
+    // SIGTERM: no new connections; the idle session is ended with 57P01
+    // after shutdown_timeout, and the process exits.
+    let mut pg = pg;
+    pg.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = eventually("process exit", WAIT, || {
+        let s = pg.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", pg.log());
+    let err = held.simple_query("SELECT 1").await.unwrap_err();
+    assert!(
+        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
+        "{err}"
+    );
+}
+
+#[test]
+fn invalid_config_at_start_names_file_line_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("bad.toml");
+    write(
+        &config,
+        "[cluster]\nhosts = [\"127.0.0.1:5432\"]\nprobe_interval = \"5 parsecs\"\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.toml") && err.contains("probe_interval") && err.contains('3'),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_through_both_ports() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "[cluster]\nhosts = [\"{}\", \"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n",
+            c.addr(0),
+            c.addr(1)
+        ),
+    );
+    let _pg = Running::start(&config, dir.path());
+    lands_on("read-only port on the replica", ro, "t").await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/psycopg_ops.py");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .arg(rw.to_string())
+            .arg(ro.to_string())
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python3");
+    assert!(
+        out.status.success(),
+        "psycopg failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
