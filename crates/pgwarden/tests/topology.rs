@@ -16,6 +16,22 @@ use pgwarden_topology::{
 
 const WAIT: Duration = Duration::from_secs(30);
 
+async fn all_alive(e: &Engine) {
+    until(e, "every host alive", WAIT, |s| {
+        let dead: Vec<_> = s
+            .topology
+            .hosts()
+            .iter()
+            .filter(|h| !h.alive)
+            .map(|h| h.addr().to_string())
+            .collect();
+        dead.is_empty()
+            .then_some(())
+            .ok_or(format!("dead: {dead:?}"))
+    })
+    .await;
+}
+
 fn roles(t: &Topology) -> Vec<(Role, bool)> {
     t.hosts().iter().map(|h| (h.role, h.alive)).collect()
 }
@@ -264,15 +280,7 @@ async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
     let relay = Relay::start(c.addr(1).parse().unwrap()).unwrap();
     let addrs = vec![c.addr(0), relay.addr().to_string()];
     let e = engine(&addrs, TopologyConfig::default());
-    until(&e, "both alive", WAIT, |s| {
-        s.topology
-            .hosts()
-            .iter()
-            .all(|h| h.alive)
-            .then_some(())
-            .ok_or("not yet".into())
-    })
-    .await;
+    all_alive(&e).await;
 
     let probe = fast_probe();
     relay.set_blackhole(true);
@@ -326,15 +334,7 @@ async fn probe_reconnects_after_a_reset() {
     let relay = Relay::start(c.addr(1).parse().unwrap()).unwrap();
     let addrs = vec![c.addr(0), relay.addr().to_string()];
     let e = engine(&addrs, TopologyConfig::default());
-    until(&e, "both alive", WAIT, |s| {
-        s.topology
-            .hosts()
-            .iter()
-            .all(|h| h.alive)
-            .then_some(())
-            .ok_or("not yet".into())
-    })
-    .await;
+    all_alive(&e).await;
     relay.reset_all();
     let r0 = e.snapshot().round;
     e.wait_round(r0 + 3).await;
@@ -357,15 +357,7 @@ async fn lagging_replica_is_skipped_and_readmitted_after_hold() {
             lag_hold: hold,
         },
     );
-    until(&e, "all alive", WAIT, |s| {
-        s.topology
-            .hosts()
-            .iter()
-            .all(|h| h.alive)
-            .then_some(())
-            .ok_or("not yet".into())
-    })
-    .await;
+    all_alive(&e).await;
     // A replayed commit first, so the replica has a replay timestamp to
     // measure its delay against.
     sql(&c.conninfo(0), "CREATE TABLE first_commit (x int)").await;
