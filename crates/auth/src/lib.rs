@@ -1,0 +1,26 @@
+//! Client authentication for pgwarden, the PostgreSQL side of it.
+//!
+//! Like the topology and wire crates, this one is pure: no sockets, no
+//! clock, no randomness of its own (nonces and salts are parameters). The
+//! one exception is [`hba::Hba::load`], a convenience that reads a
+//! `pg_hba.conf` and its `@` includes from disk; [`hba::Hba::parse`] takes
+//! the file reader as a parameter instead.
+//!
+//! * [`scram`]: SCRAM-SHA-256 as PostgreSQL speaks it, server side towards
+//!   clients and client side towards PostgreSQL, able to log in upstream
+//!   with the key proven by the client instead of a stored password.
+//! * [`md5`]: the legacy `md5` password method.
+//! * [`hba`]: `pg_hba.conf` parsing and rule matching, as in PostgreSQL 15.
+//!
+//! No function here panics, whatever bytes a peer or a configuration file
+//! contains.
+
+pub mod hba;
+pub mod md5;
+pub mod scram;
+
+pub use hba::{AuthMethod, ConnType, Hba, HbaContext, HbaError, HbaRule};
+pub use md5::{is_md5_secret, md5_response, md5_secret, verify_md5};
+pub use scram::{
+    ClientKey, Nonce, ScramClient, ScramError, ScramSecret, ScramServer, ServerVerification,
+};
