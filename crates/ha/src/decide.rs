@@ -1,0 +1,1135 @@
+//! The decision of one HA loop iteration.
+//!
+//! [`decide`] looks at the two snapshots and returns exactly one
+//! [`Decision`]. The agent executes it and logs its `Display` form, which is
+//! a complete sentence saying what happens and why; tests assert on the same
+//! sentence, so the log is tested too.
+//!
+//! Safety comes first in every branch: a node stops accepting writes as soon
+//! as it cannot prove it owns the leader key, and no node claims the key from
+//! a stale view.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::election::{is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking};
+use crate::member::MemberRole;
+use crate::rto::Timing;
+use crate::secs::Secs;
+use crate::view::{ClusterView, LocalView};
+
+/// What the agent should do in this iteration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// This node is the leader and all is well: refresh the lease.
+    RenewLease,
+    /// The leader key is free and this node should take it with a
+    /// create-if-absent transaction, then promote once it won.
+    AcquireLeader {
+        /// Why this node rather than another.
+        reason: AcquireReason,
+    },
+    /// This node holds the leader key but PostgreSQL is still in recovery:
+    /// promote it (and keep renewing the lease).
+    Promote,
+    /// Stop accepting writes now: demote PostgreSQL to a replica (or stop
+    /// it), and drop the leader key if this node still has it.
+    Demote {
+        /// What makes writes here unsafe.
+        reason: DemoteReason,
+    },
+    /// Stream from `leader`; nothing to do if that is already the case.
+    FollowLeader {
+        /// The leader key's holder.
+        leader: String,
+    },
+    /// Start the local PostgreSQL.
+    StartPostgres {
+        /// In which role.
+        mode: StartMode,
+    },
+    /// Make sure PostgreSQL takes no writes, then delete the leader key so
+    /// that another member can be elected at once instead of after the ttl.
+    ReleaseLeader {
+        /// Why leadership is handed over.
+        reason: ReleaseReason,
+    },
+    /// Change nothing and wait for the leader key to be settled.
+    WaitForLeader {
+        /// Why this node does not act itself.
+        reason: WaitReason,
+    },
+    /// Maintenance mode: take no automatic action.
+    Paused {
+        /// The leader still refreshes its lease, so that resuming does not
+        /// start with a failover.
+        renew_lease: bool,
+    },
+}
+
+impl Decision {
+    /// Whether the agent must refresh the lease in this iteration.
+    ///
+    /// True for every decision a leader makes while it means to stay leader,
+    /// not only [`Decision::RenewLease`]: a leader that is promoting or
+    /// restarting PostgreSQL would otherwise lose the key halfway.
+    pub fn keeps_lease(&self) -> bool {
+        match self {
+            Decision::RenewLease | Decision::Promote => true,
+            Decision::StartPostgres { mode } => matches!(mode, StartMode::AsLeader { .. }),
+            Decision::Paused { renew_lease } => *renew_lease,
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decision::RenewLease => f.write_str("no action: I am the leader with the lock"),
+            Decision::AcquireLeader { reason } => write!(f, "acquiring the leader key: {reason}"),
+            Decision::Promote => f.write_str(
+                "promoting PostgreSQL: this node holds the leader key but is still in recovery",
+            ),
+            Decision::Demote { reason } => write!(f, "demoting: {reason}"),
+            Decision::FollowLeader { leader } => write!(f, "following the leader {leader}"),
+            Decision::StartPostgres { mode } => write!(f, "starting PostgreSQL {mode}"),
+            Decision::ReleaseLeader { reason } => {
+                write!(f, "releasing the leader key: {reason}")
+            }
+            Decision::WaitForLeader { reason } => write!(f, "waiting for a leader: {reason}"),
+            Decision::Paused { renew_lease: true } => {
+                f.write_str("paused: renewing the leader lease, no automatic failover")
+            }
+            Decision::Paused { renew_lease: false } => f.write_str("paused: no automatic failover"),
+        }
+    }
+}
+
+/// Why this node goes for the free leader key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AcquireReason {
+    /// It heads the ranking.
+    BestCandidate,
+    /// An operator asked for a failover to this node.
+    FailoverRequested {
+        /// Eligibility checks were skipped on the operator's word.
+        forced: bool,
+    },
+}
+
+impl fmt::Display for AcquireReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AcquireReason::BestCandidate => f.write_str("this node is the best candidate"),
+            AcquireReason::FailoverRequested { forced: false } => {
+                f.write_str("a manual failover named this node")
+            }
+            AcquireReason::FailoverRequested { forced: true } => {
+                f.write_str("a forced manual failover named this node, eligibility not checked")
+            }
+        }
+    }
+}
+
+/// Why this node must stop accepting writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DemoteReason {
+    /// The lease has gone unrenewed for longer than the retry window, so it
+    /// may lapse at any moment and another node may be promoted.
+    LeaseRenewalFailed {
+        /// Time since the last successful renewal.
+        since: Duration,
+        /// [`Timing::demote_after`]: `loop_wait + retry_timeout`.
+        limit: Duration,
+    },
+    /// The DCS is unreachable and no renewal was ever recorded, so the lease
+    /// cannot be shown to be alive.
+    LeaseUnconfirmed,
+    /// Another member holds the leader key.
+    OtherLeader {
+        /// That member.
+        leader: String,
+    },
+    /// The leader key is free, but this node is not the one to take it.
+    NoLeaderKey {
+        /// Why not.
+        because: WaitReason,
+    },
+}
+
+impl fmt::Display for DemoteReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DemoteReason::LeaseRenewalFailed { since, limit } => write!(
+                f,
+                "the leader lease was last renewed {} ago, past loop_wait + retry_timeout ({})",
+                Secs(*since),
+                Secs(*limit)
+            ),
+            DemoteReason::LeaseUnconfirmed => f.write_str(
+                "the DCS is unreachable and no renewal of the leader lease was ever recorded",
+            ),
+            DemoteReason::OtherLeader { leader } => write!(f, "{leader} holds the leader key"),
+            DemoteReason::NoLeaderKey { because } => {
+                write!(f, "no leader key and {because}")
+            }
+        }
+    }
+}
+
+/// Why the leader hands over the key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseReason {
+    /// PostgreSQL stayed down for the whole start timeout.
+    PostgresDidNotStart {
+        /// [`Timing::primary_start_timeout`].
+        timeout: Duration,
+    },
+    /// An operator asked for a switchover to another member.
+    Switchover {
+        /// The member that should take over.
+        candidate: String,
+    },
+}
+
+impl fmt::Display for ReleaseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReleaseReason::PostgresDidNotStart { timeout } => {
+                write!(f, "PostgreSQL did not start within {}", Secs(*timeout))
+            }
+            ReleaseReason::Switchover { candidate } => {
+                write!(f, "switching over to {candidate}")
+            }
+        }
+    }
+}
+
+/// Why a node without the leader key leaves it alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// Another member ranks higher.
+    BetterCandidate {
+        /// The best-ranked member.
+        name: String,
+    },
+    /// This node failed an eligibility check.
+    NotEligible {
+        /// Which one.
+        reason: ExclusionReason,
+    },
+    /// This node has not published its member state, so no other agent
+    /// would agree it is a candidate.
+    NotInView,
+    /// An operator asked for a failover to another member.
+    FailoverRequested {
+        /// That member.
+        candidate: String,
+    },
+    /// The DCS cannot be reached, so the view may be stale.
+    DcsUnreachable,
+    /// The leader key names this node but belongs to a lease this process
+    /// does not hold, left by an earlier run; only its expiry frees it.
+    StaleOwnKey,
+}
+
+impl fmt::Display for WaitReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WaitReason::BetterCandidate { name } => write!(f, "{name} is a better candidate"),
+            WaitReason::NotEligible { reason } => {
+                write!(f, "this node is not eligible ({reason})")
+            }
+            WaitReason::NotInView => {
+                f.write_str("this node has not published its member state yet")
+            }
+            WaitReason::FailoverRequested { candidate } => {
+                write!(f, "a manual failover named {candidate}")
+            }
+            WaitReason::DcsUnreachable => f.write_str("the DCS is unreachable"),
+            WaitReason::StaleOwnKey => f.write_str(
+                "the leader key names this node but belongs to an earlier lease; \
+                 waiting for it to expire",
+            ),
+        }
+    }
+}
+
+/// In which role to start PostgreSQL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartMode {
+    /// As the primary, because this node holds the leader key.
+    AsLeader {
+        /// How long starts have been failing so far.
+        failed_for: Duration,
+        /// How long they may fail before the key is released.
+        timeout: Duration,
+    },
+    /// As a replica of the current leader.
+    ReplicaOf {
+        /// The leader key's holder.
+        leader: String,
+    },
+    /// In recovery with no upstream, so that it reports a WAL position and
+    /// can stand in the coming election.
+    Replica,
+}
+
+impl fmt::Display for StartMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StartMode::AsLeader {
+                failed_for,
+                timeout,
+            } if failed_for.is_zero() => write!(
+                f,
+                "as the leader (the leader key is released if it is not up within {})",
+                Secs(*timeout)
+            ),
+            StartMode::AsLeader {
+                failed_for,
+                timeout,
+            } => write!(
+                f,
+                "as the leader (failing for {} of the {} allowed)",
+                Secs(*failed_for),
+                Secs(*timeout)
+            ),
+            StartMode::ReplicaOf { leader } => write!(f, "as a replica of {leader}"),
+            StartMode::Replica => f.write_str("as a replica to join the leader election"),
+        }
+    }
+}
+
+/// Decides what this node does in the current loop iteration.
+///
+/// The local node's own member entry is refreshed from `local` before the
+/// ranking, since the published copy can be a whole loop old.
+pub fn decide(
+    cluster: &ClusterView,
+    local: &LocalView,
+    timing: &Timing,
+    settings: &ElectionSettings,
+) -> Decision {
+    let view = with_local_observation(cluster, local);
+    let ranking = rank_candidates(&view, settings);
+    match view.current_leader() {
+        Some(l) if l.name == local.name && local.holds_lease => {
+            as_leader(&view, local, timing, &ranking)
+        }
+        Some(l) if l.name == local.name => {
+            if view.paused {
+                Decision::Paused { renew_lease: false }
+            } else {
+                Decision::WaitForLeader {
+                    reason: WaitReason::StaleOwnKey,
+                }
+            }
+        }
+        Some(l) => as_follower(&view, local, &l.name),
+        None => without_leader(&view, local, &ranking),
+    }
+}
+
+fn as_leader(
+    view: &ClusterView,
+    local: &LocalView,
+    timing: &Timing,
+    ranking: &Ranking,
+) -> Decision {
+    // In maintenance mode the operator owns PostgreSQL; demoting on a DCS
+    // outage would be exactly the surprise pause is meant to rule out.
+    if !view.paused {
+        let limit = timing.demote_after();
+        match local.lease_age() {
+            Some(since) if since >= limit => {
+                return Decision::Demote {
+                    reason: DemoteReason::LeaseRenewalFailed { since, limit },
+                }
+            }
+            None if !local.dcs_reachable => {
+                return Decision::Demote {
+                    reason: DemoteReason::LeaseUnconfirmed,
+                }
+            }
+            _ => {}
+        }
+    }
+    if let Some(candidate) = switchover_target(view, local, ranking) {
+        return Decision::ReleaseLeader {
+            reason: ReleaseReason::Switchover { candidate },
+        };
+    }
+    if view.paused {
+        return Decision::Paused { renew_lease: true };
+    }
+    let pg = &local.postgres;
+    if !pg.running {
+        // A crash just noticed has not failed any start yet; with a zero
+        // timeout that still means "fail over at once".
+        let failed_for = pg.start_failed_for.unwrap_or_default();
+        let timeout = timing.primary_start_timeout;
+        return if failed_for < timeout {
+            Decision::StartPostgres {
+                mode: StartMode::AsLeader {
+                    failed_for,
+                    timeout,
+                },
+            }
+        } else {
+            Decision::ReleaseLeader {
+                reason: ReleaseReason::PostgresDidNotStart { timeout },
+            }
+        };
+    }
+    if pg.in_recovery {
+        return Decision::Promote;
+    }
+    Decision::RenewLease
+}
+
+/// The member a pending switchover away from this leader should go to, if
+/// the request is one this leader should honour now.
+fn switchover_target(view: &ClusterView, local: &LocalView, ranking: &Ranking) -> Option<String> {
+    let req = view.failover_request.as_ref()?;
+    let candidate = req.candidate.as_deref()?;
+    if candidate == local.name {
+        return None;
+    }
+    if req.from_leader.as_deref().is_some_and(|l| l != local.name) {
+        // Aimed at an earlier leader; acting on it would bounce leadership.
+        return None;
+    }
+    candidate_ready(view, ranking, candidate, req.forced).then(|| candidate.to_string())
+}
+
+/// Whether `candidate` can take over right now: eligible, or at least
+/// running when the operator forced the move.
+fn candidate_ready(view: &ClusterView, ranking: &Ranking, candidate: &str, forced: bool) -> bool {
+    ranking.is_eligible(candidate) || (forced && view.member(candidate).is_some_and(|m| m.running))
+}
+
+fn as_follower(view: &ClusterView, local: &LocalView, leader: &str) -> Decision {
+    if view.paused {
+        return Decision::Paused { renew_lease: false };
+    }
+    if local.is_running_primary() {
+        return Decision::Demote {
+            reason: DemoteReason::OtherLeader {
+                leader: leader.to_string(),
+            },
+        };
+    }
+    if !local.postgres.running {
+        return Decision::StartPostgres {
+            mode: StartMode::ReplicaOf {
+                leader: leader.to_string(),
+            },
+        };
+    }
+    Decision::FollowLeader {
+        leader: leader.to_string(),
+    }
+}
+
+fn without_leader(view: &ClusterView, local: &LocalView, ranking: &Ranking) -> Decision {
+    if !local.dcs_reachable {
+        return stand_by(view, local, WaitReason::DcsUnreachable);
+    }
+    // A manual failover is honoured even in maintenance mode: it is the
+    // operator acting, not the automation.
+    if let Some(req) = &view.failover_request {
+        if let Some(candidate) = req.candidate.as_deref() {
+            if candidate == local.name {
+                if local.postgres.running && (req.forced || ranking.is_eligible(&local.name)) {
+                    return Decision::AcquireLeader {
+                        reason: AcquireReason::FailoverRequested { forced: req.forced },
+                    };
+                }
+            } else if candidate_ready(view, ranking, candidate, req.forced) {
+                return stand_by(
+                    view,
+                    local,
+                    WaitReason::FailoverRequested {
+                        candidate: candidate.to_string(),
+                    },
+                );
+            }
+        }
+    }
+    if view.paused {
+        return Decision::Paused { renew_lease: false };
+    }
+    if !local.postgres.running {
+        return Decision::StartPostgres {
+            mode: StartMode::Replica,
+        };
+    }
+    if is_best(&local.name, ranking) {
+        return Decision::AcquireLeader {
+            reason: AcquireReason::BestCandidate,
+        };
+    }
+    let reason = if view.member(&local.name).is_none() {
+        WaitReason::NotInView
+    } else if let Some(r) = ranking.exclusion(&local.name) {
+        WaitReason::NotEligible { reason: r.clone() }
+    } else {
+        // Eligible but not first, so a best member exists.
+        WaitReason::BetterCandidate {
+            name: ranking.best().unwrap_or_default().to_string(),
+        }
+    };
+    stand_by(view, local, reason)
+}
+
+/// Leaves the key to others; a primary without the key must also stop
+/// taking writes, or the next leader would be a split brain.
+fn stand_by(view: &ClusterView, local: &LocalView, because: WaitReason) -> Decision {
+    if view.paused {
+        Decision::Paused { renew_lease: false }
+    } else if local.is_running_primary() {
+        Decision::Demote {
+            reason: DemoteReason::NoLeaderKey { because },
+        }
+    } else {
+        Decision::WaitForLeader { reason: because }
+    }
+}
+
+/// The cluster view with this node's entry replaced by what was observed
+/// locally a moment ago. Positions fall back to the published ones when the
+/// local probe could not read them.
+fn with_local_observation(cluster: &ClusterView, local: &LocalView) -> ClusterView {
+    let mut view = cluster.clone();
+    if let Some(me) = view.members.iter_mut().find(|m| m.name == local.name) {
+        let pg = &local.postgres;
+        me.running = pg.running;
+        me.role = match (pg.running, pg.in_recovery) {
+            (false, _) => MemberRole::Stopped,
+            (true, true) => MemberRole::Replica,
+            (true, false) => MemberRole::Primary,
+        };
+        if pg.running {
+            me.timeline = pg.timeline;
+        }
+        me.received_lsn = pg.received_lsn.or(me.received_lsn);
+        me.replayed_lsn = pg.replayed_lsn.or(me.replayed_lsn);
+        me.last_seen_ms_ago = 0;
+    }
+    view
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{cluster, local, LEADER_LSN, MIB};
+    use crate::rto::RtoPreset;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    /// One row of a rule's table: a scenario, the expected decision, and the
+    /// sentence the agent will log for it.
+    struct Case {
+        name: &'static str,
+        cluster: ClusterView,
+        local: LocalView,
+        want: Decision,
+        says: &'static str,
+    }
+
+    fn check(cases: Vec<Case>) {
+        let timing = Timing::preset(RtoPreset::Norm);
+        let settings = ElectionSettings::for_timing(&timing);
+        for c in cases {
+            let got = decide(&c.cluster, &c.local, &timing, &settings);
+            assert_eq!(got, c.want, "case {:?}", c.name);
+            assert_eq!(got.to_string(), c.says, "case {:?}", c.name);
+        }
+    }
+
+    fn wait(reason: WaitReason) -> Decision {
+        Decision::WaitForLeader { reason }
+    }
+
+    #[test]
+    fn healthy_leader_renews_its_lease() {
+        check(vec![
+            Case {
+                name: "steady state",
+                cluster: cluster().leader("n1").replica("n2", 100).build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "one failed renewal is retried, not acted on",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1")
+                    .primary()
+                    .renewed_ago(secs(14))
+                    .dcs_down()
+                    .build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "just acquired, promotion still pending",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").holding_lease().build(),
+                want: Decision::Promote,
+                says: "promoting PostgreSQL: this node holds the leader key but is still in \
+                       recovery",
+            },
+        ]);
+    }
+
+    #[test]
+    fn leader_demotes_before_its_lease_can_lapse() {
+        check(vec![
+            Case {
+                name: "renewals failing for loop_wait + retry_timeout",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1")
+                    .primary()
+                    .renewed_ago(secs(15))
+                    .dcs_down()
+                    .build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::LeaseRenewalFailed {
+                        since: secs(15),
+                        limit: secs(15),
+                    },
+                },
+                says: "demoting: the leader lease was last renewed 15 s ago, past loop_wait + \
+                       retry_timeout (15 s)",
+            },
+            Case {
+                name: "stale renewal even though the last request succeeded",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").primary().renewed_ago(secs(22)).build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::LeaseRenewalFailed {
+                        since: secs(22),
+                        limit: secs(15),
+                    },
+                },
+                says: "demoting: the leader lease was last renewed 22 s ago, past loop_wait + \
+                       retry_timeout (15 s)",
+            },
+            Case {
+                name: "no renewal on record and no DCS",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").primary().never_renewed().dcs_down().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::LeaseUnconfirmed,
+                },
+                says: "demoting: the DCS is unreachable and no renewal of the leader lease \
+                       was ever recorded",
+            },
+            Case {
+                name: "demotion wins over restarting a crashed primary",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").stopped().renewed_ago(secs(16)).build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::LeaseRenewalFailed {
+                        since: secs(16),
+                        limit: secs(15),
+                    },
+                },
+                says: "demoting: the leader lease was last renewed 16 s ago, past loop_wait + \
+                       retry_timeout (15 s)",
+            },
+        ]);
+    }
+
+    #[test]
+    fn demotion_deadline_leaves_the_lease_unexpired() {
+        for p in RtoPreset::ALL {
+            let t = Timing::preset(p);
+            // Demotion starts at the deadline and has one more retry window.
+            assert!(t.demote_after() + t.retry_timeout <= t.ttl, "{p}");
+        }
+    }
+
+    #[test]
+    fn leader_with_postgres_down_restarts_then_hands_over() {
+        check(vec![
+            Case {
+                name: "crash just noticed",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").stopped().holding_lease().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::AsLeader {
+                        failed_for: Duration::ZERO,
+                        timeout: secs(25),
+                    },
+                },
+                says: "starting PostgreSQL as the leader (the leader key is released if it is \
+                       not up within 25 s)",
+            },
+            Case {
+                name: "restarts failing, still within the timeout",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1")
+                    .stopped()
+                    .holding_lease()
+                    .start_failed_for(secs(24))
+                    .build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::AsLeader {
+                        failed_for: secs(24),
+                        timeout: secs(25),
+                    },
+                },
+                says: "starting PostgreSQL as the leader (failing for 24 s of the 25 s allowed)",
+            },
+            Case {
+                name: "timeout reached",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1")
+                    .stopped()
+                    .holding_lease()
+                    .start_failed_for(secs(25))
+                    .build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::PostgresDidNotStart { timeout: secs(25) },
+                },
+                says: "releasing the leader key: PostgreSQL did not start within 25 s",
+            },
+        ]);
+    }
+
+    #[test]
+    fn zero_start_timeout_fails_over_at_once() {
+        let timing = Timing {
+            primary_start_timeout: Duration::ZERO,
+            ..Timing::default()
+        };
+        let d = decide(
+            &cluster().leader("n1").build(),
+            &local("n1").stopped().holding_lease().build(),
+            &timing,
+            &ElectionSettings::default(),
+        );
+        assert_eq!(
+            d.to_string(),
+            "releasing the leader key: PostgreSQL did not start within 0 s"
+        );
+    }
+
+    #[test]
+    fn free_key_goes_to_the_best_candidate() {
+        let free = || {
+            cluster()
+                .replica("n2", 100)
+                .replica("n3", 500)
+                .replica("n4", 0)
+                .with("n4", |m| m.tags.nofailover = true)
+        };
+        check(vec![
+            Case {
+                name: "best takes it",
+                cluster: free().build(),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "second best waits",
+                cluster: free().build(),
+                local: local("n3").build(),
+                want: wait(WaitReason::BetterCandidate { name: "n2".into() }),
+                says: "waiting for a leader: n2 is a better candidate",
+            },
+            Case {
+                name: "excluded node says why",
+                cluster: free().build(),
+                local: local("n4").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::NoFailoverTag,
+                }),
+                says: "waiting for a leader: this node is not eligible (tagged nofailover)",
+            },
+            Case {
+                name: "too far behind",
+                cluster: cluster().replica("n2", 0).replica("n3", 4 * MIB).build(),
+                local: local("n3").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::LaggingTooMuch {
+                        lag_bytes: 4 * MIB,
+                        limit: MIB,
+                    },
+                }),
+                says: "waiting for a leader: this node is not eligible (lagging 4194304 bytes \
+                       behind the last leader position (limit 1048576))",
+            },
+            Case {
+                name: "fresher local position overrides the published one",
+                cluster: free().build(),
+                local: {
+                    let mut l = local("n3").build();
+                    l.postgres.received_lsn = Some(LEADER_LSN);
+                    l
+                },
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "not published yet",
+                cluster: free().build(),
+                local: local("n9").build(),
+                want: wait(WaitReason::NotInView),
+                says: "waiting for a leader: this node has not published its member state yet",
+            },
+            Case {
+                name: "an expired key is no key",
+                cluster: {
+                    let mut v = free().leader_key("n1").build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
+                },
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+        ]);
+    }
+
+    #[test]
+    fn nobody_claims_the_key_from_a_stale_or_empty_view() {
+        check(vec![
+            Case {
+                name: "DCS unreachable",
+                cluster: cluster().replica("n2", 0).build(),
+                local: local("n2").dcs_down().build(),
+                want: wait(WaitReason::DcsUnreachable),
+                says: "waiting for a leader: the DCS is unreachable",
+            },
+            Case {
+                name: "stopped node starts in recovery to join the election",
+                cluster: cluster().replica("n2", 0).build(),
+                local: local("n2").stopped().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::Replica,
+                },
+                says: "starting PostgreSQL as a replica to join the leader election",
+            },
+        ]);
+    }
+
+    #[test]
+    fn primary_without_the_key_stops_writes_unless_it_wins() {
+        check(vec![
+            Case {
+                name: "key lost but still the best: take it back",
+                cluster: cluster().replica("n1", 0).replica("n2", 300).build(),
+                local: local("n1").primary().build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "key lost and another member ranks higher",
+                cluster: cluster()
+                    .replica("n1", 0)
+                    .replica("n2", 0)
+                    .with("n2", |m| m.tags.failover_priority = 5)
+                    .build(),
+                local: local("n1").primary().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::BetterCandidate { name: "n2".into() },
+                    },
+                },
+                says: "demoting: no leader key and n2 is a better candidate",
+            },
+            Case {
+                name: "key lost and the DCS is gone",
+                cluster: cluster().replica("n1", 0).build(),
+                local: local("n1").primary().dcs_down().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::DcsUnreachable,
+                    },
+                },
+                says: "demoting: no leader key and the DCS is unreachable",
+            },
+        ]);
+    }
+
+    #[test]
+    fn someone_else_leads() {
+        check(vec![
+            Case {
+                name: "replica follows",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n2").build(),
+                want: Decision::FollowLeader {
+                    leader: "n1".into(),
+                },
+                says: "following the leader n1",
+            },
+            Case {
+                name: "a second primary is demoted",
+                cluster: cluster().leader("n2").replica("n1", 0).build(),
+                local: local("n1").primary().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::OtherLeader {
+                        leader: "n2".into(),
+                    },
+                },
+                says: "demoting: n2 holds the leader key",
+            },
+            Case {
+                name: "believing it holds the lease does not beat the key",
+                cluster: cluster().leader("n2").replica("n1", 0).build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::OtherLeader {
+                        leader: "n2".into(),
+                    },
+                },
+                says: "demoting: n2 holds the leader key",
+            },
+            Case {
+                name: "stopped replica is started against the leader",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n2").stopped().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::ReplicaOf {
+                        leader: "n1".into(),
+                    },
+                },
+                says: "starting PostgreSQL as a replica of n1",
+            },
+            Case {
+                name: "own name in a key this process cannot renew",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").primary().build(),
+                want: wait(WaitReason::StaleOwnKey),
+                says: "waiting for a leader: the leader key names this node but belongs to an \
+                       earlier lease; waiting for it to expire",
+            },
+        ]);
+    }
+
+    #[test]
+    fn pause_stops_automation_but_not_the_lease() {
+        check(vec![
+            Case {
+                name: "leader keeps renewing",
+                cluster: cluster().leader("n1").paused().build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "leader is not demoted for a DCS outage",
+                cluster: cluster().leader("n1").paused().build(),
+                local: local("n1")
+                    .primary()
+                    .renewed_ago(secs(40))
+                    .dcs_down()
+                    .build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "leader's crashed PostgreSQL is left alone",
+                cluster: cluster().leader("n1").paused().build(),
+                local: local("n1")
+                    .stopped()
+                    .holding_lease()
+                    .start_failed_for(secs(60))
+                    .build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "no election for a free key",
+                cluster: cluster().replica("n2", 0).paused().build(),
+                local: local("n2").build(),
+                want: Decision::Paused { renew_lease: false },
+                says: "paused: no automatic failover",
+            },
+            Case {
+                name: "no demotion of a second primary",
+                cluster: cluster().leader("n2").replica("n1", 0).paused().build(),
+                local: local("n1").primary().build(),
+                want: Decision::Paused { renew_lease: false },
+                says: "paused: no automatic failover",
+            },
+        ]);
+    }
+
+    #[test]
+    fn manual_failover_names_the_winner() {
+        check(vec![
+            Case {
+                name: "forced to a node that is not the best",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 5 * MIB)
+                    .failover_to("n3", true)
+                    .build(),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: true },
+                },
+                says: "acquiring the leader key: a forced manual failover named this node, \
+                       eligibility not checked",
+            },
+            Case {
+                name: "unforced to an eligible node that is not the best",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 300)
+                    .failover_to("n3", false)
+                    .build(),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: false },
+                },
+                says: "acquiring the leader key: a manual failover named this node",
+            },
+            Case {
+                name: "unforced to an ineligible node falls back to the election",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 5 * MIB)
+                    .failover_to("n3", false)
+                    .build(),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "the best node steps aside for the named one",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 300)
+                    .failover_to("n3", false)
+                    .build(),
+                local: local("n2").build(),
+                want: wait(WaitReason::FailoverRequested {
+                    candidate: "n3".into(),
+                }),
+                says: "waiting for a leader: a manual failover named n3",
+            },
+            Case {
+                name: "honoured during pause",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 300)
+                    .failover_to("n3", false)
+                    .paused()
+                    .build(),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: false },
+                },
+                says: "acquiring the leader key: a manual failover named this node",
+            },
+            Case {
+                name: "a dead forced candidate does not stall the cluster",
+                cluster: cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 0)
+                    .with("n3", |m| m.running = false)
+                    .failover_to("n3", true)
+                    .build(),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+        ]);
+    }
+
+    #[test]
+    fn switchover_releases_the_key_to_a_ready_candidate() {
+        check(vec![
+            Case {
+                name: "to an eligible replica",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .switchover("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n2".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "not to a lagging one",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 8 * MIB)
+                    .switchover("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "not when aimed at another leader",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .switchover("n0", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+        ]);
+    }
+
+    #[test]
+    fn only_leader_decisions_keep_the_lease() {
+        let keeps = [
+            Decision::RenewLease,
+            Decision::Promote,
+            Decision::StartPostgres {
+                mode: StartMode::AsLeader {
+                    failed_for: Duration::ZERO,
+                    timeout: secs(1),
+                },
+            },
+            Decision::Paused { renew_lease: true },
+        ];
+        assert!(keeps.iter().all(Decision::keeps_lease));
+        let drops = [
+            Decision::Demote {
+                reason: DemoteReason::LeaseUnconfirmed,
+            },
+            Decision::ReleaseLeader {
+                reason: ReleaseReason::PostgresDidNotStart { timeout: secs(1) },
+            },
+            Decision::StartPostgres {
+                mode: StartMode::Replica,
+            },
+            Decision::Paused { renew_lease: false },
+            wait(WaitReason::NotInView),
+        ];
+        assert!(!drops.iter().any(Decision::keeps_lease));
+    }
+}
