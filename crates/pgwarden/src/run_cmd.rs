@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
-use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
+use pgwarden_proxy::{PoolSettings, Proxy, ProxySpec, ServiceSpec};
+use pgwarden_topology::Want;
+use std::time::Duration;
 
 /// Options of `pgwarden run`.
 #[derive(Debug, clap::Args)]
@@ -96,13 +98,15 @@ pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::R
 }
 
 fn warn_unimplemented(config: &Config) {
-    let transaction = config.pool.mode == PoolMode::Transaction
-        || config
-            .services()
-            .iter()
-            .any(|s| s.pool_mode == PoolMode::Transaction);
+    let transaction = config
+        .services()
+        .iter()
+        .any(|s| s.pool_mode == PoolMode::Transaction);
     if transaction {
-        tracing::warn!("transaction pooling is not implemented yet: every client session gets its own server connection (session mode)");
+        tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
+    }
+    if !config.pool.databases.is_empty() || !config.pool.users.is_empty() {
+        tracing::warn!("[pool.databases] and [pool.users] overrides are not applied yet; the service's pool mode and pool.size are used");
     }
 }
 
@@ -136,21 +140,38 @@ pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
 
 /// The proxy's services and ports from the configuration.
 pub fn proxy_spec(config: &Config) -> ProxySpec {
+    let password = probe_config(config).ok().and_then(|p| p.password);
     ProxySpec {
         services: config
             .services()
             .into_iter()
-            .map(|s| ServiceSpec {
-                name: s.name,
-                listen: s.listen,
-                want: s.want,
-                policy: s.policy,
-                read_only: s.read_only,
-                connect_wait_timeout: s.connect_wait_timeout,
+            .map(|s| {
+                let pool = (s.pool_mode == PoolMode::Transaction).then(|| PoolSettings {
+                    size: config.pool.size as usize,
+                    // "Off" means: wait as long as it takes.
+                    query_wait_timeout: config
+                        .pool
+                        .query_wait_timeout
+                        .unwrap_or(Duration::from_secs(365 * 86_400)),
+                    wants_primary: s.want == Want::Primary,
+                    server_idle_timeout: config.pool.server_idle_timeout,
+                    server_lifetime: config.pool.server_lifetime,
+                    server_password: password.clone(),
+                });
+                ServiceSpec {
+                    name: s.name,
+                    listen: s.listen,
+                    want: s.want,
+                    policy: s.policy,
+                    read_only: s.read_only,
+                    connect_wait_timeout: s.connect_wait_timeout,
+                    pool,
+                }
             })
             .collect(),
         http: Some(config.listen.http),
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
+        max_client_conn: config.pool.max_client_conn as usize,
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Where a client's cancel key leads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,12 +20,30 @@ pub struct BackendKey {
 /// ends and once per cancel request; never per message.
 #[derive(Debug, Default)]
 pub struct CancelRegistry {
-    keys: Mutex<HashMap<(i32, i32), BackendKey>>,
+    keys: Mutex<HashMap<(i32, i32), Target>>,
+}
+
+/// A session's backend is fixed; a pooled client's changes with every
+/// transaction (and is absent between transactions).
+#[derive(Debug, Clone)]
+enum Target {
+    Fixed(BackendKey),
+    Dynamic(Arc<Mutex<Option<BackendKey>>>),
 }
 
 impl CancelRegistry {
     /// Registers a backend and returns the fresh key to hand the client.
     pub fn register(&self, backend: BackendKey) -> (i32, i32) {
+        self.insert(Target::Fixed(backend))
+    }
+
+    /// Registers a pooled client whose backend changes as it borrows
+    /// server connections.
+    pub fn register_dynamic(&self, backend: Arc<Mutex<Option<BackendKey>>>) -> (i32, i32) {
+        self.insert(Target::Dynamic(backend))
+    }
+
+    fn insert(&self, backend: Target) -> (i32, i32) {
         let mut keys = self.keys.lock().expect("cancel registry poisoned");
         loop {
             // Positive like real pids, so clients that print them are not surprised.
@@ -47,10 +65,14 @@ impl CancelRegistry {
 
     /// The backend behind a client key; unknown keys give `None`.
     pub fn lookup(&self, key: (i32, i32)) -> Option<BackendKey> {
-        self.keys
+        match self
+            .keys
             .lock()
             .expect("cancel registry poisoned")
-            .get(&key)
-            .copied()
+            .get(&key)?
+        {
+            Target::Fixed(k) => Some(*k),
+            Target::Dynamic(k) => *k.lock().expect("poisoned"),
+        }
     }
 }

@@ -19,6 +19,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/health", get(health))
         .route("/cluster", get(cluster))
         .route("/metrics", get(metrics))
+        .route("/pause", axum::routing::post(pause))
+        .route("/resume", axum::routing::post(resume))
         .with_state(shared)
 }
 
@@ -82,6 +84,40 @@ async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     })
 }
 
+#[derive(serde::Deserialize)]
+struct ServiceQuery {
+    service: String,
+}
+
+async fn pause(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<ServiceQuery>,
+) -> impl IntoResponse {
+    switch(&shared, &q.service, true)
+}
+
+async fn resume(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<ServiceQuery>,
+) -> impl IntoResponse {
+    switch(&shared, &q.service, false)
+}
+
+/// Pausing stops new transactions from getting a server connection (they
+/// wait, bounded by `query_wait_timeout`); transactions in flight finish.
+fn switch(shared: &Shared, service: &str, pause: bool) -> (StatusCode, String) {
+    if shared.set_paused(service, pause) {
+        let what = if pause { "paused" } else { "resumed" };
+        tracing::info!(service, "{what}");
+        (StatusCode::OK, format!("{what} {service}\n"))
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            format!("no service named {service:?}\n"),
+        )
+    }
+}
+
 async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     let snap = shared.snapshot.load_full();
     (
@@ -89,6 +125,15 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        shared.metrics.render(&snap),
+        shared.metrics.render(
+            &snap,
+            &shared
+                .pools
+                .lock()
+                .expect("poisoned")
+                .values()
+                .cloned()
+                .collect::<Vec<_>>(),
+        ),
     )
 }

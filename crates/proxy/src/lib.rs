@@ -13,9 +13,12 @@
 mod cancel;
 mod http;
 mod metrics;
+mod pool;
 mod proxy;
 mod relay;
 mod session;
+mod txn;
 
 pub use metrics::Metrics;
+pub use pool::PoolSettings;
 pub use proxy::{Proxy, ProxySpec, ServiceSpec};

@@ -151,7 +151,11 @@ impl Metrics {
 
     /// The Prometheus text exposition: the proxy's own series plus one
     /// gauge set per host from the current topology snapshot.
-    pub fn render(&self, snapshot: &Snapshot) -> String {
+    pub fn render(
+        &self,
+        snapshot: &Snapshot,
+        pools: &[std::sync::Arc<crate::pool::Pool>],
+    ) -> String {
         let mut out = String::new();
         {
             let r = self.registry.lock().expect("metrics registry");
@@ -203,6 +207,63 @@ impl Metrics {
                 if let Some(v) = value {
                     out.push_str(&format!("{name}{{host=\"{}\"}} {v}\n", h.config.addr));
                 }
+            }
+        }
+        let pool_series: [(&str, &str, &str); 7] = [
+            (
+                "pgwarden_pool_clients_waiting",
+                "gauge",
+                "Clients waiting for a server connection",
+            ),
+            (
+                "pgwarden_pool_servers_active",
+                "gauge",
+                "Server connections lent to clients",
+            ),
+            (
+                "pgwarden_pool_servers_idle",
+                "gauge",
+                "Idle server connections",
+            ),
+            (
+                "pgwarden_pool_servers_total",
+                "gauge",
+                "Server connections open",
+            ),
+            (
+                "pgwarden_pool_transactions_total",
+                "counter",
+                "Transactions served by the pool",
+            ),
+            (
+                "pgwarden_pool_wait_seconds_total",
+                "counter",
+                "Time clients spent waiting for a server connection",
+            ),
+            (
+                "pgwarden_pool_wait_max_seconds",
+                "gauge",
+                "Longest wait for a server connection",
+            ),
+        ];
+        for (i, (name, kind, help)) in pool_series.iter().enumerate() {
+            out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
+            for p in pools {
+                let st = &p.stats;
+                let o = std::sync::atomic::Ordering::Relaxed;
+                let v: f64 = match i {
+                    0 => st.waiting.load(o) as f64,
+                    1 => st.active.load(o) as f64,
+                    2 => p.idle_count() as f64,
+                    3 => st.total.load(o) as f64,
+                    4 => st.transactions.load(o) as f64,
+                    5 => st.wait_us.load(o) as f64 / 1e6,
+                    _ => st.max_wait_us.load(o) as f64 / 1e6,
+                };
+                out.push_str(&format!(
+                    "{name}{{host=\"{}\",database=\"{}\",user=\"{}\"}} {v}\n",
+                    p.key.host, p.key.database, p.key.user
+                ));
             }
         }
         out.push_str(&format!(

@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::cancel::CancelRegistry;
 use crate::metrics::Metrics;
+use crate::pool::{Pool, PoolKey, PoolSettings};
 
 /// One service: where it listens and how it picks hosts.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +32,9 @@ pub struct ServiceSpec {
     pub read_only: bool,
     /// How long a new client waits for an eligible host.
     pub connect_wait_timeout: Duration,
+    /// Transaction pooling with these settings; `None` = session mode
+    /// (each client session relayed to its own server connection).
+    pub pool: Option<crate::pool::PoolSettings>,
 }
 
 /// Everything the connection manager serves.
@@ -44,6 +48,9 @@ pub struct ProxySpec {
     pub server_connect_timeout: Duration,
     /// How long shutdown lets sessions finish before closing them.
     pub shutdown_timeout: Duration,
+    /// Most client connections at once, over all services; counted from
+    /// accept, before any authentication, so idle sockets cannot pile up.
+    pub max_client_conn: usize,
 }
 
 /// A service as sessions see it: swapped whole on reload.
@@ -66,7 +73,9 @@ pub(crate) enum Kill {
 pub(crate) struct SessionEntry {
     pub service: Arc<str>,
     pub want: Want,
-    pub host: HostAddr,
+    /// The host a session is bound to; `None` for pooled clients, whose
+    /// server connections are governed by their pools.
+    pub host: Option<HostAddr>,
     pub kill: watch::Sender<Option<Kill>>,
 }
 
@@ -81,9 +90,51 @@ pub(crate) struct Shared {
     pub server_connect_timeout: Mutex<Duration>,
     pub services: Mutex<HashMap<String, Arc<ArcSwap<Service>>>>,
     pub accepting: AtomicBool,
+    pub pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
+    pub paused: Mutex<HashMap<String, watch::Sender<bool>>>,
+    pub clients: AtomicU64,
+    pub max_client_conn: AtomicU64,
 }
 
 impl Shared {
+    /// The pool for `key`, created on first use.
+    pub fn pool(&self, key: PoolKey, settings: &PoolSettings) -> Arc<Pool> {
+        let mut pools = self.pools.lock().expect("poisoned");
+        pools
+            .entry(key)
+            .or_insert_with_key(|k| Pool::new(k.clone(), settings.clone()))
+            .clone()
+    }
+
+    /// The pause switch of a service.
+    pub fn paused(&self, service: &str) -> watch::Receiver<bool> {
+        self.paused
+            .lock()
+            .expect("poisoned")
+            .entry(service.to_string())
+            .or_insert_with(|| watch::channel(false).0)
+            .subscribe()
+    }
+
+    /// Pauses or resumes a service; false if there is no such service.
+    pub fn set_paused(&self, service: &str, on: bool) -> bool {
+        if !self
+            .services
+            .lock()
+            .expect("poisoned")
+            .contains_key(service)
+        {
+            return false;
+        }
+        self.paused
+            .lock()
+            .expect("poisoned")
+            .entry(service.to_string())
+            .or_insert_with(|| watch::channel(false).0)
+            .send_replace(on);
+        true
+    }
+
     pub fn server_connect_timeout(&self) -> Duration {
         *self.server_connect_timeout.lock().expect("poisoned")
     }
@@ -108,7 +159,7 @@ pub struct Proxy {
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// A listen address could not be bound.
-    #[error("cannot listen on {addr} for service {service}: {source}")]
+    #[error("cannot listen on {addr} for service {service}")]
     Bind {
         /// The service.
         service: String,
@@ -139,6 +190,10 @@ impl Proxy {
             server_connect_timeout: Mutex::new(spec.server_connect_timeout),
             services: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
+            pools: Mutex::new(HashMap::new()),
+            paused: Mutex::new(HashMap::new()),
+            clients: AtomicU64::new(0),
+            max_client_conn: AtomicU64::new(spec.max_client_conn as u64),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -177,6 +232,9 @@ impl Proxy {
     /// was already serving is changed for that service.
     pub async fn apply(&mut self, spec: ProxySpec) -> Result<(), ProxyError> {
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
+        self.shared
+            .max_client_conn
+            .store(spec.max_client_conn as u64, Ordering::Relaxed);
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
         let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
@@ -325,7 +383,18 @@ async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listen
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let svc = service.load_full();
-                tokio::spawn(crate::session::run(shared.clone(), svc, stream, peer));
+                let n = shared.clients.fetch_add(1, Ordering::Relaxed) + 1;
+                if n > shared.max_client_conn.load(Ordering::Relaxed) {
+                    shared.clients.fetch_sub(1, Ordering::Relaxed);
+                    shared.metrics.error(&svc.spec.name, "max_client_conn");
+                    tokio::spawn(crate::session::refuse_busy(stream));
+                    continue;
+                }
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    crate::session::run(shared.clone(), svc, stream, peer).await;
+                    shared.clients.fetch_sub(1, Ordering::Relaxed);
+                });
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -348,12 +417,30 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
             .enumerate()
             .map(|(i, h)| (&h.config.addr, i))
             .collect();
+        {
+            // Pools whose host is gone, or is no longer the primary their
+            // service needs, retire: idle connections close, waiting clients
+            // pick a host again, clients mid-transaction are told.
+            let mut pools = shared.pools.lock().expect("poisoned");
+            pools.retain(|key, pool| {
+                pool.prune();
+                let idx = index.get(&key.host).copied();
+                let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
+                let keep = alive && !(pool.settings().wants_primary && topo.primary() != idx);
+                if !keep {
+                    tracing::info!(host = %key.host, database = %key.database, user = %key.user, "retiring pool");
+                    pool.retire();
+                }
+                keep
+            });
+        }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {
             if e.kill.borrow().is_some() {
                 continue;
             }
-            let idx = index.get(&e.host).copied();
+            let Some(host) = &e.host else { continue };
+            let idx = index.get(host).copied();
             let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
             let kill = if !alive {
                 Some(Kill::HostDown)
@@ -363,7 +450,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 None
             };
             if let Some(k) = kill {
-                tracing::info!(service = %e.service, host = %e.host, reason = ?k, "ending session");
+                tracing::info!(service = %e.service, host = %host, reason = ?k, "ending session");
                 let _ = e.kill.send(Some(k));
             }
         }

@@ -41,6 +41,22 @@ impl Refusal {
     }
 }
 
+/// Turns a client away when `max_client_conn` is reached, before reading
+/// anything from it; existing clients are not affected.
+pub(crate) async fn refuse_busy(mut client: TcpStream) {
+    let mut out = BytesMut::new();
+    encode::error_response(
+        &mut out,
+        Severity::Fatal,
+        sqlstate::TOO_MANY_CONNECTIONS.code(),
+        "no more connections allowed (max_client_conn)",
+        None,
+        None,
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+    let _ = client.shutdown().await;
+}
+
 pub(crate) async fn run(
     shared: Arc<Shared>,
     service: Arc<Service>,
@@ -113,6 +129,11 @@ async fn serve(
         startup.set("default_transaction_read_only", "on");
     }
 
+    if spec.pool.is_some() {
+        return crate::txn::run(shared, service, client, startup, buf)
+            .await
+            .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
+    }
     let (server, host) = connect_server(shared, service).await?;
     shared
         .metrics
@@ -279,7 +300,7 @@ fn refusal_sql(message: &str) -> String {
     )
 }
 
-fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesMut> {
+pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesMut> {
     let body = &msg[5..];
     let (text, parse) = match tag {
         frontend::QUERY => (pgwarden_wire::message::query_bytes(body).ok()?, None),
@@ -337,7 +358,7 @@ async fn relay(
         SessionEntry {
             service: Arc::from(spec.name.as_str()),
             want: spec.want.clone(),
-            host: host.clone(),
+            host: Some(host.clone()),
             kill: kill_tx,
         },
     );

@@ -75,11 +75,30 @@ pub async fn sql_value(conninfo: &str, query: &str) -> Option<String> {
 /// A connection manager in front of `addrs`, every listener on a free
 /// port: services `read_write`, `read_only` and `standby`.
 pub async fn proxy(addrs: &[String], connect_wait: Duration) -> (Engine, pgwarden_proxy::Proxy) {
+    proxy_with(addrs, connect_wait, None, 10_000).await
+}
+
+/// Like [`proxy`], with transaction pooling (`pool`) and a client limit.
+pub async fn proxy_with(
+    addrs: &[String],
+    connect_wait: Duration,
+    pool: Option<pgwarden_proxy::PoolSettings>,
+    max_client_conn: usize,
+) -> (Engine, pgwarden_proxy::Proxy) {
     use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
     use pgwarden_topology::{SelectPolicy, Want};
+    // RUST_LOG=... shows the proxy's logs when a test fails.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let e = engine(addrs, TopologyConfig::default());
     let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
     let svc = |name: &str, want: Want, read_only: bool, fallback: bool| ServiceSpec {
+        pool: pool.clone().map(|p| pgwarden_proxy::PoolSettings {
+            wants_primary: want == Want::Primary,
+            ..p
+        }),
         name: name.into(),
         listen: any,
         want,
@@ -99,6 +118,7 @@ pub async fn proxy(addrs: &[String], connect_wait: Duration) -> (Engine, pgwarde
         http: Some(any),
         server_connect_timeout: Duration::from_secs(2),
         shutdown_timeout: Duration::from_secs(5),
+        max_client_conn,
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await

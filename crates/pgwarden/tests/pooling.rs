@@ -1,0 +1,380 @@
+//! Transaction pooling with a real cluster and real clients.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, proxy_with, sql_value, sqlstate, until, via};
+use pgwarden_proxy::PoolSettings;
+use pgwarden_testkit::TestCluster;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn pool(size: usize, wait: Duration) -> Option<PoolSettings> {
+    Some(PoolSettings {
+        size,
+        query_wait_timeout: wait,
+        ..PoolSettings::default()
+    })
+}
+
+async fn ready(e: &pgwarden_probe::Engine, n: usize) {
+    until(e, "all hosts probed", WAIT, |s| {
+        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
+        (alive == n && s.topology.primary().is_some())
+            .then_some(())
+            .ok_or(format!("{alive} alive"))
+    })
+    .await;
+}
+
+async fn one(c: &tokio_postgres::Client, q: &str) -> String {
+    let rows = c
+        .simple_query(q)
+        .await
+        .unwrap_or_else(|e| panic!("{q}: {e}"));
+    rows.iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .expect("a row")
+}
+
+/// Client backends on `conninfo`'s server other than probes and ourselves.
+async fn server_connections(conninfo: &str) -> usize {
+    sql_value(
+        conninfo,
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+         AND pid <> pg_backend_pid() AND application_name <> 'pgwarden-probe'",
+    )
+    .await
+    .unwrap()
+    .parse()
+    .unwrap()
+}
+
+fn pgbench(port: u16, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("pgbench")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
+        .args(args)
+        .arg("postgres")
+        .output()
+        .expect("pgbench");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_share_few_servers_in_every_protocol_mode() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let (ok, out) = pgbench(c.port(0), &["-i", "-s", "1", "-q"]);
+    assert!(ok, "{out}");
+    let port = p.service_addrs()["read_write"].port();
+    // TPC-B (explicit transactions) in every protocol mode, and select-only.
+    // pgbench prepares statements synchronously, blocking its whole thread
+    // while it waits for a server connection; with more clients per thread
+    // than pool connections, a thread whose other client holds a server in
+    // a transaction stalls (with any transaction pooler), so the prepared
+    // TPC-B run gives each client its own thread.
+    for (mode, threads, select_only) in [
+        ("simple", "2", false),
+        ("extended", "2", false),
+        ("prepared", "12", false),
+        ("simple", "2", true),
+        ("prepared", "2", true),
+    ] {
+        let (ok, out) = tokio::task::spawn_blocking(move || {
+            let mut args = vec!["-c", "12", "-j", threads, "-t", "40", "-M", mode];
+            if select_only {
+                args.push("-S");
+            }
+            pgbench(port, &args)
+        })
+        .await
+        .unwrap();
+        assert!(ok, "{mode}: {out}");
+        assert!(
+            out.contains("number of failed transactions: 0"),
+            "{mode}: {out}"
+        );
+    }
+    assert!(
+        server_connections(&c.conninfo(0)).await <= 2,
+        "more server connections than the pool size"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_statements_follow_the_client_across_servers() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    // tokio-postgres prepares named statements (Parse) once and binds them later.
+    let stmt = a
+        .prepare("SELECT $1::int4 * 10, pg_backend_pid()")
+        .await
+        .unwrap();
+    let mut backends = std::collections::BTreeSet::new();
+    for i in 0..6i32 {
+        // b holds one server inside a transaction every other round, so a
+        // has to run on the other one.
+        if i % 2 == 0 {
+            b.batch_execute("BEGIN").await.unwrap();
+            one(&b, "SELECT 1").await;
+        }
+        let row = a.query_one(&stmt, &[&i]).await.unwrap();
+        assert_eq!(row.get::<_, i32>(0), i * 10);
+        backends.insert(row.get::<_, i32>(1));
+        if i % 2 == 0 {
+            b.batch_execute("COMMIT").await.unwrap();
+        }
+    }
+    assert!(
+        backends.len() >= 2,
+        "the statement ran on one backend only: {backends:?}"
+    );
+    // DEALLOCATE of a protocol-level statement (psycopg does this).
+    let stmt2 = a.prepare("SELECT 2").await.unwrap();
+    assert_eq!(a.query_one(&stmt2, &[]).await.unwrap().get::<_, i32>(0), 2);
+    drop(stmt2);
+    // A second client may use the same statement name for other text.
+    let stmt_b = b.prepare("SELECT $1::text || '!'").await.unwrap();
+    assert_eq!(
+        b.query_one(&stmt_b, &[&"x"])
+            .await
+            .unwrap()
+            .get::<_, String>(0),
+        "x!"
+    );
+    // Errors inside a batch do not confuse the bookkeeping.
+    let err = a.query_one("SELECT 1/0", &[]).await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("22012"));
+    assert_eq!(
+        a.query_one(&stmt, &[&7i32]).await.unwrap().get::<_, i32>(0),
+        70
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_state_pins_the_client_to_its_server() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(3, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let pid = one(&a, "SELECT pg_backend_pid()").await;
+    // A temporary table lives in one backend: the client keeps it.
+    a.batch_execute("CREATE TEMP TABLE scratch (x int)")
+        .await
+        .unwrap();
+    let others: Vec<_> = futures_like_clients(&p, 2).await;
+    for o in &others {
+        o.batch_execute("BEGIN").await.unwrap();
+        one(o, "SELECT 1").await;
+    }
+    a.batch_execute("INSERT INTO scratch VALUES (1)")
+        .await
+        .unwrap();
+    assert_eq!(one(&a, "SELECT count(*) FROM scratch").await, "1");
+    assert_eq!(one(&a, "SELECT pg_backend_pid()").await, pid);
+    // A session-level SET keeps its effect for the client.
+    a.batch_execute("SET search_path TO pg_catalog")
+        .await
+        .unwrap();
+    assert_eq!(one(&a, "SHOW search_path").await, "pg_catalog");
+    for o in &others {
+        o.batch_execute("COMMIT").await.unwrap();
+    }
+    // Tracked parameters are replayed rather than pinned: application_name
+    // follows a client that is not pinned.
+    let b = client(&format!(
+        "{} application_name=client_b",
+        via(&p, "read_write")
+    ))
+    .await
+    .unwrap();
+    for _ in 0..4 {
+        assert_eq!(one(&b, "SHOW application_name").await, "client_b");
+    }
+}
+
+async fn futures_like_clients(p: &pgwarden_proxy::Proxy, n: usize) -> Vec<tokio_postgres::Client> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(client(&via(p, "read_write")).await.unwrap());
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_change_is_invisible_between_transactions() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(5),
+        pool(4, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 2).await;
+    let idle = client(&via(&p, "read_write")).await.unwrap();
+    let busy = client(&via(&p, "read_write")).await.unwrap();
+    let stmt = idle.prepare("SELECT inet_server_port()").await.unwrap();
+    assert_eq!(
+        idle.query_one(&stmt, &[]).await.unwrap().get::<_, i32>(0),
+        c.port(0) as i32
+    );
+    busy.batch_execute("BEGIN").await.unwrap();
+    one(&busy, "SELECT 1").await;
+
+    c.node(1).promote().unwrap();
+    until(&e, "node2 primary", WAIT, |s| {
+        (s.topology.primary() == Some(1))
+            .then_some(())
+            .ok_or("not yet".into())
+    })
+    .await;
+    // Between transactions: the next one runs on the new primary, on the
+    // same client connection, prepared statement included.
+    assert_eq!(
+        idle.query_one(&stmt, &[]).await.unwrap().get::<_, i32>(0),
+        c.port(1) as i32
+    );
+    assert_eq!(one(&idle, "SELECT pg_is_in_recovery()").await, "f");
+    // Mid-transaction on the lost server: an error.
+    let err = busy.simple_query("SELECT 1").await.unwrap_err();
+    assert!(err.is_closed() || sqlstate(&err).is_some(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_wait_timeout_errors_only_the_waiting_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(1, Duration::from_millis(700)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let waiter = client(&via(&p, "read_write")).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let started = std::time::Instant::now();
+    let err = waiter.simple_query("SELECT 1").await.unwrap_err();
+    assert!(started.elapsed() >= Duration::from_millis(650));
+    let msg = err
+        .as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default();
+    assert!(msg.contains("query_wait_timeout"), "{err}: {msg}");
+    // The transaction holding the server is unaffected.
+    assert_eq!(one(&holder, "SELECT 2").await, "2");
+    holder.batch_execute("COMMIT").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_holds_new_transactions_and_resume_releases_them() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let inflight = client(&via(&p, "read_write")).await.unwrap();
+    let later = client(&via(&p, "read_write")).await.unwrap();
+    inflight.batch_execute("BEGIN").await.unwrap();
+    one(&inflight, "SELECT 1").await;
+    let http = p.http_addr().unwrap();
+    let post = move |path: &'static str| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(http).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let r = tokio::task::spawn_blocking(move || post("/pause?service=read_write"))
+        .await
+        .unwrap();
+    assert!(
+        r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200"),
+        "{r}"
+    );
+    // The transaction in flight finishes.
+    assert_eq!(one(&inflight, "SELECT 2").await, "2");
+    inflight.batch_execute("COMMIT").await.unwrap();
+    // A new one waits while paused...
+    let waiting = tokio::spawn(async move { one(&later, "SELECT 3").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "ran while paused");
+    // ...and runs on resume.
+    tokio::task::spawn_blocking(move || post("/resume?service=read_write"))
+        .await
+        .unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap(),
+        "3"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_client_conn_refuses_new_clients_with_53300() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        3,
+    )
+    .await;
+    ready(&e, 1).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(client(&via(&p, "read_write")).await.unwrap());
+    }
+    let Err(err) = client(&via(&p, "read_write")).await else {
+        panic!("a fourth client was accepted");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("53300"), "{err}");
+    for h in &held {
+        assert_eq!(one(h, "SELECT 1").await, "1");
+    }
+}

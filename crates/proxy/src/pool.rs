@@ -1,0 +1,438 @@
+//! Server connection pools for transaction pooling.
+//!
+//! A pool holds the server connections of one (host, database, user,
+//! read-only) combination. Its size is a FIFO semaphore: clients waiting
+//! for a server connection are served in arrival order, so none starves
+//! however many clients share a few servers.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use pgwarden_topology::HostAddr;
+use pgwarden_wire::message::{self, backend};
+use pgwarden_wire::startup::StartupMessage;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+
+/// What identifies a pool.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    /// The server.
+    pub host: HostAddr,
+    /// Database name.
+    pub database: String,
+    /// Role name.
+    pub user: String,
+    /// Server connections start with `default_transaction_read_only=on`.
+    pub read_only: bool,
+}
+
+/// Pool settings (see `[pool]` in the configuration reference).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolSettings {
+    /// Largest number of server connections per pool.
+    pub size: usize,
+    /// Longest wait for a server connection before the client gets an error.
+    pub query_wait_timeout: Duration,
+    /// Whether the service wants the primary: its pools retire when their
+    /// host stops being the primary.
+    pub wants_primary: bool,
+    /// Idle server connections older than this are closed.
+    pub server_idle_timeout: Option<Duration>,
+    /// Server connections older than this are closed when released.
+    pub server_lifetime: Option<Duration>,
+    /// Password pgwarden uses to log in to servers, when they ask for one.
+    pub server_password: Option<String>,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            size: 20,
+            query_wait_timeout: Duration::from_secs(120),
+            wants_primary: true,
+            server_idle_timeout: Some(Duration::from_secs(600)),
+            server_lifetime: Some(Duration::from_secs(3600)),
+            server_password: None,
+        }
+    }
+}
+
+/// One server connection, logged in and idle at a transaction boundary
+/// whenever it sits in a pool.
+#[derive(Debug)]
+pub struct ServerConn {
+    /// The socket.
+    pub stream: TcpStream,
+    /// The server's address, for cancel requests.
+    pub peer: SocketAddr,
+    /// ParameterStatus values the server last reported.
+    pub params: HashMap<String, String>,
+    /// The backend's own cancel key.
+    pub backend_key: (i32, i32),
+    /// Names of statements prepared on this connection (server-side names).
+    pub prepared: HashSet<String>,
+    /// When the connection was opened.
+    pub created: Instant,
+    /// When it was last released.
+    pub last_used: Instant,
+}
+
+/// Why a server connection could not be had.
+#[derive(Debug)]
+pub enum ServerError {
+    /// The server refused the login; its ErrorResponse, to relay as is.
+    Refused(BytesMut),
+    /// No connection within the wait (pool exhausted or server unreachable).
+    Timeout,
+    /// The pool retired while we waited: pick a host again.
+    Retired,
+    /// Network or protocol failure.
+    Failed(String),
+}
+
+/// Counters of one pool, for `SHOW POOLS`/`SHOW STATS` and metrics.
+#[derive(Debug, Default)]
+pub struct PoolStats {
+    /// Clients waiting for a server connection now.
+    pub waiting: AtomicUsize,
+    /// Server connections handed out now.
+    pub active: AtomicUsize,
+    /// Server connections in existence.
+    pub total: AtomicUsize,
+    /// Transactions served.
+    pub transactions: AtomicU64,
+    /// Total microseconds clients waited for a server connection.
+    pub wait_us: AtomicU64,
+    /// Longest wait, microseconds.
+    pub max_wait_us: AtomicU64,
+}
+
+/// A pool of server connections.
+#[derive(Debug)]
+pub struct Pool {
+    /// Its identity.
+    pub key: PoolKey,
+    settings: Mutex<PoolSettings>,
+    permits: Arc<Semaphore>,
+    idle: Mutex<Vec<ServerConn>>,
+    /// Counters.
+    pub stats: PoolStats,
+    /// Set when the host no longer serves this pool's purpose (demoted,
+    /// dead): idle connections are closed and released ones not kept.
+    retired: AtomicBool,
+    /// Wakes the clients holding a connection of this pool when it retires.
+    retired_tx: watch::Sender<bool>,
+}
+
+/// A server connection lent to one client until its transaction ends.
+#[derive(Debug)]
+pub struct Checkout {
+    /// The connection.
+    pub conn: ServerConn,
+    /// The pool it returns to.
+    pub pool: Arc<Pool>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Pool {
+    /// A new, empty pool.
+    pub fn new(key: PoolKey, settings: PoolSettings) -> Arc<Pool> {
+        Arc::new(Pool {
+            key,
+            permits: Arc::new(Semaphore::new(settings.size)),
+            settings: Mutex::new(settings),
+            idle: Mutex::new(Vec::new()),
+            stats: PoolStats::default(),
+            retired: AtomicBool::new(false),
+            retired_tx: watch::channel(false).0,
+        })
+    }
+
+    /// Marks the pool unusable and closes its idle connections.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::SeqCst);
+        // Waiting clients give up on this pool and pick a host again.
+        self.permits.close();
+        self.retired_tx.send_replace(true);
+        let drained: Vec<ServerConn> = std::mem::take(&mut *self.idle.lock().expect("poisoned"));
+        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+    }
+
+    /// Resolves when the pool retires.
+    pub fn retired_signal(&self) -> watch::Receiver<bool> {
+        self.retired_tx.subscribe()
+    }
+
+    /// Whether the pool was retired.
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::SeqCst)
+    }
+
+    /// The pool's settings.
+    pub fn settings(&self) -> PoolSettings {
+        self.settings.lock().expect("poisoned").clone()
+    }
+
+    /// Idle connections now.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().expect("poisoned").len()
+    }
+
+    /// Closes idle connections past `server_idle_timeout`.
+    pub fn prune(&self) {
+        let Some(limit) = self.settings.lock().expect("poisoned").server_idle_timeout else {
+            return;
+        };
+        let mut idle = self.idle.lock().expect("poisoned");
+        let before = idle.len();
+        idle.retain(|c| c.last_used.elapsed() < limit);
+        self.stats
+            .total
+            .fetch_sub(before - idle.len(), Ordering::Relaxed);
+    }
+
+    /// Waits (FIFO, up to `query_wait_timeout`) for a permit, then reuses an
+    /// idle connection or opens a new one.
+    pub async fn checkout(
+        self: &Arc<Self>,
+        startup: &StartupMessage,
+        deadline: tokio::time::Instant,
+    ) -> Result<Checkout, ServerError> {
+        let started = Instant::now();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let permit = tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned()).await;
+        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let permit = match permit {
+            Ok(Ok(p)) => p,
+            Ok(Err(_)) => return Err(ServerError::Retired),
+            Err(_) => return Err(ServerError::Timeout),
+        };
+        let waited = started.elapsed().as_micros() as u64;
+        self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
+        self.stats.max_wait_us.fetch_max(waited, Ordering::Relaxed);
+        let reused = self.idle.lock().expect("poisoned").pop();
+        let conn = match reused {
+            Some(c) => c,
+            None => {
+                let password = self
+                    .settings
+                    .lock()
+                    .expect("poisoned")
+                    .server_password
+                    .clone();
+                let remaining = deadline
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .max(Duration::from_secs(1));
+                let c = tokio::time::timeout(
+                    remaining,
+                    connect(&self.key, startup, password.as_deref()),
+                )
+                .await
+                .map_err(|_| ServerError::Timeout)??;
+                self.stats.total.fetch_add(1, Ordering::Relaxed);
+                c
+            }
+        };
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        Ok(Checkout {
+            conn,
+            pool: self.clone(),
+            _permit: permit,
+        })
+    }
+}
+
+impl Checkout {
+    /// Returns the connection to its pool (it must be idle, outside a
+    /// transaction), or closes it when `reusable` is false, the pool was
+    /// retired or the connection outlived `server_lifetime`.
+    pub fn release(self, reusable: bool) {
+        let Checkout {
+            mut conn,
+            pool,
+            _permit,
+        } = self;
+        pool.stats.active.fetch_sub(1, Ordering::Relaxed);
+        pool.stats.transactions.fetch_add(1, Ordering::Relaxed);
+        let lifetime = pool.settings.lock().expect("poisoned").server_lifetime;
+        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l);
+        if reusable && !expired && !pool.is_retired() {
+            conn.last_used = Instant::now();
+            pool.idle.lock().expect("poisoned").push(conn);
+        } else {
+            pool.stats.total.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Opens a server connection and logs in: startup packet, authentication
+/// (trust, cleartext, md5 or SCRAM-SHA-256 with the configured password),
+/// then ParameterStatus and BackendKeyData until ReadyForQuery.
+async fn connect(
+    key: &PoolKey,
+    client_startup: &StartupMessage,
+    password: Option<&str>,
+) -> Result<ServerConn, ServerError> {
+    let fail = |e: std::io::Error| ServerError::Failed(format!("{}: {e}", key.host));
+    let mut stream = TcpStream::connect((key.host.host.as_str(), key.host.port))
+        .await
+        .map_err(fail)?;
+    let _ = stream.set_nodelay(true);
+    let peer = stream.peer_addr().map_err(fail)?;
+    let mut startup = StartupMessage::new(vec![
+        ("user".into(), key.user.clone()),
+        ("database".into(), key.database.clone()),
+    ]);
+    // Session defaults every client of the pool shares.
+    for name in [
+        "client_encoding",
+        "DateStyle",
+        "TimeZone",
+        "IntervalStyle",
+        "extra_float_digits",
+    ] {
+        if let Some(v) = client_startup.get(name) {
+            startup.set(name, v);
+        }
+    }
+    if key.read_only {
+        startup.set("default_transaction_read_only", "on");
+    }
+    stream.write_all(&startup.encode()).await.map_err(fail)?;
+    let mut buf = BytesMut::with_capacity(4096);
+    let mut params = HashMap::new();
+    let mut backend_key = (0, 0);
+    let mut scram: Option<postgres_protocol::authentication::sasl::ScramSha256> = None;
+    loop {
+        let (tag, msg) = loop {
+            match message::split_message(&mut buf, 1 << 20) {
+                Ok(Some(m)) => break m,
+                Ok(None) => {}
+                Err(e) => return Err(ServerError::Failed(format!("{}: {e}", key.host))),
+            }
+            if stream.read_buf(&mut buf).await.map_err(fail)? == 0 {
+                return Err(ServerError::Failed(format!(
+                    "{} closed the connection during login",
+                    key.host
+                )));
+            }
+        };
+        let body = &msg[5..];
+        match tag {
+            backend::ERROR_RESPONSE => return Err(ServerError::Refused(msg)),
+            backend::AUTHENTICATION_REQUEST => {
+                let code = message::authentication_code(body)
+                    .map_err(|e| ServerError::Failed(e.to_string()))?;
+                let need = || {
+                    ServerError::Failed(format!(
+                        "{} asks for a password and none is configured for pooled connections",
+                        key.host
+                    ))
+                };
+                let mut out = BytesMut::new();
+                match code {
+                    0 => continue,
+                    3 => password_message(&mut out, password.ok_or_else(need)?.as_bytes()),
+                    5 => {
+                        let salt: [u8; 4] = body
+                            .get(4..8)
+                            .and_then(|s| s.try_into().ok())
+                            .ok_or_else(|| ServerError::Failed("bad md5 request".into()))?;
+                        let hash = postgres_protocol::authentication::md5_hash(
+                            key.user.as_bytes(),
+                            password.ok_or_else(need)?.as_bytes(),
+                            salt,
+                        );
+                        password_message(&mut out, hash.as_bytes());
+                    }
+                    10 => {
+                        let s = postgres_protocol::authentication::sasl::ScramSha256::new(
+                            password.ok_or_else(need)?.as_bytes(),
+                            postgres_protocol::authentication::sasl::ChannelBinding::unsupported(),
+                        );
+                        let first = s.message().to_vec();
+                        sasl_initial(&mut out, "SCRAM-SHA-256", &first);
+                        scram = Some(s);
+                    }
+                    11 => {
+                        let s = scram.as_mut().ok_or_else(|| {
+                            ServerError::Failed("SASL continue without start".into())
+                        })?;
+                        s.update(&body[4..])
+                            .map_err(|e| ServerError::Failed(e.to_string()))?;
+                        let m = s.message().to_vec();
+                        sasl_response(&mut out, &m);
+                    }
+                    12 => {
+                        let s = scram.as_mut().ok_or_else(|| {
+                            ServerError::Failed("SASL final without start".into())
+                        })?;
+                        s.finish(&body[4..])
+                            .map_err(|e| ServerError::Failed(e.to_string()))?;
+                        continue;
+                    }
+                    other => {
+                        return Err(ServerError::Failed(format!(
+                            "{} asks for unsupported authentication method {other}",
+                            key.host
+                        )))
+                    }
+                }
+                stream.write_all(&out).await.map_err(fail)?;
+            }
+            backend::PARAMETER_STATUS => {
+                if let Ok((k, v)) = message::parameter_status(body) {
+                    params.insert(k.to_string(), v.to_string());
+                }
+            }
+            backend::BACKEND_KEY_DATA => {
+                if let Ok(k) = message::backend_key_data(body) {
+                    backend_key = k;
+                }
+            }
+            backend::READY_FOR_QUERY => break,
+            _ => {}
+        }
+    }
+    debug_assert!(buf.is_empty() || buf.remaining() > 0);
+    Ok(ServerConn {
+        stream,
+        peer,
+        params,
+        backend_key,
+        prepared: HashSet::new(),
+        created: Instant::now(),
+        last_used: Instant::now(),
+    })
+}
+
+/// PasswordMessage: a NUL-terminated password or md5 hash.
+fn password_message(out: &mut BytesMut, data: &[u8]) {
+    out.extend_from_slice(b"p");
+    out.extend_from_slice(&((4 + data.len() + 1) as u32).to_be_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(&[0]);
+}
+
+/// SASLResponse: raw mechanism data, no terminator.
+fn sasl_response(out: &mut BytesMut, data: &[u8]) {
+    out.extend_from_slice(b"p");
+    out.extend_from_slice(&((4 + data.len()) as u32).to_be_bytes());
+    out.extend_from_slice(data);
+}
+
+fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
+    out.extend_from_slice(b"p");
+    let len = 4 + mechanism.len() + 1 + 4 + data.len();
+    out.extend_from_slice(&(len as u32).to_be_bytes());
+    out.extend_from_slice(mechanism.as_bytes());
+    out.extend_from_slice(&[0]);
+    out.extend_from_slice(&(data.len() as i32).to_be_bytes());
+    out.extend_from_slice(data);
+}

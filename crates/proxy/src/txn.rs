@@ -1,0 +1,878 @@
+//! Transaction pooling: a client borrows a server connection for one
+//! transaction at a time.
+//!
+//! Transaction ends come from ReadyForQuery's status byte: the server goes
+//! back to its pool at `I` once every Query/Sync the client sent has been
+//! answered and no extended-protocol batch is open. No reset round trip is
+//! added per transaction.
+//!
+//! Named prepared statements follow the client from server to server: each
+//! client's statements are recorded and prepared under a per-client name on
+//! whatever server it lands on, on demand; the ParseComplete of such an
+//! injected Parse is swallowed so the client sees exactly the replies it
+//! expects.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use pgwarden_wire::encode::{self, Severity};
+use pgwarden_wire::message::{self, backend, frontend, TxStatus};
+use pgwarden_wire::sqlstate::{self, SqlState};
+use pgwarden_wire::startup::StartupMessage;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::cancel::BackendKey;
+use crate::metrics::ServiceLabel;
+use crate::pool::{Checkout, PoolKey, ServerError};
+use crate::proxy::{Kill, Service, SessionEntry, Shared};
+
+/// Largest client message accepted (PostgreSQL's own limit is 1 GB).
+const MAX_MESSAGE: usize = 1 << 30;
+
+/// Session parameters that belong to the client, not the server connection:
+/// when a client lands on a server whose value differs, pgwarden sets it
+/// before the client's first statement.
+const TRACKED: [&str; 6] = [
+    "application_name",
+    "client_encoding",
+    "DateStyle",
+    "TimeZone",
+    "IntervalStyle",
+    "standard_conforming_strings",
+];
+
+struct Fatal {
+    code: SqlState,
+    message: String,
+    /// A server's own ErrorResponse to relay instead.
+    raw: Option<BytesMut>,
+}
+
+impl Fatal {
+    fn new(code: SqlState, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            raw: None,
+        }
+    }
+}
+
+/// Where a server's replies to the current batch go.
+#[derive(Default)]
+struct Replies {
+    /// Queries and Syncs sent whose ReadyForQuery has not come back.
+    pending: usize,
+    /// Parse messages sent and not yet answered: `true` = injected by
+    /// pgwarden (swallow its ParseComplete). Tagged with the batch they
+    /// belong to, so those skipped after an error are dropped at its Sync.
+    parses: VecDeque<(bool, u64)>,
+    /// Batches sent / completed (a batch ends with Query or Sync).
+    sent: u64,
+    done: u64,
+    /// An extended-protocol batch is open (messages sent, no Sync yet).
+    open_batch: bool,
+    /// Last transaction status the server reported.
+    status: Option<TxStatus>,
+}
+
+impl Replies {
+    fn idle(&self) -> bool {
+        self.pending == 0 && !self.open_batch && self.status == Some(TxStatus::Idle)
+    }
+}
+
+pub(crate) async fn run(
+    shared: &Arc<Shared>,
+    service: &Arc<Service>,
+    client: &mut TcpStream,
+    startup: StartupMessage,
+    mut early: BytesMut,
+) -> Result<(), (SqlState, String, &'static str)> {
+    let spec = &service.spec;
+    let database = startup.database().unwrap_or_default().to_string();
+    let user = startup.user().unwrap_or_default().to_string();
+    let client_id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+    let mut session = Session {
+        shared: shared.clone(),
+        service: service.clone(),
+        startup,
+        database,
+        user,
+        client_id,
+        attached: None,
+        replies: Replies::default(),
+        params: HashMap::new(),
+        statements: HashMap::new(),
+        pinned: false,
+        cancel_target: Arc::new(Mutex::new(None)),
+        skip: 0,
+    };
+    for k in TRACKED {
+        if let Some(v) = session.startup.get(k) {
+            session.params.insert(k.to_string(), v.to_string());
+        }
+    }
+
+    // Log in once to learn the server's parameters (and whether the
+    // database and role exist); the connection goes straight back.
+    let first = match session.acquire().await {
+        Ok(c) => c,
+        Err(f) => {
+            let mut out = BytesMut::new();
+            match f.raw {
+                Some(raw) => out.extend_from_slice(&raw),
+                None => encode::error_response(
+                    &mut out,
+                    Severity::Fatal,
+                    f.code.code(),
+                    &f.message,
+                    None,
+                    None,
+                ),
+            }
+            let _ = client.write_all(&out).await;
+            return Ok(());
+        }
+    };
+    let mut hello = BytesMut::new();
+    encode::authentication_ok(&mut hello);
+    let mut server_params: Vec<(&String, &String)> = first.conn.params.iter().collect();
+    server_params.sort();
+    for (k, v) in server_params {
+        let v = session.params.get(k).unwrap_or(v);
+        encode::parameter_status(&mut hello, k, v);
+    }
+    for (k, v) in &first.conn.params {
+        session.params.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    first.release(true);
+    let key = shared
+        .cancel
+        .register_dynamic(session.cancel_target.clone());
+    encode::backend_key_data(&mut hello, key.0, key.1);
+    encode::ready_for_query(&mut hello, TxStatus::Idle);
+    if client.write_all(&hello).await.is_err() {
+        shared.cancel.remove(key);
+        return Ok(());
+    }
+
+    let (kill_tx, mut kill_rx) = watch::channel(None);
+    shared.sessions.lock().expect("poisoned").insert(
+        client_id,
+        SessionEntry {
+            service: Arc::from(spec.name.as_str()),
+            want: spec.want.clone(),
+            host: None,
+            kill: kill_tx,
+        },
+    );
+    let label = ServiceLabel {
+        service: spec.name.clone(),
+    };
+    let from_client = shared
+        .metrics
+        .bytes_from_clients
+        .get_or_create(&label)
+        .clone();
+    let to_client = shared
+        .metrics
+        .bytes_to_clients
+        .get_or_create(&label)
+        .clone();
+
+    let outcome: Result<(), Fatal> = async {
+        let mut sbuf = BytesMut::new();
+        let mut retired = None::<watch::Receiver<bool>>;
+        if !early.is_empty() {
+            session.client_bytes(&mut early, &mut retired).await?;
+        }
+        loop {
+            tokio::select! {
+                k = async { kill_rx.wait_for(Option::is_some).await.ok().and_then(|r| *r) } => {
+                    let why = match k {
+                        Some(Kill::Shutdown) | None => "pgwarden is shutting down",
+                        Some(_) => "the server went away",
+                    };
+                    return Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")));
+                }
+                r = client.readable() => {
+                    if r.is_err() {
+                        return Ok(());
+                    }
+                    // Buffers exist only while bytes are in flight, so an idle
+                    // client costs no more than its socket and task.
+                    let mut cbuf = std::mem::take(&mut early);
+                    cbuf.reserve(8 * 1024);
+                    match client.try_read_buf(&mut cbuf) {
+                        Ok(0) => return Ok(()),
+                        Ok(n) => {
+                            from_client.inc_by(n as u64);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(_) => return Ok(()),
+                    }
+                    if session.client_bytes(&mut cbuf, &mut retired).await? {
+                        return Ok(());
+                    }
+                    if !cbuf.is_empty() {
+                        early = cbuf;
+                    }
+                }
+                n = read_attached(&mut session.attached, &mut sbuf) => {
+                    match n {
+                        Ok(0) | Err(_) => {
+                            session.detach(false);
+                            return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, "terminating connection: the server closed the connection"));
+                        }
+                        Ok(_) => {}
+                    }
+                    let out = session.server_bytes(&mut sbuf)?;
+                    to_client.inc_by(out.len() as u64);
+                    if client.write_all(&out).await.is_err() {
+                        return Ok(());
+                    }
+                    if session.attached.is_some() && session.replies.idle() && !session.pinned && sbuf.is_empty() && session.skip == 0 {
+                        session.detach(true);
+                        retired = None;
+                        sbuf = BytesMut::new();
+                    }
+                }
+                _ = wait_retired(&mut retired) => {
+                    return Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, "terminating connection: the server is no longer the right host for this service; reconnect"));
+                }
+            }
+        }
+    }
+    .await;
+
+    if let Err(f) = outcome {
+        let mut out = BytesMut::new();
+        encode::error_response(
+            &mut out,
+            Severity::Fatal,
+            f.code.code(),
+            &f.message,
+            None,
+            None,
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+    }
+    // A server mid-transaction cannot be handed to someone else.
+    let reusable = session.replies.idle() && !session.pinned;
+    session.detach(reusable);
+    shared.sessions.lock().expect("poisoned").remove(&client_id);
+    shared.cancel.remove(key);
+    let _ = client.shutdown().await;
+    Ok(())
+}
+
+async fn read_attached(
+    attached: &mut Option<Checkout>,
+    buf: &mut BytesMut,
+) -> std::io::Result<usize> {
+    match attached {
+        Some(c) => {
+            if buf.capacity() - buf.len() < 4096 {
+                buf.reserve(16 * 1024);
+            }
+            c.conn.stream.read_buf(buf).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
+async fn wait_retired(r: &mut Option<watch::Receiver<bool>>) {
+    match r {
+        Some(rx) => {
+            let _ = rx.wait_for(|v| *v).await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+struct Session {
+    shared: Arc<Shared>,
+    service: Arc<Service>,
+    startup: StartupMessage,
+    database: String,
+    user: String,
+    client_id: u64,
+    attached: Option<Checkout>,
+    replies: Replies,
+    /// The client's view of the tracked session parameters.
+    params: HashMap<String, String>,
+    /// The client's named statements: name → Parse body after the name.
+    statements: HashMap<String, Bytes>,
+    /// The client used session state (LISTEN, session advisory locks,
+    /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
+    /// keeps its server connection until it disconnects.
+    pinned: bool,
+    cancel_target: Arc<Mutex<Option<BackendKey>>>,
+    /// Bytes of a server message still to pass through unexamined.
+    skip: usize,
+}
+
+impl Session {
+    fn server_name(&self, name: &str) -> String {
+        format!("pgw{}_{name}", self.client_id)
+    }
+
+    /// Picks a host and borrows a connection from its pool, waiting in
+    /// line (and for a host to appear, and while the service is paused)
+    /// up to `query_wait_timeout`.
+    async fn acquire(&mut self) -> Result<Checkout, Fatal> {
+        let spec = &self.service.spec;
+        let settings = spec.pool.clone().unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + settings.query_wait_timeout;
+        let mut changes = self.shared.changes.clone();
+        let mut paused = self.shared.paused(&spec.name);
+        loop {
+            if *paused.borrow() {
+                tokio::select! {
+                    _ = paused.wait_for(|p| !*p) => continue,
+                    _ = tokio::time::sleep_until(deadline) => {
+                        return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
+                    }
+                }
+            }
+            let snap = self.shared.snapshot.load_full();
+            let pick = self
+                .service
+                .selector
+                .select(&snap.topology, &spec.want)
+                .map(|i| snap.topology.hosts()[i].config.addr.clone());
+            let host = match pick {
+                Ok(h) => h,
+                Err(e) => {
+                    tokio::select! {
+                        r = changes.changed() => if r.is_err() { return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, e.to_string())) },
+                        _ = tokio::time::sleep_until(deadline) => {
+                            return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\": {e}", spec.name)));
+                        }
+                    }
+                    continue;
+                }
+            };
+            let pool = self.shared.pool(
+                PoolKey {
+                    host: host.clone(),
+                    database: self.database.clone(),
+                    user: self.user.clone(),
+                    read_only: spec.read_only,
+                },
+                &settings,
+            );
+            match pool.checkout(&self.startup, deadline).await {
+                Ok(c) => return Ok(c),
+                Err(ServerError::Retired) => continue,
+                Err(ServerError::Timeout) => {
+                    self.shared.metrics.error(&spec.name, "query_wait_timeout");
+                    return Err(Fatal::new(
+                        sqlstate::CANNOT_CONNECT_NOW,
+                        format!("query_wait_timeout: no server connection to {host} became free within {} ms", settings.query_wait_timeout.as_millis()),
+                    ));
+                }
+                Err(ServerError::Refused(raw)) => {
+                    return Err(Fatal {
+                        code: sqlstate::CONNECTION_FAILURE,
+                        message: String::new(),
+                        raw: Some(raw),
+                    });
+                }
+                Err(ServerError::Failed(e)) => {
+                    tracing::warn!(host = %host, error = %e, "pooled server connection failed");
+                    tokio::select! {
+                        _ = changes.changed() => {}
+                        _ = tokio::time::sleep_until(deadline) => {
+                            return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Borrows a server if none is attached, and sets the client's session
+    /// parameters on it where they differ.
+    async fn attach(&mut self, retired: &mut Option<watch::Receiver<bool>>) -> Result<(), Fatal> {
+        if self.attached.is_some() {
+            return Ok(());
+        }
+        let mut c = self.acquire().await?;
+        let mut sets = String::new();
+        for k in TRACKED {
+            if let Some(v) = self.params.get(k) {
+                if c.conn.params.get(k) != Some(v) {
+                    sets.push_str(&format!("SET {k} TO '{}';", v.replace('\'', "''")));
+                }
+            }
+        }
+        if !sets.is_empty() {
+            sync_params(&mut c, &sets)
+                .await
+                .map_err(|e| Fatal::new(sqlstate::CONNECTION_FAILURE, e))?;
+        }
+        *self.cancel_target.lock().expect("poisoned") = Some(BackendKey {
+            server: c.conn.peer,
+            pid: c.conn.backend_key.0,
+            secret: c.conn.backend_key.1,
+        });
+        *retired = Some(c.pool.retired_signal());
+        self.replies = Replies {
+            status: Some(TxStatus::Idle),
+            ..Replies::default()
+        };
+        self.skip = 0;
+        self.attached = Some(c);
+        Ok(())
+    }
+
+    fn detach(&mut self, reusable: bool) {
+        if let Some(c) = self.attached.take() {
+            *self.cancel_target.lock().expect("poisoned") = None;
+            c.release(reusable);
+        }
+    }
+
+    /// Handles every complete client message in `buf`; true = the client
+    /// said goodbye (Terminate).
+    async fn client_bytes(
+        &mut self,
+        buf: &mut BytesMut,
+        retired: &mut Option<watch::Receiver<bool>>,
+    ) -> Result<bool, Fatal> {
+        let mut out = BytesMut::new();
+        loop {
+            let (tag, msg) = match message::split_message(buf, MAX_MESSAGE) {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(Fatal::new(
+                        sqlstate::PROTOCOL_VIOLATION,
+                        format!("invalid frontend message: {e}"),
+                    ))
+                }
+            };
+            if tag == frontend::TERMINATE {
+                self.flush(&mut out).await?;
+                return Ok(true);
+            }
+            self.attach(retired).await?;
+            self.translate(tag, msg, &mut out)?;
+        }
+        self.flush(&mut out).await?;
+        Ok(false)
+    }
+
+    async fn flush(&mut self, out: &mut BytesMut) -> Result<(), Fatal> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let c = self.attached.as_mut().expect("attached before translating");
+        c.conn.stream.write_all(out).await.map_err(|e| {
+            Fatal::new(
+                sqlstate::CONNECTION_FAILURE,
+                format!("terminating connection: server write failed: {e}"),
+            )
+        })?;
+        out.clear();
+        Ok(())
+    }
+
+    /// Appends what to send to the server for one client message.
+    fn translate(&mut self, tag: u8, msg: BytesMut, out: &mut BytesMut) -> Result<(), Fatal> {
+        let body = &msg[5..];
+        let read_only = self.service.spec.read_only;
+        if read_only && (tag == frontend::QUERY || tag == frontend::PARSE) {
+            if let Some(replacement) =
+                crate::session::guard_message(&self.service.spec.name, tag, &msg)
+            {
+                self.note_sent(tag);
+                if tag == frontend::PARSE {
+                    self.replies.parses.push_back((false, self.replies.sent));
+                }
+                out.extend_from_slice(&replacement);
+                return Ok(());
+            }
+        }
+        match tag {
+            frontend::QUERY => {
+                let text = message::query_text(body).unwrap_or("");
+                if pins_session(text) {
+                    self.pinned = true;
+                }
+                if let Some(rewritten) = self.deallocate(text, out) {
+                    self.note_sent(tag);
+                    encode::query(out, &rewritten);
+                    return Ok(());
+                }
+            }
+            frontend::PARSE => {
+                if let Ok(p) = message::parse_message(body) {
+                    if pins_session(p.query) {
+                        self.pinned = true;
+                    }
+                    if !p.name.is_empty() {
+                        let name = p.name.to_string();
+                        let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
+                        let sname = self.server_name(&name);
+                        self.statements.insert(name, rest.clone());
+                        if let Some(c) = self.attached.as_mut() {
+                            c.conn.prepared.insert(sname.clone());
+                        }
+                        self.replies.parses.push_back((false, self.replies.sent));
+                        self.replies.open_batch = true;
+                        put_parse(out, &sname, &rest);
+                        return Ok(());
+                    }
+                    self.replies.parses.push_back((false, self.replies.sent));
+                }
+            }
+            frontend::BIND => {
+                if let Ok((portal, stmt)) = message::bind_names(body) {
+                    if !stmt.is_empty() {
+                        let stmt = stmt.to_string();
+                        let skip = portal.len() + 1 + stmt.len() + 1;
+                        let sname = self.ensure(&stmt, out);
+                        let rest = &body[skip.min(body.len())..];
+                        let mut b = BytesMut::with_capacity(msg.len() + 16);
+                        b.put_u8(frontend::BIND);
+                        b.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
+                        b.put_slice(portal.as_bytes());
+                        b.put_u8(0);
+                        b.put_slice(sname.as_bytes());
+                        b.put_u8(0);
+                        b.put_slice(rest);
+                        out.extend_from_slice(&b);
+                        self.replies.open_batch = true;
+                        return Ok(());
+                    }
+                }
+            }
+            frontend::DESCRIBE | frontend::CLOSE => {
+                if let Ok((b'S', name)) = message::describe_target(body) {
+                    if !name.is_empty() {
+                        let name = name.to_string();
+                        let sname = if tag == frontend::DESCRIBE {
+                            self.ensure(&name, out)
+                        } else {
+                            self.statements.remove(&name);
+                            let s = self.server_name(&name);
+                            if let Some(c) = self.attached.as_mut() {
+                                c.conn.prepared.remove(&s);
+                            }
+                            s
+                        };
+                        out.put_u8(tag);
+                        out.put_u32((4 + 1 + sname.len() + 1) as u32);
+                        out.put_u8(b'S');
+                        out.put_slice(sname.as_bytes());
+                        out.put_u8(0);
+                        self.replies.open_batch = true;
+                        return Ok(());
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.note_sent(tag);
+        out.extend_from_slice(&msg);
+        Ok(())
+    }
+
+    fn note_sent(&mut self, tag: u8) {
+        match tag {
+            frontend::QUERY | frontend::SYNC | frontend::FUNCTION_CALL => {
+                self.replies.pending += 1;
+                self.replies.sent += 1;
+                if tag == frontend::SYNC {
+                    self.replies.open_batch = false;
+                }
+            }
+            frontend::PARSE
+            | frontend::BIND
+            | frontend::DESCRIBE
+            | frontend::EXECUTE
+            | frontend::CLOSE
+            | frontend::FLUSH => {
+                self.replies.open_batch = true;
+            }
+            _ => {}
+        }
+    }
+
+    /// Makes sure the client's statement `name` exists on the attached
+    /// server, injecting its Parse if needed; returns the server-side name.
+    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> String {
+        let sname = self.server_name(name);
+        if let (Some(rest), Some(c)) = (self.statements.get(name), self.attached.as_mut()) {
+            if !c.conn.prepared.contains(&sname) {
+                put_parse(out, &sname, rest);
+                c.conn.prepared.insert(sname.clone());
+                self.replies.parses.push_back((true, self.replies.sent));
+            }
+        }
+        sname
+    }
+
+    /// `DEALLOCATE name` / `DEALLOCATE ALL` for protocol-level statements
+    /// (psycopg evicts its cache that way): renamed to the server-side name.
+    fn deallocate(&mut self, text: &str, out: &mut BytesMut) -> Option<String> {
+        let t = text.trim().trim_end_matches(';').trim();
+        let mut words = t.split_whitespace();
+        if !words.next()?.eq_ignore_ascii_case("deallocate") {
+            return None;
+        }
+        let mut name = words.next()?;
+        if name.eq_ignore_ascii_case("prepare") {
+            name = words.next()?;
+        }
+        if words.next().is_some() {
+            return None;
+        }
+        if name.eq_ignore_ascii_case("all") {
+            self.statements.clear();
+            if let Some(c) = self.attached.as_mut() {
+                // Other clients' statements on this server go too; they are
+                // prepared again on demand.
+                c.conn.prepared.clear();
+            }
+            return None;
+        }
+        let name = name.trim_matches('"');
+        if !self.statements.contains_key(name) {
+            return None;
+        }
+        let sname = self.ensure(name, out);
+        self.statements.remove(name);
+        if let Some(c) = self.attached.as_mut() {
+            c.conn.prepared.remove(&sname);
+        }
+        Some(format!("DEALLOCATE \"{sname}\""))
+    }
+
+    /// Processes a chunk from the server; returns what goes to the client.
+    /// Only ParseComplete, ReadyForQuery and ParameterStatus are looked at;
+    /// everything else streams through, partial messages included.
+    fn server_bytes(&mut self, buf: &mut BytesMut) -> Result<BytesMut, Fatal> {
+        let mut out = BytesMut::with_capacity(buf.len());
+        if self.skip > 0 {
+            let n = self.skip.min(buf.len());
+            out.extend_from_slice(&buf[..n]);
+            buf.advance(n);
+            self.skip -= n;
+        }
+        loop {
+            let Some(h) = message::peek_header(buf, usize::MAX)
+                .map_err(|e| Fatal::new(sqlstate::PROTOCOL_VIOLATION, e.to_string()))?
+            else {
+                break;
+            };
+            let total = h.total_len();
+            let interesting = matches!(
+                h.tag,
+                backend::PARSE_COMPLETE | backend::READY_FOR_QUERY | backend::PARAMETER_STATUS
+            );
+            if !interesting {
+                let n = total.min(buf.len());
+                out.extend_from_slice(&buf[..n]);
+                buf.advance(n);
+                self.skip = total - n;
+                if self.skip > 0 {
+                    break;
+                }
+                continue;
+            }
+            if buf.len() < total {
+                break;
+            }
+            let msg = buf.split_to(total);
+            let body = &msg[5..];
+            match h.tag {
+                backend::PARSE_COMPLETE => {
+                    self.drop_stale_parses();
+                    if let Some((true, _)) = self.replies.parses.pop_front() {
+                        continue;
+                    }
+                }
+                backend::READY_FOR_QUERY => {
+                    self.replies.pending = self.replies.pending.saturating_sub(1);
+                    self.replies.done += 1;
+                    self.replies.status = message::ready_for_query_status(body).ok();
+                    self.drop_stale_parses();
+                }
+                _ => {
+                    if let Ok((k, v)) = message::parameter_status(body) {
+                        if self.service.spec.read_only
+                            && k == "default_transaction_read_only"
+                            && !v.eq_ignore_ascii_case("on")
+                        {
+                            self.detach(false);
+                            return Err(Fatal::new(sqlstate::READ_ONLY_SQL_TRANSACTION, "terminating connection: the session was made read-write on a read-only service"));
+                        }
+                        self.params.insert(k.to_string(), v.to_string());
+                        if let Some(c) = self.attached.as_mut() {
+                            c.conn.params.insert(k.to_string(), v.to_string());
+                        }
+                    }
+                }
+            }
+            out.extend_from_slice(&msg);
+        }
+        Ok(out)
+    }
+
+    fn drop_stale_parses(&mut self) {
+        // Parses of a batch that has completed can no longer be answered
+        // (an error made the server skip them).
+        while let Some(&(_, batch)) = self.replies.parses.front() {
+            if batch < self.replies.done {
+                self.replies.parses.pop_front();
+            } else {
+                break;
+            }
+        }
+    }
+}
+
+/// Sets session parameters on a freshly borrowed server before the client's
+/// first statement; the replies are the pool's business, not the client's.
+async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
+    let mut q = BytesMut::new();
+    encode::query(&mut q, sets);
+    c.conn
+        .stream
+        .write_all(&q)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut buf = BytesMut::with_capacity(1024);
+    loop {
+        match message::split_message(&mut buf, 1 << 20) {
+            Ok(Some((backend::READY_FOR_QUERY, _))) => return Ok(()),
+            Ok(Some((backend::PARAMETER_STATUS, m))) => {
+                if let Ok((k, v)) = message::parameter_status(&m[5..]) {
+                    c.conn.params.insert(k.to_string(), v.to_string());
+                }
+            }
+            Ok(Some((backend::ERROR_RESPONSE, m))) => {
+                let fields = message::error_fields(&m[5..]).unwrap_or_default();
+                let text = message::find_field(&fields, b'M')
+                    .unwrap_or("error")
+                    .to_string();
+                tracing::warn!(error = %text, "setting session parameters on a pooled connection failed");
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                if c.conn
+                    .stream
+                    .read_buf(&mut buf)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    == 0
+                {
+                    return Err("server closed the connection".into());
+                }
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+fn put_parse(out: &mut BytesMut, name: &str, rest: &[u8]) {
+    out.put_u8(frontend::PARSE);
+    out.put_u32((4 + name.len() + 1 + rest.len()) as u32);
+    out.put_slice(name.as_bytes());
+    out.put_u8(0);
+    out.put_slice(rest);
+}
+
+/// Whether a statement leaves state in the server session that the next
+/// transaction of the same client would expect, so the client must keep
+/// its server connection. A lexical check: words inside string literals may
+/// pin needlessly, which costs pooling, never correctness.
+fn pins_session(sql: &str) -> bool {
+    let upper = sql.to_ascii_uppercase();
+    let words: Vec<&str> = upper
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    words.windows(2).any(|w| {
+        matches!(
+            (w[0], w[1]),
+            ("CREATE", "TEMP")
+                | ("CREATE", "TEMPORARY")
+                | ("WITH", "HOLD")
+                | ("SESSION", "AUTHORIZATION")
+        )
+    }) || words.iter().enumerate().any(|(i, w)| match *w {
+        "LISTEN"
+        | "PG_ADVISORY_LOCK"
+        | "PG_ADVISORY_LOCK_SHARED"
+        | "PG_TRY_ADVISORY_LOCK"
+        | "PG_TRY_ADVISORY_LOCK_SHARED" => true,
+        // SQL-level PREPARE (protocol-level statements follow the client).
+        "PREPARE" => i == 0,
+        // A session-level SET outlives the transaction; SET LOCAL does not.
+        "SET" => {
+            let name = match words.get(1) {
+                Some(&"SESSION") => words.get(2),
+                other => other,
+            };
+            // Tracked parameters are replayed on every server the client
+            // lands on, so they need no pinning.
+            i == 0
+                && !matches!(
+                    name,
+                    Some(
+                        &"LOCAL"
+                            | &"TRANSACTION"
+                            | &"APPLICATION_NAME"
+                            | &"CLIENT_ENCODING"
+                            | &"DATESTYLE"
+                            | &"TIMEZONE"
+                            | &"TIME"
+                            | &"INTERVALSTYLE"
+                            | &"NAMES"
+                    )
+                )
+        }
+        _ => false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pins_session;
+
+    #[test]
+    fn session_state_pins_and_transaction_state_does_not() {
+        for s in [
+            "LISTEN ch",
+            "select pg_advisory_lock(1)",
+            "CREATE TEMP TABLE t (x int)",
+            "create temporary table t (x int)",
+            "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+            "SET search_path TO x",
+            "PREPARE p AS SELECT 1",
+        ] {
+            assert!(pins_session(s), "{s}");
+        }
+        for s in [
+            "SELECT 1",
+            "SET LOCAL search_path TO x",
+            "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "SET application_name = 'x'",
+            "SET TIME ZONE 'UTC'",
+            "select pg_advisory_xact_lock(1)",
+            "BEGIN",
+        ] {
+            assert!(!pins_session(s), "{s}");
+        }
+    }
+}
