@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# Session-mode passthrough overhead: pgbench against one PostgreSQL 15 primary
+# directly, through `pgwarden run` (read-write port), through HAProxy (mode tcp)
+# and through PgBouncer (pool_mode=session), all on 127.0.0.1.
+#
+#   bench/pgbench_proxy.sh                 (DUR=10 R=1)
+#   DUR=10 R=3 bench/pgbench_proxy.sh
+#
+# Env: DUR  seconds per pgbench run (default 10)
+#      R    repetitions of the whole interleaved set; the table shows medians (default 1)
+#      SCALE pgbench -i scale factor (default 10)
+#
+# Workloads (each row runs direct, pgwarden, haproxy, pgbouncer one after the
+# other, then the next row; the whole set is repeated R times):
+#   -S -M simple   at 1, 16, 64 clients
+#   -S -M prepared at 1, 16, 64 clients
+#   -S -C          at 16 clients (a new connection per transaction)
+# All with -j min(2, clients), -n, -T DUR. TPS is pgbench's "without initial
+# connection time" figure, or with -C the "including reconnection times" one.
+# Proxy CPU is utime+stime of the proxy process (all threads) from
+# /proc/PID/stat, sampled right before and after the pgbench run, shown as CPU
+# ms per 1,000 transactions.
+#
+# Needs root (apt-get, and the proxies run as the postgres user).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DUR=${DUR:-10}
+R=${R:-1}
+SCALE=${SCALE:-10}
+HOST=127.0.0.1
+
+log() { echo "[$(date +%T)] $*" >&2; }
+
+# --- dependencies -----------------------------------------------------------
+scripts/install-deps.sh
+need=()
+command -v pgbench >/dev/null || need+=(postgresql-client-15)
+command -v pgbouncer >/dev/null || need+=(pgbouncer)
+command -v haproxy >/dev/null || need+=(haproxy)
+if [ ${#need[@]} -gt 0 ]; then
+  log "installing: ${need[*]}"
+  # Keep the packages' own services from starting (we run our own instances).
+  created_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    created_policy=1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  [ "$created_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
+fi
+
+log "building pgwarden (release)"
+cargo build --release --quiet
+bin=$PWD/target/release/pgwarden
+
+# --- temp dir, processes, cleanup -------------------------------------------
+tmp=$(mktemp -d /tmp/pgbench-proxy.XXXXXX)
+chmod 755 "$tmp"
+mkdir "$tmp/pgb"
+chown postgres: "$tmp/pgb"
+demo="" pgw="" hap="" pgb=""
+
+stop() { # pid signal
+  [ -n "$1" ] || return 0
+  kill "-$2" "$1" 2>/dev/null || true
+  for _ in $(seq 1 100); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop "$pgb" INT
+  stop "$hap" TERM
+  stop "$pgw" INT
+  stop "$demo" INT # the demo stops PostgreSQL and removes its data directory
+  wait 2>/dev/null || true
+  if [ "$rc" -ne 0 ]; then
+    for f in demo.log pgwarden.log haproxy.log pgb/pgbouncer.log; do
+      [ -s "$tmp/$f" ] && { echo "--- $f (tail)" >&2; tail -20 "$tmp/$f" >&2; }
+    done
+  fi
+  rm -rf "$tmp"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Six distinct free TCP ports on 127.0.0.1, taken below the kernel's ephemeral
+# range so that outgoing connections (ours or other jobs') cannot grab them
+# between this check and the bind.
+read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT < <(python3 - <<'EOF'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+ports = []
+while len(ports) < 6:
+    p = random.randrange(max(1024, lo - 12000), lo)
+    if p in ports:
+        continue
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+        ports.append(p)
+    except OSError:
+        pass
+    finally:
+        s.close()
+print(" ".join(map(str, ports)))
+EOF
+)
+
+wait_sql() { # port what
+  for _ in $(seq 1 300); do
+    psql -h $HOST -p "$1" -U postgres -d postgres -Atqc 'select 1' >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  log "$2 on port $1 did not answer"; return 1
+}
+
+# --- PostgreSQL --------------------------------------------------------------
+log "starting PostgreSQL 15 (pgwarden demo) on $PG_PORT"
+"$bin" demo --quiet --replicas 0 --port "$PG_PORT" >"$tmp/demo.log" 2>&1 &
+demo=$!
+for _ in $(seq 1 600); do
+  grep -q "probing with" "$tmp/demo.log" && break
+  kill -0 "$demo" 2>/dev/null || { log "demo exited"; exit 1; }
+  sleep 0.2
+done
+wait_sql "$PG_PORT" PostgreSQL
+max_conn=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show max_connections')
+log "pgbench -i -s $SCALE (max_connections=$max_conn)"
+pgbench -i -q -s "$SCALE" -h $HOST -p "$PG_PORT" -U postgres postgres >"$tmp/init.log" 2>&1
+
+# --- pgwarden ----------------------------------------------------------------
+cat >"$tmp/pgwarden.toml" <<EOF
+[cluster]
+hosts = ["$HOST:$PG_PORT"]
+user = "postgres"
+[listen]
+read_write = "$HOST:$RW_PORT"
+read_only = "$HOST:$RO_PORT"
+http = "$HOST:$HTTP_PORT"
+EOF
+RUST_LOG=warn "$bin" run --config "$tmp/pgwarden.toml" >"$tmp/pgwarden.log" 2>&1 &
+pgw=$!
+
+# --- HAProxy: plain TCP relay -------------------------------------------------
+cat >"$tmp/haproxy.cfg" <<EOF
+global
+    maxconn 4000
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 1h
+    timeout server 1h
+listen pg
+    bind $HOST:$HAP_PORT
+    server pg1 $HOST:$PG_PORT
+EOF
+# setpriv execs (no fork), so \$! is the proxy's own PID.
+setpriv --reuid postgres --regid postgres --init-groups \
+  haproxy -db -q -f "$tmp/haproxy.cfg" >"$tmp/haproxy.log" 2>&1 &
+hap=$!
+
+# --- PgBouncer: session mode --------------------------------------------------
+echo '"postgres" ""' >"$tmp/pgb/userlist.txt"
+cat >"$tmp/pgb/pgbouncer.ini" <<EOF
+[databases]
+* = host=$HOST port=$PG_PORT
+[pgbouncer]
+listen_addr = $HOST
+listen_port = $PGB_PORT
+unix_socket_dir =
+auth_type = trust
+auth_file = $tmp/pgb/userlist.txt
+admin_users = postgres
+pool_mode = session
+default_pool_size = 100
+max_client_conn = 1000
+logfile = $tmp/pgb/pgbouncer.log
+pidfile = $tmp/pgb/pgbouncer.pid
+log_connections = 0
+log_disconnections = 0
+EOF
+chown -R postgres: "$tmp/pgb"
+setpriv --reuid postgres --regid postgres --init-groups \
+  pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
+pgb=$!
+
+wait_sql "$RW_PORT" pgwarden
+wait_sql "$HAP_PORT" HAProxy
+wait_sql "$PGB_PORT" PgBouncer
+for p in "$pgw" "$hap" "$pgb"; do kill -0 "$p" || { log "a proxy died"; exit 1; }; done
+
+# --- runs ----------------------------------------------------------------------
+targets=(direct pgwarden haproxy pgbouncer)
+declare -A port=([direct]=$PG_PORT [pgwarden]=$RW_PORT [haproxy]=$HAP_PORT [pgbouncer]=$PGB_PORT)
+declare -A pid=([direct]="" [pgwarden]=$pgw [haproxy]=$hap [pgbouncer]=$pgb)
+workloads=(
+  "-S -M simple -c 1"
+  "-S -M simple -c 16"
+  "-S -M simple -c 64"
+  "-S -M prepared -c 1"
+  "-S -M prepared -c 16"
+  "-S -M prepared -c 64"
+  "-S -C -c 16"
+)
+ticks=$(getconf CLK_TCK)
+cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# PostgreSQL allows $max_conn connections: before each run, wait until the
+# previous run's backends are gone (and make PgBouncer drop its idle server
+# connections after its runs, so they don't count against the next target).
+settle() {
+  local n
+  for _ in $(seq 1 100); do
+    n=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc \
+      "select count(*) from pg_stat_activity where backend_type = 'client backend' and pid <> pg_backend_pid()")
+    [ "$n" -le 4 ] && return 0
+    sleep 0.1
+  done
+  log "warning: $n client backends still connected"
+}
+
+results=$tmp/results.tsv
+: >"$results"
+total=$((R * ${#workloads[@]} * ${#targets[@]}))
+i=0
+for rep in $(seq 1 "$R"); do
+  for w in "${workloads[@]}"; do
+    clients=${w##*-c }
+    jobs=$((clients < 2 ? clients : 2))
+    for t in "${targets[@]}"; do
+      i=$((i + 1))
+      settle
+      p=${pid[$t]}
+      [ -n "$p" ] && { kill -0 "$p" || { log "$t died"; exit 1; }; c0=$(cpu "$p"); }
+      # shellcheck disable=SC2086
+      out=$(pgbench -n $w -j "$jobs" -T "$DUR" -h $HOST -p "${port[$t]}" -U postgres postgres 2>&1) \
+        || { echo "$out" >&2; log "pgbench failed against $t"; exit 1; }
+      [ -n "$p" ] && c1=$(cpu "$p")
+      if [[ $w == *-C* ]]; then
+        tps=$(awk '/^tps = .*including/ {print $3; exit}' <<<"$out")
+      else
+        tps=$(awk '/^tps = .*without/ {print $3; exit}' <<<"$out")
+      fi
+      [ -n "$tps" ] || tps=$(awk '/^tps = / {print $3; exit}' <<<"$out")
+      lat=$(awk '/^latency average = / {print $4; exit}' <<<"$out")
+      tx=$(awk -F': ' '/^number of transactions actually processed/ {print $2; exit}' <<<"$out")
+      if [ -n "$p" ] && [ "${tx:-0}" -gt 0 ]; then
+        cpuk=$(awk -v a="$c0" -v b="$c1" -v hz="$ticks" -v tx="$tx" 'BEGIN {printf "%.3f", (b - a) * 1000 / hz / tx * 1000}')
+      else
+        cpuk=-
+      fi
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$w" "$t" "$rep" "$tps" "$lat" "$cpuk" "$tx" >>"$results"
+      log "[$i/$total] rep $rep  pgbench $w  $t: tps=$tps lat=${lat}ms cpu/1k=$cpuk tx=$tx"
+      if [ "$t" = pgbouncer ]; then
+        psql -h $HOST -p "$PGB_PORT" -U postgres -d pgbouncer -qc 'KILL postgres' >/dev/null 2>&1 || true
+        psql -h $HOST -p "$PGB_PORT" -U postgres -d pgbouncer -qc 'RESUME postgres' >/dev/null 2>&1 || true
+      fi
+    done
+  done
+done
+
+# --- table (medians over R) -----------------------------------------------------
+echo
+echo "pgbench -T $DUR, -j min(2, clients), scale $SCALE, R=$R (median of $R); $(nproc) cores; $(date -u +%F)"
+echo
+python3 - "$results" <<'EOF'
+import sys, statistics
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+order, data = [], {}
+for w, t, rep, tps, lat, cpuk, tx in rows:
+    if (w, t) not in data:
+        order.append((w, t)); data[(w, t)] = []
+    data[(w, t)].append((float(tps), float(lat), None if cpuk == "-" else float(cpuk)))
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+print("| workload | target | TPS | ratio to direct | avg latency ms | proxy CPU ms / 1k tx |")
+print("|---|---|---:|---:|---:|---:|")
+for w, t in order:
+    v = data[(w, t)]
+    tps, lat, cpu = med([x[0] for x in v]), med([x[1] for x in v]), med([x[2] for x in v])
+    d = med([x[0] for x in data[(w, "direct")]])
+    wl = "`" + w.replace("-c ", "-c") + "`"
+    print(f"| {wl} | {t} | {tps:,.0f} | {tps / d:.2f}× | {lat:.3f} | {'—' if cpu is None else f'{cpu:.1f}'} |")
+EOF
