@@ -228,6 +228,7 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         server_lifetime: optional_timeout(raw.server_lifetime, d.server_lifetime),
         query_wait_timeout: optional_timeout(raw.query_wait_timeout, d.query_wait_timeout),
         client_idle_timeout: optional_timeout(raw.client_idle_timeout, d.client_idle_timeout),
+        admin_users: raw.admin_users.unwrap_or(d.admin_users),
         databases,
         users,
     })

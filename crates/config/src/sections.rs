@@ -209,6 +209,9 @@ pub struct PoolConfig {
     pub query_wait_timeout: Option<Duration>,
     /// Disconnect clients idle this long; `None` never does.
     pub client_idle_timeout: Option<Duration>,
+    /// Roles allowed into the admin console (database `pgwarden` on the
+    /// read-write port).
+    pub admin_users: Vec<String>,
     /// Exceptions by database name.
     pub databases: BTreeMap<String, PoolOverride>,
     /// Exceptions by user name.
@@ -226,6 +229,7 @@ impl Default for PoolConfig {
             server_lifetime: Some(Duration::from_secs(3600)),
             query_wait_timeout: Some(Duration::from_secs(120)),
             client_idle_timeout: None,
+            admin_users: Vec::new(),
             databases: BTreeMap::new(),
             users: BTreeMap::new(),
         }

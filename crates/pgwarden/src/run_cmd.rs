@@ -63,10 +63,16 @@ pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::R
     )
     .await?;
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let admin_reload = proxy.reload_requests();
     let mut running = config;
     loop {
         tokio::select! {
-            _ = hangup.recv() => {
+            _ = async {
+                tokio::select! {
+                    _ = hangup.recv() => {}
+                    _ = admin_reload.notified() => {}
+                }
+            } => {
                 match pgwarden_config::load(path) {
                     Ok(new) => {
                         if new.cluster.probe_interval != running.cluster.probe_interval
@@ -108,6 +114,60 @@ fn warn_unimplemented(config: &Config) {
     if !config.pool.databases.is_empty() || !config.pool.users.is_empty() {
         tracing::warn!("[pool.databases] and [pool.users] overrides are not applied yet; the service's pool mode and pool.size are used");
     }
+}
+
+/// The effective settings, as the admin console's SHOW CONFIG lists them.
+fn settings_view(config: &Config) -> Vec<(String, String)> {
+    let d = |v: Option<Duration>| v.map_or("0".to_string(), pgwarden_config::format_duration);
+    let c = &config.cluster;
+    let p = &config.pool;
+    let mut v = vec![
+        (
+            "cluster.hosts",
+            c.hosts
+                .iter()
+                .map(|h| h.addr.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+        ("cluster.user", c.user.clone()),
+        (
+            "cluster.probe_interval",
+            pgwarden_config::format_duration(c.probe_interval),
+        ),
+        (
+            "cluster.rtt_threshold",
+            pgwarden_config::format_duration(c.rtt_threshold),
+        ),
+        (
+            "cluster.rtt_threshold_enabled",
+            c.rtt_threshold_enabled.to_string(),
+        ),
+        ("pool.mode", format!("{:?}", p.mode).to_lowercase()),
+        ("pool.size", p.size.to_string()),
+        ("pool.max_client_conn", p.max_client_conn.to_string()),
+        ("pool.query_wait_timeout", d(p.query_wait_timeout)),
+        ("pool.server_idle_timeout", d(p.server_idle_timeout)),
+        ("pool.server_lifetime", d(p.server_lifetime)),
+        (
+            "engine.connect_wait_timeout",
+            pgwarden_config::format_duration(config.engine.connect_wait_timeout),
+        ),
+        (
+            "engine.shutdown_timeout",
+            pgwarden_config::format_duration(config.engine.shutdown_timeout),
+        ),
+    ];
+    for s in config.services() {
+        v.push((
+            "service",
+            format!(
+                "{} {} {} read_only={} pool={:?}",
+                s.name, s.listen, s.kind, s.read_only, s.pool_mode
+            ),
+        ));
+    }
+    v.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 /// Probe settings from the `[cluster]` section; the password from the
@@ -173,5 +233,7 @@ pub fn proxy_spec(config: &Config) -> ProxySpec {
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
         max_client_conn: config.pool.max_client_conn as usize,
+        admin_users: config.pool.admin_users.clone(),
+        settings: settings_view(config),
     }
 }

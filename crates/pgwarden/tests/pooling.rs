@@ -378,3 +378,116 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
         assert_eq!(one(h, "SELECT 1").await, "1");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_console_shows_pools_and_pauses() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let app = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&app, "SELECT 1").await, "1");
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let rows = admin.simple_query("SHOW POOLS").await.unwrap();
+    let row = rows
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+            _ => None,
+        })
+        .expect("a pool row");
+    for col in [
+        "database",
+        "user",
+        "cl_active",
+        "cl_waiting",
+        "sv_active",
+        "sv_idle",
+        "maxwait",
+        "pool_mode",
+    ] {
+        assert!(
+            row.columns().iter().any(|c| c.name() == col),
+            "SHOW POOLS lacks {col}"
+        );
+    }
+    assert_eq!(row.get("database"), Some("postgres"));
+    assert_eq!(row.get("pool_mode"), Some("transaction"));
+    for cmd in ["SHOW CLIENTS", "SHOW SERVERS", "SHOW STATS", "SHOW CONFIG"] {
+        admin
+            .simple_query(cmd)
+            .await
+            .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    }
+    let clients = admin.simple_query("SHOW CLIENTS").await.unwrap();
+    let n = clients
+        .iter()
+        .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
+        .count();
+    assert!(n >= 1, "SHOW CLIENTS lists the application client");
+    admin.simple_query("PAUSE read_write").await.unwrap();
+    let waiting = tokio::spawn(async move { one(&app, "SELECT 5").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "ran while paused");
+    admin.simple_query("RESUME read_write").await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap(),
+        "5"
+    );
+    let err = admin.simple_query("SHOW NONSENSE").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("0A000"));
+    // Only configured admin users get in.
+    let Err(err) = client(&admin_info.replace("user=postgres", "user=intruder")).await else {
+        panic!("a non-admin user got into the console");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_thousand_clients_on_a_pool_of_twenty() {
+    // Both pgbench and the proxy (in this process) hold 5,000 sockets.
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    // Root may raise the hard limit; others live with theirs.
+    if setrlimit(Resource::RLIMIT_NOFILE, 65_536, 65_536).is_err() {
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the open-file limit");
+    }
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    assert!(
+        soft >= 12_000,
+        "the open-file limit ({soft}) is too low for 5,000 clients"
+    );
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(20, Duration::from_secs(120)),
+        20_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let (ok, out) = pgbench(c.port(0), &["-i", "-s", "1", "-q"]);
+    assert!(ok, "{out}");
+    let port = p.service_addrs()["read_write"].port();
+    let (ok, out) = tokio::task::spawn_blocking(move || {
+        pgbench(port, &["-c", "5000", "-j", "2", "-t", "2", "-S"])
+    })
+    .await
+    .unwrap();
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("number of transactions actually processed: 10000/10000"),
+        "{out}"
+    );
+    assert!(out.contains("number of failed transactions: 0"), "{out}");
+    assert!(server_connections(&c.conninfo(0)).await <= 20);
+}

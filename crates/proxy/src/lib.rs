@@ -10,6 +10,7 @@
 //! watches the topology and tells the sessions whose host is no longer
 //! right (a demoted primary, a dead host) to end.
 
+mod admin;
 mod cancel;
 mod http;
 mod metrics;

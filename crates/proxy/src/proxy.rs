@@ -51,6 +51,10 @@ pub struct ProxySpec {
     /// Most client connections at once, over all services; counted from
     /// accept, before any authentication, so idle sockets cannot pile up.
     pub max_client_conn: usize,
+    /// Roles allowed into the admin console.
+    pub admin_users: Vec<String>,
+    /// The effective configuration as `SHOW CONFIG` lists it.
+    pub settings: Vec<(String, String)>,
 }
 
 /// A service as sessions see it: swapped whole on reload.
@@ -72,6 +76,9 @@ pub(crate) enum Kill {
 
 pub(crate) struct SessionEntry {
     pub service: Arc<str>,
+    pub user: String,
+    pub database: String,
+    pub client: SocketAddr,
     pub want: Want,
     /// The host a session is bound to; `None` for pooled clients, whose
     /// server connections are governed by their pools.
@@ -94,6 +101,11 @@ pub(crate) struct Shared {
     pub paused: Mutex<HashMap<String, watch::Sender<bool>>>,
     pub clients: AtomicU64,
     pub max_client_conn: AtomicU64,
+    pub admin_users: Mutex<Vec<String>>,
+    pub settings_view: Mutex<Vec<(String, String)>>,
+    /// Signalled by the admin console's RELOAD; whoever owns the
+    /// configuration file reloads it.
+    pub reload: Arc<tokio::sync::Notify>,
 }
 
 impl Shared {
@@ -194,6 +206,9 @@ impl Proxy {
             paused: Mutex::new(HashMap::new()),
             clients: AtomicU64::new(0),
             max_client_conn: AtomicU64::new(spec.max_client_conn as u64),
+            admin_users: Mutex::new(Vec::new()),
+            settings_view: Mutex::new(Vec::new()),
+            reload: Arc::new(tokio::sync::Notify::new()),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -220,6 +235,11 @@ impl Proxy {
         self.http.as_ref().map(|(a, _)| *a)
     }
 
+    /// Notified when the admin console asks for a configuration reload.
+    pub fn reload_requests(&self) -> Arc<tokio::sync::Notify> {
+        self.shared.reload.clone()
+    }
+
     /// Number of client sessions currently relayed.
     pub fn session_count(&self) -> usize {
         self.shared.sessions.lock().expect("poisoned").len()
@@ -235,6 +255,8 @@ impl Proxy {
         self.shared
             .max_client_conn
             .store(spec.max_client_conn as u64, Ordering::Relaxed);
+        *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
+        *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
         let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();

@@ -76,7 +76,7 @@ pub(crate) async fn run(
     gauge.inc();
     let span = tracing::debug_span!("session", service = %name, client = %peer);
     let _enter = span.enter();
-    let outcome = serve(&shared, &service, &mut client).await;
+    let outcome = serve(&shared, &service, &mut client, peer).await;
     if let Err(r) = outcome {
         shared.metrics.error(&name, r.reason);
         tracing::debug!(reason = r.reason, message = %r.message, "client refused");
@@ -99,6 +99,7 @@ async fn serve(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
     client: &mut TcpStream,
+    peer: SocketAddr,
 ) -> Result<(), Refusal> {
     let mut buf = BytesMut::with_capacity(1024);
     let mut startup =
@@ -129,8 +130,15 @@ async fn serve(
         startup.set("default_transaction_read_only", "on");
     }
 
+    if !spec.read_only
+        && startup.database() == Some(crate::admin::ADMIN_DATABASE)
+        && spec.want == pgwarden_topology::Want::Primary
+    {
+        crate::admin::run(shared, client, &startup).await;
+        return Ok(());
+    }
     if spec.pool.is_some() {
-        return crate::txn::run(shared, service, client, startup, buf)
+        return crate::txn::run(shared, service, client, startup, buf, peer)
             .await
             .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
     }
@@ -143,7 +151,7 @@ async fn serve(
             host: host.to_string(),
         })
         .inc();
-    relay(shared, service, client, buf, server, host, startup).await;
+    relay(shared, service, client, buf, server, host, startup, peer).await;
     Ok(())
 }
 
@@ -338,6 +346,7 @@ async fn relay(
     mut server: TcpStream,
     host: HostAddr,
     startup: StartupMessage,
+    peer: SocketAddr,
 ) {
     let spec = &service.spec;
     let server_addr = server.peer_addr().ok();
@@ -357,6 +366,9 @@ async fn relay(
         id,
         SessionEntry {
             service: Arc::from(spec.name.as_str()),
+            user: startup.user().unwrap_or_default().to_string(),
+            database: startup.database().unwrap_or_default().to_string(),
+            client: peer,
             want: spec.want.clone(),
             host: Some(host.clone()),
             kill: kill_tx,

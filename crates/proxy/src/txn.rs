@@ -93,6 +93,7 @@ pub(crate) async fn run(
     client: &mut TcpStream,
     startup: StartupMessage,
     mut early: BytesMut,
+    peer: std::net::SocketAddr,
 ) -> Result<(), (SqlState, String, &'static str)> {
     let spec = &service.spec;
     let database = startup.database().unwrap_or_default().to_string();
@@ -167,6 +168,9 @@ pub(crate) async fn run(
         client_id,
         SessionEntry {
             service: Arc::from(spec.name.as_str()),
+            user: session.user.clone(),
+            database: session.database.clone(),
+            client: peer,
             want: spec.want.clone(),
             host: None,
             kill: kill_tx,

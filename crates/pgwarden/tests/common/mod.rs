@@ -119,6 +119,8 @@ pub async fn proxy_with(
         server_connect_timeout: Duration::from_secs(2),
         shutdown_timeout: Duration::from_secs(5),
         max_client_conn,
+        admin_users: vec!["postgres".into()],
+        settings: vec![("pool.size".into(), "test".into())],
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
