@@ -213,6 +213,15 @@ fn invalid_config_at_start_names_file_line_and_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg_through_both_ports() {
+    psycopg_run("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_through_transaction_pooling() {
+    psycopg_run("[pool]\nmode = \"transaction\"\nsize = 2\n").await;
+}
+
+async fn psycopg_run(extra: &str) {
     let c = TestCluster::builder().replicas(1).start();
     let (rw, ro, http) = (free_port(), free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
@@ -220,7 +229,7 @@ async fn psycopg_through_both_ports() {
     write(
         &config,
         &format!(
-            "[cluster]\nhosts = [\"{}\", \"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n",
+            "[cluster]\nhosts = [\"{}\", \"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n{extra}",
             c.addr(0),
             c.addr(1)
         ),

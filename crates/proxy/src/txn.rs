@@ -491,20 +491,21 @@ impl Session {
 
     /// Appends what to send to the server for one client message.
     fn translate(&mut self, tag: u8, msg: BytesMut, out: &mut BytesMut) -> Result<(), Fatal> {
-        let body = &msg[5..];
         let read_only = self.service.spec.read_only;
         if read_only && (tag == frontend::QUERY || tag == frontend::PARSE) {
             if let Some(replacement) =
                 crate::session::guard_message(&self.service.spec.name, tag, &msg)
             {
-                self.note_sent(tag);
-                if tag == frontend::PARSE {
-                    self.replies.parses.push_back((false, self.replies.sent));
-                }
-                out.extend_from_slice(&replacement);
-                return Ok(());
+                // The refusal goes through the same bookkeeping as the
+                // statement it replaces (a named Parse keeps its name).
+                return self.forward(tag, replacement, out);
             }
         }
+        self.forward(tag, msg, out)
+    }
+
+    fn forward(&mut self, tag: u8, msg: BytesMut, out: &mut BytesMut) -> Result<(), Fatal> {
+        let body = &msg[5..];
         match tag {
             frontend::QUERY => {
                 let text = message::query_text(body).unwrap_or("");
