@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
-use pgwarden_proxy::{PoolSettings, Proxy, ProxySpec, ServiceSpec};
+use pgwarden_proxy::{PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec};
 use pgwarden_topology::Want;
 use std::time::Duration;
 
@@ -111,9 +111,6 @@ fn warn_unimplemented(config: &Config) {
     if transaction {
         tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
     }
-    if !config.pool.databases.is_empty() || !config.pool.users.is_empty() {
-        tracing::warn!("[pool.databases] and [pool.users] overrides are not applied yet; the service's pool mode and pool.size are used");
-    }
 }
 
 /// The effective settings, as the admin console's SHOW CONFIG lists them.
@@ -201,39 +198,61 @@ pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
 /// The proxy's services and ports from the configuration.
 pub fn proxy_spec(config: &Config) -> ProxySpec {
     let password = probe_config(config).ok().and_then(|p| p.password);
+    let p = &config.pool;
+    let base = PoolSettings {
+        size: p.size as usize,
+        // "Off" means: wait as long as it takes.
+        query_wait_timeout: p
+            .query_wait_timeout
+            .unwrap_or(Duration::from_secs(365 * 86_400)),
+        wants_primary: true,
+        server_idle_timeout: p.server_idle_timeout,
+        server_lifetime: p.server_lifetime,
+        server_password: password,
+        min_size: p.min_size as usize,
+        client_idle_timeout: p.client_idle_timeout,
+    };
+    let exception = |o: &pgwarden_config::PoolOverride| {
+        (
+            o.mode.map(|m| m == PoolMode::Transaction),
+            o.size.map(|s| s as usize),
+        )
+    };
     ProxySpec {
         services: config
             .services()
             .into_iter()
-            .map(|s| {
-                let pool = (s.pool_mode == PoolMode::Transaction).then(|| PoolSettings {
-                    size: config.pool.size as usize,
-                    // "Off" means: wait as long as it takes.
-                    query_wait_timeout: config
-                        .pool
-                        .query_wait_timeout
-                        .unwrap_or(Duration::from_secs(365 * 86_400)),
+            .map(|s| ServiceSpec {
+                pool: (s.pool_mode == PoolMode::Transaction).then(|| PoolSettings {
                     wants_primary: s.want == Want::Primary,
-                    server_idle_timeout: config.pool.server_idle_timeout,
-                    server_lifetime: config.pool.server_lifetime,
-                    server_password: password.clone(),
-                });
-                ServiceSpec {
-                    name: s.name,
-                    listen: s.listen,
-                    want: s.want,
-                    policy: s.policy,
-                    read_only: s.read_only,
-                    connect_wait_timeout: s.connect_wait_timeout,
-                    pool,
-                }
+                    ..base.clone()
+                }),
+                name: s.name,
+                listen: s.listen,
+                want: s.want,
+                policy: s.policy,
+                read_only: s.read_only,
+                connect_wait_timeout: s.connect_wait_timeout,
             })
             .collect(),
         http: Some(config.listen.http),
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
-        max_client_conn: config.pool.max_client_conn as usize,
-        admin_users: config.pool.admin_users.clone(),
+        max_client_conn: p.max_client_conn as usize,
+        admin_users: p.admin_users.clone(),
         settings: settings_view(config),
+        pool_overrides: PoolOverrides {
+            databases: p
+                .databases
+                .iter()
+                .map(|(k, o)| (k.clone(), exception(o)))
+                .collect(),
+            users: p
+                .users
+                .iter()
+                .map(|(k, o)| (k.clone(), exception(o)))
+                .collect(),
+            defaults: base,
+        },
     }
 }

@@ -491,3 +491,62 @@ async fn five_thousand_clients_on_a_pool_of_twenty() {
     assert!(out.contains("number of failed transactions: 0"), "{out}");
     assert!(server_connections(&c.conninfo(0)).await <= 20);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
+    let c = TestCluster::builder().replicas(0).start();
+    // The services are in session mode; the database "postgres" is
+    // switched to transaction pooling (pool of 3) by an override.
+    let overrides = pgwarden_proxy::PoolOverrides {
+        databases: [("postgres".to_string(), (Some(true), Some(3)))]
+            .into_iter()
+            .collect(),
+        users: Default::default(),
+        defaults: PoolSettings {
+            min_size: 2,
+            client_idle_timeout: Some(Duration::from_millis(800)),
+            ..PoolSettings::default()
+        },
+    };
+    let (e, p) =
+        common::proxy_full(&c.addrs(), Duration::from_secs(3), None, 10_000, overrides).await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&a, "SELECT 1").await, "1");
+    // One client ran one query; the pool still opens min_size connections.
+    let target = c.conninfo(0);
+    pgwarden_testkit::eventually("two warm server connections", WAIT, || {
+        let t = target.clone();
+        async move {
+            // The client's own checkout may have opened one more while
+            // the warm-up was logging in, never more than the pool size.
+            match server_connections(&t).await {
+                2 | 3 => Ok(()),
+                n => Err(format!("{n} server connections")),
+            }
+        }
+    })
+    .await;
+    // Pooled, not session mode: the pool exists and counts transactions.
+    let http = p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert!(body.contains("pgwarden_pool_transactions_total{"), "{body}");
+    assert!(
+        body.contains("pgwarden_pool_wait_seconds_bucket{"),
+        "{body}"
+    );
+    // A client idle between transactions past client_idle_timeout is closed.
+    pgwarden_testkit::eventually("idle client closed", WAIT, || {
+        let closed = a.is_closed();
+        async move {
+            if closed {
+                Ok(())
+            } else {
+                Err("open".into())
+            }
+        }
+    })
+    .await;
+}

@@ -22,4 +22,4 @@ mod txn;
 
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
-pub use proxy::{Proxy, ProxySpec, ServiceSpec};
+pub use proxy::{PoolOverrides, Proxy, ProxySpec, ServiceSpec};

@@ -8,6 +8,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use pgwarden_probe::Snapshot;
@@ -65,6 +66,8 @@ pub struct Metrics {
     pub sessions_terminated: Family<ErrorLabel, Counter>,
     /// Statements refused on read-only services.
     pub read_only_refusals: Family<ServiceLabel, Counter>,
+    /// How long clients waited for a pooled server connection.
+    pub pool_wait: Family<ServiceLabel, Histogram, fn() -> Histogram>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -92,6 +95,10 @@ impl Metrics {
             routing_decisions: Family::default(),
             sessions_terminated: Family::default(),
             read_only_refusals: Family::default(),
+            pool_wait: Family::new_with_constructor(|| {
+                // 10 µs to ~5 s.
+                Histogram::new(exponential_buckets(0.000_01, 3.0, 13))
+            }),
         };
         {
             let mut r = m.registry.lock().expect("metrics registry");
@@ -134,6 +141,11 @@ impl Metrics {
                 "read_only_refusals",
                 "Statements refused on read-only services",
                 m.read_only_refusals.clone(),
+            );
+            r.register(
+                "pool_wait_seconds",
+                "Time clients waited for a pooled server connection",
+                m.pool_wait.clone(),
             );
         }
         m

@@ -48,6 +48,10 @@ pub struct PoolSettings {
     pub server_lifetime: Option<Duration>,
     /// Password pgwarden uses to log in to servers, when they ask for one.
     pub server_password: Option<String>,
+    /// Server connections opened ahead of demand and kept open.
+    pub min_size: usize,
+    /// A client with no transaction running for this long is disconnected.
+    pub client_idle_timeout: Option<Duration>,
 }
 
 impl Default for PoolSettings {
@@ -59,6 +63,8 @@ impl Default for PoolSettings {
             server_idle_timeout: Some(Duration::from_secs(600)),
             server_lifetime: Some(Duration::from_secs(3600)),
             server_password: None,
+            min_size: 0,
+            client_idle_timeout: None,
         }
     }
 }
@@ -128,6 +134,8 @@ pub struct Pool {
     retired: AtomicBool,
     /// Wakes the clients holding a connection of this pool when it retires.
     retired_tx: watch::Sender<bool>,
+    /// Warm-up connections being opened now.
+    warming: AtomicUsize,
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -137,6 +145,8 @@ pub struct Checkout {
     pub conn: ServerConn,
     /// The pool it returns to.
     pub pool: Arc<Pool>,
+    /// How long the client waited for it.
+    pub waited: Duration,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -151,6 +161,7 @@ impl Pool {
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
             retired_tx: watch::channel(false).0,
+            warming: AtomicUsize::new(0),
         })
     }
 
@@ -172,6 +183,34 @@ impl Pool {
     /// Whether the pool was retired.
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::SeqCst)
+    }
+
+    /// Opens connections until `min_size` exist, in the background.
+    pub fn warm(self: &Arc<Self>) {
+        let min = self.settings.lock().expect("poisoned").min_size;
+        // Connections being opened count too, or every topology change
+        // would start another batch before the last one logged in.
+        let have = self.stats.total.load(Ordering::Relaxed) + self.warming.load(Ordering::Relaxed);
+        let missing = min.saturating_sub(have);
+        for _ in 0..missing {
+            let pool = self.clone();
+            pool.warming.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                let startup = StartupMessage::new(vec![
+                    ("user".into(), pool.key.user.clone()),
+                    ("database".into(), pool.key.database.clone()),
+                ]);
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                let r = pool.checkout(&startup, deadline).await;
+                pool.warming.fetch_sub(1, Ordering::Relaxed);
+                match r {
+                    Ok(c) => c.release(true),
+                    Err(e) => {
+                        tracing::debug!(host = %pool.key.host, error = ?e, "warming a pool failed")
+                    }
+                }
+            });
+        }
     }
 
     /// The pool's settings.
@@ -243,6 +282,7 @@ impl Pool {
         Ok(Checkout {
             conn,
             pool: self.clone(),
+            waited: Duration::from_micros(waited),
             _permit: permit,
         })
     }
@@ -257,6 +297,7 @@ impl Checkout {
             mut conn,
             pool,
             _permit,
+            ..
         } = self;
         pool.stats.active.fetch_sub(1, Ordering::Relaxed);
         pool.stats.transactions.fetch_add(1, Ordering::Relaxed);

@@ -55,6 +55,46 @@ pub struct ProxySpec {
     pub admin_users: Vec<String>,
     /// The effective configuration as `SHOW CONFIG` lists it.
     pub settings: Vec<(String, String)>,
+    /// Pool mode and size exceptions by database and by user.
+    pub pool_overrides: PoolOverrides,
+}
+
+/// Per-database and per-user exceptions to a service's pool mode and size
+/// (the user's wins over the database's, which wins over the service's).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PoolOverrides {
+    /// By database name: (transaction pooling?, pool size).
+    pub databases: HashMap<String, (Option<bool>, Option<usize>)>,
+    /// By user name: (transaction pooling?, pool size).
+    pub users: HashMap<String, (Option<bool>, Option<usize>)>,
+    /// Settings for pools that exist only because of an override (the
+    /// service itself is in session mode).
+    pub defaults: PoolSettings,
+}
+
+impl PoolOverrides {
+    /// The pool settings for one client session, `None` = session mode.
+    pub fn resolve(
+        &self,
+        service: &ServiceSpec,
+        database: &str,
+        user: &str,
+    ) -> Option<PoolSettings> {
+        let u = self.users.get(user).copied().unwrap_or_default();
+        let d = self.databases.get(database).copied().unwrap_or_default();
+        let transaction = u.0.or(d.0).unwrap_or(service.pool.is_some());
+        if !transaction {
+            return None;
+        }
+        let mut s = service.pool.clone().unwrap_or_else(|| PoolSettings {
+            wants_primary: service.want == Want::Primary,
+            ..self.defaults.clone()
+        });
+        if let Some(size) = u.1.or(d.1) {
+            s.size = size;
+        }
+        Some(s)
+    }
 }
 
 /// A service as sessions see it: swapped whole on reload.
@@ -106,6 +146,7 @@ pub(crate) struct Shared {
     /// Signalled by the admin console's RELOAD; whoever owns the
     /// configuration file reloads it.
     pub reload: Arc<tokio::sync::Notify>,
+    pub pool_overrides: Mutex<PoolOverrides>,
 }
 
 impl Shared {
@@ -114,7 +155,11 @@ impl Shared {
         let mut pools = self.pools.lock().expect("poisoned");
         pools
             .entry(key)
-            .or_insert_with_key(|k| Pool::new(k.clone(), settings.clone()))
+            .or_insert_with_key(|k| {
+                let pool = Pool::new(k.clone(), settings.clone());
+                pool.warm();
+                pool
+            })
             .clone()
     }
 
@@ -209,6 +254,7 @@ impl Proxy {
             admin_users: Mutex::new(Vec::new()),
             settings_view: Mutex::new(Vec::new()),
             reload: Arc::new(tokio::sync::Notify::new()),
+            pool_overrides: Mutex::new(PoolOverrides::default()),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -257,6 +303,7 @@ impl Proxy {
             .store(spec.max_client_conn as u64, Ordering::Relaxed);
         *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
+        *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
         let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
@@ -446,6 +493,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
             let mut pools = shared.pools.lock().expect("poisoned");
             pools.retain(|key, pool| {
                 pool.prune();
+                pool.warm();
                 let idx = index.get(&key.host).copied();
                 let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
                 let keep = alive && !(pool.settings().wants_primary && topo.primary() != idx);

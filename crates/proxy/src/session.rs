@@ -137,8 +137,13 @@ async fn serve(
         crate::admin::run(shared, client, &startup).await;
         return Ok(());
     }
-    if spec.pool.is_some() {
-        return crate::txn::run(shared, service, client, startup, buf, peer)
+    let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
+        spec,
+        startup.database().unwrap_or_default(),
+        startup.user().unwrap_or_default(),
+    );
+    if let Some(pool) = pool {
+        return crate::txn::run(shared, service, client, startup, buf, peer, pool)
             .await
             .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
     }

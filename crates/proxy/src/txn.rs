@@ -94,6 +94,7 @@ pub(crate) async fn run(
     startup: StartupMessage,
     mut early: BytesMut,
     peer: std::net::SocketAddr,
+    settings: crate::pool::PoolSettings,
 ) -> Result<(), (SqlState, String, &'static str)> {
     let spec = &service.spec;
     let database = startup.database().unwrap_or_default().to_string();
@@ -113,6 +114,7 @@ pub(crate) async fn run(
         pinned: false,
         cancel_target: Arc::new(Mutex::new(None)),
         skip: 0,
+        settings,
     };
     for k in TRACKED {
         if let Some(v) = session.startup.get(k) {
@@ -197,7 +199,17 @@ pub(crate) async fn run(
             session.client_bytes(&mut early, &mut retired).await?;
         }
         loop {
+            // Only a client between transactions can be idle.
+            let idle_limit = session.settings.client_idle_timeout.filter(|_| session.attached.is_none());
             tokio::select! {
+                _ = async {
+                    match idle_limit {
+                        Some(d) => tokio::time::sleep(d).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    return Err(Fatal::new(sqlstate::IDLE_SESSION_TIMEOUT, "terminating connection due to client_idle_timeout"));
+                }
                 k = async { kill_rx.wait_for(Option::is_some).await.ok().and_then(|r| *r) } => {
                     let why = match k {
                         Some(Kill::Shutdown) | None => "pgwarden is shutting down",
@@ -320,6 +332,8 @@ struct Session {
     cancel_target: Arc<Mutex<Option<BackendKey>>>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
+    /// This client's pool settings (service, database and user combined).
+    settings: crate::pool::PoolSettings,
 }
 
 impl Session {
@@ -332,7 +346,7 @@ impl Session {
     /// up to `query_wait_timeout`.
     async fn acquire(&mut self) -> Result<Checkout, Fatal> {
         let spec = &self.service.spec;
-        let settings = spec.pool.clone().unwrap_or_default();
+        let settings = self.settings.clone();
         let deadline = tokio::time::Instant::now() + settings.query_wait_timeout;
         let mut changes = self.shared.changes.clone();
         let mut paused = self.shared.paused(&spec.name);
@@ -373,7 +387,16 @@ impl Session {
                 &settings,
             );
             match pool.checkout(&self.startup, deadline).await {
-                Ok(c) => return Ok(c),
+                Ok(c) => {
+                    self.shared
+                        .metrics
+                        .pool_wait
+                        .get_or_create(&ServiceLabel {
+                            service: spec.name.clone(),
+                        })
+                        .observe(c.waited.as_secs_f64());
+                    return Ok(c);
+                }
                 Err(ServerError::Retired) => continue,
                 Err(ServerError::Timeout) => {
                     self.shared.metrics.error(&spec.name, "query_wait_timeout");

@@ -85,6 +85,24 @@ pub async fn proxy_with(
     pool: Option<pgwarden_proxy::PoolSettings>,
     max_client_conn: usize,
 ) -> (Engine, pgwarden_proxy::Proxy) {
+    proxy_full(
+        addrs,
+        connect_wait,
+        pool,
+        max_client_conn,
+        Default::default(),
+    )
+    .await
+}
+
+/// Like [`proxy_with`], with per-database/per-user pool exceptions.
+pub async fn proxy_full(
+    addrs: &[String],
+    connect_wait: Duration,
+    pool: Option<pgwarden_proxy::PoolSettings>,
+    max_client_conn: usize,
+    pool_overrides: pgwarden_proxy::PoolOverrides,
+) -> (Engine, pgwarden_proxy::Proxy) {
     use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
     use pgwarden_topology::{SelectPolicy, Want};
     // RUST_LOG=... shows the proxy's logs when a test fails.
@@ -121,6 +139,7 @@ pub async fn proxy_with(
         max_client_conn,
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
+        pool_overrides,
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
