@@ -27,8 +27,8 @@ use std::path::Path;
 pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::ConfigError;
 pub use sections::{
-    ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat, PoolConfig, PoolMode,
-    PoolOverride,
+    ClientTls, ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat, PoolConfig,
+    PoolMode, PoolOverride, TlsConfig,
 };
 pub use service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
 
@@ -45,6 +45,8 @@ pub struct Config {
     pub pool: PoolConfig,
     /// `[log]`.
     pub log: LogConfig,
+    /// `[tls]`.
+    pub tls: TlsConfig,
     /// Resolved services; private so that the listener checks made at load
     /// time cannot be bypassed.
     services: Vec<ServiceConfig>,

@@ -35,6 +35,16 @@ pub(crate) struct RawFile {
     pub pool: RawPool,
     #[serde(default)]
     pub log: RawLog,
+    #[serde(default)]
+    pub tls: RawTls,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTls {
+    pub cert: Option<Spanned<String>>,
+    pub key: Option<Spanned<String>>,
+    pub client_tls: Option<crate::sections::ClientTls>,
 }
 
 #[derive(Deserialize)]

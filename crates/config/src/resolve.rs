@@ -77,6 +77,7 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
     let engine = engine(&raw.engine, src)?;
     let pool = pool(raw.pool, src)?;
     let log = log(raw.log, src)?;
+    let tls = tls(raw.tls, src)?;
     let (listen, services) = services(
         &raw.listen,
         raw.services,
@@ -92,7 +93,47 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
         engine,
         pool,
         log,
+        tls,
         services,
+    })
+}
+
+fn tls(
+    raw: crate::raw::RawTls,
+    src: &Source<'_>,
+) -> Result<crate::sections::TlsConfig, ConfigError> {
+    use crate::sections::ClientTls;
+    let span = |v: &Option<toml::Spanned<String>>| v.as_ref().map(|s| s.span());
+    match (&raw.cert, &raw.key) {
+        (Some(_), None) => {
+            return Err(src.invalid(
+                span(&raw.cert),
+                "tls.key",
+                "a certificate needs its private key",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(src.invalid(
+                span(&raw.key),
+                "tls.cert",
+                "a private key needs its certificate",
+            ));
+        }
+        _ => {}
+    }
+    let has_cert = raw.cert.is_some();
+    let client_tls = raw.client_tls.unwrap_or(if has_cert {
+        ClientTls::Allow
+    } else {
+        ClientTls::Disable
+    });
+    if client_tls != ClientTls::Disable && !has_cert {
+        return Err(src.invalid(None, "tls.client_tls", "needs tls.cert and tls.key"));
+    }
+    Ok(crate::sections::TlsConfig {
+        cert: raw.cert.map(|c| c.into_inner().into()),
+        key: raw.key.map(|k| k.into_inner().into()),
+        client_tls,
     })
 }
 

@@ -188,6 +188,31 @@ pub struct PoolOverride {
     pub size: Option<u32>,
 }
 
+/// Whether clients may or must use TLS.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientTls {
+    /// SSLRequest is answered `N`; clients talk in plaintext.
+    Disable,
+    /// Clients choose (the default when a certificate is configured).
+    #[default]
+    Allow,
+    /// Clients that do not ask for TLS are refused before authentication.
+    Require,
+}
+
+/// `[tls]`: TLS termination towards clients.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsConfig {
+    /// Server certificate chain (PEM); relative to the configuration file.
+    pub cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    pub key: Option<std::path::PathBuf>,
+    /// Whether clients may (`allow`), must (`require`) or cannot
+    /// (`disable`) use TLS; without a certificate only `disable` works.
+    pub client_tls: ClientTls,
+}
+
 /// `[pool]`: server connection pooling.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {

@@ -4,9 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use pgwarden_config::ClientTls;
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
-use pgwarden_proxy::{PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec};
+use pgwarden_proxy::{
+    ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec, TlsSpec,
+};
 use pgwarden_topology::Want;
 use std::time::Duration;
 
@@ -57,7 +60,7 @@ pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::R
     }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
-        proxy_spec(&config),
+        proxy_spec(&config, config_dir(path)),
         engine.snapshot_handle(),
         engine.changes(),
     )
@@ -86,7 +89,7 @@ pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::R
                         engine.set_hosts(new.cluster.host_configs());
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        match proxy.apply(proxy_spec(&new)).await {
+                        match proxy.apply(proxy_spec(&new, config_dir(path))).await {
                             Ok(()) => tracing::info!(file = %path.display(), "configuration reloaded"),
                             Err(e) => tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address"),
                         }
@@ -111,6 +114,11 @@ fn warn_unimplemented(config: &Config) {
     if transaction {
         tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
     }
+}
+
+/// Relative paths in the configuration are relative to its file.
+fn config_dir(path: &Path) -> &Path {
+    path.parent().unwrap_or(Path::new("."))
 }
 
 /// The effective settings, as the admin console's SHOW CONFIG lists them.
@@ -196,7 +204,7 @@ pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
 }
 
 /// The proxy's services and ports from the configuration.
-pub fn proxy_spec(config: &Config) -> ProxySpec {
+pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
     let password = probe_config(config).ok().and_then(|p| p.password);
     let p = &config.pool;
     let base = PoolSettings {
@@ -241,6 +249,19 @@ pub fn proxy_spec(config: &Config) -> ProxySpec {
         max_client_conn: p.max_client_conn as usize,
         admin_users: p.admin_users.clone(),
         settings: settings_view(config),
+        tls: match (&config.tls.cert, &config.tls.key) {
+            (Some(cert), Some(key)) if config.tls.client_tls != ClientTls::Disable => {
+                Some(TlsSpec {
+                    cert: config_dir.join(cert),
+                    key: config_dir.join(key),
+                    mode: match config.tls.client_tls {
+                        ClientTls::Require => ClientTlsMode::Require,
+                        _ => ClientTlsMode::Allow,
+                    },
+                })
+            }
+            _ => None,
+        },
         pool_overrides: PoolOverrides {
             databases: p
                 .databases

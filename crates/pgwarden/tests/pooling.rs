@@ -508,8 +508,15 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
             ..PoolSettings::default()
         },
     };
-    let (e, p) =
-        common::proxy_full(&c.addrs(), Duration::from_secs(3), None, 10_000, overrides).await;
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(3),
+        None,
+        10_000,
+        overrides,
+        None,
+    )
+    .await;
     ready(&e, 1).await;
     let a = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&a, "SELECT 1").await, "1");

@@ -5,13 +5,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::stream::ClientStream;
 use bytes::{BufMut, BytesMut};
 use pgwarden_wire::encode::{self, Severity};
 use pgwarden_wire::message::{self, frontend, TxStatus};
 use pgwarden_wire::sqlstate;
 use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 use crate::proxy::Shared;
 
@@ -19,7 +19,7 @@ use crate::proxy::Shared;
 pub const ADMIN_DATABASE: &str = "pgwarden";
 
 /// Serves one admin session until the client leaves.
-pub(crate) async fn run(shared: &Arc<Shared>, client: &mut TcpStream, startup: &StartupMessage) {
+pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup: &StartupMessage) {
     let user = startup.user().unwrap_or_default();
     let mut out = BytesMut::new();
     if !shared

@@ -18,8 +18,10 @@ mod pool;
 mod proxy;
 mod relay;
 mod session;
+mod stream;
 mod txn;
 
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
-pub use proxy::{PoolOverrides, Proxy, ProxySpec, ServiceSpec};
+pub use proxy::{ClientTlsMode, PoolOverrides, Proxy, ProxySpec, ServiceSpec, TlsSpec};
+pub use stream::tls_acceptor;

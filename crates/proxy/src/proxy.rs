@@ -57,6 +57,32 @@ pub struct ProxySpec {
     pub settings: Vec<(String, String)>,
     /// Pool mode and size exceptions by database and by user.
     pub pool_overrides: PoolOverrides,
+    /// TLS towards clients: certificate and key files, and the mode.
+    pub tls: Option<TlsSpec>,
+}
+
+/// Whether clients may or must use TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClientTlsMode {
+    /// Plaintext only: SSLRequest is answered `N`.
+    #[default]
+    Disable,
+    /// The client decides.
+    Allow,
+    /// Clients that do not ask for TLS are refused before authentication.
+    Require,
+}
+
+/// TLS termination settings; the files are read (again) on every apply,
+/// so a reload picks up renewed certificates without dropping sessions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsSpec {
+    /// Certificate chain, PEM.
+    pub cert: std::path::PathBuf,
+    /// Private key, PEM.
+    pub key: std::path::PathBuf,
+    /// Whether TLS is allowed or required.
+    pub mode: ClientTlsMode,
 }
 
 /// Per-database and per-user exceptions to a service's pool mode and size
@@ -147,9 +173,16 @@ pub(crate) struct Shared {
     /// configuration file reloads it.
     pub reload: Arc<tokio::sync::Notify>,
     pub pool_overrides: Mutex<PoolOverrides>,
+    pub tls: arc_swap::ArcSwapOption<tokio_rustls::TlsAcceptor>,
+    pub client_tls: Mutex<ClientTlsMode>,
 }
 
 impl Shared {
+    /// The TLS mode in force.
+    pub fn client_tls(&self) -> ClientTlsMode {
+        *self.client_tls.lock().expect("poisoned")
+    }
+
     /// The pool for `key`, created on first use.
     pub fn pool(&self, key: PoolKey, settings: &PoolSettings) -> Arc<Pool> {
         let mut pools = self.pools.lock().expect("poisoned");
@@ -210,11 +243,15 @@ pub struct Proxy {
     http: Option<(SocketAddr, JoinHandle<()>)>,
     router: JoinHandle<()>,
     shutdown_timeout: Duration,
+    spec: Option<ProxySpec>,
 }
 
 /// Why the proxy could not start or apply a spec.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// The TLS certificate or key could not be loaded.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// A listen address could not be bound.
     #[error("cannot listen on {addr} for service {service}")]
     Bind {
@@ -255,6 +292,8 @@ impl Proxy {
             settings_view: Mutex::new(Vec::new()),
             reload: Arc::new(tokio::sync::Notify::new()),
             pool_overrides: Mutex::new(PoolOverrides::default()),
+            tls: arc_swap::ArcSwapOption::empty(),
+            client_tls: Mutex::new(ClientTlsMode::Disable),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -263,9 +302,15 @@ impl Proxy {
             http: None,
             router,
             shutdown_timeout: spec.shutdown_timeout,
+            spec: None,
         };
         proxy.apply(spec).await?;
         Ok(proxy)
+    }
+
+    /// The spec last applied.
+    pub fn spec(&self) -> &ProxySpec {
+        self.spec.as_ref().expect("applied at start")
     }
 
     /// The address each service listens on (useful with port 0 in tests).
@@ -297,6 +342,7 @@ impl Proxy {
     /// Existing sessions are never dropped. On a bind error nothing that
     /// was already serving is changed for that service.
     pub async fn apply(&mut self, spec: ProxySpec) -> Result<(), ProxyError> {
+        self.spec = Some(spec.clone());
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
         self.shared
             .max_client_conn
@@ -304,6 +350,25 @@ impl Proxy {
         *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
+        match &spec.tls {
+            Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key) {
+                Ok(acceptor) => {
+                    self.shared.tls.store(Some(Arc::new(acceptor)));
+                    *self.shared.client_tls.lock().expect("poisoned") = t.mode;
+                }
+                Err(e) => {
+                    // Keep serving with the certificate already loaded.
+                    tracing::error!(error = %e, "cannot load the TLS certificate");
+                    if self.shared.tls.load().is_none() {
+                        return Err(ProxyError::Tls(e));
+                    }
+                }
+            },
+            None => {
+                self.shared.tls.store(None);
+                *self.shared.client_tls.lock().expect("poisoned") = ClientTlsMode::Disable;
+            }
+        }
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
         let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();

@@ -17,8 +17,10 @@ use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
 use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
+use crate::proxy::ClientTlsMode;
 use crate::proxy::{Kill, Service, SessionEntry, Shared};
 use crate::relay::{pump, End, Framing, Verdict};
+use crate::stream::ClientStream;
 
 /// A client that has not sent its startup packet within this time is
 /// dropped, so idle sockets cannot pile up.
@@ -60,10 +62,11 @@ pub(crate) async fn refuse_busy(mut client: TcpStream) {
 pub(crate) async fn run(
     shared: Arc<Shared>,
     service: Arc<Service>,
-    mut client: TcpStream,
+    client: TcpStream,
     peer: SocketAddr,
 ) {
     let _ = client.set_nodelay(true);
+    let mut client = ClientStream::Plain(client);
     let name = service.spec.name.clone();
     let label = ServiceLabel {
         service: name.clone(),
@@ -98,7 +101,7 @@ pub(crate) async fn run(
 async fn serve(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
-    client: &mut TcpStream,
+    client: &mut ClientStream,
     peer: SocketAddr,
 ) -> Result<(), Refusal> {
     let mut buf = BytesMut::with_capacity(1024);
@@ -116,6 +119,13 @@ async fn serve(
             }
         };
     let spec = &service.spec;
+    if shared.client_tls() == ClientTlsMode::Require && !client.is_tls() {
+        return Err(Refusal::new(
+            sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+            "tls_required",
+            "SSL connection is required (tls.client_tls = require)",
+        ));
+    }
     if spec.read_only {
         if startup_sets_read_only_guc(&startup) {
             return Err(Refusal::new(
@@ -164,12 +174,49 @@ async fn serve(
 /// with 'N' (plaintext only) and serves cancel requests. `None` = nothing
 /// more to do (cancel served, or the client went away).
 async fn read_startup(
-    client: &mut TcpStream,
+    client: &mut ClientStream,
     buf: &mut BytesMut,
     shared: &Shared,
 ) -> Result<Option<StartupMessage>, Refusal> {
     loop {
         match parse_startup(buf) {
+            Ok(Some(StartupFrame::SslRequest)) if !client.is_tls() => {
+                let acceptor = match shared.client_tls() {
+                    ClientTlsMode::Disable => None,
+                    _ => shared.tls.load_full(),
+                };
+                let Some(acceptor) = acceptor else {
+                    if client
+                        .write_all(&[encode::ssl_response(false)])
+                        .await
+                        .is_err()
+                    {
+                        return Ok(None);
+                    }
+                    continue;
+                };
+                // Bytes sent after SSLRequest and before the handshake would
+                // be trusted as if they came over TLS (CVE-2021-23214).
+                if !buf.is_empty() {
+                    return Err(Refusal::new(
+                        sqlstate::PROTOCOL_VIOLATION,
+                        "protocol",
+                        "received unencrypted data after SSL request",
+                    ));
+                }
+                if client
+                    .write_all(&[encode::ssl_response(true)])
+                    .await
+                    .is_err()
+                {
+                    return Ok(None);
+                }
+                if let Err(e) = client.upgrade(&acceptor).await {
+                    tracing::debug!(error = %e, "TLS handshake failed");
+                    return Ok(None);
+                }
+                continue;
+            }
             Ok(Some(StartupFrame::SslRequest)) | Ok(Some(StartupFrame::GssEncRequest)) => {
                 if client
                     .write_all(&[encode::ssl_response(false)])
@@ -346,7 +393,7 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
 async fn relay(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
-    client: &mut TcpStream,
+    client: &mut ClientStream,
     early: BytesMut,
     mut server: TcpStream,
     host: HostAddr,
@@ -363,7 +410,7 @@ async fn relay(
         })
         .clone();
     host_gauge.inc();
-    let (kill_tx, mut kill_rx) = watch::channel(None);
+    let (kill_tx, kill_rx) = watch::channel(None);
     let id = shared
         .next_session
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -397,8 +444,6 @@ async fn relay(
         .read_only_refusals
         .get_or_create(&label)
         .clone();
-    let mut cancel_key: Option<(i32, i32)> = None;
-
     let result = async {
         server.write_all(&startup.encode()).await?;
         if !early.is_empty() {
@@ -409,103 +454,31 @@ async fn relay(
     }
     .await;
     if result.is_err() {
-        finish(shared, id, cancel_key, &host_gauge);
+        finish(shared, id, None, &host_gauge);
         return;
     }
 
-    let (mut cr, mut cw) = client.split();
-    let (mut sr, mut sw) = server.split();
-    let read_only = spec.read_only;
-    let name = spec.name.clone();
-    let mut c2s = Framing::default();
-    let mut s2c = Framing::default();
-    let ended = {
-        let upstream = pump(
-            &mut cr,
-            &mut sw,
-            &mut c2s,
-            &from_client,
-            |t| read_only && (t == frontend::QUERY || t == frontend::PARSE),
-            |tag, msg| match guard_message(&name, tag, msg) {
-                Some(replacement) => {
-                    refusals.inc();
-                    Verdict::Replace(replacement)
-                }
-                None => Verdict::Keep,
-            },
-        );
-        let cancel = &shared.cancel;
-        let key_slot = &mut cancel_key;
-        let downstream = pump(
-            &mut sr,
-            &mut cw,
-            &mut s2c,
-            &to_client,
-            |t| t == backend::BACKEND_KEY_DATA || (read_only && t == backend::PARAMETER_STATUS),
-            |tag, msg| {
-                if tag == backend::BACKEND_KEY_DATA {
-                    if let (Ok((pid, secret)), Some(server)) = (
-                        pgwarden_wire::message::backend_key_data(&msg[5..]),
-                        server_addr,
-                    ) {
-                        let (p, s) = cancel.register(BackendKey {
-                            server,
-                            pid,
-                            secret,
-                        });
-                        *key_slot = Some((p, s));
-                        msg[5..9].copy_from_slice(&p.to_be_bytes());
-                        msg[9..13].copy_from_slice(&s.to_be_bytes());
-                    }
-                    return Verdict::Keep;
-                }
-                match pgwarden_wire::message::parameter_status(&msg[5..]) {
-                    Ok(("default_transaction_read_only", v)) if !v.eq_ignore_ascii_case("on") => {
-                        Verdict::Stop(
-                            "the session was made read-write on a read-only service".into(),
-                        )
-                    }
-                    _ => Verdict::Keep,
-                }
-            },
-        );
-        tokio::select! {
-            e = upstream => Ended::Upstream(e),
-            e = downstream => Ended::Downstream(e),
-            k = kill_rx.wait_for(Option::is_some) => Ended::Killed(k.ok().and_then(|k| *k)),
-        }
+    let io = Io {
+        shared,
+        spec,
+        host: &host,
+        server_addr,
+        from_client: &from_client,
+        to_client: &to_client,
+        refusals: &refusals,
     };
-
-    if let Ended::Upstream(End::Io(e)) | Ended::Downstream(End::Io(e)) = &ended {
-        tracing::debug!(error = %e, "session ended by a socket error");
-    }
-    let notice = match &ended {
-        Ended::Killed(Some(Kill::NotPrimary)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {host} is no longer the primary; reconnect to reach the new one"))),
-        Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {host} is down"))),
-        Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
-        Ended::Downstream(End::Stopped(why)) => Some((sqlstate::READ_ONLY_SQL_TRANSACTION, format!("terminating connection: {why}"))),
-        Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
-        _ => None,
-    };
-    if let Ended::Killed(Some(k)) = &ended {
-        shared
-            .metrics
-            .sessions_terminated
-            .get_or_create(&crate::metrics::ErrorLabel {
-                service: spec.name.clone(),
-                reason: format!("{k:?}"),
-            })
-            .inc();
-    }
-    if let Some((code, message)) = notice {
-        if s2c.at_boundary() {
-            let mut out = BytesMut::new();
-            encode::error_response(&mut out, Severity::Fatal, code.code(), &message, None, None);
-            let _ = tokio::time::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
+    // Plain TCP splits for free; TLS needs tokio's locking split.
+    let cancel_key = match client {
+        ClientStream::Plain(tcp) => {
+            let (mut cr, mut cw) = tcp.split();
+            io.run(&mut cr, &mut cw, &mut server, kill_rx).await
         }
-    }
-    let _ = cw.shutdown().await;
-    let _ = sw.shutdown().await;
+        ClientStream::Tls(tls) => {
+            let (mut cr, mut cw) = tokio::io::split(tls.as_mut());
+            io.run(&mut cr, &mut cw, &mut server, kill_rx).await
+        }
+        ClientStream::Gone => None,
+    };
     finish(shared, id, cancel_key, &host_gauge);
 }
 
@@ -556,5 +529,136 @@ mod tests {
     #[test]
     fn refusal_message_quotes_are_escaped() {
         assert!(refusal_sql("it's").contains("'it''s'"));
+    }
+}
+
+/// What the two pumps of a session need, apart from the sockets.
+struct Io<'a> {
+    shared: &'a Arc<Shared>,
+    spec: &'a crate::proxy::ServiceSpec,
+    host: &'a HostAddr,
+    server_addr: Option<SocketAddr>,
+    from_client: &'a prometheus_client::metrics::counter::Counter,
+    to_client: &'a prometheus_client::metrics::counter::Counter,
+    refusals: &'a prometheus_client::metrics::counter::Counter,
+}
+
+impl Io<'_> {
+    /// Relays until either side ends or the session is told to end;
+    /// returns the cancel key handed to the client, if any.
+    async fn run<CR, CW>(
+        &self,
+        cr: &mut CR,
+        cw: &mut CW,
+        server: &mut TcpStream,
+        mut kill_rx: watch::Receiver<Option<Kill>>,
+    ) -> Option<(i32, i32)>
+    where
+        CR: tokio::io::AsyncRead + Unpin,
+        CW: tokio::io::AsyncWrite + Unpin,
+    {
+        let mut cancel_key: Option<(i32, i32)> = None;
+        let (mut sr, mut sw) = server.split();
+        let read_only = self.spec.read_only;
+        let name = self.spec.name.clone();
+        let mut c2s = Framing::default();
+        let mut s2c = Framing::default();
+        let ended = {
+            let upstream = pump(
+                cr,
+                &mut sw,
+                &mut c2s,
+                self.from_client,
+                |t| read_only && (t == frontend::QUERY || t == frontend::PARSE),
+                |tag, msg| match guard_message(&name, tag, msg) {
+                    Some(replacement) => {
+                        self.refusals.inc();
+                        Verdict::Replace(replacement)
+                    }
+                    None => Verdict::Keep,
+                },
+            );
+            let cancel = &self.shared.cancel;
+            let key_slot = &mut cancel_key;
+            let downstream = pump(
+                &mut sr,
+                cw,
+                &mut s2c,
+                self.to_client,
+                |t| t == backend::BACKEND_KEY_DATA || (read_only && t == backend::PARAMETER_STATUS),
+                |tag, msg| {
+                    if tag == backend::BACKEND_KEY_DATA {
+                        if let (Ok((pid, secret)), Some(server)) = (
+                            pgwarden_wire::message::backend_key_data(&msg[5..]),
+                            self.server_addr,
+                        ) {
+                            let (p, s) = cancel.register(BackendKey {
+                                server,
+                                pid,
+                                secret,
+                            });
+                            *key_slot = Some((p, s));
+                            msg[5..9].copy_from_slice(&p.to_be_bytes());
+                            msg[9..13].copy_from_slice(&s.to_be_bytes());
+                        }
+                        return Verdict::Keep;
+                    }
+                    match pgwarden_wire::message::parameter_status(&msg[5..]) {
+                        Ok(("default_transaction_read_only", v))
+                            if !v.eq_ignore_ascii_case("on") =>
+                        {
+                            Verdict::Stop(
+                                "the session was made read-write on a read-only service".into(),
+                            )
+                        }
+                        _ => Verdict::Keep,
+                    }
+                },
+            );
+            tokio::select! {
+                e = upstream => Ended::Upstream(e),
+                e = downstream => Ended::Downstream(e),
+                k = kill_rx.wait_for(Option::is_some) => Ended::Killed(k.ok().and_then(|k| *k)),
+            }
+        };
+
+        if let Ended::Upstream(End::Io(e)) | Ended::Downstream(End::Io(e)) = &ended {
+            tracing::debug!(error = %e, "session ended by a socket error");
+        }
+        let notice = match &ended {
+        Ended::Killed(Some(Kill::NotPrimary)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {} is no longer the primary; reconnect to reach the new one", self.host))),
+        Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {} is down", self.host))),
+        Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
+        Ended::Downstream(End::Stopped(why)) => Some((sqlstate::READ_ONLY_SQL_TRANSACTION, format!("terminating connection: {why}"))),
+        Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
+        _ => None,
+    };
+        if let Ended::Killed(Some(k)) = &ended {
+            self.shared
+                .metrics
+                .sessions_terminated
+                .get_or_create(&crate::metrics::ErrorLabel {
+                    service: self.spec.name.clone(),
+                    reason: format!("{k:?}"),
+                })
+                .inc();
+        }
+        if let Some((code, message)) = notice {
+            if s2c.at_boundary() {
+                let mut out = BytesMut::new();
+                encode::error_response(
+                    &mut out,
+                    Severity::Fatal,
+                    code.code(),
+                    &message,
+                    None,
+                    None,
+                );
+                let _ = tokio::time::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
+            }
+        }
+        let _ = cw.shutdown().await;
+        let _ = sw.shutdown().await;
+        cancel_key
     }
 }

@@ -17,13 +17,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::stream::ClientStream;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use pgwarden_wire::encode::{self, Severity};
 use pgwarden_wire::message::{self, backend, frontend, TxStatus};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
@@ -90,7 +90,7 @@ impl Replies {
 pub(crate) async fn run(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
-    client: &mut TcpStream,
+    client: &mut ClientStream,
     startup: StartupMessage,
     mut early: BytesMut,
     peer: std::net::SocketAddr,
@@ -217,27 +217,21 @@ pub(crate) async fn run(
                     };
                     return Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")));
                 }
-                r = client.readable() => {
-                    if r.is_err() {
-                        return Ok(());
-                    }
-                    // Buffers exist only while bytes are in flight, so an idle
-                    // client costs no more than its socket and task.
-                    let mut cbuf = std::mem::take(&mut early);
-                    cbuf.reserve(8 * 1024);
-                    match client.try_read_buf(&mut cbuf) {
-                        Ok(0) => return Ok(()),
-                        Ok(n) => {
+                r = client.read_some(&mut early) => {
+                    match r {
+                        Ok(Some(0)) | Err(_) => return Ok(()),
+                        Ok(Some(n)) => {
                             from_client.inc_by(n as u64);
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(_) => return Ok(()),
+                        Ok(None) => {}
                     }
-                    if session.client_bytes(&mut cbuf, &mut retired).await? {
+                    if session.client_bytes(&mut early, &mut retired).await? {
                         return Ok(());
                     }
-                    if !cbuf.is_empty() {
-                        early = cbuf;
+                    // Buffers exist only while bytes are in flight, so an
+                    // idle client costs no more than its socket and task.
+                    if early.is_empty() {
+                        early = BytesMut::new();
                     }
                 }
                 n = read_attached(&mut session.attached, &mut sbuf) => {

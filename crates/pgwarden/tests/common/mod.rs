@@ -91,6 +91,7 @@ pub async fn proxy_with(
         pool,
         max_client_conn,
         Default::default(),
+        None,
     )
     .await
 }
@@ -102,6 +103,7 @@ pub async fn proxy_full(
     pool: Option<pgwarden_proxy::PoolSettings>,
     max_client_conn: usize,
     pool_overrides: pgwarden_proxy::PoolOverrides,
+    tls: Option<pgwarden_proxy::TlsSpec>,
 ) -> (Engine, pgwarden_proxy::Proxy) {
     use pgwarden_proxy::{Proxy, ProxySpec, ServiceSpec};
     use pgwarden_topology::{SelectPolicy, Want};
@@ -140,6 +142,7 @@ pub async fn proxy_full(
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
         pool_overrides,
+        tls,
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
