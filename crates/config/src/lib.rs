@@ -27,8 +27,8 @@ use std::path::Path;
 pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::ConfigError;
 pub use sections::{
-    ClientTls, ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat, PoolConfig,
-    PoolMode, PoolOverride, TlsConfig,
+    AuthConfig, ClientTls, ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat,
+    PoolConfig, PoolMode, PoolOverride, TlsConfig, DEFAULT_AUTH_QUERY,
 };
 pub use service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
 
@@ -47,6 +47,8 @@ pub struct Config {
     pub log: LogConfig,
     /// `[tls]`.
     pub tls: TlsConfig,
+    /// `[auth]`; `None` when pgwarden leaves authentication to the servers.
+    pub auth: Option<AuthConfig>,
     /// Resolved services; private so that the listener checks made at load
     /// time cannot be bypassed.
     services: Vec<ServiceConfig>,

@@ -37,6 +37,20 @@ pub(crate) struct RawFile {
     pub log: RawLog,
     #[serde(default)]
     pub tls: RawTls,
+    pub auth: Option<RawAuth>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawAuth {
+    pub hba_file: Spanned<String>,
+    pub auth_user: String,
+    pub auth_password: Option<String>,
+    pub auth_password_file: Option<String>,
+    pub auth_query: Option<String>,
+    pub auth_dbname: Option<String>,
+    pub auth_cache_ttl: Option<Dur>,
+    pub auth_timeout: Option<PositiveDur>,
 }
 
 #[derive(Default, Deserialize)]

@@ -78,6 +78,18 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
     let pool = pool(raw.pool, src)?;
     let log = log(raw.log, src)?;
     let tls = tls(raw.tls, src)?;
+    let auth = raw.auth.map(|a| crate::sections::AuthConfig {
+        hba_file: a.hba_file.into_inner().into(),
+        auth_user: a.auth_user,
+        auth_password: a.auth_password,
+        auth_password_file: a.auth_password_file.map(Into::into),
+        auth_query: a
+            .auth_query
+            .unwrap_or_else(|| crate::sections::DEFAULT_AUTH_QUERY.to_string()),
+        auth_dbname: a.auth_dbname,
+        auth_cache_ttl: a.auth_cache_ttl.map_or(Duration::from_secs(60), |d| d.0),
+        auth_timeout: a.auth_timeout.map_or(Duration::from_secs(60), |d| d.0),
+    });
     let (listen, services) = services(
         &raw.listen,
         raw.services,
@@ -94,6 +106,7 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
         pool,
         log,
         tls,
+        auth,
         services,
     })
 }

@@ -201,6 +201,42 @@ pub enum ClientTls {
     Require,
 }
 
+/// `[auth]`: pgwarden authenticates clients itself.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthConfig {
+    /// pg_hba.conf to follow; relative to the configuration file.
+    pub hba_file: std::path::PathBuf,
+    /// Role that runs the auth query.
+    pub auth_user: String,
+    /// Its password (prefer `PGWARDEN_AUTH_PASSWORD` or `auth_password_file`).
+    pub auth_password: Option<String>,
+    /// File holding that password.
+    pub auth_password_file: Option<std::path::PathBuf>,
+    /// Query returning (role name, verifier) for the role `$1`.
+    pub auth_query: String,
+    /// Database the auth query runs in (default `cluster.dbname`).
+    pub auth_dbname: Option<String>,
+    /// How long a looked-up verifier is reused.
+    pub auth_cache_ttl: Duration,
+    /// Longest time from connect to authenticated.
+    pub auth_timeout: Duration,
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthConfig")
+            .field("hba_file", &self.hba_file)
+            .field("auth_user", &self.auth_user)
+            .field("auth_query", &self.auth_query)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The default auth query: needs a superuser `auth_user`; the
+/// configuration reference shows a `SECURITY DEFINER` function instead.
+pub const DEFAULT_AUTH_QUERY: &str =
+    "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1";
+
 /// `[tls]`: TLS termination towards clients.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TlsConfig {

@@ -8,7 +8,7 @@ use pgwarden_config::ClientTls;
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
 use pgwarden_proxy::{
-    ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec, TlsSpec,
+    AuthSpec, ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec, TlsSpec,
 };
 use pgwarden_topology::Want;
 use std::time::Duration;
@@ -249,6 +249,30 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         max_client_conn: p.max_client_conn as usize,
         admin_users: p.admin_users.clone(),
         settings: settings_view(config),
+        auth_timeout: config
+            .auth
+            .as_ref()
+            .map_or(Duration::from_secs(60), |a| a.auth_timeout),
+        auth: config.auth.as_ref().map(|a| AuthSpec {
+            hba_file: config_dir.join(&a.hba_file),
+            auth_user: a.auth_user.clone(),
+            auth_password: a
+                .auth_password
+                .clone()
+                .or_else(|| std::env::var("PGWARDEN_AUTH_PASSWORD").ok())
+                .or_else(|| {
+                    let f = config_dir.join(a.auth_password_file.as_ref()?);
+                    std::fs::read_to_string(f)
+                        .ok()
+                        .map(|s| s.trim_end_matches(['\r', '\n']).to_string())
+                }),
+            auth_dbname: a
+                .auth_dbname
+                .clone()
+                .unwrap_or_else(|| config.cluster.dbname.clone()),
+            auth_query: a.auth_query.clone(),
+            cache_ttl: a.auth_cache_ttl,
+        }),
         tls: match (&config.tls.cert, &config.tls.key) {
             (Some(cert), Some(key)) if config.tls.client_tls != ClientTls::Disable => {
                 Some(TlsSpec {

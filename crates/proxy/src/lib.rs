@@ -11,6 +11,7 @@
 //! right (a demoted primary, a dead host) to end.
 
 mod admin;
+mod auth;
 mod cancel;
 mod http;
 mod metrics;
@@ -21,6 +22,7 @@ mod session;
 mod stream;
 mod txn;
 
+pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{ClientTlsMode, PoolOverrides, Proxy, ProxySpec, ServiceSpec, TlsSpec};

@@ -37,6 +37,13 @@ pub struct ErrorLabel {
     pub reason: String,
 }
 
+/// Label set of an authentication failure.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why: `bad_password`, `hba_no_match`, `hba_reject`, `auth_query`, `auth_timeout`, …
+    pub reason: String,
+}
+
 /// Label set of a routing decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabel {
@@ -66,6 +73,8 @@ pub struct Metrics {
     pub sessions_terminated: Family<ErrorLabel, Counter>,
     /// Statements refused on read-only services.
     pub read_only_refusals: Family<ServiceLabel, Counter>,
+    /// Failed client authentications by reason.
+    pub auth_failures: Family<ReasonLabel, Counter>,
     /// How long clients waited for a pooled server connection.
     pub pool_wait: Family<ServiceLabel, Histogram, fn() -> Histogram>,
 }
@@ -95,6 +104,7 @@ impl Metrics {
             routing_decisions: Family::default(),
             sessions_terminated: Family::default(),
             read_only_refusals: Family::default(),
+            auth_failures: Family::default(),
             pool_wait: Family::new_with_constructor(|| {
                 // 10 µs to ~5 s.
                 Histogram::new(exponential_buckets(0.000_01, 3.0, 13))
@@ -141,6 +151,11 @@ impl Metrics {
                 "read_only_refusals",
                 "Statements refused on read-only services",
                 m.read_only_refusals.clone(),
+            );
+            r.register(
+                "auth_failures",
+                "Failed client authentications, by reason",
+                m.auth_failures.clone(),
             );
             r.register(
                 "pool_wait_seconds",

@@ -11,10 +11,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
+use pgwarden_auth::ScramClient;
 use pgwarden_topology::HostAddr;
 use pgwarden_wire::message::{self, backend};
 use pgwarden_wire::startup::StartupMessage;
+
+use crate::auth::Credential;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
@@ -136,6 +139,9 @@ pub struct Pool {
     retired_tx: watch::Sender<bool>,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
+    /// What the last authenticated client proved, to open new connections
+    /// as its role (the pool is per role).
+    credential: Mutex<Credential>,
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -162,6 +168,7 @@ impl Pool {
             retired: AtomicBool::new(false),
             retired_tx: watch::channel(false).0,
             warming: AtomicUsize::new(0),
+            credential: Mutex::new(Credential::None),
         })
     }
 
@@ -213,6 +220,13 @@ impl Pool {
         }
     }
 
+    /// Remembers how to log in as the pool's role.
+    pub fn set_credential(&self, cred: &Credential) {
+        if !matches!(cred, Credential::None) {
+            *self.credential.lock().expect("poisoned") = cred.clone();
+        }
+    }
+
     /// The pool's settings.
     pub fn settings(&self) -> PoolSettings {
         self.settings.lock().expect("poisoned").clone()
@@ -259,21 +273,28 @@ impl Pool {
         let conn = match reused {
             Some(c) => c,
             None => {
-                let password = self
-                    .settings
-                    .lock()
-                    .expect("poisoned")
-                    .server_password
-                    .clone();
+                let stored = self.credential.lock().expect("poisoned").clone();
+                let cred = match stored {
+                    Credential::None => {
+                        match self
+                            .settings
+                            .lock()
+                            .expect("poisoned")
+                            .server_password
+                            .clone()
+                        {
+                            Some(p) => Credential::Password(p),
+                            None => Credential::None,
+                        }
+                    }
+                    c => c,
+                };
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
                     .max(Duration::from_secs(1));
-                let c = tokio::time::timeout(
-                    remaining,
-                    connect(&self.key, startup, password.as_deref()),
-                )
-                .await
-                .map_err(|_| ServerError::Timeout)??;
+                let c = tokio::time::timeout(remaining, connect(&self.key, startup, &cred))
+                    .await
+                    .map_err(|_| ServerError::Timeout)??;
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
                 c
             }
@@ -312,20 +333,17 @@ impl Checkout {
     }
 }
 
-/// Opens a server connection and logs in: startup packet, authentication
-/// (trust, cleartext, md5 or SCRAM-SHA-256 with the configured password),
-/// then ParameterStatus and BackendKeyData until ReadyForQuery.
+/// Opens a server connection for a pool and logs in.
 async fn connect(
     key: &PoolKey,
     client_startup: &StartupMessage,
-    password: Option<&str>,
+    cred: &Credential,
 ) -> Result<ServerConn, ServerError> {
     let fail = |e: std::io::Error| ServerError::Failed(format!("{}: {e}", key.host));
-    let mut stream = TcpStream::connect((key.host.host.as_str(), key.host.port))
+    let stream = TcpStream::connect((key.host.host.as_str(), key.host.port))
         .await
         .map_err(fail)?;
     let _ = stream.set_nodelay(true);
-    let peer = stream.peer_addr().map_err(fail)?;
     let mut startup = StartupMessage::new(vec![
         ("user".into(), key.user.clone()),
         ("database".into(), key.database.clone()),
@@ -345,22 +363,40 @@ async fn connect(
     if key.read_only {
         startup.set("default_transaction_read_only", "on");
     }
+    login(stream, &startup, cred).await
+}
+
+/// Logs in on an open server connection: startup packet, authentication
+/// with what the client proved (or the configured password), then
+/// ParameterStatus and BackendKeyData until ReadyForQuery.
+pub(crate) async fn login(
+    mut stream: TcpStream,
+    startup: &StartupMessage,
+    cred: &Credential,
+) -> Result<ServerConn, ServerError> {
+    let peer = stream
+        .peer_addr()
+        .map_err(|e| ServerError::Failed(e.to_string()))?;
+    let fail = |e: std::io::Error| ServerError::Failed(format!("{peer}: {e}"));
+    let user = startup.user().unwrap_or_default().to_string();
     stream.write_all(&startup.encode()).await.map_err(fail)?;
     let mut buf = BytesMut::with_capacity(4096);
     let mut params = HashMap::new();
     let mut backend_key = (0, 0);
-    let mut scram: Option<postgres_protocol::authentication::sasl::ScramSha256> = None;
+    let mut scram: Option<ScramClient> = None;
+    let need = |what: &str| {
+        ServerError::Failed(format!("{peer} asks for {what} authentication and pgwarden has no credential for role \"{user}\" that fits"))
+    };
     loop {
         let (tag, msg) = loop {
             match message::split_message(&mut buf, 1 << 20) {
                 Ok(Some(m)) => break m,
                 Ok(None) => {}
-                Err(e) => return Err(ServerError::Failed(format!("{}: {e}", key.host))),
+                Err(e) => return Err(ServerError::Failed(format!("{peer}: {e}"))),
             }
             if stream.read_buf(&mut buf).await.map_err(fail)? == 0 {
                 return Err(ServerError::Failed(format!(
-                    "{} closed the connection during login",
-                    key.host
+                    "{peer} closed the connection during login"
                 )));
             }
         };
@@ -370,59 +406,64 @@ async fn connect(
             backend::AUTHENTICATION_REQUEST => {
                 let code = message::authentication_code(body)
                     .map_err(|e| ServerError::Failed(e.to_string()))?;
-                let need = || {
-                    ServerError::Failed(format!(
-                        "{} asks for a password and none is configured for pooled connections",
-                        key.host
-                    ))
-                };
                 let mut out = BytesMut::new();
-                match code {
-                    0 => continue,
-                    3 => password_message(&mut out, password.ok_or_else(need)?.as_bytes()),
-                    5 => {
+                match (code, cred) {
+                    (0, _) => continue,
+                    (3, Credential::Password(p)) => password_message(&mut out, p.as_bytes()),
+                    (3, _) => return Err(need("cleartext password")),
+                    (5, Credential::Password(_) | Credential::Md5Secret(_)) => {
                         let salt: [u8; 4] = body
                             .get(4..8)
                             .and_then(|s| s.try_into().ok())
                             .ok_or_else(|| ServerError::Failed("bad md5 request".into()))?;
-                        let hash = postgres_protocol::authentication::md5_hash(
-                            key.user.as_bytes(),
-                            password.ok_or_else(need)?.as_bytes(),
-                            salt,
+                        let secret = match cred {
+                            Credential::Password(p) => pgwarden_auth::md5_secret(&user, p),
+                            Credential::Md5Secret(s) => s.clone(),
+                            _ => unreachable!("matched above"),
+                        };
+                        password_message(
+                            &mut out,
+                            pgwarden_auth::md5_response(&secret, salt).as_bytes(),
                         );
-                        password_message(&mut out, hash.as_bytes());
                     }
-                    10 => {
-                        let s = postgres_protocol::authentication::sasl::ScramSha256::new(
-                            password.ok_or_else(need)?.as_bytes(),
-                            postgres_protocol::authentication::sasl::ChannelBinding::unsupported(),
-                        );
-                        let first = s.message().to_vec();
-                        sasl_initial(&mut out, "SCRAM-SHA-256", &first);
-                        scram = Some(s);
+                    (5, _) => return Err(need("md5")),
+                    (10, Credential::Password(_) | Credential::ClientKey(_)) => {
+                        let nonce: [u8; 18] = rand::random();
+                        let mut c = match cred {
+                            Credential::Password(p) => ScramClient::with_password(p, nonce),
+                            Credential::ClientKey(k) => {
+                                ScramClient::with_client_key(k.clone(), None, nonce)
+                            }
+                            _ => unreachable!("matched above"),
+                        };
+                        let first = c
+                            .client_first()
+                            .map_err(|e| ServerError::Failed(e.to_string()))?;
+                        sasl_initial(&mut out, pgwarden_auth::scram::MECHANISM, &first);
+                        scram = Some(c);
                     }
-                    11 => {
-                        let s = scram.as_mut().ok_or_else(|| {
+                    (10, _) => return Err(need("SCRAM-SHA-256")),
+                    (11, _) => {
+                        let c = scram.as_mut().ok_or_else(|| {
                             ServerError::Failed("SASL continue without start".into())
                         })?;
-                        s.update(&body[4..])
+                        let m = c
+                            .server_first(&body[4..])
                             .map_err(|e| ServerError::Failed(e.to_string()))?;
-                        let m = s.message().to_vec();
                         sasl_response(&mut out, &m);
                     }
-                    12 => {
-                        let s = scram.as_mut().ok_or_else(|| {
+                    (12, _) => {
+                        let c = scram.as_mut().ok_or_else(|| {
                             ServerError::Failed("SASL final without start".into())
                         })?;
-                        s.finish(&body[4..])
+                        c.server_final(&body[4..])
                             .map_err(|e| ServerError::Failed(e.to_string()))?;
                         continue;
                     }
-                    other => {
+                    (other, _) => {
                         return Err(ServerError::Failed(format!(
-                            "{} asks for unsupported authentication method {other}",
-                            key.host
-                        )))
+                            "{peer} asks for unsupported authentication method {other}"
+                        )));
                     }
                 }
                 stream.write_all(&out).await.map_err(fail)?;
@@ -441,7 +482,6 @@ async fn connect(
             _ => {}
         }
     }
-    debug_assert!(buf.is_empty() || buf.remaining() > 0);
     Ok(ServerConn {
         stream,
         peer,

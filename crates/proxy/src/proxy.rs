@@ -59,6 +59,12 @@ pub struct ProxySpec {
     pub pool_overrides: PoolOverrides,
     /// TLS towards clients: certificate and key files, and the mode.
     pub tls: Option<TlsSpec>,
+    /// Longest time from accept to an authenticated client.
+    pub auth_timeout: Duration,
+    /// Authentication by pgwarden (pg_hba.conf + auth query); `None`:
+    /// session-mode clients authenticate with the server itself, pooled
+    /// clients are trusted.
+    pub auth: Option<crate::auth::AuthSpec>,
 }
 
 /// Whether clients may or must use TLS.
@@ -175,6 +181,9 @@ pub(crate) struct Shared {
     pub pool_overrides: Mutex<PoolOverrides>,
     pub tls: arc_swap::ArcSwapOption<tokio_rustls::TlsAcceptor>,
     pub client_tls: Mutex<ClientTlsMode>,
+    pub auth: arc_swap::ArcSwapOption<crate::auth::Authenticator>,
+    /// How long a client may take from connecting to being authenticated.
+    pub auth_timeout: Mutex<Duration>,
 }
 
 impl Shared {
@@ -249,6 +258,9 @@ pub struct Proxy {
 /// Why the proxy could not start or apply a spec.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// The hba file could not be loaded.
+    #[error("authentication: {0}")]
+    Auth(String),
     /// The TLS certificate or key could not be loaded.
     #[error("TLS: {0}")]
     Tls(String),
@@ -294,6 +306,8 @@ impl Proxy {
             pool_overrides: Mutex::new(PoolOverrides::default()),
             tls: arc_swap::ArcSwapOption::empty(),
             client_tls: Mutex::new(ClientTlsMode::Disable),
+            auth: arc_swap::ArcSwapOption::empty(),
+            auth_timeout: Mutex::new(Duration::from_secs(60)),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -368,6 +382,20 @@ impl Proxy {
                 self.shared.tls.store(None);
                 *self.shared.client_tls.lock().expect("poisoned") = ClientTlsMode::Disable;
             }
+        }
+        *self.shared.auth_timeout.lock().expect("poisoned") = spec.auth_timeout;
+        match &spec.auth {
+            Some(a) => match crate::auth::Authenticator::new(a.clone()) {
+                Ok(auth) => self.shared.auth.store(Some(Arc::new(auth))),
+                Err(e) => {
+                    // A broken hba file on reload keeps the rules in force.
+                    tracing::error!(error = %e, "cannot load the authentication settings");
+                    if self.shared.auth.load().is_none() {
+                        return Err(ProxyError::Auth(e));
+                    }
+                }
+            },
+            None => self.shared.auth.store(None),
         }
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;

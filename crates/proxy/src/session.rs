@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use pgwarden_topology::{HostAddr, NoTarget};
 use pgwarden_wire::encode::{self, Severity};
-use pgwarden_wire::message::{backend, frontend};
+use pgwarden_wire::message::{backend, frontend, TxStatus};
 use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc, Violation};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
@@ -15,16 +15,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use crate::auth::Credential;
 use crate::cancel::BackendKey;
 use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
 use crate::proxy::ClientTlsMode;
 use crate::proxy::{Kill, Service, SessionEntry, Shared};
 use crate::relay::{pump, End, Framing, Verdict};
 use crate::stream::ClientStream;
-
-/// A client that has not sent its startup packet within this time is
-/// dropped, so idle sockets cannot pile up.
-const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// An error to report to the client before closing.
 struct Refusal {
@@ -105,8 +102,12 @@ async fn serve(
     peer: SocketAddr,
 ) -> Result<(), Refusal> {
     let mut buf = BytesMut::with_capacity(1024);
+    // One budget from accept to an authenticated client, so a slow client
+    // costs a bounded amount.
+    let auth_timeout = *shared.auth_timeout.lock().expect("poisoned");
+    let deadline = tokio::time::Instant::now() + auth_timeout;
     let mut startup =
-        match tokio::time::timeout(STARTUP_TIMEOUT, read_startup(client, &mut buf, shared)).await {
+        match tokio::time::timeout_at(deadline, read_startup(client, &mut buf, shared)).await {
             Ok(Ok(Some(s))) => s,
             Ok(Ok(None)) => return Ok(()),
             Ok(Err(r)) => return Err(r),
@@ -140,6 +141,46 @@ async fn serve(
         startup.set("default_transaction_read_only", "on");
     }
 
+    let credential = match shared.auth.load_full() {
+        None => None,
+        Some(auth) => match tokio::time::timeout_at(
+            deadline,
+            auth.authenticate(shared, client, &startup, peer),
+        )
+        .await
+        {
+            Ok(Ok(c)) => Some(c),
+            Ok(Err(e)) => {
+                tracing::info!(
+                    user = startup.user().unwrap_or_default(),
+                    reason = e.reason,
+                    "authentication failed"
+                );
+                shared
+                    .metrics
+                    .auth_failures
+                    .get_or_create(&crate::metrics::ReasonLabel {
+                        reason: e.reason.to_string(),
+                    })
+                    .inc();
+                return Err(Refusal::new(e.code, e.reason, e.message));
+            }
+            Err(_) => {
+                shared
+                    .metrics
+                    .auth_failures
+                    .get_or_create(&crate::metrics::ReasonLabel {
+                        reason: "auth_timeout".into(),
+                    })
+                    .inc();
+                return Err(Refusal::new(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    "auth_timeout",
+                    "authentication timed out (auth_timeout)",
+                ));
+            }
+        },
+    };
     if !spec.read_only
         && startup.database() == Some(crate::admin::ADMIN_DATABASE)
         && spec.want == pgwarden_topology::Want::Primary
@@ -153,7 +194,8 @@ async fn serve(
         startup.user().unwrap_or_default(),
     );
     if let Some(pool) = pool {
-        return crate::txn::run(shared, service, client, startup, buf, peer, pool)
+        let cred = credential.unwrap_or(Credential::None);
+        return crate::txn::run(shared, service, client, startup, buf, peer, pool, cred)
             .await
             .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
     }
@@ -166,7 +208,10 @@ async fn serve(
             host: host.to_string(),
         })
         .inc();
-    relay(shared, service, client, buf, server, host, startup, peer).await;
+    relay(
+        shared, service, client, buf, server, host, startup, peer, credential,
+    )
+    .await;
     Ok(())
 }
 
@@ -395,13 +440,43 @@ async fn relay(
     service: &Arc<Service>,
     client: &mut ClientStream,
     early: BytesMut,
-    mut server: TcpStream,
+    server: TcpStream,
     host: HostAddr,
     startup: StartupMessage,
     peer: SocketAddr,
+    credential: Option<Credential>,
 ) {
     let spec = &service.spec;
     let server_addr = server.peer_addr().ok();
+    // With pgwarden authenticating, it logs in to the server itself with
+    // what the client proved, then greets the client as the server would.
+    let (mut server, logged_in) = match credential {
+        None => (server, None),
+        Some(cred) => match crate::pool::login(server, &startup, &cred).await {
+            Ok(conn) => {
+                let key = (conn.backend_key, conn.params);
+                (conn.stream, Some(key))
+            }
+            Err(crate::pool::ServerError::Refused(raw)) => {
+                let _ = client.write_all(&raw).await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(host = %host, error = ?e, "server login failed");
+                let mut out = BytesMut::new();
+                encode::error_response(
+                    &mut out,
+                    Severity::Fatal,
+                    sqlstate::CONNECTION_FAILURE.code(),
+                    &format!("could not log in to {host}"),
+                    None,
+                    None,
+                );
+                let _ = client.write_all(&out).await;
+                return;
+            }
+        },
+    };
     let host_gauge = shared
         .metrics
         .server_connections
@@ -444,8 +519,31 @@ async fn relay(
         .read_only_refusals
         .get_or_create(&label)
         .clone();
+    let mut registered_key = None;
     let result = async {
-        server.write_all(&startup.encode()).await?;
+        match &logged_in {
+            None => server.write_all(&startup.encode()).await?,
+            Some(((pid, secret), params)) => {
+                let mut hello = BytesMut::new();
+                encode::authentication_ok(&mut hello);
+                let mut sorted: Vec<_> = params.iter().collect();
+                sorted.sort();
+                for (k, v) in sorted {
+                    encode::parameter_status(&mut hello, k, v);
+                }
+                if let Some(server) = server_addr {
+                    let (p, s) = shared.cancel.register(BackendKey {
+                        server,
+                        pid: *pid,
+                        secret: *secret,
+                    });
+                    registered_key = Some((p, s));
+                    encode::backend_key_data(&mut hello, p, s);
+                }
+                encode::ready_for_query(&mut hello, TxStatus::Idle);
+                client.write_all(&hello).await?;
+            }
+        }
         if !early.is_empty() {
             // Bytes the client pipelined behind its startup packet.
             server.write_all(&early).await?;
@@ -454,7 +552,7 @@ async fn relay(
     }
     .await;
     if result.is_err() {
-        finish(shared, id, None, &host_gauge);
+        finish(shared, id, registered_key, &host_gauge);
         return;
     }
 
@@ -479,7 +577,7 @@ async fn relay(
         }
         ClientStream::Gone => None,
     };
-    finish(shared, id, cancel_key, &host_gauge);
+    finish(shared, id, cancel_key.or(registered_key), &host_gauge);
 }
 
 enum Ended {

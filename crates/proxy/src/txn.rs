@@ -87,6 +87,7 @@ impl Replies {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
@@ -95,6 +96,7 @@ pub(crate) async fn run(
     mut early: BytesMut,
     peer: std::net::SocketAddr,
     settings: crate::pool::PoolSettings,
+    credential: crate::auth::Credential,
 ) -> Result<(), (SqlState, String, &'static str)> {
     let spec = &service.spec;
     let database = startup.database().unwrap_or_default().to_string();
@@ -115,6 +117,7 @@ pub(crate) async fn run(
         cancel_target: Arc::new(Mutex::new(None)),
         skip: 0,
         settings,
+        credential,
     };
     for k in TRACKED {
         if let Some(v) = session.startup.get(k) {
@@ -328,6 +331,8 @@ struct Session {
     skip: usize,
     /// This client's pool settings (service, database and user combined).
     settings: crate::pool::PoolSettings,
+    /// What the client proved, for opening server connections as its role.
+    credential: crate::auth::Credential,
 }
 
 impl Session {
@@ -380,6 +385,7 @@ impl Session {
                 },
                 &settings,
             );
+            pool.set_credential(&self.credential);
             match pool.checkout(&self.startup, deadline).await {
                 Ok(c) => {
                     self.shared

@@ -188,6 +188,14 @@ impl TestCluster {
         )
     }
 
+    /// Replaces node `i`'s pg_hba.conf and reloads it.
+    pub fn set_hba(&mut self, i: usize, text: &str) {
+        let node = self.node(i);
+        let path = node.datadir().join("pg_hba.conf");
+        std::fs::write(&path, text).expect("write pg_hba.conf");
+        node.reload().expect("reload");
+    }
+
     /// Sets `synchronous_standby_names` on node 0 and reloads it.
     pub fn set_sync_standby_names(&mut self, value: &str) {
         self.inner_mut()

@@ -143,6 +143,8 @@ pub async fn proxy_full(
         settings: vec![("pool.size".into(), "test".into())],
         pool_overrides,
         tls,
+        auth: AUTH.with(|a| a.borrow().clone()),
+        auth_timeout: AUTH_TIMEOUT.with(|a| *a.borrow()),
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
@@ -188,4 +190,12 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 /// The SQLSTATE of a tokio-postgres error, if the server (or pgwarden) sent one.
 pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
     e.code().map(|c| c.code().to_string())
+}
+
+thread_local! {
+    /// Authentication settings for the next proxy built on this thread
+    /// (tests that need them set it first).
+    pub static AUTH: std::cell::RefCell<Option<pgwarden_proxy::AuthSpec>> = const { std::cell::RefCell::new(None) };
+    /// The auth time-out for the next proxy built on this thread.
+    pub static AUTH_TIMEOUT: std::cell::RefCell<Duration> = const { std::cell::RefCell::new(Duration::from_secs(30)) };
 }

@@ -1,0 +1,218 @@
+//! Authentication by pgwarden: pg_hba.conf, SCRAM/md5/password with
+//! verifiers from the auth query, and logging in to servers as the client.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{proxy_with, sql, sqlstate, until, AUTH, AUTH_TIMEOUT};
+use pgwarden_proxy::{AuthSpec, PoolSettings};
+use pgwarden_testkit::TestCluster;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Setup {
+    c: TestCluster,
+    _dir: tempfile::TempDir,
+    e: pgwarden_probe::Engine,
+    p: pgwarden_proxy::Proxy,
+}
+
+async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let admin = c.conninfo(0);
+    sql(&admin, "CREATE ROLE alice LOGIN PASSWORD 'alice-secret'").await;
+    sql(&admin, "CREATE ROLE dave LOGIN PASSWORD 'dave-secret'").await;
+    sql(
+        &admin,
+        "SET password_encryption = 'md5'; CREATE ROLE carol LOGIN PASSWORD 'carol-secret'",
+    )
+    .await;
+    sql(&admin, "CREATE ROLE mallory LOGIN PASSWORD 'x'").await;
+    // The servers want passwords from everyone but the superuser, so a
+    // login by pgwarden only works with what the client proved.
+    c.set_hba(
+        0,
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 md5\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let hba = dir.path().join("pg_hba.conf");
+    std::fs::write(
+        &hba,
+        "# pgwarden's rules\n\
+         host all alice 127.0.0.1/32 scram-sha-256\n\
+         host all carol 127.0.0.1/32 md5\n\
+         host all dave 127.0.0.1/32 password\n\
+         host all mallory 127.0.0.1/32 reject\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         host postgres all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .unwrap();
+    AUTH.with(|a| {
+        *a.borrow_mut() = Some(AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl,
+        })
+    });
+    AUTH_TIMEOUT.with(|t| *t.borrow_mut() = Duration::from_secs(1));
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool, 1000).await;
+    until(&e, "primary", WAIT, |s| {
+        s.topology.primary().map(|_| ()).ok_or("none".into())
+    })
+    .await;
+    Setup { c, _dir: dir, e, p }
+}
+
+fn ci(p: &pgwarden_proxy::Proxy, user: &str, password: &str) -> String {
+    format!(
+        "{} user={user} password={password}",
+        common::via(p, "read_write").replace("user=postgres ", "")
+    )
+}
+
+async fn login(
+    p: &pgwarden_proxy::Proxy,
+    user: &str,
+    password: &str,
+) -> Result<String, (Option<String>, String)> {
+    match common::client(&ci(p, user, password)).await {
+        Ok(c) => {
+            let rows = c
+                .simple_query("SELECT current_user")
+                .await
+                .map_err(|e| (sqlstate(&e), e.to_string()))?;
+            Ok(rows
+                .iter()
+                .find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+                    _ => None,
+                })
+                .unwrap())
+        }
+        Err(e) => Err((
+            sqlstate(&e),
+            e.as_db_error()
+                .map(|d| d.message().to_string())
+                .unwrap_or_else(|| e.to_string()),
+        )),
+    }
+}
+
+async fn check_methods(s: &Setup) {
+    // SCRAM to pgwarden, then the ClientKey to the server.
+    assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
+    // md5 against an md5 verifier, then md5 to the server.
+    assert_eq!(login(&s.p, "carol", "carol-secret").await.unwrap(), "carol");
+    // cleartext against a SCRAM verifier.
+    assert_eq!(login(&s.p, "dave", "dave-secret").await.unwrap(), "dave");
+    // Wrong password, and an unknown role: the same answer.
+    let wrong = login(&s.p, "alice", "nope").await.unwrap_err();
+    assert_eq!(wrong.0.as_deref(), Some("28P01"), "{wrong:?}");
+    assert_eq!(wrong.1, "password authentication failed for user \"alice\"");
+    let unknown = login(&s.p, "nobody", "nope").await.unwrap_err();
+    assert_eq!(unknown.0.as_deref(), Some("28P01"), "{unknown:?}");
+    assert_eq!(
+        unknown.1,
+        "password authentication failed for user \"nobody\""
+    );
+    // reject, and no matching line.
+    let rejected = login(&s.p, "mallory", "x").await.unwrap_err();
+    assert_eq!(rejected.0.as_deref(), Some("28000"), "{rejected:?}");
+    assert!(rejected.1.contains("rejects connection"), "{rejected:?}");
+    let unmatched = common::client(&format!(
+        "{} dbname=template1",
+        ci(&s.p, "nobody", "x").replace("dbname=postgres", "")
+    ))
+    .await
+    .err()
+    .expect("refused");
+    assert_eq!(sqlstate(&unmatched).as_deref(), Some("28000"));
+    let msg = unmatched.as_db_error().unwrap().message().to_string();
+    assert!(
+        msg.starts_with(
+            "no pg_hba.conf entry for host \"127.0.0.1\", user \"nobody\", database \"template1\""
+        ),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_mode_methods_failures_and_server_login() {
+    let s = setup(None, Duration::from_secs(60)).await;
+    check_methods(&s).await;
+    // Failures are counted by reason.
+    let http = s.p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        body.contains("pgwarden_auth_failures_total{reason=\"bad_password\"} 2"),
+        "{body}"
+    );
+    assert!(
+        body.contains("pgwarden_auth_failures_total{reason=\"hba_reject\"} 1"),
+        "{body}"
+    );
+    let _ = &s.e;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_pooling_logs_in_with_the_clients_proof() {
+    let s = setup(
+        Some(PoolSettings {
+            size: 2,
+            ..PoolSettings::default()
+        }),
+        Duration::from_secs(60),
+    )
+    .await;
+    check_methods(&s).await;
+    // The pooled connections run as the client's role.
+    for _ in 0..3 {
+        assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verifier_cache_expires_and_slow_clients_are_dropped() {
+    let s = setup(None, Duration::from_millis(500)).await;
+    assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
+    sql(&s.c.conninfo(0), "ALTER ROLE alice PASSWORD 'rotated'").await;
+    pgwarden_testkit::eventually(
+        "new password accepted after the cache TTL",
+        WAIT,
+        || async {
+            login(&s.p, "alice", "rotated")
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("{e:?}"))
+        },
+    )
+    .await;
+    let old = login(&s.p, "alice", "alice-secret").await.unwrap_err();
+    assert_eq!(old.0.as_deref(), Some("28P01"));
+    // auth_timeout (1 s here): a client that never authenticates is dropped.
+    let addr = s.p.service_addrs()["read_write"];
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut sock = std::net::TcpStream::connect(addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = Vec::new();
+        let _ = sock.read_to_end(&mut buf);
+        buf
+    })
+    .await
+    .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "slow client kept for {:?}",
+        started.elapsed()
+    );
+    assert!(out.is_empty() || out[0] == b'E');
+}

@@ -1,0 +1,346 @@
+//! Client authentication by pgwarden itself: pg_hba.conf rules, password
+//! verifiers looked up on the primary with an auth query, SCRAM-SHA-256,
+//! md5 and cleartext towards the client; what the client proved is then
+//! used to log in to the servers as the same user.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use pgwarden_auth::hba::{AuthMethod, ConnType, Hba, HbaContext};
+use pgwarden_auth::{md5_secret, verify_md5, ClientKey, ScramSecret, ScramServer};
+use pgwarden_wire::encode;
+use pgwarden_wire::message::{self, frontend};
+use pgwarden_wire::sqlstate::{self, SqlState};
+use pgwarden_wire::startup::StartupMessage;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::proxy::Shared;
+use crate::stream::ClientStream;
+
+/// How pgwarden authenticates clients (`[auth]`).
+#[derive(Debug, Clone)]
+pub struct AuthSpec {
+    /// The pg_hba.conf file (read again on every apply).
+    pub hba_file: PathBuf,
+    /// The role that runs the auth query.
+    pub auth_user: String,
+    /// Its password.
+    pub auth_password: Option<String>,
+    /// Database the auth query runs in.
+    pub auth_dbname: String,
+    /// Returns the verifier of the role `$1` (one row: the role name and
+    /// its `rolpassword`), or no row.
+    pub auth_query: String,
+    /// How long a looked-up verifier is reused.
+    pub cache_ttl: Duration,
+}
+
+/// What a client proved, to log in to servers as the same user.
+#[derive(Clone, Debug)]
+pub enum Credential {
+    /// Nothing (trust): servers must not ask for a password.
+    None,
+    /// The cleartext password (method `password`).
+    Password(String),
+    /// The md5 verifier (method `md5` against an md5 secret).
+    Md5Secret(String),
+    /// The SCRAM ClientKey recovered from the client's proof.
+    ClientKey(ClientKey),
+}
+
+/// A refused authentication: the code and message the client sees, and
+/// the reason counted in metrics and logged.
+pub(crate) struct AuthError {
+    pub code: SqlState,
+    pub message: String,
+    pub reason: &'static str,
+}
+
+impl AuthError {
+    fn new(code: SqlState, reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            reason,
+        }
+    }
+}
+
+/// Per-proxy authentication state: the parsed hba file and the verifier cache.
+pub(crate) struct Authenticator {
+    pub spec: AuthSpec,
+    pub hba: Hba,
+    cache: Mutex<HashMap<String, (Option<String>, Instant)>>,
+    lookup: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    /// Seed of mock verifiers for unknown roles: stable for the process so
+    /// that an unknown role always gets the same salt, as a real one would.
+    mock_seed: [u8; 16],
+}
+
+impl Authenticator {
+    pub fn new(spec: AuthSpec) -> Result<Self, String> {
+        let hba = Hba::load(&spec.hba_file).map_err(|e| e.to_string())?;
+        Ok(Self {
+            spec,
+            hba,
+            cache: Mutex::new(HashMap::new()),
+            lookup: tokio::sync::Mutex::new(None),
+            mock_seed: rand::random(),
+        })
+    }
+
+    /// The role's verifier (`SCRAM-SHA-256$…` or `md5…`), `None` when the
+    /// role does not exist or has no password.
+    async fn verifier(&self, shared: &Shared, user: &str) -> Result<Option<String>, String> {
+        if let Some((v, at)) = self.cache.lock().expect("poisoned").get(user) {
+            if at.elapsed() < self.spec.cache_ttl {
+                return Ok(v.clone());
+            }
+        }
+        let mut guard = self.lookup.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = Some(self.connect(shared).await?);
+        }
+        let client = guard.as_ref().expect("connected");
+        let rows = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.query(&self.spec.auth_query, &[&user]),
+        )
+        .await
+        .map_err(|_| "auth query timed out".to_string())?
+        .map_err(|e| {
+            *guard = None;
+            format!("auth query failed: {e}")
+        });
+        let rows = rows?;
+        let v: Option<String> = rows
+            .first()
+            .and_then(|r| r.try_get::<_, Option<String>>(1).ok().flatten());
+        self.cache
+            .lock()
+            .expect("poisoned")
+            .insert(user.to_string(), (v.clone(), Instant::now()));
+        Ok(v)
+    }
+
+    async fn connect(&self, shared: &Shared) -> Result<tokio_postgres::Client, String> {
+        let snap = shared.snapshot.load_full();
+        let primary = snap
+            .topology
+            .primary()
+            .map(|i| snap.topology.hosts()[i].config.addr.clone())
+            .ok_or("no primary to run the auth query on")?;
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host(&primary.host)
+            .port(primary.port)
+            .user(&self.spec.auth_user)
+            .dbname(&self.spec.auth_dbname)
+            .application_name("pgwarden-auth")
+            .connect_timeout(Duration::from_secs(5));
+        if let Some(p) = &self.spec.auth_password {
+            cfg.password(p);
+        }
+        let (client, conn) = cfg
+            .connect(tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("auth user cannot connect to {primary}: {e}"))?;
+        tokio::spawn(conn);
+        Ok(client)
+    }
+
+    /// Runs the hba decision and the method's exchange with the client.
+    pub async fn authenticate(
+        &self,
+        shared: &Shared,
+        client: &mut ClientStream,
+        startup: &StartupMessage,
+        peer: SocketAddr,
+    ) -> Result<Credential, AuthError> {
+        let user = startup.user().unwrap_or_default().to_string();
+        let database = startup.database().unwrap_or_default().to_string();
+        // The hba decision is made before any await: the context borrows a
+        // callback that is not Send.
+        let (method, reject) = {
+            let no_roles = |_: &str| Vec::new();
+            let mut ctx = HbaContext::new(
+                ConnType::Host {
+                    ssl: client.is_tls(),
+                },
+                &database,
+                &user,
+                Some(peer.ip()),
+            );
+            ctx.roles_of_user = &no_roles;
+            match self.hba.find(&ctx) {
+                Some(rule) => (rule.method, pgwarden_auth::hba::reject_message(&ctx)),
+                None => {
+                    return Err(AuthError::new(
+                        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                        "hba_no_match",
+                        pgwarden_auth::hba::no_match_message(&ctx),
+                    ));
+                }
+            }
+        };
+        let failed = || {
+            AuthError::new(
+                sqlstate::INVALID_PASSWORD,
+                "bad_password",
+                format!("password authentication failed for user \"{user}\""),
+            )
+        };
+        let lookup = |e: String| {
+            tracing::error!(error = %e, user = %user, "verifier lookup failed");
+            AuthError::new(
+                sqlstate::CONNECTION_FAILURE,
+                "auth_query",
+                "authentication is unavailable: the password verifier could not be looked up",
+            )
+        };
+        match method {
+            AuthMethod::Trust => Ok(Credential::None),
+            AuthMethod::Reject => Err(AuthError::new(
+                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                "hba_reject",
+                reject,
+            )),
+            AuthMethod::Cert => Err(AuthError::new(
+                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                "unsupported",
+                "certificate authentication is not supported by pgwarden yet",
+            )),
+            AuthMethod::Password => {
+                let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
+                let mut out = BytesMut::new();
+                encode::authentication_cleartext(&mut out);
+                let reply = exchange(client, &out).await.ok_or_else(failed)?;
+                let password = cstr(&reply).ok_or_else(failed)?.to_string();
+                let ok = verifier
+                    .as_deref()
+                    .is_some_and(|v| password_matches(v, &user, &password));
+                if ok {
+                    Ok(Credential::Password(password))
+                } else {
+                    Err(failed())
+                }
+            }
+            AuthMethod::Md5 | AuthMethod::ScramSha256 => {
+                let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
+                // As in PostgreSQL, md5 with a SCRAM verifier runs SCRAM.
+                let md5 = method == AuthMethod::Md5
+                    && verifier
+                        .as_deref()
+                        .is_some_and(pgwarden_auth::is_md5_secret);
+                if md5 {
+                    let secret = verifier.expect("checked");
+                    let salt: [u8; 4] = rand::random();
+                    let mut out = BytesMut::new();
+                    encode::authentication_md5(&mut out, salt);
+                    let reply = exchange(client, &out).await.ok_or_else(failed)?;
+                    let response = cstr(&reply).ok_or_else(failed)?;
+                    if verify_md5(&secret, salt, response) {
+                        Ok(Credential::Md5Secret(secret))
+                    } else {
+                        Err(failed())
+                    }
+                } else {
+                    let secret = verifier
+                        .as_deref()
+                        .and_then(|v| ScramSecret::parse(v).ok())
+                        .unwrap_or_else(|| ScramSecret::mock(&user, &self.mock_seed));
+                    self.scram(client, &secret)
+                        .await
+                        .map_err(|_| failed())
+                        .map(Credential::ClientKey)
+                }
+            }
+        }
+    }
+
+    async fn scram(
+        &self,
+        client: &mut ClientStream,
+        secret: &ScramSecret,
+    ) -> Result<ClientKey, ()> {
+        let mut server = ScramServer::new(secret, rand::random::<[u8; 18]>());
+        let mut out = BytesMut::new();
+        encode::authentication_sasl(&mut out, &[pgwarden_auth::scram::MECHANISM]);
+        let initial = exchange(client, &out).await.ok_or(())?;
+        // SASLInitialResponse: mechanism, then a length-prefixed message.
+        let mut body = &initial[..];
+        let mech = cstr(body).ok_or(())?;
+        if mech != pgwarden_auth::scram::MECHANISM {
+            return Err(());
+        }
+        body = &body[mech.len() + 1..];
+        if body.len() < 4 {
+            return Err(());
+        }
+        let len = body.get_i32();
+        if len < 0 || len as usize != body.len() {
+            return Err(());
+        }
+        let first = server.client_first(body).map_err(|_| ())?;
+        let mut out = BytesMut::new();
+        encode::authentication_sasl_continue(&mut out, &first);
+        let fin = exchange(client, &out).await.ok_or(())?;
+        let (server_final, key) = server.client_final(&fin).map_err(|_| ())?;
+        let mut out = BytesMut::new();
+        encode::authentication_sasl_final(&mut out, &server_final);
+        client.write_all(&out).await.map_err(|_| ())?;
+        Ok(key)
+    }
+}
+
+/// Whether a cleartext password matches a verifier of either kind.
+fn password_matches(verifier: &str, user: &str, password: &str) -> bool {
+    if pgwarden_auth::is_md5_secret(verifier) {
+        let mine = md5_secret(user, password);
+        return subtle_eq(mine.as_bytes(), verifier.as_bytes());
+    }
+    match ScramSecret::parse(verifier) {
+        Ok(s) => match ScramSecret::from_password(password, &s.salt, s.iterations) {
+            Ok(p) => {
+                subtle_eq(&p.stored_key, &s.stored_key) & subtle_eq(&p.server_key, &s.server_key)
+            }
+            Err(_) => false,
+        },
+        Err(_) => false,
+    }
+}
+
+/// Constant-time comparison (length is not secret).
+fn subtle_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn cstr(body: &[u8]) -> Option<&str> {
+    let end = body.iter().position(|b| *b == 0)?;
+    std::str::from_utf8(&body[..end]).ok()
+}
+
+/// Sends an authentication request and returns the body of the client's
+/// PasswordMessage-type reply (`p`); `None` if the client answers with
+/// anything else or goes away.
+async fn exchange(client: &mut ClientStream, request: &[u8]) -> Option<BytesMut> {
+    client.write_all(request).await.ok()?;
+    let mut buf = BytesMut::with_capacity(512);
+    loop {
+        match message::split_message(&mut buf, 64 * 1024) {
+            Ok(Some((frontend::PASSWORD_MESSAGE, mut m))) => {
+                m.advance(5);
+                return Some(m);
+            }
+            Ok(Some(_)) | Err(_) => return None,
+            Ok(None) => {}
+        }
+        match client.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+    }
+}
