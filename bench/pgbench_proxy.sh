@@ -28,109 +28,23 @@ cd "$(dirname "$0")/.."
 DUR=${DUR:-10}
 R=${R:-1}
 SCALE=${SCALE:-10}
-HOST=127.0.0.1
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 
-log() { echo "[$(date +%T)] $*" >&2; }
-
-# --- dependencies -----------------------------------------------------------
-scripts/install-deps.sh
-need=()
-command -v pgbench >/dev/null || need+=(postgresql-client-15)
-command -v pgbouncer >/dev/null || need+=(pgbouncer)
-command -v haproxy >/dev/null || need+=(haproxy)
-if [ ${#need[@]} -gt 0 ]; then
-  log "installing: ${need[*]}"
-  # Keep the packages' own services from starting (we run our own instances).
-  created_policy=0
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-    chmod +x /usr/sbin/policy-rc.d
-    created_policy=1
-  fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  [ "$created_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
-fi
-
-log "building pgwarden (release)"
-cargo build --release --quiet
-bin=$PWD/target/release/pgwarden
+bench_deps pgbench:postgresql-client-15 pgbouncer:pgbouncer haproxy:haproxy
+bench_build
 
 # --- temp dir, processes, cleanup -------------------------------------------
-tmp=$(mktemp -d /tmp/pgbench-proxy.XXXXXX)
-chmod 755 "$tmp"
-mkdir "$tmp/pgb"
-chown postgres: "$tmp/pgb"
+bench_tmpdir pgbench-proxy
 demo="" pgw="" hap="" pgb=""
+CLEANUP_STOPS=(pgb:INT hap:TERM pgw:INT demo:INT) # the demo stops PostgreSQL and removes its data directory
+CLEANUP_LOGS=(demo.log pgwarden.log haproxy.log pgb/pgbouncer.log)
+bench_traps
 
-stop() { # pid signal
-  [ -n "$1" ] || return 0
-  kill "-$2" "$1" 2>/dev/null || true
-  for _ in $(seq 1 100); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
-  kill -KILL "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
-}
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  stop "$pgb" INT
-  stop "$hap" TERM
-  stop "$pgw" INT
-  stop "$demo" INT # the demo stops PostgreSQL and removes its data directory
-  wait 2>/dev/null || true
-  if [ "$rc" -ne 0 ]; then
-    for f in demo.log pgwarden.log haproxy.log pgb/pgbouncer.log; do
-      [ -s "$tmp/$f" ] && { echo "--- $f (tail)" >&2; tail -20 "$tmp/$f" >&2; }
-    done
-  fi
-  rm -rf "$tmp"
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# Six distinct free TCP ports on 127.0.0.1, taken below the kernel's ephemeral
-# range so that outgoing connections (ours or other jobs') cannot grab them
-# between this check and the bind.
-read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT < <(python3 - <<'EOF'
-import random, socket
-lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-ports = []
-while len(ports) < 6:
-    p = random.randrange(max(1024, lo - 12000), lo)
-    if p in ports:
-        continue
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", p))
-        ports.append(p)
-    except OSError:
-        pass
-    finally:
-        s.close()
-print(" ".join(map(str, ports)))
-EOF
-)
-
-wait_sql() { # port what
-  for _ in $(seq 1 300); do
-    psql -h $HOST -p "$1" -U postgres -d postgres -Atqc 'select 1' >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  log "$2 on port $1 did not answer"; return 1
-}
+read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT < <(free_ports 6)
 
 # --- PostgreSQL --------------------------------------------------------------
-log "starting PostgreSQL 15 (pgwarden demo) on $PG_PORT"
-"$bin" demo --quiet --replicas 0 --port "$PG_PORT" >"$tmp/demo.log" 2>&1 &
-demo=$!
-for _ in $(seq 1 600); do
-  grep -q "probing with" "$tmp/demo.log" && break
-  kill -0 "$demo" 2>/dev/null || { log "demo exited"; exit 1; }
-  sleep 0.2
-done
-wait_sql "$PG_PORT" PostgreSQL
+start_demo "$PG_PORT"
 max_conn=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show max_connections')
 log "pgbench -i -s $SCALE (max_connections=$max_conn)"
 pgbench -i -q -s "$SCALE" -h $HOST -p "$PG_PORT" -U postgres postgres >"$tmp/init.log" 2>&1
@@ -209,22 +123,9 @@ workloads=(
   "-S -M prepared -c 64"
   "-S -C -c 16"
 )
-ticks=$(getconf CLK_TCK)
-cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-
 # PostgreSQL allows $max_conn connections: before each run, wait until the
 # previous run's backends are gone (and make PgBouncer drop its idle server
 # connections after its runs, so they don't count against the next target).
-settle() {
-  local n
-  for _ in $(seq 1 100); do
-    n=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc \
-      "select count(*) from pg_stat_activity where backend_type = 'client backend' and pid <> pg_backend_pid()")
-    [ "$n" -le 4 ] && return 0
-    sleep 0.1
-  done
-  log "warning: $n client backends still connected"
-}
 
 results=$tmp/results.tsv
 : >"$results"
@@ -236,7 +137,7 @@ for rep in $(seq 1 "$R"); do
     jobs=$((clients < 2 ? clients : 2))
     for t in "${targets[@]}"; do
       i=$((i + 1))
-      settle
+      settle "$PG_PORT" 4
       p=${pid[$t]}
       [ -n "$p" ] && { kill -0 "$p" || { log "$t died"; exit 1; }; c0=$(cpu "$p"); }
       # shellcheck disable=SC2086

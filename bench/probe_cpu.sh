@@ -16,11 +16,11 @@ demo=$!
 cleanup() { kill -INT "$demo" 2>/dev/null || true; wait "$demo" 2>/dev/null || true; rm -f "$log"; }
 trap cleanup EXIT
 for _ in $(seq 1 600); do
-  grep -q "probing with" "$log" && break
+  grep -q "topology --watch --hosts" "$log" && break
   kill -0 "$demo" 2>/dev/null || { cat "$log"; exit 1; }
   sleep 0.2
 done
-hosts=$(grep "probing with" "$log" | sed 's/.*--hosts //')
+hosts=$(grep "topology --watch --hosts" "$log" | sed "s/.*--hosts //")
 RUST_LOG=warn $bin topology --watch --hosts "$hosts" >/dev/null &
 probe=$!
 sleep 5
