@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages pgwarden's demo and tests need on Debian 12:
 # the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench)
-# and psycopg 3 for the driver tests.
+# psycopg 3 for the driver tests, and (install-etcd.sh) etcd and protoc.
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
 
@@ -16,6 +16,9 @@ if ! python3 -c "import psycopg" 2>/dev/null; then
   python3 -m pip install -q "psycopg[binary]" 2>/dev/null \
     || python3 -m pip install -q --break-system-packages "psycopg[binary]"
 fi
+
+# etcd, protoc and the protobuf well-known types: the DCS crate and its tests.
+"$(dirname "$0")/install-etcd.sh"
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 

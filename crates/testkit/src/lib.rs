@@ -11,6 +11,7 @@
 //! `pgwarden` system user the kit creates.
 
 pub mod cluster;
+pub mod etcd;
 pub mod relay;
 pub mod wait;
 
