@@ -154,9 +154,17 @@ pub(crate) async fn run(
         let v = session.params.get(k).unwrap_or(v);
         encode::parameter_status(&mut hello, k, v);
     }
-    for (k, v) in &first.conn.params {
-        session.params.entry(k.clone()).or_insert_with(|| v.clone());
+    // Only the tracked parameters are the client's; the rest belong to
+    // the server and cost memory per idle client if copied.
+    for k in TRACKED {
+        if let Some(v) = first.conn.params.get(k) {
+            session
+                .params
+                .entry(k.to_string())
+                .or_insert_with(|| v.clone());
+        }
     }
+    session.params.shrink_to_fit();
     first.release(true);
     let key = shared
         .cancel
@@ -744,7 +752,9 @@ impl Session {
                             self.detach(false);
                             return Err(Fatal::new(sqlstate::READ_ONLY_SQL_TRANSACTION, "terminating connection: the session was made read-write on a read-only service"));
                         }
-                        self.params.insert(k.to_string(), v.to_string());
+                        if TRACKED.contains(&k) {
+                            self.params.insert(k.to_string(), v.to_string());
+                        }
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.params.insert(k.to_string(), v.to_string());
                         }
