@@ -29,6 +29,11 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     )
     .await;
     sql(&admin, "CREATE ROLE mallory LOGIN PASSWORD 'x'").await;
+    sql(
+        &admin,
+        "CREATE ROLE readers; CREATE ROLE erin LOGIN PASSWORD 'erin-secret' IN ROLE readers; CREATE ROLE frank LOGIN PASSWORD 'frank-secret'",
+    )
+    .await;
     // The servers want passwords from everyone but the superuser, so a
     // login by pgwarden only works with what the client proved.
     c.set_hba(
@@ -44,6 +49,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all carol 127.0.0.1/32 md5\n\
          host all dave 127.0.0.1/32 password\n\
          host all mallory 127.0.0.1/32 reject\n\
+         host template1 +readers 127.0.0.1/32 scram-sha-256\n\
          host all postgres 127.0.0.1/32 trust\n\
          host postgres all 127.0.0.1/32 scram-sha-256\n",
     )
@@ -103,6 +109,23 @@ async fn login(
 }
 
 async fn check_methods(s: &Setup) {
+    // +group: members of readers may use template1, others may not.
+    let on_template1 = |user: &str, pw: &str| {
+        format!(
+            "host=127.0.0.1 port={} user={user} password={pw} dbname=template1",
+            s.p.service_addrs()["read_write"].port()
+        )
+    };
+    let erin = common::client(&on_template1("erin", "erin-secret")).await;
+    assert!(
+        erin.is_ok(),
+        "a member of +readers was refused: {:?}",
+        erin.err()
+    );
+    let Err(frank) = common::client(&on_template1("frank", "frank-secret")).await else {
+        panic!("a non-member matched +readers");
+    };
+    assert_eq!(sqlstate(&frank).as_deref(), Some("28000"), "{frank}");
     // SCRAM to pgwarden, then the ClientKey to the server.
     assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
     // md5 against an md5 verifier, then md5 to the server.

@@ -127,6 +127,56 @@ impl Authenticator {
         Ok(v)
     }
 
+    fn needs_roles(&self) -> bool {
+        use pgwarden_auth::hba::{DatabaseSpec, UserSpec};
+        self.hba.rules().iter().any(|r| {
+            r.users.iter().any(|u| matches!(u, UserSpec::Group(_)))
+                || r.databases
+                    .iter()
+                    .any(|d| matches!(d, DatabaseSpec::SameRole))
+        })
+    }
+
+    /// The roles `user` is a member of (directly or not), itself included.
+    async fn roles(&self, shared: &Shared, user: &str) -> Result<Vec<String>, String> {
+        let key = format!("\0roles\0{user}");
+        if let Some((Some(v), at)) = self.cache.lock().expect("poisoned").get(&key) {
+            if at.elapsed() < self.spec.cache_ttl {
+                return Ok(v.split('\n').map(str::to_string).collect());
+            }
+        }
+        let mut guard = self.lookup.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = Some(self.connect(shared).await?);
+        }
+        let client = guard.as_ref().expect("connected");
+        let q = "SELECT r.rolname::text FROM pg_catalog.pg_roles r \
+                 WHERE pg_catalog.pg_has_role($1::text, r.oid, 'MEMBER')";
+        let rows = match tokio::time::timeout(Duration::from_secs(5), client.query(q, &[&user]))
+            .await
+        {
+            Ok(Ok(rows)) => rows,
+            // An unknown role is a member of nothing.
+            Ok(Err(e)) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT) => {
+                Vec::new()
+            }
+            Ok(Err(e)) => {
+                *guard = None;
+                return Err(format!("role lookup failed: {e}"));
+            }
+            Err(_) => return Err("role lookup timed out".into()),
+        };
+        let roles: Vec<String> = rows
+            .iter()
+            .filter_map(|r| r.try_get::<_, String>(0).ok())
+            .collect();
+        self.cache
+            .lock()
+            .expect("poisoned")
+            .insert(key, (Some(roles.join("\n")), Instant::now()));
+        Ok(roles)
+    }
+
     async fn connect(&self, shared: &Shared) -> Result<tokio_postgres::Client, String> {
         let snap = shared.snapshot.load_full();
         let primary = snap
@@ -162,10 +212,24 @@ impl Authenticator {
     ) -> Result<Credential, AuthError> {
         let user = startup.user().unwrap_or_default().to_string();
         let database = startup.database().unwrap_or_default().to_string();
+        // Group membership (`+group`, `samerole`) comes from the primary,
+        // looked up only when some rule needs it.
+        let roles = if self.needs_roles() {
+            self.roles(shared, &user).await.map_err(|e| {
+                tracing::error!(error = %e, user = %user, "role membership lookup failed");
+                AuthError::new(
+                    sqlstate::CONNECTION_FAILURE,
+                    "auth_query",
+                    "authentication is unavailable: role membership could not be looked up",
+                )
+            })?
+        } else {
+            Vec::new()
+        };
         // The hba decision is made before any await: the context borrows a
         // callback that is not Send.
         let (method, reject) = {
-            let no_roles = |_: &str| Vec::new();
+            let no_roles = |_: &str| roles.clone();
             let mut ctx = HbaContext::new(
                 ConnType::Host {
                     ssl: client.is_tls(),
