@@ -628,3 +628,51 @@ fn missing_file() {
         "{err}"
     );
 }
+
+/// The snippets the pooling and security documentation promise work as
+/// written on top of the minimal file.
+#[test]
+fn pool_tls_and_auth_snippets_parse_as_written() {
+    let text = r#"
+[cluster]
+hosts = ["127.0.0.1:5432", "127.0.0.1:5433", "127.0.0.1:5434"]
+user = "postgres"              # the probe connects as this user
+
+[listen]
+read_write = "127.0.0.1:6432"
+read_only = "127.0.0.1:6433"
+http = "127.0.0.1:6434"
+
+[services.standby]
+listen = "127.0.0.1:6435"
+select = "standby"
+
+[pool]
+mode = "transaction"
+size = 20
+
+[tls]
+cert = "server.crt"
+key = "server.key"
+client_tls = "allow"
+
+[auth]
+hba_file = "pg_hba.conf"
+auth_user = "pgwarden_auth"     # runs the auth query; its own password from PGWARDEN_AUTH_PASSWORD or a file
+"#;
+    let c = pgwarden_config::parse(text, "pgwarden.toml").expect("parses");
+    assert_eq!(c.pool.mode, pgwarden_config::PoolMode::Transaction);
+    assert_eq!(c.tls.client_tls, pgwarden_config::ClientTls::Allow);
+    let auth = c.auth.expect("[auth]");
+    assert_eq!(auth.auth_user, "pgwarden_auth");
+    assert_eq!(auth.auth_query, pgwarden_config::DEFAULT_AUTH_QUERY);
+    let err = pgwarden_config::parse(
+        &text.replace("client_tls = \"allow\"", "client_tls = \"maybe\""),
+        "pgwarden.toml",
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("pgwarden.toml") && err.to_string().contains("client_tls"),
+        "{err}"
+    );
+}
