@@ -250,6 +250,23 @@ impl Pool {
             .fetch_sub(before - idle.len(), Ordering::Relaxed);
     }
 
+    /// An idle connection at once, or `None` (no permit free, or nothing
+    /// idle, or clients already waiting: they go first).
+    pub fn try_checkout(self: &Arc<Self>) -> Option<Checkout> {
+        if self.stats.waiting.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let permit = self.permits.clone().try_acquire_owned().ok()?;
+        let conn = self.idle.lock().expect("poisoned").pop()?;
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        Some(Checkout {
+            conn,
+            pool: self.clone(),
+            waited: Duration::ZERO,
+            _permit: permit,
+        })
+    }
+
     /// Waits (FIFO, up to `query_wait_timeout`) for a permit, then reuses an
     /// idle connection or opens a new one.
     pub async fn checkout(

@@ -145,7 +145,7 @@ async fn serve(
         None => None,
         Some(auth) => match tokio::time::timeout_at(
             deadline,
-            auth.authenticate(shared, client, &startup, peer),
+            Box::pin(auth.authenticate(shared, client, &startup, peer)),
         )
         .await
         {
@@ -185,7 +185,7 @@ async fn serve(
         && startup.database() == Some(crate::admin::ADMIN_DATABASE)
         && spec.want == pgwarden_topology::Want::Primary
     {
-        crate::admin::run(shared, client, &startup).await;
+        Box::pin(crate::admin::run(shared, client, &startup)).await;
         return Ok(());
     }
     let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
@@ -195,9 +195,11 @@ async fn serve(
     );
     if let Some(pool) = pool {
         let cred = credential.unwrap_or(Credential::None);
-        return crate::txn::run(shared, service, client, startup, buf, peer, pool, cred)
-            .await
-            .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
+        return Box::pin(crate::txn::run(
+            shared, service, client, startup, buf, peer, pool, cred,
+        ))
+        .await
+        .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
     }
     let (server, host) = connect_server(shared, service).await?;
     shared

@@ -118,6 +118,16 @@ pub(crate) async fn run(
         skip: 0,
         settings,
         credential,
+        last_pool: None,
+        outbuf: BytesMut::new(),
+        paused: shared.paused(&spec.name),
+        wait_histogram: shared
+            .metrics
+            .pool_wait
+            .get_or_create(&ServiceLabel {
+                service: spec.name.clone(),
+            })
+            .clone(),
     };
     for k in TRACKED {
         if let Some(v) = session.startup.get(k) {
@@ -127,7 +137,7 @@ pub(crate) async fn run(
 
     // Log in once to learn the server's parameters (and whether the
     // database and role exist); the connection goes straight back.
-    let first = match session.acquire().await {
+    let first = match Box::pin(session.acquire()).await {
         Ok(c) => c,
         Err(f) => {
             let mut out = BytesMut::new();
@@ -203,6 +213,10 @@ pub(crate) async fn run(
         .get_or_create(&label)
         .clone();
 
+    // The startup buffer is not needed once the client is idle.
+    if early.is_empty() {
+        early = BytesMut::new();
+    }
     let outcome: Result<(), Fatal> = async {
         let mut sbuf = BytesMut::new();
         let mut retired = None::<watch::Receiver<bool>>;
@@ -341,6 +355,14 @@ struct Session {
     settings: crate::pool::PoolSettings,
     /// What the client proved, for opening server connections as its role.
     credential: crate::auth::Credential,
+    /// Output buffer towards the server, kept while attached.
+    outbuf: BytesMut,
+    /// The pool of the last transaction: reused while it fits.
+    last_pool: Option<Arc<crate::pool::Pool>>,
+    /// The service's pause switch.
+    paused: watch::Receiver<bool>,
+    /// This service's wait histogram, resolved once.
+    wait_histogram: prometheus_client::metrics::histogram::Histogram,
 }
 
 impl Session {
@@ -352,11 +374,36 @@ impl Session {
     /// line (and for a host to appear, and while the service is paused)
     /// up to `query_wait_timeout`.
     async fn acquire(&mut self) -> Result<Checkout, Fatal> {
+        // The common case costs no lock, allocation or timer: the host is
+        // the one of the last transaction, its pool still serves, the
+        // service is not paused and a connection is idle.
+        if let Some(pool) = &self.last_pool {
+            let snap = self.shared.snapshot.load();
+            let same = self
+                .service
+                .selector
+                .select(&snap.topology, &self.service.spec.want)
+                .is_ok_and(|i| snap.topology.hosts()[i].config.addr == pool.key.host);
+            if same && !pool.is_retired() && !*self.paused.borrow() {
+                if let Some(c) = pool.try_checkout() {
+                    self.wait_histogram.observe(0.0);
+                    return Ok(c);
+                }
+            }
+        }
+        // Boxed: the slow path's state is large and rare, and would
+        // otherwise be part of every idle client's task.
+        let c = Box::pin(self.acquire_slow()).await?;
+        self.last_pool = Some(c.pool.clone());
+        Ok(c)
+    }
+
+    async fn acquire_slow(&mut self) -> Result<Checkout, Fatal> {
         let spec = &self.service.spec;
         let settings = self.settings.clone();
         let deadline = tokio::time::Instant::now() + settings.query_wait_timeout;
         let mut changes = self.shared.changes.clone();
-        let mut paused = self.shared.paused(&spec.name);
+        let mut paused = self.paused.clone();
         loop {
             if *paused.borrow() {
                 tokio::select! {
@@ -396,13 +443,7 @@ impl Session {
             pool.set_credential(&self.credential);
             match pool.checkout(&self.startup, deadline).await {
                 Ok(c) => {
-                    self.shared
-                        .metrics
-                        .pool_wait
-                        .get_or_create(&ServiceLabel {
-                            service: spec.name.clone(),
-                        })
-                        .observe(c.waited.as_secs_f64());
+                    self.wait_histogram.observe(c.waited.as_secs_f64());
                     return Ok(c);
                 }
                 Err(ServerError::Retired) => continue,
@@ -469,6 +510,7 @@ impl Session {
     }
 
     fn detach(&mut self, reusable: bool) {
+        self.outbuf = BytesMut::new();
         if let Some(c) = self.attached.take() {
             *self.cancel_target.lock().expect("poisoned") = None;
             c.release(reusable);
@@ -482,7 +524,24 @@ impl Session {
         buf: &mut BytesMut,
         retired: &mut Option<watch::Receiver<bool>>,
     ) -> Result<bool, Fatal> {
-        let mut out = BytesMut::new();
+        // Reused while the client holds a server, so a transaction does not
+        // allocate its output; dropped with the server (idle clients hold
+        // no buffers).
+        let mut out = std::mem::take(&mut self.outbuf);
+        out.clear();
+        let r = self.client_messages(buf, retired, &mut out).await;
+        if self.attached.is_some() {
+            self.outbuf = out;
+        }
+        r
+    }
+
+    async fn client_messages(
+        &mut self,
+        buf: &mut BytesMut,
+        retired: &mut Option<watch::Receiver<bool>>,
+        out: &mut BytesMut,
+    ) -> Result<bool, Fatal> {
         loop {
             let (tag, msg) = match message::split_message(buf, MAX_MESSAGE) {
                 Ok(Some(m)) => m,
@@ -495,13 +554,13 @@ impl Session {
                 }
             };
             if tag == frontend::TERMINATE {
-                self.flush(&mut out).await?;
+                self.flush(out).await?;
                 return Ok(true);
             }
             self.attach(retired).await?;
-            self.translate(tag, msg, &mut out)?;
+            self.translate(tag, msg, out)?;
         }
-        self.flush(&mut out).await?;
+        self.flush(out).await?;
         Ok(false)
     }
 
@@ -697,43 +756,48 @@ impl Session {
     /// Only ParseComplete, ReadyForQuery and ParameterStatus are looked at;
     /// everything else streams through, partial messages included.
     fn server_bytes(&mut self, buf: &mut BytesMut) -> Result<BytesMut, Fatal> {
-        let mut out = BytesMut::with_capacity(buf.len());
+        // Bytes are handed on without copying; only when a message is
+        // dropped (an injected Parse's ParseComplete) is the rest copied
+        // around it.
+        let mut out: Option<BytesMut> = None;
+        let mut pos = 0;
         if self.skip > 0 {
-            let n = self.skip.min(buf.len());
-            out.extend_from_slice(&buf[..n]);
-            buf.advance(n);
-            self.skip -= n;
+            pos = self.skip.min(buf.len());
+            self.skip -= pos;
         }
         loop {
-            let Some(h) = message::peek_header(buf, usize::MAX)
+            let Some(h) = message::peek_header(&buf[pos..], usize::MAX)
                 .map_err(|e| Fatal::new(sqlstate::PROTOCOL_VIOLATION, e.to_string()))?
             else {
                 break;
             };
             let total = h.total_len();
+            let avail = buf.len() - pos;
             let interesting = matches!(
                 h.tag,
                 backend::PARSE_COMPLETE | backend::READY_FOR_QUERY | backend::PARAMETER_STATUS
             );
             if !interesting {
-                let n = total.min(buf.len());
-                out.extend_from_slice(&buf[..n]);
-                buf.advance(n);
+                let n = total.min(avail);
+                pos += n;
                 self.skip = total - n;
                 if self.skip > 0 {
                     break;
                 }
                 continue;
             }
-            if buf.len() < total {
+            if avail < total {
                 break;
             }
-            let msg = buf.split_to(total);
-            let body = &msg[5..];
+            let body = &buf[pos + 5..pos + total];
             match h.tag {
                 backend::PARSE_COMPLETE => {
                     self.drop_stale_parses();
                     if let Some((true, _)) = self.replies.parses.pop_front() {
+                        let o = out.get_or_insert_with(BytesMut::new);
+                        o.extend_from_slice(&buf[..pos]);
+                        buf.advance(pos + total);
+                        pos = 0;
                         continue;
                     }
                 }
@@ -750,7 +814,10 @@ impl Session {
                             && !v.eq_ignore_ascii_case("on")
                         {
                             self.detach(false);
-                            return Err(Fatal::new(sqlstate::READ_ONLY_SQL_TRANSACTION, "terminating connection: the session was made read-write on a read-only service"));
+                            return Err(Fatal::new(
+                                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                                "terminating connection: the session was made read-write on a read-only service",
+                            ));
                         }
                         if TRACKED.contains(&k) {
                             self.params.insert(k.to_string(), v.to_string());
@@ -761,9 +828,16 @@ impl Session {
                     }
                 }
             }
-            out.extend_from_slice(&msg);
+            pos += total;
         }
-        Ok(out)
+        let head = buf.split_to(pos);
+        Ok(match out {
+            Some(mut o) => {
+                o.extend_from_slice(&head);
+                o
+            }
+            None => head,
+        })
     }
 
     fn drop_stale_parses(&mut self) {
