@@ -149,8 +149,28 @@ select = "standby"
         .await
         .expect("session survives the reload");
 
+    // Moving a listener: the new address serves, the old one is closed,
+    // sessions go on.
+    let extra2 = free_port();
+    write(
+        &config,
+        &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra2}\"\nselect = \"replica\"\n"),
+    );
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    lands_on("moved service", extra2, "t").await;
+    eventually("old address closed", WAIT, || async move {
+        match std::net::TcpStream::connect(("127.0.0.1", extra)) {
+            Err(_) => Ok(()),
+            Ok(_) => Err("still listening".to_string()),
+        }
+    })
+    .await;
+    held.simple_query("SELECT 1")
+        .await
+        .expect("session survives the move");
+
     // A bad file is refused with file, line and key; everything keeps running.
-    write(&config, &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra}\"\nselect = \"replica\"\nbogus = 1\n"));
+    write(&config, &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra2}\"\nselect = \"replica\"\nbogus = 1\n"));
     pg.signal(nix::sys::signal::Signal::SIGHUP);
     eventually("reload rejected in the log", WAIT, || {
         let log = pg.log();
@@ -168,7 +188,7 @@ select = "standby"
     .await;
     held.simple_query("SELECT 1").await.expect("still serving");
     assert_eq!(
-        select_one(conninfo(extra)).await.unwrap(),
+        select_one(conninfo(extra2)).await.unwrap(),
         "t",
         "old config stays"
     );
