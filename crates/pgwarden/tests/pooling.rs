@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, proxy_with, sql_value, sqlstate, until, via};
+use common::{client, one, proxy_with, ready, sql_value, sqlstate, until, via};
 use pgwarden_proxy::PoolSettings;
 use pgwarden_testkit::TestCluster;
 
@@ -16,29 +16,6 @@ fn pool(size: usize, wait: Duration) -> Option<PoolSettings> {
         query_wait_timeout: wait,
         ..PoolSettings::default()
     })
-}
-
-async fn ready(e: &pgwarden_probe::Engine, n: usize) {
-    until(e, "all hosts probed", WAIT, |s| {
-        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
-        (alive == n && s.topology.primary().is_some())
-            .then_some(())
-            .ok_or(format!("{alive} alive"))
-    })
-    .await;
-}
-
-async fn one(c: &tokio_postgres::Client, q: &str) -> String {
-    let rows = c
-        .simple_query(q)
-        .await
-        .unwrap_or_else(|e| panic!("{q}: {e}"));
-    rows.iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-            _ => None,
-        })
-        .expect("a row")
 }
 
 /// Client backends on `conninfo`'s server other than probes and ourselves.

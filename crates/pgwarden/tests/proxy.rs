@@ -5,39 +5,16 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::{client, http_get, proxy, sql_value, sqlstate, until, via};
+use common::{client, http_get, one, proxy, ready, sql_value, sqlstate, until, via};
 use pgwarden_testkit::{StopMode, TestCluster};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-async fn ready(e: &pgwarden_probe::Engine, replicas: usize) {
-    until(e, "all hosts probed", WAIT, |s| {
-        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
-        (alive == replicas + 1 && s.topology.primary().is_some())
-            .then_some(())
-            .ok_or(format!("{alive} alive"))
-    })
-    .await;
-}
-
-async fn one(c: &tokio_postgres::Client, q: &str) -> String {
-    let rows = c
-        .simple_query(q)
-        .await
-        .unwrap_or_else(|e| panic!("{q}: {e}"));
-    rows.iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-            _ => None,
-        })
-        .expect("a row")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_write_reaches_primary_and_read_only_a_replica() {
     let c = TestCluster::builder().replicas(1).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     let rw = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&rw, "SELECT pg_is_in_recovery()").await, "f");
     assert_eq!(
@@ -53,7 +30,7 @@ async fn read_write_reaches_primary_and_read_only_a_replica() {
 async fn protocol_passthrough_extended_binary_errors_notices_and_large_rows() {
     let c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 0).await;
+    ready(&e, 1).await;
     let db = client(&via(&p, "read_write")).await.unwrap();
     // Extended protocol with parameters and binary results.
     let row = db
@@ -106,7 +83,7 @@ async fn protocol_passthrough_extended_binary_errors_notices_and_large_rows() {
 async fn psql_copy_listen_notify_and_notices() {
     let c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 0).await;
+    ready(&e, 1).await;
     let port = p.service_addrs()["read_write"].port().to_string();
     let psql = |args: &[&str], stdin: &str| {
         let mut child = std::process::Command::new("psql")
@@ -229,7 +206,7 @@ async fn malformed_startup_packets_get_08p01_and_a_close() {
 async fn cancel_requests_reach_the_right_backend_and_unknown_keys_are_ignored() {
     let c = TestCluster::builder().replicas(1).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     for service in ["read_write", "read_only"] {
         let db = client(&via(&p, service)).await.unwrap();
         let token = db.cancel_token();
@@ -280,7 +257,7 @@ async fn cancel_requests_reach_the_right_backend_and_unknown_keys_are_ignored() 
 async fn read_only_sessions_cannot_be_made_read_write() {
     let mut c = TestCluster::builder().replicas(1).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     let rw = client(&via(&p, "read_write")).await.unwrap();
     rw.batch_execute("CREATE TABLE w (x int)").await.unwrap();
     let replica = c.conninfo(1);
@@ -394,7 +371,7 @@ async fn read_only_sessions_cannot_be_made_read_write() {
 async fn no_host_waits_then_57p03_naming_the_service() {
     let mut c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_millis(1500)).await;
-    ready(&e, 0).await;
+    ready(&e, 1).await;
     c.node(0).stop(StopMode::Fast).unwrap();
     until(&e, "primary down", WAIT, |s| {
         s.topology
@@ -435,7 +412,7 @@ async fn no_host_waits_then_57p03_naming_the_service() {
         Ok(db) => db,
         Err(e2) => {
             assert_eq!(sqlstate(&e2).as_deref(), Some("57P03"));
-            ready(&e, 0).await;
+            ready(&e, 1).await;
             client(&via(&p, "read_write")).await.unwrap()
         }
     };
@@ -446,7 +423,7 @@ async fn no_host_waits_then_57p03_naming_the_service() {
 async fn primary_change_ends_old_sessions_and_routes_new_ones_to_the_new_primary() {
     let mut c = TestCluster::builder().replicas(1).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(5)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     let old = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(
         one(&old, "SELECT inet_server_port()").await,
@@ -491,7 +468,7 @@ async fn sessions_on_a_partitioned_host_are_closed_promptly() {
     let relay = pgwarden_testkit::Relay::start(c.addr(1).parse().unwrap()).unwrap();
     let addrs = vec![c.addr(0), relay.addr().to_string()];
     let (e, p) = proxy(&addrs, Duration::from_secs(3)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     let ro = client(&via(&p, "read_only")).await.unwrap();
     assert_eq!(one(&ro, "SELECT pg_is_in_recovery()").await, "t");
     // A partition: sockets stay open and silent, so without pgwarden the
@@ -511,7 +488,7 @@ async fn sessions_on_a_partitioned_host_are_closed_promptly() {
 async fn http_health_cluster_and_metrics() {
     let c = TestCluster::builder().replicas(1).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
-    ready(&e, 1).await;
+    ready(&e, 2).await;
     let db = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&db, "SELECT 1").await, "1");
     let http = p.http_addr().unwrap();

@@ -166,6 +166,18 @@ impl Metrics {
         m
     }
 
+    /// The byte counters of one service, resolved once per session so the
+    /// message path only does atomic adds.
+    pub fn byte_counters(&self, service: &str) -> (Counter, Counter) {
+        let label = ServiceLabel {
+            service: service.into(),
+        };
+        (
+            self.bytes_from_clients.get_or_create(&label).clone(),
+            self.bytes_to_clients.get_or_create(&label).clone(),
+        )
+    }
+
     /// Counts a connection error.
     pub fn error(&self, service: &str, reason: &str) {
         self.connection_errors

@@ -506,16 +506,7 @@ async fn relay(
     let label = ServiceLabel {
         service: spec.name.clone(),
     };
-    let from_client = shared
-        .metrics
-        .bytes_from_clients
-        .get_or_create(&label)
-        .clone();
-    let to_client = shared
-        .metrics
-        .bytes_to_clients
-        .get_or_create(&label)
-        .clone();
+    let (from_client, to_client) = shared.metrics.byte_counters(&spec.name);
     let refusals = shared
         .metrics
         .read_only_refusals

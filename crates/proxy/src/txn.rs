@@ -199,19 +199,7 @@ pub(crate) async fn run(
             kill: kill_tx,
         },
     );
-    let label = ServiceLabel {
-        service: spec.name.clone(),
-    };
-    let from_client = shared
-        .metrics
-        .bytes_from_clients
-        .get_or_create(&label)
-        .clone();
-    let to_client = shared
-        .metrics
-        .bytes_to_clients
-        .get_or_create(&label)
-        .clone();
+    let (from_client, to_client) = shared.metrics.byte_counters(&spec.name);
 
     // The startup buffer is not needed once the client is idle.
     if early.is_empty() {

@@ -199,3 +199,28 @@ thread_local! {
     /// The auth time-out for the next proxy built on this thread.
     pub static AUTH_TIMEOUT: std::cell::RefCell<Duration> = const { std::cell::RefCell::new(Duration::from_secs(30)) };
 }
+
+/// Waits until `n` hosts are alive and a primary is known.
+pub async fn ready(e: &Engine, n: usize) {
+    until(e, "all hosts probed", Duration::from_secs(30), |s| {
+        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
+        (alive == n && s.topology.primary().is_some())
+            .then_some(())
+            .ok_or(format!("{alive} alive"))
+    })
+    .await;
+}
+
+/// The first column of the first row of `q` on an open client.
+pub async fn one(c: &tokio_postgres::Client, q: &str) -> String {
+    let rows = c
+        .simple_query(q)
+        .await
+        .unwrap_or_else(|e| panic!("{q}: {e}"));
+    rows.iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .expect("a row")
+}
