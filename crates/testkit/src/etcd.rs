@@ -233,7 +233,7 @@ impl EtcdCluster {
     /// of ours in the meantime.
     pub fn start(size: usize) -> EtcdCluster {
         let size = size.max(1);
-        let bin = etcd_binary().expect("etcd binary (run scripts/install-etcd.sh)");
+        let bin = etcd_binary().expect("etcd binary (run scripts/install-deps.sh)");
         sweep_leftovers();
         let mut last_err = String::new();
         for _attempt in 0..3 {
