@@ -14,6 +14,7 @@
 //! * [`service`]: services and what they select.
 //! * [`duration`]: the duration syntax shared by all time-valued keys.
 
+mod agent;
 pub mod duration;
 mod error;
 mod keypath;
@@ -24,6 +25,9 @@ pub mod service;
 
 use std::path::Path;
 
+pub use agent::{
+    AgentConfig, Callbacks, EtcdConfig, WatchdogConfig, WatchdogMode, DEFAULT_ETCD_NAMESPACE,
+};
 pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::ConfigError;
 pub use sections::{
@@ -49,6 +53,10 @@ pub struct Config {
     pub tls: TlsConfig,
     /// `[auth]`; `None` when pgwarden leaves authentication to the servers.
     pub auth: Option<AuthConfig>,
+    /// `[agent]`: set when this node runs the HA agent.
+    pub agent: Option<AgentConfig>,
+    /// `[etcd]`: present exactly when `agent` is.
+    pub etcd: Option<EtcdConfig>,
     /// Resolved services; private so that the listener checks made at load
     /// time cannot be bypassed.
     services: Vec<ServiceConfig>,

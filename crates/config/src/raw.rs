@@ -24,7 +24,7 @@ use crate::service::ServiceKind;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawFile {
-    pub cluster: RawCluster,
+    pub cluster: Option<Spanned<RawCluster>>,
     #[serde(default)]
     pub listen: RawListen,
     #[serde(default)]
@@ -38,6 +38,8 @@ pub(crate) struct RawFile {
     #[serde(default)]
     pub tls: RawTls,
     pub auth: Option<RawAuth>,
+    pub agent: Option<crate::agent::RawAgent>,
+    pub etcd: Option<Spanned<crate::agent::RawEtcd>>,
 }
 
 #[derive(Deserialize)]
@@ -61,10 +63,12 @@ pub(crate) struct RawTls {
     pub client_tls: Option<crate::sections::ClientTls>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawCluster {
-    pub hosts: Hosts,
+    /// Required in standalone mode; under the HA agent the members found in
+    /// etcd are added to what is listed here.
+    pub hosts: Option<Hosts>,
     pub user: Option<NonEmpty>,
     pub dbname: Option<NonEmpty>,
     pub password: Option<Spanned<String>>,

@@ -54,7 +54,7 @@ impl Source<'_> {
             + 1
     }
 
-    fn invalid(
+    pub(crate) fn invalid(
         &self,
         span: Option<Range<usize>>,
         key: impl Into<String>,
@@ -72,8 +72,39 @@ impl Source<'_> {
 pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigError> {
     // Derived listen ports come from the first host, so errors about them
     // point at it.
-    let first_host = raw.cluster.hosts.0[0].span();
-    let cluster = cluster(raw.cluster, src)?;
+    let cluster_span = raw.cluster.as_ref().map(Spanned::span);
+    let raw_cluster = raw.cluster.map(Spanned::into_inner).unwrap_or_default();
+    let first_host = raw_cluster
+        .hosts
+        .as_ref()
+        .and_then(|h| h.0.first())
+        .map(Spanned::span);
+    let user = raw_cluster
+        .user
+        .as_ref()
+        .map_or_else(|| "postgres".to_string(), |u| u.0.clone());
+    let (agent, etcd) = match (raw.agent, raw.etcd) {
+        (Some(a), Some(e)) => (
+            Some(crate::agent::agent(a, &user, src)?),
+            Some(crate::agent::etcd(e.into_inner(), src)?),
+        ),
+        (Some(_), None) => {
+            return Err(src.invalid(
+                None,
+                "etcd",
+                "the [agent] section needs an [etcd] section: the agents keep the leader lease there",
+            ))
+        }
+        (None, Some(e)) => {
+            return Err(src.invalid(
+                Some(e.span()),
+                "agent",
+                "an [etcd] section without [agent]: add the [agent] section of this node, or remove [etcd] for standalone mode",
+            ))
+        }
+        (None, None) => (None, None),
+    };
+    let cluster = cluster(raw_cluster, cluster_span, agent.as_ref(), src)?;
     let engine = engine(&raw.engine, src)?;
     let pool = pool(raw.pool, src)?;
     let log = log(raw.log, src)?;
@@ -107,6 +138,8 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
         log,
         tls,
         auth,
+        agent,
+        etcd,
         services,
     })
 }
@@ -150,9 +183,25 @@ fn tls(
     })
 }
 
-fn cluster(raw: RawCluster, src: &Source<'_>) -> Result<ClusterConfig, ConfigError> {
-    let mut hosts: Vec<HostConfig> = Vec::with_capacity(raw.hosts.0.len());
-    for item in raw.hosts.0 {
+fn cluster(
+    raw: RawCluster,
+    span: Option<Range<usize>>,
+    agent: Option<&crate::agent::AgentConfig>,
+    src: &Source<'_>,
+) -> Result<ClusterConfig, ConfigError> {
+    let listed = match (raw.hosts, agent) {
+        (Some(h), _) => h.0,
+        (None, Some(_)) => Vec::new(),
+        (None, None) => {
+            return Err(src.invalid(
+                span,
+                "cluster.hosts",
+                "is required: list the PostgreSQL servers (or add an [agent] section to run the HA agent)",
+            ))
+        }
+    };
+    let mut hosts: Vec<HostConfig> = Vec::with_capacity(listed.len() + 1);
+    for item in listed {
         let span = item.span();
         let h = item.into_inner();
         // Host names are case-insensitive, so DB1 and db1 are one server.
@@ -186,6 +235,17 @@ fn cluster(raw: RawCluster, src: &Source<'_>) -> Result<ClusterConfig, ConfigErr
             application_name: h.application_name,
             tags: h.tags,
         });
+    }
+    // The agent's own node is always one of the hosts, so that its
+    // connection manager serves from the first moment, before etcd lists
+    // the other members.
+    if let Some(a) = agent {
+        let own = &a.pg_connect_address;
+        if !hosts.iter().any(|h| &h.addr == own) {
+            let mut h = HostConfig::new(own.clone());
+            h.application_name = Some(a.name.clone());
+            hosts.insert(0, h);
+        }
     }
     if let (Some(_), Some(file)) = (&raw.password, &raw.password_file) {
         return Err(src.invalid(
@@ -418,7 +478,7 @@ fn check_distinct(listeners: &[Listener], src: &Source<'_>) -> Result<(), Config
 fn services(
     raw_listen: &RawListen,
     mut raw_services: BTreeMap<Spanned<String>, RawService>,
-    first_host: Range<usize>,
+    first_host: Option<Range<usize>>,
     cluster: &ClusterConfig,
     engine: &EngineConfig,
     pool: &PoolConfig,
@@ -450,7 +510,7 @@ fn services(
         let port = u32::from(first.addr.port) + offset;
         let port = u16::try_from(port).map_err(|_| {
             src.invalid(
-                Some(first_host.clone()),
+                first_host.clone(),
                 key,
                 format!(
                     "not set, and the derived port {port} (port {} of the first host + {offset}) is above 65535; set {key} explicitly",

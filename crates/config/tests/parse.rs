@@ -428,10 +428,13 @@ fn bad_values() {
 #[test]
 fn missing_required_keys() {
     let err = parse("[listen]\nhttp = \"127.0.0.1:1\"\n", FILE).unwrap_err();
-    assert!(err.to_string().contains("missing field `cluster`"), "{err}");
+    assert!(
+        err.to_string().contains("cluster.hosts: is required"),
+        "{err}"
+    );
     let err = parse("[cluster]\nuser = \"x\"\n", FILE).unwrap_err();
-    assert_eq!(err.key(), Some("cluster"));
-    fails("[cluster]\nuser = \"x\"\n", 1, "hosts", "missing field");
+    assert_eq!(err.key(), Some("cluster.hosts"));
+    fails("[cluster]\nuser = \"x\"\n", 1, "hosts", "is required");
     fails(
         &with("[services.x]\nselect = \"replica\"\n"),
         3,
@@ -674,5 +677,155 @@ auth_user = "pgwarden_auth"     # runs the auth query; its own password from PGW
     assert!(
         err.to_string().contains("pgwarden.toml") && err.to_string().contains("client_tls"),
         "{err}"
+    );
+}
+
+/// The node file of the HA issue, as written, with the `[listen]` section
+/// of the connection-manager issue.
+const AGENT_MINIMAL: &str = r#"[agent]
+name = "n1"
+data_dir = "/var/lib/pgwarden/n1"   # PostgreSQL data directory the agent manages
+pg_listen = "127.0.0.1:5432"
+api = "127.0.0.1:8008"
+rto = "fast"
+
+[etcd]
+endpoints = ["127.0.0.1:2379"]
+cluster = "demo"
+
+[listen]
+read_write = "127.0.0.1:6432"
+read_only = "127.0.0.1:6433"
+http = "127.0.0.1:6434"
+"#;
+
+#[test]
+fn agent_minimal_file() {
+    let c = parse(AGENT_MINIMAL, FILE).unwrap();
+    let a = c.agent.as_ref().expect("agent section");
+    assert_eq!(a.name, "n1");
+    assert_eq!(a.pg_listen, HostAddr::new("127.0.0.1", 5432));
+    assert_eq!(a.pg_connect_address, a.pg_listen);
+    assert_eq!(a.api, sa("127.0.0.1:8008"));
+    assert_eq!(a.api_url, "http://127.0.0.1:8008");
+    // The fast preset of the reference table.
+    let t = a.timing;
+    assert_eq!(
+        (t.ttl, t.loop_wait, t.retry_timeout, t.primary_start_timeout),
+        (ms(20_000), ms(5_000), ms(5_000), ms(15_000))
+    );
+    assert_eq!(a.maximum_lag_on_failover, 1024 * 1024);
+    assert!(!a.tags.nofailover);
+    assert_eq!(a.replication_user, "postgres");
+    assert!(a.reclone_on_rewind_failure);
+    let e = c.etcd.as_ref().expect("etcd section");
+    assert_eq!(e.endpoints, ["127.0.0.1:2379"]);
+    assert_eq!(
+        (e.namespace.as_str(), e.cluster.as_str()),
+        ("pgwarden", "demo")
+    );
+    // Without [cluster], the node's own server is the one known host.
+    assert_eq!(c.cluster.hosts.len(), 1);
+    assert_eq!(c.cluster.hosts[0].addr, HostAddr::new("127.0.0.1", 5432));
+    assert_eq!(c.cluster.hosts[0].application_name.as_deref(), Some("n1"));
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:6432"));
+}
+
+#[test]
+fn agent_ports_derive_from_pg_listen() {
+    let text = AGENT_MINIMAL.split("[listen]").next().unwrap();
+    let c = parse(text, FILE).unwrap();
+    assert_eq!(c.listen.read_write, sa("127.0.0.1:6432"));
+    assert_eq!(c.listen.read_only, sa("127.0.0.1:6433"));
+    assert_eq!(c.listen.http, sa("127.0.0.1:6434"));
+}
+
+#[test]
+fn agent_timing_overrides_and_targets() {
+    let text = AGENT_MINIMAL.replace(
+        "rto = \"fast\"",
+        "rto = \"norm\"\nttl = 12\nloop_wait = \"2s\"\nretry_timeout = 4\nprimary_start_timeout = \"1500ms\"\nnofailover = true\nfailover_priority = 3\n[agent.parameters]\nshared_buffers = \"64MB\"\nmax_connections = 50\nhot_standby = true",
+    );
+    let c = parse(&text, FILE).unwrap();
+    let a = c.agent.unwrap();
+    assert_eq!(
+        (a.timing.ttl, a.timing.loop_wait, a.timing.retry_timeout),
+        (ms(12_000), ms(2_000), ms(4_000))
+    );
+    assert_eq!(a.timing.primary_start_timeout, ms(1_500));
+    assert!(a.tags.nofailover);
+    assert_eq!(a.tags.failover_priority, 3);
+    assert_eq!(a.parameters["shared_buffers"], "64MB");
+    assert_eq!(a.parameters["max_connections"], "50");
+    assert_eq!(a.parameters["hot_standby"], "on");
+
+    let c = parse(&AGENT_MINIMAL.replace("rto = \"fast\"", "rto = 8"), FILE).unwrap();
+    let t = c.agent.unwrap().timing;
+    assert!(t.loop_wait + t.retry_timeout * 2 <= t.ttl);
+    assert!(t.ttl <= ms(8_000));
+}
+
+#[test]
+fn agent_lease_constraint_is_refused_with_the_key() {
+    // loop_wait + 2 × retry_timeout = 5 + 20 > 20.
+    let msg = fails(
+        &AGENT_MINIMAL.replace("rto = \"fast\"", "rto = \"fast\"\nretry_timeout = 10"),
+        6,
+        "agent.ttl",
+        "ttl",
+    );
+    assert!(msg.contains("retry_timeout"), "{msg}");
+    // A target no consistent set of timers can reach.
+    fails(
+        &AGENT_MINIMAL.replace("rto = \"fast\"", "rto = 1"),
+        6,
+        "agent.rto",
+        "rto",
+    );
+}
+
+#[test]
+fn agent_and_etcd_come_together() {
+    let no_etcd = AGENT_MINIMAL.replace(
+        "[etcd]\nendpoints = [\"127.0.0.1:2379\"]\ncluster = \"demo\"\n",
+        "",
+    );
+    let err = parse(&no_etcd, FILE).unwrap_err();
+    assert_eq!(err.key(), Some("etcd"), "{err}");
+    let no_agent = format!(
+        "{}\n[etcd]\nendpoints = [\"127.0.0.1:2379\"]\ncluster = \"demo\"\n",
+        MINIMAL
+    );
+    let err = parse(&no_agent, FILE).unwrap_err();
+    assert_eq!(err.key(), Some("agent"), "{err}");
+    fails(
+        &AGENT_MINIMAL.replace("name = \"n1\"", "name = \"n 1\""),
+        2,
+        "agent.name",
+        "invalid member name",
+    );
+    fails(
+        &AGENT_MINIMAL.replace("cluster = \"demo\"", "cluster = \"a/b\""),
+        10,
+        "etcd.cluster",
+        "invalid cluster name",
+    );
+    fails(
+        &AGENT_MINIMAL.replace("endpoints = [\"127.0.0.1:2379\"]", "endpoints = []"),
+        9,
+        "etcd.endpoints",
+        "is empty",
+    );
+    fails(
+        &AGENT_MINIMAL.replace("api = \"127.0.0.1:8008\"", "api = \"localhost:8008\""),
+        5,
+        "api",
+        "invalid listen address",
+    );
+    fails(
+        &AGENT_MINIMAL.replace("rto = \"fast\"", "rto = \"fast\"\nbogus = 1"),
+        7,
+        "bogus",
+        "unknown field",
     );
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use pgwarden_topology::{
-    HostAddr, HostConfig, ProbeResult, Topology, TopologyConfig, TopologyEvent,
+    HostAddr, HostConfig, PrimaryGate, ProbeResult, Topology, TopologyConfig, TopologyEvent,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -60,6 +60,8 @@ pub struct Snapshot {
 enum Command {
     SetHosts(Vec<HostConfig>),
     SetTopologyConfig(TopologyConfig),
+    SetPrimaryGate(PrimaryGate),
+    ProbeNow,
 }
 
 /// The running topology engine. Dropping it stops all probing.
@@ -135,6 +137,20 @@ impl Engine {
     pub fn set_topology_config(&self, config: TopologyConfig) {
         let _ = self.commands.send(Command::SetTopologyConfig(config));
     }
+
+    /// Replaces the rule for who may be primary; the new view is published
+    /// at once, so sessions on a host the gate closed on are cut without
+    /// waiting for a probe.
+    pub fn set_primary_gate(&self, gate: PrimaryGate) {
+        let _ = self.commands.send(Command::SetPrimaryGate(gate));
+    }
+
+    /// Probes every host now rather than at the next round, e.g. when the
+    /// leader changed and its promotion should be confirmed within
+    /// milliseconds. Hosts whose probe is still running are left alone.
+    pub fn probe_now(&self) {
+        let _ = self.commands.send(Command::ProbeNow);
+    }
 }
 
 impl Drop for Engine {
@@ -186,6 +202,18 @@ impl Running {
                 self.probers = spawn_probers(&hosts, probe, self.generation, &self.results);
             }
             Command::SetTopologyConfig(c) => self.topology.set_config(c),
+            Command::SetPrimaryGate(gate) => {
+                for e in self.topology.set_primary_gate(gate) {
+                    log_event(&e);
+                }
+            }
+            Command::ProbeNow => {
+                for p in &mut self.probers {
+                    if !p.busy && p.trigger.try_send(()).is_ok() {
+                        p.busy = true;
+                    }
+                }
+            }
         }
     }
 
@@ -251,8 +279,11 @@ impl Aggregator {
                     open && !waiting.contains(&true)
                 }
                 Some(cmd) = commands.recv() => {
+                    let resets = matches!(cmd, Command::SetHosts(_));
                     st.command(cmd, &self.probe);
-                    waiting.clear();
+                    if resets {
+                        waiting.clear();
+                    }
                     self.publish(&st.topology, round);
                     open
                 }
@@ -285,6 +316,7 @@ fn log_event(e: &TopologyEvent) {
         TopologyEvent::HostDown { .. }
         | TopologyEvent::PrimaryConflict { .. }
         | TopologyEvent::SyncConfigInvalid { .. }
+        | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),
     }

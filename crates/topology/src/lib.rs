@@ -26,4 +26,4 @@ pub use model::{
 };
 pub use select::{NoTarget, ParseValueError, SelectPolicy, Selector, Strategy, Want};
 pub use ssn::{SsnError, SsnErrorKind, SyncMethod, SyncStandbyNames};
-pub use state::{HostState, Topology, TopologyEvent};
+pub use state::{HostState, PrimaryGate, Topology, TopologyEvent};

@@ -158,6 +158,12 @@ pub enum TopologyEvent {
         /// The replica.
         host: HostAddr,
     },
+    /// A host claims to be primary but does not hold the leader key, so it
+    /// gets no traffic (agent mode).
+    PrimaryWithoutKey {
+        /// The claimant.
+        host: HostAddr,
+    },
     /// The primary's `synchronous_standby_names` could not be parsed.
     SyncConfigInvalid {
         /// The raw setting.
@@ -229,6 +235,10 @@ impl fmt::Display for TopologyEvent {
             TopologyEvent::LagReadmitted { host } => {
                 write!(f, "replica {host} readmitted after catching up")
             }
+            TopologyEvent::PrimaryWithoutKey { host } => write!(
+                f,
+                "host {host} claims to be primary but does not hold the leader key; it gets no traffic"
+            ),
             TopologyEvent::SyncConfigInvalid { value, error } => write!(
                 f,
                 "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
@@ -237,11 +247,30 @@ impl fmt::Display for TopologyEvent {
     }
 }
 
+/// Which hosts may be taken as the primary.
+///
+/// Standalone, the probes alone decide: whoever reports it is out of
+/// recovery (the higher timeline winning a conflict). Under the HA agent,
+/// the leader key in the store decides and the probe only confirms: a host
+/// that claims primary without the key gets no traffic, and without a known
+/// key holder nothing is primary, so routing fails closed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PrimaryGate {
+    /// Probes decide (standalone mode).
+    #[default]
+    Open,
+    /// Only this host may be primary; `None`: no host may.
+    Leader(Option<HostAddr>),
+}
+
 /// The cluster as pgwarden currently sees it.
 #[derive(Clone, Debug)]
 pub struct Topology {
     hosts: Vec<HostState>,
     config: TopologyConfig,
+    gate: PrimaryGate,
+    /// Claimants without the key already reported, so each is logged once.
+    rogues: Vec<HostAddr>,
     primary: Option<usize>,
     conflict_hosts: Vec<usize>,
     ssn: Option<SyncStandbyNames>,
@@ -258,6 +287,8 @@ impl Topology {
         Topology {
             hosts: hosts.into_iter().map(HostState::new).collect(),
             config,
+            gate: PrimaryGate::Open,
+            rogues: Vec::new(),
             primary: None,
             conflict_hosts: Vec::new(),
             ssn: None,
@@ -272,6 +303,22 @@ impl Topology {
     /// next [`Topology::apply`], which is the first moment a time is known.
     pub fn set_config(&mut self, config: TopologyConfig) {
         self.config = config;
+    }
+
+    /// Replaces the rule for who may be primary and re-derives the view.
+    /// Returns the changes, e.g. the primary the gate just closed on.
+    pub fn set_primary_gate(&mut self, gate: PrimaryGate) -> Vec<TopologyEvent> {
+        let prev = self.snapshot();
+        self.gate = gate;
+        self.rogues.clear();
+        let mut events = Vec::new();
+        self.derive(prev, &mut events);
+        events
+    }
+
+    /// The rule in force for who may be primary.
+    pub fn primary_gate(&self) -> &PrimaryGate {
+        &self.gate
     }
 
     /// Replaces the host list (configuration reload). Hosts whose address
@@ -434,7 +481,7 @@ impl Topology {
     /// Recomputes primary, lag and sync states and reports differences
     /// against `prev`.
     fn derive(&mut self, prev: Snapshot, events: &mut Vec<TopologyEvent>) {
-        self.resolve_primary();
+        self.resolve_primary(events);
         if !self.conflict_hosts.is_empty() {
             let now = self.addrs(&self.conflict_hosts);
             if now != prev.conflict {
@@ -460,12 +507,27 @@ impl Topology {
         }
     }
 
-    fn resolve_primary(&mut self) {
+    fn resolve_primary(&mut self, events: &mut Vec<TopologyEvent>) {
         let claimants: Vec<usize> = (0..self.hosts.len())
             .filter(|&i| self.hosts[i].alive && self.hosts[i].role == Role::Primary)
             .collect();
         self.primary = None;
         self.conflict_hosts.clear();
+        if let PrimaryGate::Leader(leader) = &self.gate {
+            for &i in &claimants {
+                let addr = &self.hosts[i].config.addr;
+                if Some(addr) == leader.as_ref() {
+                    self.primary = Some(i);
+                } else if !self.rogues.contains(addr) {
+                    self.rogues.push(addr.clone());
+                    events.push(TopologyEvent::PrimaryWithoutKey { host: addr.clone() });
+                }
+            }
+            let hosts = &self.hosts;
+            self.rogues
+                .retain(|r| claimants.iter().any(|&i| &hosts[i].config.addr == r));
+            return;
+        }
         match claimants.as_slice() {
             [] => {}
             [only] => self.primary = Some(*only),
@@ -755,6 +817,45 @@ pub(crate) mod tests {
             }]
         );
         assert_eq!(t.hosts()[0].role, Role::Unknown);
+    }
+
+    #[test]
+    fn leader_gate_admits_only_the_key_holder_and_fails_closed() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "b", "c"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("b", 100, 1)), t0);
+        t.apply(2, ProbeResult::Ok(primary_obs(2, 100)), t0);
+        // Open: the higher timeline wins.
+        assert_eq!(t.primary(), Some(2));
+        // The key names "a": the timeline no longer matters, "c" is a rogue.
+        let ev = t.set_primary_gate(PrimaryGate::Leader(Some(addr("a"))));
+        assert!(ev.contains(&TopologyEvent::PrimaryWithoutKey { host: addr("c") }));
+        assert!(ev.contains(&TopologyEvent::PrimaryChanged {
+            from: Some(addr("c")),
+            to: Some(addr("a"))
+        }));
+        assert_eq!(t.primary(), Some(0));
+        assert!(!t.conflict());
+        // The rogue is reported once, not on every probe.
+        let ev = t.apply(2, ProbeResult::Ok(primary_obs(2, 100)), t0);
+        assert!(ev.is_empty(), "{ev:?}");
+        // The key holder is still a replica: nothing is primary.
+        t.set_primary_gate(PrimaryGate::Leader(Some(addr("b"))));
+        assert_eq!(t.primary(), None);
+        t.apply(1, ProbeResult::Ok(primary_obs(3, 200)), t0);
+        assert_eq!(t.primary(), Some(1));
+        // No known key holder: fail closed although hosts claim primary.
+        let ev = t.set_primary_gate(PrimaryGate::Leader(None));
+        assert_eq!(t.primary(), None);
+        assert!(ev.contains(&TopologyEvent::PrimaryChanged {
+            from: Some(addr("b")),
+            to: None
+        }));
+        assert_eq!(t.primary_gate(), &PrimaryGate::Leader(None));
+        // Back to standalone: probes decide again.
+        t.set_primary_gate(PrimaryGate::Open);
+        assert_eq!(t.primary(), Some(1));
     }
 
     #[test]

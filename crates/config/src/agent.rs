@@ -1,0 +1,441 @@
+//! `[agent]` and `[etcd]`: the HA agent that manages the local PostgreSQL
+//! node, and the etcd store it keeps the leader lease in.
+//!
+//! Both sections come together: an agent without a store could not agree
+//! with anyone on who leads, and a store section alone would mean nothing.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pgwarden_ha::{RtoSetting, Tags, Timing, TimingOverrides};
+use pgwarden_topology::HostAddr;
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::error::ConfigError;
+use crate::raw::{ListenAddr, NonEmpty};
+use crate::resolve::Source;
+
+/// Namespace of the keys when `etcd.namespace` is not set.
+pub const DEFAULT_ETCD_NAMESPACE: &str = "pgwarden";
+
+/// `[agent]`: one node of an HA cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Member name: unique in the cluster, written into the leader key, and
+    /// the `application_name` the node's WAL receiver reports.
+    pub name: String,
+    /// The PostgreSQL data directory the agent manages (created by initdb
+    /// or pg_basebackup when empty).
+    pub data_dir: PathBuf,
+    /// Where the local PostgreSQL listens.
+    pub pg_listen: HostAddr,
+    /// Where the other members and the connection managers reach it;
+    /// `pg_listen` unless the node sits behind NAT or a relay.
+    pub pg_connect_address: HostAddr,
+    /// Where the agent's REST API listens.
+    pub api: SocketAddr,
+    /// The API's base URL as other members use it.
+    pub api_url: String,
+    /// The timing preset or target, as written.
+    pub rto: RtoSetting,
+    /// The effective timings: the preset with the overrides applied,
+    /// checked against `loop_wait + 2 × retry_timeout ≤ ttl`.
+    pub timing: Timing,
+    /// Candidates further behind the last known leader position than this
+    /// many bytes are not promoted automatically.
+    pub maximum_lag_on_failover: u64,
+    /// This member's tags.
+    pub tags: Tags,
+    /// The unprivileged OS user that runs PostgreSQL when the agent is root.
+    pub run_as: Option<String>,
+    /// Directory of the PostgreSQL server binaries; discovered if absent.
+    pub bin_dir: Option<PathBuf>,
+    /// Role used for replication connections (pg_basebackup, streaming).
+    pub replication_user: String,
+    /// Extra `postgresql.conf` settings for the managed server.
+    pub parameters: BTreeMap<String, String>,
+    /// Lines appended to `pg_hba.conf` when the cluster is created.
+    pub pg_hba: Vec<String>,
+    /// Commands run on lifecycle events.
+    pub callbacks: Callbacks,
+    /// The watchdog device armed while this node is leader.
+    pub watchdog: WatchdogConfig,
+    /// User name for the API's write endpoints (HTTP basic auth).
+    pub api_username: String,
+    /// Password for the API's write endpoints, as written in the file.
+    /// Without any password (here, in `api_password_file` or in
+    /// `PGWARDEN_API_PASSWORD`) the write endpoints are refused.
+    pub api_password: Option<String>,
+    /// File whose first line is the API password, relative to the
+    /// configuration file.
+    pub api_password_file: Option<PathBuf>,
+    /// Re-clone a former primary from the leader when pg_rewind fails,
+    /// instead of leaving it stopped for an operator.
+    pub reclone_on_rewind_failure: bool,
+}
+
+/// Commands run by the agent; each is run through `sh -c` with the action,
+/// the role and the cluster name appended as arguments, as Patroni does.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Callbacks {
+    /// After PostgreSQL was started by the agent.
+    pub on_start: Option<String>,
+    /// After PostgreSQL was stopped by the agent.
+    pub on_stop: Option<String>,
+    /// After the node was promoted or demoted.
+    pub on_role_change: Option<String>,
+}
+
+/// Whether and how the agent uses a Linux watchdog.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WatchdogMode {
+    /// No watchdog.
+    #[default]
+    Off,
+    /// Use the device when it can be opened; lead without it otherwise.
+    Automatic,
+    /// Refuse to lead without an armed watchdog.
+    Required,
+}
+
+/// `agent.watchdog*`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchdogConfig {
+    /// Off, automatic or required.
+    pub mode: WatchdogMode,
+    /// The device, `/dev/watchdog` by default.
+    pub device: PathBuf,
+}
+
+impl Default for WatchdogConfig {
+    fn default() -> Self {
+        WatchdogConfig {
+            mode: WatchdogMode::Off,
+            device: PathBuf::from("/dev/watchdog"),
+        }
+    }
+}
+
+/// `[etcd]`: where the cluster's state is kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// etcd client endpoints, `host:port` or `http://host:port`.
+    pub endpoints: Vec<String>,
+    /// Top-level key prefix, so that pgwarden shares etcd with others.
+    pub namespace: String,
+    /// The cluster's name under the namespace; several clusters can share
+    /// one etcd.
+    pub cluster: String,
+    /// Bound on each etcd request; the agent treats a time-out as a failed
+    /// request and retries within `retry_timeout`.
+    pub op_timeout: Duration,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawAgent {
+    name: Spanned<NonEmpty>,
+    data_dir: NonEmpty,
+    pg_listen: Spanned<ListenAddr>,
+    pg_connect_address: Option<Spanned<String>>,
+    api: ListenAddr,
+    api_url: Option<NonEmpty>,
+    rto: Option<Spanned<RtoSetting>>,
+    ttl: Option<Secs>,
+    loop_wait: Option<Secs>,
+    retry_timeout: Option<Secs>,
+    primary_start_timeout: Option<Secs>,
+    safety_margin: Option<Secs>,
+    maximum_lag_on_failover: Option<u64>,
+    #[serde(default)]
+    nofailover: bool,
+    failover_priority: Option<i32>,
+    #[serde(default)]
+    nosync: bool,
+    #[serde(default)]
+    noloadbalance: bool,
+    run_as: Option<NonEmpty>,
+    bin_dir: Option<NonEmpty>,
+    replication_user: Option<NonEmpty>,
+    #[serde(default)]
+    parameters: BTreeMap<String, ParamValue>,
+    #[serde(default)]
+    pg_hba: Vec<String>,
+    on_start: Option<NonEmpty>,
+    on_stop: Option<NonEmpty>,
+    on_role_change: Option<NonEmpty>,
+    watchdog: Option<WatchdogMode>,
+    watchdog_device: Option<NonEmpty>,
+    api_username: Option<NonEmpty>,
+    api_password: Option<String>,
+    api_password_file: Option<NonEmpty>,
+    reclone_on_rewind_failure: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawEtcd {
+    endpoints: Spanned<Vec<NonEmpty>>,
+    namespace: Option<Spanned<String>>,
+    cluster: Spanned<String>,
+    op_timeout: Option<crate::duration::PositiveDur>,
+}
+
+/// A PostgreSQL parameter value: TOML strings, integers, floats and
+/// booleans are all written as PostgreSQL would read them.
+pub(crate) struct ParamValue(String);
+
+impl<'de> Deserialize<'de> for ParamValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = ParamValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, number or boolean")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ParamValue, E> {
+                Ok(ParamValue(v.to_string()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<ParamValue, E> {
+                Ok(ParamValue(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<ParamValue, E> {
+                Ok(ParamValue(v.to_string()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<ParamValue, E> {
+                Ok(ParamValue(v.to_string()))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<ParamValue, E> {
+                Ok(ParamValue(if v { "on" } else { "off" }.to_string()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// An HA timer. Bare integers count seconds, as in Patroni's settings that
+/// operators copy from; strings take the usual units (`"500ms"`, `"2s"`).
+#[derive(Clone, Copy)]
+pub(crate) struct Secs(Duration);
+
+impl<'de> Deserialize<'de> for Secs {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Secs;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number of seconds or a duration such as \"500ms\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Secs, E> {
+                u64::try_from(v)
+                    .map(|s| Secs(Duration::from_secs(s)))
+                    .map_err(|_| E::custom("must not be negative"))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Secs, E> {
+                Ok(Secs(Duration::from_secs(v)))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Secs, E> {
+                Duration::try_from_secs_f64(v)
+                    .map(Secs)
+                    .map_err(|_| E::custom("must be a non-negative number of seconds"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Secs, E> {
+                crate::duration::parse_duration(v)
+                    .map(Secs)
+                    .map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Member names go into etcd keys, `application_name` and
+/// `synchronous_standby_names`, so they are kept to a portable alphabet.
+fn valid_member_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+pub(crate) fn agent(
+    raw: RawAgent,
+    user: &str,
+    src: &Source<'_>,
+) -> Result<AgentConfig, ConfigError> {
+    let name_span = raw.name.span();
+    let name = raw.name.into_inner().0;
+    if !valid_member_name(&name) {
+        return Err(src.invalid(
+            Some(name_span),
+            "agent.name",
+            format!("invalid member name {name:?}: use letters, digits, '_', '-' or '.', at most 63 characters"),
+        ));
+    }
+    let listen = raw.pg_listen.get_ref().0;
+    let pg_listen = HostAddr::new(listen.ip().to_string(), listen.port());
+    let pg_connect_address = match raw.pg_connect_address {
+        None => pg_listen.clone(),
+        Some(s) => {
+            let span = s.span();
+            s.get_ref().parse::<HostAddr>().map_err(|e| {
+                src.invalid(
+                    Some(span),
+                    "agent.pg_connect_address",
+                    format!("invalid address {:?}: {e}", s.get_ref()),
+                )
+            })?
+        }
+    };
+    let api = raw.api.0;
+    let api_url = raw.api_url.map_or_else(
+        || format!("http://{api}"),
+        |u| u.0.trim_end_matches('/').to_string(),
+    );
+    let overrides = TimingOverrides {
+        ttl: raw.ttl.map(|s| s.0),
+        loop_wait: raw.loop_wait.map(|s| s.0),
+        retry_timeout: raw.retry_timeout.map(|s| s.0),
+        primary_start_timeout: raw.primary_start_timeout.map(|s| s.0),
+        safety_margin: raw.safety_margin.map(|s| s.0),
+    };
+    let rto_span = raw.rto.as_ref().map(Spanned::span);
+    let rto = raw.rto.map(Spanned::into_inner).unwrap_or_default();
+    let timing = rto.resolve(&overrides).map_err(|e| {
+        let key = if overrides == TimingOverrides::default() {
+            "agent.rto"
+        } else {
+            "agent.ttl"
+        };
+        src.invalid(rto_span.clone(), key, format!("{e} (rto = {rto})"))
+    })?;
+    let mut tags = Tags {
+        nofailover: raw.nofailover,
+        nosync: raw.nosync,
+        noloadbalance: raw.noloadbalance,
+        ..Tags::default()
+    };
+    if let Some(p) = raw.failover_priority {
+        tags.failover_priority = p;
+    }
+    if let (Some(_), Some(_)) = (&raw.api_password, &raw.api_password_file) {
+        return Err(src.invalid(
+            None,
+            "agent.api_password_file",
+            "agent.api_password is set too; keep only one of them",
+        ));
+    }
+    let d = WatchdogConfig::default();
+    Ok(AgentConfig {
+        name,
+        data_dir: raw.data_dir.into(),
+        pg_listen,
+        pg_connect_address,
+        api,
+        api_url,
+        rto,
+        timing,
+        maximum_lag_on_failover: raw
+            .maximum_lag_on_failover
+            .unwrap_or(pgwarden_ha::DEFAULT_MAXIMUM_LAG_ON_FAILOVER),
+        tags,
+        run_as: raw.run_as.map(|s| s.0),
+        bin_dir: raw.bin_dir.map(Into::into),
+        replication_user: raw
+            .replication_user
+            .map_or_else(|| user.to_string(), |s| s.0),
+        parameters: raw.parameters.into_iter().map(|(k, v)| (k, v.0)).collect(),
+        pg_hba: raw.pg_hba,
+        callbacks: Callbacks {
+            on_start: raw.on_start.map(|s| s.0),
+            on_stop: raw.on_stop.map(|s| s.0),
+            on_role_change: raw.on_role_change.map(|s| s.0),
+        },
+        watchdog: WatchdogConfig {
+            mode: raw.watchdog.unwrap_or(d.mode),
+            device: raw.watchdog_device.map_or(d.device, Into::into),
+        },
+        api_username: raw
+            .api_username
+            .map_or_else(|| "pgwarden".to_string(), |s| s.0),
+        api_password: raw.api_password,
+        api_password_file: raw.api_password_file.map(Into::into),
+        reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
+    })
+}
+
+pub(crate) fn etcd(raw: RawEtcd, src: &Source<'_>) -> Result<EtcdConfig, ConfigError> {
+    let span = raw.endpoints.span();
+    let endpoints: Vec<String> = raw
+        .endpoints
+        .into_inner()
+        .into_iter()
+        .map(|e| e.0.trim().to_string())
+        .collect();
+    if endpoints.is_empty() {
+        return Err(src.invalid(
+            Some(span),
+            "etcd.endpoints",
+            "is empty: list at least one etcd member",
+        ));
+    }
+    let segment_ok = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    };
+    let cluster_span = raw.cluster.span();
+    let cluster = raw.cluster.into_inner();
+    if !segment_ok(&cluster) {
+        return Err(src.invalid(
+            Some(cluster_span),
+            "etcd.cluster",
+            format!("invalid cluster name {cluster:?}: use letters, digits, '_', '-' or '.'"),
+        ));
+    }
+    let namespace = match raw.namespace {
+        None => DEFAULT_ETCD_NAMESPACE.to_string(),
+        Some(n) => {
+            let text = n.get_ref().trim_matches('/').to_string();
+            if !segment_ok(&text) {
+                return Err(src.invalid(
+                    Some(n.span()),
+                    "etcd.namespace",
+                    format!(
+                        "invalid namespace {:?}: use letters, digits, '_', '-' or '.'",
+                        n.get_ref()
+                    ),
+                ));
+            }
+            text
+        }
+    };
+    Ok(EtcdConfig {
+        endpoints,
+        namespace,
+        cluster,
+        op_timeout: raw.op_timeout.map_or(Duration::from_secs(2), |d| d.0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_names() {
+        for ok in ["n1", "pg-1.dc2", "A_b"] {
+            assert!(valid_member_name(ok), "{ok}");
+        }
+        for bad in ["", "a b", "a/b", "é", &"a".repeat(64)] {
+            assert!(!valid_member_name(bad), "{bad}");
+        }
+    }
+}
