@@ -124,6 +124,18 @@ impl EtcdDcs {
         Ok(self.txn("cancel initialize", txn).await?.succeeded())
     }
 
+    /// Replaces the `initialize` key's value `claim` with `sysid`, once the
+    /// member that won the race with a placeholder knows the system
+    /// identifier of the database it created. Atomic: only if the key still
+    /// holds `claim`.
+    pub async fn finish_initialize(&self, claim: &str, sysid: &str) -> Result<bool> {
+        let key = self.keys.initialize();
+        let txn = Txn::new()
+            .when([Compare::value(key.as_str(), CompareOp::Equal, claim)])
+            .and_then([TxnOp::put(key, sysid, None)]);
+        Ok(self.txn("finish initialize", txn).await?.succeeded())
+    }
+
     /// Creates a lease of `ttl`, rounded up to whole seconds. etcd may raise
     /// very short TTLs to its own minimum (about 2 s with default settings).
     pub async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId> {
@@ -332,6 +344,7 @@ impl EtcdDcs {
                     value: kv.value(),
                     lease: kv.lease(),
                     mod_revision: kv.mod_revision(),
+                    create_revision: kv.create_revision(),
                 }),
             );
             if let Some(leader) = snap.leader.as_mut().filter(|l| l.lease.0 != 0) {

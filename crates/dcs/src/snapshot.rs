@@ -39,6 +39,9 @@ pub struct LeaderKey {
     /// granularity; `None` when the key has no lease (written by hand) or the
     /// lease is unknown to etcd. Zero means the key is about to vanish.
     pub ttl_left: Option<Duration>,
+    /// The key's create revision, which numbers leaderships: every
+    /// acquisition creates the key anew, renewals leave it unchanged.
+    pub generation: i64,
 }
 
 /// One promotion, as kept in the `history` key.
@@ -93,6 +96,7 @@ pub(crate) struct RawKv<'a> {
     pub value: &'a [u8],
     pub lease: i64,
     pub mod_revision: i64,
+    pub create_revision: i64,
 }
 
 impl ClusterSnapshot {
@@ -119,6 +123,7 @@ impl ClusterSnapshot {
                         name,
                         lease: LeaseId(kv.lease),
                         ttl_left: None,
+                        generation: kv.create_revision,
                     })
                 }),
                 "config" => json(kv.value).map(|v| {
@@ -171,6 +176,7 @@ mod tests {
             value: value.as_bytes(),
             lease,
             mod_revision: 7,
+            create_revision: 3,
         }
     }
 
@@ -227,6 +233,7 @@ mod tests {
                     value: &[0xff, 0xfe],
                     lease: 1,
                     mod_revision: 1,
+                    create_revision: 1,
                 },
                 kv("/pgwarden/other/leader", "n9", 1),
             ],

@@ -18,8 +18,14 @@ const RETRY_DELAY: Duration = Duration::from_millis(500);
 /// A change of the leader key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaderEvent {
-    /// The key was written; holds the member name it now names.
-    Put(String),
+    /// The key was written.
+    Put {
+        /// The member name it now names.
+        name: String,
+        /// The key's create revision: new with every acquisition, the same
+        /// for every renewal, so it numbers leaderships.
+        generation: i64,
+    },
     /// The key was deleted: released, or its lease expired.
     Deleted,
 }
@@ -92,7 +98,10 @@ async fn follow(
             let resp = client.get(key.as_str(), None).await.map_err(etcd(OP))?;
             let revision = resp.header().map_or(0, |h| h.revision());
             let current = match resp.kvs().first() {
-                Some(kv) => LeaderEvent::Put(String::from_utf8_lossy(kv.value()).into_owned()),
+                Some(kv) => LeaderEvent::Put {
+                    name: String::from_utf8_lossy(kv.value()).into_owned(),
+                    generation: kv.create_revision(),
+                },
                 None => LeaderEvent::Deleted,
             };
             Ok((current, revision))
@@ -123,11 +132,13 @@ async fn follow(
         }
         for ev in resp.events() {
             let event = match ev.event_type() {
-                EventType::Put => LeaderEvent::Put(
-                    ev.kv()
+                EventType::Put => LeaderEvent::Put {
+                    name: ev
+                        .kv()
                         .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
                         .unwrap_or_default(),
-                ),
+                    generation: ev.kv().map_or(0, |kv| kv.create_revision()),
+                },
                 EventType::Delete => LeaderEvent::Deleted,
             };
             if !deliver(tx, last, event).await {

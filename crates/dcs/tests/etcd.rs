@@ -41,6 +41,14 @@ async fn exactly_one_client_wins_the_bootstrap_race() {
     assert!(!b.cancel_initialize(loser).await.unwrap());
     assert!(b.cancel_initialize(winner).await.unwrap());
     assert!(b.initialize_race("sys-d").await.unwrap());
+    // The winner's placeholder becomes the system identifier, once.
+    assert!(!a.finish_initialize("sys-x", "7301").await.unwrap());
+    assert!(b.finish_initialize("sys-d", "7301").await.unwrap());
+    assert!(!b.finish_initialize("sys-d", "7302").await.unwrap());
+    assert_eq!(
+        a.read_cluster().await.unwrap().initialize.as_deref(),
+        Some("7301")
+    );
 }
 
 #[tokio::test]
@@ -88,9 +96,18 @@ async fn an_expired_lease_frees_the_key_and_the_watcher_sees_it_at_once() {
     let ttl = Duration::from_secs(2);
     let lease = a.grant_lease(ttl).await.unwrap();
     assert!(a.acquire_leader("a", lease).await.unwrap());
+    let LeaderEvent::Put {
+        name,
+        generation: first,
+    } = next_event(&mut watch, OP_TIMEOUT).await
+    else {
+        panic!("expected the key to be written");
+    };
+    assert_eq!(name, "a");
     assert_eq!(
-        next_event(&mut watch, OP_TIMEOUT).await,
-        LeaderEvent::Put("a".into())
+        b.read_cluster().await.unwrap().leader.map(|l| l.generation),
+        Some(first),
+        "the snapshot numbers the leadership as the watch does"
     );
     let left = a.keep_alive_once(lease).await.unwrap();
     let renewed = Instant::now();
@@ -117,10 +134,10 @@ async fn an_expired_lease_frees_the_key_and_the_watcher_sees_it_at_once() {
     // The freed key can be taken by another member.
     let lb = b.grant_lease(ttl).await.unwrap();
     assert!(b.acquire_leader("b", lb).await.unwrap());
-    assert_eq!(
+    assert!(matches!(
         next_event(&mut watch, OP_TIMEOUT).await,
-        LeaderEvent::Put("b".into())
-    );
+        LeaderEvent::Put { name, generation } if name == "b" && generation > first
+    ));
 }
 
 #[tokio::test]
@@ -134,10 +151,10 @@ async fn only_the_owner_releases_the_key() {
     );
     let la = a.grant_lease(Duration::from_secs(30)).await.unwrap();
     assert!(a.acquire_leader("a", la).await.unwrap());
-    assert_eq!(
+    assert!(matches!(
         next_event(&mut watch, OP_TIMEOUT).await,
-        LeaderEvent::Put("a".into())
-    );
+        LeaderEvent::Put { name, .. } if name == "a"
+    ));
     assert!(!b.release_leader("b").await.unwrap());
     assert_eq!(
         b.read_cluster().await.unwrap().leader.map(|l| l.name),
@@ -384,10 +401,10 @@ async fn every_op_is_bounded_when_etcd_is_killed() {
     assert!(a.acquire_leader("a", lease).await.unwrap());
     a.keep_alive_once(lease).await.unwrap();
     let mut watch = a.watch_leader().await;
-    assert_eq!(
+    assert!(matches!(
         next_event(&mut watch, OP_TIMEOUT).await,
-        LeaderEvent::Put("a".into())
-    );
+        LeaderEvent::Put { name, .. } if name == "a"
+    ));
     etcd.kill();
     every_op_fails_in_bounded_time(&a, lease).await;
 
