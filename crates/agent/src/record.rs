@@ -1,0 +1,152 @@
+//! What an agent publishes under `members/<name>`, and how a DCS snapshot
+//! becomes the [`ClusterView`] the HA decision reads.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use pgwarden_dcs::ClusterSnapshot;
+use pgwarden_ha::{ClusterView, FailoverRequest, LeaderInfo, MemberState};
+use serde::{Deserialize, Serialize};
+
+/// One member's published record: the fields the election reads
+/// ([`MemberState`]) plus what operators, routers and `pgwarden ctl` need.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MemberRecord {
+    /// Role, positions, tags and API URL, as the election reads them.
+    #[serde(flatten)]
+    pub state: MemberState,
+    /// Where clients and other members reach its PostgreSQL (`host:port`).
+    pub pg_address: String,
+    /// What the agent is doing with PostgreSQL: `running`, `starting`,
+    /// `stopped`, `crashed`, `rewinding`, `cloning`, `initializing`.
+    pub status: String,
+    /// Wall-clock time of publication, Unix milliseconds; the age of a
+    /// record is what makes a silent member ineligible.
+    pub updated_ms: u64,
+    /// Something that needs an operator, e.g. a failed rewind.
+    pub problem: Option<String>,
+    /// The leader generation this member's connection manager routes by
+    /// (the leader key's create revision); 0 before it has seen a leader.
+    pub routing_generation: i64,
+    /// Bytes behind the leader's last published WAL position (replicas).
+    pub lag_bytes: Option<u64>,
+}
+
+/// Unix time in milliseconds.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether the dynamic `config` key has maintenance mode on.
+pub fn paused(snapshot: &ClusterSnapshot) -> bool {
+    snapshot
+        .config
+        .as_ref()
+        .and_then(|c| c.get("pause"))
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// The members' published records, skipping any that do not decode.
+pub fn records(snapshot: &ClusterSnapshot) -> Vec<MemberRecord> {
+    snapshot
+        .members
+        .iter()
+        .filter_map(|(name, v)| {
+            let mut r: MemberRecord = serde_json::from_value(v.clone()).ok()?;
+            r.state.name = name.clone();
+            Some(r)
+        })
+        .collect()
+}
+
+/// The HA decision's view of a snapshot read at wall-clock `now_ms`.
+pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
+    let members = records(snapshot)
+        .into_iter()
+        .map(|r| {
+            let mut m = r.state;
+            m.last_seen_ms_ago = now_ms.saturating_sub(r.updated_ms);
+            m
+        })
+        .collect();
+    ClusterView {
+        leader: snapshot.leader.as_ref().map(|l| LeaderInfo {
+            name: l.name.clone(),
+            lease_ttl_left: l.ttl_left,
+        }),
+        members,
+        last_leader_lsn: snapshot
+            .status
+            .as_ref()
+            .and_then(|s| s.get("lsn"))
+            .and_then(serde_json::Value::as_u64),
+        paused: paused(snapshot),
+        failover_request: snapshot
+            .failover
+            .as_ref()
+            .and_then(|v| serde_json::from_value::<FailoverRequest>(v.clone()).ok()),
+        sync_members: snapshot
+            .sync
+            .as_ref()
+            .and_then(|s| s.get("members"))
+            .and_then(|m| serde_json::from_value(m.clone()).ok())
+            .unwrap_or_default(),
+    }
+}
+
+/// A duration in whole milliseconds, for JSON.
+pub fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pgwarden_dcs::{LeaderKey, LeaseId};
+    use pgwarden_ha::MemberRole;
+    use serde_json::json;
+
+    #[test]
+    fn a_record_round_trips_and_feeds_the_view() {
+        let mut state = MemberState::new("n2");
+        state.received_lsn = Some(1000);
+        state.timeline = 3;
+        let rec = MemberRecord {
+            state,
+            pg_address: "127.0.0.1:5433".into(),
+            status: "running".into(),
+            updated_ms: 10_000,
+            ..MemberRecord::default()
+        };
+        let v = serde_json::to_value(&rec).unwrap();
+        assert_eq!(v["received_lsn"], 1000);
+        assert_eq!(v["pg_address"], "127.0.0.1:5433");
+        let snap = ClusterSnapshot {
+            leader: Some(LeaderKey {
+                name: "n1".into(),
+                lease: LeaseId(7),
+                ttl_left: Some(Duration::from_secs(4)),
+                generation: 12,
+            }),
+            members: vec![("n2".into(), v), ("bad".into(), json!(42))],
+            config: Some(json!({"pause": true})),
+            status: Some(json!({"lsn": 2000})),
+            failover: Some(json!({"candidate": "n2", "from_leader": "n1"})),
+            ..ClusterSnapshot::default()
+        };
+        let view = cluster_view(&snap, 12_500);
+        assert_eq!(view.members.len(), 1, "undecodable records are skipped");
+        let m = &view.members[0];
+        assert_eq!((m.name.as_str(), m.role), ("n2", MemberRole::Replica));
+        assert_eq!(m.last_seen_ms_ago, 2_500);
+        assert_eq!(view.last_leader_lsn, Some(2000));
+        assert!(view.paused);
+        assert_eq!(view.leader.unwrap().name, "n1");
+        let req = view.failover_request.unwrap();
+        assert_eq!(req.candidate.as_deref(), Some("n2"));
+        assert_eq!(req.from_leader.as_deref(), Some("n1"));
+    }
+}

@@ -1,0 +1,74 @@
+//! The agent's state as the rest of the process sees it: the REST API, the
+//! connection manager's routing, `pgwarden ctl` through the API.
+//!
+//! The HA loop is the only writer; it swaps in a new [`AgentStatus`] after
+//! every iteration, so readers never wait on the loop.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use pgwarden_dcs::ClusterSnapshot;
+use pgwarden_ha::Timing;
+use serde::Serialize;
+
+use crate::record::MemberRecord;
+
+/// A snapshot of the agent after one loop iteration.
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentStatus {
+    /// This member's record as last published (or about to be).
+    pub member: MemberRecord,
+    /// True while this agent's lease holds the leader key and its PostgreSQL
+    /// runs as a primary: the one member that may take writes.
+    pub is_leader: bool,
+    /// The leader key's holder, as last read.
+    pub leader: Option<String>,
+    /// The leader key's create revision: a new number for every leadership.
+    pub leader_generation: i64,
+    /// Whether the last DCS request succeeded.
+    pub dcs_reachable: bool,
+    /// Milliseconds since the DCS last answered (0 when it just did).
+    pub dcs_silent_ms: u64,
+    /// Maintenance mode.
+    pub paused: bool,
+    /// The last decision, as logged.
+    pub last_decision: String,
+    /// The effective HA timings.
+    #[serde(skip)]
+    pub timing: Timing,
+    /// The cluster as last read from the DCS.
+    #[serde(skip)]
+    pub cluster: Option<ClusterSnapshot>,
+}
+
+impl AgentStatus {
+    /// The status before the first loop iteration.
+    pub fn initial(member: MemberRecord, timing: Timing) -> Self {
+        AgentStatus {
+            member,
+            is_leader: false,
+            leader: None,
+            leader_generation: 0,
+            dcs_reachable: false,
+            dcs_silent_ms: 0,
+            paused: false,
+            last_decision: "starting".into(),
+            timing,
+            cluster: None,
+        }
+    }
+}
+
+/// Shared, lock-free access to the latest [`AgentStatus`].
+pub type StatusHandle = Arc<ArcSwap<AgentStatus>>;
+
+/// Requests to the HA loop from the API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// Run an iteration now (something changed in the DCS).
+    Wake,
+    /// Restart the local PostgreSQL in its current role.
+    Restart,
+    /// Make the local PostgreSQL re-read its configuration.
+    Reload,
+}
