@@ -5,9 +5,132 @@
 //! * [`record`]: what a member publishes in etcd, and the decision's view
 //!   of a DCS snapshot.
 //! * [`status`]: the agent's state as the API and the router read it.
+//! * `ha_loop`: observe, read the DCS, decide, act, publish.
+//! * [`postgres`]: the local PostgreSQL, driven and observed.
 
+mod ha_loop;
+pub mod postgres;
 pub mod record;
 pub mod status;
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use pgwarden_config::{AgentConfig, EtcdConfig};
+use pgwarden_dcs::EtcdDcs;
+use pgwarden_pgctl::{Instance, InstanceSpec, PgBinaries, RunAs};
+use tokio::sync::{mpsc, watch};
+
 pub use record::MemberRecord;
 pub use status::{AgentStatus, Command, StatusHandle};
+
+/// Settings the agent always gives its PostgreSQL, before the operator's
+/// `agent.parameters`: enough WAL kept for a demoted primary to rejoin
+/// without a fresh clone, and hot standbys that answer the probes.
+const DEFAULT_PARAMETERS: &[(&str, &str)] = &[
+    ("wal_level", "replica"),
+    ("hot_standby", "on"),
+    ("wal_keep_size", "128MB"),
+    ("max_wal_senders", "10"),
+    ("max_replication_slots", "10"),
+    ("wal_log_hints", "on"),
+];
+
+/// Why the agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// PostgreSQL binaries or the unprivileged user are missing.
+    #[error(transparent)]
+    Pg(#[from] pgwarden_pgctl::PgCtlError),
+}
+
+/// A running agent, as the rest of the process uses it.
+#[derive(Clone)]
+pub struct AgentHandle {
+    /// The latest status, swapped after every loop iteration.
+    pub status: StatusHandle,
+    /// Bumped whenever the status changes.
+    pub changes: watch::Receiver<u64>,
+    /// Requests to the loop.
+    pub commands: mpsc::Sender<Command>,
+    /// The DCS connection, shared with the API.
+    pub dcs: EtcdDcs,
+}
+
+/// Starts the agent of one node: connects to etcd (retrying until it
+/// answers), then runs the HA loop in the background.
+///
+/// `superuser` and `password` are what the agent connects to its
+/// PostgreSQL with (and what initdb creates).
+pub async fn start(
+    cfg: AgentConfig,
+    etcd: EtcdConfig,
+    superuser: String,
+    password: Option<String>,
+) -> Result<AgentHandle, AgentError> {
+    let bins = match &cfg.bin_dir {
+        Some(d) => PgBinaries::at(d),
+        None => PgBinaries::discover()?,
+    };
+    let run_as = match &cfg.run_as {
+        Some(name) => RunAs::named(name)?,
+        None if nix::unistd::geteuid().is_root() => RunAs::unprivileged()?,
+        None => RunAs::current(),
+    };
+    let mut spec = InstanceSpec::new(&cfg.name, &cfg.data_dir, cfg.pg_listen.port);
+    spec.host = cfg.pg_listen.host.clone();
+    let mut settings: BTreeMap<String, String> = DEFAULT_PARAMETERS
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    settings.extend(cfg.parameters.clone());
+    spec.settings = settings;
+    let instance = Instance::new(spec, bins, run_as);
+    let pg = postgres::LocalPostgres::new(
+        instance,
+        cfg.pg_listen.clone(),
+        superuser,
+        password,
+        cfg.replication_user.clone(),
+    );
+    let dcs = loop {
+        match EtcdDcs::connect(
+            &etcd.endpoints,
+            &etcd.namespace,
+            &etcd.cluster,
+            etcd.op_timeout,
+        )
+        .await
+        {
+            Ok(d) => break d,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot reach etcd yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    let status: StatusHandle = Arc::new(ArcSwap::from_pointee(AgentStatus::initial(
+        MemberRecord::default(),
+        cfg.timing,
+    )));
+    let (changes_tx, changes) = watch::channel(0);
+    let (commands, commands_rx) = mpsc::channel(16);
+    let ha = ha_loop::HaLoop::new(
+        cfg,
+        etcd,
+        dcs.clone(),
+        pg,
+        status.clone(),
+        changes_tx,
+        commands_rx,
+    );
+    tokio::spawn(ha.run());
+    Ok(AgentHandle {
+        status,
+        changes,
+        commands,
+        dcs,
+    })
+}

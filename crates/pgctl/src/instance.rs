@@ -203,6 +203,105 @@ impl Instance {
         self.write_settings()
     }
 
+    /// Configures this data directory to start in recovery: streaming from
+    /// `upstream` when given, otherwise replaying only what it has (a
+    /// former primary that must not take writes while no leader is known).
+    pub fn set_standby(&mut self, upstream: Option<(&str, u16)>, user: &str) -> Result<()> {
+        match upstream {
+            Some((h, p)) => {
+                self.upstream = Some((h.to_string(), p));
+                self.write_standby(user)
+            }
+            None => {
+                self.upstream = None;
+                self.spec.settings.remove("primary_conninfo");
+                let signal = self.spec.datadir.join("standby.signal");
+                fs::write(&signal, b"").map_err(io_err(&signal))?;
+                self.run_as.own(&signal)?;
+                self.write_settings()
+            }
+        }
+    }
+
+    /// The upstream this standby was last pointed at.
+    pub fn upstream(&self) -> Option<(&str, u16)> {
+        self.upstream.as_ref().map(|(h, p)| (h.as_str(), *p))
+    }
+
+    /// Configures this data directory to start as a primary.
+    pub fn clear_standby(&mut self) -> Result<()> {
+        let signal = self.spec.datadir.join("standby.signal");
+        let _ = fs::remove_file(signal);
+        self.upstream = None;
+        self.spec.settings.remove("primary_conninfo");
+        self.write_settings()
+    }
+
+    /// Whether a data directory has been created here.
+    pub fn has_data(&self) -> bool {
+        self.spec.datadir.join("PG_VERSION").exists()
+    }
+
+    /// Removes the data directory's contents, so it can be cloned afresh.
+    pub fn wipe(&mut self) -> Result<()> {
+        let dir = &self.spec.datadir;
+        if dir.exists() {
+            fs::remove_dir_all(dir).map_err(io_err(dir))?;
+        }
+        self.upstream = None;
+        Ok(())
+    }
+
+    /// Fields of `pg_controldata`, e.g. "Database cluster state" or
+    /// "Database system identifier".
+    pub fn controldata(&self) -> Result<BTreeMap<String, String>> {
+        let mut cmd = self.command("pg_controldata");
+        cmd.arg("-D").arg(&self.spec.datadir);
+        let out = cmd.output().map_err(|source| PgCtlError::Spawn {
+            program: "pg_controldata".into(),
+            source,
+        })?;
+        if !out.status.success() {
+            return Err(PgCtlError::CommandFailed {
+                program: "pg_controldata".into(),
+                status: out.status.to_string(),
+                output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+            .collect())
+    }
+
+    /// Finishes crash recovery without accepting connections (single-user
+    /// mode), leaving a cleanly shut down data directory, which `pg_rewind`
+    /// requires.
+    pub fn recover_single_user(&mut self) -> Result<()> {
+        let mut cmd = self.command("postgres");
+        cmd.arg("--single")
+            .arg("-F")
+            .arg("-D")
+            .arg(&self.spec.datadir)
+            .args(["-c", "archive_mode=off", "postgres"])
+            .stdin(Stdio::null());
+        run(cmd, "postgres --single")
+    }
+
+    /// Resynchronises this (stopped) data directory with `source`, a
+    /// libpq connection string of the new primary, after timelines forked.
+    pub fn rewind(&mut self, source: &str) -> Result<()> {
+        let mut cmd = self.command("pg_rewind");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .arg(format!("--source-server={source}"))
+            .arg("--no-sync");
+        run(cmd, "pg_rewind")?;
+        // pg_rewind copies the source's files, ours included.
+        self.write_settings()
+    }
+
     /// Sets one `postgresql.conf` setting in pgwarden's settings file. A
     /// running server sees it after [`Instance::reload`] (or a restart for
     /// settings that need one).

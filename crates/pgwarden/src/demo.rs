@@ -84,7 +84,12 @@ pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> 
         "config:     {} (edit it and send SIGHUP to reload)",
         config_path.display()
     );
-    let result = runtime.block_on(crate::run_cmd::serve(&config_path, config, !args.quiet));
+    let result = runtime.block_on(crate::run_cmd::serve(
+        &config_path,
+        config,
+        !args.quiet,
+        None,
+    ));
     eprintln!("stopping the demo cluster");
     cluster.stop_all()?;
     drop(cluster);

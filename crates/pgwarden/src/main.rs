@@ -3,6 +3,7 @@
 //! The binary is thin: it parses the command line, sets up logging and the
 //! runtime, and hands over to the library crates.
 
+mod agent_cmd;
 mod demo;
 mod run_cmd;
 mod topology_cmd;
@@ -25,6 +26,8 @@ enum Command {
     Run(run_cmd::Args),
     /// Probe a cluster and show its topology, or the hosts a selector picks.
     Topology(topology_cmd::Args),
+    /// Run the HA agent of one node, with its connection manager.
+    Agent(agent_cmd::Args),
     /// Start a local demo cluster (a primary and replicas) and watch it.
     Demo(demo::Args),
 }
@@ -32,8 +35,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    if let Command::Run(args) = cli.command {
-        return report(run_cmd::run(args));
+    match cli.command {
+        Command::Run(args) => return report(run_cmd::run(args)),
+        Command::Agent(args) => return report(agent_cmd::run(args)),
+        _ => {}
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -49,7 +54,7 @@ fn main() -> ExitCode {
     report(match cli.command {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
-        Command::Run(_) => unreachable!("handled above"),
+        Command::Run(_) | Command::Agent(_) => unreachable!("handled above"),
     })
 }
 

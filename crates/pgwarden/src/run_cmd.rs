@@ -10,7 +10,8 @@ use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
 use pgwarden_proxy::{
     AuthSpec, ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec, TlsSpec,
 };
-use pgwarden_topology::Want;
+use pgwarden_topology::{PrimaryGate, Want};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Options of `pgwarden run`.
@@ -32,18 +33,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     tracing::info!(worker_threads = threads, "starting");
-    runtime.block_on(serve(&args.config, config, false))
+    runtime.block_on(serve(&args.config, config, false, None))
 }
 
 /// Runs the topology engine and the connection manager until SIGINT or
 /// SIGTERM, reloading `path` on SIGHUP. With `print_rounds`, the topology
 /// table is printed after every probe round (the demo).
-pub async fn serve(path: &Path, config: Config, print_rounds: bool) -> anyhow::Result<()> {
-    let engine = Engine::start(
+///
+/// With an `agent` (agent mode), writes go only to the member holding the
+/// leader key, and the other members' servers join the host list as they
+/// publish themselves.
+pub async fn serve(
+    path: &Path,
+    config: Config,
+    print_rounds: bool,
+    agent: Option<pgwarden_agent::AgentHandle>,
+) -> anyhow::Result<()> {
+    let engine = Arc::new(Engine::start(
         config.cluster.host_configs(),
         config.cluster.topology_config(),
         probe_config(&config)?,
-    );
+    ));
+    if let Some(agent) = agent {
+        // Closed until the first DCS read names a leader.
+        engine.set_primary_gate(PrimaryGate::Leader(None));
+        tokio::spawn(crate::agent_cmd::follow_leader(
+            agent,
+            engine.clone(),
+            config.cluster.host_configs(),
+        ));
+    }
     if print_rounds {
         let mut rounds = engine.rounds();
         let snapshots = engine.snapshot_handle();

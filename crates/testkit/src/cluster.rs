@@ -11,7 +11,7 @@ use pgwarden_pgctl::{
 
 /// Prefix of every directory the kit creates under the temp dir; the
 /// creating process id follows, so leftovers of dead runs can be found.
-const DIR_PREFIX: &str = "pgwarden-test-";
+pub(crate) const DIR_PREFIX: &str = "pgwarden-test-";
 
 /// A free TCP port on 127.0.0.1 (the OS picks it; another process may
 /// still take it before we bind, which cluster start-up retries).
@@ -213,7 +213,7 @@ impl Drop for TestCluster {
 
 /// Removes directories left by test processes that no longer exist (a run
 /// killed by a time-out cannot clean up after itself).
-fn sweep_leftovers() {
+pub(crate) fn sweep_leftovers() {
     let tmp = std::env::temp_dir();
     let Ok(entries) = std::fs::read_dir(&tmp) else {
         return;
@@ -227,6 +227,12 @@ fn sweep_leftovers() {
             continue;
         };
         if !PathBuf::from(format!("/proc/{pid}")).exists() {
+            // Servers of HA tests outlive their agents by design.
+            if let Ok(dirs) = std::fs::read_dir(e.path()) {
+                for d in dirs.flatten() {
+                    crate::agents::kill_postmaster(&d.path());
+                }
+            }
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

@@ -10,11 +10,13 @@
 //! CI) the servers run as the `postgres` user if it exists, else as a
 //! `pgwarden` system user the kit creates.
 
+pub mod agents;
 pub mod cluster;
 pub mod etcd;
 pub mod relay;
 pub mod wait;
 
+pub use agents::{AgentCluster, AgentNode};
 pub use cluster::{free_port, TestCluster, TestClusterBuilder};
 pub use pgwarden_pgctl::{StopMode, SyncSpec};
 pub use relay::Relay;

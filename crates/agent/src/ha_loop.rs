@@ -1,0 +1,956 @@
+//! The HA loop: observe, read the DCS, decide, act, publish — every
+//! `loop_wait`, and at once when the leader key changes, the local
+//! postmaster dies or the API asks.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pgwarden_config::{AgentConfig, EtcdConfig};
+use pgwarden_dcs::{ClusterSnapshot, EtcdDcs, HistoryEntry, LeaderWatch, LeaseId};
+use pgwarden_ha::{
+    decide, rank_candidates, AcquireReason, ClusterView, Decision, DemoteReason, ElectionSettings,
+    MemberRole, MemberState, ReleaseReason, StartMode, Timing,
+};
+use pgwarden_pgctl::{PgCtlError, StopMode};
+use pgwarden_topology::HostAddr;
+use tokio::sync::{mpsc, watch};
+
+use crate::postgres::{LocalPostgres, Observation};
+use crate::record::{cluster_view, records, unix_ms, MemberRecord};
+use crate::status::{AgentStatus, Command, StatusHandle};
+
+/// How long a peer's API may take to report its WAL position during an
+/// election before it is left out of the comparison.
+const PEER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Retry pace while something is failing (DCS, a start), well inside any
+/// retry window.
+const RETRY_PACE: Duration = Duration::from_secs(1);
+
+/// One agent's loop and the state it keeps between iterations.
+pub(crate) struct HaLoop {
+    pub(crate) cfg: AgentConfig,
+    pub(crate) etcd: EtcdConfig,
+    pub(crate) dcs: EtcdDcs,
+    pub(crate) pg: LocalPostgres,
+    pub(crate) status: StatusHandle,
+    pub(crate) changes: watch::Sender<u64>,
+    pub(crate) commands: mpsc::Receiver<Command>,
+    pub(crate) timing: Timing,
+    pub(crate) settings: ElectionSettings,
+    lease: Option<LeaseId>,
+    last_renewal: Option<Instant>,
+    dcs_ok: bool,
+    last_dcs_ok: Instant,
+    snapshot: ClusterSnapshot,
+    /// This data directory has run as a primary since it last streamed from
+    /// a leader, so its history may have forked: rewind before following.
+    former_primary: bool,
+    start_failed_since: Option<Instant>,
+    /// What the agent itself is doing, when that says more than the
+    /// server's state (`rewinding`, `cloning`).
+    activity: Option<&'static str>,
+    problem: Option<String>,
+    last_decision: String,
+    last_role: Option<MemberRole>,
+    obs: Observation,
+}
+
+impl HaLoop {
+    pub(crate) fn new(
+        cfg: AgentConfig,
+        etcd: EtcdConfig,
+        dcs: EtcdDcs,
+        pg: LocalPostgres,
+        status: StatusHandle,
+        changes: watch::Sender<u64>,
+        commands: mpsc::Receiver<Command>,
+    ) -> Self {
+        let timing = cfg.timing;
+        let settings = ElectionSettings {
+            maximum_lag_on_failover: cfg.maximum_lag_on_failover,
+            ttl: timing.ttl,
+        };
+        HaLoop {
+            cfg,
+            etcd,
+            dcs,
+            pg,
+            status,
+            changes,
+            commands,
+            timing,
+            settings,
+            lease: None,
+            last_renewal: None,
+            dcs_ok: false,
+            last_dcs_ok: Instant::now(),
+            snapshot: ClusterSnapshot::default(),
+            former_primary: false,
+            start_failed_since: None,
+            activity: None,
+            problem: None,
+            last_decision: String::new(),
+            last_role: None,
+            obs: Observation::default(),
+        }
+    }
+
+    /// Bootstraps the data directory if there is none, then loops until the
+    /// runtime shuts down.
+    pub(crate) async fn run(mut self) {
+        self.pg.supervise();
+        let crashes = self.pg.crashes();
+        let mut leader_watch = self.dcs.watch_leader().await;
+        self.bootstrap(&mut leader_watch).await;
+        loop {
+            self.iterate().await;
+            let pace = if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running
+            {
+                RETRY_PACE.min(self.timing.loop_wait)
+            } else {
+                self.timing.loop_wait
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(pace) => {}
+                ev = leader_watch.next() => {
+                    tracing::debug!(event = ?ev, "leader key changed");
+                }
+                _ = crashes.notified() => {}
+                cmd = self.commands.recv() => match cmd {
+                    Some(Command::Restart) => self.restart().await,
+                    Some(Command::Reload) => {
+                        let _ = self.pg.with(|i| i.reload()).await;
+                    }
+                    Some(Command::Wake) | None => {}
+                },
+            }
+        }
+    }
+
+    /// Creates the data directory of a new member: the first member of an
+    /// empty cluster wins the `initialize` key and runs initdb; every other
+    /// member clones the leader.
+    async fn bootstrap(&mut self, leader_watch: &mut LeaderWatch) {
+        if self.pg.has_data().await {
+            let state = self.control_state().await;
+            // A data directory last shut down (or crashed) as a primary may
+            // have diverged from whoever leads now.
+            self.former_primary = matches!(state.as_deref(), Some("in production" | "shut down"));
+            tracing::info!(
+                state = state.as_deref().unwrap_or("unknown"),
+                former_primary = self.former_primary,
+                "existing data directory"
+            );
+            return;
+        }
+        loop {
+            match self.dcs.read_cluster().await {
+                Ok(snap) => {
+                    self.snapshot = snap;
+                    self.dcs_ok = true;
+                    match self.try_bootstrap().await {
+                        Ok(true) => return,
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::error!(error = %e, "bootstrap step failed; retrying");
+                            self.problem = Some(format!("bootstrap: {e}"));
+                            let _ = self.pg.with(|i| i.wipe()).await;
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.dcs_ok = false;
+                    tracing::warn!(error = %e, "cannot read the DCS to bootstrap");
+                }
+            }
+            self.publish_status();
+            tokio::select! {
+                _ = tokio::time::sleep(RETRY_PACE) => {}
+                _ = leader_watch.next() => {}
+            }
+        }
+    }
+
+    /// One bootstrap attempt; `Ok(true)` once this member has data.
+    async fn try_bootstrap(&mut self) -> Result<bool, AgentStepError> {
+        if self.snapshot.initialize.is_none() {
+            let claim = format!("claim:{}", self.cfg.name);
+            if self.dcs.initialize_race(&claim).await? {
+                tracing::info!("won the initialize race: creating the cluster with initdb");
+                self.activity = Some("initializing");
+                self.publish_status();
+                let superuser = self.pg.superuser().to_string();
+                let hba = self.cfg.pg_hba.clone();
+                let res = self
+                    .pg
+                    .with(move |i| {
+                        i.initdb(&superuser)?;
+                        append_hba(i.datadir(), &hba)?;
+                        i.clear_standby()
+                    })
+                    .await;
+                if let Err(e) = res {
+                    let _ = self.dcs.cancel_initialize(&claim).await;
+                    self.activity = None;
+                    return Err(e.into());
+                }
+                self.pg.start(Duration::from_secs(60)).await?;
+                let lease = self.ensure_lease().await?;
+                let t0 = Instant::now();
+                if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
+                    self.last_renewal = Some(t0);
+                }
+                let sysid = self
+                    .controldata("Database system identifier")
+                    .await
+                    .unwrap_or_default();
+                self.dcs.finish_initialize(&claim, &sysid).await?;
+                self.former_primary = true;
+                self.activity = None;
+                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", "primary");
+                return Ok(true);
+            }
+            return Ok(false);
+        }
+        let Some(source) = self.leader_address() else {
+            return Ok(false);
+        };
+        tracing::info!(from = %source, "cloning the leader with pg_basebackup");
+        self.activity = Some("cloning");
+        self.publish_status();
+        self.clone_from(&source).await?;
+        self.activity = None;
+        self.pg
+            .start(self.timing.loop_wait)
+            .await
+            .or_else(still_starting)?;
+        self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", "replica");
+        Ok(true)
+    }
+
+    async fn clone_from(&mut self, source: &HostAddr) -> Result<(), PgCtlError> {
+        let user = self.pg.replication_user().to_string();
+        let (h, p) = (source.host.clone(), source.port);
+        self.pg
+            .with(move |i| {
+                i.wipe()?;
+                i.basebackup(&h, p, &user)
+            })
+            .await
+    }
+
+    /// The address of the leader's PostgreSQL, when the leader is known
+    /// and published one.
+    fn leader_address(&self) -> Option<HostAddr> {
+        let leader = self.snapshot.leader.as_ref()?;
+        self.member_address(&leader.name)
+    }
+
+    fn member_address(&self, name: &str) -> Option<HostAddr> {
+        records(&self.snapshot)
+            .into_iter()
+            .find(|r| r.state.name == name)
+            .and_then(|r| r.pg_address.parse().ok())
+    }
+
+    fn member_record(&self, name: &str) -> Option<MemberRecord> {
+        records(&self.snapshot)
+            .into_iter()
+            .find(|r| r.state.name == name)
+    }
+
+    async fn ensure_lease(&mut self) -> Result<LeaseId, pgwarden_dcs::DcsError> {
+        if let Some(l) = self.lease {
+            return Ok(l);
+        }
+        let l = self.dcs.grant_lease(self.timing.ttl).await?;
+        tracing::debug!(lease = %l, "granted a lease");
+        self.lease = Some(l);
+        Ok(l)
+    }
+
+    /// How long a DCS request may take now: the operation time-out, and for
+    /// a leader never past the moment it must demote, so a hung etcd
+    /// cannot keep it writable past its lease.
+    fn dcs_budget(&self) -> Duration {
+        let op = self.etcd.op_timeout;
+        if !self.holds_leader_key() {
+            return op;
+        }
+        match self.last_renewal {
+            Some(at) => (at + self.timing.demote_after())
+                .saturating_duration_since(Instant::now())
+                .min(op),
+            None => op,
+        }
+    }
+
+    fn holds_leader_key(&self) -> bool {
+        matches!(
+            (&self.snapshot.leader, self.lease),
+            (Some(l), Some(lease)) if l.name == self.cfg.name && l.lease == lease
+        )
+    }
+
+    async fn iterate(&mut self) {
+        let probe_timeout = Duration::from_secs(2).min(self.timing.loop_wait.max(RETRY_PACE));
+        self.obs = self.pg.observe(probe_timeout).await;
+        if self.obs.pg.running {
+            self.start_failed_since = None;
+            if !self.obs.pg.in_recovery {
+                self.former_primary = true;
+            } else if self.obs.streaming {
+                // Streaming from the leader proves the histories agree.
+                self.former_primary = false;
+            }
+        }
+        let budget = self.dcs_budget();
+        let read = if budget.is_zero() {
+            None
+        } else {
+            tokio::time::timeout(budget, self.dcs.read_cluster())
+                .await
+                .ok()
+        };
+        match read {
+            Some(Ok(snap)) => {
+                self.snapshot = snap;
+                self.dcs_ok = true;
+                self.last_dcs_ok = Instant::now();
+                if let Err(e) = self.ensure_lease().await {
+                    tracing::warn!(error = %e, "cannot grant a lease");
+                }
+            }
+            Some(Err(e)) => {
+                if self.dcs_ok {
+                    tracing::warn!(error = %e, "the DCS is unreachable");
+                }
+                self.dcs_ok = false;
+            }
+            None => {
+                if self.dcs_ok {
+                    tracing::warn!("the DCS did not answer in time");
+                }
+                self.dcs_ok = false;
+            }
+        }
+        let mut pg = self.obs.pg.clone();
+        pg.start_failed_for = self.start_failed_since.map(|t| t.elapsed());
+        let view = cluster_view(&self.snapshot, unix_ms());
+        let local = pgwarden_ha::LocalView {
+            name: self.cfg.name.clone(),
+            postgres: pg,
+            holds_lease: self.holds_leader_key(),
+            last_lease_renewal: self.last_renewal,
+            now: Instant::now(),
+            dcs_reachable: self.dcs_ok,
+        };
+        let decision = decide(&view, &local, &self.timing, &self.settings);
+        let text = decision.to_string();
+        if text != self.last_decision {
+            tracing::info!(member = %self.cfg.name, "{text}");
+            self.last_decision = text;
+        }
+        self.execute(&decision, &view).await;
+        if !decision.keeps_lease() {
+            self.keep_member_alive().await;
+        }
+        self.publish_status();
+        self.publish_member().await;
+    }
+
+    async fn execute(&mut self, decision: &Decision, view: &ClusterView) {
+        match decision {
+            Decision::RenewLease => {
+                self.renew().await;
+            }
+            Decision::Paused { renew_lease } => {
+                if *renew_lease {
+                    self.renew().await;
+                }
+            }
+            Decision::AcquireLeader { reason } => self.acquire(reason, view).await,
+            Decision::Promote => {
+                self.renew().await;
+                self.promote("the leader key holder was still in recovery")
+                    .await;
+            }
+            Decision::Demote { reason } => self.demote(reason).await,
+            Decision::FollowLeader { leader } => self.follow(leader).await,
+            Decision::StartPostgres { mode } => self.start(mode).await,
+            Decision::ReleaseLeader { reason } => self.release(reason).await,
+            Decision::WaitForLeader { .. } => {}
+        }
+    }
+
+    async fn renew(&mut self) {
+        let Some(lease) = self.lease else { return };
+        let budget = self.dcs_budget();
+        if budget.is_zero() {
+            return;
+        }
+        let t0 = Instant::now();
+        match tokio::time::timeout(budget, self.dcs.renew_leader(&self.cfg.name, lease)).await {
+            Ok(Ok(true)) => {
+                self.last_renewal = Some(t0);
+                if let Some(lsn) = self.obs.pg.received_lsn {
+                    let _ = self
+                        .dcs
+                        .put_status(&self.cfg.name, &serde_json::json!({ "lsn": lsn }))
+                        .await;
+                }
+            }
+            Ok(Ok(false)) => {
+                tracing::warn!("the leader key is no longer held by this agent's lease");
+                self.lease = None;
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "leader lease renewal failed"),
+            Err(_) => tracing::warn!("leader lease renewal timed out"),
+        }
+    }
+
+    async fn keep_member_alive(&mut self) {
+        let Some(lease) = self.lease else { return };
+        if !self.dcs_ok {
+            return;
+        }
+        if let Err(e) = self.dcs.keep_alive_once(lease).await {
+            if matches!(e, pgwarden_dcs::DcsError::LeaseNotFound(_)) {
+                // The lease lapsed (a long clone, a partition): take a new one.
+                self.lease = None;
+            }
+            tracing::debug!(error = %e, "member lease keep-alive failed");
+        }
+    }
+
+    /// Before taking the key as the best candidate, ask the other members
+    /// for their current positions: the published ones are up to a loop
+    /// old, and a replica that received more WAL since must win instead.
+    async fn still_best(&self, view: &ClusterView) -> bool {
+        let mut fresh = view.clone();
+        let peers: Vec<(usize, String)> = fresh
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.name != self.cfg.name && m.running && !m.api_url.is_empty())
+            .map(|(i, m)| (i, format!("{}/patroni", m.api_url)))
+            .collect();
+        let answers = futures_join(peers.iter().map(|(_, url)| {
+            let url = url.clone();
+            async move { crate::http_client::get_json(&url, PEER_TIMEOUT).await.ok() }
+        }))
+        .await;
+        for ((i, _), answer) in peers.iter().zip(answers) {
+            let m = &mut fresh.members[*i];
+            // A peer that does not answer keeps its published record.
+            if let Some(v) = answer {
+                let lsn = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
+                m.received_lsn = lsn("received_lsn").or(m.received_lsn);
+                m.replayed_lsn = lsn("replayed_lsn").or(m.replayed_lsn);
+            }
+        }
+        if let Some(me) = fresh.members.iter_mut().find(|m| m.name == self.cfg.name) {
+            me.received_lsn = self.obs.pg.received_lsn.or(me.received_lsn);
+            me.replayed_lsn = self.obs.pg.replayed_lsn.or(me.replayed_lsn);
+            me.running = self.obs.pg.running;
+            me.last_seen_ms_ago = 0;
+        }
+        let ranking = rank_candidates(&fresh, &self.settings);
+        let best = ranking.best() == Some(self.cfg.name.as_str());
+        if !best {
+            tracing::info!(
+                best = ranking.best().unwrap_or("nobody"),
+                "a peer reported a better position; not taking the leader key"
+            );
+        }
+        best
+    }
+
+    async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
+        if matches!(reason, AcquireReason::BestCandidate) && !self.still_best(view).await {
+            return;
+        }
+        let lease = match self.ensure_lease().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take the leader key without a lease");
+                return;
+            }
+        };
+        let t0 = Instant::now();
+        let won = match reason {
+            AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
+            AcquireReason::FailoverRequested { .. } => {
+                let from = view
+                    .failover_request
+                    .as_ref()
+                    .and_then(|r| r.from_leader.clone())
+                    .unwrap_or_default();
+                self.dcs
+                    .take_over_leader(&from, &self.cfg.name, lease)
+                    .await
+            }
+        };
+        match won {
+            Ok(true) => {
+                self.last_renewal = Some(t0);
+                tracing::info!(member = %self.cfg.name, "acquired the leader key");
+                // Read back so this iteration's publication knows it leads.
+                if let Ok(snap) = self.dcs.read_cluster().await {
+                    self.snapshot = snap;
+                }
+                let why = match reason {
+                    AcquireReason::BestCandidate => "automatic failover: the leader key was free",
+                    AcquireReason::FailoverRequested { .. } => "manual failover or switchover",
+                };
+                if self.obs.pg.running && self.obs.pg.in_recovery {
+                    self.promote(why).await;
+                }
+            }
+            Ok(false) => tracing::info!("another member took the leader key first"),
+            Err(e) => tracing::warn!(error = %e, "taking the leader key failed"),
+        }
+    }
+
+    async fn promote(&mut self, why: &str) {
+        let timeline = self.obs.pg.timeline;
+        let lsn = self.obs.pg.received_lsn.unwrap_or(0);
+        tracing::info!(member = %self.cfg.name, "promoting the local PostgreSQL: {why}");
+        match self.pg.promote().await {
+            Ok(()) => {
+                self.former_primary = true;
+                self.obs = self.pg.observe(Duration::from_secs(2)).await;
+                let entry = HistoryEntry {
+                    timeline,
+                    lsn,
+                    reason: why.to_string(),
+                    time_ms: unix_ms(),
+                    leader: self.cfg.name.clone(),
+                };
+                if let Err(e) = self.dcs.append_history(&entry).await {
+                    tracing::warn!(error = %e, "could not record the promotion in history");
+                }
+                let _ = self
+                    .dcs
+                    .put_status(&self.cfg.name, &serde_json::json!({ "lsn": lsn }))
+                    .await;
+                self.run_callback(
+                    self.cfg.callbacks.on_role_change.clone(),
+                    "on_role_change",
+                    "primary",
+                );
+            }
+            Err(e) => tracing::error!(error = %e, "promotion failed"),
+        }
+    }
+
+    async fn demote(&mut self, reason: &DemoteReason) {
+        // Without a valid lease every moment counts: an immediate stop ends
+        // writes now; crash recovery at the next start is the price.
+        let mode = match reason {
+            DemoteReason::OtherLeader { .. } => StopMode::Fast,
+            _ => StopMode::Immediate,
+        };
+        tracing::warn!(member = %self.cfg.name, mode = ?mode, "stopping the local primary: {reason}");
+        if let Err(e) = self.pg.stop(mode).await {
+            tracing::error!(error = %e, "stopping PostgreSQL failed; killing it");
+            let _ = self
+                .pg
+                .with(|i| {
+                    i.kill9();
+                    Ok(())
+                })
+                .await;
+        }
+        self.former_primary = true;
+        if self.holds_leader_key() && self.dcs_ok {
+            let _ = self.dcs.release_leader(&self.cfg.name).await;
+        }
+        self.last_renewal = None;
+        self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "demoted");
+        self.run_callback(
+            self.cfg.callbacks.on_role_change.clone(),
+            "on_role_change",
+            "replica",
+        );
+    }
+
+    async fn start(&mut self, mode: &StartMode) {
+        let (wait, role) = match mode {
+            StartMode::AsLeader {
+                failed_for,
+                timeout,
+            } => (
+                timeout
+                    .saturating_sub(*failed_for)
+                    .min(self.timing.loop_wait)
+                    .max(RETRY_PACE),
+                "primary",
+            ),
+            StartMode::ReplicaOf { leader } => {
+                let Some(addr) = self.member_address(leader) else {
+                    return;
+                };
+                if self.former_primary {
+                    if let Err(e) = self.rejoin(&addr).await {
+                        tracing::error!(error = %e, "cannot rejoin as a replica");
+                        return;
+                    }
+                }
+                let user = self.pg.replication_user().to_string();
+                let res = self
+                    .pg
+                    .with(move |i| i.set_standby(Some((&addr.host, addr.port)), &user))
+                    .await;
+                if let Err(e) = res {
+                    tracing::error!(error = %e, "cannot configure the replica");
+                    return;
+                }
+                (self.timing.loop_wait, "replica")
+            }
+            StartMode::Replica => {
+                let user = self.pg.replication_user().to_string();
+                if let Err(e) = self.pg.with(move |i| i.set_standby(None, &user)).await {
+                    tracing::error!(error = %e, "cannot configure the replica");
+                    return;
+                }
+                (self.timing.loop_wait, "replica")
+            }
+        };
+        let t0 = Instant::now();
+        match self.pg.start(wait).await {
+            Ok(()) => {
+                self.start_failed_since = None;
+                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", role);
+            }
+            Err(e) => {
+                let exited = matches!(e, PgCtlError::Exited { .. });
+                tracing::warn!(error = %first_line(&e), "PostgreSQL is not up yet");
+                if exited || matches!(mode, StartMode::AsLeader { .. }) {
+                    self.start_failed_since.get_or_insert(t0);
+                }
+            }
+        }
+    }
+
+    /// Makes a former primary fit to follow `leader`: crash recovery if it
+    /// went down hard, then pg_rewind; a fresh clone when rewinding fails
+    /// and that is allowed.
+    async fn rejoin(&mut self, leader: &HostAddr) -> Result<(), PgCtlError> {
+        self.activity = Some("rewinding");
+        self.publish_status();
+        let _ = self.pg.stop(StopMode::Fast).await;
+        let state = self.control_state().await;
+        let source = self.pg.source_conninfo(leader);
+        let crashed = !matches!(
+            state.as_deref(),
+            Some("shut down" | "shut down in recovery")
+        );
+        let res = self
+            .pg
+            .with(move |i| {
+                if crashed {
+                    // Single-user mode refuses to run in standby mode.
+                    i.clear_standby()?;
+                    i.recover_single_user()?;
+                }
+                i.rewind(&source)
+            })
+            .await;
+        let res = match res {
+            Ok(()) => {
+                tracing::info!(leader = %leader, "rewound the former primary");
+                self.problem = None;
+                Ok(())
+            }
+            Err(e) => {
+                let why = format!("pg_rewind failed: {}", first_line(&e));
+                tracing::error!("{why}");
+                if self.cfg.reclone_on_rewind_failure {
+                    self.problem = Some(format!("{why}; re-cloned from the leader"));
+                    self.activity = Some("cloning");
+                    self.publish_status();
+                    self.clone_from(leader).await
+                } else {
+                    self.problem = Some(format!(
+                        "{why}; left stopped (reclone_on_rewind_failure = false)"
+                    ));
+                    Err(e)
+                }
+            }
+        };
+        if res.is_ok() {
+            self.former_primary = false;
+        }
+        self.activity = None;
+        res
+    }
+
+    async fn follow(&mut self, leader: &str) {
+        let Some(addr) = self.member_address(leader) else {
+            return;
+        };
+        let leader_tl = self.member_record(leader).map_or(0, |r| r.state.timeline);
+        if self.former_primary && !self.obs.streaming && leader_tl > self.obs.pg.timeline {
+            tracing::info!(leader, "this former primary must rejoin the new timeline");
+            if self.rejoin(&addr).await.is_ok() {
+                self.start(&StartMode::ReplicaOf {
+                    leader: leader.to_string(),
+                })
+                .await;
+            }
+            return;
+        }
+        let user = self.pg.replication_user().to_string();
+        let res = self
+            .pg
+            .with(move |i| {
+                if i.upstream() == Some((addr.host.as_str(), addr.port)) {
+                    return Ok(false);
+                }
+                i.set_standby(Some((&addr.host, addr.port)), &user)?;
+                // primary_conninfo is reloadable since PostgreSQL 13.
+                i.reload()?;
+                Ok(true)
+            })
+            .await;
+        match res {
+            Ok(true) => tracing::info!(leader, "now streaming from the leader"),
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "cannot point the replica at the leader"),
+        }
+    }
+
+    async fn release(&mut self, reason: &ReleaseReason) {
+        match reason {
+            ReleaseReason::Switchover { .. } => {
+                // A checkpoint first makes the shutdown checkpoint short.
+                if let Some(c) = self.checkpoint_client().await {
+                    let _ = c.batch_execute("CHECKPOINT").await;
+                }
+                if let Err(e) = self.pg.stop(StopMode::Fast).await {
+                    tracing::error!(error = %e, "clean stop failed; stopping immediately");
+                    let _ = self.pg.stop(StopMode::Immediate).await;
+                }
+            }
+            ReleaseReason::PostgresDidNotStart { .. } => {
+                let _ = self.pg.stop(StopMode::Immediate).await;
+            }
+        }
+        self.former_primary = true;
+        match self.dcs.release_leader(&self.cfg.name).await {
+            Ok(_) => tracing::info!(member = %self.cfg.name, "released the leader key: {reason}"),
+            Err(e) => tracing::warn!(error = %e, "releasing the leader key failed"),
+        }
+        self.last_renewal = None;
+        self.start_failed_since = None;
+        self.run_callback(
+            self.cfg.callbacks.on_role_change.clone(),
+            "on_role_change",
+            "replica",
+        );
+    }
+
+    async fn checkpoint_client(&self) -> Option<tokio_postgres::Client> {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host(&self.cfg.pg_listen.host)
+            .port(self.cfg.pg_listen.port)
+            .user(self.pg.superuser())
+            .dbname("postgres")
+            .connect_timeout(Duration::from_secs(2));
+        let (c, conn) = cfg.connect(tokio_postgres::NoTls).await.ok()?;
+        tokio::spawn(conn);
+        Some(c)
+    }
+
+    async fn restart(&mut self) {
+        tracing::info!("restart requested through the API");
+        let _ = self.pg.stop(StopMode::Fast).await;
+        let _ = self.pg.start(Duration::from_secs(60)).await;
+    }
+
+    async fn control_state(&self) -> Option<String> {
+        self.controldata("Database cluster state").await
+    }
+
+    async fn controldata(&self, field: &'static str) -> Option<String> {
+        self.pg
+            .with(move |i| Ok(i.controldata()?.remove(field)))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    fn record(&self) -> MemberRecord {
+        let pg = &self.obs.pg;
+        let role = match (pg.running, pg.in_recovery, self.obs.process) {
+            (true, true, _) => MemberRole::Replica,
+            (true, false, _) => MemberRole::Primary,
+            (false, _, true) => MemberRole::Unknown,
+            (false, _, false) => MemberRole::Stopped,
+        };
+        let status = self
+            .activity
+            .unwrap_or(match (pg.running, self.obs.process) {
+                (true, _) => "running",
+                (false, true) => "starting",
+                (false, false) if self.start_failed_since.is_some() => "start failed",
+                (false, false) => "stopped",
+            });
+        let last_leader_lsn = cluster_view(&self.snapshot, 0).last_leader_lsn;
+        MemberRecord {
+            state: MemberState {
+                name: self.cfg.name.clone(),
+                role,
+                running: pg.running,
+                timeline: pg.timeline,
+                received_lsn: pg.received_lsn,
+                replayed_lsn: pg.replayed_lsn,
+                tags: self.cfg.tags.clone(),
+                fenced: false,
+                last_seen_ms_ago: 0,
+                api_url: self.cfg.api_url.clone(),
+            },
+            pg_address: self.cfg.pg_connect_address.to_string(),
+            status: status.to_string(),
+            updated_ms: unix_ms(),
+            problem: self.problem.clone(),
+            routing_generation: self.snapshot.leader.as_ref().map_or(0, |l| l.generation),
+            lag_bytes: match (pg.in_recovery, last_leader_lsn, pg.replayed_lsn) {
+                (true, Some(l), Some(r)) => Some(l.saturating_sub(r)),
+                _ => None,
+            },
+        }
+    }
+
+    async fn publish_member(&mut self) {
+        let (Some(lease), true) = (self.lease, self.dcs_ok) else {
+            return;
+        };
+        let rec = self.record();
+        let value = match serde_json::to_value(&rec) {
+            Ok(v) => v,
+            Err(_) => return,
+        };
+        if let Err(e) = self.dcs.publish_member(&self.cfg.name, &value, lease).await {
+            tracing::debug!(error = %e, "publishing the member state failed");
+        }
+    }
+
+    /// Swaps in the status the API and the router read.
+    fn publish_status(&mut self) {
+        let rec = self.record();
+        let role = rec.state.role;
+        if self.last_role != Some(role) {
+            tracing::info!(member = %self.cfg.name, role = %role, "local role");
+            self.last_role = Some(role);
+        }
+        let leader = self.snapshot.leader.as_ref();
+        let status = AgentStatus {
+            is_leader: self.holds_leader_key()
+                && self.obs.pg.running
+                && !self.obs.pg.in_recovery
+                && self.lease_fresh(),
+            leader: leader.map(|l| l.name.clone()),
+            leader_generation: leader.map_or(0, |l| l.generation),
+            dcs_reachable: self.dcs_ok,
+            dcs_silent_ms: if self.dcs_ok {
+                0
+            } else {
+                self.last_dcs_ok.elapsed().as_millis() as u64
+            },
+            paused: crate::record::paused(&self.snapshot),
+            last_decision: self.last_decision.clone(),
+            timing: self.timing,
+            cluster: Some(self.snapshot.clone()),
+            member: rec,
+        };
+        self.status.store(Arc::new(status));
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Whether the leader's last renewal is recent enough that its lease
+    /// certainly still holds.
+    fn lease_fresh(&self) -> bool {
+        self.last_renewal
+            .is_some_and(|at| at.elapsed() < self.timing.demote_after())
+    }
+
+    fn run_callback(&self, command: Option<String>, action: &'static str, role: &'static str) {
+        let Some(command) = command else { return };
+        let cluster = self.etcd.cluster.clone();
+        tokio::spawn(async move {
+            let res = tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("{command} \"$@\""))
+                .arg("sh")
+                .args([action, role, &cluster])
+                .status()
+                .await;
+            match res {
+                Ok(s) if s.success() => {}
+                Ok(s) => tracing::warn!(action, status = %s, "callback failed"),
+                Err(e) => tracing::warn!(action, error = %e, "callback could not run"),
+            }
+        });
+    }
+}
+
+/// A failed step of the bootstrap.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AgentStepError {
+    #[error(transparent)]
+    Dcs(#[from] pgwarden_dcs::DcsError),
+    #[error(transparent)]
+    Pg(#[from] PgCtlError),
+}
+
+/// A server that has not finished starting within the wait is not an
+/// error: the loop observes it until it is up.
+fn still_starting(e: PgCtlError) -> Result<(), PgCtlError> {
+    match e {
+        PgCtlError::Timeout { .. } => Ok(()),
+        e => Err(e),
+    }
+}
+
+fn first_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+fn append_hba(datadir: &std::path::Path, lines: &[String]) -> Result<(), PgCtlError> {
+    if lines.is_empty() {
+        return Ok(());
+    }
+    let path = datadir.join("pg_hba.conf");
+    let mut text = std::fs::read_to_string(&path).map_err(|source| PgCtlError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    // First match wins, so the operator's lines go first.
+    let mut head = String::from("# Added by pgwarden from agent.pg_hba\n");
+    for l in lines {
+        head.push_str(l);
+        head.push('\n');
+    }
+    text.insert_str(0, &head);
+    std::fs::write(&path, text).map_err(|source| PgCtlError::Io { path, source })
+}
+
+/// Runs futures concurrently and collects their outputs in order.
+async fn futures_join<F>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futs.map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        match h.await {
+            Ok(v) => out.push(v),
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+    out
+}

@@ -1,0 +1,252 @@
+//! The local PostgreSQL as the agent sees and drives it: process control
+//! through [`pgwarden_pgctl::Instance`] (blocking, so run off the runtime's
+//! worker threads) and observation over one SQL connection.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgwarden_ha::LocalPg;
+use pgwarden_pgctl::{Instance, PgCtlError, StopMode};
+use pgwarden_topology::HostAddr;
+use tokio::sync::Notify;
+use tokio_postgres::NoTls;
+
+/// How often the postmaster's pid is checked, so a crash is seen well within
+/// a second rather than on the next loop.
+const PID_POLL: Duration = Duration::from_millis(100);
+
+/// The one query an observation needs. The timeline of a primary comes
+/// from its current WAL file name, because `pg_control_checkpoint()` lags
+/// behind a promotion until the next checkpoint; a replica reports the
+/// newest of what it receives and what it has replayed.
+const OBSERVE: &str = "SELECT pg_is_in_recovery(), \
+ CASE WHEN pg_is_in_recovery() THEN greatest(\
+   coalesce((SELECT received_tli FROM pg_stat_wal_receiver), 0), \
+   (SELECT timeline_id FROM pg_control_checkpoint()))::int8 \
+ ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 END, \
+ pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() \
+   ELSE pg_current_wal_lsn() END, '0/0')::int8, \
+ pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
+   ELSE pg_current_wal_lsn() END, '0/0')::int8, \
+ (SELECT status FROM pg_stat_wal_receiver) = 'streaming'";
+
+/// What one observation found, beyond [`LocalPg`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    /// Role, timeline and positions for the decision.
+    pub pg: LocalPg,
+    /// A postmaster process exists (it may still be starting up).
+    pub process: bool,
+    /// A replica's WAL receiver is streaming.
+    pub streaming: bool,
+}
+
+/// The local PostgreSQL.
+pub struct LocalPostgres {
+    instance: Arc<Mutex<Instance>>,
+    addr: HostAddr,
+    superuser: String,
+    password: Option<String>,
+    replication_user: String,
+    client: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    crashed: Arc<Notify>,
+}
+
+impl LocalPostgres {
+    /// Wraps an instance; `addr` is where the agent connects to observe it.
+    pub fn new(
+        instance: Instance,
+        addr: HostAddr,
+        superuser: String,
+        password: Option<String>,
+        replication_user: String,
+    ) -> Self {
+        LocalPostgres {
+            instance: Arc::new(Mutex::new(instance)),
+            addr,
+            superuser,
+            password,
+            replication_user,
+            client: tokio::sync::Mutex::new(None),
+            crashed: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Notified when the postmaster disappears or the observation
+    /// connection breaks: the loop runs at once instead of after
+    /// `loop_wait`.
+    pub fn crashes(&self) -> Arc<Notify> {
+        self.crashed.clone()
+    }
+
+    /// Watches the postmaster's pid in the background for as long as the
+    /// runtime runs.
+    pub fn supervise(&self) {
+        let instance = self.instance.clone();
+        let crashed = self.crashed.clone();
+        tokio::spawn(async move {
+            let mut was_running = false;
+            loop {
+                tokio::time::sleep(PID_POLL).await;
+                // A long operation (start, rewind) holds the lock; its
+                // outcome is observed by the loop anyway.
+                let Ok(mut i) = instance.try_lock() else {
+                    continue;
+                };
+                let running = i.postmaster_pid().is_some();
+                drop(i);
+                if was_running && !running {
+                    tracing::warn!("the local postmaster is gone");
+                    crashed.notify_one();
+                }
+                was_running = running;
+            }
+        });
+    }
+
+    /// Runs a blocking operation on the instance off the worker threads.
+    pub async fn with<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Instance) -> Result<T, PgCtlError> + Send + 'static,
+    ) -> Result<T, PgCtlError> {
+        let instance = self.instance.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut i = instance.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut i)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(PgCtlError::CommandFailed {
+                program: "agent task".into(),
+                status: "panicked".into(),
+                output: e.to_string(),
+            })
+        })
+    }
+
+    /// Whether a data directory exists.
+    pub async fn has_data(&self) -> bool {
+        self.with(|i| Ok(i.has_data())).await.unwrap_or(false)
+    }
+
+    /// The replication role used for streaming, basebackup and rewind.
+    pub fn replication_user(&self) -> &str {
+        &self.replication_user
+    }
+
+    /// The superuser the agent connects as.
+    pub fn superuser(&self) -> &str {
+        &self.superuser
+    }
+
+    /// Starts the postmaster and waits up to `wait` for it to accept
+    /// connections; a server still starting after that keeps starting.
+    pub async fn start(&self, wait: Duration) -> Result<(), PgCtlError> {
+        self.with(move |i| {
+            i.spawn()?;
+            i.wait_ready(wait)
+        })
+        .await
+    }
+
+    /// Stops the postmaster and forgets the observation connection.
+    pub async fn stop(&self, mode: StopMode) -> Result<(), PgCtlError> {
+        *self.client.lock().await = None;
+        self.with(move |i| i.stop(mode)).await
+    }
+
+    /// Promotes a standby (`pg_ctl promote -w`).
+    pub async fn promote(&self) -> Result<(), PgCtlError> {
+        self.with(|i| i.promote()).await
+    }
+
+    /// Observes the server: is a postmaster there, does it answer, and in
+    /// which role, on which timeline, at which WAL positions.
+    pub async fn observe(&self, timeout: Duration) -> Observation {
+        let process = self
+            .with(|i| Ok(i.postmaster_pid().is_some()))
+            .await
+            .unwrap_or(false);
+        if !process {
+            *self.client.lock().await = None;
+            return Observation::default();
+        }
+        let mut guard = self.client.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = self.connect(timeout).await;
+        }
+        let Some(client) = guard.as_ref() else {
+            return Observation {
+                process,
+                ..Observation::default()
+            };
+        };
+        match tokio::time::timeout(timeout, client.query_one(OBSERVE, &[])).await {
+            Ok(Ok(row)) => {
+                let lsn = |i: usize| row.get::<_, Option<i64>>(i).map(|v| v.max(0) as u64);
+                Observation {
+                    pg: LocalPg {
+                        running: true,
+                        in_recovery: row.get(0),
+                        timeline: row.get::<_, Option<i64>>(1).unwrap_or(0) as u32,
+                        received_lsn: lsn(2),
+                        replayed_lsn: lsn(3),
+                        start_failed_for: None,
+                    },
+                    process,
+                    streaming: row.get::<_, Option<bool>>(4).unwrap_or(false),
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "observation query failed");
+                *guard = None;
+                Observation {
+                    process,
+                    ..Observation::default()
+                }
+            }
+            Err(_) => Observation {
+                process,
+                ..Observation::default()
+            },
+        }
+    }
+
+    async fn connect(&self, timeout: Duration) -> Option<tokio_postgres::Client> {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host(&self.addr.host)
+            .port(self.addr.port)
+            .user(&self.superuser)
+            .dbname("postgres")
+            .application_name("pgwarden-agent")
+            .connect_timeout(timeout);
+        if let Some(p) = &self.password {
+            cfg.password(p);
+        }
+        let (client, conn) = tokio::time::timeout(timeout, cfg.connect(NoTls))
+            .await
+            .ok()?
+            .ok()?;
+        let crashed = self.crashed.clone();
+        tokio::spawn(async move {
+            // The connection ends when the server goes away: wake the loop.
+            if conn.await.is_err() {
+                crashed.notify_one();
+            }
+        });
+        Some(client)
+    }
+
+    /// A libpq connection string for `pg_rewind` and `pg_basebackup` to
+    /// reach another member.
+    pub fn source_conninfo(&self, addr: &HostAddr) -> String {
+        let mut s = format!(
+            "host={} port={} user={} dbname=postgres connect_timeout=5",
+            addr.host, addr.port, self.superuser
+        );
+        if let Some(p) = &self.password {
+            s.push_str(&format!(" password='{}'", p.replace('\'', "\\'")));
+        }
+        s
+    }
+}

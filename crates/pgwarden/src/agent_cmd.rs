@@ -1,0 +1,102 @@
+//! `pgwarden agent`: the HA agent of one node and its connection manager.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use pgwarden_agent::record::records;
+use pgwarden_agent::AgentHandle;
+use pgwarden_probe::Engine;
+use pgwarden_topology::{HostAddr, HostConfig, PrimaryGate};
+
+/// Options of `pgwarden agent`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The node's configuration file (TOML) with `[agent]` and `[etcd]`.
+    #[arg(long, short, value_name = "FILE")]
+    config: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = pgwarden_config::load(&args.config)?;
+    let (Some(agent), Some(etcd)) = (config.agent.clone(), config.etcd.clone()) else {
+        anyhow::bail!(
+            "{}: pgwarden agent needs the [agent] and [etcd] sections (use pgwarden run for standalone mode)",
+            args.config.display()
+        );
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = config.engine.effective_worker_threads(cores);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("pgwarden-worker")
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async {
+        let password = crate::run_cmd::probe_config(&config)?.password;
+        tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
+        let handle =
+            pgwarden_agent::start(agent, etcd, config.cluster.user.clone(), password).await?;
+        crate::run_cmd::serve(&args.config, config, false, Some(handle)).await
+    })
+}
+
+/// Keeps the topology engine's primary gate on the leader key's holder and
+/// its host list on the published members, for as long as the process runs.
+///
+/// Writes fail closed: with no leader, or with a DCS that has been silent
+/// for longer than the lease ttl (another member may lead by now), no host
+/// is admitted as primary.
+pub async fn follow_leader(agent: AgentHandle, engine: Arc<Engine>, configured: Vec<HostConfig>) {
+    let mut changes = agent.changes.clone();
+    let mut gate: Option<PrimaryGate> = None;
+    let mut hosts: Option<Vec<HostConfig>> = None;
+    loop {
+        let st = agent.status.load_full();
+        let members = st.cluster.as_ref().map(records).unwrap_or_default();
+        let fresh = u128::from(st.dcs_silent_ms) < st.timing.ttl.as_millis();
+        let leader: Option<HostAddr> = st
+            .leader
+            .as_ref()
+            .filter(|_| fresh)
+            .and_then(|l| members.iter().find(|m| &m.state.name == l))
+            .and_then(|m| m.pg_address.parse().ok());
+        let new_gate = PrimaryGate::Leader(leader);
+        if gate.as_ref() != Some(&new_gate) {
+            match &new_gate {
+                PrimaryGate::Leader(Some(a)) => {
+                    tracing::info!(leader = %a, "routing writes to the leader")
+                }
+                _ if !fresh => {
+                    tracing::warn!("etcd silent for longer than the ttl: no writes are routed")
+                }
+                _ => tracing::warn!("no leader: no writes are routed"),
+            }
+            engine.set_primary_gate(new_gate.clone());
+            engine.probe_now();
+            gate = Some(new_gate);
+        }
+        let mut new_hosts = configured.clone();
+        for m in &members {
+            let Ok(addr) = m.pg_address.parse::<HostAddr>() else {
+                continue;
+            };
+            if !new_hosts.iter().any(|h| h.addr == addr) {
+                let mut h = HostConfig::new(addr);
+                h.application_name = Some(m.state.name.clone());
+                if m.state.tags.noloadbalance {
+                    h.tags.push("noloadbalance".into());
+                }
+                new_hosts.push(h);
+            }
+        }
+        if hosts.as_ref() != Some(&new_hosts) {
+            engine.set_hosts(new_hosts.clone());
+            hosts = Some(new_hosts);
+        }
+        // A silent DCS produces no changes; re-check so the ttl is noticed.
+        let _ = tokio::time::timeout(Duration::from_secs(1), changes.changed()).await;
+    }
+}

@@ -1,0 +1,389 @@
+//! HA clusters for tests: a real etcd and one `pgwarden agent` process per
+//! node, each managing its own PostgreSQL and serving its connection
+//! manager, all on 127.0.0.1.
+//!
+//! The agents run as separate processes so that a test can kill one with
+//! SIGKILL, as a node crash would, and its PostgreSQL outlives it exactly as
+//! in production. Dropping the cluster kills the agents and every
+//! postmaster of its data directories, and removes the directories.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::cluster::{free_port, sweep_leftovers, DIR_PREFIX};
+use crate::etcd::EtcdServer;
+use crate::relay::Relay;
+
+/// One node: its ports, files and agent process.
+#[derive(Debug)]
+pub struct AgentNode {
+    /// Member name (`n1`, `n2`, ...).
+    pub name: String,
+    /// The PostgreSQL port.
+    pub pg_port: u16,
+    /// The agent's REST API port.
+    pub api_port: u16,
+    /// The connection manager's read-write port.
+    pub rw_port: u16,
+    /// The connection manager's read-only port.
+    pub ro_port: u16,
+    /// The connection manager's HTTP port.
+    pub http_port: u16,
+    /// The node's configuration file.
+    pub config: PathBuf,
+    /// The PostgreSQL data directory.
+    pub data_dir: PathBuf,
+    /// The agent's log (stdout and stderr).
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl AgentNode {
+    /// A libpq connection string straight to this node's PostgreSQL.
+    pub fn pg_conninfo(&self) -> String {
+        conninfo(self.pg_port)
+    }
+
+    /// A libpq connection string to this node's read-write port.
+    pub fn rw_conninfo(&self) -> String {
+        conninfo(self.rw_port)
+    }
+
+    /// A libpq connection string to this node's read-only port.
+    pub fn ro_conninfo(&self) -> String {
+        conninfo(self.ro_port)
+    }
+
+    /// The base URL of this node's REST API.
+    pub fn api_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.api_port)
+    }
+
+    /// The pid of this node's postmaster, if one runs.
+    pub fn postmaster_pid(&self) -> Option<i32> {
+        postmaster_pid(&self.data_dir)
+    }
+
+    /// Whether the agent process is alive.
+    pub fn agent_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
+    }
+
+    /// The last part of the agent's log and then of its PostgreSQL's log,
+    /// for failure messages.
+    pub fn log_tail(&self) -> String {
+        let mut pg_log = self.data_dir.clone().into_os_string();
+        pg_log.push(".log");
+        let text = fs::read_to_string(&self.log).unwrap_or_default()
+            + "----- postgres -----\n"
+            + &fs::read_to_string(pg_log).unwrap_or_default();
+        let start = text.len().saturating_sub(6000);
+        let start = (start..text.len())
+            .find(|i| text.is_char_boundary(*i))
+            .unwrap_or(0);
+        text[start..].to_string()
+    }
+}
+
+fn conninfo(port: u16) -> String {
+    format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=3")
+}
+
+/// Builder of an [`AgentCluster`].
+#[derive(Debug)]
+pub struct AgentClusterBuilder {
+    bin: PathBuf,
+    nodes: usize,
+    agent_toml: String,
+    node_toml: Vec<(usize, String)>,
+    etcd_relays: bool,
+}
+
+impl AgentClusterBuilder {
+    /// Number of nodes (default 3).
+    pub fn nodes(mut self, n: usize) -> Self {
+        self.nodes = n;
+        self
+    }
+
+    /// Extra `[agent]` keys for every node, e.g. `"ttl = 6\nloop_wait = 1"`.
+    pub fn agent_settings(mut self, toml: &str) -> Self {
+        self.agent_toml.push_str(toml);
+        self.agent_toml.push('\n');
+        self
+    }
+
+    /// Extra `[agent]` keys for node `i` only, e.g. `"nofailover = true"`.
+    pub fn node_settings(mut self, i: usize, toml: &str) -> Self {
+        self.node_toml.push((i, toml.to_string()));
+        self
+    }
+
+    /// Puts a fault relay between each agent and etcd, so a test can cut
+    /// one node off from etcd alone.
+    pub fn etcd_relays(mut self) -> Self {
+        self.etcd_relays = true;
+        self
+    }
+
+    /// Starts etcd, writes each node's configuration and starts the agents
+    /// (node 0 first, so it is the likely winner of the bootstrap race).
+    pub fn start(self) -> AgentCluster {
+        sweep_leftovers();
+        let etcd = EtcdServer::start();
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
+            .tempdir()
+            .expect("temp dir");
+        // PostgreSQL runs as another user, who must reach the data dirs.
+        fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod temp dir");
+        let cluster_name = format!("t{}", free_port());
+        let mut nodes = Vec::new();
+        let mut relays = Vec::new();
+        for i in 0..self.nodes {
+            let name = format!("n{}", i + 1);
+            let etcd_endpoint = if self.etcd_relays {
+                let target = format!("127.0.0.1:{}", etcd.client_port());
+                let relay = Relay::start(target.parse().expect("addr")).expect("etcd relay");
+                let ep = format!("http://{}", relay.addr());
+                relays.push(relay);
+                ep
+            } else {
+                etcd.endpoint()
+            };
+            let node = AgentNode {
+                pg_port: free_port(),
+                api_port: free_port(),
+                rw_port: free_port(),
+                ro_port: free_port(),
+                http_port: free_port(),
+                config: dir.path().join(format!("{name}.toml")),
+                data_dir: dir.path().join(&name),
+                log: dir.path().join(format!("{name}-agent.log")),
+                name,
+                child: None,
+            };
+            let mut toml = String::new();
+            let _ = write!(
+                toml,
+                "[cluster]\nuser = \"postgres\"\nprobe_interval = \"250ms\"\n\n\
+                 [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
+                 [engine]\nconnect_wait_timeout = \"3s\"\n\n\
+                 [agent]\nname = \"{name}\"\ndata_dir = \"{data}\"\npg_listen = \"127.0.0.1:{pg}\"\napi = \"127.0.0.1:{api}\"\n\
+                 api_password = \"secret\"\n\
+                 parameters = {{ fsync = \"off\", full_page_writes = \"on\", shared_buffers = \"16MB\", max_connections = 50 }}\n{extra}",
+                rw = node.rw_port,
+                ro = node.ro_port,
+                http = node.http_port,
+                name = node.name,
+                data = node.data_dir.display(),
+                pg = node.pg_port,
+                api = node.api_port,
+                extra = self.agent_toml,
+            );
+            for (_, t) in self.node_toml.iter().filter(|(n, _)| *n == i) {
+                toml.push_str(t);
+                toml.push('\n');
+            }
+            let _ = write!(
+                toml,
+                "\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n"
+            );
+            fs::write(&node.config, toml).expect("write node config");
+            nodes.push(node);
+        }
+        let mut c = AgentCluster {
+            bin: self.bin,
+            nodes,
+            relays,
+            etcd,
+            dir,
+        };
+        for i in 0..c.nodes.len() {
+            c.start_agent(i);
+        }
+        c
+    }
+}
+
+/// A running HA cluster; see the module documentation.
+#[derive(Debug)]
+pub struct AgentCluster {
+    bin: PathBuf,
+    nodes: Vec<AgentNode>,
+    relays: Vec<Relay>,
+    etcd: EtcdServer,
+    // Dropped last: the directories outlive every process using them.
+    dir: tempfile::TempDir,
+}
+
+impl AgentCluster {
+    /// Starts describing a cluster whose agents run the `pgwarden` binary
+    /// at `bin` (in integration tests: `env!("CARGO_BIN_EXE_pgwarden")`).
+    pub fn builder(bin: impl Into<PathBuf>) -> AgentClusterBuilder {
+        AgentClusterBuilder {
+            bin: bin.into(),
+            nodes: 3,
+            agent_toml: String::new(),
+            node_toml: Vec::new(),
+            etcd_relays: false,
+        }
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether there are no nodes.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Node `i`.
+    pub fn node(&self, i: usize) -> &AgentNode {
+        &self.nodes[i]
+    }
+
+    /// Every node.
+    pub fn nodes(&self) -> &[AgentNode] {
+        &self.nodes
+    }
+
+    /// The etcd the agents use.
+    pub fn etcd(&mut self) -> &mut EtcdServer {
+        &mut self.etcd
+    }
+
+    /// The relay between node `i`'s agent and etcd (with
+    /// [`AgentClusterBuilder::etcd_relays`]).
+    pub fn etcd_relay(&self, i: usize) -> &Relay {
+        &self.relays[i]
+    }
+
+    /// The directory holding every node's files.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Index of the node named `name`.
+    pub fn index_of(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    /// Starts (or restarts) node `i`'s agent.
+    pub fn start_agent(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log)
+            .expect("agent log");
+        let err = log.try_clone().expect("agent log");
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("agent")
+            .arg("--config")
+            .arg(&node.config)
+            .env(
+                "RUST_LOG",
+                std::env::var("PGWARDEN_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err);
+        die_with_parent(&mut cmd);
+        node.child = Some(cmd.spawn().expect("spawn pgwarden agent"));
+    }
+
+    /// Kills node `i`'s agent with SIGKILL; its PostgreSQL keeps running.
+    pub fn kill_agent(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills node `i`'s postmaster and its children with SIGKILL.
+    pub fn kill_postgres(&mut self, i: usize) {
+        kill_postmaster(&self.nodes[i].data_dir);
+    }
+
+    /// Kills node `i` outright: agent and PostgreSQL.
+    pub fn kill_node(&mut self, i: usize) {
+        self.kill_agent(i);
+        self.kill_postgres(i);
+    }
+
+    /// A summary of every node's log tail, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut s = String::new();
+        for n in &self.nodes {
+            let _ = writeln!(s, "===== {} =====\n{}", n.name, n.log_tail());
+        }
+        s
+    }
+}
+
+impl Drop for AgentCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill_agent(i);
+        }
+        for n in &self.nodes {
+            kill_postmaster(&n.data_dir);
+        }
+        if std::thread::panicking() || std::env::var_os("PGWARDEN_TEST_KEEP_LOGS").is_some() {
+            eprintln!("{}", self.logs());
+        }
+    }
+}
+
+pub(crate) fn postmaster_pid(data_dir: &Path) -> Option<i32> {
+    let text = fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
+    let pid: i32 = text.lines().next()?.trim().parse().ok()?;
+    kill(Pid::from_raw(pid), None).ok().map(|_| pid)
+}
+
+/// SIGKILLs a data directory's postmaster and its children; the
+/// postmaster is frozen first so it cannot fork meanwhile.
+pub(crate) fn kill_postmaster(data_dir: &Path) {
+    let Some(pid) = postmaster_pid(data_dir) else {
+        return;
+    };
+    let pm = Pid::from_raw(pid);
+    let _ = kill(pm, Signal::SIGSTOP);
+    let children =
+        fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    for c in children.split_whitespace().filter_map(|s| s.parse().ok()) {
+        let _ = kill(Pid::from_raw(c), Signal::SIGKILL);
+    }
+    let _ = kill(pm, Signal::SIGKILL);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while kill(pm, None).is_ok() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec and only makes the
+    // async-signal-safe prctl system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+        });
+    }
+}
