@@ -6,6 +6,7 @@
 //!   of a DCS snapshot.
 //! * [`status`]: the agent's state as the API and the router read it.
 
+pub mod api;
 pub mod http_client;
 pub mod record;
 pub mod status;
