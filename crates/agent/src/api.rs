@@ -431,13 +431,24 @@ async fn read(state: &ApiState) -> Result<ClusterSnapshot, ApiError> {
     state.dcs.read_cluster().await.map_err(|e| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("cannot read the cluster from the DCS: {e}"),
+            format!("cannot read the cluster from the DCS: {}", chain(&e)),
         )
     })
 }
 
 // ---------------------------------------------------------------------------
 // Control
+
+/// An error with its causes, for messages that must stand alone.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s += &format!(": {c}");
+        cause = c.source();
+    }
+    s
+}
 
 /// A plain-text answer, as Patroni gives for its control endpoints.
 fn text(code: StatusCode, msg: &str) -> Response {
@@ -539,7 +550,8 @@ fn body_object(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
             "the request body must be a JSON object",
         )),
         Err(e) => Err(ApiError::bad_request(format!(
-            "the request body is not valid JSON: {e}"
+            "the request body is not valid JSON: {}",
+            chain(&e)
         ))),
     }
 }
@@ -598,7 +610,8 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
         }
         Ok(false) => Ok(None),
         Err(e) => Err(ApiError::unavailable(format!(
-            "cannot write the config to the DCS: {e}"
+            "cannot write the config to the DCS: {}",
+            chain(&e)
         ))),
     }
 }
@@ -763,7 +776,10 @@ async fn request_and_wait(
     what: &str,
 ) -> Result<Response, ApiError> {
     state.dcs.put_failover(&request).await.map_err(|e| {
-        ApiError::unavailable(format!("cannot write the {what} request to the DCS: {e}"))
+        ApiError::unavailable(format!(
+            "cannot write the {what} request to the DCS: {}",
+            chain(&e)
+        ))
     })?;
     wake(state);
     tracing::info!(%request, "{what} requested through the API");
@@ -944,11 +960,12 @@ async fn cancel_switchover(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    state
-        .dcs
-        .delete_failover()
-        .await
-        .map_err(|e| ApiError::unavailable(format!("cannot delete the switchover request: {e}")))?;
+    state.dcs.delete_failover().await.map_err(|e| {
+        ApiError::unavailable(format!(
+            "cannot delete the switchover request: {}",
+            chain(&e)
+        ))
+    })?;
     wake(&state);
     Ok(text(StatusCode::OK, "pending switchover cancelled"))
 }

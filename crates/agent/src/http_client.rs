@@ -30,7 +30,10 @@ impl Response {
     }
 }
 
-/// Why a request got no usable answer.
+/// Why a request got no usable answer. As elsewhere in the workspace, the
+/// message names what failed and the underlying error is the
+/// [`source`](std::error::Error::source), so print the chain (`{:#}` with
+/// anyhow) to see both.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     /// The URL is not of the form `http://host[:port][/path][?query]`.
@@ -45,7 +48,7 @@ pub enum HttpError {
     #[error("invalid HTTP method {0:?}")]
     InvalidMethod(String),
     /// No connection could be made.
-    #[error("cannot connect to {addr}: {source}")]
+    #[error("cannot connect to {addr}")]
     Connect {
         /// `host:port` connected to.
         addr: String,
@@ -53,7 +56,7 @@ pub enum HttpError {
         source: std::io::Error,
     },
     /// The connection broke or the server spoke something other than HTTP.
-    #[error("HTTP error talking to {addr}: {source}")]
+    #[error("HTTP exchange with {addr} failed")]
     Protocol {
         /// `host:port` connected to.
         addr: String,
@@ -72,7 +75,7 @@ pub enum HttpError {
     #[error("cannot build the request: {0}")]
     Request(#[from] hyper::http::Error),
     /// A 2xx answer whose body is not the JSON expected.
-    #[error("invalid JSON from {url}: {source}")]
+    #[error("invalid JSON from {url}")]
     Json {
         /// The URL requested.
         url: String,
