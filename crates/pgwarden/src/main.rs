@@ -3,6 +3,7 @@
 //! The binary is thin: it parses the command line, sets up logging and the
 //! runtime, and hands over to the library crates.
 
+mod ctl;
 mod demo;
 mod run_cmd;
 mod topology_cmd;
@@ -27,6 +28,8 @@ enum Command {
     Topology(topology_cmd::Args),
     /// Start a local demo cluster (a primary and replicas) and watch it.
     Demo(demo::Args),
+    /// Operate an HA cluster through a member's REST API.
+    Ctl(ctl::Args),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
     report(match cli.command {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
+        Command::Ctl(args) => runtime.block_on(ctl::run(args)),
         Command::Run(_) => unreachable!("handled above"),
     })
 }
