@@ -7,8 +7,12 @@
 //! * [`status`]: the agent's state as the API and the router read it.
 //! * `ha_loop`: observe, read the DCS, decide, act, publish.
 //! * [`postgres`]: the local PostgreSQL, driven and observed.
+//! * [`api`]: the Patroni-compatible REST API; [`http_client`] is how
+//!   members and `pgwarden ctl` call it.
 
+pub mod api;
 mod ha_loop;
+pub mod http_client;
 pub mod postgres;
 pub mod record;
 pub mod status;
@@ -44,6 +48,15 @@ pub enum AgentError {
     /// PostgreSQL binaries or the unprivileged user are missing.
     #[error(transparent)]
     Pg(#[from] pgwarden_pgctl::PgCtlError),
+    /// The REST API's address cannot be bound.
+    #[error("agent.api: cannot listen on {addr}: {source}")]
+    Api {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A running agent, as the rest of the process uses it.
@@ -63,13 +76,21 @@ pub struct AgentHandle {
 /// answers), then runs the HA loop in the background.
 ///
 /// `superuser` and `password` are what the agent connects to its
-/// PostgreSQL with (and what initdb creates).
+/// PostgreSQL with (and what initdb creates); `api_credentials` guard the
+/// REST API's write endpoints (`None` refuses them all).
 pub async fn start(
     cfg: AgentConfig,
     etcd: EtcdConfig,
     superuser: String,
     password: Option<String>,
+    api_credentials: Option<(String, String)>,
 ) -> Result<AgentHandle, AgentError> {
+    let api_listener = tokio::net::TcpListener::bind(cfg.api)
+        .await
+        .map_err(|source| AgentError::Api {
+            addr: cfg.api,
+            source,
+        })?;
     let bins = match &cfg.bin_dir {
         Some(d) => PgBinaries::at(d),
         None => PgBinaries::discover()?,
@@ -117,6 +138,20 @@ pub async fn start(
     )));
     let (changes_tx, changes) = watch::channel(0);
     let (commands, commands_rx) = mpsc::channel(16);
+    let api_state = Arc::new(api::ApiState {
+        name: cfg.name.clone(),
+        status: status.clone(),
+        dcs: dcs.clone(),
+        commands: commands.clone(),
+        credentials: api_credentials,
+        maximum_lag_on_failover: cfg.maximum_lag_on_failover,
+        switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
+    });
+    tokio::spawn(async move {
+        if let Err(e) = api::serve(api_listener, api_state, std::future::pending()).await {
+            tracing::error!(error = %e, "the REST API stopped");
+        }
+    });
     let ha = ha_loop::HaLoop::new(
         cfg,
         etcd,

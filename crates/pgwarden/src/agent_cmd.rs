@@ -37,10 +37,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(async {
         let password = crate::run_cmd::probe_config(&config)?.password;
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
-        let handle =
-            pgwarden_agent::start(agent, etcd, config.cluster.user.clone(), password).await?;
+        let credentials = api_credentials(&agent, &args.config)?;
+        let handle = pgwarden_agent::start(
+            agent,
+            etcd,
+            config.cluster.user.clone(),
+            password,
+            credentials,
+        )
+        .await?;
         crate::run_cmd::serve(&args.config, config, false, Some(handle)).await
     })
+}
+
+/// The REST API's write credentials: `agent.api_password`, the first line
+/// of `agent.api_password_file` (relative to the configuration file), or
+/// `PGWARDEN_API_PASSWORD`; none of them leaves the write endpoints closed.
+fn api_credentials(
+    agent: &pgwarden_config::AgentConfig,
+    config_path: &std::path::Path,
+) -> anyhow::Result<Option<(String, String)>> {
+    let password = match (&agent.api_password, &agent.api_password_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => {
+            let path = config_path
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join(f);
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("agent.api_password_file: {}", path.display()))?;
+            Some(text.lines().next().unwrap_or_default().to_string())
+        }
+        (None, None) => std::env::var("PGWARDEN_API_PASSWORD").ok(),
+    };
+    if password.is_none() {
+        tracing::warn!("no API password configured: the REST API's write endpoints are refused");
+    }
+    Ok(password.map(|p| (agent.api_username.clone(), p)))
 }
 
 /// Keeps the topology engine's primary gate on the leader key's holder and

@@ -4,6 +4,7 @@
 //! runtime, and hands over to the library crates.
 
 mod agent_cmd;
+mod ctl;
 mod demo;
 mod run_cmd;
 mod topology_cmd;
@@ -30,6 +31,8 @@ enum Command {
     Agent(agent_cmd::Args),
     /// Start a local demo cluster (a primary and replicas) and watch it.
     Demo(demo::Args),
+    /// Operate an HA cluster through a member's REST API.
+    Ctl(ctl::Args),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
     report(match cli.command {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
+        Command::Ctl(args) => runtime.block_on(ctl::run(args)),
         Command::Run(_) | Command::Agent(_) => unreachable!("handled above"),
     })
 }

@@ -1,0 +1,1031 @@
+//! The agent's REST API, compatible with Patroni's where an endpoint of the
+//! same name exists, so load balancer health checks, Kubernetes probes and
+//! operators' habits carry over.
+//!
+//! # Health checks
+//!
+//! `GET`, `HEAD` and `OPTIONS` on each of these answer 200 when the local
+//! member passes the check and 503 when it does not. A `GET` carries the
+//! same JSON body as `/patroni`; `HEAD` and `OPTIONS` (what HAProxy's
+//! `option httpchk OPTIONS /` sends) only the status line.
+//!
+//! | path | 200 when |
+//! | --- | --- |
+//! | `/`, `/primary`, `/master`, `/read-write`, `/leader` | this agent holds the leader lease and its PostgreSQL runs as primary |
+//! | `/replica` | PostgreSQL is `running` as a replica without the `noloadbalance` tag, and passes the `lag` and `tag_*` filters |
+//! | `/read-only` | `/primary` or `/replica` passes |
+//! | `/sync`, `/synchronous` | `/replica` passes, the member is listed in the `sync` key, and the DCS is reachable |
+//! | `/async`, `/asynchronous` | `/replica` passes, the member is not listed in the `sync` key, and the DCS is reachable |
+//! | `/health` | PostgreSQL is `running`, in any role |
+//! | `/liveness` | always, while the process serves requests |
+//! | `/readiness` | leader, or a `running` replica no more than `lag` bytes behind (default `maximum_lag_on_failover`) |
+//!
+//! Filters, as query parameters: `lag=<bytes|16kB|10MB|...>` limits the
+//! replica's lag behind the leader's last published WAL position; a replica
+//! whose lag is not known yet fails a check that sets a limit, so a load
+//! balancer never sends reads to a replica of unknown staleness.
+//! `tag_<name>=<value>` requires one of the member's tags (`nofailover`,
+//! `nosync`, `noloadbalance`, `failover_priority`) to have that value;
+//! unknown tags never match. Unlike Patroni, tags left at their default
+//! values count as present, so `tag_nofailover=false` matches an untagged
+//! member.
+//!
+//! `/liveness` differs from Patroni's, which checks that the HA loop ran
+//! recently: here the loop's health is the business of `/readiness` and the
+//! role checks, and a liveness probe that restarts the agent while its loop
+//! waits out a DCS outage would only add a restart to an outage.
+//!
+//! # Information
+//!
+//! `GET /patroni` (the member's state; members read each other's WAL
+//! positions from it during an election), `GET /cluster` (every member,
+//! the leader, maintenance mode and a pending failover), `GET /history`
+//! (promotions, as objects rather than Patroni's arrays), `GET /config`
+//! (the dynamic configuration, `{}` when there is none).
+//!
+//! # Control
+//!
+//! Write endpoints require HTTP basic authentication with the configured
+//! credentials; without configured credentials they are refused (403), so a
+//! forgotten password never leaves the cluster open to anyone who can reach
+//! the port. `PATCH /config` (JSON merge patch: `null` deletes a key),
+//! `POST /switchover`, `DELETE /switchover`, `POST /failover`,
+//! `POST /pause`, `POST /resume`, `POST /restart`, `POST /reload`.
+//!
+//! A switchover or failover is written to the DCS as a request that the
+//! members' HA loops carry out; the API then waits for the leader key to
+//! name the new leader and answers 200, or 503 "status unknown" when that
+//! takes longer than [`ApiState::switchover_wait`]. Scheduled switchovers
+//! (`scheduled_at`) are not supported yet and are refused with 400.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, on, post, MethodFilter};
+use axum::{Json, Router};
+use base64::Engine as _;
+use pgwarden_dcs::{ClusterSnapshot, EtcdDcs};
+use pgwarden_ha::{rank_candidates, ElectionSettings, ExclusionReason, MemberRole};
+use serde_json::{json, Map, Value};
+
+use crate::record::{self, MemberRecord};
+use crate::status::{AgentStatus, Command, StatusHandle};
+
+/// How long a switchover or failover request waits for the leader to
+/// change before answering "status unknown", unless configured otherwise.
+pub const DEFAULT_SWITCHOVER_WAIT: Duration = Duration::from_secs(30);
+
+/// How often a waiting switchover re-reads the leader key.
+const POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+/// How long a request must stay missing, with the leader unchanged, before
+/// a waiting switchover reports it withdrawn. An HA loop may consume the
+/// request a moment before it takes the leader key, so one read that sees
+/// neither is no proof.
+const WITHDRAWN_GRACE: Duration = Duration::from_secs(2);
+
+/// How long sending a command may wait for room in the HA loop's queue.
+const COMMAND_SEND_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything the API's handlers need.
+pub struct ApiState {
+    /// This member's name.
+    pub name: String,
+    /// The latest status published by the HA loop.
+    pub status: StatusHandle,
+    /// The cluster's store, for the information and control endpoints.
+    pub dcs: EtcdDcs,
+    /// Requests to the HA loop.
+    pub commands: tokio::sync::mpsc::Sender<Command>,
+    /// User name and password required by the write endpoints; `None`
+    /// refuses every write.
+    pub credentials: Option<(String, String)>,
+    /// The default `lag` limit of `/readiness`, and the election's lag
+    /// limit when ranking switchover candidates.
+    pub maximum_lag_on_failover: u64,
+    /// How long `POST /switchover` and `POST /failover` wait for the leader
+    /// to change ([`DEFAULT_SWITCHOVER_WAIT`] in the agent).
+    pub switchover_wait: Duration,
+}
+
+/// The API's routes over `state`.
+pub fn router(state: Arc<ApiState>) -> Router {
+    let check = MethodFilter::GET
+        .or(MethodFilter::HEAD)
+        .or(MethodFilter::OPTIONS);
+    let mut r = Router::new();
+    for path in CHECK_PATHS {
+        r = r.route(path, on(check, health_check));
+    }
+    r.route("/patroni", get(patroni))
+        .route("/cluster", get(cluster))
+        .route("/history", get(history))
+        .route("/config", get(get_config).patch(patch_config))
+        .route("/switchover", post(switchover).delete(cancel_switchover))
+        .route("/failover", post(failover))
+        .route("/pause", post(pause))
+        .route("/resume", post(resume))
+        .route("/restart", post(restart))
+        .route("/reload", post(reload))
+        .fallback(|| async { text(StatusCode::NOT_FOUND, "no such endpoint") })
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, then lets
+/// requests in flight finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<ApiState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+// ---------------------------------------------------------------------------
+// Health checks
+
+const CHECK_PATHS: [&str; 16] = [
+    "/",
+    "/primary",
+    "/master",
+    "/read-write",
+    "/leader",
+    "/replica",
+    "/read-only",
+    "/sync",
+    "/synchronous",
+    "/async",
+    "/asynchronous",
+    "/health",
+    "/liveness",
+    "/readiness",
+    "/standby-leader",
+    "/standby_leader",
+];
+
+/// Whether the local member passes the check named by `path`.
+fn passes(
+    path: &str,
+    name: &str,
+    st: &AgentStatus,
+    query: &[(String, String)],
+    default_lag: u64,
+) -> Result<bool, String> {
+    let lag_limit = match query.iter().rev().find(|(k, _)| k == "lag") {
+        Some((_, v)) => Some(parse_lag(v)?),
+        None => None,
+    };
+    let replica =
+        || replica_check(&st.member, lag_limit) && tags_match(&st.member.state.tags, query);
+    let in_sync = || {
+        st.cluster
+            .as_ref()
+            .is_some_and(|c| sync_members(c).iter().any(|m| m == name))
+    };
+    Ok(match path {
+        "/" | "/primary" | "/master" | "/read-write" | "/leader" => st.is_leader,
+        // No standby clusters yet, so no member is ever a standby leader.
+        "/standby-leader" | "/standby_leader" => false,
+        "/replica" => replica(),
+        "/read-only" => st.is_leader || replica(),
+        "/sync" | "/synchronous" => st.dcs_reachable && in_sync() && replica(),
+        "/async" | "/asynchronous" => st.dcs_reachable && !in_sync() && replica(),
+        "/health" => st.member.status == "running",
+        "/liveness" => true,
+        "/readiness" => {
+            st.is_leader
+                || (st.member.status == "running"
+                    && st.member.state.role == MemberRole::Replica
+                    && lag_within(&st.member, lag_limit.unwrap_or(default_lag)))
+        }
+        _ => false,
+    })
+}
+
+fn replica_check(m: &MemberRecord, lag_limit: Option<u64>) -> bool {
+    m.status == "running"
+        && m.state.role == MemberRole::Replica
+        && !m.state.tags.noloadbalance
+        && match lag_limit {
+            Some(limit) => lag_within(m, limit),
+            None => true,
+        }
+}
+
+/// Unknown lag counts as too much: a replica that has not measured its lag
+/// yet may be arbitrarily stale.
+fn lag_within(m: &MemberRecord, limit: u64) -> bool {
+    m.lag_bytes.is_some_and(|lag| lag <= limit)
+}
+
+fn tags_match(tags: &pgwarden_ha::Tags, query: &[(String, String)]) -> bool {
+    let tags = serde_json::to_value(tags).unwrap_or_default();
+    query.iter().all(|(k, want)| match k.strip_prefix("tag_") {
+        None => true,
+        Some(tag) => match tags.get(tag) {
+            Some(Value::String(s)) => s.eq_ignore_ascii_case(want),
+            Some(v) => v.to_string().eq_ignore_ascii_case(want.trim()),
+            None => false,
+        },
+    })
+}
+
+/// Parses a lag limit as Patroni does: bytes, or a number with a
+/// PostgreSQL memory unit (`B`, `kB`, `MB`, `GB`, `TB`, powers of 1024).
+/// Units are accepted in any case, since a lag limit has no bits to confuse
+/// them with.
+pub fn parse_lag(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| {
+        format!("invalid lag {s:?}: expected bytes or a number with kB, MB, GB, TB")
+    })?;
+    let factor: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1 << 10,
+        "mb" => 1 << 20,
+        "gb" => 1 << 30,
+        "tb" => 1 << 40,
+        _ => return Err(format!("invalid lag {s:?}: unknown unit {unit:?}")),
+    };
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("invalid lag {s:?}: too large"))
+}
+
+async fn health_check(
+    State(state): State<Arc<ApiState>>,
+    method: Method,
+    uri: Uri,
+    Query(query): Query<Vec<(String, String)>>,
+) -> Response {
+    let st = state.status.load_full();
+    let code = match passes(
+        uri.path(),
+        &state.name,
+        &st,
+        &query,
+        state.maximum_lag_on_failover,
+    ) {
+        Ok(true) => StatusCode::OK,
+        Ok(false) => StatusCode::SERVICE_UNAVAILABLE,
+        Err(msg) => return text(StatusCode::BAD_REQUEST, &msg),
+    };
+    if method == Method::GET {
+        (code, Json(member_json(&state, &st))).into_response()
+    } else {
+        code.into_response()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Information
+
+/// The cluster's name, the last segment of the key prefix.
+fn scope(dcs: &EtcdDcs) -> String {
+    dcs.keys()
+        .prefix()
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn sync_members(c: &ClusterSnapshot) -> Vec<String> {
+    c.sync
+        .as_ref()
+        .and_then(|s| s.get("members"))
+        .and_then(|m| serde_json::from_value(m.clone()).ok())
+        .unwrap_or_default()
+}
+
+fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
+    let m = &st.member;
+    let mut xlog = json!({
+        "received_location": m.state.received_lsn,
+        "replayed_location": m.state.replayed_lsn,
+    });
+    if st.is_leader {
+        // Patroni's primaries report a single `location`.
+        xlog["location"] = json!(m.state.received_lsn);
+    }
+    json!({
+        "name": state.name,
+        "role": m.state.role.to_string(),
+        "state": m.status,
+        "timeline": m.state.timeline,
+        "received_lsn": m.state.received_lsn,
+        "replayed_lsn": m.state.replayed_lsn,
+        "lag": m.lag_bytes,
+        "xlog": xlog,
+        "is_leader": st.is_leader,
+        "leader": st.leader,
+        "cluster_unlocked": st.leader.is_none(),
+        "paused": st.paused,
+        "dcs_reachable": st.dcs_reachable,
+        "tags": m.state.tags,
+        "api_url": m.state.api_url,
+        "pg_address": m.pg_address,
+        "last_decision": st.last_decision,
+        "problem": m.problem,
+        "patroni": {
+            "version": env!("CARGO_PKG_VERSION"),
+            "scope": scope(&state.dcs),
+            "name": state.name,
+        },
+    })
+}
+
+async fn patroni(State(state): State<Arc<ApiState>>) -> Response {
+    let st = state.status.load_full();
+    Json(member_json(&state, &st)).into_response()
+}
+
+/// The JSON of `/cluster`, from one snapshot.
+pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
+    let leader = snap.leader.as_ref().map(|l| l.name.clone());
+    let sync = sync_members(snap);
+    let members: Vec<Value> = record::records(snap)
+        .into_iter()
+        .map(|r| {
+            let name = r.state.name.clone();
+            let role = if leader.as_deref() == Some(name.as_str()) {
+                "leader".to_string()
+            } else if sync.contains(&name) && r.state.role == MemberRole::Replica {
+                "sync_standby".to_string()
+            } else {
+                r.state.role.to_string()
+            };
+            let (host, port) = split_address(&r.pg_address);
+            let lag = if role == "leader" { None } else { r.lag_bytes };
+            json!({
+                "name": name,
+                "role": role,
+                "state": r.status,
+                "host": host,
+                "port": port,
+                "pg_address": r.pg_address,
+                "api_url": r.state.api_url,
+                "timeline": r.state.timeline,
+                "lag": lag,
+                "tags": r.state.tags,
+                "problem": r.problem,
+            })
+        })
+        .collect();
+    json!({
+        "scope": scope,
+        "members": members,
+        "leader": leader,
+        "paused": record::paused(snap),
+        "failover": snap.failover,
+    })
+}
+
+/// `host:port` into its parts; IPv6 hosts lose their brackets, as in
+/// Patroni's output.
+fn split_address(addr: &str) -> (String, Option<u16>) {
+    match addr.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() => match p.parse() {
+            Ok(port) => (
+                h.trim_start_matches('[').trim_end_matches(']').to_string(),
+                Some(port),
+            ),
+            Err(_) => (addr.to_string(), None),
+        },
+        _ => (addr.to_string(), None),
+    }
+}
+
+async fn cluster(State(state): State<Arc<ApiState>>) -> Result<Response, ApiError> {
+    let st = state.status.load_full();
+    // Before the HA loop's first read, ask the store rather than show an
+    // empty cluster.
+    let snap = match &st.cluster {
+        Some(c) => c.clone(),
+        None => read(&state).await?,
+    };
+    Ok(Json(cluster_json(&snap, &scope(&state.dcs))).into_response())
+}
+
+async fn history(State(state): State<Arc<ApiState>>) -> Result<Response, ApiError> {
+    Ok(Json(read(&state).await?.history).into_response())
+}
+
+async fn get_config(State(state): State<Arc<ApiState>>) -> Result<Response, ApiError> {
+    let config = read(&state).await?.config.unwrap_or_else(|| json!({}));
+    Ok(Json(config).into_response())
+}
+
+/// A fresh read of the store; the control endpoints must not decide from
+/// the HA loop's last snapshot, which may be a loop interval old.
+async fn read(state: &ApiState) -> Result<ClusterSnapshot, ApiError> {
+    state.dcs.read_cluster().await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cannot read the cluster from the DCS: {}", chain(&e)),
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Control
+
+/// An error with its causes, for messages that must stand alone.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s += &format!(": {c}");
+        cause = c.source();
+    }
+    s
+}
+
+/// A plain-text answer, as Patroni gives for its control endpoints.
+fn text(code: StatusCode, msg: &str) -> Response {
+    (code, format!("{msg}\n")).into_response()
+}
+
+/// A refused or failed request: the status and a message for the operator.
+#[derive(Debug)]
+struct ApiError {
+    code: StatusCode,
+    msg: String,
+}
+
+impl ApiError {
+    fn new(code: StatusCode, msg: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            msg: msg.into(),
+        }
+    }
+
+    fn bad_request(msg: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, msg)
+    }
+
+    fn precondition(msg: impl Into<String>) -> Self {
+        Self::new(StatusCode::PRECONDITION_FAILED, msg)
+    }
+
+    fn unavailable(msg: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, msg)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = text(self.code, &self.msg);
+        if self.code == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Basic realm=\"pgwarden\""),
+            );
+        }
+        r
+    }
+}
+
+/// Compares without returning early, so the time taken does not reveal how
+/// much of a guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= usize::from(x ^ y);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+fn authorize(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some((user, password)) = &state.credentials else {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "write endpoints are disabled: configure agent.api_password \
+             (or agent.api_password_file, or PGWARDEN_API_PASSWORD)",
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("basic").then_some(token.trim())
+        })
+        .and_then(|t| base64::engine::general_purpose::STANDARD.decode(t).ok());
+    let expected = format!("{user}:{password}");
+    if given.is_some_and(|g| constant_time_eq(&g, expected.as_bytes())) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication required",
+        ))
+    }
+}
+
+fn is_blank(body: &Bytes) -> bool {
+    body.iter().all(u8::is_ascii_whitespace)
+}
+
+/// The request body as a JSON object; an empty body is an empty object.
+fn body_object(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+    if is_blank(body) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "the request body is not valid JSON: {}",
+            chain(&e)
+        ))),
+    }
+}
+
+/// A string field of a request body; `null` and `""` count as absent.
+fn str_field(body: &Map<String, Value>, key: &str) -> Result<Option<String>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(format!("{key:?} must be a string"))),
+    }
+}
+
+/// Tells the HA loop to look at the DCS now. Best effort: a full queue
+/// means an iteration is due anyway.
+fn wake(state: &ApiState) {
+    let _ = state.commands.try_send(Command::Wake);
+}
+
+/// RFC 7396 JSON merge patch: objects merge key by key, `null` deletes,
+/// anything else replaces.
+pub fn merge_patch(target: &mut Value, patch: &Value) {
+    let Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Map::new());
+    }
+    if let Value::Object(t) = target {
+        for (k, v) in patch {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+    }
+}
+
+/// Applies `patch` to the config key in one compare-and-set. `Ok(None)`:
+/// the key changed since it was read.
+async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Value>, ApiError> {
+    let snap = read(state).await?;
+    let mut config = snap.config.unwrap_or_else(|| json!({}));
+    merge_patch(&mut config, patch);
+    match state
+        .dcs
+        .compare_and_put_config(&config, snap.config_revision)
+        .await
+    {
+        Ok(true) => {
+            wake(state);
+            Ok(Some(config))
+        }
+        Ok(false) => Ok(None),
+        Err(e) => Err(ApiError::unavailable(format!(
+            "cannot write the config to the DCS: {}",
+            chain(&e)
+        ))),
+    }
+}
+
+async fn patch_config(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    if is_blank(&body) {
+        return Err(ApiError::bad_request("PATCH /config needs a JSON object"));
+    }
+    let patch = Value::Object(body_object(&body)?);
+    // No retry on conflict, as in Patroni: the caller decided on the patch
+    // from the config it read, and should look again.
+    match patch_config_once(&state, &patch).await? {
+        Some(config) => Ok(Json(config).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the config changed while it was being patched; try again",
+        )),
+    }
+}
+
+async fn set_pause(state: &ApiState, headers: &HeaderMap, on: bool) -> Result<Response, ApiError> {
+    authorize(state, headers)?;
+    let patch = json!({ "pause": on });
+    // Setting one flag does not depend on what else the config holds, so a
+    // lost race is simply tried again.
+    for _ in 0..3 {
+        if patch_config_once(state, &patch).await?.is_some() {
+            let what = if on {
+                "maintenance mode on: automatic failover is paused"
+            } else {
+                "maintenance mode off: automatic failover resumed"
+            };
+            return Ok(text(StatusCode::OK, what));
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "the config kept changing concurrently; try again",
+    ))
+}
+
+async fn pause(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    set_pause(&state, &headers, true).await
+}
+
+async fn resume(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    set_pause(&state, &headers, false).await
+}
+
+async fn send_command(state: &ApiState, cmd: Command) -> Result<(), ApiError> {
+    match tokio::time::timeout(COMMAND_SEND_TIMEOUT, state.commands.send(cmd)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(ApiError::unavailable("the HA loop is not running")),
+        Err(_) => Err(ApiError::unavailable("the HA loop is busy; try again")),
+    }
+}
+
+/// Requests a restart of PostgreSQL in its current role; answers once the
+/// HA loop has the request, not when the restart is done.
+async fn restart(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let body = body_object(&body)?;
+    if body.get("schedule").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request(
+            "scheduled restarts are not supported yet",
+        ));
+    }
+    send_command(&state, Command::Restart).await?;
+    Ok(text(StatusCode::OK, "restart requested"))
+}
+
+async fn reload(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    send_command(&state, Command::Reload).await?;
+    Ok(text(StatusCode::ACCEPTED, "reload requested"))
+}
+
+/// Refuses `candidate` as the target of a manual switchover or failover
+/// if it may not lead. `data_checks` adds the election's liveness, lag and
+/// timeline checks, which a failover into a leaderless cluster skips, as
+/// in Patroni; the operator's intent (tags, fencing) and a stopped
+/// PostgreSQL always count.
+fn check_candidate(
+    state: &ApiState,
+    st: &AgentStatus,
+    snap: &ClusterSnapshot,
+    candidate: &str,
+    data_checks: bool,
+) -> Result<(), ApiError> {
+    let view = record::cluster_view(snap, record::unix_ms());
+    if view.member(candidate).is_none() {
+        return Err(ApiError::precondition(format!(
+            "candidate {candidate} is not a member of the cluster"
+        )));
+    }
+    let ranking = rank_candidates(&view, &election_settings(state, st));
+    let Some(reason) = ranking.exclusion(candidate) else {
+        return Ok(());
+    };
+    let operator_intent = matches!(
+        reason,
+        ExclusionReason::NoFailoverTag
+            | ExclusionReason::PriorityZero
+            | ExclusionReason::Fenced
+            | ExclusionReason::NotRunning
+    );
+    if data_checks || operator_intent {
+        return Err(ApiError::precondition(format!(
+            "candidate {candidate} cannot be promoted: {reason}"
+        )));
+    }
+    Ok(())
+}
+
+fn election_settings(state: &ApiState, st: &AgentStatus) -> ElectionSettings {
+    ElectionSettings {
+        maximum_lag_on_failover: state.maximum_lag_on_failover,
+        ttl: st.timing.ttl,
+    }
+}
+
+/// What a waiting request counts as done.
+enum Goal<'a> {
+    /// The leader key names this member.
+    Leader(&'a str),
+    /// The leader key names anyone but this member.
+    AwayFrom(&'a str),
+}
+
+impl Goal<'_> {
+    fn reached(&self, holder: Option<&str>) -> bool {
+        match *self {
+            Goal::Leader(c) => holder == Some(c),
+            Goal::AwayFrom(l) => holder.is_some_and(|h| h != l),
+        }
+    }
+}
+
+/// Writes the failover key, then waits for the leader key to move.
+async fn request_and_wait(
+    state: &ApiState,
+    request: Value,
+    goal: Goal<'_>,
+    what: &str,
+) -> Result<Response, ApiError> {
+    state.dcs.put_failover(&request).await.map_err(|e| {
+        ApiError::unavailable(format!(
+            "cannot write the {what} request to the DCS: {}",
+            chain(&e)
+        ))
+    })?;
+    wake(state);
+    tracing::info!(%request, "{what} requested through the API");
+    let deadline = Instant::now() + state.switchover_wait;
+    let mut withdrawn_since: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        tokio::time::sleep(POLL_INTERVAL.min(deadline - now)).await;
+        // A failed read is no answer either way; the deadline bounds the
+        // retries.
+        let Ok(snap) = state.dcs.read_cluster().await else {
+            continue;
+        };
+        let holder = snap.leader.as_ref().map(|l| l.name.as_str());
+        if goal.reached(holder) {
+            let verb = if what == "switchover" {
+                "switched"
+            } else {
+                "failed"
+            };
+            let new = holder.unwrap_or_default();
+            return Ok(text(
+                StatusCode::OK,
+                &format!("Successfully {verb} over to {new}"),
+            ));
+        }
+        if snap.failover.is_some() {
+            withdrawn_since = None;
+        } else if withdrawn_since.get_or_insert_with(Instant::now).elapsed() >= WITHDRAWN_GRACE {
+            return Err(ApiError::unavailable(format!(
+                "{what} status unknown: the request was withdrawn (cancelled, or refused \
+                 by the cluster) and the leader did not change"
+            )));
+        }
+    }
+    Err(ApiError::unavailable(format!(
+        "{what} status unknown: the leader did not change within {:?}",
+        state.switchover_wait
+    )))
+}
+
+async fn switchover(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let body = body_object(&body)?;
+    do_switchover(&state, &body).await
+}
+
+async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Response, ApiError> {
+    let leader = str_field(body, "leader")?;
+    let candidate = str_field(body, "candidate")?;
+    if body.get("scheduled_at").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request(
+            "scheduled switchovers are not supported yet",
+        ));
+    }
+    if leader.is_none() && candidate.is_none() {
+        return Err(ApiError::bad_request(
+            "a switchover needs the current leader or a candidate",
+        ));
+    }
+    if leader.is_some() && leader == candidate {
+        return Err(ApiError::bad_request(
+            "the candidate is the leader; a switchover is only possible to another member",
+        ));
+    }
+    let snap = read(state).await?;
+    let Some(current) = snap.leader.as_ref().map(|l| l.name.clone()) else {
+        return Err(ApiError::precondition(
+            "there is no leader to switch over from; use failover",
+        ));
+    };
+    if leader.as_ref().is_some_and(|l| *l != current) {
+        return Err(ApiError::precondition(format!(
+            "leader name does not match: the leader is {current}"
+        )));
+    }
+    if candidate.as_deref() == Some(current.as_str()) {
+        return Err(ApiError::bad_request(format!(
+            "{current} is already the leader; a switchover is only possible to another member"
+        )));
+    }
+    let st = state.status.load_full();
+    let goal = match &candidate {
+        Some(c) => {
+            check_candidate(state, &st, &snap, c, true)?;
+            Goal::Leader(c)
+        }
+        None => {
+            // Without a candidate the HA loops elect one, which maintenance
+            // mode stops them from doing.
+            if record::paused(&snap) {
+                return Err(ApiError::bad_request(
+                    "in maintenance mode a switchover needs an explicit candidate",
+                ));
+            }
+            let mut view = record::cluster_view(&snap, record::unix_ms());
+            view.members.retain(|m| m.name != current);
+            if rank_candidates(&view, &election_settings(state, &st))
+                .best()
+                .is_none()
+            {
+                return Err(ApiError::precondition("no good candidates have been found"));
+            }
+            Goal::AwayFrom(&current)
+        }
+    };
+    let mut request = json!({ "from_leader": current });
+    if let Some(c) = &candidate {
+        request["candidate"] = json!(c);
+    }
+    request_and_wait(state, request, goal, "switchover").await
+}
+
+async fn failover(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let body = body_object(&body)?;
+    // As in Patroni, naming the leader turns a failover into a switchover.
+    if body.get("leader").is_some_and(|v| !v.is_null()) {
+        return do_switchover(&state, &body).await;
+    }
+    let Some(candidate) = str_field(&body, "candidate")? else {
+        return Err(ApiError::bad_request("a failover needs a candidate"));
+    };
+    let force = match body.get("force") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad_request("\"force\" must be true or false")),
+    };
+    let snap = read(&state).await?;
+    let healthy_leader = snap
+        .leader
+        .as_ref()
+        .filter(|l| !l.ttl_left.is_some_and(|t| t.is_zero()));
+    if let Some(l) = healthy_leader {
+        if l.name == candidate {
+            return Err(ApiError::bad_request(format!(
+                "{candidate} is already the leader"
+            )));
+        }
+        if !force {
+            return Err(ApiError::precondition(
+                "failover is possible only to a cluster without a leader; use switchover",
+            ));
+        }
+    }
+    if force {
+        // A forced failover is the operator overriding every check but the
+        // one that makes it meaningful.
+        if !record::records(&snap)
+            .iter()
+            .any(|r| r.state.name == candidate)
+        {
+            return Err(ApiError::precondition(format!(
+                "candidate {candidate} is not a member of the cluster"
+            )));
+        }
+    } else {
+        let st = state.status.load_full();
+        check_candidate(&state, &st, &snap, &candidate, false)?;
+    }
+    let request = json!({ "candidate": candidate, "forced": force });
+    request_and_wait(&state, request, Goal::Leader(&candidate), "failover").await
+}
+
+async fn cancel_switchover(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    state.dcs.delete_failover().await.map_err(|e| {
+        ApiError::unavailable(format!(
+            "cannot delete the switchover request: {}",
+            chain(&e)
+        ))
+    })?;
+    wake(&state);
+    Ok(text(StatusCode::OK, "pending switchover cancelled"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lag_accepts_bytes_and_memory_units() {
+        assert_eq!(parse_lag("0"), Ok(0));
+        assert_eq!(parse_lag("1048576"), Ok(1_048_576));
+        assert_eq!(parse_lag("16kB"), Ok(16 * 1024));
+        assert_eq!(parse_lag("10MB"), Ok(10 * 1024 * 1024));
+        assert_eq!(parse_lag("2GB"), Ok(2 << 30));
+        assert_eq!(parse_lag("1TB"), Ok(1 << 40));
+        assert_eq!(parse_lag("512B"), Ok(512));
+        assert_eq!(parse_lag(" 16 kb "), Ok(16 * 1024));
+        for bad in [
+            "",
+            "kB",
+            "-1",
+            "1.5MB",
+            "10XB",
+            "99999999999999999999",
+            "20000000TB",
+        ] {
+            assert!(parse_lag(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn merge_patch_merges_replaces_and_deletes() {
+        let mut c = json!({"ttl": 30, "postgresql": {"parameters": {"a": 1, "b": 2}}, "x": 1});
+        merge_patch(
+            &mut c,
+            &json!({"ttl": 20, "postgresql": {"parameters": {"a": null, "c": 3}}, "x": null, "y": [1]}),
+        );
+        assert_eq!(
+            c,
+            json!({"ttl": 20, "postgresql": {"parameters": {"b": 2, "c": 3}}, "y": [1]})
+        );
+    }
+
+    #[test]
+    fn credentials_compare_by_content_and_length() {
+        assert!(constant_time_eq(b"u:p", b"u:p"));
+        assert!(!constant_time_eq(b"u:p", b"u:q"));
+        assert!(!constant_time_eq(b"u:p", b"u:pp"));
+        assert!(!constant_time_eq(b"", b"u"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn addresses_split_into_host_and_port() {
+        assert_eq!(
+            split_address("10.0.0.1:5432"),
+            ("10.0.0.1".into(), Some(5432))
+        );
+        assert_eq!(split_address("[::1]:5433"), ("::1".into(), Some(5433)));
+        assert_eq!(split_address("db1"), ("db1".into(), None));
+    }
+}

@@ -1,0 +1,673 @@
+//! The REST API served on a real socket, backed by a real etcd, and spoken
+//! to with the crate's own HTTP client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use pgwarden_agent::api::{self, ApiState};
+use pgwarden_agent::http_client::{get_json, request, Response};
+use pgwarden_agent::record::unix_ms;
+use pgwarden_agent::{AgentStatus, Command, MemberRecord, StatusHandle};
+use pgwarden_dcs::{EtcdDcs, HistoryEntry, LeaseId};
+use pgwarden_ha::{MemberRole, MemberState, Timing};
+use pgwarden_testkit::etcd::EtcdServer;
+use pgwarden_testkit::eventually;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+const T: Duration = Duration::from_secs(5);
+const USER: &str = "pgwarden";
+const PASSWORD: &str = "s3cret";
+
+async fn dcs(etcd: &EtcdServer) -> EtcdDcs {
+    EtcdDcs::connect(&[etcd.endpoint()], "pgwarden", "c", Duration::from_secs(2))
+        .await
+        .expect("connect")
+}
+
+/// A running member's record, as an HA loop would publish it.
+fn member(name: &str, role: MemberRole, lag: Option<u64>) -> MemberRecord {
+    let mut state = MemberState::new(name);
+    state.role = role;
+    state.timeline = 1;
+    state.received_lsn = Some(5000);
+    state.replayed_lsn = Some(5000);
+    state.api_url = format!("http://127.0.0.1:1/{name}");
+    MemberRecord {
+        state,
+        pg_address: "127.0.0.1:5432".into(),
+        status: "running".into(),
+        updated_ms: unix_ms(),
+        lag_bytes: lag,
+        ..MemberRecord::default()
+    }
+}
+
+fn status_of(rec: MemberRecord, is_leader: bool) -> AgentStatus {
+    let mut st = AgentStatus::initial(rec, Timing::default());
+    st.is_leader = is_leader;
+    st.dcs_reachable = true;
+    st.leader = Some("n1".into());
+    st
+}
+
+/// One API server on 127.0.0.1, with the receiving end of its commands.
+struct Api {
+    url: String,
+    status: StatusHandle,
+    commands: mpsc::Receiver<Command>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Api {
+    async fn start(
+        dcs: EtcdDcs,
+        st: AgentStatus,
+        credentials: Option<(&str, &str)>,
+        switchover_wait: Duration,
+    ) -> Api {
+        let status: StatusHandle = Arc::new(ArcSwap::from_pointee(st));
+        let (tx, rx) = mpsc::channel(64);
+        let state = Arc::new(ApiState {
+            name: status.load().member.state.name.clone(),
+            status: status.clone(),
+            dcs,
+            commands: tx,
+            credentials: credentials.map(|(u, p)| (u.to_string(), p.to_string())),
+            maximum_lag_on_failover: 1024 * 1024,
+            switchover_wait,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(api::serve(listener, state, async {
+            let _ = stopped.await;
+        }));
+        Api {
+            url,
+            status,
+            commands: rx,
+            _stop: stop,
+        }
+    }
+
+    fn set(&self, st: AgentStatus) {
+        self.status.store(Arc::new(st));
+    }
+
+    async fn call(&self, method: &str, path: &str) -> Response {
+        request(method, &format!("{}{path}", self.url), None, None, T)
+            .await
+            .unwrap()
+    }
+
+    async fn code(&self, method: &str, path: &str) -> u16 {
+        self.call(method, path).await.status
+    }
+
+    async fn write(&self, method: &str, path: &str, body: Option<Value>) -> Response {
+        request(
+            method,
+            &format!("{}{path}", self.url),
+            body.as_ref(),
+            Some((USER, PASSWORD)),
+            T,
+        )
+        .await
+        .unwrap()
+    }
+
+    fn drain(&mut self) -> Vec<Command> {
+        let mut v = Vec::new();
+        while let Ok(c) = self.commands.try_recv() {
+            v.push(c);
+        }
+        v
+    }
+}
+
+/// Publishes `recs` in etcd under one lease and makes `leader` (if any)
+/// hold the leader key; returns the lease.
+async fn publish(dcs: &EtcdDcs, recs: &[&MemberRecord], leader: Option<&str>) -> LeaseId {
+    let lease = dcs.grant_lease(Duration::from_secs(30)).await.unwrap();
+    for r in recs {
+        let v = serde_json::to_value(r).unwrap();
+        dcs.publish_member(&r.state.name, &v, lease).await.unwrap();
+    }
+    if let Some(l) = leader {
+        assert!(dcs.acquire_leader(l, lease).await.unwrap());
+    }
+    lease
+}
+
+#[tokio::test]
+async fn health_checks_answer_for_the_local_role() {
+    let etcd = EtcdServer::start();
+    let api = Api::start(
+        dcs(&etcd).await,
+        status_of(member("n1", MemberRole::Primary, None), true),
+        None,
+        T,
+    )
+    .await;
+
+    for path in [
+        "/",
+        "/primary",
+        "/master",
+        "/read-write",
+        "/leader",
+        "/read-only",
+    ] {
+        assert_eq!(api.code("GET", path).await, 200, "leader {path}");
+    }
+    for path in ["/replica", "/sync", "/async", "/standby-leader"] {
+        assert_eq!(api.code("GET", path).await, 503, "leader {path}");
+    }
+    assert_eq!(api.code("GET", "/health").await, 200);
+    assert_eq!(api.code("GET", "/readiness").await, 200);
+    // Tag filters do not apply to the leader endpoints.
+    assert_eq!(api.code("GET", "/primary?tag_nofailover=true").await, 200);
+
+    // GET carries the member's state; HEAD and OPTIONS only the status.
+    let get = api.call("GET", "/primary").await;
+    let body: Value = serde_json::from_str(&get.body).unwrap();
+    assert_eq!(
+        (body["name"].as_str(), body["role"].as_str()),
+        (Some("n1"), Some("primary"))
+    );
+    assert_eq!(body["is_leader"], true);
+    for method in ["HEAD", "OPTIONS"] {
+        let r = api.call(method, "/primary").await;
+        assert_eq!((r.status, r.body.as_str()), (200, ""), "{method}");
+        let r = api.call(method, "/replica").await;
+        assert_eq!((r.status, r.body.as_str()), (503, ""), "{method}");
+    }
+    let get = api.call("GET", "/replica").await;
+    assert_eq!(get.status, 503);
+    assert_eq!(
+        serde_json::from_str::<Value>(&get.body).unwrap()["name"],
+        "n1"
+    );
+
+    // The same process as a streaming replica 10 000 bytes behind.
+    api.set(status_of(
+        member("n1", MemberRole::Replica, Some(10_000)),
+        false,
+    ));
+    for path in ["/", "/primary", "/master", "/read-write", "/leader"] {
+        assert_eq!(api.code("GET", path).await, 503, "replica {path}");
+    }
+    for path in [
+        "/replica",
+        "/read-only",
+        "/health",
+        "/liveness",
+        "/readiness",
+        "/async",
+        "/replica?lag=16kB",
+        "/replica?lag=10000",
+        "/replica?lag=1MB",
+        "/readiness?lag=16kB",
+        "/replica?tag_nofailover=false",
+        "/replica?tag_failover_priority=1",
+        "/replica?tag_nosync=false&tag_noloadbalance=false",
+        "/read-only?lag=16kB&tag_nofailover=false",
+    ] {
+        assert_eq!(api.code("GET", path).await, 200, "replica {path}");
+    }
+    for path in [
+        "/sync",
+        "/replica?lag=9999",
+        "/replica?lag=1kB",
+        "/read-only?lag=1kB",
+        "/readiness?lag=1kB",
+        "/replica?tag_nofailover=true",
+        "/replica?tag_failover_priority=2",
+        "/replica?tag_datacenter=east",
+    ] {
+        assert_eq!(api.code("GET", path).await, 503, "replica {path}");
+    }
+    assert_eq!(api.code("GET", "/replica?lag=ten").await, 400);
+    assert_eq!(api.code("HEAD", "/replica?lag=16kB").await, 200);
+
+    // Listed as a synchronous standby.
+    let mut st = status_of(member("n1", MemberRole::Replica, Some(0)), false);
+    st.cluster = Some(pgwarden_dcs::ClusterSnapshot {
+        sync: Some(json!({"leader": "n0", "members": ["n1"]})),
+        ..Default::default()
+    });
+    api.set(st.clone());
+    assert_eq!(api.code("GET", "/sync").await, 200);
+    assert_eq!(api.code("GET", "/synchronous").await, 200);
+    assert_eq!(api.code("GET", "/async").await, 503);
+    // Without the DCS the sync role cannot be vouched for.
+    st.dcs_reachable = false;
+    api.set(st);
+    assert_eq!(api.code("GET", "/sync").await, 503);
+    assert_eq!(api.code("GET", "/async").await, 503);
+    assert_eq!(api.code("GET", "/replica").await, 200);
+
+    // A replica of unknown lag passes unless a limit is asked for.
+    api.set(status_of(member("n1", MemberRole::Replica, None), false));
+    assert_eq!(api.code("GET", "/replica").await, 200);
+    assert_eq!(api.code("GET", "/replica?lag=1TB").await, 503);
+    assert_eq!(api.code("GET", "/readiness").await, 503);
+
+    // Kept out of load balancing.
+    let mut rec = member("n1", MemberRole::Replica, Some(0));
+    rec.state.tags.noloadbalance = true;
+    api.set(status_of(rec, false));
+    assert_eq!(api.code("GET", "/replica").await, 503);
+    assert_eq!(api.code("GET", "/read-only").await, 503);
+    assert_eq!(api.code("GET", "/health").await, 200);
+
+    // PostgreSQL down.
+    let mut rec = member("n1", MemberRole::Stopped, None);
+    rec.status = "stopped".into();
+    api.set(status_of(rec, false));
+    for path in [
+        "/health",
+        "/replica",
+        "/read-only",
+        "/readiness",
+        "/primary",
+    ] {
+        assert_eq!(api.code("GET", path).await, 503, "stopped {path}");
+    }
+    assert_eq!(api.code("GET", "/liveness").await, 200);
+    assert_eq!(api.code("GET", "/no-such-thing").await, 404);
+}
+
+#[tokio::test]
+async fn state_endpoints_report_member_cluster_history_and_config() {
+    let etcd = EtcdServer::start();
+    let d = dcs(&etcd).await;
+    let n1 = member("n1", MemberRole::Primary, None);
+    let mut n2 = member("n2", MemberRole::Replica, Some(2 * 1024 * 1024));
+    n2.pg_address = "10.0.0.2:5433".into();
+    n2.problem = Some("rewind failed".into());
+    publish(&d, &[&n1, &n2], Some("n1")).await;
+    d.put_config(&json!({"ttl": 30, "pause": true}))
+        .await
+        .unwrap();
+    d.append_history(&HistoryEntry {
+        timeline: 1,
+        lsn: 4242,
+        reason: "switchover requested by operator".into(),
+        time_ms: 1,
+        leader: "n1".into(),
+    })
+    .await
+    .unwrap();
+    let mut st = status_of(n2.clone(), false);
+    st.cluster = Some(d.read_cluster().await.unwrap());
+    let api = Api::start(d, st, None, T).await;
+
+    let p = get_json(&format!("{}/patroni", api.url), T).await.unwrap();
+    assert_eq!(p["name"], "n2");
+    assert_eq!(p["role"], "replica");
+    assert_eq!(p["state"], "running");
+    assert_eq!(p["received_lsn"], 5000);
+    assert_eq!(p["xlog"]["replayed_location"], 5000);
+    assert_eq!(p["leader"], "n1");
+    assert_eq!(p["pg_address"], "10.0.0.2:5433");
+    assert_eq!(p["problem"], "rewind failed");
+    assert_eq!(p["tags"]["failover_priority"], 1);
+    assert_eq!(p["patroni"]["scope"], "c");
+
+    let c = get_json(&format!("{}/cluster", api.url), T).await.unwrap();
+    assert_eq!(c["leader"], "n1");
+    assert_eq!(c["paused"], true);
+    assert_eq!(c["scope"], "c");
+    assert_eq!(c["failover"], Value::Null);
+    let members = c["members"].as_array().unwrap();
+    assert_eq!(members.len(), 2);
+    assert_eq!(members[0]["name"], "n1");
+    assert_eq!(members[0]["role"], "leader");
+    assert_eq!(members[0]["lag"], Value::Null);
+    assert_eq!(members[1]["role"], "replica");
+    assert_eq!(members[1]["host"], "10.0.0.2");
+    assert_eq!(members[1]["port"], 5433);
+    assert_eq!(members[1]["lag"], 2 * 1024 * 1024);
+    assert_eq!(members[1]["problem"], "rewind failed");
+
+    let h = get_json(&format!("{}/history", api.url), T).await.unwrap();
+    assert_eq!(h[0]["lsn"], 4242);
+    assert_eq!(h[0]["leader"], "n1");
+    let cfg = get_json(&format!("{}/config", api.url), T).await.unwrap();
+    assert_eq!(cfg, json!({"ttl": 30, "pause": true}));
+}
+
+/// A raw request, to see the headers the client does not return.
+async fn raw_http(url: &str, request: &str) -> String {
+    let addr = url.strip_prefix("http://").unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    out
+}
+
+#[tokio::test]
+async fn writes_need_configured_and_matching_credentials() {
+    let etcd = EtcdServer::start();
+    let d = dcs(&etcd).await;
+    let st = status_of(member("n1", MemberRole::Primary, None), true);
+    let open = Api::start(d.clone(), st.clone(), None, T).await;
+    for (method, path) in [
+        ("POST", "/pause"),
+        ("POST", "/resume"),
+        ("PATCH", "/config"),
+        ("POST", "/switchover"),
+        ("DELETE", "/switchover"),
+        ("POST", "/failover"),
+        ("POST", "/restart"),
+        ("POST", "/reload"),
+    ] {
+        let r = open.write(method, path, Some(json!({}))).await;
+        assert_eq!(r.status, 403, "{method} {path}");
+        assert!(r.body.contains("api_password"), "{}", r.body);
+    }
+
+    let api = Api::start(d.clone(), st, Some((USER, PASSWORD)), T).await;
+    let url = format!("{}/pause", api.url);
+    let r = request("POST", &url, None, None, T).await.unwrap();
+    assert_eq!(r.status, 401);
+    for wrong in [(USER, "s3cre"), (USER, "s3crett"), ("postgres", PASSWORD)] {
+        let r = request("POST", &url, None, Some(wrong), T).await.unwrap();
+        assert_eq!(r.status, 401, "{wrong:?}");
+    }
+    let raw = raw_http(
+        &api.url,
+        "POST /pause HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .to_ascii_lowercase();
+    assert!(raw.starts_with("http/1.1 401"), "{raw}");
+    assert!(raw.contains("www-authenticate: basic"), "{raw}");
+    assert!(
+        d.read_cluster().await.unwrap().config.is_none(),
+        "nothing was written"
+    );
+}
+
+#[tokio::test]
+async fn pause_resume_and_config_patches_change_the_config_key() {
+    let etcd = EtcdServer::start();
+    let d = dcs(&etcd).await;
+    let st = status_of(member("n1", MemberRole::Primary, None), true);
+    let mut api = Api::start(d.clone(), st, Some((USER, PASSWORD)), T).await;
+    let config = || async { d.read_cluster().await.unwrap().config };
+
+    let r = api.write("POST", "/pause", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(config().await, Some(json!({"pause": true})));
+    assert_eq!(api.drain(), [Command::Wake]);
+    let r = api.write("POST", "/resume", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(config().await, Some(json!({"pause": false})));
+
+    d.put_config(&json!({
+        "ttl": 30,
+        "pause": false,
+        "postgresql": {"parameters": {"work_mem": "4MB", "max_connections": 100}},
+    }))
+    .await
+    .unwrap();
+    api.drain();
+    let r = api
+        .write(
+            "PATCH",
+            "/config",
+            Some(json!({
+                "ttl": 20,
+                "pause": null,
+                "postgresql": {"parameters": {"work_mem": null, "shared_buffers": "1GB"}},
+            })),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let want = json!({
+        "ttl": 20,
+        "postgresql": {"parameters": {"max_connections": 100, "shared_buffers": "1GB"}},
+    });
+    assert_eq!(serde_json::from_str::<Value>(&r.body).unwrap(), want);
+    assert_eq!(config().await, Some(want.clone()));
+    assert_eq!(api.drain(), [Command::Wake]);
+    assert_eq!(
+        get_json(&format!("{}/config", api.url), T).await.unwrap(),
+        want
+    );
+
+    for bad in ["{not json", "[1, 2]", ""] {
+        let r = raw_http(
+            &api.url,
+            &format!(
+                "PATCH /config HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cGd3YXJkZW46czNjcmV0\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{bad}",
+                bad.len()
+            ),
+        )
+        .await;
+        assert!(r.starts_with("HTTP/1.1 400"), "{bad:?}: {r}");
+    }
+    assert_eq!(config().await, Some(want), "bad patches change nothing");
+}
+
+#[tokio::test]
+async fn restart_and_reload_reach_the_ha_loop() {
+    let etcd = EtcdServer::start();
+    let st = status_of(member("n1", MemberRole::Primary, None), true);
+    let mut api = Api::start(dcs(&etcd).await, st, Some((USER, PASSWORD)), T).await;
+    assert_eq!(api.write("POST", "/restart", None).await.status, 200);
+    assert_eq!(api.write("POST", "/reload", None).await.status, 202);
+    assert_eq!(api.drain(), [Command::Restart, Command::Reload]);
+    let r = api
+        .write(
+            "POST",
+            "/restart",
+            Some(json!({"schedule": "2030-01-01T00:00:00Z"})),
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(api.drain().is_empty());
+}
+
+#[tokio::test]
+async fn switchover_requests_are_checked_written_and_awaited() {
+    let etcd = EtcdServer::start();
+    let d = dcs(&etcd).await;
+    let n1 = member("n1", MemberRole::Primary, None);
+    let n2 = member("n2", MemberRole::Replica, Some(0));
+    let mut n3 = member("n3", MemberRole::Replica, Some(0));
+    n3.state.tags.nofailover = true;
+    let st = status_of(n1.clone(), true);
+    let quick = Api::start(
+        d.clone(),
+        st.clone(),
+        Some((USER, PASSWORD)),
+        Duration::from_millis(600),
+    )
+    .await;
+
+    // No leader yet.
+    let r = quick
+        .write("POST", "/switchover", Some(json!({"candidate": "n2"})))
+        .await;
+    assert_eq!(r.status, 412, "{}", r.body);
+
+    let lease1 = publish(&d, &[&n1], Some("n1")).await;
+    let lease2 = publish(&d, &[&n2, &n3], None).await;
+
+    for (body, code) in [
+        (json!({}), 400),
+        (json!({"leader": "n1", "candidate": "n1"}), 400),
+        (json!({"candidate": "n1"}), 400),
+        (
+            json!({"leader": "n1", "candidate": "n2", "scheduled_at": "2030-01-01T00:00:00Z"}),
+            400,
+        ),
+        (json!({"candidate": 7}), 400),
+        (json!({"leader": "n1", "candidate": "n9"}), 412),
+        (json!({"leader": "n1", "candidate": "n3"}), 412),
+        (json!({"leader": "n2", "candidate": "n3"}), 412),
+    ] {
+        let r = quick.write("POST", "/switchover", Some(body.clone())).await;
+        assert_eq!(r.status, code, "{body}: {}", r.body);
+    }
+    let r = quick
+        .write("POST", "/switchover", Some(json!({"candidate": "n3"})))
+        .await;
+    assert!(r.body.contains("nofailover"), "{}", r.body);
+    let r = raw_http(
+        &quick.url,
+        "POST /switchover HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cGd3YXJkZW46czNjcmV0\r\n\
+         Content-Length: 5\r\nConnection: close\r\n\r\n{oops",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    assert!(
+        d.read_cluster().await.unwrap().failover.is_none(),
+        "refused requests write nothing"
+    );
+
+    // Nobody acts on the request here, so the answer is "unknown", quickly.
+    let r = quick
+        .write(
+            "POST",
+            "/switchover",
+            Some(json!({"leader": "n1", "candidate": "n2"})),
+        )
+        .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("status unknown"), "{}", r.body);
+    assert_eq!(
+        d.read_cluster().await.unwrap().failover,
+        Some(json!({"candidate": "n2", "from_leader": "n1"}))
+    );
+    assert_eq!(quick.write("DELETE", "/switchover", None).await.status, 200);
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+
+    // The leader key moves while the request waits.
+    let patient = Api::start(
+        d.clone(),
+        st,
+        Some((USER, PASSWORD)),
+        Duration::from_secs(20),
+    )
+    .await;
+    let url = format!("{}/switchover", patient.url);
+    let waiting = tokio::spawn(async move {
+        request(
+            "POST",
+            &url,
+            Some(&json!({"candidate": "n2"})),
+            Some((USER, PASSWORD)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+    });
+    let req = eventually("the failover key", T, || async {
+        match d.read_cluster().await.map(|s| s.failover) {
+            Ok(Some(v)) => Ok(v),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(req, json!({"candidate": "n2", "from_leader": "n1"}));
+    assert!(d.release_leader("n1").await.unwrap());
+    assert!(d.take_over_leader("n1", "n2", lease2).await.unwrap());
+    let r = waiting.await.unwrap();
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "Successfully switched over to n2")
+    );
+    let _ = lease1;
+}
+
+#[tokio::test]
+async fn failover_needs_a_leaderless_cluster_unless_forced() {
+    let etcd = EtcdServer::start();
+    let d = dcs(&etcd).await;
+    let n1 = member("n1", MemberRole::Primary, None);
+    let n2 = member("n2", MemberRole::Replica, Some(0));
+    let st = status_of(n2.clone(), false);
+    let quick = Api::start(
+        d.clone(),
+        st.clone(),
+        Some((USER, PASSWORD)),
+        Duration::from_millis(600),
+    )
+    .await;
+    publish(&d, &[&n1], Some("n1")).await;
+    let lease2 = publish(&d, &[&n2], None).await;
+
+    let r = quick.write("POST", "/failover", Some(json!({}))).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = quick
+        .write("POST", "/failover", Some(json!({"candidate": "n2"})))
+        .await;
+    assert_eq!(r.status, 412, "{}", r.body);
+    assert!(r.body.contains("use switchover"), "{}", r.body);
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+
+    let r = quick
+        .write(
+            "POST",
+            "/failover",
+            Some(json!({"candidate": "n2", "force": true})),
+        )
+        .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(
+        d.read_cluster().await.unwrap().failover,
+        Some(json!({"candidate": "n2", "forced": true}))
+    );
+    d.delete_failover().await.unwrap();
+
+    // The leader is gone: a plain failover is accepted and awaited.
+    assert!(d.release_leader("n1").await.unwrap());
+    let patient = Api::start(
+        d.clone(),
+        st,
+        Some((USER, PASSWORD)),
+        Duration::from_secs(20),
+    )
+    .await;
+    let r = patient
+        .write("POST", "/failover", Some(json!({"candidate": "n9"})))
+        .await;
+    assert_eq!(r.status, 412, "{}", r.body);
+    let url = format!("{}/failover", patient.url);
+    let waiting = tokio::spawn(async move {
+        request(
+            "POST",
+            &url,
+            Some(&json!({"candidate": "n2"})),
+            Some((USER, PASSWORD)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+    });
+    eventually("the failover key", T, || async {
+        match d.read_cluster().await.map(|s| s.failover) {
+            Ok(Some(v)) if v == json!({"candidate": "n2", "forced": false}) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(d.acquire_leader("n2", lease2).await.unwrap());
+    let r = waiting.await.unwrap();
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "Successfully failed over to n2")
+    );
+}

@@ -1,0 +1,447 @@
+//! `pgwarden ctl`: operate an HA cluster through any member's REST API,
+//! the way `patronictl` does.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use pgwarden_agent::http_client::{self, Response};
+use serde_json::{json, Map, Value};
+
+/// Bound on the simple requests.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Bound on a switchover or failover, which the API answers only once the
+/// leader has moved (or after its own wait of 30 s).
+const MOVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options of `pgwarden ctl`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Base URL of a member's API; any member can serve every command.
+    #[arg(
+        long,
+        global = true,
+        env = "PGWARDEN_API",
+        default_value = "http://127.0.0.1:8008",
+        value_name = "URL"
+    )]
+    api: String,
+    /// User name for the write commands.
+    #[arg(long, global = true, default_value = "pgwarden")]
+    username: String,
+    /// Password for the write commands (`agent.api_password` of the member).
+    #[arg(
+        long,
+        global = true,
+        env = "PGWARDEN_API_PASSWORD",
+        hide_env_values = true
+    )]
+    password: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Show the members, their roles, states and lag.
+    List,
+    /// Move leadership from the healthy leader to another member.
+    Switchover {
+        /// The member to become leader.
+        #[arg(long)]
+        candidate: String,
+        /// The current leader, checked before anything is changed.
+        #[arg(long)]
+        leader: Option<String>,
+    },
+    /// Make a member leader of a cluster that has none.
+    Failover {
+        /// The member to become leader.
+        #[arg(long)]
+        candidate: String,
+        /// Skip the candidate's health checks, and depose a healthy leader.
+        /// Can lose data.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Maintenance mode on: the agents stop all automatic actions.
+    Pause,
+    /// Maintenance mode off.
+    Resume,
+    /// Show the promotions the cluster went through.
+    History,
+    /// Show the dynamic configuration.
+    ShowConfig,
+    /// Change the dynamic configuration.
+    EditConfig {
+        /// `KEY=VALUE`, KEY a dotted path (`postgresql.parameters.work_mem`),
+        /// VALUE JSON or else a string; `null` removes the key.
+        #[arg(long = "set", value_name = "KEY=VALUE", required = true)]
+        set: Vec<String>,
+    },
+    /// Restart the member's PostgreSQL in its current role.
+    Restart,
+    /// Make the member's PostgreSQL re-read its configuration.
+    Reload,
+}
+
+/// Runs one `pgwarden ctl` command.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let api = Api {
+        base: args.api.trim_end_matches('/').to_string(),
+        auth: args.password.map(|p| (args.username, p)),
+    };
+    match args.command {
+        Command::List => {
+            let cluster = api.get("/cluster").await?;
+            print!("{}", render_list(&cluster));
+        }
+        Command::Switchover { candidate, leader } => {
+            let mut body = json!({ "candidate": candidate });
+            if let Some(l) = leader {
+                body["leader"] = json!(l);
+            }
+            println!(
+                "{}",
+                api.write("POST", "/switchover", Some(body), MOVE_TIMEOUT)
+                    .await?
+            );
+        }
+        Command::Failover { candidate, force } => {
+            let body = json!({ "candidate": candidate, "force": force });
+            println!(
+                "{}",
+                api.write("POST", "/failover", Some(body), MOVE_TIMEOUT)
+                    .await?
+            );
+        }
+        Command::Pause => println!("{}", api.write("POST", "/pause", None, TIMEOUT).await?),
+        Command::Resume => println!("{}", api.write("POST", "/resume", None, TIMEOUT).await?),
+        Command::History => print!("{}", render_history(&api.get("/history").await?)),
+        Command::ShowConfig => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&api.get("/config").await?)?
+            );
+        }
+        Command::EditConfig { set } => {
+            let patch = config_patch(&set)?;
+            let config = api.write("PATCH", "/config", Some(patch), TIMEOUT).await?;
+            // The API answers with the whole new config; pretty-print it.
+            match serde_json::from_str::<Value>(&config) {
+                Ok(v) => println!("{}", serde_json::to_string_pretty(&v)?),
+                Err(_) => println!("{config}"),
+            }
+        }
+        Command::Restart => println!("{}", api.write("POST", "/restart", None, TIMEOUT).await?),
+        Command::Reload => println!("{}", api.write("POST", "/reload", None, TIMEOUT).await?),
+    }
+    Ok(())
+}
+
+struct Api {
+    base: String,
+    auth: Option<(String, String)>,
+}
+
+impl Api {
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        auth: bool,
+        timeout: Duration,
+    ) -> anyhow::Result<Response> {
+        let url = format!("{}{path}", self.base);
+        let auth = if auth {
+            self.auth.as_ref().map(|(u, p)| (u.as_str(), p.as_str()))
+        } else {
+            None
+        };
+        let resp = http_client::request(method, &url, body.as_ref(), auth, timeout)
+            .await
+            .with_context(|| format!("{method} {url}"))?;
+        if !resp.is_success() {
+            let mut msg = format!(
+                "{method} {path} failed ({}): {}",
+                resp.status,
+                resp.body.trim()
+            );
+            if resp.status == 401 && self.auth.is_none() {
+                msg.push_str(" (give --password or set PGWARDEN_API_PASSWORD)");
+            }
+            bail!(msg);
+        }
+        Ok(resp)
+    }
+
+    async fn get(&self, path: &str) -> anyhow::Result<Value> {
+        let resp = self.send("GET", path, None, false, TIMEOUT).await?;
+        serde_json::from_str(&resp.body).with_context(|| format!("GET {path}: invalid JSON"))
+    }
+
+    /// A write; returns the answer's text.
+    async fn write(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<String> {
+        let resp = self.send(method, path, body, true, timeout).await?;
+        Ok(resp.body.trim_end().to_string())
+    }
+}
+
+/// The JSON merge patch for `KEY=VALUE` settings.
+fn config_patch(settings: &[String]) -> anyhow::Result<Value> {
+    let mut patch = Map::new();
+    for s in settings {
+        let Some((key, value)) = s.split_once('=') else {
+            bail!("--set {s:?}: expected KEY=VALUE");
+        };
+        let path: Vec<&str> = key.trim().split('.').collect();
+        if path.iter().any(|p| p.is_empty()) {
+            bail!("--set {s:?}: empty key or path segment");
+        }
+        // `3`, `true`, `null`, `{"a":1}` are JSON; `4MB` and `on` are meant
+        // as strings, and quoting them on a shell command line is a chore.
+        let value =
+            serde_json::from_str(value.trim()).unwrap_or_else(|_| Value::String(value.to_string()));
+        let (last, parents) = path.split_last().expect("split yields one segment");
+        let mut node = &mut patch;
+        for p in parents {
+            let entry = node
+                .entry(p.to_string())
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !entry.is_object() {
+                bail!("--set {s:?}: {p} is set to a value and also used as a section");
+            }
+            node = entry.as_object_mut().expect("checked above");
+        }
+        node.insert(last.to_string(), value);
+    }
+    Ok(Value::Object(patch))
+}
+
+fn role_title(role: &str) -> String {
+    match role {
+        "leader" => "Leader".into(),
+        "sync_standby" => "Sync Standby".into(),
+        other => {
+            let mut c = other.chars();
+            c.next()
+                .map(|f| f.to_uppercase().chain(c).collect())
+                .unwrap_or_default()
+        }
+    }
+}
+
+/// A text table: `right` marks right-aligned columns.
+fn table(header: &[&str], right: &[bool], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let rule: String = widths
+        .iter()
+        .map(|w| format!("+{}", "-".repeat(w + 2)))
+        .collect::<String>()
+        + "+\n";
+    let line = |cells: Vec<&str>| -> String {
+        let mut s = String::new();
+        for ((cell, w), r) in cells.iter().zip(&widths).zip(right) {
+            if *r {
+                s += &format!("| {cell:>w$} ");
+            } else {
+                s += &format!("| {cell:<w$} ");
+            }
+        }
+        s + "|\n"
+    };
+    let mut out = rule.clone();
+    out += &line(header.to_vec());
+    out += &rule;
+    for row in rows {
+        out += &line(row.iter().map(String::as_str).collect());
+    }
+    out + &rule
+}
+
+/// `pgwarden ctl list`, from the JSON of `GET /cluster`.
+fn render_list(cluster: &Value) -> String {
+    let str_of = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    let members = cluster["members"].as_array().cloned().unwrap_or_default();
+    let rows: Vec<Vec<String>> = members
+        .iter()
+        .map(|m| {
+            let role = str_of(&m["role"]);
+            let lag = match (&m["lag"], role.as_str()) {
+                (_, "leader") => String::new(),
+                (Value::Number(n), _) => {
+                    let mb = n.as_f64().unwrap_or(0.0) / (1024.0 * 1024.0);
+                    format!("{}", mb.round() as u64)
+                }
+                _ => "unknown".into(),
+            };
+            vec![
+                str_of(&m["name"]),
+                str_of(&m["pg_address"]),
+                role_title(&role),
+                str_of(&m["state"]),
+                m["timeline"]
+                    .as_u64()
+                    .map(|t| t.to_string())
+                    .unwrap_or_default(),
+                lag,
+            ]
+        })
+        .collect();
+    let leader = cluster["leader"].as_str().unwrap_or("none");
+    let mut out = format!(
+        "Cluster: {} (leader: {leader})\n",
+        cluster["scope"].as_str().unwrap_or("?")
+    );
+    out += &table(
+        &["Member", "Host", "Role", "State", "TL", "Lag in MB"],
+        &[false, false, false, false, true, true],
+        &rows,
+    );
+    if cluster["paused"].as_bool() == Some(true) {
+        out += "Maintenance mode: on\n";
+    }
+    if let Some(f) = cluster.get("failover").filter(|f| !f.is_null()) {
+        out += &format!("Pending failover request: {f}\n");
+    }
+    for m in &members {
+        if let Some(p) = m["problem"].as_str() {
+            out += &format!("Problem on {}: {p}\n", str_of(&m["name"]));
+        }
+    }
+    out
+}
+
+/// `pgwarden ctl history`, from the JSON of `GET /history`.
+fn render_history(history: &Value) -> String {
+    let rows: Vec<Vec<String>> = history
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|h| {
+            vec![
+                h["timeline"].to_string(),
+                h["lsn"].to_string(),
+                h["reason"].as_str().unwrap_or_default().to_string(),
+                h["time_ms"].as_u64().map(utc_timestamp).unwrap_or_default(),
+                h["leader"].as_str().unwrap_or_default().to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &["TL", "LSN", "Reason", "Timestamp", "New Leader"],
+        &[true, true, false, false, false],
+        &rows,
+    )
+}
+
+/// Unix milliseconds as `YYYY-MM-DDTHH:MM:SSZ`.
+fn utc_timestamp(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_become_a_nested_merge_patch() {
+        let p = config_patch(&[
+            "ttl=20".into(),
+            "postgresql.parameters.work_mem=4MB".into(),
+            "postgresql.parameters.max_connections=200".into(),
+            "pause=null".into(),
+            "tags={\"a\":true}".into(),
+        ])
+        .unwrap();
+        assert_eq!(
+            p,
+            json!({
+                "ttl": 20,
+                "postgresql": {"parameters": {"work_mem": "4MB", "max_connections": 200}},
+                "pause": null,
+                "tags": {"a": true},
+            })
+        );
+        assert!(config_patch(&["ttl".into()]).is_err());
+        assert!(config_patch(&["a..b=1".into()]).is_err());
+        assert!(config_patch(&["a=1".into(), "a.b=2".into()]).is_err());
+    }
+
+    #[test]
+    fn list_shows_members_maintenance_and_problems() {
+        let cluster = json!({
+            "scope": "c",
+            "leader": "n1",
+            "paused": true,
+            "failover": null,
+            "members": [
+                {"name": "n1", "role": "leader", "state": "running", "pg_address": "10.0.0.1:5432",
+                 "timeline": 3, "lag": null, "problem": null},
+                {"name": "n2", "role": "sync_standby", "state": "running", "pg_address": "10.0.0.2:5432",
+                 "timeline": 3, "lag": 3_500_000, "problem": null},
+                {"name": "n3", "role": "stopped", "state": "stopped", "pg_address": "10.0.0.3:5432",
+                 "timeline": 2, "lag": null, "problem": "rewind failed"},
+            ],
+        });
+        let out = render_list(&cluster);
+        let want = "\
+Cluster: c (leader: n1)
++--------+---------------+--------------+---------+----+-----------+
+| Member | Host          | Role         | State   | TL | Lag in MB |
++--------+---------------+--------------+---------+----+-----------+
+| n1     | 10.0.0.1:5432 | Leader       | running |  3 |           |
+| n2     | 10.0.0.2:5432 | Sync Standby | running |  3 |         3 |
+| n3     | 10.0.0.3:5432 | Stopped      | stopped |  2 |   unknown |
++--------+---------------+--------------+---------+----+-----------+
+Maintenance mode: on
+Problem on n3: rewind failed
+";
+        assert_eq!(out, want, "\n{out}");
+    }
+
+    #[test]
+    fn history_timestamps_are_utc() {
+        assert_eq!(utc_timestamp(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc_timestamp(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc_timestamp(1_700_000_000_123), "2023-11-14T22:13:20Z");
+        let out = render_history(&json!([
+            {"timeline": 1, "lsn": 100, "reason": "switchover", "time_ms": 0, "leader": "n2"}
+        ]));
+        assert!(out.contains("| 1  |") || out.contains("|  1 |"), "{out}");
+        assert!(
+            out.contains("1970-01-01T00:00:00Z") && out.contains("n2"),
+            "{out}"
+        );
+    }
+}
