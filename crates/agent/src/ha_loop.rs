@@ -352,27 +352,24 @@ impl HaLoop {
             tracing::info!(member = %self.cfg.name, "{text}");
             self.last_decision = text;
         }
-        self.execute(&decision, &view).await;
-        if !decision.keeps_lease() {
+        // A leader keeps its lease through every decision that means to
+        // stay leader (restarting or promoting PostgreSQL included), or a
+        // slow restart would cost it the key.
+        if decision.keeps_lease() {
+            self.renew().await;
+        } else {
             self.keep_member_alive().await;
         }
+        self.execute(&decision, &view).await;
         self.publish_status();
         self.publish_member().await;
     }
 
     async fn execute(&mut self, decision: &Decision, view: &ClusterView) {
         match decision {
-            Decision::RenewLease => {
-                self.renew().await;
-            }
-            Decision::Paused { renew_lease } => {
-                if *renew_lease {
-                    self.renew().await;
-                }
-            }
+            Decision::RenewLease | Decision::Paused { .. } | Decision::WaitForLeader { .. } => {}
             Decision::AcquireLeader { reason } => self.acquire(reason, view).await,
             Decision::Promote => {
-                self.renew().await;
                 self.promote("the leader key holder was still in recovery")
                     .await;
             }
@@ -380,7 +377,6 @@ impl HaLoop {
             Decision::FollowLeader { leader } => self.follow(leader).await,
             Decision::StartPostgres { mode } => self.start(mode).await,
             Decision::ReleaseLeader { reason } => self.release(reason).await,
-            Decision::WaitForLeader { .. } => {}
         }
     }
 
@@ -641,6 +637,12 @@ impl HaLoop {
         self.activity = Some("rewinding");
         self.publish_status();
         let _ = self.pg.stop(StopMode::Fast).await;
+        // pg_rewind reads the source's timeline from its control file, which
+        // a promotion updates only at its next checkpoint: without one it
+        // may see no fork and rewind nothing.
+        if let Err(e) = self.checkpoint(leader).await {
+            tracing::warn!(error = %e, leader = %leader, "CHECKPOINT on the leader before pg_rewind failed");
+        }
         let state = self.control_state().await;
         let source = self.pg.source_conninfo(leader);
         let crashed = !matches!(
@@ -658,6 +660,8 @@ impl HaLoop {
                 i.rewind(&source)
             })
             .await;
+        // former_primary stays set until the replica streams from the
+        // leader: that, not pg_rewind's exit code, proves the histories met.
         let res = match res {
             Ok(()) => {
                 tracing::info!(leader = %leader, "rewound the former primary");
@@ -680,9 +684,6 @@ impl HaLoop {
                 }
             }
         };
-        if res.is_ok() {
-            self.former_primary = false;
-        }
         self.activity = None;
         res
     }
@@ -726,9 +727,7 @@ impl HaLoop {
         match reason {
             ReleaseReason::Switchover { .. } => {
                 // A checkpoint first makes the shutdown checkpoint short.
-                if let Some(c) = self.checkpoint_client().await {
-                    let _ = c.batch_execute("CHECKPOINT").await;
-                }
+                let _ = self.checkpoint(&self.cfg.pg_listen.clone()).await;
                 if let Err(e) = self.pg.stop(StopMode::Fast).await {
                     tracing::error!(error = %e, "clean stop failed; stopping immediately");
                     let _ = self.pg.stop(StopMode::Immediate).await;
@@ -752,16 +751,12 @@ impl HaLoop {
         );
     }
 
-    async fn checkpoint_client(&self) -> Option<tokio_postgres::Client> {
-        let mut cfg = tokio_postgres::Config::new();
-        cfg.host(&self.cfg.pg_listen.host)
-            .port(self.cfg.pg_listen.port)
-            .user(self.pg.superuser())
-            .dbname("postgres")
-            .connect_timeout(Duration::from_secs(2));
-        let (c, conn) = cfg.connect(tokio_postgres::NoTls).await.ok()?;
+    /// Runs `CHECKPOINT` on the server at `addr`.
+    async fn checkpoint(&self, addr: &HostAddr) -> Result<(), tokio_postgres::Error> {
+        let (c, conn) =
+            tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
         tokio::spawn(conn);
-        Some(c)
+        c.batch_execute("CHECKPOINT").await
     }
 
     async fn restart(&mut self) {

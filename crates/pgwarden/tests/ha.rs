@@ -87,6 +87,28 @@ async fn healthy(c: &AgentCluster, replicas: usize, within: Duration) -> usize {
     r.unwrap_or_else(|_| panic!("cluster not healthy\n{}", c.logs()))
 }
 
+/// Waits until every running replica has replayed all the WAL the
+/// primary `p` has written, so a failover that follows loses nothing.
+async fn replicated(c: &AgentCluster, p: usize) {
+    let lsn = one(&c.node(p).pg_conninfo(), "SELECT pg_current_wal_lsn()")
+        .await
+        .unwrap();
+    let q = format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn");
+    for i in (0..c.len()).filter(|&i| i != p) {
+        let conninfo = c.node(i).pg_conninfo();
+        eventually(
+            &format!("node {i} replayed {lsn}"),
+            Duration::from_secs(20),
+            || async {
+                (one(&conninfo, &q).await? == "t")
+                    .then_some(())
+                    .ok_or("behind".to_string())
+            },
+        )
+        .await;
+    }
+}
+
 /// Waits until node `via`'s read-write port reaches `primary` and takes a
 /// write there.
 async fn routes_writes_to(c: &AgentCluster, via: usize, primary: usize, within: Duration) {
@@ -155,4 +177,424 @@ async fn bootstrap_then_passive_failover_moves_writes_on_every_node() {
     );
     // The other survivor follows the new leader.
     healthy(&c, 1, Duration::from_secs(30)).await;
+}
+
+/// Writes to every member directly, all at once, every 50 ms, and fails if
+/// two members ever accept a write in the same round: the split brain the
+/// agent must rule out.
+struct SplitBrainChecker {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<Result<u64, String>>,
+}
+
+impl SplitBrainChecker {
+    /// `ha_checker (node int)` must exist on the primary.
+    fn start(c: &AgentCluster) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let conninfos: Vec<String> = c.nodes().iter().map(|n| n.pg_conninfo()).collect();
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut clients: Vec<Option<tokio_postgres::Client>> =
+                conninfos.iter().map(|_| None).collect();
+            let mut rounds = 0;
+            while !flag.load(Ordering::SeqCst) {
+                rounds += 1;
+                let attempts = clients.iter_mut().enumerate().map(|(i, slot)| {
+                    let conninfo = conninfos[i].clone();
+                    async move {
+                        if slot.as_ref().is_none_or(|c| c.is_closed()) {
+                            *slot = tokio::time::timeout(
+                                Duration::from_millis(500),
+                                tokio_postgres::connect(&conninfo, tokio_postgres::NoTls),
+                            )
+                            .await
+                            .ok()
+                            .and_then(Result::ok)
+                            .map(|(c, conn)| {
+                                tokio::spawn(conn);
+                                c
+                            });
+                        }
+                        let client = slot.as_ref()?;
+                        let q = format!("INSERT INTO ha_checker VALUES ({i})");
+                        match tokio::time::timeout(
+                            Duration::from_millis(500),
+                            client.simple_query(&q),
+                        )
+                        .await
+                        {
+                            Ok(Ok(_)) => Some(i),
+                            Ok(Err(_)) => None,
+                            Err(_) => {
+                                *slot = None;
+                                None
+                            }
+                        }
+                    }
+                });
+                let accepted: Vec<usize> =
+                    futures_join(attempts).await.into_iter().flatten().collect();
+                if accepted.len() > 1 {
+                    return Err(format!(
+                        "round {rounds}: nodes {accepted:?} accepted writes at once"
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(rounds)
+        });
+        SplitBrainChecker { stop, task }
+    }
+
+    /// Stops checking; panics if two writable members were seen.
+    async fn finish(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let rounds = self
+            .task
+            .await
+            .expect("checker task")
+            .unwrap_or_else(|e| panic!("split brain: {e}"));
+        assert!(rounds > 10, "the checker ran only {rounds} rounds");
+    }
+}
+
+async fn futures_join<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    let futs: Vec<_> = futs.map(Box::pin).collect();
+    // Poll them together so one slow member does not serialise the round.
+    let mut pending: Vec<_> = futs.into_iter().map(Some).collect();
+    let mut results: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (i, f) in pending.iter_mut().enumerate() {
+            if let Some(fut) = f {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        results[i] = Some(v);
+                        *f = None;
+                    }
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    for r in results {
+        out.push(r.expect("ready"));
+    }
+    out
+}
+
+/// Waits until a node other than `old` is the only writable one.
+async fn new_primary(c: &AgentCluster, old: usize, within: Duration) -> usize {
+    let r = tokio::time::timeout(within, async {
+        loop {
+            if let [n] = writable(c).await[..] {
+                if n != old {
+                    return n;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    r.unwrap_or_else(|_| panic!("no new primary within {within:?}\n{}", c.logs()))
+}
+
+fn signal(pid: i32, sig: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig).expect("signal");
+}
+
+async fn api_post(c: &AgentCluster, i: usize, path: &str) -> u16 {
+    let url = format!("{}{path}", c.node(i).api_url());
+    pgwarden_agent::http_client::request(
+        "POST",
+        &url,
+        Some(&serde_json::json!({})),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(10),
+    )
+    .await
+    .map(|r| r.status)
+    .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_cut_off_from_etcd_demotes_before_anyone_is_promoted() {
+    let c = cluster().etcd_relays().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    let checker = SplitBrainChecker::start(&c);
+    c.etcd_relay(0).set_blackhole(true);
+    // The old leader stops taking writes on its own (loop_wait +
+    // retry_timeout = 3 s after its last renewal), a replica takes over
+    // once the lease has run out (ttl = 6 s).
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    assert_ne!(np, 0);
+    let log = c.node(0).log_tail();
+    assert!(
+        log.contains("demoting: the leader lease was last renewed"),
+        "the old leader demoted itself:\n{log}"
+    );
+    // Healed, it comes back as a replica of the new leader.
+    c.etcd_relay(0).set_blackhole(false);
+    healthy(&c, 2, Duration::from_secs(60)).await;
+    checker.finish().await;
+    assert_eq!(writable(&c).await, vec![np]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_postgres_is_restarted_in_place_and_handed_over_when_it_cannot_start() {
+    // A restart after a crash runs crash recovery; on a loaded machine that
+    // can take seconds, which must not count as a failed start.
+    let mut c = AgentCluster::builder(env!("CARGO_BIN_EXE_pgwarden"))
+        .agent_settings(
+            "ttl = 6\nloop_wait = 1\nretry_timeout = 2\nprimary_start_timeout = 8\nsafety_margin = 1",
+        )
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    // A crash the agent can repair: same leader, writable again.
+    c.kill_postgres(0);
+    routes_writes_to(&c, 0, 0, Duration::from_secs(20)).await;
+    assert_eq!(
+        writable(&c).await,
+        vec![0],
+        "no failover for a restartable crash"
+    );
+
+    // A crash it cannot repair: the configuration file is gone, so every
+    // start fails; after primary_start_timeout (8 s) the agent releases the
+    // key while its lease is still alive, and a replica takes over.
+    replicated(&c, 0).await;
+    let conf = c.node(0).data_dir.join("postgresql.conf");
+    std::fs::rename(&conf, conf.with_extension("moved")).unwrap();
+    c.kill_postgres(0);
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    assert!(
+        c.node(0)
+            .log_tail()
+            .contains("releasing the leader key: PostgreSQL did not start within 8 s"),
+        "the key was released, not left to expire:\n{}",
+        c.node(0).log_tail()
+    );
+    for i in [1, 2] {
+        routes_writes_to(&c, i, np, Duration::from_secs(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_automatic_failover_to_a_lagging_or_nofailover_member_but_a_forced_one_works() {
+    let mut c = cluster().node_settings(1, "nofailover = true").start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    // n3 stops receiving WAL (its WAL receiver frozen) while n1 writes more
+    // than maximum_lag_on_failover (1 MiB).
+    let wr_pid = one(
+        &c.node(2).pg_conninfo(),
+        "SELECT pid FROM pg_stat_wal_receiver",
+    )
+    .await
+    .unwrap();
+    let wr_pid: i32 = wr_pid.parse().unwrap();
+    signal(wr_pid, nix::sys::signal::Signal::SIGSTOP);
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE big AS SELECT repeat('x', 1000) AS t FROM generate_series(1, 4000)",
+    )
+    .await
+    .unwrap();
+    let target: u64 = one(
+        &c.node(0).pg_conninfo(),
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8",
+    )
+    .await
+    .unwrap()
+    .parse()
+    .unwrap();
+    // The leader publishes its position with every renewal; wait for one
+    // that covers the writes.
+    let api = c.node(0).api_url();
+    eventually(
+        "n3's published lag exceeds 1 MiB",
+        Duration::from_secs(20),
+        || {
+            let url = format!("{api}/cluster");
+            async move {
+                let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let lag = v["members"]
+                    .as_array()
+                    .and_then(|m| m.iter().find(|m| m["name"] == "n3"))
+                    .and_then(|m| m["lag"].as_u64())
+                    .unwrap_or(0);
+                (lag > 1024 * 1024)
+                    .then_some(())
+                    .ok_or(format!("n3 lag {lag}, target {target}"))
+            }
+        },
+    )
+    .await;
+    c.kill_node(0);
+    // Nobody qualifies: n2 is tagged, n3 lags. Wait past the lease (6 s)
+    // and a few loops for the reasons to be logged.
+    eventually(
+        "both survivors say why they do not take over",
+        Duration::from_secs(30),
+        || async {
+            let (l2, l3) = (c.node(1).log_tail(), c.node(2).log_tail());
+            (l2.contains("not eligible (tagged nofailover)")
+                && l3.contains("not eligible (lagging"))
+            .then_some(())
+            .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+    assert_eq!(
+        writable(&c).await,
+        Vec::<usize>::new(),
+        "no automatic failover"
+    );
+    signal(wr_pid, nix::sys::signal::Signal::SIGCONT);
+    // An operator can still force one.
+    let url = format!("{}/failover", c.node(2).api_url());
+    let r = pgwarden_agent::http_client::request(
+        "POST",
+        &url,
+        Some(&serde_json::json!({"candidate": "n3", "force": true})),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(40),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    // 200 means the key moved; the promotion follows in the same loop.
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(10)).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_mode_suppresses_failover_until_resumed() {
+    let mut c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    assert_eq!(api_post(&c, 1, "/pause").await, 200);
+    eventually(
+        "every agent sees the pause",
+        Duration::from_secs(10),
+        || async {
+            let logs: Vec<String> = (0..3).map(|i| c.node(i).log_tail()).collect();
+            logs.iter()
+                .all(|l| l.contains("paused:"))
+                .then_some(())
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+    c.kill_node(0);
+    // Well past the lease (6 s): still nobody promoted.
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < quiet {
+        assert_eq!(
+            writable(&c).await,
+            Vec::<usize>::new(),
+            "failover while paused"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(api_post(&c, 1, "/resume").await, 200);
+    new_primary(&c, 0, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
+    let mut c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    // Freeze the replicas' WAL receivers so the old primary's last writes
+    // exist only there: its history forks from the new leader's.
+    let mut receivers = Vec::new();
+    for i in [1, 2] {
+        let pid: i32 = one(
+            &c.node(i).pg_conninfo(),
+            "SELECT pid FROM pg_stat_wal_receiver",
+        )
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+        signal(pid, nix::sys::signal::Signal::SIGSTOP);
+        receivers.push(pid);
+    }
+    query(
+        &c.node(0).pg_conninfo(),
+        "INSERT INTO ha_log SELECT FROM generate_series(1, 100)",
+    )
+    .await
+    .unwrap();
+    c.kill_node(0);
+    for pid in receivers {
+        signal(pid, nix::sys::signal::Signal::SIGCONT);
+    }
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    query(
+        &c.node(np).pg_conninfo(),
+        "INSERT INTO ha_log DEFAULT VALUES",
+    )
+    .await
+    .unwrap();
+    c.start_agent(0);
+    healthy(&c, 2, Duration::from_secs(60)).await;
+    assert_eq!(
+        writable(&c).await,
+        vec![np],
+        "the old primary came back as a replica"
+    );
+    let log = c.node(0).log_tail();
+    assert!(log.contains("rewound the former primary"), "{log}");
+}
+
+#[test]
+fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[listen]\nread_write = \"127.0.0.1:1\"\nread_only = \"127.0.0.1:2\"\nhttp = \"127.0.0.1:3\"\n\
+         [agent]\nname = \"n1\"\ndata_dir = \"d\"\npg_listen = \"127.0.0.1:5999\"\napi = \"127.0.0.1:4\"\n\
+         ttl = 20\nloop_wait = 5\nretry_timeout = 10\n\
+         [etcd]\nendpoints = [\"127.0.0.1:1\"]\ncluster = \"demo\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["agent", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("agent.ttl") && err.contains("retry_timeout"),
+        "{err}"
+    );
 }

@@ -79,15 +79,21 @@ impl AgentNode {
     pub fn log_tail(&self) -> String {
         let mut pg_log = self.data_dir.clone().into_os_string();
         pg_log.push(".log");
-        let text = fs::read_to_string(&self.log).unwrap_or_default()
-            + "----- postgres -----\n"
-            + &fs::read_to_string(pg_log).unwrap_or_default();
-        let start = text.len().saturating_sub(6000);
-        let start = (start..text.len())
-            .find(|i| text.is_char_boundary(*i))
-            .unwrap_or(0);
-        text[start..].to_string()
+        format!(
+            "{}----- postgres -----\n{}",
+            tail(&self.log, 30000),
+            tail(Path::new(&pg_log), 3000)
+        )
     }
+}
+
+fn tail(path: &Path, max: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let start = text.len().saturating_sub(max);
+    let start = (start..text.len())
+        .find(|i| text.is_char_boundary(*i))
+        .unwrap_or(0);
+    text[start..].to_string()
 }
 
 fn conninfo(port: u16) -> String {
@@ -131,8 +137,9 @@ impl AgentClusterBuilder {
         self
     }
 
-    /// Starts etcd, writes each node's configuration and starts the agents
-    /// (node 0 first, so it is the likely winner of the bootstrap race).
+    /// Starts etcd, writes each node's configuration and starts the agents:
+    /// node 0 first and alone until it leads, so that tests know which
+    /// node is the first primary; then the others, which clone it.
     pub fn start(self) -> AgentCluster {
         sweep_leftovers();
         let etcd = EtcdServer::start();
@@ -208,7 +215,17 @@ impl AgentClusterBuilder {
             etcd,
             dir,
         };
-        for i in 0..c.nodes.len() {
+        c.start_agent(0);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while http_status(c.nodes[0].api_port, "/primary") != Some(200) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "node n1 did not become leader\n{}",
+                c.logs()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        for i in 1..c.nodes.len() {
             c.start_agent(i);
         }
         c
@@ -348,6 +365,18 @@ impl Drop for AgentCluster {
             eprintln!("{}", self.logs());
         }
     }
+}
+
+/// The status code of a GET on the local port, if anything answers.
+pub fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_whitespace().nth(1)?.parse().ok()
 }
 
 pub(crate) fn postmaster_pid(data_dir: &Path) -> Option<i32> {
