@@ -134,7 +134,7 @@ start_demo() {
   log "starting PostgreSQL 15 (pgwarden demo) on $1"
   local dir=()
   [ -n "${2:-}" ] && dir=(--dir "$2")
-  "$bin" demo --quiet --replicas 0 --port "$1" "${dir[@]}" >"$tmp/demo.log" 2>&1 &
+  "$bin" demo --standalone --quiet --replicas 0 --port "$1" "${dir[@]}" >"$tmp/demo.log" 2>&1 &
   demo=$!
   for _ in $(seq 1 600); do
     psql -h $HOST -p "$1" -U postgres -d postgres -Atqc 'select 1' >/dev/null 2>&1 && return 0

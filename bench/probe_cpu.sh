@@ -11,7 +11,7 @@ scripts/install-deps.sh
 cargo build --release --quiet
 bin=target/release/pgwarden
 log=$(mktemp)
-$bin demo --quiet --replicas 9 >"$log" 2>&1 &
+$bin demo --standalone --quiet --replicas 9 >"$log" 2>&1 &
 demo=$!
 cleanup() { kill -INT "$demo" 2>/dev/null || true; wait "$demo" 2>/dev/null || true; rm -f "$log"; }
 trap cleanup EXIT

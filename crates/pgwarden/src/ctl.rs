@@ -272,7 +272,7 @@ fn table(header: &[&str], right: &[bool], rows: &[Vec<String>]) -> String {
 }
 
 /// `pgwarden ctl list`, from the JSON of `GET /cluster`.
-fn render_list(cluster: &Value) -> String {
+pub(crate) fn render_list(cluster: &Value) -> String {
     let str_of = |v: &Value| v.as_str().unwrap_or_default().to_string();
     let members = cluster["members"].as_array().cloned().unwrap_or_default();
     let rows: Vec<Vec<String>> = members

@@ -1,6 +1,14 @@
 //! `pgwarden demo`: a local cluster behind pgwarden, for newcomers.
+//!
+//! By default an HA cluster: a local etcd and three `pgwarden agent`
+//! processes, each managing its own PostgreSQL and serving its own
+//! connection manager, so a newcomer can kill the primary and watch the
+//! failover. `--standalone` runs the connection manager in front of a
+//! plain streaming cluster instead (what the benchmarks use).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use pgwarden_pgctl::{ClusterSpec, LocalCluster, PgBinaries, RunAs};
@@ -22,9 +30,24 @@ pub struct Args {
     /// Start the cluster and wait for Ctrl-C without printing the topology.
     #[arg(long)]
     quiet: bool,
+    /// No HA agents: the connection manager in front of a primary and
+    /// `--replicas` streaming replicas that nothing fails over.
+    #[arg(long)]
+    standalone: bool,
+    /// The HA agents' recovery time target (`fast`, `norm`, or seconds).
+    #[arg(long, default_value = "10")]
+    rto: String,
 }
 
 pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    if args.standalone {
+        run_standalone(args, runtime)
+    } else {
+        run_ha(args, runtime)
+    }
+}
+
+fn run_standalone(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let bins = PgBinaries::discover()?;
     let run_as = RunAs::unprivileged()?;
     let (base, _tmp) = match &args.dir {
@@ -100,4 +123,247 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+/// One node of the HA demo.
+struct DemoNode {
+    name: String,
+    data_dir: PathBuf,
+    agent: Child,
+}
+
+/// Everything the HA demo started, stopped in reverse on drop: agents,
+/// then their PostgreSQL servers (which outlive an agent by design), then
+/// etcd.
+struct HaDemo {
+    nodes: Vec<DemoNode>,
+    etcd: Option<Child>,
+    run_as: RunAs,
+    bins: PgBinaries,
+}
+
+impl Drop for HaDemo {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            let _ = n.agent.kill();
+            let _ = n.agent.wait();
+        }
+        for n in &self.nodes {
+            let mut i = pgwarden_pgctl::Instance::new(
+                pgwarden_pgctl::InstanceSpec::new(&n.name, &n.data_dir, 0),
+                self.bins.clone(),
+                self.run_as.clone(),
+            );
+            let _ = i.stop(pgwarden_pgctl::StopMode::Fast);
+        }
+        if let Some(mut e) = self.etcd.take() {
+            let _ = e.kill();
+            let _ = e.wait();
+        }
+    }
+}
+
+fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    const NODES: usize = 3;
+    let bins = PgBinaries::discover()?;
+    let run_as = RunAs::unprivileged()?;
+    let etcd_bin = etcd_binary().context(
+        "etcd not found: install Debian's etcd-server package (scripts/install-deps.sh does)",
+    )?;
+    let exe = std::env::current_exe().context("locating the pgwarden binary")?;
+    let (base, _tmp) = match &args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            (d.clone(), None)
+        }
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("pgwarden-demo-")
+                .tempdir()?;
+            (t.path().to_path_buf(), Some(t))
+        }
+    };
+    // PostgreSQL runs as another user, who must reach its data directory.
+    std::fs::set_permissions(&base, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let port = |i: u16, offset: u16| match args.port {
+        Some(p) => Ok(p + i + offset),
+        None => free_port(),
+    };
+    let (client, peer) = (free_port()?, free_port()?);
+    let etcd_log = std::fs::File::create(base.join("etcd.log"))?;
+    let mut cmd = Command::new(&etcd_bin);
+    cmd.arg("--name")
+        .arg("demo")
+        .arg("--data-dir")
+        .arg(base.join("etcd"))
+        .arg(format!("--listen-client-urls=http://127.0.0.1:{client}"))
+        .arg(format!("--advertise-client-urls=http://127.0.0.1:{client}"))
+        .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+        .arg(format!(
+            "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+        ))
+        .arg(format!("--initial-cluster=demo=http://127.0.0.1:{peer}"))
+        .stdin(Stdio::null())
+        .stdout(etcd_log.try_clone()?)
+        .stderr(etcd_log);
+    die_with_parent(&mut cmd);
+    let mut demo = HaDemo {
+        nodes: Vec::new(),
+        etcd: Some(cmd.spawn().context("starting etcd")?),
+        run_as,
+        bins,
+    };
+    wait_for(Duration::from_secs(30), "etcd", || {
+        std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
+    })?;
+    eprintln!(
+        "etcd on 127.0.0.1:{client}; starting {NODES} agents under {}",
+        base.display()
+    );
+    let mut apis = Vec::new();
+    for i in 0..NODES as u16 {
+        let name = format!("n{}", i + 1);
+        let pg = port(i, 0)?;
+        let (rw, ro, http) = match args.port {
+            Some(p) => (p + 1000 + 3 * i, p + 1001 + 3 * i, p + 1002 + 3 * i),
+            None => (free_port()?, free_port()?, free_port()?),
+        };
+        let api = match args.port {
+            Some(_) => 8008 + i,
+            None => free_port()?,
+        };
+        let data_dir = base.join(&name);
+        let rto = if args.rto.parse::<f64>().is_ok() {
+            args.rto.clone()
+        } else {
+            format!("\"{}\"", args.rto)
+        };
+        let config = format!(
+            "[cluster]\nuser = \"postgres\"\n\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
+             [agent]\nname = \"{name}\"\ndata_dir = \"{}\"\npg_listen = \"127.0.0.1:{pg}\"\napi = \"127.0.0.1:{api}\"\nrto = {rto}\napi_password = \"demo\"\n\n\
+             [etcd]\nendpoints = [\"127.0.0.1:{client}\"]\ncluster = \"demo\"\n",
+            data_dir.display()
+        );
+        let path = base.join(format!("{name}.toml"));
+        std::fs::write(&path, config)?;
+        // Validate now so a mistake shows here, not in an agent's log.
+        pgwarden_config::load(&path)?;
+        let log = std::fs::File::create(base.join(format!("{name}-agent.log")))?;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("agent")
+            .arg("--config")
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        die_with_parent(&mut cmd);
+        let agent = cmd.spawn().context("starting an agent")?;
+        println!(
+            "{name}: read-write psql \"host=127.0.0.1 port={rw} user=postgres\"   read-only port {ro}   HTTP http://127.0.0.1:{http}/cluster   API http://127.0.0.1:{api}   agent pid {}",
+            agent.id()
+        );
+        apis.push(format!("http://127.0.0.1:{api}"));
+        demo.nodes.push(DemoNode {
+            name,
+            data_dir,
+            agent,
+        });
+        if i == 0 {
+            // The first node creates the cluster; the others clone it.
+            wait_for(Duration::from_secs(60), "n1 to lead", || {
+                http_status(&apis[0], "/primary") == Some(200)
+            })?;
+        }
+    }
+    println!("cluster:  pgwarden ctl --api {} list", apis[0]);
+    println!(
+        "failover: kill the leader's agent and PostgreSQL, e.g. for n1:\n          kill -9 {} $(head -1 {}/postmaster.pid)\n          then watch `pgwarden ctl --api {} list` (a replica takes over once the lease runs out)",
+        demo.nodes[0].agent.id(),
+        demo.nodes[0].data_dir.display(),
+        apis[1]
+    );
+    println!(
+        "logs:     {}/*-agent.log; Ctrl-C stops everything",
+        base.display()
+    );
+    let quiet = args.quiet;
+    let api_list = apis.clone();
+    let result: anyhow::Result<()> = runtime.block_on(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(2));
+        loop {
+            tokio::select! {
+                _ = crate::shutdown_signal() => return Ok(()),
+                _ = tick.tick(), if !quiet => {
+                    // Any member answers for the whole cluster.
+                    for api in &api_list {
+                        if let Ok(v) = pgwarden_agent::http_client::get_json(
+                            &format!("{api}/cluster"),
+                            Duration::from_secs(1),
+                        )
+                        .await
+                        {
+                            println!("{}", crate::ctl::render_list(&v));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    });
+    eprintln!("stopping the demo cluster");
+    drop(demo);
+    result
+}
+
+fn wait_for(within: Duration, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let until = Instant::now() + within;
+    while !ready() {
+        if Instant::now() > until {
+            anyhow::bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+fn http_status(base: &str, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let addr = base.strip_prefix("http://")?;
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The etcd binary: `$PATH` first, then where Debian installs it.
+fn etcd_binary() -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("etcd"))
+        .chain([PathBuf::from("/usr/bin/etcd")])
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    p.metadata()
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// The demo's processes die with it, even when it is killed outright.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec and only makes the
+    // async-signal-safe prctl system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                .map_err(std::io::Error::from)
+        });
+    }
 }
