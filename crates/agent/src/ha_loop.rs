@@ -27,6 +27,18 @@ const PEER_TIMEOUT: Duration = Duration::from_secs(2);
 /// retry window.
 const RETRY_PACE: Duration = Duration::from_secs(1);
 
+/// Pace while a new leadership waits for the connection managers'
+/// acknowledgements, so writes resume within a fraction of a second.
+const ACK_PACE: Duration = Duration::from_millis(200);
+
+/// How the loop talks to the rest of the process.
+pub(crate) struct LoopLinks {
+    pub(crate) status: StatusHandle,
+    pub(crate) changes: watch::Sender<u64>,
+    pub(crate) commands: mpsc::Receiver<Command>,
+    pub(crate) routing_ack: Arc<std::sync::atomic::AtomicI64>,
+}
+
 /// One agent's loop and the state it keeps between iterations.
 pub(crate) struct HaLoop {
     pub(crate) cfg: AgentConfig,
@@ -54,6 +66,10 @@ pub(crate) struct HaLoop {
     last_decision: String,
     last_role: Option<MemberRole>,
     obs: Observation,
+    routing_ack: Arc<std::sync::atomic::AtomicI64>,
+    /// The leader generation being acknowledged, and since when.
+    ack_wait: (i64, Instant),
+    routing_ready: bool,
 }
 
 impl HaLoop {
@@ -62,10 +78,14 @@ impl HaLoop {
         etcd: EtcdConfig,
         dcs: EtcdDcs,
         pg: LocalPostgres,
-        status: StatusHandle,
-        changes: watch::Sender<u64>,
-        commands: mpsc::Receiver<Command>,
+        links: LoopLinks,
     ) -> Self {
+        let LoopLinks {
+            status,
+            changes,
+            commands,
+            routing_ack,
+        } = links;
         let timing = cfg.timing;
         let settings = ElectionSettings {
             maximum_lag_on_failover: cfg.maximum_lag_on_failover,
@@ -93,6 +113,9 @@ impl HaLoop {
             last_decision: String::new(),
             last_role: None,
             obs: Observation::default(),
+            routing_ack,
+            ack_wait: (0, Instant::now()),
+            routing_ready: false,
         }
     }
 
@@ -105,8 +128,9 @@ impl HaLoop {
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
-            let pace = if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running
-            {
+            let pace = if !self.routing_ready && self.snapshot.leader.is_some() {
+                ACK_PACE
+            } else if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running {
                 RETRY_PACE.min(self.timing.loop_wait)
             } else {
                 self.timing.loop_wait
@@ -361,8 +385,35 @@ impl HaLoop {
             self.keep_member_alive().await;
         }
         self.execute(&decision, &view).await;
+        self.routing_ready = self.leadership_acknowledged();
         self.publish_status();
         self.publish_member().await;
+    }
+
+    /// Whether every live member's connection manager routes by the
+    /// current leader generation, so none can still send writes to an
+    /// earlier primary. A member that has not acknowledged within one
+    /// `loop_wait` (plus a second of slack) is not waited for longer: its
+    /// own connection manager fails closed once etcd has been silent for
+    /// the ttl, and a dead one sends nothing.
+    fn leadership_acknowledged(&mut self) -> bool {
+        let Some(leader) = &self.snapshot.leader else {
+            return false;
+        };
+        let generation = leader.generation;
+        if self.ack_wait.0 != generation {
+            self.ack_wait = (generation, Instant::now());
+        }
+        let own = self.routing_ack.load(std::sync::atomic::Ordering::SeqCst) >= generation;
+        let now = unix_ms();
+        let ttl_ms = self.timing.ttl.as_millis() as u64;
+        let others = records(&self.snapshot)
+            .into_iter()
+            .filter(|r| r.state.name != self.cfg.name)
+            .filter(|r| now.saturating_sub(r.updated_ms) < ttl_ms)
+            .all(|r| r.routing_generation >= generation);
+        (own && others)
+            || self.ack_wait.1.elapsed() >= self.timing.loop_wait + Duration::from_secs(1)
     }
 
     async fn execute(&mut self, decision: &Decision, view: &ClusterView) {
@@ -811,7 +862,7 @@ impl HaLoop {
             status: status.to_string(),
             updated_ms: unix_ms(),
             problem: self.problem.clone(),
-            routing_generation: self.snapshot.leader.as_ref().map_or(0, |l| l.generation),
+            routing_generation: self.routing_ack.load(std::sync::atomic::Ordering::SeqCst),
             lag_bytes: match (pg.in_recovery, last_leader_lsn, pg.replayed_lsn) {
                 (true, Some(l), Some(r)) => Some(l.saturating_sub(r)),
                 _ => None,
@@ -849,6 +900,7 @@ impl HaLoop {
                 && self.lease_fresh(),
             leader: leader.map(|l| l.name.clone()),
             leader_generation: leader.map_or(0, |l| l.generation),
+            routing_ready: self.routing_ready,
             dcs_reachable: self.dcs_ok,
             dcs_silent_ms: if self.dcs_ok {
                 0

@@ -70,6 +70,10 @@ pub struct AgentHandle {
     pub commands: mpsc::Sender<Command>,
     /// The DCS connection, shared with the API.
     pub dcs: EtcdDcs,
+    /// The leader generation this node's connection manager routes by: set
+    /// by the router once it has cut sessions to any earlier primary, and
+    /// published in this member's record for the new leader to wait on.
+    pub routing_ack: Arc<std::sync::atomic::AtomicI64>,
 }
 
 /// Starts the agent of one node: connects to etcd (retrying until it
@@ -152,14 +156,18 @@ pub async fn start(
             tracing::error!(error = %e, "the REST API stopped");
         }
     });
+    let routing_ack = Arc::new(std::sync::atomic::AtomicI64::new(0));
     let ha = ha_loop::HaLoop::new(
         cfg,
         etcd,
         dcs.clone(),
         pg,
-        status.clone(),
-        changes_tx,
-        commands_rx,
+        ha_loop::LoopLinks {
+            status: status.clone(),
+            changes: changes_tx,
+            commands: commands_rx,
+            routing_ack: routing_ack.clone(),
+        },
     );
     tokio::spawn(ha.run());
     Ok(AgentHandle {
@@ -167,5 +175,6 @@ pub async fn start(
         changes,
         commands,
         dcs,
+        routing_ack,
     })
 }

@@ -25,6 +25,10 @@ pub struct AgentStatus {
     pub leader: Option<String>,
     /// The leader key's create revision: a new number for every leadership.
     pub leader_generation: i64,
+    /// Every live member's connection manager has acknowledged
+    /// `leader_generation` (cut its sessions to the previous primary), or
+    /// the bounded wait for that has passed: writes may go to the leader.
+    pub routing_ready: bool,
     /// Whether the last DCS request succeeded.
     pub dcs_reachable: bool,
     /// Milliseconds since the DCS last answered (0 when it just did).
@@ -49,6 +53,7 @@ impl AgentStatus {
             is_leader: false,
             leader: None,
             leader_generation: 0,
+            routing_ready: false,
             dcs_reachable: false,
             dcs_silent_ms: 0,
             paused: false,

@@ -86,14 +86,29 @@ pub async fn follow_leader(agent: AgentHandle, engine: Arc<Engine>, configured: 
     let mut changes = agent.changes.clone();
     let mut gate: Option<PrimaryGate> = None;
     let mut hosts: Option<Vec<HostConfig>> = None;
+    let mut acked = 0;
     loop {
         let st = agent.status.load_full();
         let members = st.cluster.as_ref().map(records).unwrap_or_default();
         let fresh = u128::from(st.dcs_silent_ms) < st.timing.ttl.as_millis();
+        // A new leadership first closes the gate (cutting sessions to the
+        // earlier primary), is acknowledged, and opens only once the agent
+        // reports every live connection manager has done the same.
+        if st.leader_generation != acked {
+            if gate.is_some() {
+                engine.set_primary_gate(PrimaryGate::Leader(None));
+                gate = Some(PrimaryGate::Leader(None));
+            }
+            acked = st.leader_generation;
+            agent
+                .routing_ack
+                .store(acked, std::sync::atomic::Ordering::SeqCst);
+            let _ = agent.commands.try_send(pgwarden_agent::Command::Wake);
+        }
         let leader: Option<HostAddr> = st
             .leader
             .as_ref()
-            .filter(|_| fresh)
+            .filter(|_| fresh && st.routing_ready)
             .and_then(|l| members.iter().find(|m| &m.state.name == l))
             .and_then(|m| m.pg_address.parse().ok());
         let new_gate = PrimaryGate::Leader(leader);

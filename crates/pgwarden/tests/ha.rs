@@ -131,7 +131,13 @@ async fn routes_writes_to(c: &AgentCluster, via: usize, primary: usize, within: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bootstrap_then_passive_failover_moves_writes_on_every_node() {
-    let mut c = cluster().start();
+    let events = tempfile::NamedTempFile::new().unwrap();
+    let path = events.path().display().to_string();
+    let mut c = cluster()
+        .agent_settings(&format!(
+            "on_start = \"echo >> {path}\"\non_role_change = \"echo >> {path}\""
+        ))
+        .start();
     let p = healthy(&c, 2, BOOTSTRAP).await;
     query(
         &c.node(p).pg_conninfo(),
@@ -177,6 +183,35 @@ async fn bootstrap_then_passive_failover_moves_writes_on_every_node() {
     );
     // The other survivor follows the new leader.
     healthy(&c, 1, Duration::from_secs(30)).await;
+    // Callbacks ran with the action, the new role and the cluster name.
+    let cluster_name = c.cluster_name().to_string();
+    eventually("callbacks", Duration::from_secs(10), || async {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let promoted = format!("on_role_change primary {cluster_name}");
+        let started = format!("on_start replica {cluster_name}");
+        (text.contains(&promoted) && text.contains(&started))
+            .then_some(())
+            .ok_or(text)
+    })
+    .await;
+    // Every surviving connection manager acknowledged the new leadership.
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let snap = dcs.read_cluster().await.unwrap();
+    let generation = snap.leader.as_ref().unwrap().generation;
+    for (name, rec) in &snap.members {
+        assert_eq!(
+            rec["routing_generation"].as_i64(),
+            Some(generation),
+            "{name} routes by the current leadership"
+        );
+    }
 }
 
 /// Writes to every member directly, all at once, every 50 ms, and fails if
@@ -597,4 +632,39 @@ fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
         err.contains("agent.ttl") && err.contains("retry_timeout"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_read_etcd_for_a_ttl_stops_routing_writes() {
+    let c = cluster().etcd_relays().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    routes_writes_to(&c, 1, 0, Duration::from_secs(20)).await;
+    // n2 loses etcd: it cannot know whether n1 still leads, so once the
+    // ttl (6 s) has passed its read-write port refuses rather than guess.
+    c.etcd_relay(1).set_blackhole(true);
+    let rw = c.node(1).rw_conninfo();
+    eventually(
+        "n2's read-write port refuses writes",
+        Duration::from_secs(30),
+        || async {
+            match one(&rw, "INSERT INTO ha_log DEFAULT VALUES RETURNING id").await {
+                Err(e) if e.contains("57P03") || e.contains("no ") || e.contains("primary") => {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    // The leader itself is unaffected.
+    routes_writes_to(&c, 0, 0, Duration::from_secs(5)).await;
+    c.etcd_relay(1).set_blackhole(false);
+    routes_writes_to(&c, 1, 0, Duration::from_secs(30)).await;
 }

@@ -209,6 +209,7 @@ impl AgentClusterBuilder {
             nodes.push(node);
         }
         let mut c = AgentCluster {
+            cluster_name,
             bin: self.bin,
             nodes,
             relays,
@@ -235,6 +236,7 @@ impl AgentClusterBuilder {
 /// A running HA cluster; see the module documentation.
 #[derive(Debug)]
 pub struct AgentCluster {
+    cluster_name: String,
     bin: PathBuf,
     nodes: Vec<AgentNode>,
     relays: Vec<Relay>,
@@ -279,6 +281,16 @@ impl AgentCluster {
     /// The etcd the agents use.
     pub fn etcd(&mut self) -> &mut EtcdServer {
         &mut self.etcd
+    }
+
+    /// etcd's client endpoint (not through any relay).
+    pub fn etcd_endpoint(&self) -> String {
+        self.etcd.endpoint()
+    }
+
+    /// The cluster's name in etcd (`etcd.cluster`).
+    pub fn cluster_name(&self) -> &str {
+        &self.cluster_name
     }
 
     /// The relay between node `i`'s agent and etcd (with
