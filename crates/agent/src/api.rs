@@ -836,7 +836,7 @@ async fn switchover(
 
 async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Response, ApiError> {
     let leader = str_field(body, "leader")?;
-    let candidate = str_field(body, "candidate")?;
+    let mut candidate = str_field(body, "candidate")?;
     if body.get("scheduled_at").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request(
             "scheduled switchovers are not supported yet",
@@ -875,21 +875,17 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
             Goal::Leader(c)
         }
         None => {
-            // Without a candidate the HA loops elect one, which maintenance
-            // mode stops them from doing.
-            if record::paused(&snap) {
-                return Err(ApiError::bad_request(
-                    "in maintenance mode a switchover needs an explicit candidate",
-                ));
-            }
+            // Without a candidate the best-ranked other member is named, so
+            // the request is one the HA loops act on.
             let mut view = record::cluster_view(&snap, record::unix_ms());
             view.members.retain(|m| m.name != current);
-            if rank_candidates(&view, &election_settings(state, &st))
+            let Some(best) = rank_candidates(&view, &election_settings(state, &st))
                 .best()
-                .is_none()
-            {
+                .map(str::to_string)
+            else {
                 return Err(ApiError::precondition("no good candidates have been found"));
-            }
+            };
+            candidate = Some(best);
             Goal::AwayFrom(&current)
         }
     };
@@ -948,8 +944,10 @@ async fn failover(
             )));
         }
     } else {
+        // The candidate's agent acts on an unforced request only if it
+        // passes the election's checks, so refuse here what it would ignore.
         let st = state.status.load_full();
-        check_candidate(&state, &st, &snap, &candidate, false)?;
+        check_candidate(&state, &st, &snap, &candidate, true)?;
     }
     let request = json!({ "candidate": candidate, "forced": force });
     request_and_wait(&state, request, Goal::Leader(&candidate), "failover").await

@@ -37,6 +37,7 @@ pub(crate) struct LoopLinks {
     pub(crate) changes: watch::Sender<u64>,
     pub(crate) commands: mpsc::Receiver<Command>,
     pub(crate) routing_ack: Arc<std::sync::atomic::AtomicI64>,
+    pub(crate) stopped: Arc<tokio::sync::Notify>,
 }
 
 /// One agent's loop and the state it keeps between iterations.
@@ -67,6 +68,7 @@ pub(crate) struct HaLoop {
     last_role: Option<MemberRole>,
     obs: Observation,
     routing_ack: Arc<std::sync::atomic::AtomicI64>,
+    stopped: Arc<tokio::sync::Notify>,
     /// The leader generation being acknowledged, and since when.
     ack_wait: (i64, Instant),
     routing_ready: bool,
@@ -85,6 +87,7 @@ impl HaLoop {
             changes,
             commands,
             routing_ack,
+            stopped,
         } = links;
         let timing = cfg.timing;
         let settings = ElectionSettings {
@@ -114,6 +117,7 @@ impl HaLoop {
             last_role: None,
             obs: Observation::default(),
             routing_ack,
+            stopped,
             ack_wait: (0, Instant::now()),
             routing_ready: false,
         }
@@ -145,6 +149,10 @@ impl HaLoop {
                     Some(Command::Restart) => self.restart().await,
                     Some(Command::Reload) => {
                         let _ = self.pg.with(|i| i.reload()).await;
+                    }
+                    Some(Command::Shutdown) => {
+                        self.shutdown().await;
+                        return;
                     }
                     Some(Command::Wake) | None => {}
                 },
@@ -204,34 +212,15 @@ impl HaLoop {
                 tracing::info!("won the initialize race: creating the cluster with initdb");
                 self.activity = Some("initializing");
                 self.publish_status();
-                let superuser = self.pg.superuser().to_string();
-                let hba = self.cfg.pg_hba.clone();
-                let res = self
-                    .pg
-                    .with(move |i| {
-                        i.initdb(&superuser)?;
-                        append_hba(i.datadir(), &hba)?;
-                        i.clear_standby()
-                    })
-                    .await;
-                if let Err(e) = res {
-                    let _ = self.dcs.cancel_initialize(&claim).await;
-                    self.activity = None;
-                    return Err(e.into());
-                }
-                self.pg.start(Duration::from_secs(60)).await?;
-                let lease = self.ensure_lease().await?;
-                let t0 = Instant::now();
-                if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
-                    self.last_renewal = Some(t0);
-                }
-                let sysid = self
-                    .controldata("Database system identifier")
-                    .await
-                    .unwrap_or_default();
-                self.dcs.finish_initialize(&claim, &sysid).await?;
-                self.former_primary = true;
+                let res = self.initialize(&claim).await;
                 self.activity = None;
+                if let Err(e) = res {
+                    // Withdraw the claim so that another member (or this one,
+                    // after the data directory is wiped) can try again.
+                    let _ = self.pg.stop(StopMode::Immediate).await;
+                    let _ = self.dcs.cancel_initialize(&claim).await;
+                    return Err(e);
+                }
                 self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", "primary");
                 return Ok(true);
             }
@@ -251,6 +240,34 @@ impl HaLoop {
             .or_else(still_starting)?;
         self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", "replica");
         Ok(true)
+    }
+
+    /// Creates the cluster after winning the initialize race: initdb, start
+    /// as primary, take the leader key, record the system identifier.
+    async fn initialize(&mut self, claim: &str) -> Result<(), AgentStepError> {
+        let superuser = self.pg.superuser().to_string();
+        let hba = self.cfg.pg_hba.clone();
+        self.pg
+            .with(move |i| {
+                i.initdb(&superuser)?;
+                append_hba(i.datadir(), &hba)?;
+                i.clear_standby()
+            })
+            .await?;
+        self.pg.start(Duration::from_secs(60)).await?;
+        let lease = self.ensure_lease().await?;
+        let t0 = Instant::now();
+        self.dcs.keep_alive_once(lease).await?;
+        if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
+            self.last_renewal = Some(t0);
+        }
+        let sysid = self
+            .controldata("Database system identifier")
+            .await
+            .unwrap_or_default();
+        self.dcs.finish_initialize(claim, &sysid).await?;
+        self.former_primary = true;
+        Ok(())
     }
 
     async fn clone_from(&mut self, source: &HostAddr) -> Result<(), PgCtlError> {
@@ -442,10 +459,12 @@ impl HaLoop {
             Ok(Ok(true)) => {
                 self.last_renewal = Some(t0);
                 if let Some(lsn) = self.obs.pg.received_lsn {
-                    let _ = self
-                        .dcs
-                        .put_status(&self.cfg.name, &serde_json::json!({ "lsn": lsn }))
-                        .await;
+                    let status = serde_json::json!({ "lsn": lsn });
+                    let _ = tokio::time::timeout(
+                        self.dcs_budget(),
+                        self.dcs.put_status(&self.cfg.name, &status),
+                    )
+                    .await;
                 }
             }
             Ok(Ok(false)) => {
@@ -525,7 +544,16 @@ impl HaLoop {
                 return;
             }
         };
+        // The lease's expiry runs from its last refresh, so refresh it now:
+        // the demotion deadline is counted from this moment.
         let t0 = Instant::now();
+        if let Err(e) = self.dcs.keep_alive_once(lease).await {
+            tracing::warn!(error = %e, "cannot refresh the lease before taking the leader key");
+            if matches!(e, pgwarden_dcs::DcsError::LeaseNotFound(_)) {
+                self.lease = None;
+            }
+            return;
+        }
         let won = match reason {
             AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
             AcquireReason::FailoverRequested { .. } => {
@@ -593,6 +621,14 @@ impl HaLoop {
     }
 
     async fn demote(&mut self, reason: &DemoteReason) {
+        if !self.obs.process {
+            // Already stopped (an earlier demotion while etcd stays out of
+            // reach): nothing takes writes, so nothing to do or announce.
+            if self.holds_leader_key() && self.dcs_ok {
+                let _ = self.dcs.release_leader(&self.cfg.name).await;
+            }
+            return;
+        }
         // Without a valid lease every moment counts: an immediate stop ends
         // writes now; crash recovery at the next start is the price.
         let mode = match reason {
@@ -789,6 +825,7 @@ impl HaLoop {
             }
         }
         self.former_primary = true;
+        self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "demoted");
         match self.dcs.release_leader(&self.cfg.name).await {
             Ok(_) => tracing::info!(member = %self.cfg.name, "released the leader key: {reason}"),
             Err(e) => tracing::warn!(error = %e, "releasing the leader key failed"),
@@ -810,10 +847,48 @@ impl HaLoop {
         c.batch_execute("CHECKPOINT").await
     }
 
+    async fn shutdown(&mut self) {
+        tracing::info!(member = %self.cfg.name, "shutting down: stopping PostgreSQL");
+        if let Err(e) = self.pg.stop(StopMode::Fast).await {
+            tracing::error!(error = %first_line(&e), "stopping PostgreSQL failed");
+        }
+        self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "shutdown");
+        if self.holds_leader_key() {
+            match self.dcs.release_leader(&self.cfg.name).await {
+                Ok(_) => tracing::info!("released the leader key"),
+                Err(e) => tracing::warn!(error = %e, "releasing the leader key failed"),
+            }
+        }
+        if let Some(lease) = self.lease.take() {
+            // Revoking deletes the member record bound to it.
+            let _ = self.dcs.revoke_lease(lease).await;
+        }
+        self.stopped.notify_one();
+    }
+
+    /// Restarts PostgreSQL in its current role. The start waits at most one
+    /// `loop_wait`: a server still starting is then seen by the next
+    /// iteration, and a leader keeps renewing its lease meanwhile.
     async fn restart(&mut self) {
         tracing::info!("restart requested through the API");
         let _ = self.pg.stop(StopMode::Fast).await;
-        let _ = self.pg.start(Duration::from_secs(60)).await;
+        self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "restart");
+        match self
+            .pg
+            .start(self.timing.loop_wait)
+            .await
+            .or_else(still_starting)
+        {
+            Ok(()) => {
+                let role = if self.obs.pg.in_recovery {
+                    "replica"
+                } else {
+                    "primary"
+                };
+                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", role);
+            }
+            Err(e) => tracing::error!(error = %first_line(&e), "restart failed"),
+        }
     }
 
     async fn control_state(&self) -> Option<String> {
@@ -879,8 +954,16 @@ impl HaLoop {
             Ok(v) => v,
             Err(_) => return,
         };
-        if let Err(e) = self.dcs.publish_member(&self.cfg.name, &value, lease).await {
-            tracing::debug!(error = %e, "publishing the member state failed");
+        let budget = self.dcs_budget();
+        match tokio::time::timeout(
+            budget,
+            self.dcs.publish_member(&self.cfg.name, &value, lease),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "publishing the member state failed"),
+            Err(_) => tracing::debug!("publishing the member state timed out"),
         }
     }
 

@@ -74,6 +74,20 @@ pub struct AgentHandle {
     /// by the router once it has cut sessions to any earlier primary, and
     /// published in this member's record for the new leader to wait on.
     pub routing_ack: Arc<std::sync::atomic::AtomicI64>,
+    stopped: Arc<tokio::sync::Notify>,
+}
+
+impl AgentHandle {
+    /// Stops the agent as an operator's `systemctl stop` expects: PostgreSQL
+    /// is stopped, the leader key (if held) is released so a replica takes
+    /// over without waiting for the ttl, and the member record withdrawn.
+    /// Waits for that, at most `within`.
+    pub async fn shutdown(&self, within: Duration) {
+        let done = self.stopped.notified();
+        if self.commands.send(Command::Shutdown).await.is_ok() {
+            let _ = tokio::time::timeout(within, done).await;
+        }
+    }
 }
 
 /// Starts the agent of one node: connects to etcd (retrying until it
@@ -157,6 +171,7 @@ pub async fn start(
         }
     });
     let routing_ack = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let stopped = Arc::new(tokio::sync::Notify::new());
     let ha = ha_loop::HaLoop::new(
         cfg,
         etcd,
@@ -167,6 +182,7 @@ pub async fn start(
             changes: changes_tx,
             commands: commands_rx,
             routing_ack: routing_ack.clone(),
+            stopped: stopped.clone(),
         },
     );
     tokio::spawn(ha.run());
@@ -176,5 +192,6 @@ pub async fn start(
         commands,
         dcs,
         routing_ack,
+        stopped,
     })
 }

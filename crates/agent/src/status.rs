@@ -76,4 +76,7 @@ pub enum Command {
     Restart,
     /// Make the local PostgreSQL re-read its configuration.
     Reload,
+    /// Stop for good: stop PostgreSQL, hand the leader key over at once
+    /// rather than letting it expire, withdraw the member's record.
+    Shutdown,
 }

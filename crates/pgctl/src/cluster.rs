@@ -87,6 +87,8 @@ impl LocalCluster {
             let mut ispec = InstanceSpec::new(&name, spec.base_dir.join(&name), *port);
             ispec.settings = spec.settings.clone();
             ispec.die_with_parent = spec.die_with_parent;
+            // Local clusters are throwaway: tests and the standalone demo.
+            ispec.no_sync = true;
             if i > 0 && i == spec.ports.len() - 1 {
                 if let Some(d) = spec.delayed {
                     ispec.settings.insert(

@@ -57,6 +57,10 @@ pub struct InstanceSpec {
     /// started it exits, so a crashed test never leaves servers behind. The
     /// HA agent leaves this off: its PostgreSQL must outlive an agent restart.
     pub die_with_parent: bool,
+    /// Skip the fsync of initdb, pg_basebackup and pg_rewind: for throwaway
+    /// clusters (tests, demos) only, since a crash soon after could leave
+    /// a corrupt data directory.
+    pub no_sync: bool,
 }
 
 impl InstanceSpec {
@@ -69,6 +73,7 @@ impl InstanceSpec {
             port,
             settings: BTreeMap::new(),
             die_with_parent: false,
+            no_sync: false,
         }
     }
 }
@@ -148,7 +153,10 @@ impl Instance {
                 "--encoding=UTF8",
                 "--locale=C",
             ])
-            .args(["--data-checksums", "--no-sync", "--no-instructions"]);
+            .args(["--data-checksums", "--no-instructions"]);
+        if self.spec.no_sync {
+            cmd.arg("--no-sync");
+        }
         run(cmd, "initdb")?;
         let conf = self.spec.datadir.join("postgresql.conf");
         let mut text = fs::read_to_string(&conf).map_err(io_err(&conf))?;
@@ -172,7 +180,10 @@ impl Instance {
                 "-U",
                 user,
             ])
-            .args(["-X", "stream", "-c", "fast", "--no-sync"]);
+            .args(["-X", "stream", "-c", "fast"]);
+        if self.spec.no_sync {
+            cmd.arg("--no-sync");
+        }
         run(cmd, "pg_basebackup")?;
         self.upstream = Some((source_host.to_string(), source_port));
         self.write_standby(user)
@@ -295,8 +306,10 @@ impl Instance {
         let mut cmd = self.command("pg_rewind");
         cmd.arg("-D")
             .arg(&self.spec.datadir)
-            .arg(format!("--source-server={source}"))
-            .arg("--no-sync");
+            .arg(format!("--source-server={source}"));
+        if self.spec.no_sync {
+            cmd.arg("--no-sync");
+        }
         run(cmd, "pg_rewind")?;
         // pg_rewind copies the source's files, ours included.
         self.write_settings()

@@ -70,6 +70,8 @@ fn api_credentials(
         }
         (None, None) => std::env::var("PGWARDEN_API_PASSWORD").ok(),
     };
+    // An empty password would let anyone who sends one in.
+    let password = password.filter(|p| !p.is_empty());
     if password.is_none() {
         tracing::warn!("no API password configured: the REST API's write endpoints are refused");
     }
@@ -82,7 +84,11 @@ fn api_credentials(
 /// Writes fail closed: with no leader, or with a DCS that has been silent
 /// for longer than the lease ttl (another member may lead by now), no host
 /// is admitted as primary.
-pub async fn follow_leader(agent: AgentHandle, engine: Arc<Engine>, configured: Vec<HostConfig>) {
+pub async fn follow_leader(
+    agent: AgentHandle,
+    engine: Arc<Engine>,
+    mut configured: tokio::sync::watch::Receiver<Vec<HostConfig>>,
+) {
     let mut changes = agent.changes.clone();
     let mut gate: Option<PrimaryGate> = None;
     let mut hosts: Option<Vec<HostConfig>> = None;
@@ -126,18 +132,23 @@ pub async fn follow_leader(agent: AgentHandle, engine: Arc<Engine>, configured: 
             engine.probe_now();
             gate = Some(new_gate);
         }
-        let mut new_hosts = configured.clone();
+        let mut new_hosts = configured.borrow_and_update().clone();
         for m in &members {
             let Ok(addr) = m.pg_address.parse::<HostAddr>() else {
                 continue;
             };
-            if !new_hosts.iter().any(|h| h.addr == addr) {
-                let mut h = HostConfig::new(addr);
-                h.application_name = Some(m.state.name.clone());
-                if m.state.tags.noloadbalance {
-                    h.tags.push("noloadbalance".into());
+            let i = match new_hosts.iter().position(|h| h.addr == addr) {
+                Some(i) => i,
+                None => {
+                    let mut h = HostConfig::new(addr);
+                    h.application_name = Some(m.state.name.clone());
+                    new_hosts.push(h);
+                    new_hosts.len() - 1
                 }
-                new_hosts.push(h);
+            };
+            let tags = &mut new_hosts[i].tags;
+            if m.state.tags.noloadbalance && !tags.iter().any(|t| t == "noloadbalance") {
+                tags.push("noloadbalance".into());
             }
         }
         if hosts.as_ref() != Some(&new_hosts) {
@@ -145,6 +156,13 @@ pub async fn follow_leader(agent: AgentHandle, engine: Arc<Engine>, configured: 
             hosts = Some(new_hosts);
         }
         // A silent DCS produces no changes; re-check so the ttl is noticed.
-        let _ = tokio::time::timeout(Duration::from_secs(1), changes.changed()).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            r = changes.changed() => if r.is_err() {
+                // The agent has stopped; nothing more to follow.
+                return;
+            },
+            _ = configured.changed() => {}
+        }
     }
 }

@@ -54,13 +54,15 @@ pub async fn serve(
         config.cluster.topology_config(),
         probe_config(&config)?,
     ));
-    if let Some(agent) = agent {
+    let (configured_hosts, configured_rx) =
+        tokio::sync::watch::channel(config.cluster.host_configs());
+    if let Some(agent) = &agent {
         // Closed until the first DCS read names a leader.
         engine.set_primary_gate(PrimaryGate::Leader(None));
         tokio::spawn(crate::agent_cmd::follow_leader(
-            agent,
+            agent.clone(),
             engine.clone(),
-            config.cluster.host_configs(),
+            configured_rx,
         ));
     }
     if print_rounds {
@@ -105,7 +107,12 @@ pub async fn serve(
                         {
                             tracing::warn!("probe settings (interval, time-outs, user, dbname) take effect at the next restart");
                         }
-                        engine.set_hosts(new.cluster.host_configs());
+                        if agent.is_some() {
+                            // The router merges them with the members from etcd.
+                            let _ = configured_hosts.send(new.cluster.host_configs());
+                        } else {
+                            engine.set_hosts(new.cluster.host_configs());
+                        }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
                         match proxy.apply(proxy_spec(&new, config_dir(path))).await {
@@ -122,6 +129,9 @@ pub async fn serve(
     }
     tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions");
     proxy.shutdown().await;
+    if let Some(agent) = agent {
+        agent.shutdown(Duration::from_secs(90)).await;
+    }
     Ok(())
 }
 

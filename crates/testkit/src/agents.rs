@@ -336,6 +336,14 @@ impl AgentCluster {
         node.child = Some(cmd.spawn().expect("spawn pgwarden agent"));
     }
 
+    /// Asks node `i`'s agent to stop (SIGTERM) and waits for it to exit.
+    pub fn stop_agent(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].child.take() {
+            let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGTERM);
+            let _ = c.wait();
+        }
+    }
+
     /// Kills node `i`'s agent with SIGKILL; its PostgreSQL keeps running.
     pub fn kill_agent(&mut self, i: usize) {
         if let Some(mut c) = self.nodes[i].child.take() {
