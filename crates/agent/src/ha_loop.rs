@@ -72,6 +72,10 @@ pub(crate) struct HaLoop {
     /// The leader generation being acknowledged, and since when.
     ack_wait: (i64, Instant),
     routing_ready: bool,
+    watchdog: crate::watchdog::Watchdog,
+    /// Why a required watchdog cannot be used; such a member stays out of
+    /// elections.
+    watchdog_problem: Option<String>,
 }
 
 impl HaLoop {
@@ -95,7 +99,6 @@ impl HaLoop {
             ttl: timing.ttl,
         };
         HaLoop {
-            cfg,
             etcd,
             dcs,
             pg,
@@ -120,6 +123,12 @@ impl HaLoop {
             stopped,
             ack_wait: (0, Instant::now()),
             routing_ready: false,
+            watchdog: crate::watchdog::Watchdog::new(
+                &cfg.watchdog,
+                timing.ttl.saturating_sub(timing.safety_margin),
+            ),
+            watchdog_problem: None,
+            cfg,
         }
     }
 
@@ -127,6 +136,14 @@ impl HaLoop {
     /// runtime shuts down.
     pub(crate) async fn run(mut self) {
         self.pg.supervise();
+        if let Err(e) = self.watchdog.probe() {
+            if self.watchdog.required() {
+                tracing::error!("watchdog required but unusable, this member will not lead: {e}");
+                self.watchdog_problem = Some(format!("watchdog required but unusable: {e}"));
+            } else {
+                tracing::warn!("no watchdog ({e}); leading without one");
+            }
+        }
         let crashes = self.pg.crashes();
         let mut leader_watch = self.dcs.watch_leader().await;
         self.bootstrap(&mut leader_watch).await;
@@ -402,6 +419,13 @@ impl HaLoop {
             self.keep_member_alive().await;
         }
         self.execute(&decision, &view).await;
+        if self.holds_leader_key() && decision.keeps_lease() {
+            if let Err(e) = self.watchdog.arm() {
+                tracing::error!("cannot arm the watchdog: {e}");
+            }
+        } else {
+            self.watchdog.disarm();
+        }
         self.routing_ready = self.leadership_acknowledged();
         self.publish_status();
         self.publish_member().await;
@@ -544,6 +568,12 @@ impl HaLoop {
                 return;
             }
         };
+        if let Err(e) = self.watchdog.arm() {
+            if self.watchdog.required() {
+                tracing::error!("not taking the leader key: watchdog required but {e}");
+                return;
+            }
+        }
         // The lease's expiry runs from its last refresh, so refresh it now:
         // the demotion deadline is counted from this moment.
         let t0 = Instant::now();
@@ -583,8 +613,14 @@ impl HaLoop {
                     self.promote(why).await;
                 }
             }
-            Ok(false) => tracing::info!("another member took the leader key first"),
-            Err(e) => tracing::warn!(error = %e, "taking the leader key failed"),
+            Ok(false) => {
+                self.watchdog.disarm();
+                tracing::info!("another member took the leader key first");
+            }
+            Err(e) => {
+                self.watchdog.disarm();
+                tracing::warn!(error = %e, "taking the leader key failed");
+            }
         }
     }
 
@@ -859,6 +895,7 @@ impl HaLoop {
                 Err(e) => tracing::warn!(error = %e, "releasing the leader key failed"),
             }
         }
+        self.watchdog.disarm();
         if let Some(lease) = self.lease.take() {
             // Revoking deletes the member record bound to it.
             let _ = self.dcs.revoke_lease(lease).await;
@@ -928,7 +965,12 @@ impl HaLoop {
                 timeline: pg.timeline,
                 received_lsn: pg.received_lsn,
                 replayed_lsn: pg.replayed_lsn,
-                tags: self.cfg.tags.clone(),
+                tags: {
+                    let mut t = self.cfg.tags.clone();
+                    // Without its required watchdog this member may not lead.
+                    t.nofailover |= self.watchdog_problem.is_some();
+                    t
+                },
                 fenced: false,
                 last_seen_ms_ago: 0,
                 api_url: self.cfg.api_url.clone(),
@@ -936,7 +978,10 @@ impl HaLoop {
             pg_address: self.cfg.pg_connect_address.to_string(),
             status: status.to_string(),
             updated_ms: unix_ms(),
-            problem: self.problem.clone(),
+            problem: self
+                .problem
+                .clone()
+                .or_else(|| self.watchdog_problem.clone()),
             routing_generation: self.routing_ack.load(std::sync::atomic::Ordering::SeqCst),
             lag_bytes: match (pg.in_recovery, last_leader_lsn, pg.replayed_lsn) {
                 (true, Some(l), Some(r)) => Some(l.saturating_sub(r)),

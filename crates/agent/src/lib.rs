@@ -7,6 +7,7 @@
 //! * [`status`]: the agent's state as the API and the router read it.
 //! * `ha_loop`: observe, read the DCS, decide, act, publish.
 //! * [`postgres`]: the local PostgreSQL, driven and observed.
+//! * [`watchdog`]: the Linux watchdog armed while leading.
 //! * [`api`]: the Patroni-compatible REST API; [`http_client`] is how
 //!   members and `pgwarden ctl` call it.
 
@@ -16,6 +17,7 @@ pub mod http_client;
 pub mod postgres;
 pub mod record;
 pub mod status;
+pub mod watchdog;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -702,3 +702,46 @@ async fn survivors_route_to(c: &AgentCluster, primary: usize) {
         .await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_lead() {
+    // Plain files stand in for /dev/watchdog: the agent's writes to them are
+    // what the kernel driver would see (the time-out ioctl is refused and
+    // only logged).
+    let dir = tempfile::tempdir().unwrap();
+    let dev = |n: &str| dir.path().join(n);
+    std::fs::write(dev("wd1"), b"").unwrap();
+    std::fs::write(dev("wd3"), b"").unwrap();
+    let setting = |n: &str| format!("watchdog_device = \"{}\"", dev(n).display());
+    let mut c = cluster()
+        .agent_settings("watchdog = \"required\"")
+        .node_settings(0, &setting("wd1"))
+        .node_settings(1, &setting("missing"))
+        .node_settings(2, &setting("wd3"))
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let fed = |n: &str| {
+        let path = dev(n);
+        move || {
+            let bytes = std::fs::read(&path).unwrap_or_default();
+            let n = bytes.iter().filter(|b| **b == b'1').count();
+            async move { (n >= 3).then_some(()).ok_or(format!("{n} keep-alives")) }
+        }
+    };
+    eventually("n1 feeds its watchdog", Duration::from_secs(20), fed("wd1")).await;
+    c.stop_agent(0);
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    assert_eq!(
+        np, 2,
+        "n2, which ranks first by name, has no watchdog and may not lead"
+    );
+    assert!(
+        std::fs::read(dev("wd1")).unwrap().ends_with(b"V"),
+        "n1 disarmed its watchdog with the magic close"
+    );
+    eventually("n3 feeds its watchdog", Duration::from_secs(20), fed("wd3")).await;
+    assert!(c
+        .node(1)
+        .log_tail()
+        .contains("watchdog required but unusable"));
+}
