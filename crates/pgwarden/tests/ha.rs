@@ -605,6 +605,28 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
         vec![np],
         "the old primary came back as a replica"
     );
+    // A replica's agent restarted over its data directory keeps it: no
+    // clone, still a streaming replica.
+    let r = (0..3).find(|&i| i != np && i != 0).unwrap();
+    c.kill_agent(r);
+    c.start_agent(r);
+    eventually(
+        "the restarted agent reports its replica",
+        Duration::from_secs(20),
+        || async {
+            let log = c.node(r).agent_log();
+            (log.matches("starting the HA agent").count() == 2
+                && log.contains("existing data directory"))
+            .then_some(())
+            .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+    healthy(&c, 2, Duration::from_secs(30)).await;
+    assert_eq!(
+        c.node(r).log_tail().matches("cloning the leader").count(),
+        1
+    );
     let log = c.node(0).log_tail();
     assert!(log.contains("rewound the former primary"), "{log}");
 }

@@ -74,6 +74,11 @@ impl AgentNode {
         matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
     }
 
+    /// The agent's whole log.
+    pub fn agent_log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// The last part of the agent's log and then of its PostgreSQL's log,
     /// for failure messages.
     pub fn log_tail(&self) -> String {
