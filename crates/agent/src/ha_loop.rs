@@ -76,6 +76,13 @@ pub(crate) struct HaLoop {
     /// Why a required watchdog cannot be used; such a member stays out of
     /// elections.
     watchdog_problem: Option<String>,
+    /// The standbys `synchronous_standby_names` makes PostgreSQL wait for,
+    /// as this agent last set it.
+    sync_applied: Vec<String>,
+    /// Since when commits have had no acknowledging standby.
+    sync_blocked_since: Option<(Instant, u64)>,
+    /// The synchronous set is not yet what the settings want.
+    sync_pending: bool,
 }
 
 impl HaLoop {
@@ -128,6 +135,9 @@ impl HaLoop {
                 timing.ttl.saturating_sub(timing.safety_margin),
             ),
             watchdog_problem: None,
+            sync_applied: Vec::new(),
+            sync_blocked_since: None,
+            sync_pending: false,
             cfg,
         }
     }
@@ -149,7 +159,9 @@ impl HaLoop {
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
-            let pace = if !self.routing_ready && self.snapshot.leader.is_some() {
+            let pace = if (!self.routing_ready && self.snapshot.leader.is_some())
+                || self.sync_pending
+            {
                 ACK_PACE
             } else if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running {
                 RETRY_PACE.min(self.timing.loop_wait)
@@ -419,6 +431,13 @@ impl HaLoop {
             self.keep_member_alive().await;
         }
         self.execute(&decision, &view).await;
+        if matches!(decision, Decision::RenewLease)
+            && self.holds_leader_key()
+            && self.obs.pg.running
+            && !self.obs.pg.in_recovery
+        {
+            self.manage_sync().await;
+        }
         if self.holds_leader_key() && decision.keeps_lease() {
             if let Err(e) = self.watchdog.arm() {
                 tracing::error!("cannot arm the watchdog: {e}");
@@ -444,6 +463,14 @@ impl HaLoop {
         let generation = leader.generation;
         if self.ack_wait.0 != generation {
             self.ack_wait = (generation, Instant::now());
+        }
+        // In a synchronous mode a new leader takes writes only once it has
+        // said which standbys acknowledge them (or that it runs without):
+        // no write is acknowledged on the strength of the leader alone.
+        if self.cfg.sync.protection.synchronous()
+            && crate::record::sync_state(&self.snapshot).is_none_or(|s| s.leader != leader.name)
+        {
+            return false;
         }
         let own = self.routing_ack.load(std::sync::atomic::Ordering::SeqCst) >= generation;
         let now = unix_ms();
@@ -625,6 +652,19 @@ impl HaLoop {
     }
 
     async fn promote(&mut self, why: &str) {
+        if self.cfg.sync.protection.synchronous() {
+            // Before the first write can be acknowledged, PostgreSQL must
+            // already wait for standbys: those running now will reconnect to
+            // this node.
+            let members: Vec<String> = records(&self.snapshot)
+                .into_iter()
+                .filter(|r| r.state.name != self.cfg.name && r.state.running)
+                .filter(|r| !r.state.tags.nosync)
+                .map(|r| r.state.name)
+                .take(self.cfg.sync.count)
+                .collect();
+            self.apply_sync(&members).await;
+        }
         let timeline = self.obs.pg.timeline;
         let lsn = self.obs.pg.received_lsn.unwrap_or(0);
         tracing::info!(member = %self.cfg.name, "promoting the local PostgreSQL: {why}");
@@ -873,6 +913,165 @@ impl HaLoop {
             "on_role_change",
             "replica",
         );
+    }
+
+    /// One step of keeping the synchronous standbys as the protection mode
+    /// wants them; see [`pgwarden_ha::protection`] for the order of steps.
+    async fn manage_sync(&mut self) {
+        use pgwarden_ha::{plan_sync, SyncObservation, SyncState, SyncStep};
+        let settings = self.cfg.sync;
+        let rows = match self
+            .pg
+            .query(
+                "SELECT application_name, state, coalesce(sync_state, ''), \
+                 pg_wal_lsn_diff(coalesce(flush_lsn, '0/0'), '0/0')::int8 \
+                 FROM pg_stat_replication",
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read pg_stat_replication");
+                return;
+            }
+        };
+        let records = records(&self.snapshot);
+        let col =
+            |r: &Vec<Option<String>>, i: usize| r.get(i).cloned().flatten().unwrap_or_default();
+        let mut streaming: Vec<(String, i64)> = rows
+            .iter()
+            .filter(|r| col(r, 1) == "streaming")
+            .filter(|r| {
+                let name = col(r, 0);
+                name != self.cfg.name
+                    && records
+                        .iter()
+                        .any(|m| m.state.name == name && !m.state.tags.nosync)
+            })
+            .map(|r| (col(r, 0), col(r, 3).parse().unwrap_or(0)))
+            .collect();
+        streaming.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let acknowledging: Vec<String> = rows
+            .iter()
+            .filter(|r| matches!(col(r, 2).as_str(), "sync" | "quorum"))
+            .map(|r| col(r, 0))
+            .filter(|n| self.sync_applied.contains(n))
+            .collect();
+        let blocked = !self.sync_applied.is_empty() && acknowledging.is_empty();
+        if blocked {
+            if self.sync_blocked_since.is_none() {
+                tracing::warn!("commits are waiting: no synchronous standby acknowledges them");
+                self.sync_blocked_since = Some((Instant::now(), unix_ms()));
+            }
+        } else if self.sync_blocked_since.take().is_some() {
+            tracing::info!("a synchronous standby acknowledges commits again");
+        }
+        let published =
+            crate::record::sync_state(&self.snapshot).filter(|s| s.leader == self.cfg.name);
+        let obs = SyncObservation {
+            applied: self.sync_applied.clone(),
+            candidates: streaming.into_iter().map(|(n, _)| n).collect(),
+            acknowledging: acknowledging.clone(),
+            blocked_for: self.sync_blocked_since.map(|(at, _)| at.elapsed()),
+        };
+        let step = plan_sync(&settings, published.as_ref(), &obs);
+        let blocked_ms = self.sync_blocked_since.map(|(_, ms)| ms);
+        let state = |members: Vec<String>, degraded: bool| SyncState {
+            leader: self.cfg.name.clone(),
+            synchronous: settings.protection.synchronous(),
+            members,
+            degraded_since_ms: degraded.then(|| {
+                published
+                    .as_ref()
+                    .and_then(|p| p.degraded_since_ms)
+                    .unwrap_or_else(unix_ms)
+            }),
+            blocked_since_ms: blocked_ms,
+        };
+        self.sync_pending = step != SyncStep::Nothing;
+        match step {
+            SyncStep::Nothing => {
+                // Keep the published blocked-since current.
+                if let Some(p) = published.filter(|p| p.blocked_since_ms != blocked_ms) {
+                    let next = SyncState {
+                        blocked_since_ms: blocked_ms,
+                        ..p
+                    };
+                    self.put_sync(&next).await;
+                }
+            }
+            SyncStep::PublishThenApply { members, degraded } => {
+                if degraded {
+                    tracing::warn!("no synchronous standby left: recording asynchronous operation, then no longer waiting");
+                }
+                // In maximum performance the agent leaves the standby names
+                // alone unless it set them itself (an operator may have).
+                let ours = settings.protection.synchronous() || !self.sync_applied.is_empty();
+                if self.put_sync(&state(members.clone(), degraded)).await && ours {
+                    self.apply_sync(&members).await;
+                }
+            }
+            SyncStep::ApplyThenPublish { members } => {
+                if self.sync_applied != members {
+                    self.apply_sync(&members).await;
+                } else if members.iter().all(|m| acknowledging.contains(m)) {
+                    tracing::info!(standbys = ?members, "synchronous standbys acknowledge commits");
+                    self.put_sync(&state(members, false)).await;
+                }
+            }
+        }
+    }
+
+    async fn put_sync(&mut self, state: &pgwarden_ha::SyncState) -> bool {
+        let Ok(value) = serde_json::to_value(state) else {
+            return false;
+        };
+        match self.dcs.put_sync(&self.cfg.name, &value).await {
+            Ok(true) => {
+                self.snapshot.sync = Some(value);
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot write the sync key");
+                false
+            }
+        }
+    }
+
+    /// Makes PostgreSQL wait for exactly `members` and waits (briefly) until
+    /// it does.
+    async fn apply_sync(&mut self, members: &[String]) {
+        let names = pgwarden_ha::standby_names(self.cfg.sync.method, members);
+        let value = names.clone();
+        let res = self
+            .pg
+            .with(move |i| {
+                i.set_setting("synchronous_standby_names", &value)?;
+                i.reload()
+            })
+            .await;
+        if let Err(e) = res {
+            tracing::error!(error = %e, "cannot set synchronous_standby_names");
+            return;
+        }
+        tracing::info!(synchronous_standby_names = %names, "synchronous standbys set");
+        self.sync_applied = members.to_vec();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            let now = self
+                .pg
+                .query("SHOW synchronous_standby_names", Duration::from_secs(1))
+                .await
+                .ok()
+                .and_then(|r| r.into_iter().next())
+                .and_then(|r| r.into_iter().next().flatten());
+            if now.as_deref() == Some(names.as_str()) || !self.obs.pg.running {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Runs `CHECKPOINT` on the server at `addr`.

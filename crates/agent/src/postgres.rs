@@ -212,6 +212,33 @@ impl LocalPostgres {
         }
     }
 
+    /// Runs `sql` on the observation connection (simple protocol) and
+    /// returns every row's columns as text.
+    pub async fn query(
+        &self,
+        sql: &str,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<Option<String>>>, String> {
+        let mut guard = self.client.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = self.connect(timeout).await;
+        }
+        let client = guard.as_ref().ok_or("not connected")?;
+        let msgs = tokio::time::timeout(timeout, client.simple_query(sql))
+            .await
+            .map_err(|_| "timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        Ok(msgs
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => {
+                    Some((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
     async fn connect(&self, timeout: Duration) -> Option<tokio_postgres::Client> {
         let mut cfg = tokio_postgres::Config::new();
         cfg.host(&self.addr.host)

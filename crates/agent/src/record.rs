@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pgwarden_dcs::ClusterSnapshot;
-use pgwarden_ha::{ClusterView, FailoverRequest, LeaderInfo, MemberState};
+use pgwarden_ha::{ClusterView, FailoverRequest, LeaderInfo, MemberState, SyncState};
 use serde::{Deserialize, Serialize};
 
 /// One member's published record: the fields the election reads
@@ -64,6 +64,7 @@ pub fn records(snapshot: &ClusterSnapshot) -> Vec<MemberRecord> {
 
 /// The HA decision's view of a snapshot read at wall-clock `now_ms`.
 pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
+    let sync = sync_state(snapshot);
     let members = records(snapshot)
         .into_iter()
         .map(|r| {
@@ -88,13 +89,17 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
             .failover
             .as_ref()
             .and_then(|v| serde_json::from_value::<FailoverRequest>(v.clone()).ok()),
-        sync_members: snapshot
-            .sync
-            .as_ref()
-            .and_then(|s| s.get("members"))
-            .and_then(|m| serde_json::from_value(m.clone()).ok())
-            .unwrap_or_default(),
+        sync_members: sync.as_ref().map(|s| s.members.clone()).unwrap_or_default(),
+        sync_restricted: sync.as_ref().is_some_and(SyncState::restricts_promotion),
     }
+}
+
+/// The `sync` key, if present and readable.
+pub fn sync_state(snapshot: &ClusterSnapshot) -> Option<SyncState> {
+    snapshot
+        .sync
+        .as_ref()
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
 }
 
 /// A duration in whole milliseconds, for JSON.

@@ -10,7 +10,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pgwarden_ha::{RtoSetting, Tags, Timing, TimingOverrides};
+use pgwarden_ha::{
+    Protection, RtoSetting, SyncMethod, SyncSettings, Tags, Timing, TimingOverrides,
+};
 use pgwarden_topology::HostAddr;
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
@@ -77,6 +79,9 @@ pub struct AgentConfig {
     /// Re-clone a former primary from the leader when pg_rewind fails,
     /// instead of leaving it stopped for an operator.
     pub reclone_on_rewind_failure: bool,
+    /// Protection mode and synchronous replication settings; every member
+    /// of a cluster should have the same.
+    pub sync: SyncSettings,
 }
 
 /// Commands run by the agent; each is run through `sh -c` with the action,
@@ -176,6 +181,10 @@ pub(crate) struct RawAgent {
     api_password: Option<String>,
     api_password_file: Option<NonEmpty>,
     reclone_on_rewind_failure: Option<bool>,
+    protection: Option<Protection>,
+    synchronous_node_count: Option<Spanned<u32>>,
+    sync_method: Option<SyncMethod>,
+    sync_degrade_timeout: Option<Secs>,
 }
 
 #[derive(Deserialize)]
@@ -333,6 +342,23 @@ pub(crate) fn agent(
         ));
     }
     let d = WatchdogConfig::default();
+    let count = match raw.synchronous_node_count {
+        None => 1,
+        Some(c) if *c.get_ref() >= 1 => *c.get_ref() as usize,
+        Some(c) => {
+            return Err(src.invalid(
+                Some(c.span()),
+                "agent.synchronous_node_count",
+                "must be at least 1",
+            ))
+        }
+    };
+    let sync = SyncSettings {
+        protection: raw.protection.unwrap_or_default(),
+        count,
+        method: raw.sync_method.unwrap_or_default(),
+        degrade_after: raw.sync_degrade_timeout.map_or(Duration::ZERO, |s| s.0),
+    };
     Ok(AgentConfig {
         name,
         data_dir: raw.data_dir.into(),
@@ -368,6 +394,7 @@ pub(crate) fn agent(
         api_password: raw.api_password,
         api_password_file: raw.api_password_file.map(Into::into),
         reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
+        sync,
     })
 }
 

@@ -76,6 +76,9 @@ pub enum ExclusionReason {
     },
     /// It reported no WAL position, so its lag cannot be judged.
     NoWalPosition,
+    /// The cluster runs synchronously and it is not a listed synchronous
+    /// standby, so it may lack acknowledged commits.
+    NotSynchronous,
     /// It trails the last known leader position by more than allowed.
     LaggingTooMuch {
         /// How far behind it is.
@@ -101,6 +104,9 @@ impl fmt::Display for ExclusionReason {
                 write!(f, "on timeline {timeline}, behind timeline {newest}")
             }
             ExclusionReason::NoWalPosition => f.write_str("WAL position unknown"),
+            ExclusionReason::NotSynchronous => {
+                f.write_str("not a synchronous standby, so it may lack acknowledged commits")
+            }
             ExclusionReason::LaggingTooMuch { lag_bytes, limit } => write!(
                 f,
                 "lagging {lag_bytes} bytes behind the last leader position (limit {limit})"
@@ -155,8 +161,21 @@ pub fn rank_candidates(view: &ClusterView, settings: &ElectionSettings) -> Ranki
 
     let mut eligible: Vec<&MemberState> = Vec::new();
     let mut excluded = Vec::new();
+    // A listed synchronous standby holds every acknowledged commit, so
+    // lag behind the leader's last (possibly unacknowledged) WAL does not
+    // count against it; an unlisted member may lack acknowledged commits.
+    let lag_base = if view.sync_restricted {
+        None
+    } else {
+        view.last_leader_lsn
+    };
     for m in &view.members {
-        match exclusion(m, view.last_leader_lsn, newest_timeline, ttl_ms, settings) {
+        let reason = if view.sync_restricted && !view.sync_members.contains(&m.name) {
+            Some(ExclusionReason::NotSynchronous)
+        } else {
+            exclusion(m, lag_base, newest_timeline, ttl_ms, settings)
+        };
+        match reason {
             Some(reason) => excluded.push((m.name.clone(), reason)),
             None => eligible.push(m),
         }
@@ -230,6 +249,19 @@ fn exclusion(
 mod tests {
     use super::*;
     use crate::fixtures::{cluster, LEADER_LSN, MIB};
+
+    #[test]
+    fn a_synchronous_cluster_promotes_only_listed_standbys_whatever_their_lag() {
+        let mut v = cluster().replica("n2", 0).replica("n3", 5 * MIB).build();
+        v.sync_restricted = true;
+        v.sync_members = vec!["n3".into()];
+        let r = rank(&v);
+        assert_eq!(r.eligible, vec!["n3".to_string()]);
+        assert_eq!(r.exclusion("n2"), Some(&ExclusionReason::NotSynchronous));
+        // Degraded (or performance mode): the usual rules again.
+        v.sync_restricted = false;
+        assert_eq!(rank(&v).eligible, vec!["n2".to_string()]);
+    }
 
     fn rank(view: &ClusterView) -> Ranking {
         rank_candidates(view, &ElectionSettings::default())

@@ -14,6 +14,7 @@
 //! * [`view`]: the cluster snapshot read from the DCS and the local
 //!   observation.
 //! * [`election`]: which members may become leader, best first.
+//! * [`protection`]: protection modes and the synchronous standby set.
 //! * [`decide`](mod@decide): the action for this loop iteration.
 //!
 //! # Timing presets
@@ -33,6 +34,7 @@
 pub mod decide;
 pub mod election;
 pub mod member;
+pub mod protection;
 pub mod rto;
 pub mod view;
 
@@ -49,6 +51,10 @@ pub use election::{
     DEFAULT_MAXIMUM_LAG_ON_FAILOVER,
 };
 pub use member::{MemberRole, MemberState, Tags};
+pub use protection::{
+    plan_sync, standby_names, Protection, SyncMethod, SyncObservation, SyncSettings, SyncState,
+    SyncStep,
+};
 pub use rto::{
     ParseRtoError, ReferenceRto, RtoPreset, RtoRange, RtoSetting, Timing, TimingError,
     TimingOverrides,

@@ -51,6 +51,9 @@ pub struct ClusterView {
     /// Members currently acting as synchronous standbys, for the protection
     /// modes that may promote only one of them.
     pub sync_members: Vec<String>,
+    /// Whether only `sync_members` may be promoted automatically: the
+    /// cluster runs synchronously and has not degraded.
+    pub sync_restricted: bool,
 }
 
 impl ClusterView {

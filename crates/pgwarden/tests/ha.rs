@@ -767,3 +767,194 @@ async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_
         .log_tail()
         .contains("watchdog required but unusable"));
 }
+
+/// The `sync` key as the agents last wrote it.
+async fn sync_key(c: &AgentCluster) -> serde_json::Value {
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    dcs.read_cluster()
+        .await
+        .unwrap()
+        .sync
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Inserts ids through `conninfo` one by one until stopped, keeping the
+/// ids whose commit was acknowledged.
+fn start_writer(
+    conninfo: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<i64>> {
+    tokio::spawn(async move {
+        let mut acked = Vec::new();
+        let mut id = 0i64;
+        let mut client: Option<tokio_postgres::Client> = None;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            if client.as_ref().is_none_or(|c| c.is_closed()) {
+                client = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    tokio_postgres::connect(&conninfo, tokio_postgres::NoTls),
+                )
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .map(|(c, conn)| {
+                    tokio::spawn(conn);
+                    c
+                });
+                if client.is_none() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+            id += 1;
+            let q = format!("INSERT INTO acked VALUES ({id})");
+            let c = client.as_ref().expect("connected");
+            match tokio::time::timeout(Duration::from_secs(5), c.simple_query(&q)).await {
+                Ok(Ok(_)) => acked.push(id),
+                Ok(Err(_)) => client = None,
+                Err(_) => client = None,
+            }
+        }
+        acked
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_standbys() {
+    let mut c = cluster()
+        .agent_settings("protection = \"maximum_availability\"")
+        .node_settings(2, "nosync = true")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
+    // n3 is tagged nosync: n2 is the one synchronous standby.
+    eventually(
+        "n2 is the synchronous standby",
+        Duration::from_secs(20),
+        || async {
+            let names = one(&c.node(0).pg_conninfo(), "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            (names == "FIRST 1 (\"n2\")" && key["members"] == serde_json::json!(["n2"]))
+                .then_some(())
+                .ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Through n3's read-write port, which routes to whoever leads.
+    let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
+    eventually(
+        "writes are acknowledged",
+        Duration::from_secs(10),
+        || async {
+            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
+            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    c.kill_node(0);
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    assert_eq!(np, 1, "only the synchronous standby may be promoted");
+    // Writes resume on the new leader, which has no synchronous standby
+    // left (n3 is nosync): it degrades to asynchronous and keeps serving.
+    let conninfo = c.node(1).pg_conninfo();
+    eventually("writes resume on n2", Duration::from_secs(30), || async {
+        let n: i64 = one(&conninfo, "SELECT count(*) FROM acked")
+            .await?
+            .parse()
+            .unwrap_or(0);
+        let before: i64 = n;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let after: i64 = one(&conninfo, "SELECT count(*) FROM acked")
+            .await?
+            .parse()
+            .unwrap_or(0);
+        (after > before)
+            .then_some(())
+            .ok_or(format!("{before} -> {after}"))
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let acked = writer.await.unwrap();
+    let present: std::collections::HashSet<i64> = query(&conninfo, "SELECT id FROM acked")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let lost: Vec<&i64> = acked.iter().filter(|id| !present.contains(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged writes lost: {lost:?}",
+        lost.len(),
+        acked.len()
+    );
+    let key = sync_key(&c).await;
+    assert_eq!(key["leader"], "n2");
+    assert!(
+        key["degraded_since_ms"].is_u64(),
+        "degradation is recorded: {key}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
+    let mut c = cluster()
+        .agent_settings("protection = \"maximum_protection\"")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
+    eventually(
+        "a synchronous standby is listed",
+        Duration::from_secs(20),
+        || async {
+            let key = sync_key(&c).await;
+            (key["members"].as_array().is_some_and(|m| m.len() == 1))
+                .then_some(())
+                .ok_or(key.to_string())
+        },
+    )
+    .await;
+    c.kill_node(1);
+    c.kill_node(2);
+    // A commit now waits for a standby that is not there.
+    let (client, conn) = tokio_postgres::connect(&c.node(0).pg_conninfo(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let insert =
+        tokio::spawn(async move { client.simple_query("INSERT INTO acked VALUES (1)").await });
+    eventually("the wait is reported", Duration::from_secs(20), || async {
+        let key = sync_key(&c).await;
+        key["blocked_since_ms"]
+            .is_u64()
+            .then_some(())
+            .ok_or(key.to_string())
+    })
+    .await;
+    assert!(
+        !insert.is_finished(),
+        "strict mode never drops to asynchronous"
+    );
+    assert_eq!(
+        sync_key(&c).await["degraded_since_ms"],
+        serde_json::Value::Null
+    );
+    // A standby comes back: the commit completes.
+    c.start_agent(1);
+    let done = tokio::time::timeout(Duration::from_secs(60), insert)
+        .await
+        .unwrap_or_else(|_| panic!("the commit still waits\n{}", c.logs()));
+    done.unwrap().unwrap();
+}
