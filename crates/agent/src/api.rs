@@ -123,6 +123,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         r = r.route(path, on(check, health_check));
     }
     r.route("/patroni", get(patroni))
+        .route("/metrics", get(metrics))
         .route("/cluster", get(cluster))
         .route("/history", get(history))
         .route("/config", get(get_config).patch(patch_config))
@@ -387,6 +388,7 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
         "leader": leader,
         "paused": record::paused(snap),
         "failover": snap.failover,
+        "sync": snap.sync,
     })
 }
 
@@ -966,6 +968,75 @@ async fn cancel_switchover(
     })?;
     wake(&state);
     Ok(text(StatusCode::OK, "pending switchover cancelled"))
+}
+
+/// `GET /metrics`: the local member's HA state in Prometheus text format,
+/// including whether commits wait for a synchronous standby and whether
+/// durability is degraded, and since how long.
+async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
+    use prometheus_client::metrics::gauge::Gauge;
+    let st = state.status.load_full();
+    let mut registry = prometheus_client::registry::Registry::with_prefix("pgwarden_ha");
+    let mut gauge = |name: &str, help: &str, value: i64| {
+        let g: Gauge = Gauge::default();
+        g.set(value);
+        registry.register(name, help, g);
+    };
+    let now = record::unix_ms();
+    let sync = st
+        .cluster
+        .as_ref()
+        .and_then(record::sync_state)
+        .filter(|s| st.leader.as_deref() == Some(s.leader.as_str()));
+    let since = |v: Option<u64>| v.map_or(0, |t| (now.saturating_sub(t) / 1000) as i64);
+    gauge(
+        "leader",
+        "1 while this member leads and takes writes",
+        i64::from(st.is_leader),
+    );
+    gauge(
+        "dcs_reachable",
+        "1 while the last etcd request succeeded",
+        i64::from(st.dcs_reachable),
+    );
+    gauge("paused", "1 in maintenance mode", i64::from(st.paused));
+    gauge(
+        "timeline",
+        "PostgreSQL timeline",
+        i64::from(st.member.state.timeline),
+    );
+    gauge(
+        "lag_bytes",
+        "Bytes this replica trails the leader's last published position",
+        st.member.lag_bytes.map_or(0, |l| l as i64),
+    );
+    gauge(
+        "sync_standbys",
+        "Synchronous standbys listed by the leader",
+        sync.as_ref().map_or(0, |s| s.members.len() as i64),
+    );
+    gauge(
+        "sync_blocked_seconds",
+        "Seconds commits have waited with no synchronous standby acknowledging (0: not waiting)",
+        since(sync.as_ref().and_then(|s| s.blocked_since_ms)),
+    );
+    gauge(
+        "sync_degraded_seconds",
+        "Seconds the leader has run asynchronously for want of a standby (0: not degraded)",
+        since(sync.as_ref().and_then(|s| s.degraded_since_ms)),
+    );
+    let mut body = String::new();
+    if prometheus_client::encoding::text::encode(&mut body, &registry).is_err() {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
 }
 
 #[cfg(test)]

@@ -313,6 +313,38 @@ pub(crate) fn render_list(cluster: &Value) -> String {
     if cluster["paused"].as_bool() == Some(true) {
         out += "Maintenance mode: on\n";
     }
+    if let Some(sync) = cluster.get("sync").filter(|s| s["synchronous"] == true) {
+        let since = |k: &str| sync[k].as_u64().map(utc_timestamp);
+        if let Some(t) = since("blocked_since_ms") {
+            out += &format!(
+                "Writes blocked: no synchronous standby acknowledges commits (since {t})
+"
+            );
+        }
+        match since("degraded_since_ms") {
+            Some(t) => {
+                out += &format!(
+                    "Durability degraded: asynchronous replication since {t}
+"
+                )
+            }
+            None => {
+                let members: Vec<String> = sync["members"]
+                    .as_array()
+                    .map(|m| {
+                        m.iter()
+                            .filter_map(|v| v.as_str().map(str::to_string))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out += &format!(
+                    "Synchronous standbys: {}
+",
+                    members.join(", ")
+                );
+            }
+        }
+    }
     if let Some(f) = cluster.get("failover").filter(|f| !f.is_null()) {
         out += &format!("Pending failover request: {f}\n");
     }
