@@ -720,8 +720,14 @@ fn check_candidate(
     snap: &ClusterSnapshot,
     candidate: &str,
     data_checks: bool,
+    switchover: bool,
 ) -> Result<(), ApiError> {
-    let view = record::cluster_view(snap, record::unix_ms());
+    let mut view = record::cluster_view(snap, record::unix_ms());
+    if switchover {
+        // The candidate catches up with the stopped leader before it is
+        // promoted (as the HA loops judge it too): lag does not count.
+        view.last_leader_lsn = None;
+    }
     if view.member(candidate).is_none() {
         return Err(ApiError::precondition(format!(
             "candidate {candidate} is not a member of the cluster"
@@ -873,7 +879,7 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
     let st = state.status.load_full();
     let goal = match &candidate {
         Some(c) => {
-            check_candidate(state, &st, &snap, c, true)?;
+            check_candidate(state, &st, &snap, c, true, true)?;
             Goal::Leader(c)
         }
         None => {
@@ -881,6 +887,7 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
             // the request is one the HA loops act on.
             let mut view = record::cluster_view(&snap, record::unix_ms());
             view.members.retain(|m| m.name != current);
+            view.last_leader_lsn = None;
             let Some(best) = rank_candidates(&view, &election_settings(state, &st))
                 .best()
                 .map(str::to_string)
@@ -895,7 +902,78 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
     if let Some(c) = &candidate {
         request["candidate"] = json!(c);
     }
-    request_and_wait(state, request, goal, "switchover").await
+    // Transaction-pooled clients must not notice: every node's read-write
+    // pools pause (new transactions wait, those in flight finish) before
+    // the old leader stops, and resume once the new one takes writes.
+    let proxies: Vec<String> = record::records(&snap)
+        .into_iter()
+        .filter_map(|r| r.proxy_url)
+        .collect();
+    let paused = pause_proxies(&proxies).await;
+    let result = request_and_wait(state, request, goal, "switchover").await;
+    if result.is_ok() {
+        wait_for_writable_leader(state).await;
+    }
+    resume_proxies(&paused).await;
+    result
+}
+
+/// How long a switchover waits for transactions in flight to finish on
+/// the paused pools before it goes ahead anyway.
+const SWITCHOVER_DRAIN: Duration = Duration::from_secs(5);
+
+/// Pauses the read-write service of every connection manager that answers;
+/// returns those paused.
+async fn pause_proxies(urls: &[String]) -> Vec<String> {
+    let calls = urls.iter().map(|u| async move {
+        let url = format!(
+            "{u}/pause?service=read_write&wait_ms={}",
+            SWITCHOVER_DRAIN.as_millis()
+        );
+        match crate::http_client::request("POST", &url, None, None, SWITCHOVER_DRAIN + Duration::from_secs(2)).await {
+            Ok(r) if r.status == 200 => Some(u.clone()),
+            Ok(r) => {
+                // Still paused, with transactions that would not finish.
+                tracing::warn!(proxy = %u, status = r.status, body = %r.body.trim(), "pause before switchover incomplete");
+                Some(u.clone())
+            }
+            Err(e) => {
+                tracing::warn!(proxy = %u, error = %e, "cannot pause a connection manager before switchover");
+                None
+            }
+        }
+    });
+    crate::join_all(calls).await.into_iter().flatten().collect()
+}
+
+async fn resume_proxies(urls: &[String]) {
+    let calls = urls.iter().map(|u| async move {
+        let url = format!("{u}/resume?service=read_write");
+        if let Err(e) = crate::http_client::request("POST", &url, None, None, Duration::from_secs(5)).await {
+            tracing::error!(proxy = %u, error = %e, "cannot resume a connection manager after switchover");
+        }
+    });
+    crate::join_all(calls).await;
+}
+
+/// Waits (briefly) until the leader key's holder reports itself a running
+/// primary, so resumed transactions find it ready.
+async fn wait_for_writable_leader(state: &ApiState) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(snap) = state.dcs.read_cluster().await {
+            let leader = snap.leader.as_ref().map(|l| l.name.clone());
+            let ready = record::records(&snap).into_iter().any(|r| {
+                Some(&r.state.name) == leader.as_ref()
+                    && r.state.running
+                    && r.state.role == MemberRole::Primary
+            });
+            if ready {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn failover(
@@ -949,7 +1027,7 @@ async fn failover(
         // The candidate's agent acts on an unforced request only if it
         // passes the election's checks, so refuse here what it would ignore.
         let st = state.status.load_full();
-        check_candidate(&state, &st, &snap, &candidate, true)?;
+        check_candidate(&state, &st, &snap, &candidate, true, false)?;
     }
     let request = json!({ "candidate": candidate, "forced": force });
     request_and_wait(&state, request, Goal::Leader(&candidate), "failover").await

@@ -83,11 +83,13 @@ pub(crate) struct HaLoop {
     sync_blocked_since: Option<(Instant, u64)>,
     /// The synchronous set is not yet what the settings want.
     sync_pending: bool,
+    proxy_url: Option<String>,
 }
 
 impl HaLoop {
     pub(crate) fn new(
         cfg: AgentConfig,
+        proxy_url: Option<String>,
         etcd: EtcdConfig,
         dcs: EtcdDcs,
         pg: LocalPostgres,
@@ -138,6 +140,7 @@ impl HaLoop {
             sync_applied: Vec::new(),
             sync_blocked_since: None,
             sync_pending: false,
+            proxy_url,
             cfg,
         }
     }
@@ -553,7 +556,7 @@ impl HaLoop {
             .filter(|(_, m)| m.name != self.cfg.name && m.running && !m.api_url.is_empty())
             .map(|(i, m)| (i, format!("{}/patroni", m.api_url)))
             .collect();
-        let answers = futures_join(peers.iter().map(|(_, url)| {
+        let answers = crate::join_all(peers.iter().map(|(_, url)| {
             let url = url.clone();
             async move { crate::http_client::get_json(&url, PEER_TIMEOUT).await.ok() }
         }))
@@ -611,6 +614,11 @@ impl HaLoop {
             }
             return;
         }
+        if let (AcquireReason::FailoverRequested { forced: false }, Some(target)) =
+            (reason, view.last_leader_lsn)
+        {
+            self.catch_up(target).await;
+        }
         let won = match reason {
             AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
             AcquireReason::FailoverRequested { .. } => {
@@ -648,6 +656,29 @@ impl HaLoop {
                 self.watchdog.disarm();
                 tracing::warn!(error = %e, "taking the leader key failed");
             }
+        }
+    }
+
+    /// Waits (at most a ttl) until this replica has received WAL up to
+    /// `target`, the old leader's final position in a switchover, so the
+    /// promotion keeps every transaction the old leader committed.
+    async fn catch_up(&mut self, target: u64) {
+        let deadline = Instant::now() + self.timing.ttl;
+        loop {
+            let received = self.obs.pg.received_lsn.max(self.obs.pg.replayed_lsn);
+            if received.is_some_and(|r| r >= target) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    target,
+                    ?received,
+                    "promoting before reaching the old leader's final position"
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            self.obs = self.pg.observe(Duration::from_secs(1)).await;
         }
     }
 
@@ -894,6 +925,16 @@ impl HaLoop {
                 if let Err(e) = self.pg.stop(StopMode::Fast).await {
                     tracing::error!(error = %e, "clean stop failed; stopping immediately");
                     let _ = self.pg.stop(StopMode::Immediate).await;
+                }
+                // The shutdown checkpoint is the last WAL this leader wrote;
+                // the candidate promotes only once it has received it.
+                if let Some(lsn) = self
+                    .controldata("Latest checkpoint location")
+                    .await
+                    .and_then(|v| parse_lsn(&v))
+                {
+                    let status = serde_json::json!({ "lsn": lsn });
+                    let _ = self.dcs.put_status(&self.cfg.name, &status).await;
                 }
             }
             ReleaseReason::PostgresDidNotStart { .. } => {
@@ -1186,6 +1227,7 @@ impl HaLoop {
                 (true, Some(l), Some(r)) => Some(l.saturating_sub(r)),
                 _ => None,
             },
+            proxy_url: self.proxy_url.clone(),
         }
     }
 
@@ -1312,19 +1354,21 @@ fn append_hba(datadir: &std::path::Path, lines: &[String]) -> Result<(), PgCtlEr
     std::fs::write(&path, text).map_err(|source| PgCtlError::Io { path, source })
 }
 
-/// Runs futures concurrently and collects their outputs in order.
-async fn futures_join<F>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
-where
-    F: std::future::Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    let handles: Vec<_> = futs.map(tokio::spawn).collect();
-    let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        match h.await {
-            Ok(v) => out.push(v),
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
+/// `X/Y` (hexadecimal halves, as PostgreSQL prints a WAL position) as a
+/// byte position.
+fn parse_lsn(text: &str) -> Option<u64> {
+    let (hi, lo) = text.trim().split_once('/')?;
+    Some((u64::from_str_radix(hi, 16).ok()? << 32) | u64::from_str_radix(lo, 16).ok()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_lsn;
+
+    #[test]
+    fn wal_positions_parse_as_postgresql_prints_them() {
+        assert_eq!(parse_lsn("0/3000060"), Some(0x300_0060));
+        assert_eq!(parse_lsn("1/0"), Some(1 << 32));
+        assert_eq!(parse_lsn("nonsense"), None);
     }
-    out
 }

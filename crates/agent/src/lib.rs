@@ -97,13 +97,15 @@ impl AgentHandle {
 ///
 /// `superuser` and `password` are what the agent connects to its
 /// PostgreSQL with (and what initdb creates); `api_credentials` guard the
-/// REST API's write endpoints (`None` refuses them all).
+/// REST API's write endpoints (`None` refuses them all); `proxy_url` is
+/// this node's connection manager's HTTP port, published for switchovers.
 pub async fn start(
     cfg: AgentConfig,
     etcd: EtcdConfig,
     superuser: String,
     password: Option<String>,
     api_credentials: Option<(String, String)>,
+    proxy_url: Option<String>,
 ) -> Result<AgentHandle, AgentError> {
     let api_listener = tokio::net::TcpListener::bind(cfg.api)
         .await
@@ -176,6 +178,7 @@ pub async fn start(
     let stopped = Arc::new(tokio::sync::Notify::new());
     let ha = ha_loop::HaLoop::new(
         cfg,
+        proxy_url,
         etcd,
         dcs.clone(),
         pg,
@@ -196,4 +199,33 @@ pub async fn start(
         routing_ack,
         stopped,
     })
+}
+
+/// Runs futures concurrently, outputs in order.
+pub(crate) async fn join_all<F: std::future::Future>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut pending: Vec<_> = futs.map(|f| Some(Box::pin(f))).collect();
+    let mut out: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (i, slot) in pending.iter_mut().enumerate() {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        out[i] = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().map(|v| v.expect("ready")).collect()
 }

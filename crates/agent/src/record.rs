@@ -30,6 +30,9 @@ pub struct MemberRecord {
     pub routing_generation: i64,
     /// Bytes behind the leader's last published WAL position (replicas).
     pub lag_bytes: Option<u64>,
+    /// Base URL of this node's connection manager's HTTP port, which a
+    /// planned switchover pauses and resumes.
+    pub proxy_url: Option<String>,
 }
 
 /// Unix time in milliseconds.

@@ -314,9 +314,10 @@ pub fn decide(
 ) -> Decision {
     let view = with_local_observation(cluster, local);
     let ranking = rank_candidates(&view, settings);
+    let manual = manual_ranking(&view, settings, &ranking);
     match view.current_leader() {
         Some(l) if l.name == local.name && local.holds_lease => {
-            as_leader(&view, local, timing, &ranking)
+            as_leader(&view, local, timing, &manual)
         }
         Some(l) if l.name == local.name => {
             if view.paused {
@@ -328,7 +329,7 @@ pub fn decide(
             }
         }
         Some(l) => as_follower(&view, local, &l.name),
-        None => without_leader(&view, local, &ranking),
+        None => without_leader(&view, local, &ranking, &manual),
     }
 }
 
@@ -433,7 +434,29 @@ fn as_follower(view: &ClusterView, local: &LocalView, leader: &str) -> Decision 
     }
 }
 
-fn without_leader(view: &ClusterView, local: &LocalView, ranking: &Ranking) -> Decision {
+/// The ranking that judges an operator's request. A switchover stops the
+/// old leader cleanly and the candidate catches up before it is promoted,
+/// so lag behind the last published position (a loop old under load) does
+/// not disqualify it; a failover away from a lost leader keeps every check.
+fn manual_ranking(view: &ClusterView, settings: &ElectionSettings, ranking: &Ranking) -> Ranking {
+    match &view.failover_request {
+        Some(req) if req.from_leader.is_some() => {
+            let relaxed = ClusterView {
+                last_leader_lsn: None,
+                ..view.clone()
+            };
+            rank_candidates(&relaxed, settings)
+        }
+        _ => ranking.clone(),
+    }
+}
+
+fn without_leader(
+    view: &ClusterView,
+    local: &LocalView,
+    ranking: &Ranking,
+    manual: &Ranking,
+) -> Decision {
     if !local.dcs_reachable {
         return stand_by(view, local, WaitReason::DcsUnreachable);
     }
@@ -442,12 +465,12 @@ fn without_leader(view: &ClusterView, local: &LocalView, ranking: &Ranking) -> D
     if let Some(req) = &view.failover_request {
         if let Some(candidate) = req.candidate.as_deref() {
             if candidate == local.name {
-                if local.postgres.running && (req.forced || ranking.is_eligible(&local.name)) {
+                if local.postgres.running && (req.forced || manual.is_eligible(&local.name)) {
                     return Decision::AcquireLeader {
                         reason: AcquireReason::FailoverRequested { forced: req.forced },
                     };
                 }
-            } else if candidate_ready(view, ranking, candidate, req.forced) {
+            } else if candidate_ready(view, manual, candidate, req.forced) {
                 return stand_by(
                     view,
                     local,
@@ -1079,10 +1102,29 @@ mod tests {
                 says: "releasing the leader key: switching over to n2",
             },
             Case {
-                name: "not to a lagging one",
+                // Published positions are a loop old under load; the
+                // candidate catches up with the stopped leader before it is
+                // promoted, so lag does not stop a switchover.
+                name: "to a lagging one too",
                 cluster: cluster()
                     .leader("n1")
                     .replica("n2", 8 * MIB)
+                    .switchover("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n2".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "not to a stopped one",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .with("n2", |m| m.running = false)
                     .switchover("n1", "n2")
                     .build(),
                 local: local("n1").primary().holding_lease().build(),

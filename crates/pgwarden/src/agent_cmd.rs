@@ -44,6 +44,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             config.cluster.user.clone(),
             password,
             credentials,
+            Some(format!("http://{}", config.listen.http)),
         )
         .await?;
         crate::run_cmd::serve(&args.config, config, false, Some(handle)).await

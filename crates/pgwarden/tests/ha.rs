@@ -958,3 +958,68 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         .unwrap_or_else(|_| panic!("the commit still waits\n{}", c.logs()));
     done.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_is_invisible_to_transaction_pooled_clients() {
+    let c = cluster()
+        .tables("[pool]\nmode = \"transaction\"\nsize = 4\nquery_wait_timeout = \"20s\"")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let direct = c.node(0).pg_conninfo();
+    let init = tokio::process::Command::new("pgbench")
+        .args(["-i", "-q", "-s", "1", &direct])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        init.status.success(),
+        "{}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    replicated(&c, 0).await;
+    // pgbench through n3's read-write port, which follows the leader; a
+    // client that gets an error aborts, and pgbench then exits non-zero.
+    let rw = c.node(2).rw_conninfo();
+    let bench = tokio::process::Command::new("pgbench")
+        .args(["-n", "-c", "8", "-j", "2", "-T", "12", "-M", "simple", &rw])
+        .output();
+    let bench = tokio::spawn(bench);
+    eventually(
+        "pgbench is running through n3",
+        Duration::from_secs(10),
+        || async {
+            let n = one(
+                &c.node(0).pg_conninfo(),
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'",
+            )
+            .await?;
+            (n != "0").then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    let r = pgwarden_agent::http_client::request(
+        "POST",
+        &format!("{}/switchover", c.node(0).api_url()),
+        Some(&serde_json::json!({"leader": "n1", "candidate": "n2"})),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(40),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let out = bench.await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "pgbench failed:\n{stdout}\n{stderr}\n{}",
+        c.logs()
+    );
+    assert!(
+        stdout.contains("number of failed transactions: 0"),
+        "{stdout}"
+    );
+    assert_eq!(writable(&c).await, vec![1], "n2 leads after the switchover");
+    // The old leader rejoins as a replica.
+    healthy(&c, 2, Duration::from_secs(60)).await;
+}

@@ -87,13 +87,49 @@ async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
 #[derive(serde::Deserialize)]
 struct ServiceQuery {
     service: String,
+    /// With `pause`: wait up to this many milliseconds for the transactions
+    /// in flight on read-write pools to finish.
+    wait_ms: Option<u64>,
 }
 
 async fn pause(
     State(shared): State<Arc<Shared>>,
     axum::extract::Query(q): axum::extract::Query<ServiceQuery>,
 ) -> impl IntoResponse {
-    switch(&shared, &q.service, true)
+    let (code, text) = switch(&shared, &q.service, true);
+    let Some(wait) = q.wait_ms.filter(|_| code == StatusCode::OK) else {
+        return (code, text);
+    };
+    // A planned switchover pauses every node, then waits here until no
+    // server connection of a read-write pool is in a transaction, so that
+    // stopping the old primary cuts nothing.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait);
+    loop {
+        let busy: usize = shared
+            .pools
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .filter(|(k, _)| !k.read_only)
+            .map(|(_, p)| p.stats.active.load(Ordering::SeqCst))
+            .sum();
+        if busy == 0 {
+            return (
+                StatusCode::OK,
+                format!("paused {}; no transaction in flight\n", q.service),
+            );
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "paused {}; {busy} transactions still in flight\n",
+                    q.service
+                ),
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }
 
 async fn resume(

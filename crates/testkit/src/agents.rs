@@ -113,6 +113,7 @@ pub struct AgentClusterBuilder {
     agent_toml: String,
     node_toml: Vec<(usize, String)>,
     etcd_relays: bool,
+    tables: String,
 }
 
 impl AgentClusterBuilder {
@@ -132,6 +133,13 @@ impl AgentClusterBuilder {
     /// Extra `[agent]` keys for node `i` only, e.g. `"nofailover = true"`.
     pub fn node_settings(mut self, i: usize, toml: &str) -> Self {
         self.node_toml.push((i, toml.to_string()));
+        self
+    }
+
+    /// Extra tables for every node's file, e.g. `"[pool]\nmode = \"transaction\""`.
+    pub fn tables(mut self, toml: &str) -> Self {
+        self.tables.push_str(toml);
+        self.tables.push('\n');
         self
     }
 
@@ -208,7 +216,8 @@ impl AgentClusterBuilder {
             }
             let _ = write!(
                 toml,
-                "\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n"
+                "\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n\n{}",
+                self.tables
             );
             fs::write(&node.config, toml).expect("write node config");
             nodes.push(node);
@@ -260,6 +269,7 @@ impl AgentCluster {
             agent_toml: String::new(),
             node_toml: Vec::new(),
             etcd_relays: false,
+            tables: String::new(),
         }
     }
 
