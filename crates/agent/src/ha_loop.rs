@@ -84,6 +84,8 @@ pub(crate) struct HaLoop {
     /// The synchronous set is not yet what the settings want.
     sync_pending: bool,
     proxy_url: Option<String>,
+    /// Armed while this node leads.
+    fence: Option<crate::fence::Fence>,
 }
 
 impl HaLoop {
@@ -141,6 +143,7 @@ impl HaLoop {
             sync_blocked_since: None,
             sync_pending: false,
             proxy_url,
+            fence: None,
             cfg,
         }
     }
@@ -445,8 +448,12 @@ impl HaLoop {
             if let Err(e) = self.watchdog.arm() {
                 tracing::error!("cannot arm the watchdog: {e}");
             }
+            self.arm_fence();
         } else {
             self.watchdog.disarm();
+            if let Some(f) = self.fence.take() {
+                f.disarm();
+            }
         }
         self.routing_ready = self.leadership_acknowledged();
         self.publish_status();
@@ -1123,7 +1130,23 @@ impl HaLoop {
         c.batch_execute("CHECKPOINT").await
     }
 
+    /// Starts the fence if it is not running.
+    fn arm_fence(&mut self) {
+        if self.fence.is_some() {
+            return;
+        }
+        let started = std::env::current_exe()
+            .and_then(|exe| crate::fence::Fence::start(&exe, &self.cfg.data_dir));
+        match started {
+            Ok(f) => self.fence = Some(f),
+            Err(e) => tracing::error!(error = %e, "cannot start the fence"),
+        }
+    }
+
     async fn shutdown(&mut self) {
+        if let Some(f) = self.fence.take() {
+            f.disarm();
+        }
         tracing::info!(member = %self.cfg.name, "shutting down: stopping PostgreSQL");
         if let Err(e) = self.pg.stop(StopMode::Fast).await {
             tracing::error!(error = %first_line(&e), "stopping PostgreSQL failed");

@@ -8,10 +8,13 @@
 //! * `ha_loop`: observe, read the DCS, decide, act, publish.
 //! * [`postgres`]: the local PostgreSQL, driven and observed.
 //! * [`watchdog`]: the Linux watchdog armed while leading.
+//! * [`fence`]: the process that stops a leader's PostgreSQL when its
+//!   agent dies.
 //! * [`api`]: the Patroni-compatible REST API; [`http_client`] is how
 //!   members and `pgwarden ctl` call it.
 
 pub mod api;
+pub mod fence;
 mod ha_loop;
 pub mod http_client;
 pub mod postgres;

@@ -33,12 +33,31 @@ enum Command {
     Demo(demo::Args),
     /// Operate an HA cluster through a member's REST API.
     Ctl(ctl::Args),
+    /// Internal: started by the agent while it leads; stops its PostgreSQL
+    /// if the agent dies.
+    #[command(hide = true)]
+    Fence(FenceArgs),
+}
+
+/// Options of the internal `pgwarden fence`.
+#[derive(Debug, clap::Args)]
+struct FenceArgs {
+    /// The agent to watch.
+    #[arg(long)]
+    agent_pid: i32,
+    /// The data directory whose postmaster to stop.
+    #[arg(long)]
+    data_dir: std::path::PathBuf,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
     match cli.command {
+        Command::Fence(args) => {
+            pgwarden_agent::fence::run(args.agent_pid, args.data_dir);
+            return ExitCode::SUCCESS;
+        }
         Command::Run(args) => return report(run_cmd::run(args)),
         Command::Agent(args) => return report(agent_cmd::run(args)),
         _ => {}
@@ -58,7 +77,7 @@ fn main() -> ExitCode {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
         Command::Ctl(args) => runtime.block_on(ctl::run(args)),
-        Command::Run(_) | Command::Agent(_) => unreachable!("handled above"),
+        Command::Run(_) | Command::Agent(_) | Command::Fence(_) => unreachable!("handled above"),
     })
 }
 

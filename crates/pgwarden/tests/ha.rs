@@ -1023,3 +1023,34 @@ async fn a_switchover_is_invisible_to_transaction_pooled_clients() {
     // The old leader rejoins as a replica.
     healthy(&c, 2, Duration::from_secs(60)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_agent_dies_stops_taking_writes_before_anyone_is_promoted() {
+    let mut c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    let checker = SplitBrainChecker::start(&c);
+    // Only the agent dies; its PostgreSQL would keep running on its own.
+    c.kill_agent(0);
+    let orphan = c.node(0).pg_conninfo();
+    eventually(
+        "the orphaned primary stops taking writes",
+        Duration::from_secs(5),
+        || async {
+            match one(&orphan, "SELECT pg_is_in_recovery()").await {
+                Err(_) => Ok(()),
+                Ok(v) => Err(format!("still up, in recovery: {v}")),
+            }
+        },
+    )
+    .await;
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    checker.finish().await;
+    assert_ne!(np, 0);
+}
