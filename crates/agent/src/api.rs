@@ -111,6 +111,8 @@ pub struct ApiState {
     /// How long `POST /switchover` and `POST /failover` wait for the leader
     /// to change ([`DEFAULT_SWITCHOVER_WAIT`] in the agent).
     pub switchover_wait: Duration,
+    /// When (Unix ms) this member last acknowledged a failsafe request.
+    pub failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The API's routes over `state`.
@@ -124,6 +126,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
     }
     r.route("/patroni", get(patroni))
         .route("/metrics", get(metrics))
+        .route("/failsafe", axum::routing::post(failsafe))
         .route("/cluster", get(cluster))
         .route("/history", get(history))
         .route("/config", get(get_config).patch(patch_config))
@@ -1115,6 +1118,27 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         body,
     )
         .into_response()
+}
+
+/// `POST /failsafe`: a leader that cannot reach etcd asks whether it may
+/// keep leading. A member answers yes only while it cannot reach etcd
+/// either and does not lead itself: one that reaches etcd follows etcd,
+/// where another leader may be elected, so it must refuse.
+async fn failsafe(State(state): State<Arc<ApiState>>) -> Response {
+    let st = state.status.load_full();
+    if st.dcs_reachable {
+        return text(
+            StatusCode::CONFLICT,
+            "etcd is reachable from here; follow etcd",
+        );
+    }
+    if st.is_leader {
+        return text(StatusCode::CONFLICT, "this member leads");
+    }
+    state
+        .failsafe_seen
+        .store(record::unix_ms(), std::sync::atomic::Ordering::SeqCst);
+    text(StatusCode::OK, "acknowledged")
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ pub(crate) struct LoopLinks {
     pub(crate) commands: mpsc::Receiver<Command>,
     pub(crate) routing_ack: Arc<std::sync::atomic::AtomicI64>,
     pub(crate) stopped: Arc<tokio::sync::Notify>,
+    pub(crate) failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// One agent's loop and the state it keeps between iterations.
@@ -86,6 +87,9 @@ pub(crate) struct HaLoop {
     proxy_url: Option<String>,
     /// Armed while this node leads.
     fence: Option<crate::fence::Fence>,
+    /// When (Unix ms) a failsafe round last succeeded, or this member last
+    /// acknowledged a leader's.
+    failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl HaLoop {
@@ -103,6 +107,7 @@ impl HaLoop {
             commands,
             routing_ack,
             stopped,
+            failsafe_seen,
         } = links;
         let timing = cfg.timing;
         let settings = ElectionSettings {
@@ -144,6 +149,7 @@ impl HaLoop {
             sync_pending: false,
             proxy_url,
             fence: None,
+            failsafe_seen,
             cfg,
         }
     }
@@ -410,6 +416,9 @@ impl HaLoop {
                 }
                 self.dcs_ok = false;
             }
+        }
+        if !self.dcs_ok && self.cfg.failsafe && self.holds_leader_key() && self.obs.pg.running {
+            self.failsafe_round().await;
         }
         let mut pg = self.obs.pg.clone();
         pg.start_failed_for = self.start_failed_since.map(|t| t.elapsed());
@@ -1128,6 +1137,48 @@ impl HaLoop {
             tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
         tokio::spawn(conn);
         c.batch_execute("CHECKPOINT").await
+    }
+
+    /// With etcd out of reach, asks every other member of the last known
+    /// membership to acknowledge this leader. All of them answering counts
+    /// as a lease renewal, so the leader keeps taking writes; one missing
+    /// answer and the renewal is not counted, so it demotes on schedule.
+    async fn failsafe_round(&mut self) {
+        let t0 = Instant::now();
+        let budget = Duration::from_secs(2).min(self.timing.retry_timeout);
+        let peers: Vec<(String, String)> = records(&self.snapshot)
+            .into_iter()
+            .filter(|r| r.state.name != self.cfg.name)
+            .map(|r| (r.state.name, r.state.api_url))
+            .collect();
+        let calls = peers.iter().map(|(_, url)| async move {
+            crate::http_client::request("POST", &format!("{url}/failsafe"), None, None, budget)
+                .await
+                .map(|r| r.status)
+        });
+        let answers = crate::join_all(calls).await;
+        let missing: Vec<&str> = peers
+            .iter()
+            .zip(&answers)
+            .filter(|(_, a)| !matches!(a, Ok(200)))
+            .map(|((n, _), _)| n.as_str())
+            .collect();
+        if missing.is_empty() {
+            let before = self
+                .failsafe_seen
+                .swap(unix_ms(), std::sync::atomic::Ordering::SeqCst);
+            if unix_ms().saturating_sub(before) > self.timing.ttl.as_millis() as u64 {
+                tracing::warn!(
+                    "etcd unreachable: every member acknowledges this leader (failsafe)"
+                );
+            }
+            self.last_renewal = Some(t0);
+        } else {
+            tracing::warn!(
+                ?missing,
+                "failsafe: not every member acknowledges this leader"
+            );
+        }
     }
 
     /// Starts the fence if it is not running.

@@ -80,6 +80,10 @@ pub struct AgentHandle {
     /// published in this member's record for the new leader to wait on.
     pub routing_ack: Arc<std::sync::atomic::AtomicI64>,
     stopped: Arc<tokio::sync::Notify>,
+    /// When (Unix ms) this member last took part in a successful failsafe
+    /// exchange (as the leader, or acknowledging it): while recent, the
+    /// leader stands even though etcd is silent.
+    pub failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl AgentHandle {
@@ -163,6 +167,7 @@ pub async fn start(
     )));
     let (changes_tx, changes) = watch::channel(0);
     let (commands, commands_rx) = mpsc::channel(16);
+    let failsafe_seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let api_state = Arc::new(api::ApiState {
         name: cfg.name.clone(),
         status: status.clone(),
@@ -171,6 +176,7 @@ pub async fn start(
         credentials: api_credentials,
         maximum_lag_on_failover: cfg.maximum_lag_on_failover,
         switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
+        failsafe_seen: failsafe_seen.clone(),
     });
     tokio::spawn(async move {
         if let Err(e) = api::serve(api_listener, api_state, std::future::pending()).await {
@@ -191,6 +197,7 @@ pub async fn start(
             commands: commands_rx,
             routing_ack: routing_ack.clone(),
             stopped: stopped.clone(),
+            failsafe_seen: failsafe_seen.clone(),
         },
     );
     tokio::spawn(ha.run());
@@ -201,6 +208,7 @@ pub async fn start(
         dcs,
         routing_ack,
         stopped,
+        failsafe_seen,
     })
 }
 

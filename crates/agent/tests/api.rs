@@ -78,6 +78,7 @@ impl Api {
             credentials: credentials.map(|(u, p)| (u.to_string(), p.to_string())),
             maximum_lag_on_failover: 1024 * 1024,
             switchover_wait,
+            failsafe_seen: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());

@@ -82,6 +82,9 @@ pub struct AgentConfig {
     /// Protection mode and synchronous replication settings; every member
     /// of a cluster should have the same.
     pub sync: SyncSettings,
+    /// Keep the leader while etcd is unreachable for every member, as long
+    /// as every member acknowledges it over the agents' API each loop.
+    pub failsafe: bool,
 }
 
 /// Commands run by the agent; each is run through `sh -c` with the action,
@@ -181,6 +184,7 @@ pub(crate) struct RawAgent {
     api_password: Option<String>,
     api_password_file: Option<NonEmpty>,
     reclone_on_rewind_failure: Option<bool>,
+    failsafe: Option<bool>,
     protection: Option<Protection>,
     synchronous_node_count: Option<Spanned<u32>>,
     sync_method: Option<SyncMethod>,
@@ -394,6 +398,7 @@ pub(crate) fn agent(
         api_password: raw.api_password,
         api_password_file: raw.api_password_file.map(Into::into),
         reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
+        failsafe: raw.failsafe.unwrap_or(false),
         sync,
     })
 }

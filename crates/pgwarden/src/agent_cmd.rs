@@ -97,7 +97,15 @@ pub async fn follow_leader(
     loop {
         let st = agent.status.load_full();
         let members = st.cluster.as_ref().map(records).unwrap_or_default();
-        let fresh = u128::from(st.dcs_silent_ms) < st.timing.ttl.as_millis();
+        // A leader that every member still acknowledges (failsafe) stands
+        // even while etcd is silent.
+        let failsafe_age = pgwarden_agent::record::unix_ms().saturating_sub(
+            agent
+                .failsafe_seen
+                .load(std::sync::atomic::Ordering::SeqCst),
+        );
+        let fresh = u128::from(st.dcs_silent_ms) < st.timing.ttl.as_millis()
+            || u128::from(failsafe_age) < st.timing.ttl.as_millis();
         // A new leadership first closes the gate (cutting sessions to the
         // earlier primary), is acknowledged, and opens only once the agent
         // reports every live connection manager has done the same.

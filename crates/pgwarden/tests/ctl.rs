@@ -76,6 +76,7 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
         credentials: Some(("pgwarden".into(), "pw".into())),
         maximum_lag_on_failover: 1 << 20,
         switchover_wait: Duration::from_millis(500),
+        failsafe_seen: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());

@@ -1054,3 +1054,84 @@ async fn a_leader_whose_agent_dies_stops_taking_writes_before_anyone_is_promoted
     checker.finish().await;
     assert_ne!(np, 0);
 }
+
+/// Whether node `i` takes a write right now.
+async fn takes_writes(c: &AgentCluster, i: usize) -> bool {
+    one(&c.node(i).pg_conninfo(), "SELECT pg_is_in_recovery()")
+        .await
+        .as_deref()
+        == Ok("f")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_failsafe_losing_etcd_demotes_the_leader() {
+    let mut c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    c.etcd().kill();
+    eventually("the leader demotes", Duration::from_secs(20), || async {
+        (!takes_writes(&c, 0).await)
+            .then_some(())
+            .ok_or("still writable".to_string())
+    })
+    .await;
+    assert_eq!(writable(&c).await, Vec::<usize>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() {
+    let mut c = cluster().agent_settings("failsafe = true").start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    // The membership the leader knows is what it will ask.
+    let url = format!("{}/cluster", c.node(0).api_url());
+    eventually(
+        "the leader knows all three members",
+        Duration::from_secs(10),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let n = v["members"].as_array().map_or(0, Vec::len);
+            (n == 3).then_some(()).ok_or(format!("{n} members"))
+        },
+    )
+    .await;
+    c.etcd().kill();
+    // Well past the lease (6 s) and the demotion deadline (3 s): the leader
+    // stands, and every node's read-write port still reaches it.
+    let until = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 0).await,
+            "the leader demoted\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for i in 0..3 {
+        routes_writes_to(&c, i, 0, Duration::from_secs(5)).await;
+    }
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains("every member acknowledges this leader"));
+    // One member stops answering: the leader can no longer be sure and
+    // demotes.
+    c.kill_node(2);
+    eventually("the leader demotes", Duration::from_secs(20), || async {
+        (!takes_writes(&c, 0).await)
+            .then_some(())
+            .ok_or("still writable".to_string())
+    })
+    .await;
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains("not every member acknowledges"));
+}
