@@ -1067,7 +1067,7 @@ async fn takes_writes(c: &AgentCluster, i: usize) -> bool {
 async fn without_failsafe_losing_etcd_demotes_the_leader() {
     let mut c = cluster().start();
     healthy(&c, 2, BOOTSTRAP).await;
-    c.etcd().kill();
+    c.etcd().kill(0);
     eventually("the leader demotes", Duration::from_secs(20), || async {
         (!takes_writes(&c, 0).await)
             .then_some(())
@@ -1102,7 +1102,7 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
         },
     )
     .await;
-    c.etcd().kill();
+    c.etcd().kill(0);
     // Well past the lease (6 s) and the demotion deadline (3 s): the leader
     // stands, and every node's read-write port still reaches it.
     let until = tokio::time::Instant::now() + Duration::from_secs(12);
@@ -1134,4 +1134,94 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
         .node(0)
         .log_tail()
         .contains("not every member acknowledges"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_one_of_three_etcd_members_changes_nothing() {
+    let mut c = cluster().etcd_members(3).start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    let checker = SplitBrainChecker::start(&c);
+    c.etcd().kill(0);
+    // Past the lease (6 s): the same leader, still taking writes.
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(writable(&c).await, vec![0], "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    checker.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_restarting_during_an_election_elect_exactly_one_leader() {
+    let mut c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    let checker = SplitBrainChecker::start(&c);
+    c.kill_node(0);
+    // While the lease runs out and the survivors elect, both of their
+    // agents restart (their servers keep running).
+    c.kill_agent(1);
+    c.start_agent(1);
+    // Fault timing, not a wait for a condition: the second restart lands
+    // while the first agent is coming back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.kill_agent(2);
+    c.start_agent(2);
+    let np = new_primary(&c, 0, Duration::from_secs(40)).await;
+    healthy(&c, 1, Duration::from_secs(30)).await;
+    checker.finish().await;
+    assert_eq!(writable(&c).await, vec![np]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_its_replicas_but_not_from_etcd_keeps_leading_alone() {
+    let c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    replicated(&c, 0).await;
+    let checker = SplitBrainChecker::start(&c);
+    // Replication stops reaching the replicas (their WAL receivers frozen),
+    // while every agent still reaches etcd: the leader keeps its lease,
+    // so nobody may take over, however far the replicas fall behind.
+    let mut receivers = Vec::new();
+    for i in [1, 2] {
+        let pid: i32 = one(
+            &c.node(i).pg_conninfo(),
+            "SELECT pid FROM pg_stat_wal_receiver",
+        )
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+        signal(pid, nix::sys::signal::Signal::SIGSTOP);
+        receivers.push(pid);
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(writable(&c).await, vec![0]);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for pid in receivers {
+        signal(pid, nix::sys::signal::Signal::SIGCONT);
+    }
+    checker.finish().await;
+    healthy(&c, 2, Duration::from_secs(30)).await;
 }

@@ -16,7 +16,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use crate::cluster::{free_port, sweep_leftovers, DIR_PREFIX};
-use crate::etcd::EtcdServer;
+use crate::etcd::EtcdCluster;
 use crate::relay::Relay;
 
 /// One node: its ports, files and agent process.
@@ -114,6 +114,7 @@ pub struct AgentClusterBuilder {
     node_toml: Vec<(usize, String)>,
     etcd_relays: bool,
     tables: String,
+    etcd_members: usize,
 }
 
 impl AgentClusterBuilder {
@@ -143,6 +144,12 @@ impl AgentClusterBuilder {
         self
     }
 
+    /// Runs etcd with `n` members (default 1); every agent lists them all.
+    pub fn etcd_members(mut self, n: usize) -> Self {
+        self.etcd_members = n;
+        self
+    }
+
     /// Puts a fault relay between each agent and etcd, so a test can cut
     /// one node off from etcd alone.
     pub fn etcd_relays(mut self) -> Self {
@@ -155,7 +162,7 @@ impl AgentClusterBuilder {
     /// node is the first primary; then the others, which clone it.
     pub fn start(self) -> AgentCluster {
         sweep_leftovers();
-        let etcd = EtcdServer::start();
+        let etcd = EtcdCluster::start(self.etcd_members);
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .tempdir()
@@ -172,13 +179,13 @@ impl AgentClusterBuilder {
         for i in 0..self.nodes {
             let name = format!("n{}", i + 1);
             let etcd_endpoint = if self.etcd_relays {
-                let target = format!("127.0.0.1:{}", etcd.client_port());
+                let target = format!("127.0.0.1:{}", etcd.client_port(0));
                 let relay = Relay::start(target.parse().expect("addr")).expect("etcd relay");
                 let ep = format!("http://{}", relay.addr());
                 relays.push(relay);
                 ep
             } else {
-                etcd.endpoint()
+                etcd.endpoints().join("\", \"")
             };
             let node = AgentNode {
                 pg_port: free_port(),
@@ -254,7 +261,7 @@ pub struct AgentCluster {
     bin: PathBuf,
     nodes: Vec<AgentNode>,
     relays: Vec<Relay>,
-    etcd: EtcdServer,
+    etcd: EtcdCluster,
     // Dropped last: the directories outlive every process using them.
     dir: tempfile::TempDir,
 }
@@ -270,6 +277,7 @@ impl AgentCluster {
             node_toml: Vec::new(),
             etcd_relays: false,
             tables: String::new(),
+            etcd_members: 1,
         }
     }
 
@@ -294,13 +302,13 @@ impl AgentCluster {
     }
 
     /// The etcd the agents use.
-    pub fn etcd(&mut self) -> &mut EtcdServer {
+    pub fn etcd(&mut self) -> &mut EtcdCluster {
         &mut self.etcd
     }
 
-    /// etcd's client endpoint (not through any relay).
+    /// A client endpoint of etcd (not through any relay).
     pub fn etcd_endpoint(&self) -> String {
-        self.etcd.endpoint()
+        self.etcd.endpoints()[0].clone()
     }
 
     /// The cluster's name in etcd (`etcd.cluster`).
