@@ -85,6 +85,20 @@ pub struct AgentConfig {
     /// Keep the leader while etcd is unreachable for every member, as long
     /// as every member acknowledges it over the agents' API each loop.
     pub failsafe: bool,
+    /// What the read-write port does with new transactions while commits
+    /// wait for a synchronous standby.
+    pub on_sync_blocked: OnSyncBlocked,
+}
+
+/// `agent.on_sync_blocked`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnSyncBlocked {
+    /// Let them wait with the blocked ones.
+    #[default]
+    Wait,
+    /// Refuse them at once with an error that says why.
+    Reject,
 }
 
 /// Commands run by the agent; each is run through `sh -c` with the action,
@@ -185,6 +199,7 @@ pub(crate) struct RawAgent {
     api_password_file: Option<NonEmpty>,
     reclone_on_rewind_failure: Option<bool>,
     failsafe: Option<bool>,
+    on_sync_blocked: Option<OnSyncBlocked>,
     protection: Option<Protection>,
     synchronous_node_count: Option<Spanned<u32>>,
     sync_method: Option<SyncMethod>,
@@ -399,6 +414,7 @@ pub(crate) fn agent(
         api_password_file: raw.api_password_file.map(Into::into),
         reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
         failsafe: raw.failsafe.unwrap_or(false),
+        on_sync_blocked: raw.on_sync_blocked.unwrap_or_default(),
         sync,
     })
 }

@@ -51,6 +51,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
+/// With `on_sync_blocked = "reject"`: while the leader's commits wait for
+/// a synchronous standby, the read-write service refuses new transactions
+/// at once with an error saying why, instead of letting them hang too.
+pub async fn refuse_writes_while_blocked(
+    agent: AgentHandle,
+    switch: pgwarden_proxy::RefusalSwitch,
+) {
+    let mut changes = agent.changes.clone();
+    let mut refusing = false;
+    loop {
+        let st = agent.status.load_full();
+        let blocked = st
+            .cluster
+            .as_ref()
+            .and_then(pgwarden_agent::record::sync_state)
+            .is_some_and(|s| {
+                s.synchronous
+                    && s.blocked_since_ms.is_some()
+                    && st.leader.as_deref() == Some(s.leader.as_str())
+            });
+        if blocked != refusing {
+            switch.set(
+                pgwarden_config::READ_WRITE,
+                blocked.then(|| {
+                    "writes are refused: the leader waits for a synchronous standby \
+                     (on_sync_blocked = reject)"
+                        .to_string()
+                }),
+            );
+            refusing = blocked;
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// The REST API's write credentials: `agent.api_password`, the first line
 /// of `agent.api_password_file` (relative to the configuration file), or
 /// `PGWARDEN_API_PASSWORD`; none of them leaves the write endpoints closed.

@@ -86,6 +86,14 @@ pub async fn serve(
         engine.changes(),
     )
     .await?;
+    if let (Some(agent), Some(a)) = (&agent, &config.agent) {
+        if a.on_sync_blocked == pgwarden_config::OnSyncBlocked::Reject {
+            tokio::spawn(crate::agent_cmd::refuse_writes_while_blocked(
+                agent.clone(),
+                proxy.refusal_switch(),
+            ));
+        }
+    }
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let admin_reload = proxy.reload_requests();
     let mut running = config;

@@ -909,7 +909,7 @@ async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
     let mut c = cluster()
-        .agent_settings("protection = \"maximum_protection\"")
+        .agent_settings("protection = \"maximum_protection\"\non_sync_blocked = \"reject\"")
         .start();
     healthy(&c, 2, BOOTSTRAP).await;
     query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
@@ -947,6 +947,48 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         !insert.is_finished(),
         "strict mode never drops to asynchronous"
     );
+    // The state is explicit: pgwarden ctl list and the agent's /metrics.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "list"])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        list.contains("Writes blocked: no synchronous standby"),
+        "{list}"
+    );
+    let metrics = pgwarden_agent::http_client::request(
+        "GET",
+        &format!("{}/metrics", c.node(0).api_url()),
+        None,
+        None,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap()
+    .body;
+    assert!(
+        metrics.contains("pgwarden_ha_sync_blocked_seconds"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("pgwarden_ha_sync_degraded_seconds 0"),
+        "{metrics}"
+    );
+    // on_sync_blocked = reject: new transactions through the read-write
+    // port fail at once, saying why, instead of hanging too.
+    let rw = c.node(0).rw_conninfo();
+    eventually(
+        "the read-write port refuses",
+        Duration::from_secs(10),
+        || async {
+            match one(&rw, "SELECT 1").await {
+                Err(e) if e.contains("waits for a synchronous standby") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
     assert_eq!(
         sync_key(&c).await["degraded_since_ms"],
         serde_json::Value::Null
@@ -957,6 +999,12 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         .await
         .unwrap_or_else(|_| panic!("the commit still waits\n{}", c.logs()));
     done.unwrap().unwrap();
+    eventually(
+        "the read-write port serves again",
+        Duration::from_secs(20),
+        || async { one(&rw, "SELECT 1").await.map(|_| ()) },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

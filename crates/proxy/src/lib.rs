@@ -25,5 +25,7 @@ mod txn;
 pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
-pub use proxy::{ClientTlsMode, PoolOverrides, Proxy, ProxySpec, ServiceSpec, TlsSpec};
+pub use proxy::{
+    ClientTlsMode, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
+};
 pub use stream::tls_acceptor;

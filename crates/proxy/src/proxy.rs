@@ -171,6 +171,10 @@ pub(crate) struct Shared {
     pub accepting: AtomicBool,
     pub pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
     pub paused: Mutex<HashMap<String, watch::Sender<bool>>>,
+    /// Services that refuse new transactions, with the reason clients are
+    /// told; `any_refusal` lets the per-transaction fast path skip the map.
+    pub refusals: Mutex<HashMap<String, Arc<str>>>,
+    pub any_refusal: AtomicBool,
     pub clients: AtomicU64,
     pub max_client_conn: AtomicU64,
     pub admin_users: Mutex<Vec<String>>,
@@ -234,6 +238,18 @@ impl Shared {
         true
     }
 
+    /// Why `service` refuses new transactions right now, if it does.
+    pub fn refusal(&self, service: &str) -> Option<Arc<str>> {
+        if !self.any_refusal.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.refusals
+            .lock()
+            .expect("poisoned")
+            .get(service)
+            .cloned()
+    }
+
     pub fn server_connect_timeout(&self) -> Duration {
         *self.server_connect_timeout.lock().expect("poisoned")
     }
@@ -243,6 +259,31 @@ struct Listener {
     addr: SocketAddr,
     service: Arc<ArcSwap<Service>>,
     task: JoinHandle<()>,
+}
+
+/// Makes a service refuse new transactions (and sessions) with a reason,
+/// or serve again; cheap to clone, usable from any task.
+#[derive(Clone)]
+pub struct RefusalSwitch(Arc<Shared>);
+
+impl RefusalSwitch {
+    /// Refuses new transactions on `service` with `reason` (`None`: serve).
+    /// Transactions already running are not affected.
+    pub fn set(&self, service: &str, reason: Option<String>) {
+        let mut map = self.0.refusals.lock().expect("poisoned");
+        let changed = match reason {
+            Some(r) => map.insert(service.to_string(), r.into()).is_none(),
+            None => map.remove(service).is_some(),
+        };
+        self.0.any_refusal.store(!map.is_empty(), Ordering::SeqCst);
+        if changed {
+            tracing::info!(
+                service,
+                refusing = !map.is_empty(),
+                "service refusal changed"
+            );
+        }
+    }
 }
 
 /// The running connection manager.
@@ -298,6 +339,8 @@ impl Proxy {
             accepting: AtomicBool::new(true),
             pools: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),
+            refusals: Mutex::new(HashMap::new()),
+            any_refusal: AtomicBool::new(false),
             clients: AtomicU64::new(0),
             max_client_conn: AtomicU64::new(spec.max_client_conn as u64),
             admin_users: Mutex::new(Vec::new()),
@@ -338,6 +381,11 @@ impl Proxy {
     /// The HTTP port's address.
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http.as_ref().map(|(a, _)| *a)
+    }
+
+    /// A switch to make services refuse new transactions.
+    pub fn refusal_switch(&self) -> RefusalSwitch {
+        RefusalSwitch(self.shared.clone())
     }
 
     /// Notified when the admin console asks for a configuration reload.

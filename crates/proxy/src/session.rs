@@ -315,6 +315,13 @@ async fn connect_server(
     service: &Service,
 ) -> Result<(TcpStream, HostAddr), Refusal> {
     let spec = &service.spec;
+    if let Some(reason) = shared.refusal(&spec.name) {
+        return Err(Refusal::new(
+            sqlstate::CANNOT_CONNECT_NOW,
+            "refused",
+            format!("service \"{}\": {reason}", spec.name),
+        ));
+    }
     let deadline = tokio::time::Instant::now() + spec.connect_wait_timeout;
     let mut changes = shared.changes.clone();
     let mut last: Refusal;
@@ -592,37 +599,6 @@ fn finish(
     gauge.dec();
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn refused_statements_become_a_server_side_error_and_others_pass() {
-        let mut q = BytesMut::new();
-        encode::query(&mut q, "SELECT 1; SET default_transaction_read_only = off");
-        let r = guard_message("read_only", frontend::QUERY, &q).expect("refused");
-        let text = pgwarden_wire::message::query_text(&r[5..]).unwrap();
-        assert!(text.starts_with("DO $pgwarden$"), "{text}");
-        assert!(text.contains("25006"));
-
-        let mut ok = BytesMut::new();
-        encode::query(&mut ok, "SELECT 'it''s fine'");
-        assert!(guard_message("read_only", frontend::QUERY, &ok).is_none());
-
-        let mut p = BytesMut::new();
-        encode::parse(&mut p, "s1", "BEGIN READ WRITE", &[23]);
-        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
-        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
-        assert_eq!(parsed.name, "s1");
-        assert_eq!(parsed.param_type_count, 1);
-    }
-
-    #[test]
-    fn refusal_message_quotes_are_escaped() {
-        assert!(refusal_sql("it's").contains("'it''s'"));
-    }
-}
-
 /// What the two pumps of a session need, apart from the sockets.
 struct Io<'a> {
     shared: &'a Arc<Shared>,
@@ -751,5 +727,36 @@ impl Io<'_> {
         let _ = cw.shutdown().await;
         let _ = sw.shutdown().await;
         cancel_key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_statements_become_a_server_side_error_and_others_pass() {
+        let mut q = BytesMut::new();
+        encode::query(&mut q, "SELECT 1; SET default_transaction_read_only = off");
+        let r = guard_message("read_only", frontend::QUERY, &q).expect("refused");
+        let text = pgwarden_wire::message::query_text(&r[5..]).unwrap();
+        assert!(text.starts_with("DO $pgwarden$"), "{text}");
+        assert!(text.contains("25006"));
+
+        let mut ok = BytesMut::new();
+        encode::query(&mut ok, "SELECT 'it''s fine'");
+        assert!(guard_message("read_only", frontend::QUERY, &ok).is_none());
+
+        let mut p = BytesMut::new();
+        encode::parse(&mut p, "s1", "BEGIN READ WRITE", &[23]);
+        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
+        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
+        assert_eq!(parsed.name, "s1");
+        assert_eq!(parsed.param_type_count, 1);
+    }
+
+    #[test]
+    fn refusal_message_quotes_are_escaped() {
+        assert!(refusal_sql("it's").contains("'it''s'"));
     }
 }

@@ -372,7 +372,14 @@ impl Session {
                 .selector
                 .select(&snap.topology, &self.service.spec.want)
                 .is_ok_and(|i| snap.topology.hosts()[i].config.addr == pool.key.host);
-            if same && !pool.is_retired() && !*self.paused.borrow() {
+            if same
+                && !pool.is_retired()
+                && !*self.paused.borrow()
+                && !self
+                    .shared
+                    .any_refusal
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            {
                 if let Some(c) = pool.try_checkout() {
                     self.wait_histogram.observe(0.0);
                     return Ok(c);
@@ -393,6 +400,12 @@ impl Session {
         let mut changes = self.shared.changes.clone();
         let mut paused = self.paused.clone();
         loop {
+            if let Some(reason) = self.shared.refusal(&spec.name) {
+                return Err(Fatal::new(
+                    sqlstate::CANNOT_CONNECT_NOW,
+                    format!("service \"{}\": {reason}", spec.name),
+                ));
+            }
             if *paused.borrow() {
                 tokio::select! {
                     _ = paused.wait_for(|p| !*p) => continue,
