@@ -391,7 +391,7 @@ impl HaLoop {
         let read = if budget.is_zero() {
             None
         } else {
-            tokio::time::timeout(budget, self.dcs.read_cluster())
+            tokio::time::timeout(budget, retrying(budget, || self.dcs.read_cluster()))
                 .await
                 .ok()
         };
@@ -525,7 +525,9 @@ impl HaLoop {
             return;
         }
         let t0 = Instant::now();
-        match tokio::time::timeout(budget, self.dcs.renew_leader(&self.cfg.name, lease)).await {
+        let name = self.cfg.name.clone();
+        let renewal = retrying(budget, || self.dcs.renew_leader(&name, lease));
+        match tokio::time::timeout(budget, renewal).await {
             Ok(Ok(true)) => {
                 self.last_renewal = Some(t0);
                 if let Some(lsn) = self.obs.pg.received_lsn {
@@ -1427,6 +1429,30 @@ fn append_hba(datadir: &std::path::Path, lines: &[String]) -> Result<(), PgCtlEr
     text.insert_str(0, &head);
     std::fs::write(&path, text).map_err(|source| PgCtlError::Io { path, source })
 }
+
+/// Retries a DCS request that failed outright (not one that timed out)
+/// until it succeeds or `budget` is spent: with several etcd members, a
+/// request that hit a member that just died fails at once, and the next
+/// one goes to a live member.
+async fn retrying<T, F, Fut>(budget: Duration, mut op: F) -> pgwarden_dcs::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = pgwarden_dcs::Result<T>>,
+{
+    let deadline = Instant::now() + budget;
+    loop {
+        match op().await {
+            Err(e) if e.is_unavailable() && Instant::now() + RETRY_GAP < deadline => {
+                tracing::debug!(error = %e, "DCS request failed; retrying");
+                tokio::time::sleep(RETRY_GAP).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Pause between retries of a failed DCS request.
+const RETRY_GAP: Duration = Duration::from_millis(100);
 
 /// `X/Y` (hexadecimal halves, as PostgreSQL prints a WAL position) as a
 /// byte position.

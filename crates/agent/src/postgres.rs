@@ -17,12 +17,17 @@ const PID_POLL: Duration = Duration::from_millis(100);
 
 /// The one query an observation needs. The timeline of a primary comes
 /// from its current WAL file name, because `pg_control_checkpoint()` lags
-/// behind a promotion until the next checkpoint; a replica reports the
-/// newest of what it receives and what it has replayed.
+/// behind a promotion until the next checkpoint. A replica reports the
+/// newest of the timeline it receives, its last restartpoint's, and the
+/// newest timeline history file it holds: the receiver's row vanishes
+/// whenever its upstream goes away, and restartpoints can be several
+/// promotions old, but a history file arrives with every timeline switch.
 const OBSERVE: &str = "SELECT pg_is_in_recovery(), \
  CASE WHEN pg_is_in_recovery() THEN greatest(\
    coalesce((SELECT received_tli FROM pg_stat_wal_receiver), 0), \
-   (SELECT timeline_id FROM pg_control_checkpoint()))::int8 \
+   (SELECT timeline_id FROM pg_control_checkpoint()), \
+   coalesce((SELECT max(('x' || substr(name, 1, 8))::bit(32)::int) FROM pg_ls_waldir() \
+     WHERE name ~ '^[0-9A-F]{8}\\.history$'), 0))::int8 \
  ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 END, \
  pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() \
    ELSE pg_current_wal_lsn() END, '0/0')::int8, \
