@@ -1,4 +1,4 @@
-# Shared by bench/pgbench_proxy.sh and bench/pgbench_pool.sh: dependencies,
+# Shared by the bench/*.sh scripts: dependencies,
 # release build, temporary directory, free ports, the demo primary, cleanup.
 # Source it after `cd` to the repository root, with `set -euo pipefail`.
 # Needs root (apt-get, and the proxies and PostgreSQL run as the postgres user).
@@ -35,7 +35,7 @@ bench_deps() {
 bench_build() {
   log "building pgwarden (release)"
   cargo build --release --quiet
-  bin=$PWD/target/release/pgwarden
+  bin=${CARGO_TARGET_DIR:-$PWD/target}/release/pgwarden
 }
 
 # bench_tmpdir PREFIX: sets $tmp (mode 755) with $tmp/pgb owned by postgres.

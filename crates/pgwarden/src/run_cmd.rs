@@ -148,7 +148,7 @@ fn warn_unimplemented(config: &Config) {
         .services()
         .iter()
         .any(|s| s.pool_mode == PoolMode::Transaction);
-    if transaction {
+    if transaction && config.auth.is_none() {
         tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
     }
 }

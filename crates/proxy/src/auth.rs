@@ -282,7 +282,9 @@ impl Authenticator {
                 let mut out = BytesMut::new();
                 encode::authentication_cleartext(&mut out);
                 let reply = exchange(client, &out).await.ok_or_else(failed)?;
-                let password = cstr(&reply).ok_or_else(failed)?.to_string();
+                let password = message::password_message(&reply)
+                    .map_err(|_| failed())?
+                    .to_string();
                 let ok = verifier
                     .as_deref()
                     .is_some_and(|v| password_matches(v, &user, &password));
@@ -305,7 +307,7 @@ impl Authenticator {
                     let mut out = BytesMut::new();
                     encode::authentication_md5(&mut out, salt);
                     let reply = exchange(client, &out).await.ok_or_else(failed)?;
-                    let response = cstr(&reply).ok_or_else(failed)?;
+                    let response = message::password_message(&reply).map_err(|_| failed())?;
                     if verify_md5(&secret, salt, response) {
                         Ok(Credential::Md5Secret(secret))
                     } else {
@@ -334,21 +336,11 @@ impl Authenticator {
         let mut out = BytesMut::new();
         encode::authentication_sasl(&mut out, &[pgwarden_auth::scram::MECHANISM]);
         let initial = exchange(client, &out).await.ok_or(())?;
-        // SASLInitialResponse: mechanism, then a length-prefixed message.
-        let mut body = &initial[..];
-        let mech = cstr(body).ok_or(())?;
+        let (mech, data) = message::sasl_initial_response(&initial).map_err(|_| ())?;
         if mech != pgwarden_auth::scram::MECHANISM {
             return Err(());
         }
-        body = &body[mech.len() + 1..];
-        if body.len() < 4 {
-            return Err(());
-        }
-        let len = body.get_i32();
-        if len < 0 || len as usize != body.len() {
-            return Err(());
-        }
-        let first = server.client_first(body).map_err(|_| ())?;
+        let first = server.client_first(data).map_err(|_| ())?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_continue(&mut out, &first);
         let fin = exchange(client, &out).await.ok_or(())?;
@@ -380,11 +372,6 @@ fn password_matches(verifier: &str, user: &str, password: &str) -> bool {
 /// Constant-time comparison (length is not secret).
 fn subtle_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn cstr(body: &[u8]) -> Option<&str> {
-    let end = body.iter().position(|b| *b == 0)?;
-    std::str::from_utf8(&body[..end]).ok()
 }
 
 /// Sends an authentication request and returns the body of the client's

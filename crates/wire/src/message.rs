@@ -422,6 +422,34 @@ pub fn authentication_code(body: &[u8]) -> Result<i32, BodyError> {
     Reader::new(body).i32()
 }
 
+/// The string of a PasswordMessage (`p`) body sent in answer to
+/// AuthenticationCleartextPassword or AuthenticationMD5Password: the password
+/// or the md5 response.
+///
+/// As in PostgreSQL, bytes after the terminator make the message invalid.
+pub fn password_message(body: &[u8]) -> Result<&str, BodyError> {
+    let mut r = Reader::new(body);
+    let password = r.cstr()?;
+    r.finish()?;
+    Ok(password)
+}
+
+/// Mechanism and initial client response of a SASLInitialResponse (`p`)
+/// body.
+///
+/// The response length may be -1 on the wire for "no initial response";
+/// SCRAM always sends one, so that is refused here like any other negative
+/// length.
+pub fn sasl_initial_response(body: &[u8]) -> Result<(&str, &[u8]), BodyError> {
+    let mut r = Reader::new(body);
+    let mechanism = r.cstr()?;
+    let len = usize::try_from(r.i32()?)
+        .map_err(|_| BodyError::InvalidValue("negative SASL response length"))?;
+    let data = r.take(len)?;
+    r.finish()?;
+    Ok((mechanism, data))
+}
+
 /// Fields of an ErrorResponse (`E`) or NoticeResponse (`N`) body, as
 /// `(field type, value)` pairs in wire order.
 pub fn error_fields(body: &[u8]) -> Result<Vec<(u8, &str)>, BodyError> {
@@ -476,6 +504,29 @@ mod tests {
         v.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
         v.extend_from_slice(body);
         v
+    }
+
+    #[test]
+    fn password_and_sasl_initial_response_bodies() {
+        assert_eq!(password_message(b"secret\0"), Ok("secret"));
+        assert_eq!(password_message(b"secret"), Err(BodyError::Truncated));
+        assert_eq!(password_message(b"a\0b"), Err(BodyError::TrailingData));
+        assert_eq!(
+            sasl_initial_response(b"SCRAM-SHA-256\0\0\0\0\x03n,,"),
+            Ok(("SCRAM-SHA-256", &b"n,,"[..]))
+        );
+        assert_eq!(
+            sasl_initial_response(b"M\0\xff\xff\xff\xff"),
+            Err(BodyError::InvalidValue("negative SASL response length"))
+        );
+        assert_eq!(
+            sasl_initial_response(b"M\0\0\0\0\x04abc"),
+            Err(BodyError::Truncated)
+        );
+        assert_eq!(
+            sasl_initial_response(b"M\0\0\0\0\x01abc"),
+            Err(BodyError::TrailingData)
+        );
     }
 
     #[test]
