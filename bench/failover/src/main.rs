@@ -785,9 +785,9 @@ fn table(rows: &[Row]) -> String {
             r.fault.name(),
             fmt3(min_avg_max(&rto), 1),
             min_avg_max(&pause).map_or("—".into(), |(_, a, _)| format!("{a:.1}")),
-            fmt3(min_avg_max(&failed), 1)
-                .replace(".0 ", " ")
-                .replace(".0 /", " /"),
+            min_avg_max(&failed).map_or("—".into(), |(a, b, c)| format!(
+                "{a:.0} / {b:.1} / {c:.0}"
+            )),
         );
     }
     s
