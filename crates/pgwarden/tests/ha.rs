@@ -326,6 +326,20 @@ async fn futures_join<F: std::future::Future>(futs: impl Iterator<Item = F>) -> 
     out
 }
 
+/// Waits for a healthy cluster led by node 0, creates the checker's table
+/// and starts the split-brain checker once every replica has it.
+async fn healthy_and_checked(c: &AgentCluster) -> SplitBrainChecker {
+    healthy(c, 2, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_checker (node int)",
+    )
+    .await
+    .unwrap();
+    replicated(c, 0).await;
+    SplitBrainChecker::start(c)
+}
+
 /// Waits until a node other than `old` is the only writable one.
 async fn new_primary(c: &AgentCluster, old: usize, within: Duration) -> usize {
     let r = tokio::time::timeout(within, async {
@@ -363,14 +377,7 @@ async fn api_post(c: &AgentCluster, i: usize, path: &str) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_cut_off_from_etcd_demotes_before_anyone_is_promoted() {
     let c = cluster().etcd_relays().start();
-    healthy(&c, 2, BOOTSTRAP).await;
-    query(
-        &c.node(0).pg_conninfo(),
-        "CREATE TABLE ha_checker (node int)",
-    )
-    .await
-    .unwrap();
-    let checker = SplitBrainChecker::start(&c);
+    let checker = healthy_and_checked(&c).await;
     c.etcd_relay(0).set_blackhole(true);
     // The old leader stops taking writes on its own (loop_wait +
     // retry_timeout = 3 s after its last renewal), a replica takes over
@@ -1075,15 +1082,7 @@ async fn a_switchover_is_invisible_to_transaction_pooled_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_agent_dies_stops_taking_writes_before_anyone_is_promoted() {
     let mut c = cluster().start();
-    healthy(&c, 2, BOOTSTRAP).await;
-    query(
-        &c.node(0).pg_conninfo(),
-        "CREATE TABLE ha_checker (node int)",
-    )
-    .await
-    .unwrap();
-    replicated(&c, 0).await;
-    let checker = SplitBrainChecker::start(&c);
+    let checker = healthy_and_checked(&c).await;
     // Only the agent dies; its PostgreSQL would keep running on its own.
     c.kill_agent(0);
     let orphan = c.node(0).pg_conninfo();
@@ -1187,15 +1186,7 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_one_of_three_etcd_members_changes_nothing() {
     let mut c = cluster().etcd_members(3).start();
-    healthy(&c, 2, BOOTSTRAP).await;
-    query(
-        &c.node(0).pg_conninfo(),
-        "CREATE TABLE ha_checker (node int)",
-    )
-    .await
-    .unwrap();
-    replicated(&c, 0).await;
-    let checker = SplitBrainChecker::start(&c);
+    let checker = healthy_and_checked(&c).await;
     c.etcd().kill(0);
     // Past the lease (6 s): the same leader, still taking writes.
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -1209,15 +1200,7 @@ async fn losing_one_of_three_etcd_members_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_restarting_during_an_election_elect_exactly_one_leader() {
     let mut c = cluster().start();
-    healthy(&c, 2, BOOTSTRAP).await;
-    query(
-        &c.node(0).pg_conninfo(),
-        "CREATE TABLE ha_checker (node int)",
-    )
-    .await
-    .unwrap();
-    replicated(&c, 0).await;
-    let checker = SplitBrainChecker::start(&c);
+    let checker = healthy_and_checked(&c).await;
     c.kill_node(0);
     // While the lease runs out and the survivors elect, both of their
     // agents restart (their servers keep running).
@@ -1237,15 +1220,7 @@ async fn agents_restarting_during_an_election_elect_exactly_one_leader() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_cut_off_from_its_replicas_but_not_from_etcd_keeps_leading_alone() {
     let c = cluster().start();
-    healthy(&c, 2, BOOTSTRAP).await;
-    query(
-        &c.node(0).pg_conninfo(),
-        "CREATE TABLE ha_checker (node int)",
-    )
-    .await
-    .unwrap();
-    replicated(&c, 0).await;
-    let checker = SplitBrainChecker::start(&c);
+    let checker = healthy_and_checked(&c).await;
     // Replication stops reaching the replicas (their WAL receivers frozen),
     // while every agent still reaches etcd: the leader keeps its lease,
     // so nobody may take over, however far the replicas fall behind.
