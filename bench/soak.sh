@@ -31,7 +31,7 @@ log "HA demo: rto = $RTO, PostgreSQL on $PORT.., read-write port $RW_PORT, API $
 demo=$!
 for _ in $(seq 1 600); do
   kill -0 "$demo" 2>/dev/null || { log "demo exited"; exit 1; }
-  n=$(curl -s "$API/cluster" | python3 -c 'import json,sys
+  n=$( (curl -s "$API/cluster" || true) | python3 -c 'import json,sys
 try: print(sum(1 for m in json.load(sys.stdin)["members"] if m["state"] == "running"))
 except Exception: print(0)')
   [ "$n" = 3 ] && break
