@@ -382,6 +382,7 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 "lag": lag,
                 "tags": r.state.tags,
                 "problem": r.problem,
+                "decision": r.decision,
             })
         })
         .collect();

@@ -1304,6 +1304,7 @@ impl HaLoop {
                 _ => None,
             },
             proxy_url: self.proxy_url.clone(),
+            decision: self.last_decision.clone(),
         }
     }
 

@@ -33,6 +33,9 @@ pub struct MemberRecord {
     /// Base URL of this node's connection manager's HTTP port, which a
     /// planned switchover pauses and resumes.
     pub proxy_url: Option<String>,
+    /// The agent's last decision, as logged: why a member does not take
+    /// over when no failover happens.
+    pub decision: String,
 }
 
 /// Unix time in milliseconds.

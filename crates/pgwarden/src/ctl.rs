@@ -353,6 +353,14 @@ pub(crate) fn render_list(cluster: &Value) -> String {
             out += &format!("Problem on {}: {p}\n", str_of(&m["name"]));
         }
     }
+    // With no leader, say why each member does not take over.
+    if cluster["leader"].is_null() {
+        for m in &members {
+            if let Some(d) = m["decision"].as_str().filter(|d| !d.is_empty()) {
+                out += &format!("{}: {d}\n", str_of(&m["name"]));
+            }
+        }
+    }
     out
 }
 

@@ -514,6 +514,27 @@ async fn no_automatic_failover_to_a_lagging_or_nofailover_member_but_a_forced_on
         Vec::<usize>::new(),
         "no automatic failover"
     );
+    // /cluster (and so pgwarden ctl list) says why, too, once the dead
+    // leader's key is gone.
+    let api = c.node(1).api_url();
+    eventually(
+        "pgwarden ctl list says why",
+        Duration::from_secs(20),
+        || async {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+                .args(["ctl", "--api", &api, "list"])
+                .output()
+                .await
+                .map_err(|e| e.to_string())?;
+            let list = String::from_utf8_lossy(&out.stdout).to_string();
+            (list.contains(
+                "n2: waiting for a leader: this node is not eligible (tagged nofailover)",
+            ) && list.contains("n3: waiting for a leader: this node is not eligible (lagging"))
+            .then_some(())
+            .ok_or(list)
+        },
+    )
+    .await;
     signal(wr_pid, nix::sys::signal::Signal::SIGCONT);
     // An operator can still force one.
     let url = format!("{}/failover", c.node(2).api_url());
@@ -1247,4 +1268,86 @@ async fn a_leader_cut_off_from_its_replicas_but_not_from_etcd_keeps_leading_alon
     }
     checker.finish().await;
     healthy(&c, 2, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
+    let mut c = cluster()
+        .agent_settings("protection = \"maximum_protection\"")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
+    let listed = eventually(
+        "a synchronous standby is listed",
+        Duration::from_secs(20),
+        || async {
+            let key = sync_key(&c).await;
+            key["members"]
+                .as_array()
+                .and_then(|m| m.first())
+                .and_then(|m| m.as_str())
+                .map(str::to_string)
+                .ok_or(key.to_string())
+        },
+    )
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
+    eventually(
+        "writes are acknowledged",
+        Duration::from_secs(10),
+        || async {
+            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
+            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    c.kill_node(0);
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    assert_eq!(
+        c.node(np).name,
+        listed,
+        "only the synchronous standby may be promoted"
+    );
+    // The other survivor becomes the new leader's synchronous standby and
+    // writes resume.
+    let conninfo = c.node(np).pg_conninfo();
+    eventually("writes resume", Duration::from_secs(30), || async {
+        let before: i64 = one(&conninfo, "SELECT count(*) FROM acked")
+            .await?
+            .parse()
+            .unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let after: i64 = one(&conninfo, "SELECT count(*) FROM acked")
+            .await?
+            .parse()
+            .unwrap_or(0);
+        (after > before)
+            .then_some(())
+            .ok_or(format!("{before} -> {after}"))
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let acked = writer.await.unwrap();
+    let present: std::collections::HashSet<i64> = query(&conninfo, "SELECT id FROM acked")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let lost: Vec<&i64> = acked.iter().filter(|id| !present.contains(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged writes lost: {lost:?}",
+        lost.len(),
+        acked.len()
+    );
+    let key = sync_key(&c).await;
+    assert_eq!(
+        key["degraded_since_ms"],
+        serde_json::Value::Null,
+        "strict mode never degrades"
+    );
 }
