@@ -194,3 +194,48 @@ async fn verify_ca_ignores_the_host_name_and_verify_full_does_not() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_query_and_server_logins_go_over_tls() {
+    use pgwarden_proxy::AuthSpec;
+    let dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(dir.path(), "a");
+    let mut c = ssl_cluster(&certs);
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-secret'",
+    )
+    .await;
+    // Plaintext is only allowed for the health probe (postgres in the
+    // postgres database): the auth query (as postgres in template1) and
+    // alice's login only work over TLS.
+    c.set_hba(
+        0,
+        "host postgres postgres 127.0.0.1/32 trust\nhostssl all postgres 127.0.0.1/32 trust\nhostssl all all 127.0.0.1/32 scram-sha-256\n",
+    );
+    let hba = dir.path().join("pg_hba.conf");
+    std::fs::write(&hba, "host all alice 127.0.0.1/32 scram-sha-256\n").unwrap();
+    common::AUTH.with(|a| {
+        *a.borrow_mut() = Some(AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "template1".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    let (_e, p) = proxy(&c, ServerTlsMode::VerifyFull, Some(&certs.ca), None).await;
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+    let alice = format!(
+        "{} user=alice password=alice-secret",
+        common::via(&p, "read_write").replace("user=postgres ", "")
+    );
+    let ssl = try_sql(&alice, SSL_OF_SELF).await;
+    assert_eq!(ssl.as_deref(), Ok("true"), "alice through pgwarden");
+    let wrong = alice.replace("alice-secret", "nope");
+    let err = try_sql(&wrong, "SELECT 1")
+        .await
+        .expect_err("wrong password");
+    assert!(err.contains("password authentication failed"), "{err}");
+}
