@@ -61,6 +61,8 @@ pub(crate) struct RawTls {
     pub cert: Option<Spanned<String>>,
     pub key: Option<Spanned<String>>,
     pub client_tls: Option<crate::sections::ClientTls>,
+    pub server_tls: Option<crate::sections::ServerTls>,
+    pub server_ca: Option<Spanned<String>>,
 }
 
 #[derive(Default, Deserialize)]

@@ -176,10 +176,20 @@ fn tls(
     if client_tls != ClientTls::Disable && !has_cert {
         return Err(src.invalid(None, "tls.client_tls", "needs tls.cert and tls.key"));
     }
+    let server_tls = raw.server_tls.unwrap_or_default();
+    if server_tls.verifies() && raw.server_ca.is_none() {
+        return Err(src.invalid(
+            None,
+            "tls.server_ca",
+            "server_tls = verify-ca and verify-full need the CA that signed the servers' certificates",
+        ));
+    }
     Ok(crate::sections::TlsConfig {
         cert: raw.cert.map(|c| c.into_inner().into()),
         key: raw.key.map(|k| k.into_inner().into()),
         client_tls,
+        server_tls,
+        server_ca: raw.server_ca.map(|c| c.into_inner().into()),
     })
 }
 

@@ -201,6 +201,32 @@ pub enum ClientTls {
     Require,
 }
 
+/// Whether and how pgwarden uses TLS on its connections to the servers
+/// (the names follow libpq's `sslmode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServerTls {
+    /// Plaintext; no SSLRequest is sent.
+    #[default]
+    Disable,
+    /// TLS when the server offers it, plaintext when it does not; the
+    /// certificate is not checked.
+    Prefer,
+    /// TLS or no connection; the certificate is not checked.
+    Require,
+    /// TLS, with a certificate chain to `server_ca`.
+    VerifyCa,
+    /// As `verify-ca`, and the certificate names the host as configured.
+    VerifyFull,
+}
+
+impl ServerTls {
+    /// Whether the mode checks the server's certificate (and so needs a CA).
+    pub fn verifies(self) -> bool {
+        matches!(self, ServerTls::VerifyCa | ServerTls::VerifyFull)
+    }
+}
+
 /// `[auth]`: pgwarden authenticates clients itself.
 #[derive(Clone, PartialEq, Eq)]
 pub struct AuthConfig {
@@ -247,6 +273,11 @@ pub struct TlsConfig {
     /// Whether clients may (`allow`), must (`require`) or cannot
     /// (`disable`) use TLS; without a certificate only `disable` works.
     pub client_tls: ClientTls,
+    /// TLS on pgwarden's own connections to the servers.
+    pub server_tls: ServerTls,
+    /// CA certificates (PEM) that server certificates must chain to;
+    /// relative to the configuration file.
+    pub server_ca: Option<std::path::PathBuf>,
 }
 
 /// `[pool]`: server connection pooling.

@@ -680,6 +680,44 @@ auth_user = "pgwarden_auth"     # runs the auth query; its own password from PGW
     );
 }
 
+/// `server_tls` defaults to `disable`; the verifying modes need `server_ca`.
+#[test]
+fn server_tls_modes_and_their_ca() {
+    let base =
+        "[cluster]\nhosts = [\"127.0.0.1:5432\"]\n\n[listen]\nread_write = \"127.0.0.1:6432\"\n";
+    let c = pgwarden_config::parse(base, "pgwarden.toml").expect("parses");
+    assert_eq!(c.tls.server_tls, pgwarden_config::ServerTls::Disable);
+    assert_eq!(c.tls.server_ca, None);
+    let full =
+        format!("{base}\n[tls]\nserver_tls = \"verify-full\"\nserver_ca = \"servers-ca.pem\"\n");
+    let c = pgwarden_config::parse(&full, "pgwarden.toml").expect("parses");
+    assert_eq!(c.tls.server_tls, pgwarden_config::ServerTls::VerifyFull);
+    assert_eq!(
+        c.tls.server_ca.as_deref(),
+        Some(std::path::Path::new("servers-ca.pem"))
+    );
+    // No client certificate is needed for TLS towards the servers.
+    assert_eq!(c.tls.client_tls, pgwarden_config::ClientTls::Disable);
+    let c = pgwarden_config::parse(
+        &format!("{base}\n[tls]\nserver_tls = \"require\"\n"),
+        "pgwarden.toml",
+    )
+    .expect("require needs no CA");
+    assert_eq!(c.tls.server_tls, pgwarden_config::ServerTls::Require);
+    let err = pgwarden_config::parse(
+        &format!("{base}\n[tls]\nserver_tls = \"verify-ca\"\n"),
+        "pgwarden.toml",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("server_ca"), "{err}");
+    let err = pgwarden_config::parse(
+        &format!("{base}\n[tls]\nserver_tls = \"verify\"\n"),
+        "pgwarden.toml",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("server_tls"), "{err}");
+}
+
 /// The node file of the HA issue, as written, with the `[listen]` section
 /// of the connection-manager issue.
 const AGENT_MINIMAL: &str = r#"[agent]

@@ -4,11 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use pgwarden_config::ClientTls;
+use pgwarden_config::{ClientTls, ServerTls};
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
 use pgwarden_proxy::{
-    AuthSpec, ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServiceSpec, TlsSpec,
+    AuthSpec, ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServerTlsMode,
+    ServiceSpec, TlsSpec,
 };
 use pgwarden_topology::{PrimaryGate, Want};
 use std::sync::Arc;
@@ -323,6 +324,14 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
             }
             _ => None,
         },
+        server_tls: match config.tls.server_tls {
+            ServerTls::Disable => ServerTlsMode::Disable,
+            ServerTls::Prefer => ServerTlsMode::Prefer,
+            ServerTls::Require => ServerTlsMode::Require,
+            ServerTls::VerifyCa => ServerTlsMode::VerifyCa,
+            ServerTls::VerifyFull => ServerTlsMode::VerifyFull,
+        },
+        server_ca: config.tls.server_ca.as_ref().map(|f| config_dir.join(f)),
         pool_overrides: PoolOverrides {
             databases: p
                 .databases

@@ -194,9 +194,23 @@ impl Authenticator {
         if let Some(p) = &self.spec.auth_password {
             cfg.password(p);
         }
-        let (client, conn) = cfg
-            .connect(tokio_postgres::NoTls)
+        // Through the same TLS negotiation as every other server
+        // connection; tokio-postgres then speaks over the ready stream.
+        cfg.ssl_mode(tokio_postgres::config::SslMode::Disable);
+        let server_tls = shared.server_tls.load_full();
+        let attempt = async {
+            let tcp = tokio::net::TcpStream::connect((primary.host.as_str(), primary.port))
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = tcp.set_nodelay(true);
+            let stream = server_tls.start(tcp, &primary.host).await?;
+            cfg.connect_raw(stream, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let (client, conn) = tokio::time::timeout(Duration::from_secs(5), attempt)
             .await
+            .map_err(|_| format!("auth user cannot connect to {primary}: timed out"))?
             .map_err(|e| format!("auth user cannot connect to {primary}: {e}"))?;
         tokio::spawn(conn);
         Ok(client)

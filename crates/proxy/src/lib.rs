@@ -28,4 +28,4 @@ pub use pool::PoolSettings;
 pub use proxy::{
     ClientTlsMode, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
 };
-pub use stream::tls_acceptor;
+pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};

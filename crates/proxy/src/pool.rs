@@ -18,6 +18,7 @@ use pgwarden_wire::message::{self, backend};
 use pgwarden_wire::startup::StartupMessage;
 
 use crate::auth::Credential;
+use crate::stream::{ServerStream, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
@@ -77,7 +78,7 @@ impl Default for PoolSettings {
 #[derive(Debug)]
 pub struct ServerConn {
     /// The socket.
-    pub stream: TcpStream,
+    pub stream: ServerStream,
     /// The server's address, for cancel requests.
     pub peer: SocketAddr,
     /// ParameterStatus values the server last reported.
@@ -142,6 +143,8 @@ pub struct Pool {
     /// What the last authenticated client proved, to open new connections
     /// as its role (the pool is per role).
     credential: Mutex<Credential>,
+    /// TLS towards the server, shared with the proxy so reloads apply.
+    server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -159,7 +162,17 @@ pub struct Checkout {
 impl Pool {
     /// A new, empty pool.
     pub fn new(key: PoolKey, settings: PoolSettings) -> Arc<Pool> {
+        Self::with_server_tls(key, settings, Default::default())
+    }
+
+    /// A new, empty pool whose connections use `server_tls`.
+    pub fn with_server_tls(
+        key: PoolKey,
+        settings: PoolSettings,
+        server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
+    ) -> Arc<Pool> {
         Arc::new(Pool {
+            server_tls,
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
             settings: Mutex::new(settings),
@@ -309,9 +322,12 @@ impl Pool {
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
                     .max(Duration::from_secs(1));
-                let c = tokio::time::timeout(remaining, connect(&self.key, startup, &cred))
-                    .await
-                    .map_err(|_| ServerError::Timeout)??;
+                let c = tokio::time::timeout(
+                    remaining,
+                    connect(&self.key, startup, &cred, &self.server_tls.load()),
+                )
+                .await
+                .map_err(|_| ServerError::Timeout)??;
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
                 c
             }
@@ -355,12 +371,17 @@ async fn connect(
     key: &PoolKey,
     client_startup: &StartupMessage,
     cred: &Credential,
+    server_tls: &ServerTls,
 ) -> Result<ServerConn, ServerError> {
     let fail = |e: std::io::Error| ServerError::Failed(format!("{}: {e}", key.host));
-    let stream = TcpStream::connect((key.host.host.as_str(), key.host.port))
+    let tcp = TcpStream::connect((key.host.host.as_str(), key.host.port))
         .await
         .map_err(fail)?;
-    let _ = stream.set_nodelay(true);
+    let _ = tcp.set_nodelay(true);
+    let stream = server_tls
+        .start(tcp, &key.host.host)
+        .await
+        .map_err(|e| ServerError::Failed(format!("{}: {e}", key.host)))?;
     let mut startup = StartupMessage::new(vec![
         ("user".into(), key.user.clone()),
         ("database".into(), key.database.clone()),
@@ -387,7 +408,7 @@ async fn connect(
 /// with what the client proved (or the configured password), then
 /// ParameterStatus and BackendKeyData until ReadyForQuery.
 pub(crate) async fn login(
-    mut stream: TcpStream,
+    mut stream: ServerStream,
     startup: &StartupMessage,
     cred: &Credential,
 ) -> Result<ServerConn, ServerError> {

@@ -59,6 +59,10 @@ pub struct ProxySpec {
     pub pool_overrides: PoolOverrides,
     /// TLS towards clients: certificate and key files, and the mode.
     pub tls: Option<TlsSpec>,
+    /// TLS on the connections pgwarden opens to the servers.
+    pub server_tls: crate::stream::ServerTlsMode,
+    /// CA certificates (PEM) for `verify-ca` and `verify-full`.
+    pub server_ca: Option<std::path::PathBuf>,
     /// Longest time from accept to an authenticated client.
     pub auth_timeout: Duration,
     /// Authentication by pgwarden (pg_hba.conf + auth query); `None`:
@@ -185,6 +189,9 @@ pub(crate) struct Shared {
     pub pool_overrides: Mutex<PoolOverrides>,
     pub tls: arc_swap::ArcSwapOption<tokio_rustls::TlsAcceptor>,
     pub client_tls: Mutex<ClientTlsMode>,
+    /// TLS towards the servers; pools share it, so a reload reaches the
+    /// connections they open next.
+    pub server_tls: Arc<ArcSwap<crate::stream::ServerTls>>,
     pub auth: arc_swap::ArcSwapOption<crate::auth::Authenticator>,
     /// How long a client may take from connecting to being authenticated.
     pub auth_timeout: Mutex<Duration>,
@@ -202,7 +209,8 @@ impl Shared {
         pools
             .entry(key)
             .or_insert_with_key(|k| {
-                let pool = Pool::new(k.clone(), settings.clone());
+                let pool =
+                    Pool::with_server_tls(k.clone(), settings.clone(), self.server_tls.clone());
                 pool.warm();
                 pool
             })
@@ -349,6 +357,7 @@ impl Proxy {
             pool_overrides: Mutex::new(PoolOverrides::default()),
             tls: arc_swap::ArcSwapOption::empty(),
             client_tls: Mutex::new(ClientTlsMode::Disable),
+            server_tls: Arc::new(ArcSwap::from_pointee(Default::default())),
             auth: arc_swap::ArcSwapOption::empty(),
             auth_timeout: Mutex::new(Duration::from_secs(60)),
         });
@@ -404,6 +413,7 @@ impl Proxy {
     /// Existing sessions are never dropped. On a bind error nothing that
     /// was already serving is changed for that service.
     pub async fn apply(&mut self, spec: ProxySpec) -> Result<(), ProxyError> {
+        let first = self.spec.is_none();
         self.spec = Some(spec.clone());
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
         self.shared
@@ -429,6 +439,17 @@ impl Proxy {
             None => {
                 self.shared.tls.store(None);
                 *self.shared.client_tls.lock().expect("poisoned") = ClientTlsMode::Disable;
+            }
+        }
+        match crate::stream::ServerTls::new(spec.server_tls, spec.server_ca.as_deref()) {
+            Ok(t) => self.shared.server_tls.store(Arc::new(t)),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot load the TLS settings for server connections");
+                // At start there is nothing to keep; on a reload the
+                // settings already in force stay.
+                if first {
+                    return Err(ProxyError::Tls(e));
+                }
             }
         }
         *self.shared.auth_timeout.lock().expect("poisoned") = spec.auth_timeout;

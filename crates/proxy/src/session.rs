@@ -21,7 +21,7 @@ use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
 use crate::proxy::ClientTlsMode;
 use crate::proxy::{Kill, Service, SessionEntry, Shared};
 use crate::relay::{pump, End, Framing, Verdict};
-use crate::stream::ClientStream;
+use crate::stream::{ClientStream, ServerStream};
 
 /// An error to report to the client before closing.
 struct Refusal {
@@ -313,7 +313,7 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
 async fn connect_server(
     shared: &Shared,
     service: &Service,
-) -> Result<(TcpStream, HostAddr), Refusal> {
+) -> Result<(ServerStream, HostAddr), Refusal> {
     let spec = &service.spec;
     if let Some(reason) = shared.refusal(&spec.name) {
         return Err(Refusal::new(
@@ -365,13 +365,16 @@ async fn connect_server(
         for i in order {
             let addr = topo.hosts()[i].config.addr.clone();
             let timeout = shared.server_connect_timeout();
-            match tokio::time::timeout(timeout, TcpStream::connect((addr.host.as_str(), addr.port)))
-                .await
-            {
-                Ok(Ok(s)) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok((s, addr));
-                }
+            let server_tls = shared.server_tls.load_full();
+            let attempt = async {
+                let s = TcpStream::connect((addr.host.as_str(), addr.port))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let _ = s.set_nodelay(true);
+                server_tls.start(s, &addr.host).await
+            };
+            match tokio::time::timeout(timeout, attempt).await {
+                Ok(Ok(s)) => return Ok((s, addr)),
                 Ok(Err(e)) => {
                     tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
                     last = Refusal::new(
@@ -449,7 +452,7 @@ async fn relay(
     service: &Arc<Service>,
     client: &mut ClientStream,
     early: BytesMut,
-    server: TcpStream,
+    server: ServerStream,
     host: HostAddr,
     startup: StartupMessage,
     peer: SocketAddr,
@@ -569,11 +572,11 @@ async fn relay(
     let cancel_key = match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run(&mut cr, &mut cw, &mut server, kill_rx).await
+            io.run_to(&mut cr, &mut cw, &mut server, kill_rx).await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.as_mut());
-            io.run(&mut cr, &mut cw, &mut server, kill_rx).await
+            io.run_to(&mut cr, &mut cw, &mut server, kill_rx).await
         }
         ClientStream::Gone => None,
     };
@@ -611,21 +614,48 @@ struct Io<'a> {
 }
 
 impl Io<'_> {
-    /// Relays until either side ends or the session is told to end;
-    /// returns the cancel key handed to the client, if any.
-    async fn run<CR, CW>(
+    /// Splits the server connection (plain TCP for free, TLS with tokio's
+    /// locking split) and relays.
+    async fn run_to<CR, CW>(
         &self,
         cr: &mut CR,
         cw: &mut CW,
-        server: &mut TcpStream,
-        mut kill_rx: watch::Receiver<Option<Kill>>,
+        server: &mut ServerStream,
+        kill_rx: watch::Receiver<Option<Kill>>,
     ) -> Option<(i32, i32)>
     where
         CR: tokio::io::AsyncRead + Unpin,
         CW: tokio::io::AsyncWrite + Unpin,
     {
+        match server {
+            ServerStream::Plain(tcp) => {
+                let (mut sr, mut sw) = tcp.split();
+                self.run(cr, cw, &mut sr, &mut sw, kill_rx).await
+            }
+            ServerStream::Tls(tls) => {
+                let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
+                self.run(cr, cw, &mut sr, &mut sw, kill_rx).await
+            }
+        }
+    }
+
+    /// Relays until either side ends or the session is told to end;
+    /// returns the cancel key handed to the client, if any.
+    async fn run<CR, CW, SR, SW>(
+        &self,
+        cr: &mut CR,
+        cw: &mut CW,
+        mut sr: &mut SR,
+        mut sw: &mut SW,
+        mut kill_rx: watch::Receiver<Option<Kill>>,
+    ) -> Option<(i32, i32)>
+    where
+        CR: tokio::io::AsyncRead + Unpin,
+        CW: tokio::io::AsyncWrite + Unpin,
+        SR: tokio::io::AsyncRead + Unpin,
+        SW: tokio::io::AsyncWrite + Unpin,
+    {
         let mut cancel_key: Option<(i32, i32)> = None;
-        let (mut sr, mut sw) = server.split();
         let read_only = self.spec.read_only;
         let name = self.spec.name.clone();
         let mut c2s = Framing::default();

@@ -155,3 +155,345 @@ pub fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> Result<Tls
         .map_err(|e| format!("certificate and key do not fit: {e}"))?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
+
+/// How pgwarden uses TLS on its connections to the servers (libpq's
+/// `sslmode` names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServerTlsMode {
+    /// Plaintext; no SSLRequest.
+    #[default]
+    Disable,
+    /// TLS if the server answers `S`, plaintext if it answers `N`; no
+    /// certificate check.
+    Prefer,
+    /// TLS or fail; no certificate check (protects against passive
+    /// eavesdropping only).
+    Require,
+    /// TLS with a certificate chain to the configured CA; any host name.
+    VerifyCa,
+    /// As `VerifyCa`, and the certificate must name the host as configured.
+    VerifyFull,
+}
+
+/// TLS settings for server connections, ready to use.
+#[derive(Clone, Default)]
+pub struct ServerTls {
+    mode: ServerTlsMode,
+    connector: Option<tokio_rustls::TlsConnector>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServerTls {
+    /// Builds the client side of TLS for `mode`; `ca` (PEM, one or more
+    /// certificates) is required by the verifying modes.
+    pub fn new(mode: ServerTlsMode, ca: Option<&std::path::Path>) -> Result<ServerTls, String> {
+        use tokio_rustls::rustls::client::WebPkiServerVerifier;
+        use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+        if mode == ServerTlsMode::Disable {
+            return Ok(ServerTls::default());
+        }
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let verifier: Arc<dyn ServerCertVerifier> = match mode {
+            ServerTlsMode::VerifyCa | ServerTlsMode::VerifyFull => {
+                let ca = ca.ok_or("server_tls = verify-ca/verify-full needs tls.server_ca")?;
+                let mut roots = RootCertStore::empty();
+                for c in CertificateDer::pem_file_iter(ca)
+                    .map_err(|e| format!("{}: {e}", ca.display()))?
+                {
+                    let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
+                    roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
+                }
+                if roots.is_empty() {
+                    return Err(format!("{}: no CA certificate found", ca.display()));
+                }
+                let webpki =
+                    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                        .build()
+                        .map_err(|e| format!("{}: {e}", ca.display()))?;
+                if mode == ServerTlsMode::VerifyFull {
+                    webpki
+                } else {
+                    Arc::new(AnyName(webpki))
+                }
+            }
+            _ => Arc::new(NoVerification(provider.clone())),
+        };
+        let config = ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[
+                &tokio_rustls::rustls::version::TLS13,
+                &tokio_rustls::rustls::version::TLS12,
+            ])
+            .map_err(|e| e.to_string())?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        Ok(ServerTls {
+            mode,
+            connector: Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+        })
+    }
+
+    /// The mode in force.
+    pub fn mode(&self) -> ServerTlsMode {
+        self.mode
+    }
+
+    /// Negotiates TLS on a fresh server connection (SSLRequest, then the
+    /// handshake), as the mode asks. `host` is the host as configured: the
+    /// name (or IP address) `verify-full` checks.
+    pub async fn start(&self, mut tcp: TcpStream, host: &str) -> Result<ServerStream, String> {
+        use tokio::io::AsyncWriteExt;
+        let Some(connector) = &self.connector else {
+            return Ok(ServerStream::Plain(tcp));
+        };
+        // SSLRequest: length 8, code 1234.5679.
+        const SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+        tcp.write_all(&SSL_REQUEST)
+            .await
+            .map_err(|e| format!("SSLRequest: {e}"))?;
+        // One byte, read alone: anything after it would be plaintext the
+        // server sent before the handshake (CVE-2021-23222).
+        let mut answer = [0u8; 1];
+        tcp.read_exact(&mut answer)
+            .await
+            .map_err(|e| format!("SSLRequest: {e}"))?;
+        match answer[0] {
+            b'S' => {}
+            b'N' if self.mode == ServerTlsMode::Prefer => return Ok(ServerStream::Plain(tcp)),
+            b'N' => {
+                return Err(format!(
+                    "the server does not support TLS (ssl = off) and server_tls = {}",
+                    self.mode.name()
+                ))
+            }
+            other => return Err(format!("unexpected answer to SSLRequest: {other:#04x}")),
+        }
+        let name = ServerName::try_from(host.to_string())
+            .map_err(|e| format!("\"{host}\" is not a valid TLS server name: {e}"))?;
+        let tls = connector.connect(name, tcp).await.map_err(|e| {
+            format!(
+                "TLS handshake failed (server_tls = {}): {e}",
+                self.mode.name()
+            )
+        })?;
+        Ok(ServerStream::Tls(Box::new(tls)))
+    }
+}
+
+impl ServerTlsMode {
+    /// The configuration name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerTlsMode::Disable => "disable",
+            ServerTlsMode::Prefer => "prefer",
+            ServerTlsMode::Require => "require",
+            ServerTlsMode::VerifyCa => "verify-ca",
+            ServerTlsMode::VerifyFull => "verify-full",
+        }
+    }
+}
+
+use tokio_rustls::rustls::client::danger::{
+    HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier,
+};
+use tokio_rustls::rustls::pki_types::{ServerName, UnixTime};
+use tokio_rustls::rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
+
+/// `verify-ca`: the chain must lead to the CA, whatever names the
+/// certificate carries (PostgreSQL's `verify-ca`); rustls has no such mode,
+/// so a name mismatch from the full check is forgiven.
+#[derive(Debug)]
+struct AnyName(Arc<tokio_rustls::rustls::client::WebPkiServerVerifier>);
+
+impl ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(tokio_rustls::rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// `prefer` and `require`: any certificate is accepted (as libpq does in
+/// these modes), but the handshake signatures are still checked, so the
+/// peer holds the key of the certificate it shows.
+#[derive(Debug)]
+struct NoVerification(Arc<tokio_rustls::rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for NoVerification {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        tokio_rustls::rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        tokio_rustls::rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A server connection: plain TCP, or TLS when `server_tls` asked for it
+/// and the server agreed.
+pub enum ServerStream {
+    /// Plaintext.
+    Plain(TcpStream),
+    /// TLS (boxed: the session state is large and most connections are
+    /// plain).
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl std::fmt::Debug for ServerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerStream::Plain(_) => f.write_str("ServerStream::Plain"),
+            ServerStream::Tls(_) => f.write_str("ServerStream::Tls"),
+        }
+    }
+}
+
+impl ServerStream {
+    /// The server's address.
+    pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
+        match self {
+            ServerStream::Plain(s) => s.peer_addr(),
+            ServerStream::Tls(s) => s.get_ref().0.peer_addr(),
+        }
+    }
+
+    /// Whether the connection is encrypted.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, ServerStream::Tls(_))
+    }
+}
+
+impl AsyncRead for ServerStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ServerStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_write(cx, data),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, data),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            ServerStream::Plain(s) => s.is_write_vectored(),
+            ServerStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+}

@@ -145,6 +145,8 @@ pub async fn proxy_full(
         tls,
         auth: AUTH.with(|a| a.borrow().clone()),
         auth_timeout: AUTH_TIMEOUT.with(|a| *a.borrow()),
+        server_tls: SERVER_TLS.with(|t| t.borrow().0),
+        server_ca: SERVER_TLS.with(|t| t.borrow().1.clone()),
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
@@ -198,6 +200,9 @@ thread_local! {
     pub static AUTH: std::cell::RefCell<Option<pgwarden_proxy::AuthSpec>> = const { std::cell::RefCell::new(None) };
     /// The auth time-out for the next proxy built on this thread.
     pub static AUTH_TIMEOUT: std::cell::RefCell<Duration> = const { std::cell::RefCell::new(Duration::from_secs(30)) };
+    /// TLS towards the servers (mode, CA file) for the next proxy built on
+    /// this thread.
+    pub static SERVER_TLS: std::cell::RefCell<(pgwarden_proxy::ServerTlsMode, Option<std::path::PathBuf>)> = const { std::cell::RefCell::new((pgwarden_proxy::ServerTlsMode::Disable, None)) };
 }
 
 /// Waits until `n` hosts are alive and a primary is known.
