@@ -813,6 +813,49 @@ async fn sync_key(c: &AgentCluster) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
+/// Waits until writes land on `conninfo` again: the row count of `acked`
+/// grows past what it was when the server first answered.
+async fn writes_resume(conninfo: &str) {
+    let count = || async {
+        one(conninfo, "SELECT count(*) FROM acked")
+            .await?
+            .parse::<i64>()
+            .map_err(|e| e.to_string())
+    };
+    let base = eventually("the new leader answers", Duration::from_secs(30), count).await;
+    eventually("writes resume", Duration::from_secs(30), || async {
+        let n = count().await?;
+        (n > base)
+            .then_some(())
+            .ok_or(format!("{n} rows, {base} before"))
+    })
+    .await;
+}
+
+/// Stops the writer and checks that every id whose insert it saw
+/// acknowledged is on `conninfo`.
+async fn assert_no_acknowledged_write_lost(
+    conninfo: &str,
+    stop: &std::sync::atomic::AtomicBool,
+    writer: tokio::task::JoinHandle<Vec<i64>>,
+) {
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let acked = writer.await.unwrap();
+    let present: std::collections::HashSet<i64> = query(conninfo, "SELECT id FROM acked")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let lost: Vec<&i64> = acked.iter().filter(|id| !present.contains(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged writes lost: {lost:?}",
+        lost.len(),
+        acked.len()
+    );
+}
+
 /// Inserts ids through `conninfo` one by one until stopped, keeping the
 /// ids whose commit was acknowledged.
 fn start_writer(
@@ -895,37 +938,8 @@ async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_s
     // Writes resume on the new leader, which has no synchronous standby
     // left (n3 is nosync): it degrades to asynchronous and keeps serving.
     let conninfo = c.node(1).pg_conninfo();
-    eventually("writes resume on n2", Duration::from_secs(30), || async {
-        let n: i64 = one(&conninfo, "SELECT count(*) FROM acked")
-            .await?
-            .parse()
-            .unwrap_or(0);
-        let before: i64 = n;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let after: i64 = one(&conninfo, "SELECT count(*) FROM acked")
-            .await?
-            .parse()
-            .unwrap_or(0);
-        (after > before)
-            .then_some(())
-            .ok_or(format!("{before} -> {after}"))
-    })
-    .await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let acked = writer.await.unwrap();
-    let present: std::collections::HashSet<i64> = query(&conninfo, "SELECT id FROM acked")
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let lost: Vec<&i64> = acked.iter().filter(|id| !present.contains(id)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} acknowledged writes lost: {lost:?}",
-        lost.len(),
-        acked.len()
-    );
+    writes_resume(&conninfo).await;
+    assert_no_acknowledged_write_lost(&conninfo, &stop, writer).await;
     let key = sync_key(&c).await;
     assert_eq!(key["leader"], "n2");
     assert!(
@@ -1314,36 +1328,8 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
     // The other survivor becomes the new leader's synchronous standby and
     // writes resume.
     let conninfo = c.node(np).pg_conninfo();
-    eventually("writes resume", Duration::from_secs(30), || async {
-        let before: i64 = one(&conninfo, "SELECT count(*) FROM acked")
-            .await?
-            .parse()
-            .unwrap_or(0);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let after: i64 = one(&conninfo, "SELECT count(*) FROM acked")
-            .await?
-            .parse()
-            .unwrap_or(0);
-        (after > before)
-            .then_some(())
-            .ok_or(format!("{before} -> {after}"))
-    })
-    .await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let acked = writer.await.unwrap();
-    let present: std::collections::HashSet<i64> = query(&conninfo, "SELECT id FROM acked")
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let lost: Vec<&i64> = acked.iter().filter(|id| !present.contains(id)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} acknowledged writes lost: {lost:?}",
-        lost.len(),
-        acked.len()
-    );
+    writes_resume(&conninfo).await;
+    assert_no_acknowledged_write_lost(&conninfo, &stop, writer).await;
     let key = sync_key(&c).await;
     assert_eq!(
         key["degraded_since_ms"],
