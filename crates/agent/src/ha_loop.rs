@@ -368,6 +368,20 @@ impl HaLoop {
         }
     }
 
+    /// How long the cluster read and the lease renewal may keep retrying:
+    /// a leader may use all the time left before it must demote (each
+    /// attempt is bounded by `op_timeout`, so an etcd member that died
+    /// costs one attempt, not the loop); others two attempts.
+    fn retry_budget(&self) -> Duration {
+        let op = self.etcd.op_timeout;
+        match (self.holds_leader_key(), self.last_renewal) {
+            (true, Some(at)) => {
+                (at + self.timing.demote_after()).saturating_duration_since(Instant::now())
+            }
+            _ => op * 2,
+        }
+    }
+
     fn holds_leader_key(&self) -> bool {
         matches!(
             (&self.snapshot.leader, self.lease),
@@ -387,7 +401,7 @@ impl HaLoop {
                 self.former_primary = false;
             }
         }
-        let budget = self.dcs_budget();
+        let budget = self.retry_budget();
         let read = if budget.is_zero() {
             None
         } else {
@@ -520,7 +534,7 @@ impl HaLoop {
 
     async fn renew(&mut self) {
         let Some(lease) = self.lease else { return };
-        let budget = self.dcs_budget();
+        let budget = self.retry_budget();
         if budget.is_zero() {
             return;
         }

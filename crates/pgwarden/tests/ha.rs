@@ -1220,11 +1220,17 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_one_of_three_etcd_members_changes_nothing() {
-    let mut c = cluster().etcd_members(3).start();
+    // Timings in the proportions of the presets: requests that went to the
+    // dead member time out (op_timeout = 1 s) and are retried within the
+    // leader's retry window, which the test's usual 2 s would make tight.
+    let mut c = AgentCluster::builder(env!("CARGO_BIN_EXE_pgwarden"))
+        .agent_settings("ttl = 20\nloop_wait = 2\nretry_timeout = 6\nsafety_margin = 1")
+        .etcd_members(3)
+        .start();
     let checker = healthy_and_checked(&c).await;
     c.etcd().kill(0);
-    // Past the lease (6 s): the same leader, still taking writes.
-    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    // Past the lease (20 s): the same leader, still taking writes.
+    let until = tokio::time::Instant::now() + Duration::from_secs(24);
     while tokio::time::Instant::now() < until {
         assert_eq!(writable(&c).await, vec![0], "{}", c.logs());
         tokio::time::sleep(Duration::from_millis(500)).await;
