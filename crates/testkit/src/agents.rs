@@ -175,6 +175,7 @@ impl AgentClusterBuilder {
         .expect("chmod temp dir");
         let cluster_name = format!("t{}", free_port());
         let mut nodes = Vec::new();
+        let mut tails = Vec::new();
         let mut relays = Vec::new();
         for i in 0..self.nodes {
             let name = format!("n{}", i + 1);
@@ -199,34 +200,18 @@ impl AgentClusterBuilder {
                 name,
                 child: None,
             };
-            let mut toml = String::new();
-            let _ = write!(
-                toml,
-                "[cluster]\nuser = \"postgres\"\nprobe_interval = \"250ms\"\n\n\
-                 [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
-                 [engine]\nconnect_wait_timeout = \"3s\"\n\n\
-                 [agent]\nname = \"{name}\"\ndata_dir = \"{data}\"\npg_listen = \"127.0.0.1:{pg}\"\napi = \"127.0.0.1:{api}\"\n\
-                 api_password = \"secret\"\n\
-                 parameters = {{ fsync = \"off\", full_page_writes = \"on\", shared_buffers = \"16MB\", max_connections = 50 }}\n{extra}",
-                rw = node.rw_port,
-                ro = node.ro_port,
-                http = node.http_port,
-                name = node.name,
-                data = node.data_dir.display(),
-                pg = node.pg_port,
-                api = node.api_port,
-                extra = self.agent_toml,
+            let node_extra: String = self
+                .node_toml
+                .iter()
+                .filter(|(n, _)| *n == i)
+                .map(|(_, t)| format!("{t}\n"))
+                .collect();
+            let tail = format!(
+                "{}{node_extra}\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n\n{}",
+                self.agent_toml, self.tables
             );
-            for (_, t) in self.node_toml.iter().filter(|(n, _)| *n == i) {
-                toml.push_str(t);
-                toml.push('\n');
-            }
-            let _ = write!(
-                toml,
-                "\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n\n{}",
-                self.tables
-            );
-            fs::write(&node.config, toml).expect("write node config");
+            write_config(&node, &tail);
+            tails.push(tail);
             nodes.push(node);
         }
         let mut c = AgentCluster {
@@ -237,7 +222,7 @@ impl AgentClusterBuilder {
             etcd,
             dir,
         };
-        c.start_agent(0);
+        c.launch(0, &tails[0]);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while http_status(c.nodes[0].api_port, "/primary") != Some(200) {
             assert!(
@@ -247,11 +232,34 @@ impl AgentClusterBuilder {
             );
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
-        for i in 1..c.nodes.len() {
-            c.start_agent(i);
+        for (i, tail) in tails.iter().enumerate().skip(1) {
+            c.launch(i, tail);
         }
         c
     }
+}
+
+/// Writes a node's configuration: its ports, then `tail` (the shared and
+/// per-node `[agent]` keys, `[etcd]` and extra tables).
+fn write_config(node: &AgentNode, tail: &str) {
+    let mut toml = String::new();
+    let _ = write!(
+        toml,
+        "[cluster]\nuser = \"postgres\"\nprobe_interval = \"250ms\"\n\n\
+         [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
+         [engine]\nconnect_wait_timeout = \"3s\"\n\n\
+         [agent]\nname = \"{name}\"\ndata_dir = \"{data}\"\npg_listen = \"127.0.0.1:{pg}\"\napi = \"127.0.0.1:{api}\"\n\
+         api_password = \"secret\"\n\
+         parameters = {{ fsync = \"off\", full_page_writes = \"on\", shared_buffers = \"16MB\", max_connections = 50 }}\n{tail}",
+        rw = node.rw_port,
+        ro = node.ro_port,
+        http = node.http_port,
+        name = node.name,
+        data = node.data_dir.display(),
+        pg = node.pg_port,
+        api = node.api_port,
+    );
+    fs::write(&node.config, toml).expect("write node config");
 }
 
 /// A running HA cluster; see the module documentation.
@@ -333,6 +341,49 @@ impl AgentCluster {
             .iter()
             .position(|n| n.name == name)
             .unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    /// Starts node `i`'s agent for the first time. A port picked as free
+    /// can be taken by another process before the agent binds it; then the
+    /// agent exits at once, and the node gets new ports and another try.
+    fn launch(&mut self, i: usize, tail: &str) {
+        for _attempt in 0..4 {
+            self.start_agent(i);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                // The REST API binds first, the connection manager's ports
+                // after it: both answering means every port is ours.
+                let n = &self.nodes[i];
+                if http_status(n.api_port, "/liveness").is_some()
+                    && http_status(n.http_port, "/health").is_some()
+                {
+                    return;
+                }
+                if !self.nodes[i].agent_running() {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the agent of node {i} did not start\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let log = self.nodes[i].agent_log();
+            assert!(
+                log.contains("Address already in use"),
+                "the agent of node {i} exited\n{}",
+                self.logs()
+            );
+            let n = &mut self.nodes[i];
+            n.pg_port = free_port();
+            n.api_port = free_port();
+            n.rw_port = free_port();
+            n.ro_port = free_port();
+            n.http_port = free_port();
+            write_config(n, tail);
+        }
+        panic!("node {i}: no free ports after four tries\n{}", self.logs());
     }
 
     /// Starts (or restarts) node `i`'s agent.
