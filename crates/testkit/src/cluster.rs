@@ -13,9 +13,59 @@ use pgwarden_pgctl::{
 /// creating process id follows, so leftovers of dead runs can be found.
 pub(crate) const DIR_PREFIX: &str = "pgwarden-test-";
 
-/// A free TCP port on 127.0.0.1 (the OS picks it; another process may
-/// still take it before we bind, which cluster start-up retries).
+/// A free TCP port on 127.0.0.1, reserved for this test process.
+///
+/// Ports come from below the kernel's ephemeral range, so no outgoing
+/// connection takes them, and each is reserved with a file created
+/// exclusively under the temp dir, so two test processes running at once
+/// never get the same port (asking the kernel for port 0 and closing it
+/// again lets the next process get the same one). Reservations of dead
+/// processes are taken over.
 pub fn free_port() -> u16 {
+    let dir = std::env::temp_dir().join("pgwarden-test-ports");
+    let _ = std::fs::create_dir_all(&dir);
+    let hi = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768)
+        .saturating_sub(1);
+    let lo = 10_000u16.min(hi.saturating_sub(1000));
+    let mut x = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32)
+        | 1;
+    for _ in 0..10_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let port = lo + (x % u64::from(hi - lo)) as u16;
+        let path = dir.join(port.to_string());
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(mut f) => {
+                use std::io::Write;
+                let _ = write!(f, "{}", std::process::id());
+                if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                    return port;
+                }
+                // In use outside the tests: leave it reserved, try another.
+            }
+            Err(_) => {
+                let owner = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u32>().ok());
+                let dead = owner.is_none_or(|pid| !PathBuf::from(format!("/proc/{pid}")).exists());
+                if dead && owner.is_some() {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+    }
+    // Fall back to the kernel's choice.
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
