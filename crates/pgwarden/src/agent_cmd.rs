@@ -26,14 +26,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.config.display()
         );
     };
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = config.engine.effective_worker_threads(cores);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name("pgwarden-worker")
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let runtime = crate::run_cmd::runtime(&config)?;
     runtime.block_on(async {
         let password = crate::run_cmd::probe_config(&config)?.password;
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");

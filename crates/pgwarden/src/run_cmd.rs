@@ -25,6 +25,12 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
+    runtime(&config)?.block_on(serve(&args.config, config, false, None))
+}
+
+/// The multi-threaded runtime of the connection manager, sized by
+/// `engine.worker_threads` (or the cores).
+pub fn runtime(config: &Config) -> anyhow::Result<tokio::runtime::Runtime> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = config.engine.effective_worker_threads(cores);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -34,7 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     tracing::info!(worker_threads = threads, "starting");
-    runtime.block_on(serve(&args.config, config, false, None))
+    Ok(runtime)
 }
 
 /// Runs the topology engine and the connection manager until SIGINT or
