@@ -12,6 +12,7 @@
 
 mod admin;
 mod auth;
+mod bufcache;
 mod cancel;
 mod http;
 mod metrics;

@@ -21,7 +21,7 @@ use crate::auth::Credential;
 use crate::stream::{ServerStream, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// What identifies a pool.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -73,6 +73,51 @@ impl Default for PoolSettings {
     }
 }
 
+/// Session parameters that belong to the client, not the server connection:
+/// when a client lands on a server whose value differs, pgwarden sets it
+/// before the client's first statement.
+pub(crate) const TRACKED: [&str; 6] = [
+    "application_name",
+    "client_encoding",
+    "DateStyle",
+    "TimeZone",
+    "IntervalStyle",
+    "standard_conforming_strings",
+];
+
+/// Values of the [`TRACKED`] parameters, by position: compared on every
+/// transaction of a pooled client, so kept in a form that costs no hashing.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Tracked([Option<Box<str>>; TRACKED.len()]);
+
+impl Tracked {
+    fn index(name: &str) -> Option<usize> {
+        TRACKED.iter().position(|k| *k == name)
+    }
+
+    /// The value of a tracked parameter, if known.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        Self::index(name).and_then(|i| self.0[i].as_deref())
+    }
+
+    /// Records a value; parameters that are not tracked are ignored.
+    pub fn set(&mut self, name: &str, value: &str) {
+        if let Some(i) = Self::index(name) {
+            if self.0[i].as_deref() != Some(value) {
+                self.0[i] = Some(value.into());
+            }
+        }
+    }
+
+    /// The known (name, value) pairs.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        TRACKED
+            .iter()
+            .zip(self.0.iter())
+            .filter_map(|(k, v)| v.as_deref().map(|v| (*k, v)))
+    }
+}
+
 /// One server connection, logged in and idle at a transaction boundary
 /// whenever it sits in a pool.
 #[derive(Debug)]
@@ -81,8 +126,11 @@ pub struct ServerConn {
     pub stream: ServerStream,
     /// The server's address, for cancel requests.
     pub peer: SocketAddr,
-    /// ParameterStatus values the server last reported.
+    /// ParameterStatus values the server last reported (change them with
+    /// [`ServerConn::set_param`], which keeps `tracked` in step).
     pub params: HashMap<String, String>,
+    /// The tracked subset of `params`.
+    pub(crate) tracked: Tracked,
     /// The backend's own cancel key.
     pub backend_key: (i32, i32),
     /// Names of statements prepared on this connection (server-side names).
@@ -91,6 +139,20 @@ pub struct ServerConn {
     pub created: Instant,
     /// When it was last released.
     pub last_used: Instant,
+}
+
+impl ServerConn {
+    /// Records a ParameterStatus the server sent.
+    pub fn set_param(&mut self, name: &str, value: &str) {
+        self.tracked.set(name, value);
+        match self.params.get_mut(name) {
+            Some(v) if v == value => {}
+            Some(v) => *v = value.to_string(),
+            None => {
+                self.params.insert(name.to_string(), value.to_string());
+            }
+        }
+    }
 }
 
 /// Why a server connection could not be had.
@@ -130,14 +192,15 @@ pub struct Pool {
     pub key: PoolKey,
     settings: Mutex<PoolSettings>,
     permits: Arc<Semaphore>,
-    idle: Mutex<Vec<ServerConn>>,
+    // Boxed: a connection changes hands twice per transaction, and a
+    // pointer moves cheaper than the few hundred bytes of its state.
+    #[allow(clippy::vec_box)]
+    idle: Mutex<Vec<Box<ServerConn>>>,
     /// Counters.
     pub stats: PoolStats,
     /// Set when the host no longer serves this pool's purpose (demoted,
     /// dead): idle connections are closed and released ones not kept.
     retired: AtomicBool,
-    /// Wakes the clients holding a connection of this pool when it retires.
-    retired_tx: watch::Sender<bool>,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
     /// What the last authenticated client proved, to open new connections
@@ -151,7 +214,7 @@ pub struct Pool {
 #[derive(Debug)]
 pub struct Checkout {
     /// The connection.
-    pub conn: ServerConn,
+    pub conn: Box<ServerConn>,
     /// The pool it returns to.
     pub pool: Arc<Pool>,
     /// How long the client waited for it.
@@ -179,7 +242,6 @@ impl Pool {
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
-            retired_tx: watch::channel(false).0,
             warming: AtomicUsize::new(0),
             credential: Mutex::new(Credential::None),
         })
@@ -190,14 +252,9 @@ impl Pool {
         self.retired.store(true, Ordering::SeqCst);
         // Waiting clients give up on this pool and pick a host again.
         self.permits.close();
-        self.retired_tx.send_replace(true);
-        let drained: Vec<ServerConn> = std::mem::take(&mut *self.idle.lock().expect("poisoned"));
+        let drained: Vec<Box<ServerConn>> =
+            std::mem::take(&mut *self.idle.lock().expect("poisoned"));
         self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
-    }
-
-    /// Resolves when the pool retires.
-    pub fn retired_signal(&self) -> watch::Receiver<bool> {
-        self.retired_tx.subscribe()
     }
 
     /// Whether the pool was retired.
@@ -329,7 +386,7 @@ impl Pool {
                 .await
                 .map_err(|_| ServerError::Timeout)??;
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
-                c
+                Box::new(c)
             }
         };
         self.stats.active.fetch_add(1, Ordering::Relaxed);
@@ -420,6 +477,7 @@ pub(crate) async fn login(
     stream.write_all(&startup.encode()).await.map_err(fail)?;
     let mut buf = BytesMut::with_capacity(4096);
     let mut params = HashMap::new();
+    let mut tracked = Tracked::default();
     let mut backend_key = (0, 0);
     let mut scram: Option<ScramClient> = None;
     let need = |what: &str| {
@@ -508,6 +566,7 @@ pub(crate) async fn login(
             }
             backend::PARAMETER_STATUS => {
                 if let Ok((k, v)) = message::parameter_status(body) {
+                    tracked.set(k, v);
                     params.insert(k.to_string(), v.to_string());
                 }
             }
@@ -524,6 +583,7 @@ pub(crate) async fn login(
         stream,
         peer,
         params,
+        tracked,
         backend_key,
         prepared: HashSet::new(),
         created: Instant::now(),

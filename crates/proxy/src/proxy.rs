@@ -150,6 +150,69 @@ pub(crate) enum Kill {
     Shutdown,
 }
 
+impl Kill {
+    fn code(self) -> u8 {
+        match self {
+            Kill::NotPrimary => 1,
+            Kill::HostDown => 2,
+            Kill::Shutdown => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Kill> {
+        match c {
+            1 => Some(Kill::NotPrimary),
+            2 => Some(Kill::HostDown),
+            3 => Some(Kill::Shutdown),
+            _ => None,
+        }
+    }
+}
+
+/// Whether, and why, a session was told to end. The session reads it when
+/// its client socket reports end of input: [`SessionEntry::kill`] records
+/// the reason, then shuts the read side of the client's socket, which wakes
+/// the session at the read it is waiting on anyway. So a session watches no
+/// channel of its own, and its per-message path polls nothing extra.
+#[derive(Debug, Default)]
+pub(crate) struct KillState(std::sync::atomic::AtomicU8);
+
+impl KillState {
+    /// The reason the session was told to end, if it was.
+    pub fn reason(&self) -> Option<Kill> {
+        Kill::from_code(self.0.load(Ordering::Acquire))
+    }
+}
+
+/// Registers a session in [`Shared::sessions`] and removes it when dropped.
+///
+/// The entry holds the raw descriptor of the client socket, so the entry
+/// must be gone before the socket is closed: the guard lives inside the
+/// function that borrows the socket, and a descriptor is only used under
+/// the sessions lock, while its entry is still there.
+pub(crate) struct SessionGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl<'a> SessionGuard<'a> {
+    /// Inserts `entry` under `id`.
+    pub fn register(shared: &'a Shared, id: u64, entry: SessionEntry) -> Self {
+        shared.sessions.lock().expect("poisoned").insert(id, entry);
+        Self { shared, id }
+    }
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
+}
+
 pub(crate) struct SessionEntry {
     pub service: Arc<str>,
     pub user: String,
@@ -159,7 +222,35 @@ pub(crate) struct SessionEntry {
     /// The host a session is bound to; `None` for pooled clients, whose
     /// server connections are governed by their pools.
     pub host: Option<HostAddr>,
-    pub kill: watch::Sender<Option<Kill>>,
+    /// Read by the session.
+    pub killed: Arc<KillState>,
+    /// The client's socket (see [`SessionGuard`] for why it is valid).
+    pub client_fd: std::os::fd::RawFd,
+}
+
+impl SessionEntry {
+    /// Tells the session to end, for `why`; the first reason given stays.
+    /// Call only with the sessions lock held and the entry in the map.
+    pub fn kill(&self, why: Kill) {
+        let first = self
+            .killed
+            .0
+            .compare_exchange(0, why.code(), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if first {
+            // SAFETY: the descriptor belongs to the session's client socket,
+            // which outlives the entry (SessionGuard), and the caller holds
+            // the lock that the guard takes to remove the entry.
+            #[allow(unsafe_code)]
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.client_fd) };
+            let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Read);
+        }
+    }
+
+    /// Whether the session was already told to end.
+    pub fn is_killed(&self) -> bool {
+        self.killed.reason().is_some()
+    }
 }
 
 /// State shared by listeners, sessions, the router and the HTTP port.
@@ -583,7 +674,7 @@ impl Proxy {
         {
             let sessions = self.shared.sessions.lock().expect("poisoned");
             for e in sessions.values() {
-                let _ = e.kill.send(Some(Kill::Shutdown));
+                e.kill(Kill::Shutdown);
             }
         }
         let grace = tokio::time::Instant::now() + Duration::from_secs(2);
@@ -668,7 +759,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
         }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {
-            if e.kill.borrow().is_some() {
+            if e.is_killed() {
                 continue;
             }
             let Some(host) = &e.host else { continue };
@@ -683,7 +774,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
             };
             if let Some(k) = kill {
                 tracing::info!(service = %e.service, host = %host, reason = ?k, "ending session");
-                let _ = e.kill.send(Some(k));
+                e.kill(k);
             }
         }
     }

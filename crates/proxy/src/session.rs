@@ -13,13 +13,12 @@ use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
 
 use crate::auth::Credential;
 use crate::cancel::BackendKey;
 use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
 use crate::proxy::ClientTlsMode;
-use crate::proxy::{Kill, Service, SessionEntry, Shared};
+use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 use crate::relay::{pump, End, Framing, Verdict};
 use crate::stream::{ClientStream, ServerStream};
 
@@ -497,11 +496,12 @@ async fn relay(
         })
         .clone();
     host_gauge.inc();
-    let (kill_tx, kill_rx) = watch::channel(None);
+    let killed = Arc::new(KillState::default());
     let id = shared
         .next_session
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    shared.sessions.lock().expect("poisoned").insert(
+    let registration = SessionGuard::register(
+        shared,
         id,
         SessionEntry {
             service: Arc::from(spec.name.as_str()),
@@ -510,7 +510,8 @@ async fn relay(
             client: peer,
             want: spec.want.clone(),
             host: Some(host.clone()),
-            kill: kill_tx,
+            killed: killed.clone(),
+            client_fd: client.raw_fd(),
         },
     );
     let label = ServiceLabel {
@@ -555,7 +556,8 @@ async fn relay(
     }
     .await;
     if result.is_err() {
-        finish(shared, id, registered_key, &host_gauge);
+        drop(registration);
+        finish(shared, registered_key, &host_gauge);
         return;
     }
 
@@ -572,15 +574,16 @@ async fn relay(
     let cancel_key = match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run_to(&mut cr, &mut cw, &mut server, kill_rx).await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.as_mut());
-            io.run_to(&mut cr, &mut cw, &mut server, kill_rx).await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
         }
         ClientStream::Gone => None,
     };
-    finish(shared, id, cancel_key.or(registered_key), &host_gauge);
+    drop(registration);
+    finish(shared, cancel_key.or(registered_key), &host_gauge);
 }
 
 enum Ended {
@@ -591,11 +594,9 @@ enum Ended {
 
 fn finish(
     shared: &Shared,
-    id: u64,
     key: Option<(i32, i32)>,
     gauge: &prometheus_client::metrics::gauge::Gauge,
 ) {
-    shared.sessions.lock().expect("poisoned").remove(&id);
     if let Some(k) = key {
         shared.cancel.remove(k);
     }
@@ -621,7 +622,7 @@ impl Io<'_> {
         cr: &mut CR,
         cw: &mut CW,
         server: &mut ServerStream,
-        kill_rx: watch::Receiver<Option<Kill>>,
+        killed: &KillState,
     ) -> Option<(i32, i32)>
     where
         CR: tokio::io::AsyncRead + Unpin,
@@ -630,11 +631,11 @@ impl Io<'_> {
         match server {
             ServerStream::Plain(tcp) => {
                 let (mut sr, mut sw) = tcp.split();
-                self.run(cr, cw, &mut sr, &mut sw, kill_rx).await
+                self.run(cr, cw, &mut sr, &mut sw, killed).await
             }
             ServerStream::Tls(tls) => {
                 let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
-                self.run(cr, cw, &mut sr, &mut sw, kill_rx).await
+                self.run(cr, cw, &mut sr, &mut sw, killed).await
             }
         }
     }
@@ -647,7 +648,7 @@ impl Io<'_> {
         cw: &mut CW,
         mut sr: &mut SR,
         mut sw: &mut SW,
-        mut kill_rx: watch::Receiver<Option<Kill>>,
+        killed: &KillState,
     ) -> Option<(i32, i32)>
     where
         CR: tokio::io::AsyncRead + Unpin,
@@ -712,10 +713,16 @@ impl Io<'_> {
                     }
                 },
             );
-            tokio::select! {
+            let ended = tokio::select! {
                 e = upstream => Ended::Upstream(e),
                 e = downstream => Ended::Downstream(e),
-                k = kill_rx.wait_for(Option::is_some) => Ended::Killed(k.ok().and_then(|k| *k)),
+            };
+            // Being told to end shows as the end of the client's input
+            // (the read side of its socket is shut).
+            match (ended, killed.reason()) {
+                (Ended::Upstream(End::Eof | End::Io(_)), Some(k))
+                | (Ended::Downstream(End::Eof | End::Io(_)), Some(k)) => Ended::Killed(Some(k)),
+                (e, _) => e,
             }
         };
 

@@ -39,18 +39,37 @@ impl ClientStream {
         match self {
             ClientStream::Plain(s) => {
                 s.readable().await?;
-                buf.reserve(8 * 1024);
-                match s.try_read_buf(buf) {
-                    Ok(n) => Ok(Some(n)),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-                    Err(e) => Err(e),
+                if buf.capacity() == 0 {
+                    *buf = crate::bufcache::take();
+                } else {
+                    buf.reserve(8 * 1024);
                 }
+                // `read_buf` rather than `try_read_buf`: a short read clears
+                // the readiness, which saves the next call a recv() that
+                // would only say EAGAIN (one system call per transaction).
+                // Readiness without data is rare; the buffer then waits
+                // with the socket.
+                s.read_buf(buf).await.map(Some)
             }
             ClientStream::Tls(s) => {
-                buf.reserve(8 * 1024);
+                if buf.capacity() == 0 {
+                    *buf = crate::bufcache::take();
+                } else {
+                    buf.reserve(8 * 1024);
+                }
                 s.read_buf(buf).await.map(Some)
             }
             ClientStream::Gone => Err(gone()),
+        }
+    }
+
+    /// The descriptor of the client's TCP socket (-1 once gone).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        match self {
+            ClientStream::Plain(s) => s.as_raw_fd(),
+            ClientStream::Tls(s) => s.get_ref().0.as_raw_fd(),
+            ClientStream::Gone => -1,
         }
     }
 

@@ -28,23 +28,11 @@ use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
 use crate::metrics::ServiceLabel;
-use crate::pool::{Checkout, PoolKey, ServerError};
-use crate::proxy::{Kill, Service, SessionEntry, Shared};
+use crate::pool::{Checkout, PoolKey, ServerError, Tracked, TRACKED};
+use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
 const MAX_MESSAGE: usize = 1 << 30;
-
-/// Session parameters that belong to the client, not the server connection:
-/// when a client lands on a server whose value differs, pgwarden sets it
-/// before the client's first statement.
-const TRACKED: [&str; 6] = [
-    "application_name",
-    "client_encoding",
-    "DateStyle",
-    "TimeZone",
-    "IntervalStyle",
-    "standard_conforming_strings",
-];
 
 struct Fatal {
     code: SqlState,
@@ -111,7 +99,7 @@ pub(crate) async fn run(
         client_id,
         attached: None,
         replies: Replies::default(),
-        params: HashMap::new(),
+        params: Tracked::default(),
         statements: HashMap::new(),
         pinned: false,
         cancel_target: Arc::new(Mutex::new(None)),
@@ -131,7 +119,7 @@ pub(crate) async fn run(
     };
     for k in TRACKED {
         if let Some(v) = session.startup.get(k) {
-            session.params.insert(k.to_string(), v.to_string());
+            session.params.set(k, v);
         }
     }
 
@@ -161,20 +149,16 @@ pub(crate) async fn run(
     let mut server_params: Vec<(&String, &String)> = first.conn.params.iter().collect();
     server_params.sort();
     for (k, v) in server_params {
-        let v = session.params.get(k).unwrap_or(v);
+        let v = session.params.get(k).unwrap_or(v.as_str());
         encode::parameter_status(&mut hello, k, v);
     }
     // Only the tracked parameters are the client's; the rest belong to
     // the server and cost memory per idle client if copied.
-    for k in TRACKED {
-        if let Some(v) = first.conn.params.get(k) {
-            session
-                .params
-                .entry(k.to_string())
-                .or_insert_with(|| v.clone());
+    for (k, v) in first.conn.tracked.iter() {
+        if session.params.get(k).is_none() {
+            session.params.set(k, v);
         }
     }
-    session.params.shrink_to_fit();
     first.release(true);
     let key = shared
         .cancel
@@ -186,8 +170,9 @@ pub(crate) async fn run(
         return Ok(());
     }
 
-    let (kill_tx, mut kill_rx) = watch::channel(None);
-    shared.sessions.lock().expect("poisoned").insert(
+    let killed = Arc::new(KillState::default());
+    let registration = SessionGuard::register(
+        shared,
         client_id,
         SessionEntry {
             service: Arc::from(spec.name.as_str()),
@@ -196,20 +181,31 @@ pub(crate) async fn run(
             client: peer,
             want: spec.want.clone(),
             host: None,
-            kill: kill_tx,
+            killed: killed.clone(),
+            client_fd: client.raw_fd(),
         },
     );
     let (from_client, to_client) = shared.metrics.byte_counters(&spec.name);
 
     // The startup buffer is not needed once the client is idle.
     if early.is_empty() {
-        early = BytesMut::new();
+        crate::bufcache::release(&mut early);
     }
     let outcome: Result<(), Fatal> = async {
         let mut sbuf = BytesMut::new();
-        let mut retired = None::<watch::Receiver<bool>>;
+        // Being told to end shows as the end of the client's input.
+        let ended = |killed: &KillState| match killed.reason() {
+            None => Ok(()),
+            Some(k) => {
+                let why = match k {
+                    Kill::Shutdown => "pgwarden is shutting down",
+                    _ => "the server went away",
+                };
+                Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))
+            }
+        };
         if !early.is_empty() {
-            session.client_bytes(&mut early, &mut retired).await?;
+            session.client_bytes(&mut early).await?;
         }
         loop {
             // Only a client between transactions can be idle.
@@ -223,28 +219,21 @@ pub(crate) async fn run(
                 } => {
                     return Err(Fatal::new(sqlstate::IDLE_SESSION_TIMEOUT, "terminating connection due to client_idle_timeout"));
                 }
-                k = async { kill_rx.wait_for(Option::is_some).await.ok().and_then(|r| *r) } => {
-                    let why = match k {
-                        Some(Kill::Shutdown) | None => "pgwarden is shutting down",
-                        Some(_) => "the server went away",
-                    };
-                    return Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")));
-                }
                 r = client.read_some(&mut early) => {
                     match r {
-                        Ok(Some(0)) | Err(_) => return Ok(()),
+                        Ok(Some(0)) | Err(_) => return ended(&killed),
                         Ok(Some(n)) => {
                             from_client.inc_by(n as u64);
                         }
                         Ok(None) => {}
                     }
-                    if session.client_bytes(&mut early, &mut retired).await? {
+                    if session.client_bytes(&mut early).await? {
                         return Ok(());
                     }
                     // Buffers exist only while bytes are in flight, so an
                     // idle client costs no more than its socket and task.
                     if early.is_empty() {
-                        early = BytesMut::new();
+                        crate::bufcache::release(&mut early);
                     }
                 }
                 n = read_attached(&mut session.attached, &mut sbuf) => {
@@ -256,18 +245,21 @@ pub(crate) async fn run(
                         Ok(_) => {}
                     }
                     let out = session.server_bytes(&mut sbuf)?;
-                    to_client.inc_by(out.len() as u64);
-                    if client.write_all(&out).await.is_err() {
+                    let written = match &out {
+                        ToClient::Prefix(n) => client.write_all(&sbuf[..*n]).await.map(|()| *n),
+                        ToClient::Owned(o) => client.write_all(o).await.map(|()| o.len()),
+                    };
+                    let Ok(written) = written else {
                         return Ok(());
+                    };
+                    to_client.inc_by(written as u64);
+                    if let ToClient::Prefix(n) = out {
+                        sbuf.advance(n);
                     }
                     if session.attached.is_some() && session.replies.idle() && !session.pinned && sbuf.is_empty() && session.skip == 0 {
                         session.detach(true);
-                        retired = None;
-                        sbuf = BytesMut::new();
+                        crate::bufcache::release(&mut sbuf);
                     }
-                }
-                _ = wait_retired(&mut retired) => {
-                    return Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, "terminating connection: the server is no longer the right host for this service; reconnect"));
                 }
             }
         }
@@ -289,7 +281,7 @@ pub(crate) async fn run(
     // A server mid-transaction cannot be handed to someone else.
     let reusable = session.replies.idle() && !session.pinned;
     session.detach(reusable);
-    shared.sessions.lock().expect("poisoned").remove(&client_id);
+    drop(registration);
     shared.cancel.remove(key);
     let _ = client.shutdown().await;
     Ok(())
@@ -301,7 +293,9 @@ async fn read_attached(
 ) -> std::io::Result<usize> {
     match attached {
         Some(c) => {
-            if buf.capacity() - buf.len() < 4096 {
+            if buf.capacity() == 0 {
+                *buf = crate::bufcache::take();
+            } else if buf.capacity() - buf.len() < 4096 {
                 buf.reserve(16 * 1024);
             }
             c.conn.stream.read_buf(buf).await
@@ -310,13 +304,13 @@ async fn read_attached(
     }
 }
 
-async fn wait_retired(r: &mut Option<watch::Receiver<bool>>) {
-    match r {
-        Some(rx) => {
-            let _ = rx.wait_for(|v| *v).await;
-        }
-        None => std::future::pending().await,
-    }
+/// What [`Session::server_bytes`] passes on to the client.
+enum ToClient {
+    /// The first `n` bytes of the server buffer, as they are (the caller
+    /// advances the buffer once they are written).
+    Prefix(usize),
+    /// Bytes rebuilt around a dropped message; the buffer is advanced.
+    Owned(BytesMut),
 }
 
 struct Session {
@@ -329,7 +323,7 @@ struct Session {
     attached: Option<Checkout>,
     replies: Replies,
     /// The client's view of the tracked session parameters.
-    params: HashMap<String, String>,
+    params: Tracked,
     /// The client's named statements: name → Parse body after the name.
     statements: HashMap<String, Bytes>,
     /// The client used session state (LISTEN, session advisory locks,
@@ -477,15 +471,26 @@ impl Session {
 
     /// Borrows a server if none is attached, and sets the client's session
     /// parameters on it where they differ.
-    async fn attach(&mut self, retired: &mut Option<watch::Receiver<bool>>) -> Result<(), Fatal> {
-        if self.attached.is_some() {
+    async fn attach(&mut self) -> Result<(), Fatal> {
+        if let Some(c) = &self.attached {
+            // Checked per message rather than watched: a client mid-way
+            // through a transaction on a server that is no longer right
+            // learns it at its next message; a lost server ends the
+            // session anyway through its socket.
+            if c.pool.is_retired() {
+                return Err(Fatal::new(
+                    sqlstate::ADMIN_SHUTDOWN,
+                    "terminating connection: the server is no longer the right host for this service; reconnect",
+                ));
+            }
             return Ok(());
         }
         let mut c = self.acquire().await?;
         let mut sets = String::new();
-        for k in TRACKED {
-            if let Some(v) = self.params.get(k) {
-                if c.conn.params.get(k) != Some(v) {
+        // Usually equal: one comparison of six short strings, no hashing.
+        if c.conn.tracked != self.params {
+            for (k, v) in self.params.iter() {
+                if c.conn.tracked.get(k) != Some(v) {
                     sets.push_str(&format!("SET {k} TO '{}';", v.replace('\'', "''")));
                 }
             }
@@ -500,7 +505,6 @@ impl Session {
             pid: c.conn.backend_key.0,
             secret: c.conn.backend_key.1,
         });
-        *retired = Some(c.pool.retired_signal());
         self.replies = Replies {
             status: Some(TxStatus::Idle),
             ..Replies::default()
@@ -511,7 +515,7 @@ impl Session {
     }
 
     fn detach(&mut self, reusable: bool) {
-        self.outbuf = BytesMut::new();
+        crate::bufcache::release(&mut self.outbuf);
         if let Some(c) = self.attached.take() {
             *self.cancel_target.lock().expect("poisoned") = None;
             c.release(reusable);
@@ -520,17 +524,16 @@ impl Session {
 
     /// Handles every complete client message in `buf`; true = the client
     /// said goodbye (Terminate).
-    async fn client_bytes(
-        &mut self,
-        buf: &mut BytesMut,
-        retired: &mut Option<watch::Receiver<bool>>,
-    ) -> Result<bool, Fatal> {
+    async fn client_bytes(&mut self, buf: &mut BytesMut) -> Result<bool, Fatal> {
         // Reused while the client holds a server, so a transaction does not
         // allocate its output; dropped with the server (idle clients hold
         // no buffers).
         let mut out = std::mem::take(&mut self.outbuf);
         out.clear();
-        let r = self.client_messages(buf, retired, &mut out).await;
+        if out.capacity() == 0 {
+            out = crate::bufcache::take();
+        }
+        let r = self.client_messages(buf, &mut out).await;
         if self.attached.is_some() {
             self.outbuf = out;
         }
@@ -540,12 +543,14 @@ impl Session {
     async fn client_messages(
         &mut self,
         buf: &mut BytesMut,
-        retired: &mut Option<watch::Receiver<bool>>,
         out: &mut BytesMut,
     ) -> Result<bool, Fatal> {
         loop {
-            let (tag, msg) = match message::split_message(buf, MAX_MESSAGE) {
-                Ok(Some(m)) => m,
+            // Messages are looked at where they lie and consumed with
+            // `advance`: splitting them off would make the buffer shared
+            // (an allocation per message) and keep it from being reused.
+            let total = match message::peek_header(buf, MAX_MESSAGE) {
+                Ok(Some(h)) => h.total_len(),
                 Ok(None) => break,
                 Err(e) => {
                     return Err(Fatal::new(
@@ -554,12 +559,18 @@ impl Session {
                     ))
                 }
             };
+            if buf.len() < total {
+                buf.reserve(total - buf.len());
+                break;
+            }
+            let tag = buf[0];
             if tag == frontend::TERMINATE {
                 self.flush(out).await?;
                 return Ok(true);
             }
-            self.attach(retired).await?;
-            self.translate(tag, msg, out)?;
+            self.attach().await?;
+            self.translate(tag, &buf[..total], out)?;
+            buf.advance(total);
         }
         self.flush(out).await?;
         Ok(false)
@@ -581,21 +592,21 @@ impl Session {
     }
 
     /// Appends what to send to the server for one client message.
-    fn translate(&mut self, tag: u8, msg: BytesMut, out: &mut BytesMut) -> Result<(), Fatal> {
+    fn translate(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
         let read_only = self.service.spec.read_only;
         if read_only && (tag == frontend::QUERY || tag == frontend::PARSE) {
             if let Some(replacement) =
-                crate::session::guard_message(&self.service.spec.name, tag, &msg)
+                crate::session::guard_message(&self.service.spec.name, tag, msg)
             {
                 // The refusal goes through the same bookkeeping as the
                 // statement it replaces (a named Parse keeps its name).
-                return self.forward(tag, replacement, out);
+                return self.forward(tag, &replacement, out);
             }
         }
         self.forward(tag, msg, out)
     }
 
-    fn forward(&mut self, tag: u8, msg: BytesMut, out: &mut BytesMut) -> Result<(), Fatal> {
+    fn forward(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
         let body = &msg[5..];
         match tag {
             frontend::QUERY => {
@@ -637,15 +648,13 @@ impl Session {
                         let skip = portal.len() + 1 + stmt.len() + 1;
                         let sname = self.ensure(&stmt, out);
                         let rest = &body[skip.min(body.len())..];
-                        let mut b = BytesMut::with_capacity(msg.len() + 16);
-                        b.put_u8(frontend::BIND);
-                        b.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
-                        b.put_slice(portal.as_bytes());
-                        b.put_u8(0);
-                        b.put_slice(sname.as_bytes());
-                        b.put_u8(0);
-                        b.put_slice(rest);
-                        out.extend_from_slice(&b);
+                        out.put_u8(frontend::BIND);
+                        out.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
+                        out.put_slice(portal.as_bytes());
+                        out.put_u8(0);
+                        out.put_slice(sname.as_bytes());
+                        out.put_u8(0);
+                        out.put_slice(rest);
                         self.replies.open_batch = true;
                         return Ok(());
                     }
@@ -678,7 +687,7 @@ impl Session {
             _ => {}
         }
         self.note_sent(tag);
-        out.extend_from_slice(&msg);
+        out.extend_from_slice(msg);
         Ok(())
     }
 
@@ -756,7 +765,7 @@ impl Session {
     /// Processes a chunk from the server; returns what goes to the client.
     /// Only ParseComplete, ReadyForQuery and ParameterStatus are looked at;
     /// everything else streams through, partial messages included.
-    fn server_bytes(&mut self, buf: &mut BytesMut) -> Result<BytesMut, Fatal> {
+    fn server_bytes(&mut self, buf: &mut BytesMut) -> Result<ToClient, Fatal> {
         // Bytes are handed on without copying; only when a message is
         // dropped (an injected Parse's ParseComplete) is the rest copied
         // around it.
@@ -820,24 +829,22 @@ impl Session {
                                 "terminating connection: the session was made read-write on a read-only service",
                             ));
                         }
-                        if TRACKED.contains(&k) {
-                            self.params.insert(k.to_string(), v.to_string());
-                        }
+                        self.params.set(k, v);
                         if let Some(c) = self.attached.as_mut() {
-                            c.conn.params.insert(k.to_string(), v.to_string());
+                            c.conn.set_param(k, v);
                         }
                     }
                 }
             }
             pos += total;
         }
-        let head = buf.split_to(pos);
         Ok(match out {
             Some(mut o) => {
-                o.extend_from_slice(&head);
-                o
+                o.extend_from_slice(&buf[..pos]);
+                buf.advance(pos);
+                ToClient::Owned(o)
             }
-            None => head,
+            None => ToClient::Prefix(pos),
         })
     }
 
@@ -870,7 +877,7 @@ async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
             Ok(Some((backend::READY_FOR_QUERY, _))) => return Ok(()),
             Ok(Some((backend::PARAMETER_STATUS, m))) => {
                 if let Ok((k, v)) = message::parameter_status(&m[5..]) {
-                    c.conn.params.insert(k.to_string(), v.to_string());
+                    c.conn.set_param(k, v);
                 }
             }
             Ok(Some((backend::ERROR_RESPONSE, m))) => {
@@ -909,54 +916,93 @@ fn put_parse(out: &mut BytesMut, name: &str, rest: &[u8]) {
 /// transaction of the same client would expect, so the client must keep
 /// its server connection. A lexical check: words inside string literals may
 /// pin needlessly, which costs pooling, never correctness.
-fn pins_session(sql: &str) -> bool {
-    let upper = sql.to_ascii_uppercase();
-    let words: Vec<&str> = upper
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|w| !w.is_empty())
-        .collect();
-    words.windows(2).any(|w| {
-        matches!(
-            (w[0], w[1]),
-            ("CREATE", "TEMP")
-                | ("CREATE", "TEMPORARY")
-                | ("WITH", "HOLD")
-                | ("SESSION", "AUTHORIZATION")
-        )
-    }) || words.iter().enumerate().any(|(i, w)| match *w {
-        "LISTEN"
-        | "PG_ADVISORY_LOCK"
-        | "PG_ADVISORY_LOCK_SHARED"
-        | "PG_TRY_ADVISORY_LOCK"
-        | "PG_TRY_ADVISORY_LOCK_SHARED" => true,
-        // SQL-level PREPARE (protocol-level statements follow the client).
-        "PREPARE" => i == 0,
-        // A session-level SET outlives the transaction; SET LOCAL does not.
-        "SET" => {
-            let name = match words.get(1) {
-                Some(&"SESSION") => words.get(2),
-                other => other,
-            };
-            // Tracked parameters are replayed on every server the client
-            // lands on, so they need no pinning.
-            i == 0
-                && !matches!(
-                    name,
-                    Some(
-                        &"LOCAL"
-                            | &"TRANSACTION"
-                            | &"APPLICATION_NAME"
-                            | &"CLIENT_ENCODING"
-                            | &"DATESTYLE"
-                            | &"TIMEZONE"
-                            | &"TIME"
-                            | &"INTERVALSTYLE"
-                            | &"NAMES"
-                    )
-                )
+/// Bytes that make up the words [`pins_session`] looks at.
+const WORD: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut i = 0;
+    while i < 256 {
+        let c = i as u8;
+        t[i] = c.is_ascii_alphanumeric() || c == b'_';
+        i += 1;
+    }
+    t
+};
+
+/// The words of `sql`, in place: runs of ASCII letters, digits and `_`.
+fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < sql.len() && !WORD[sql[i] as usize] {
+            i += 1;
         }
-        _ => false,
+        let start = i;
+        while i < sql.len() && WORD[sql[i] as usize] {
+            i += 1;
+        }
+        (i > start).then(|| &sql[start..i])
     })
+}
+
+fn pins_session(sql: &str) -> bool {
+    // Runs on every Query and Parse, so it walks the words in place (no
+    // upper-cased copy, no list of words) and compares a word only with
+    // the keywords of its length.
+    let is = |w: &[u8], k: &str| w.eq_ignore_ascii_case(k.as_bytes());
+    let mut words = words(sql.as_bytes());
+    let Some(first) = words.next() else {
+        return false;
+    };
+    // SQL-level PREPARE (protocol-level statements follow the client).
+    if is(first, "PREPARE") {
+        return true;
+    }
+    // A session-level SET outlives the transaction; SET LOCAL does not.
+    // Tracked parameters are replayed on every server the client lands on,
+    // so they need no pinning.
+    if is(first, "SET") {
+        let mut rest = words.clone();
+        let mut name = rest.next();
+        if name.is_some_and(|n| is(n, "SESSION")) {
+            name = rest.next();
+        }
+        let replayed = name.is_some_and(|n| {
+            [
+                "LOCAL",
+                "TRANSACTION",
+                "APPLICATION_NAME",
+                "CLIENT_ENCODING",
+                "DATESTYLE",
+                "TIMEZONE",
+                "TIME",
+                "INTERVALSTYLE",
+                "NAMES",
+            ]
+            .iter()
+            .any(|k| is(n, k))
+        });
+        if !replayed {
+            return true;
+        }
+    }
+    let mut prev: &[u8] = b"";
+    for w in std::iter::once(first).chain(words) {
+        let hit = match w.len() {
+            4 => (is(w, "TEMP") && is(prev, "CREATE")) || (is(w, "HOLD") && is(prev, "WITH")),
+            6 => is(w, "LISTEN"),
+            9 => is(w, "TEMPORARY") && is(prev, "CREATE"),
+            13 => is(w, "AUTHORIZATION") && is(prev, "SESSION"),
+            16 => is(w, "PG_ADVISORY_LOCK"),
+            20 => is(w, "PG_TRY_ADVISORY_LOCK"),
+            23 => is(w, "PG_ADVISORY_LOCK_SHARED"),
+            27 => is(w, "PG_TRY_ADVISORY_LOCK_SHARED"),
+            _ => false,
+        };
+        if hit {
+            return true;
+        }
+        prev = w;
+    }
+    false
 }
 
 #[cfg(test)]
@@ -986,6 +1032,112 @@ mod tests {
             "BEGIN",
         ] {
             assert!(!pins_session(s), "{s}");
+        }
+    }
+
+    /// The straightforward statement of the rule: upper-case, split into
+    /// words, look at pairs and at the first words.
+    fn reference(sql: &str) -> bool {
+        let upper = sql.to_ascii_uppercase();
+        let words: Vec<&str> = upper
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty())
+            .collect();
+        let pair = words.windows(2).any(|w| {
+            matches!(
+                (w[0], w[1]),
+                ("CREATE", "TEMP")
+                    | ("CREATE", "TEMPORARY")
+                    | ("WITH", "HOLD")
+                    | ("SESSION", "AUTHORIZATION")
+            )
+        });
+        pair || words.iter().enumerate().any(|(i, w)| match *w {
+            "LISTEN"
+            | "PG_ADVISORY_LOCK"
+            | "PG_ADVISORY_LOCK_SHARED"
+            | "PG_TRY_ADVISORY_LOCK"
+            | "PG_TRY_ADVISORY_LOCK_SHARED" => true,
+            "PREPARE" => i == 0,
+            "SET" => {
+                let name = match words.get(1) {
+                    Some(&"SESSION") => words.get(2),
+                    other => other,
+                };
+                i == 0
+                    && !matches!(
+                        name,
+                        Some(
+                            &"LOCAL"
+                                | &"TRANSACTION"
+                                | &"APPLICATION_NAME"
+                                | &"CLIENT_ENCODING"
+                                | &"DATESTYLE"
+                                | &"TIMEZONE"
+                                | &"TIME"
+                                | &"INTERVALSTYLE"
+                                | &"NAMES"
+                        )
+                    )
+            }
+            _ => false,
+        })
+    }
+
+    #[test]
+    fn agrees_with_the_reference_on_generated_statements() {
+        let vocab = [
+            "set",
+            "SET",
+            "session",
+            "Session",
+            "local",
+            "time",
+            "zone",
+            "names",
+            "application_name",
+            "search_path",
+            "to",
+            "prepare",
+            "create",
+            "temp",
+            "temporary",
+            "table",
+            "with",
+            "hold",
+            "authorization",
+            "listen",
+            "pg_advisory_lock",
+            "pg_try_advisory_lock_shared",
+            "select",
+            "1",
+            "é",
+            ";",
+            "(",
+            "'x'",
+            "\"q\"",
+            " ",
+            "\n",
+            "--",
+            "begin",
+        ];
+        // A small deterministic generator (xorshift): no test dependency.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            let mut sql = String::new();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            for _ in 0..(x % 7) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                sql.push_str(vocab[(x % vocab.len() as u64) as usize]);
+                if x & 0x100 != 0 {
+                    sql.push(' ');
+                }
+            }
+            assert_eq!(pins_session(&sql), reference(&sql), "{sql:?}");
         }
     }
 }
