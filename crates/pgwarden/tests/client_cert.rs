@@ -453,6 +453,10 @@ async fn certificate_logins_with_psql_and_psycopg_and_a_ca_reload() {
         log.contains(r#"the certificate's common name \"bob\" is not the user name \"alice\""#),
         "{log}"
     );
+    assert!(
+        log.contains("cert authentication (pg_hba.conf line 2): the client sent no certificate"),
+        "{log}"
+    );
     assert!(log.contains("client certificate refused"), "{log}");
 
     // SIGHUP with another client_ca: new handshakes use it.

@@ -257,7 +257,7 @@ impl Authenticator {
         };
         // The hba decision is made before any await: the context borrows a
         // callback that is not Send.
-        let (method, client_cert, reject) = {
+        let (method, client_cert, line, reject) = {
             let no_roles = |_: &str| roles.clone();
             let mut ctx = HbaContext::new(
                 ConnType::Host {
@@ -272,6 +272,7 @@ impl Authenticator {
                 Some(rule) => (
                     rule.method,
                     rule.client_cert,
+                    rule.line,
                     pgwarden_auth::hba::reject_message(&ctx),
                 ),
                 None => {
@@ -286,6 +287,11 @@ impl Authenticator {
         // As in PostgreSQL, before the method runs: the rule wants a
         // certificate and the client sent none (one that does not chain to
         // tls.client_ca never gets this far: its handshake failed).
+        let cert_rule = match (method, client_cert) {
+            (AuthMethod::Cert, _) => "cert authentication",
+            (_, Some(ClientCert::VerifyCa)) => "clientcert=verify-ca",
+            _ => "clientcert=verify-full",
+        };
         let cert_name = match client_cert {
             None => None,
             Some(_) => match client.peer_certificate() {
@@ -294,7 +300,10 @@ impl Authenticator {
                         sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
                         "cert_missing",
                         "connection requires a valid client certificate",
-                    ))
+                    )
+                    .with_detail(format!(
+                        "{cert_rule} (pg_hba.conf line {line}): the client sent no certificate"
+                    )))
                 }
                 Some(der) => Some(
                     pgwarden_auth::subject_common_name(der)
@@ -397,9 +406,9 @@ impl Authenticator {
                         ..failed()
                     },
                 };
-                return Err(refused.with_detail(format!(
-                    "client certificate (clientcert=verify-full): {why}"
-                )));
+                return Err(
+                    refused.with_detail(format!("{cert_rule} (pg_hba.conf line {line}): {why}"))
+                );
             }
         }
         Ok(credential)

@@ -154,7 +154,7 @@ async fn serve(
                 tracing::info!(
                     user = startup.user().unwrap_or_default(),
                     reason = e.reason,
-                    detail = e.detail.as_deref().unwrap_or(""),
+                    detail = e.detail.as_deref(),
                     "authentication failed"
                 );
                 shared
