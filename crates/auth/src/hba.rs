@@ -18,8 +18,9 @@
 //!   `radius` are refused;
 //! * addresses in CIDR or address-and-mask form, `all`, `samehost` and
 //!   `samenet`; host names are refused;
-//! * options `clientcert` and `clientname`; `map` (user name maps) and the
-//!   options of the refused methods are refused;
+//! * options `clientcert` and `clientname=CN`; `clientname=DN` (matching
+//!   the whole subject), `map` (user name maps) and the options of the
+//!   refused methods are refused;
 //! * regular expressions (`/...` database or user entries, a PostgreSQL 16
 //!   feature) are refused rather than taken as literal names.
 //!
@@ -174,20 +175,9 @@ impl AuthMethod {
 pub enum ClientCert {
     /// `verify-ca`: signed by a trusted CA.
     VerifyCa,
-    /// `verify-full`: signed by a trusted CA, and its name (see
-    /// [`ClientName`]) is the user's. Implied by the `cert` method.
+    /// `verify-full`: signed by a trusted CA, and the subject's common
+    /// name is the user's. Implied by the `cert` method.
     VerifyFull,
-}
-
-/// The `clientname` option: which certificate name is compared with the
-/// user name.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ClientName {
-    /// The subject's common name (the default).
-    #[default]
-    Cn,
-    /// The whole subject distinguished name, in RFC 2253 form.
-    Dn,
 }
 
 /// One parsed `pg_hba.conf` record.
@@ -210,8 +200,6 @@ pub struct HbaRule {
     /// Client certificate requirement: `VerifyFull` for `cert`, otherwise
     /// as set by the `clientcert` option (`None` when not required).
     pub client_cert: Option<ClientCert>,
-    /// Certificate name compared with the user name.
-    pub client_name: ClientName,
 }
 
 /// How the client is connected, as far as rule matching cares.
@@ -834,7 +822,6 @@ fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
     }
 
     let mut client_cert = None;
-    let mut client_name = ClientName::Cn;
     for token in fields.flatten() {
         let Some((name, value)) = token.text.split_once('=') else {
             return Err(err(format!(
@@ -864,11 +851,19 @@ fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
                         "clientname can only be configured for \"hostssl\" rows".into()
                     ));
                 }
-                client_name = match value {
-                    "CN" => ClientName::Cn,
-                    "DN" => ClientName::Dn,
+                match value {
+                    // The common name is what is compared anyway.
+                    "CN" => {}
+                    // PostgreSQL prints the subject with OpenSSL's RFC 2253
+                    // formatter; a look-alike that differs in an escape would
+                    // silently refuse or admit the wrong certificates.
+                    "DN" => {
+                        return Err(err(
+                            "unsupported value for clientname: \"DN\": only the common name (CN) is compared with the user name".into(),
+                        ))
+                    }
                     _ => return Err(err(format!("invalid value for clientname: \"{value}\""))),
-                };
+                }
             }
             "map" => {
                 return Err(err(
@@ -902,7 +897,6 @@ fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
         address,
         method,
         client_cert,
-        client_name,
     })
 }
 
@@ -1054,7 +1048,7 @@ mod tests {
              host    app       alice  10.0.0.0/8  scram-sha-256\n\
              hostssl app,other bob    192.168.1.0 255.255.255.0  md5  clientcert=verify-ca\n\
              hostnossl all     all    ::1/128  password   # trailing comment\n\
-             hostssl all       carol  0.0.0.0/0  cert clientname=DN\n\
+             hostssl all       carol  0.0.0.0/0  cert clientname=CN\n\
              host    all       all    all  reject\n",
         )
         .unwrap();
@@ -1097,7 +1091,6 @@ mod tests {
         assert_eq!(r[3].method, AuthMethod::Password);
         assert_eq!(r[4].method, AuthMethod::Cert);
         assert_eq!(r[4].client_cert, Some(ClientCert::VerifyFull));
-        assert_eq!(r[4].client_name, ClientName::Dn);
         assert_eq!(r[5].address, Some(AddressSpec::All));
         assert_eq!(r[5].method, AuthMethod::Reject);
         assert_eq!(r[5].client_cert, None);
@@ -1551,9 +1544,12 @@ mod tests {
             .message
             .starts_with("regular expressions are not supported"));
         // Options may be comma lists and span fields.
-        let hba = parse("hostssl all all all md5 clientcert=verify-full,clientname=DN").unwrap();
+        let hba = parse("hostssl all all all md5 clientcert=verify-full,clientname=CN").unwrap();
         assert_eq!(hba.rules()[0].client_cert, Some(ClientCert::VerifyFull));
-        assert_eq!(hba.rules()[0].client_name, ClientName::Dn);
+        assert_eq!(
+            parse_err("hostssl all all all cert clientname=DN").message,
+            "unsupported value for clientname: \"DN\": only the common name (CN) is compared with the user name"
+        );
     }
 
     #[test]

@@ -11,14 +11,18 @@
 //!   with the key proven by the client instead of a stored password.
 //! * [`md5`]: the legacy `md5` password method.
 //! * [`hba`]: `pg_hba.conf` parsing and rule matching, as in PostgreSQL 15.
+//! * [`cert`]: the client certificate's common name, which `cert`
+//!   authentication compares with the user name.
 //!
 //! No function here panics, whatever bytes a peer or a configuration file
 //! contains.
 
+pub mod cert;
 pub mod hba;
 pub mod md5;
 pub mod scram;
 
+pub use cert::{subject_common_name, CertNameError};
 pub use hba::{AuthMethod, ConnType, Hba, HbaContext, HbaError, HbaRule};
 pub use md5::{is_md5_secret, md5_response, md5_secret, verify_md5};
 pub use scram::{

@@ -13,8 +13,8 @@ use std::path::Path;
 use pgwarden_auth::hba::{no_match_message, reject_message};
 use pgwarden_auth::scram::NONCE_LEN;
 use pgwarden_auth::{
-    md5_response, verify_md5, ClientKey, ConnType, Hba, HbaContext, ScramClient, ScramSecret,
-    ScramServer,
+    md5_response, subject_common_name, verify_md5, ClientKey, ConnType, Hba, HbaContext,
+    ScramClient, ScramSecret, ScramServer,
 };
 
 struct XorShift(u64);
@@ -367,4 +367,43 @@ fn hba_files() {
     }
     // The generator must reach the matcher, not only the error paths.
     assert!(parsed > ROUNDS / 20, "only {parsed} files parsed");
+}
+
+#[test]
+fn client_certificates() {
+    use rcgen::{CertificateParams, DnType, KeyPair};
+    let mut rng = XorShift(0x5eed_0007);
+    let mut params = CertificateParams::new(vec!["client".to_string()]).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "pgwarden");
+    params.distinguished_name.push(DnType::CommonName, "alice");
+    let cert = params.self_signed(&KeyPair::generate().unwrap()).unwrap();
+    let der = cert.der().to_vec();
+    assert_eq!(subject_common_name(&der), Ok(Some(&b"alice"[..])));
+    let mut named = 0;
+    for _ in 0..ROUNDS {
+        let mut input = der.clone();
+        match rng.below(4) {
+            // A few bytes changed anywhere, lengths and tags included.
+            0 | 1 => {
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(input.len());
+                    input[i] = rng.next() as u8;
+                }
+            }
+            // Cut short, or with something appended.
+            2 => {
+                input.truncate(rng.below(der.len()));
+                input.extend(rng.bytes(8));
+            }
+            _ => input = rng.bytes(64),
+        }
+        if let Ok(Some(_)) = subject_common_name(&input) {
+            named += 1;
+        }
+    }
+    // Most single changes leave a readable subject: the walk is exercised
+    // beyond its first error.
+    assert!(named > ROUNDS / 20, "only {named} names read");
 }

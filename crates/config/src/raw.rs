@@ -63,6 +63,7 @@ pub(crate) struct RawTls {
     pub client_tls: Option<crate::sections::ClientTls>,
     pub server_tls: Option<crate::sections::ServerTls>,
     pub server_ca: Option<Spanned<String>>,
+    pub client_ca: Option<Spanned<String>>,
 }
 
 #[derive(Default, Deserialize)]

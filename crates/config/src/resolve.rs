@@ -176,6 +176,22 @@ fn tls(
     if client_tls != ClientTls::Disable && !has_cert {
         return Err(src.invalid(None, "tls.client_tls", "needs tls.cert and tls.key"));
     }
+    if let Some(ca) = &raw.client_ca {
+        if !has_cert {
+            return Err(src.invalid(
+                Some(ca.span()),
+                "tls.client_ca",
+                "client certificates are checked in the TLS handshake with clients, which needs tls.cert and tls.key",
+            ));
+        }
+        if client_tls == ClientTls::Disable {
+            return Err(src.invalid(
+                Some(ca.span()),
+                "tls.client_ca",
+                "client certificates need TLS towards clients, and tls.client_tls is \"disable\"",
+            ));
+        }
+    }
     let server_tls = raw.server_tls.unwrap_or_default();
     if server_tls.verifies() && raw.server_ca.is_none() {
         return Err(src.invalid(
@@ -190,6 +206,7 @@ fn tls(
         client_tls,
         server_tls,
         server_ca: raw.server_ca.map(|c| c.into_inner().into()),
+        client_ca: raw.client_ca.map(|c| c.into_inner().into()),
     })
 }
 

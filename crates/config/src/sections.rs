@@ -278,6 +278,10 @@ pub struct TlsConfig {
     /// CA certificates (PEM) that server certificates must chain to;
     /// relative to the configuration file.
     pub server_ca: Option<std::path::PathBuf>,
+    /// CA certificates (PEM) that client certificates must chain to, for
+    /// the `cert` method and `clientcert`; relative to the configuration
+    /// file. Without it pgwarden asks clients for no certificate.
+    pub client_ca: Option<std::path::PathBuf>,
 }
 
 /// `[pool]`: server connection pooling.

@@ -867,3 +867,42 @@ fn agent_and_etcd_come_together() {
         "unknown field",
     );
 }
+
+/// `client_ca` is a path like the other TLS files, and needs the TLS
+/// termination it takes part in.
+#[test]
+fn client_ca_needs_tls_towards_clients() {
+    let base =
+        "[cluster]\nhosts = [\"127.0.0.1:5432\"]\n\n[listen]\nread_write = \"127.0.0.1:6432\"\n";
+    let c = pgwarden_config::parse(base, "pgwarden.toml").expect("parses");
+    assert_eq!(c.tls.client_ca, None);
+    let with = format!(
+        "{base}\n[tls]\ncert = \"server.crt\"\nkey = \"server.key\"\nclient_ca = \"clients-ca.pem\"\n"
+    );
+    let c = pgwarden_config::parse(&with, "pgwarden.toml").expect("parses");
+    assert_eq!(
+        c.tls.client_ca.as_deref(),
+        Some(std::path::Path::new("clients-ca.pem"))
+    );
+    assert_eq!(c.tls.client_tls, pgwarden_config::ClientTls::Allow);
+    let err = pgwarden_config::parse(
+        &format!("{base}\n[tls]\nclient_ca = \"clients-ca.pem\"\n"),
+        "pgwarden.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with("pgwarden.toml:8: tls.client_ca: ") && err.contains("tls.cert and tls.key"),
+        "{err}"
+    );
+    let err = pgwarden_config::parse(
+        &with.replace("[tls]\n", "[tls]\nclient_tls = \"disable\"\n"),
+        "pgwarden.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with("pgwarden.toml:11: tls.client_ca: ") && err.contains("disable"),
+        "{err}"
+    );
+}

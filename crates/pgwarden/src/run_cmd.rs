@@ -158,6 +158,9 @@ fn warn_unimplemented(config: &Config) {
     if transaction && config.auth.is_none() {
         tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
     }
+    if config.tls.client_ca.is_some() && config.auth.is_none() {
+        tracing::warn!("tls.client_ca is set without [auth]: client certificates are verified in the handshake, but only pgwarden's pg_hba.conf rules use them");
+    }
 }
 
 /// Relative paths in the configuration are relative to its file.
@@ -326,6 +329,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
                         ClientTls::Require => ClientTlsMode::Require,
                         _ => ClientTlsMode::Allow,
                     },
+                    client_ca: config.tls.client_ca.as_ref().map(|f| config_dir.join(f)),
                 })
             }
             _ => None,

@@ -67,6 +67,7 @@ async fn tls_proxy(
         cert: cert.to_path_buf(),
         key: key.to_path_buf(),
         mode,
+        client_ca: None,
     };
     let (e, p) = proxy_full(
         &c.addrs(),
@@ -171,6 +172,7 @@ async fn a_wrong_ca_is_rejected_by_the_client_and_reload_swaps_certificates() {
         cert: cert_b.clone(),
         key: key_b.clone(),
         mode: ClientTlsMode::Allow,
+        client_ca: None,
     });
     p.apply(spec).await.unwrap();
     assert!(try_ca(&ca_b));

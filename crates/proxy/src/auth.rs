@@ -1,16 +1,17 @@
 //! Client authentication by pgwarden itself: pg_hba.conf rules, password
 //! verifiers looked up on the primary with an auth query, SCRAM-SHA-256,
-//! md5 and cleartext towards the client; what the client proved is then
-//! used to log in to the servers as the same user.
+//! md5 and cleartext towards the client, and client certificates (the
+//! `cert` method and `clientcert`); what the client proved is then used to
+//! log in to the servers as the same user.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
-use pgwarden_auth::hba::{AuthMethod, ConnType, Hba, HbaContext};
+use pgwarden_auth::hba::{AuthMethod, ClientCert, ConnType, Hba, HbaContext};
 use pgwarden_auth::{md5_secret, verify_md5, ClientKey, ScramSecret, ScramServer};
 use pgwarden_wire::encode;
 use pgwarden_wire::message::{self, frontend};
@@ -42,7 +43,8 @@ pub struct AuthSpec {
 /// What a client proved, to log in to servers as the same user.
 #[derive(Clone, Debug)]
 pub enum Credential {
-    /// Nothing (trust): servers must not ask for a password.
+    /// Nothing that servers could check (`trust`, `cert`): they must not
+    /// ask pgwarden for a password.
     None,
     /// The cleartext password (method `password`).
     Password(String),
@@ -52,12 +54,14 @@ pub enum Credential {
     ClientKey(ClientKey),
 }
 
-/// A refused authentication: the code and message the client sees, and
-/// the reason counted in metrics and logged.
+/// A refused authentication: the code and message the client sees, the
+/// reason counted in metrics and logged, and for the log only, what
+/// exactly was wrong when the client is told less.
 pub(crate) struct AuthError {
     pub code: SqlState,
     pub message: String,
     pub reason: &'static str,
+    pub detail: Option<String>,
 }
 
 impl AuthError {
@@ -66,7 +70,13 @@ impl AuthError {
             code,
             message: message.into(),
             reason,
+            detail: None,
         }
+    }
+
+    fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
     }
 }
 
@@ -82,8 +92,13 @@ pub(crate) struct Authenticator {
 }
 
 impl Authenticator {
-    pub fn new(spec: AuthSpec) -> Result<Self, String> {
+    /// Loads the hba file. `client_ca`: whether `tls.client_ca` is set, without
+    /// which rules that need a client certificate could never be met.
+    pub fn new(spec: AuthSpec, client_ca: bool) -> Result<Self, String> {
         let hba = Hba::load(&spec.hba_file).map_err(|e| e.to_string())?;
+        if !client_ca {
+            check_no_client_certs(&hba, &spec.hba_file)?;
+        }
         Ok(Self {
             spec,
             hba,
@@ -242,7 +257,7 @@ impl Authenticator {
         };
         // The hba decision is made before any await: the context borrows a
         // callback that is not Send.
-        let (method, reject) = {
+        let (method, client_cert, line, reject) = {
             let no_roles = |_: &str| roles.clone();
             let mut ctx = HbaContext::new(
                 ConnType::Host {
@@ -254,7 +269,12 @@ impl Authenticator {
             );
             ctx.roles_of_user = &no_roles;
             match self.hba.find(&ctx) {
-                Some(rule) => (rule.method, pgwarden_auth::hba::reject_message(&ctx)),
+                Some(rule) => (
+                    rule.method,
+                    rule.client_cert,
+                    rule.line,
+                    pgwarden_auth::hba::reject_message(&ctx),
+                ),
                 None => {
                     return Err(AuthError::new(
                         sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
@@ -263,6 +283,34 @@ impl Authenticator {
                     ));
                 }
             }
+        };
+        // As in PostgreSQL, before the method runs: the rule wants a
+        // certificate and the client sent none (one that does not chain to
+        // tls.client_ca never gets this far: its handshake failed).
+        let cert_rule = match (method, client_cert) {
+            (AuthMethod::Cert, _) => "cert authentication",
+            (_, Some(ClientCert::VerifyCa)) => "clientcert=verify-ca",
+            _ => "clientcert=verify-full",
+        };
+        let cert_name = match client_cert {
+            None => None,
+            Some(_) => match client.peer_certificate() {
+                None => {
+                    return Err(AuthError::new(
+                        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                        "cert_missing",
+                        "connection requires a valid client certificate",
+                    )
+                    .with_detail(format!(
+                        "{cert_rule} (pg_hba.conf line {line}): the client sent no certificate"
+                    )))
+                }
+                Some(der) => Some(
+                    pgwarden_auth::subject_common_name(der)
+                        .map(|name| name.map(<[u8]>::to_vec))
+                        .map_err(|e| e.to_string()),
+                ),
+            },
         };
         let failed = || {
             AuthError::new(
@@ -279,18 +327,15 @@ impl Authenticator {
                 "authentication is unavailable: the password verifier could not be looked up",
             )
         };
-        match method {
+        let credential = match method {
             AuthMethod::Trust => Ok(Credential::None),
             AuthMethod::Reject => Err(AuthError::new(
                 sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
                 "hba_reject",
                 reject,
             )),
-            AuthMethod::Cert => Err(AuthError::new(
-                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
-                "unsupported",
-                "certificate authentication is not supported by pgwarden yet",
-            )),
+            // The certificate is the proof; its name is checked below.
+            AuthMethod::Cert => Ok(Credential::None),
             AuthMethod::Password => {
                 let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
                 let mut out = BytesMut::new();
@@ -338,7 +383,35 @@ impl Authenticator {
                         .map(Credential::ClientKey)
                 }
             }
+        }?;
+        // verify-full (and cert, which implies it): after the method
+        // succeeded, the certificate must name the user. The client is told
+        // what PostgreSQL tells it, which names the method, not the reason.
+        if client_cert == Some(ClientCert::VerifyFull) {
+            let name = cert_name.unwrap_or_else(|| Err("no client certificate".into()));
+            if let Err(why) = check_cert_name(name, &user) {
+                let refused = match method {
+                    AuthMethod::Cert => AuthError::new(
+                        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                        "cert_name_mismatch",
+                        format!("certificate authentication failed for user \"{user}\""),
+                    ),
+                    AuthMethod::Trust => AuthError::new(
+                        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                        "cert_name_mismatch",
+                        format!("\"trust\" authentication failed for user \"{user}\""),
+                    ),
+                    _ => AuthError {
+                        reason: "cert_name_mismatch",
+                        ..failed()
+                    },
+                };
+                return Err(
+                    refused.with_detail(format!("{cert_rule} (pg_hba.conf line {line}): {why}"))
+                );
+            }
         }
+        Ok(credential)
     }
 
     async fn scram(
@@ -363,6 +436,43 @@ impl Authenticator {
         encode::authentication_sasl_final(&mut out, &server_final);
         client.write_all(&out).await.map_err(|_| ())?;
         Ok(key)
+    }
+}
+
+/// Refuses an hba file with a rule that needs a client certificate when
+/// no CA to verify one is configured, naming the first such rule: without
+/// `tls.client_ca` no client is even asked for a certificate.
+fn check_no_client_certs(hba: &Hba, origin: &Path) -> Result<(), String> {
+    let Some(rule) = hba.rules().iter().find(|r| r.client_cert.is_some()) else {
+        return Ok(());
+    };
+    let what = match (rule.method, rule.client_cert) {
+        (AuthMethod::Cert, _) => "\"cert\" authentication",
+        (_, Some(ClientCert::VerifyCa)) => "clientcert=verify-ca",
+        _ => "clientcert=verify-full",
+    };
+    Err(format!(
+        "{}:{}: tls.client_ca: {what} needs the CA certificates that client certificates must chain to; set tls.client_ca",
+        origin.display(),
+        rule.line
+    ))
+}
+
+/// Whether the certificate's common name (see
+/// [`pgwarden_auth::subject_common_name`]) is the user name, byte for byte
+/// as in PostgreSQL; the error says why not, for the log.
+fn check_cert_name(name: Result<Option<Vec<u8>>, String>, user: &str) -> Result<(), String> {
+    match name? {
+        None => Err("the certificate's subject has no common name (CN)".into()),
+        Some(cn) if cn.is_empty() => Err("the certificate's common name (CN) is empty".into()),
+        Some(cn) if cn.contains(&0) => {
+            Err("the certificate's common name (CN) contains a NUL byte".into())
+        }
+        Some(cn) if cn == user.as_bytes() => Ok(()),
+        Some(cn) => Err(format!(
+            "the certificate's common name {:?} is not the user name {user:?}",
+            String::from_utf8_lossy(&cn)
+        )),
     }
 }
 
@@ -407,5 +517,62 @@ async fn exchange(client: &mut ClientStream, request: &[u8]) -> Option<BytesMut>
             Ok(0) | Err(_) => return None,
             Ok(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hba(text: &str) -> Hba {
+        Hba::parse(text, Path::new("conf/pg_hba.conf"), &|_| {
+            Err(std::io::ErrorKind::NotFound.into())
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn rules_needing_a_certificate_need_a_ca() {
+        let origin = Path::new("conf/pg_hba.conf");
+        let plain = hba("host all all all scram-sha-256\nhostssl all all all md5\n");
+        assert_eq!(check_no_client_certs(&plain, origin), Ok(()));
+        let cert = hba("# comment\nhost all postgres all trust\nhostssl all all all cert\n");
+        assert_eq!(
+            check_no_client_certs(&cert, origin),
+            Err("conf/pg_hba.conf:3: tls.client_ca: \"cert\" authentication needs the CA certificates that client certificates must chain to; set tls.client_ca".into())
+        );
+        let full = hba("hostssl all all all scram-sha-256 clientcert=verify-full\n");
+        let err = check_no_client_certs(&full, origin).unwrap_err();
+        assert!(
+            err.starts_with("conf/pg_hba.conf:1: tls.client_ca: clientcert=verify-full needs"),
+            "{err}"
+        );
+        let ca = hba("host all all all md5\nhostssl all all all trust clientcert=verify-ca\n");
+        let err = check_no_client_certs(&ca, origin).unwrap_err();
+        assert!(
+            err.starts_with("conf/pg_hba.conf:2: tls.client_ca: clientcert=verify-ca needs"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn certificate_names_compare_byte_for_byte() {
+        let name = |n: &[u8]| Ok(Some(n.to_vec()));
+        assert_eq!(check_cert_name(name(b"alice"), "alice"), Ok(()));
+        assert_eq!(check_cert_name(name("zoë".as_bytes()), "zoë"), Ok(()));
+        // No case folding, no trimming, as in PostgreSQL without a map.
+        assert!(check_cert_name(name(b"Alice"), "alice").is_err());
+        assert!(check_cert_name(name(b"alice "), "alice").is_err());
+        let err = check_cert_name(name(b"bob"), "alice").unwrap_err();
+        assert!(
+            err.contains("\"bob\"") && err.contains("\"alice\""),
+            "{err}"
+        );
+        assert!(check_cert_name(name(b"alice\0x"), "alice").is_err());
+        assert!(check_cert_name(name(b""), "").is_err());
+        assert!(check_cert_name(Ok(None), "alice").is_err());
+        assert!(check_cert_name(Err("malformed".into()), "alice").is_err());
+        // A BMPString name keeps its NUL bytes and names nobody.
+        assert!(check_cert_name(name(&[0, b'a']), "\0a").is_err());
     }
 }

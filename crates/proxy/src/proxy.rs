@@ -93,6 +93,9 @@ pub struct TlsSpec {
     pub key: std::path::PathBuf,
     /// Whether TLS is allowed or required.
     pub mode: ClientTlsMode,
+    /// CA certificates (PEM) that client certificates must chain to; with
+    /// it, clients are asked for a certificate (and may send none).
+    pub client_ca: Option<std::path::PathBuf>,
 }
 
 /// Per-database and per-user exceptions to a service's pool mode and size
@@ -514,7 +517,7 @@ impl Proxy {
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
         match &spec.tls {
-            Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key) {
+            Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key, t.client_ca.as_deref()) {
                 Ok(acceptor) => {
                     self.shared.tls.store(Some(Arc::new(acceptor)));
                     *self.shared.client_tls.lock().expect("poisoned") = t.mode;
@@ -545,7 +548,10 @@ impl Proxy {
         }
         *self.shared.auth_timeout.lock().expect("poisoned") = spec.auth_timeout;
         match &spec.auth {
-            Some(a) => match crate::auth::Authenticator::new(a.clone()) {
+            Some(a) => match crate::auth::Authenticator::new(
+                a.clone(),
+                spec.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+            ) {
                 Ok(auth) => self.shared.auth.store(Some(Arc::new(auth))),
                 Err(e) => {
                     // A broken hba file on reload keeps the rules in force.

@@ -153,6 +153,7 @@ async fn serve(
                 tracing::info!(
                     user = startup.user().unwrap_or_default(),
                     reason = e.reason,
+                    detail = e.detail.as_deref(),
                     "authentication failed"
                 );
                 shared
@@ -258,7 +259,21 @@ async fn read_startup(
                     return Ok(None);
                 }
                 if let Err(e) = client.upgrade(&acceptor).await {
-                    tracing::debug!(error = %e, "TLS handshake failed");
+                    if crate::stream::is_client_certificate_error(&e) {
+                        // Refused credentials, like a wrong password: worth
+                        // the operator's attention, unlike clients that
+                        // hang up mid-handshake.
+                        tracing::info!(error = %e, "TLS handshake failed: client certificate refused");
+                        shared
+                            .metrics
+                            .auth_failures
+                            .get_or_create(&crate::metrics::ReasonLabel {
+                                reason: "cert_invalid".into(),
+                            })
+                            .inc();
+                    } else {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                    }
                     return Ok(None);
                 }
                 continue;

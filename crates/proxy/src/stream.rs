@@ -73,6 +73,18 @@ impl ClientStream {
         }
     }
 
+    /// The end-entity certificate the client presented in the TLS
+    /// handshake. The acceptor only asks for one when `tls.client_ca` is
+    /// set, and a certificate that does not chain to it fails the
+    /// handshake, so one returned here has been verified. `None` on
+    /// plaintext, or when the client sent none.
+    pub fn peer_certificate(&self) -> Option<&CertificateDer<'static>> {
+        match self {
+            ClientStream::Tls(s) => s.get_ref().1.peer_certificates()?.first(),
+            _ => None,
+        }
+    }
+
     /// Runs the TLS handshake on a plain connection, in place.
     pub async fn upgrade(&mut self, acceptor: &TlsAcceptor) -> io::Result<()> {
         match std::mem::replace(self, ClientStream::Gone) {
@@ -152,8 +164,16 @@ impl AsyncWrite for ClientStream {
     }
 }
 
-/// Builds a TLS acceptor (TLS 1.2 and 1.3) from PEM files.
-pub fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> Result<TlsAcceptor, String> {
+/// Builds a TLS acceptor (TLS 1.2 and 1.3) from PEM files. With
+/// `client_ca`, clients are asked for a certificate: one that does not chain
+/// to those CAs fails the handshake, as in PostgreSQL, while a client that
+/// sends none still connects and the hba rule decides whether that will do.
+pub fn tls_acceptor(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    client_ca: Option<&std::path::Path>,
+) -> Result<TlsAcceptor, String> {
+    use tokio_rustls::rustls::server::WebPkiClientVerifier;
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
         .map_err(|e| format!("{}: {e}", cert.display()))?
         .collect::<Result<_, _>>()
@@ -163,16 +183,49 @@ pub fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> Result<Tls
     }
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ServerConfig::builder_with_provider(provider)
+    let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[
             &tokio_rustls::rustls::version::TLS13,
             &tokio_rustls::rustls::version::TLS12,
         ])
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
+        .map_err(|e| e.to_string())?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let roots = load_ca(ca)?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| format!("{}: {e}", ca.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = builder
         .with_single_cert(certs, key)
         .map_err(|e| format!("certificate and key do not fit: {e}"))?;
     Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// The CA certificates of a PEM file (at least one).
+fn load_ca(ca: &std::path::Path) -> Result<tokio_rustls::rustls::RootCertStore, String> {
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).map_err(|e| format!("{}: {e}", ca.display()))? {
+        let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
+        roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("{}: no CA certificate found", ca.display()));
+    }
+    Ok(roots)
+}
+
+/// Whether a failed TLS handshake failed on the client's certificate
+/// (the only certificate the server side verifies): not chained to
+/// `client_ca`, expired, not for client authentication, and the like.
+pub(crate) fn is_client_certificate_error(e: &io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<tokio_rustls::rustls::Error>())
+        .is_some_and(|e| matches!(e, tokio_rustls::rustls::Error::InvalidCertificate(_)))
 }
 
 /// How pgwarden uses TLS on its connections to the servers (libpq's
@@ -214,7 +267,7 @@ impl ServerTls {
     /// certificates) is required by the verifying modes.
     pub fn new(mode: ServerTlsMode, ca: Option<&std::path::Path>) -> Result<ServerTls, String> {
         use tokio_rustls::rustls::client::WebPkiServerVerifier;
-        use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+        use tokio_rustls::rustls::ClientConfig;
         if mode == ServerTlsMode::Disable {
             return Ok(ServerTls::default());
         }
@@ -222,16 +275,7 @@ impl ServerTls {
         let verifier: Arc<dyn ServerCertVerifier> = match mode {
             ServerTlsMode::VerifyCa | ServerTlsMode::VerifyFull => {
                 let ca = ca.ok_or("server_tls = verify-ca/verify-full needs tls.server_ca")?;
-                let mut roots = RootCertStore::empty();
-                for c in CertificateDer::pem_file_iter(ca)
-                    .map_err(|e| format!("{}: {e}", ca.display()))?
-                {
-                    let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
-                    roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
-                }
-                if roots.is_empty() {
-                    return Err(format!("{}: no CA certificate found", ca.display()));
-                }
+                let roots = load_ca(ca)?;
                 let webpki =
                     WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                         .build()
