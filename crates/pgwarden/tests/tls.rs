@@ -187,3 +187,84 @@ fn tls_spec_for(p: &pgwarden_proxy::Proxy, c: &TestCluster) -> pgwarden_proxy::P
     let _ = c;
     p.spec().clone()
 }
+
+/// Sessions are ended by shutting the read side of the client's socket;
+/// under TLS that shows as an unexpected end of the TLS stream, and the
+/// client must still get pgwarden's reason, in session and transaction mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_sessions_told_to_end_get_the_reason() {
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_ca, cert, key) = make_certs(dir.path(), "a");
+    for pool in [None, Some(pgwarden_proxy::PoolSettings::default())] {
+        let spec = TlsSpec {
+            cert: cert.clone(),
+            key: key.clone(),
+            mode: ClientTlsMode::Require,
+            client_ca: None,
+        };
+        let (e, p) = proxy_full(
+            &c.addrs(),
+            Duration::from_secs(3),
+            pool.clone(),
+            1000,
+            Default::default(),
+            Some(spec),
+        )
+        .await;
+        until(&e, "primary", WAIT, |s| {
+            s.topology.primary().map(|_| ()).ok_or("none".into())
+        })
+        .await;
+        let port = p.service_addrs()["read_write"].port();
+        // A statement of its own per round: the previous round's backend
+        // may still be sleeping.
+        let sql = format!("SELECT pg_sleep(60) AS pooled_{}", pool.is_some());
+        let sleep_sql = sql.clone();
+        let sleeper = tokio::task::spawn_blocking(move || {
+            psql(
+                &format!(
+                    "host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=require"
+                ),
+                &sleep_sql,
+            )
+        });
+        // The statement runs on the server: the session is in the relay.
+        let direct = format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres",
+            c.port(0)
+        );
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let (_, n) = tokio::task::block_in_place(|| {
+                psql(
+                    &direct,
+                    &format!("SELECT count(*) FROM pg_stat_activity WHERE query = '{sql}'"),
+                )
+            });
+            if n.trim() == "1" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline && !sleeper.is_finished(),
+                "the sleeper never started: {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let started = std::time::Instant::now();
+        p.shutdown().await;
+        let (ok, out) = tokio::time::timeout(WAIT, sleeper).await.unwrap().unwrap();
+        assert!(!ok, "pooled={}: {out}", pool.is_some());
+        assert!(
+            out.contains("pgwarden is shutting down"),
+            "pooled={}: {out}",
+            pool.is_some()
+        );
+        // shutdown_timeout is 5 s; the kill itself is immediate.
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
