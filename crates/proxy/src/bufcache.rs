@@ -14,7 +14,7 @@ use bytes::BytesMut;
 pub const SIZE: usize = 16 * 1024;
 
 /// Buffers kept per thread.
-const KEEP: usize = 64;
+const KEEP: usize = 16;
 
 thread_local! {
     static FREE: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };

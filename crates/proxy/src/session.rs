@@ -75,7 +75,25 @@ pub(crate) async fn run(
     gauge.inc();
     let span = tracing::debug_span!("session", service = %name, client = %peer);
     let _enter = span.enter();
-    let outcome = serve(&shared, &service, &mut client, peer).await;
+    // The start-up and authentication phase is boxed and freed once done:
+    // a task's future is allocated at its largest, and a pooled client
+    // spends its life idle in the much smaller transaction loop.
+    let outcome = match Box::pin(serve(&shared, &service, &mut client, peer)).await {
+        Ok(Some(p)) => crate::txn::run(
+            &shared,
+            &service,
+            &mut client,
+            p.startup,
+            p.early,
+            peer,
+            p.settings,
+            p.credential,
+        )
+        .await
+        .map_err(|(code, message, reason)| Refusal::new(code, reason, message)),
+        Ok(None) => Ok(()),
+        Err(r) => Err(r),
+    };
     if let Err(r) = outcome {
         shared.metrics.error(&name, r.reason);
         tracing::debug!(reason = r.reason, message = %r.message, "client refused");
@@ -94,12 +112,22 @@ pub(crate) async fn run(
     gauge.dec();
 }
 
+/// A client that goes on to transaction pooling, once logged in.
+struct Pooled {
+    startup: StartupMessage,
+    early: BytesMut,
+    settings: crate::pool::PoolSettings,
+    credential: Credential,
+}
+
+/// Start-up, authentication, and for session mode the whole session;
+/// `Some` hands a client on to transaction pooling.
 async fn serve(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
     client: &mut ClientStream,
     peer: SocketAddr,
-) -> Result<(), Refusal> {
+) -> Result<Option<Pooled>, Refusal> {
     let mut buf = BytesMut::with_capacity(1024);
     // One budget from accept to an authenticated client, so a slow client
     // costs a bounded amount.
@@ -108,7 +136,7 @@ async fn serve(
     let mut startup =
         match tokio::time::timeout_at(deadline, read_startup(client, &mut buf, shared)).await {
             Ok(Ok(Some(s))) => s,
-            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(None)) => return Ok(None),
             Ok(Err(r)) => return Err(r),
             Err(_) => {
                 return Err(Refusal::new(
@@ -186,7 +214,7 @@ async fn serve(
         && spec.want == pgwarden_topology::Want::Primary
     {
         Box::pin(crate::admin::run(shared, client, &startup)).await;
-        return Ok(());
+        return Ok(None);
     }
     let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
         spec,
@@ -194,12 +222,12 @@ async fn serve(
         startup.user().unwrap_or_default(),
     );
     if let Some(pool) = pool {
-        let cred = credential.unwrap_or(Credential::None);
-        return Box::pin(crate::txn::run(
-            shared, service, client, startup, buf, peer, pool, cred,
-        ))
-        .await
-        .map_err(|(code, message, reason)| Refusal::new(code, reason, message));
+        return Ok(Some(Pooled {
+            startup,
+            early: buf,
+            settings: pool,
+            credential: credential.unwrap_or(Credential::None),
+        }));
     }
     let (server, host) = connect_server(shared, service).await?;
     shared
@@ -214,7 +242,7 @@ async fn serve(
         shared, service, client, buf, server, host, startup, peer, credential,
     )
     .await;
-    Ok(())
+    Ok(None)
 }
 
 /// Reads until a StartupMessage; answers SSL and GSS encryption requests
