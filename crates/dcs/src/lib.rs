@@ -46,4 +46,4 @@ pub use client::EtcdDcs;
 pub use error::{DcsError, Result};
 pub use keys::{KeyLayout, DEFAULT_NAMESPACE};
 pub use snapshot::{ClusterSnapshot, HistoryEntry, LeaderKey, LeaseId};
-pub use watch::{LeaderEvent, LeaderWatch};
+pub use watch::{KeyWatch, LeaderEvent, LeaderWatch, RequestEvent, RequestWatch};
