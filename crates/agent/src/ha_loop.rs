@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use pgwarden_config::{AgentConfig, EtcdConfig};
 use pgwarden_dcs::{ClusterSnapshot, EtcdDcs, HistoryEntry, LeaderWatch, LeaseId};
 use pgwarden_ha::{
-    decide, rank_candidates, AcquireReason, ClusterView, Decision, DemoteReason, ElectionSettings,
-    MemberRole, MemberState, ReleaseReason, StartMode, Timing,
+    decide, overdue_after, rank_candidates, AcquireReason, ClusterView, Decision, DemoteReason,
+    ElectionSettings, MemberRole, MemberState, ReleaseReason, Schedule, StartMode, Timing,
 };
 use pgwarden_pgctl::{PgCtlError, StopMode};
 use pgwarden_topology::HostAddr;
 use tokio::sync::{mpsc, watch};
 
+use crate::handover;
 use crate::postgres::{LocalPostgres, Observation};
 use crate::record::{cluster_view, records, unix_ms, MemberRecord};
 use crate::status::{AgentStatus, Command, StatusHandle};
@@ -90,6 +91,8 @@ pub(crate) struct HaLoop {
     /// When (Unix ms) a failsafe round last succeeded, or this member last
     /// acknowledged a leader's.
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// The revision of the scheduled switchover request last logged.
+    scheduled_seen: Option<i64>,
 }
 
 impl HaLoop {
@@ -150,6 +153,7 @@ impl HaLoop {
             proxy_url,
             fence: None,
             failsafe_seen,
+            scheduled_seen: None,
             cfg,
         }
     }
@@ -168,6 +172,7 @@ impl HaLoop {
         }
         let crashes = self.pg.crashes();
         let mut leader_watch = self.dcs.watch_leader().await;
+        let mut request_watch = self.dcs.watch_failover().await;
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
@@ -180,10 +185,16 @@ impl HaLoop {
             } else {
                 self.timing.loop_wait
             };
+            // A scheduled switchover runs at its time, not up to a loop
+            // later.
+            let pace = self.until_scheduled().map_or(pace, |d| pace.min(d));
             tokio::select! {
                 _ = tokio::time::sleep(pace) => {}
                 ev = leader_watch.next() => {
                     tracing::debug!(event = ?ev, "leader key changed");
+                }
+                ev = request_watch.next() => {
+                    tracing::debug!(event = ?ev, "switchover request changed");
                 }
                 _ = crashes.notified() => {}
                 cmd = self.commands.recv() => match cmd {
@@ -444,7 +455,9 @@ impl HaLoop {
             last_lease_renewal: self.last_renewal,
             now: Instant::now(),
             dcs_reachable: self.dcs_ok,
+            unix_ms: unix_ms(),
         };
+        self.note_scheduled(&view);
         let decision = decide(&view, &local, &self.timing, &self.settings);
         let text = decision.to_string();
         if text != self.last_decision {
@@ -455,7 +468,7 @@ impl HaLoop {
         // stay leader (restarting or promoting PostgreSQL included), or a
         // slow restart would cost it the key.
         if decision.keeps_lease() {
-            self.renew().await;
+            let _ = self.renew().await;
         } else {
             self.keep_member_alive().await;
         }
@@ -528,15 +541,61 @@ impl HaLoop {
             Decision::Demote { reason } => self.demote(reason).await,
             Decision::FollowLeader { leader } => self.follow(leader).await,
             Decision::StartPostgres { mode } => self.start(mode).await,
-            Decision::ReleaseLeader { reason } => self.release(reason).await,
+            Decision::ReleaseLeader { reason } => self.release(reason, view).await,
+            Decision::CancelSwitchover { reason } => {
+                match self
+                    .dcs
+                    .delete_failover_if(self.snapshot.failover_revision)
+                    .await
+                {
+                    Ok(true) => tracing::warn!("scheduled switchover withdrawn: {reason}"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot withdraw the switchover request"),
+                }
+            }
         }
     }
 
-    async fn renew(&mut self) {
-        let Some(lease) = self.lease else { return };
+    /// How long until a scheduled switchover is due, while one waits.
+    fn until_scheduled(&self) -> Option<Duration> {
+        let req = crate::record::cluster_view(&self.snapshot, 0).failover_request?;
+        match Schedule::of(
+            req.scheduled_at.as_deref(),
+            unix_ms(),
+            overdue_after(&self.timing),
+        ) {
+            Schedule::Waiting(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Logs a scheduled switchover once, when the leader first sees it.
+    fn note_scheduled(&mut self, view: &ClusterView) {
+        let revision = self.snapshot.failover_revision;
+        let Some(req) = view.failover_request.as_ref() else {
+            return;
+        };
+        let (Some(at), true) = (&req.scheduled_at, self.holds_leader_key()) else {
+            return;
+        };
+        if self.scheduled_seen == Some(revision) {
+            return;
+        }
+        self.scheduled_seen = Some(revision);
+        tracing::info!(
+            candidate = req.candidate.as_deref().unwrap_or("?"),
+            "awaiting the switchover scheduled at {at}"
+        );
+    }
+
+    /// Renews the leader lease; whether it worked.
+    async fn renew(&mut self) -> bool {
+        let Some(lease) = self.lease else {
+            return false;
+        };
         let budget = self.retry_budget();
         if budget.is_zero() {
-            return;
+            return false;
         }
         let t0 = Instant::now();
         let name = self.cfg.name.clone();
@@ -552,6 +611,7 @@ impl HaLoop {
                     )
                     .await;
                 }
+                return true;
             }
             Ok(Ok(false)) => {
                 tracing::warn!("the leader key is no longer held by this agent's lease");
@@ -560,6 +620,7 @@ impl HaLoop {
             Ok(Err(e)) => tracing::warn!(error = %e, "leader lease renewal failed"),
             Err(_) => tracing::warn!("leader lease renewal timed out"),
         }
+        false
     }
 
     async fn keep_member_alive(&mut self) {
@@ -949,9 +1010,30 @@ impl HaLoop {
         }
     }
 
-    async fn release(&mut self, reason: &ReleaseReason) {
+    async fn release(&mut self, reason: &ReleaseReason, view: &ClusterView) {
+        let mut paused = Vec::new();
         match reason {
             ReleaseReason::Switchover { .. } => {
+                let scheduled = view
+                    .failover_request
+                    .as_ref()
+                    .is_some_and(|r| r.scheduled_at.is_some());
+                if scheduled {
+                    // Nobody waits on the API now: pause the connection
+                    // managers here, as the API does for an immediate one.
+                    let proxies: Vec<String> = records(&self.snapshot)
+                        .into_iter()
+                        .filter_map(|r| r.proxy_url)
+                        .collect();
+                    paused = handover::pause_proxies(&proxies).await;
+                    // The drain may have taken a while: stop only with a
+                    // lease that certainly still stands.
+                    if !self.renew().await {
+                        tracing::warn!("not switching over: the leader lease could not be renewed");
+                        handover::resume_proxies(&paused).await;
+                        return;
+                    }
+                }
                 // A checkpoint first makes the shutdown checkpoint short.
                 let _ = self.checkpoint(&self.cfg.pg_listen.clone()).await;
                 if let Err(e) = self.pg.stop(StopMode::Fast).await {
@@ -986,6 +1068,15 @@ impl HaLoop {
             "on_role_change",
             "replica",
         );
+        if !paused.is_empty() {
+            let dcs = self.dcs.clone();
+            let me = self.cfg.name.clone();
+            tokio::spawn(async move {
+                let wait = crate::api::DEFAULT_SWITCHOVER_WAIT + handover::WRITABLE_WAIT;
+                handover::wait_for_writable_leader(&dcs, Some(&me), wait).await;
+                handover::resume_proxies(&paused).await;
+            });
+        }
     }
 
     /// One step of keeping the synchronous standbys as the protection mode

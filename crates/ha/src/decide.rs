@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::election::{is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking};
 use crate::member::MemberRole;
 use crate::rto::Timing;
+use crate::schedule::{overdue_after, Schedule};
 use crate::secs::Secs;
 use crate::view::{ClusterView, LocalView};
 
@@ -65,6 +66,12 @@ pub enum Decision {
         /// start with a failover.
         renew_lease: bool,
     },
+    /// The leader, otherwise in good order, withdraws a scheduled switchover
+    /// that can no longer be carried out at the time it was asked for.
+    CancelSwitchover {
+        /// Why.
+        reason: CancelReason,
+    },
 }
 
 impl Decision {
@@ -75,7 +82,7 @@ impl Decision {
     /// restarting PostgreSQL would otherwise lose the key halfway.
     pub fn keeps_lease(&self) -> bool {
         match self {
-            Decision::RenewLease | Decision::Promote => true,
+            Decision::RenewLease | Decision::Promote | Decision::CancelSwitchover { .. } => true,
             Decision::StartPostgres { mode } => matches!(mode, StartMode::AsLeader { .. }),
             Decision::Paused { renew_lease } => *renew_lease,
             _ => false,
@@ -102,6 +109,9 @@ impl fmt::Display for Decision {
                 f.write_str("paused: renewing the leader lease, no automatic failover")
             }
             Decision::Paused { renew_lease: false } => f.write_str("paused: no automatic failover"),
+            Decision::CancelSwitchover { reason } => {
+                write!(f, "cancelling the scheduled switchover: {reason}")
+            }
         }
     }
 }
@@ -201,6 +211,39 @@ impl fmt::Display for ReleaseReason {
             }
             ReleaseReason::Switchover { candidate } => {
                 write!(f, "switching over to {candidate}")
+            }
+        }
+    }
+}
+
+/// Why the leader withdraws a scheduled switchover.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CancelReason {
+    /// Its time passed longer ago than [`crate::overdue_after`] allows
+    /// (the candidate was not ready then, or the cluster was paused).
+    Overdue {
+        /// The time it was scheduled for, as stored.
+        scheduled_at: String,
+        /// How long ago that was.
+        late: Duration,
+    },
+    /// Its time cannot be read.
+    Unreadable {
+        /// The stored value.
+        scheduled_at: String,
+    },
+}
+
+impl fmt::Display for CancelReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CancelReason::Overdue { scheduled_at, late } => write!(
+                f,
+                "it was due at {scheduled_at}, {} ago, and could not be carried out then",
+                Secs(*late)
+            ),
+            CancelReason::Unreadable { scheduled_at } => {
+                write!(f, "its time {scheduled_at:?} cannot be read")
             }
         }
     }
@@ -312,12 +355,13 @@ pub fn decide(
     timing: &Timing,
     settings: &ElectionSettings,
 ) -> Decision {
-    let view = with_local_observation(cluster, local);
+    let mut view = with_local_observation(cluster, local);
+    let cancel = scheduled_request(&mut view, local, timing);
     let ranking = rank_candidates(&view, settings);
     let manual = manual_ranking(&view, settings, &ranking);
     match view.current_leader() {
         Some(l) if l.name == local.name && local.holds_lease => {
-            as_leader(&view, local, timing, &manual)
+            as_leader(&view, local, timing, &manual, cancel)
         }
         Some(l) if l.name == local.name => {
             if view.paused {
@@ -333,11 +377,40 @@ pub fn decide(
     }
 }
 
+/// Leaves a scheduled request in the view only while it is to be acted on:
+/// its time has come (within [`overdue_after`]) and the cluster is not in
+/// maintenance mode, where scheduled actions wait as in Patroni. Returns why
+/// the leader should withdraw it, if it should.
+fn scheduled_request(
+    view: &mut ClusterView,
+    local: &LocalView,
+    timing: &Timing,
+) -> Option<CancelReason> {
+    let req = view.failover_request.as_ref()?;
+    let at = req.scheduled_at.clone()?;
+    let schedule = Schedule::of(Some(&at), local.unix_ms, overdue_after(timing));
+    if !schedule.is_active() || view.paused {
+        view.failover_request = None;
+    }
+    if view.paused {
+        return None;
+    }
+    match schedule {
+        Schedule::Overdue(late) => Some(CancelReason::Overdue {
+            scheduled_at: at,
+            late,
+        }),
+        Schedule::Unreadable => Some(CancelReason::Unreadable { scheduled_at: at }),
+        _ => None,
+    }
+}
+
 fn as_leader(
     view: &ClusterView,
     local: &LocalView,
     timing: &Timing,
     ranking: &Ranking,
+    cancel: Option<CancelReason>,
 ) -> Decision {
     // In maintenance mode the operator owns PostgreSQL; demoting on a DCS
     // outage would be exactly the surprise pause is meant to rule out.
@@ -387,7 +460,10 @@ fn as_leader(
     if pg.in_recovery {
         return Decision::Promote;
     }
-    Decision::RenewLease
+    match cancel {
+        Some(reason) => Decision::CancelSwitchover { reason },
+        None => Decision::RenewLease,
+    }
 }
 
 /// The member a pending switchover away from this leader should go to, if
@@ -1146,6 +1222,142 @@ mod tests {
     }
 
     #[test]
+    fn a_scheduled_switchover_waits_for_its_time_then_runs_or_is_cancelled() {
+        // NOW_MS is 2023-11-14T22:13:20Z; overdue after 7.5 s (norm).
+        let sched = |at: &str| {
+            cluster()
+                .leader("n1")
+                .replica("n2", 0)
+                .scheduled_switchover("n1", "n2", at)
+        };
+        let release = Decision::ReleaseLeader {
+            reason: ReleaseReason::Switchover {
+                candidate: "n2".into(),
+            },
+        };
+        check(vec![
+            Case {
+                name: "not yet",
+                cluster: sched("2023-11-14T22:13:21Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "due now",
+                cluster: sched("2023-11-14T22:13:20Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: release.clone(),
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "due, written in another zone, a loop late",
+                cluster: sched("2023-11-15T00:13:15+02:00").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: release,
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "due but paused: scheduled actions wait",
+                cluster: sched("2023-11-14T22:13:20Z").paused().build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "overdue: withdrawn, not carried out late",
+                cluster: sched("2023-11-14T22:13:10Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Overdue {
+                        scheduled_at: "2023-11-14T22:13:10Z".into(),
+                        late: secs(10),
+                    },
+                },
+                says: "cancelling the scheduled switchover: it was due at \
+                       2023-11-14T22:13:10Z, 10 s ago, and could not be carried out then",
+            },
+            Case {
+                name: "overdue while paused: left for later",
+                cluster: sched("2023-11-14T22:13:10Z").paused().build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "unreadable time",
+                cluster: sched("at noon").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Unreadable {
+                        scheduled_at: "at noon".into(),
+                    },
+                },
+                says: "cancelling the scheduled switchover: its time \"at noon\" cannot be read",
+            },
+            Case {
+                name: "a crashed PostgreSQL comes first",
+                cluster: sched("2023-11-14T22:13:10Z").build(),
+                local: local("n1").stopped().holding_lease().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::AsLeader {
+                        failed_for: Duration::ZERO,
+                        timeout: secs(25),
+                    },
+                },
+                says: "starting PostgreSQL as the leader (the leader key is released if it is \
+                       not up within 25 s)",
+            },
+        ]);
+    }
+
+    #[test]
+    fn a_switchover_not_yet_due_does_not_steer_an_election() {
+        let free = |at: &str| {
+            cluster()
+                .replica("n2", 0)
+                .replica("n3", 300)
+                .scheduled_switchover("n1", "n3", at)
+        };
+        check(vec![
+            Case {
+                name: "the best candidate takes the key",
+                cluster: free("2023-11-14T22:20:00Z").build(),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "the named candidate does not",
+                cluster: free("2023-11-14T22:20:00Z").build(),
+                local: local("n3").build(),
+                want: wait(WaitReason::BetterCandidate { name: "n2".into() }),
+                says: "waiting for a leader: n2 is a better candidate",
+            },
+            Case {
+                name: "once due, it names the winner",
+                cluster: free("2023-11-14T22:13:19Z").build(),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: false },
+                },
+                says: "acquiring the leader key: a manual failover named this node",
+            },
+            Case {
+                name: "and the best one steps aside",
+                cluster: free("2023-11-14T22:13:19Z").build(),
+                local: local("n2").build(),
+                want: wait(WaitReason::FailoverRequested {
+                    candidate: "n3".into(),
+                }),
+                says: "waiting for a leader: a manual failover named n3",
+            },
+        ]);
+    }
+
+    #[test]
     fn only_leader_decisions_keep_the_lease() {
         let keeps = [
             Decision::RenewLease,
@@ -1157,6 +1369,11 @@ mod tests {
                 },
             },
             Decision::Paused { renew_lease: true },
+            Decision::CancelSwitchover {
+                reason: CancelReason::Unreadable {
+                    scheduled_at: String::new(),
+                },
+            },
         ];
         assert!(keeps.iter().all(Decision::keeps_lease));
         let drops = [

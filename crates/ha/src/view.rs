@@ -32,6 +32,10 @@ pub struct FailoverRequest {
     /// Skip the candidate's eligibility checks. This can lose data and is
     /// meant for a cluster with no healthy candidate left.
     pub forced: bool,
+    /// When a scheduled switchover is to happen, as an RFC 3339 UTC
+    /// timestamp; `None` for a request to carry out at once. See
+    /// [`crate::schedule`].
+    pub scheduled_at: Option<String>,
 }
 
 /// The cluster as published in the DCS at the start of this iteration.
@@ -107,6 +111,9 @@ pub struct LocalView {
     /// Whether the last DCS request succeeded; when false the cluster view is
     /// stale and must not be used to claim leadership.
     pub dcs_reachable: bool,
+    /// The wall clock, Unix milliseconds, which times scheduled requests
+    /// (the monotonic `now` cannot be compared with a calendar time).
+    pub unix_ms: u64,
 }
 
 impl LocalView {
@@ -120,6 +127,7 @@ impl LocalView {
             last_lease_renewal: None,
             now,
             dcs_reachable: true,
+            unix_ms: 0,
         }
     }
 

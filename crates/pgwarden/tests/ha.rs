@@ -1343,3 +1343,159 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
         "strict mode never degrades"
     );
 }
+
+/// A write request to node `i`'s API.
+async fn api_write(
+    c: &AgentCluster,
+    i: usize,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> pgwarden_agent::http_client::Response {
+    let url = format!("{}{path}", c.node(i).api_url());
+    pgwarden_agent::http_client::request(
+        method,
+        &url,
+        body.as_ref(),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
+}
+
+/// The cluster as stored in etcd right now.
+async fn read_cluster(c: &AgentCluster) -> pgwarden_dcs::ClusterSnapshot {
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    dcs.read_cluster().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_switchover_happens_at_its_time_and_a_cancelled_one_never() {
+    use pgwarden_agent::record::unix_ms;
+    use pgwarden_ha::format_timestamp;
+    let c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let holder = |s: &pgwarden_dcs::ClusterSnapshot| s.leader.as_ref().map(|l| l.name.clone());
+    eventually(
+        "every member publishes a running server",
+        Duration::from_secs(20),
+        || async {
+            let snap = read_cluster(&c).await;
+            let running = snap
+                .members
+                .iter()
+                .filter(|(_, m)| m["running"] == true)
+                .count();
+            (running == 3)
+                .then_some(())
+                .ok_or(format!("{running} running"))
+        },
+    )
+    .await;
+
+    // Scheduled through a replica's API, then withdrawn: nothing happens,
+    // not at its time and not once it would be overdue.
+    let at = unix_ms() as i64 + 3_000;
+    let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": format_timestamp(at)});
+    let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
+    assert_eq!((r.status, r.body.trim()), (202, "Switchover scheduled"));
+    let r = api_write(&c, 1, "DELETE", "/switchover", None).await;
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "scheduled switchover deleted")
+    );
+    // Observing a window, not waiting for a condition: its time plus the
+    // grace (1.5 loops) plus a loop.
+    while (unix_ms() as i64) < at + 3_500 {
+        let snap = read_cluster(&c).await;
+        assert_eq!(holder(&snap).as_deref(), Some("n1"), "{}", c.logs());
+        assert!(snap.failover.is_none());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(writable(&c).await, vec![0]);
+
+    // Scheduled through a replica's API again: the leader learns of it from
+    // the watch, keeps leading until the time, then hands over.
+    let at = unix_ms() as i64 + 3_000;
+    let stamp = format_timestamp(at);
+    let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": stamp});
+    let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    // The leader's own view shows it as soon as it has read it.
+    let shown = format!("Switchover scheduled at {stamp}: from n1 to n2");
+    eventually("ctl list shows it", Duration::from_secs(2), || async {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+            .args(["ctl", "--api", &c.node(0).api_url(), "list"])
+            .output()
+            .await
+            .map_err(|e| e.to_string())?;
+        let list = String::from_utf8_lossy(&out.stdout).to_string();
+        list.contains(&shown).then_some(()).ok_or(list)
+    })
+    .await;
+    let moved_at = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let snap = read_cluster(&c).await;
+            let now = unix_ms() as i64;
+            match holder(&snap).as_deref() {
+                Some("n1") => {}
+                other => {
+                    assert!(
+                        now >= at,
+                        "the key left n1 ({other:?}) {} ms before its time",
+                        at - now
+                    );
+                    if other == Some("n2") {
+                        return now;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the switchover did not happen\n{}", c.logs()));
+    eprintln!(
+        "the key moved {} ms after the scheduled time",
+        moved_at - at
+    );
+    assert!(
+        moved_at - at < 10_000,
+        "the switchover happened {} ms after its time",
+        moved_at - at
+    );
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains(&format!("awaiting the switchover scheduled at {stamp}")));
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(20)).await, 1);
+    let (promoted, snap) = eventually(
+        "the promotion is recorded",
+        Duration::from_secs(10),
+        || async {
+            let snap = read_cluster(&c).await;
+            match snap.history.last() {
+                Some(h) => Ok((h.clone(), snap)),
+                None => Err("no history".to_string()),
+            }
+        },
+    )
+    .await;
+    assert_eq!(promoted.leader, "n2");
+    assert!(
+        promoted.time_ms as i64 >= at,
+        "promoted {} ms before its time",
+        at - promoted.time_ms as i64
+    );
+    assert!(snap.failover.is_none(), "the request is consumed");
+    // The old leader rejoins as a replica.
+    healthy(&c, 2, Duration::from_secs(60)).await;
+}
