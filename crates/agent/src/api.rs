@@ -363,6 +363,7 @@ async fn patroni(State(state): State<Arc<ApiState>>) -> Response {
 pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
     let leader = snap.leader.as_ref().map(|l| l.name.clone());
     let sync = sync_members(snap);
+    let quorum = record::sync_state(snap).and_then(|s| s.quorum);
     let members: Vec<Value> = record::records(snap)
         .into_iter()
         .map(|r| {
@@ -370,7 +371,13 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
             let role = if leader.as_deref() == Some(name.as_str()) {
                 "leader".to_string()
             } else if sync.contains(&name) && r.state.role == MemberRole::Replica {
-                "sync_standby".to_string()
+                // Patroni's names: every listed standby holds each commit,
+                // or under quorum commit some of them do.
+                if quorum.is_some_and(|q| q < sync.len()) {
+                    "quorum_standby".to_string()
+                } else {
+                    "sync_standby".to_string()
+                }
             } else {
                 r.state.role.to_string()
             };
@@ -748,8 +755,10 @@ fn check_candidate(
     let mut view = record::cluster_view(snap, record::unix_ms());
     if switchover {
         // The candidate catches up with the stopped leader before it is
-        // promoted (as the HA loops judge it too): lag does not count.
+        // promoted (as the HA loops judge it too): lag does not count, nor
+        // the quorum rule.
         view.last_leader_lsn = None;
+        view.sync_quorum = None;
     }
     if view.member(candidate).is_none() {
         return Err(ApiError::precondition(format!(
@@ -1128,6 +1137,11 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         "sync_standbys",
         "Synchronous standbys listed by the leader",
         sync.as_ref().map_or(0, |s| s.members.len() as i64),
+    );
+    gauge(
+        "sync_quorum",
+        "How many of the listed synchronous standbys hold each acknowledged commit",
+        sync.as_ref().map_or(0, |s| s.claim().quorum as i64),
     );
     gauge(
         "sync_blocked_seconds",

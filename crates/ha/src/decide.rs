@@ -517,8 +517,11 @@ fn as_follower(view: &ClusterView, local: &LocalView, leader: &str) -> Decision 
 fn manual_ranking(view: &ClusterView, settings: &ElectionSettings, ranking: &Ranking) -> Ranking {
     match &view.failover_request {
         Some(req) if req.from_leader.is_some() => {
+            // Nor does the quorum rule: the candidate receives everything
+            // the old leader wrote before it is promoted.
             let relaxed = ClusterView {
                 last_leader_lsn: None,
+                sync_quorum: None,
                 ..view.clone()
             };
             rank_candidates(&relaxed, settings)
@@ -1353,6 +1356,67 @@ mod tests {
                     candidate: "n3".into(),
                 }),
                 says: "waiting for a leader: a manual failover named n3",
+            },
+        ]);
+    }
+
+    #[test]
+    fn quorum_commit_elects_only_a_member_known_to_hold_every_commit() {
+        let q = |b: crate::fixtures::ClusterBuilder| {
+            let mut v = b.build();
+            v.sync_restricted = true;
+            v.sync_members = vec!["n2".into(), "n3".into()];
+            v.sync_quorum = Some(1);
+            v
+        };
+        check(vec![
+            Case {
+                name: "the more advanced takes the key",
+                cluster: q(cluster().replica("n2", 0).replica("n3", 64)),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "the other says why not",
+                cluster: q(cluster().replica("n2", 0).replica("n3", 64)),
+                local: local("n3").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::QuorumBehind { lag_bytes: 64 },
+                }),
+                says: "waiting for a leader: this node is not eligible (64 bytes behind another \
+                       listed synchronous standby, so it may lack acknowledged commits)",
+            },
+            Case {
+                name: "without the other's position, nobody",
+                cluster: q(cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 0)
+                    .with("n3", |m| m.last_seen_ms_ago = 60_000)),
+                local: local("n2").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::QuorumUnseen { seen: 1, needed: 2 },
+                }),
+                says: "waiting for a leader: this node is not eligible (only 1 listed \
+                       synchronous standbys report a WAL position, 2 needed to know which holds \
+                       every acknowledged commit)",
+            },
+            Case {
+                name: "a switchover to the one behind still happens: it catches up first",
+                cluster: q(cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .replica("n3", 64)
+                    .switchover("n1", "n3")),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n3".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n3",
             },
         ]);
     }

@@ -55,8 +55,8 @@ pub use election::{
 };
 pub use member::{MemberRole, MemberState, Tags};
 pub use protection::{
-    plan_sync, standby_names, Protection, SyncMethod, SyncObservation, SyncSettings, SyncState,
-    SyncStep,
+    plan_sync, wanted_config, Claim, Protection, SyncConfig, SyncMethod, SyncObservation,
+    SyncSettings, SyncState, SyncStep, NO_STANDBY,
 };
 pub use rto::{
     ParseRtoError, ReferenceRto, RtoPreset, RtoRange, RtoSetting, Timing, TimingError,

@@ -249,6 +249,7 @@ fn role_title(role: &str) -> String {
     match role {
         "leader" => "Leader".into(),
         "sync_standby" => "Sync Standby".into(),
+        "quorum_standby" => "Quorum Standby".into(),
         other => {
             let mut c = other.chars();
             c.next()
@@ -357,11 +358,18 @@ pub(crate) fn render_list(cluster: &Value) -> String {
                             .collect()
                     })
                     .unwrap_or_default();
-                out += &format!(
-                    "Synchronous standbys: {}
-",
+                let list = if members.is_empty() {
+                    "none".to_string()
+                } else {
                     members.join(", ")
-                );
+                };
+                // Under quorum commit each commit is on some of them.
+                match sync["quorum"].as_u64().map(|q| q as usize) {
+                    Some(q) if q > 0 && q < members.len() => {
+                        out += &format!("Synchronous standbys: {list} (each commit on any {q})\n")
+                    }
+                    _ => out += &format!("Synchronous standbys: {list}\n"),
+                }
             }
         }
     }
