@@ -181,8 +181,17 @@ impl HaLoop {
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
+            // A leader key whose lease has run out is deleted by etcd within
+            // half a second; the watch says when, and the short pace covers
+            // a watch that is being re-established.
+            let expiring = self
+                .snapshot
+                .leader
+                .as_ref()
+                .is_some_and(|l| l.ttl_left.is_some_and(|t| t.is_zero()));
             let pace = if (!self.routing_ready && self.snapshot.leader.is_some())
                 || self.sync_pending
+                || expiring
             {
                 ACK_PACE
             } else if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running {

@@ -275,6 +275,10 @@ pub enum WaitReason {
     /// The leader key names this node but belongs to a lease this process
     /// does not hold, left by an earlier run; only its expiry frees it.
     StaleOwnKey,
+    /// The leader's lease has run out but etcd has not deleted the key yet
+    /// (it does within half a second); the key cannot be taken before, and
+    /// the deletion wakes every agent.
+    KeyExpiring,
 }
 
 impl fmt::Display for WaitReason {
@@ -295,6 +299,9 @@ impl fmt::Display for WaitReason {
                 "the leader key names this node but belongs to an earlier lease; \
                  waiting for it to expire",
             ),
+            WaitReason::KeyExpiring => {
+                f.write_str("the leader's lease has run out; waiting for etcd to delete its key")
+            }
         }
     }
 }
@@ -545,9 +552,10 @@ fn without_leader(
         if let Some(candidate) = req.candidate.as_deref() {
             if candidate == local.name {
                 if local.postgres.running && (req.forced || manual.is_eligible(&local.name)) {
-                    return Decision::AcquireLeader {
-                        reason: AcquireReason::FailoverRequested { forced: req.forced },
-                    };
+                    return acquire(
+                        view,
+                        AcquireReason::FailoverRequested { forced: req.forced },
+                    );
                 }
             } else if candidate_ready(view, manual, candidate, req.forced) {
                 return stand_by(
@@ -569,9 +577,7 @@ fn without_leader(
         };
     }
     if is_best(&local.name, ranking) {
-        return Decision::AcquireLeader {
-            reason: AcquireReason::BestCandidate,
-        };
+        return acquire(view, AcquireReason::BestCandidate);
     }
     let reason = if view.member(&local.name).is_none() {
         WaitReason::NotInView
@@ -584,6 +590,20 @@ fn without_leader(
         }
     };
     stand_by(view, local, reason)
+}
+
+/// Takes the free key, or waits for it when it is only nearly free: a key
+/// whose lease has run out still exists until etcd deletes it, a
+/// create-if-absent cannot succeed before, and an attempt would ask every
+/// member for its position, the dead leader included, whose API may not
+/// answer for seconds when its host is gone rather than refusing.
+fn acquire(view: &ClusterView, reason: AcquireReason) -> Decision {
+    if view.leader.is_some() {
+        return Decision::WaitForLeader {
+            reason: WaitReason::KeyExpiring,
+        };
+    }
+    Decision::AcquireLeader { reason }
 }
 
 /// Leaves the key to others; a primary without the key must also stop
@@ -892,17 +912,43 @@ mod tests {
                 says: "waiting for a leader: this node has not published its member state yet",
             },
             Case {
-                name: "an expired key is no key",
+                name: "an expired key is no leader, but not free until etcd deletes it",
                 cluster: {
                     let mut v = free().leader_key("n1").build();
                     v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
                     v
                 },
                 local: local("n2").build(),
-                want: Decision::AcquireLeader {
-                    reason: AcquireReason::BestCandidate,
+                want: wait(WaitReason::KeyExpiring),
+                says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
+                       to delete its key",
+            },
+            Case {
+                name: "nor for a manual failover",
+                cluster: {
+                    let mut v = free().leader_key("n1").failover_to("n3", true).build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
                 },
-                says: "acquiring the leader key: this node is the best candidate",
+                local: local("n3").build(),
+                want: wait(WaitReason::KeyExpiring),
+                says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
+                       to delete its key",
+            },
+            Case {
+                name: "a primary not first in line still stops taking writes",
+                cluster: {
+                    let mut v = free().leader_key("n4").build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
+                },
+                local: local("n3").primary().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::BetterCandidate { name: "n2".into() },
+                    },
+                },
+                says: "demoting: no leader key and n2 is a better candidate",
             },
         ]);
     }
