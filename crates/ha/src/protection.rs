@@ -246,7 +246,8 @@ impl Claim {
     /// The strongest claim both `a` and `b` imply, for a key that must
     /// stay true across a change from one to the other. Among the
     /// candidate member sets (both lists, either, their overlap) it prefers
-    /// one an election can satisfy while the most members are missing.
+    /// one an election can satisfy while the most members are missing; when
+    /// one of the two implies the other, that is the other.
     pub fn common(a: &Claim, b: &Claim) -> Claim {
         let union: Vec<String> = a
             .members
@@ -271,9 +272,10 @@ impl Claim {
                 Claim::new(u, q)
             })
             .filter(|c| c.quorum > 0)
-            // Fewest members that may be missing at an election, then the
-            // shortest list.
-            .min_by_key(|c| (c.members.len() - c.quorum, c.members.len()))
+            // An election succeeds with up to quorum − 1 listed members
+            // missing: the largest quorum first, then the shortest list
+            // (members not listed cannot be missing).
+            .min_by_key(|c| (std::cmp::Reverse(c.quorum), c.members.len()))
             .unwrap_or_else(Claim::none)
     }
 
@@ -667,10 +669,19 @@ mod tests {
                 claim(&["a", "b", "c"], 1),
                 claim(&["a", "b", "c"], 1),
             ),
+            // Growing FIRST 2 into ANY 2 of three: the new rule's claim
+            // holds for the past too.
             (
                 claim(&["a", "b"], 2),
                 claim(&["a", "b", "c"], 2),
-                claim(&["a", "b"], 1),
+                claim(&["a", "b", "c"], 2),
+            ),
+            // Shrinking ANY 2 of three to both of two: the old claim, which
+            // the new rule upholds.
+            (
+                claim(&["a", "b", "c"], 2),
+                claim(&["a", "b"], 2),
+                claim(&["a", "b", "c"], 2),
             ),
             // Nothing in common.
             (claim(&["a"], 1), claim(&["b"], 1), claim(&["a", "b"], 1)),
@@ -680,6 +691,32 @@ mod tests {
             let c = Claim::common(&a, &b);
             assert!(c.same_as(&want), "{a:?} / {b:?}: {c:?}");
             assert!(a.implies(&c) && b.implies(&c), "{a:?} / {b:?}: {c:?}");
+        }
+    }
+
+    #[test]
+    fn the_common_claim_is_implied_by_both_for_every_small_pair() {
+        let all = ["a", "b", "c", "d"];
+        let claims: Vec<Claim> = (1..16u32)
+            .flat_map(|mask| {
+                let members: Vec<&str> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, m)| *m)
+                    .collect();
+                (0..=members.len()).map(move |q| claim(&members, q))
+            })
+            .collect();
+        for a in &claims {
+            for b in &claims {
+                let c = Claim::common(a, b);
+                assert!(a.implies(&c) && b.implies(&c), "{a:?} / {b:?}: {c:?}");
+                // Nothing is lost when one side already implies the other.
+                if a.implies(b) {
+                    assert!(c.implies(b) || b.quorum == 0, "{a:?} / {b:?}: {c:?}");
+                }
+            }
         }
     }
 
