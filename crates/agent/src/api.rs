@@ -55,8 +55,10 @@
 //! A switchover or failover is written to the DCS as a request that the
 //! members' HA loops carry out; the API then waits for the leader key to
 //! name the new leader and answers 200, or 503 "status unknown" when that
-//! takes longer than [`ApiState::switchover_wait`]. Scheduled switchovers
-//! (`scheduled_at`) are not supported yet and are refused with 400.
+//! takes longer than [`ApiState::switchover_wait`]. A switchover with
+//! `scheduled_at` (ISO 8601 with a UTC offset) is only written, answered
+//! 202, and carried out by the leader's loop at that time; `DELETE
+//! /switchover` withdraws it.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -70,9 +72,13 @@ use axum::routing::{get, on, post, MethodFilter};
 use axum::{Json, Router};
 use base64::Engine as _;
 use pgwarden_dcs::{ClusterSnapshot, EtcdDcs};
-use pgwarden_ha::{rank_candidates, ElectionSettings, ExclusionReason, MemberRole};
+use pgwarden_ha::{
+    format_timestamp, parse_timestamp, rank_candidates, ElectionSettings, ExclusionReason,
+    MemberRole, TimestampError,
+};
 use serde_json::{json, Map, Value};
 
+use crate::handover;
 use crate::record::{self, MemberRecord};
 use crate::status::{AgentStatus, Command, StatusHandle};
 
@@ -357,6 +363,7 @@ async fn patroni(State(state): State<Arc<ApiState>>) -> Response {
 pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
     let leader = snap.leader.as_ref().map(|l| l.name.clone());
     let sync = sync_members(snap);
+    let quorum = record::sync_state(snap).and_then(|s| s.quorum);
     let members: Vec<Value> = record::records(snap)
         .into_iter()
         .map(|r| {
@@ -364,7 +371,13 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
             let role = if leader.as_deref() == Some(name.as_str()) {
                 "leader".to_string()
             } else if sync.contains(&name) && r.state.role == MemberRole::Replica {
-                "sync_standby".to_string()
+                // Patroni's names: every listed standby holds each commit,
+                // or under quorum commit some of them do.
+                if quorum.is_some_and(|q| q < sync.len()) {
+                    "quorum_standby".to_string()
+                } else {
+                    "sync_standby".to_string()
+                }
             } else {
                 r.state.role.to_string()
             };
@@ -386,14 +399,27 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
             })
         })
         .collect();
-    json!({
+    let mut out = json!({
         "scope": scope,
         "members": members,
         "leader": leader,
         "paused": record::paused(snap),
         "failover": snap.failover,
         "sync": snap.sync,
-    })
+    });
+    // In Patroni's form, so tools that read it find it.
+    if let Some(f) = snap
+        .failover
+        .as_ref()
+        .filter(|f| f.get("scheduled_at").is_some_and(|v| !v.is_null()))
+    {
+        out["scheduled_switchover"] = json!({
+            "at": f["scheduled_at"],
+            "from": f.get("from_leader"),
+            "to": f.get("candidate"),
+        });
+    }
+    out
 }
 
 /// `host:port` into its parts; IPv6 hosts lose their brackets, as in
@@ -714,10 +740,10 @@ async fn reload(
 }
 
 /// Refuses `candidate` as the target of a manual switchover or failover
-/// if it may not lead. `data_checks` adds the election's liveness, lag and
-/// timeline checks, which a failover into a leaderless cluster skips, as
-/// in Patroni; the operator's intent (tags, fencing) and a stopped
-/// PostgreSQL always count.
+/// if it may not lead. The operator's intent (tags, fencing) always
+/// counts; `data_checks` adds a stopped PostgreSQL and the election's
+/// liveness, lag and timeline checks, which a scheduled switchover leaves
+/// to the moment it is carried out.
 fn check_candidate(
     state: &ApiState,
     st: &AgentStatus,
@@ -729,8 +755,10 @@ fn check_candidate(
     let mut view = record::cluster_view(snap, record::unix_ms());
     if switchover {
         // The candidate catches up with the stopped leader before it is
-        // promoted (as the HA loops judge it too): lag does not count.
+        // promoted (as the HA loops judge it too): lag does not count, nor
+        // the quorum rule.
         view.last_leader_lsn = None;
+        view.sync_quorum = None;
     }
     if view.member(candidate).is_none() {
         return Err(ApiError::precondition(format!(
@@ -743,10 +771,7 @@ fn check_candidate(
     };
     let operator_intent = matches!(
         reason,
-        ExclusionReason::NoFailoverTag
-            | ExclusionReason::PriorityZero
-            | ExclusionReason::Fenced
-            | ExclusionReason::NotRunning
+        ExclusionReason::NoFailoverTag | ExclusionReason::PriorityZero | ExclusionReason::Fenced
     );
     if data_checks || operator_intent {
         return Err(ApiError::precondition(format!(
@@ -836,6 +861,36 @@ async fn request_and_wait(
     )))
 }
 
+/// The Unix time (ms) of a switchover scheduled at `text`, refused as
+/// Patroni refuses it: in maintenance mode, without a UTC offset, not a
+/// timestamp, or in the past.
+fn schedule_time(snap: &ClusterSnapshot, text: &str) -> Result<i64, ApiError> {
+    if record::paused(snap) {
+        return Err(ApiError::bad_request(
+            "Can't schedule switchover in the paused state",
+        ));
+    }
+    let at = parse_timestamp(text).map_err(|e| match e {
+        TimestampError::NoOffset => {
+            ApiError::bad_request("Timezone information is mandatory for the scheduled switchover")
+        }
+        TimestampError::Invalid => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "Unable to parse scheduled timestamp {text:?}. It should be in an unambiguous \
+                 format, e.g. ISO 8601"
+            ),
+        ),
+    })?;
+    if at < i64::try_from(record::unix_ms()).unwrap_or(i64::MAX) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Cannot schedule switchover in the past",
+        ));
+    }
+    Ok(at)
+}
+
 async fn switchover(
     State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
@@ -849,11 +904,7 @@ async fn switchover(
 async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Response, ApiError> {
     let leader = str_field(body, "leader")?;
     let mut candidate = str_field(body, "candidate")?;
-    if body.get("scheduled_at").is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad_request(
-            "scheduled switchovers are not supported yet",
-        ));
-    }
+    let scheduled_at = str_field(body, "scheduled_at")?;
     if leader.is_none() && candidate.is_none() {
         return Err(ApiError::bad_request(
             "a switchover needs the current leader or a candidate",
@@ -865,6 +916,10 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
         ));
     }
     let snap = read(state).await?;
+    let scheduled_at = match scheduled_at {
+        Some(text) => Some(schedule_time(&snap, &text)?),
+        None => None,
+    };
     let Some(current) = snap.leader.as_ref().map(|l| l.name.clone()) else {
         return Err(ApiError::precondition(
             "there is no leader to switch over from; use failover",
@@ -883,7 +938,9 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
     let st = state.status.load_full();
     let goal = match &candidate {
         Some(c) => {
-            check_candidate(state, &st, &snap, c, true, true)?;
+            // Health and lag may change before a scheduled time; the
+            // leader judges them when it comes.
+            check_candidate(state, &st, &snap, c, scheduled_at.is_none(), true)?;
             Goal::Leader(c)
         }
         None => {
@@ -906,6 +963,20 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
     if let Some(c) = &candidate {
         request["candidate"] = json!(c);
     }
+    if let Some(at) = scheduled_at {
+        // The leader's loop carries it out when the time comes (and pauses
+        // the connection managers then); nobody waits for it here.
+        request["scheduled_at"] = json!(format_timestamp(at));
+        state.dcs.put_failover(&request).await.map_err(|e| {
+            ApiError::unavailable(format!(
+                "cannot write the switchover request to the DCS: {}",
+                chain(&e)
+            ))
+        })?;
+        wake(state);
+        tracing::info!(%request, "switchover scheduled through the API");
+        return Ok(text(StatusCode::ACCEPTED, "Switchover scheduled"));
+    }
     // Transaction-pooled clients must not notice: every node's read-write
     // pools pause (new transactions wait, those in flight finish) before
     // the old leader stops, and resume once the new one takes writes.
@@ -913,71 +984,13 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
         .into_iter()
         .filter_map(|r| r.proxy_url)
         .collect();
-    let paused = pause_proxies(&proxies).await;
+    let paused = handover::pause_proxies(&proxies).await;
     let result = request_and_wait(state, request, goal, "switchover").await;
     if result.is_ok() {
-        wait_for_writable_leader(state).await;
+        handover::wait_for_writable_leader(&state.dcs, None, handover::WRITABLE_WAIT).await;
     }
-    resume_proxies(&paused).await;
+    handover::resume_proxies(&paused).await;
     result
-}
-
-/// How long a switchover waits for transactions in flight to finish on
-/// the paused pools before it goes ahead anyway.
-const SWITCHOVER_DRAIN: Duration = Duration::from_secs(5);
-
-/// Pauses the read-write service of every connection manager that answers;
-/// returns those paused.
-async fn pause_proxies(urls: &[String]) -> Vec<String> {
-    let calls = urls.iter().map(|u| async move {
-        let url = format!(
-            "{u}/pause?service=read_write&wait_ms={}",
-            SWITCHOVER_DRAIN.as_millis()
-        );
-        match crate::http_client::request("POST", &url, None, None, SWITCHOVER_DRAIN + Duration::from_secs(2)).await {
-            Ok(r) if r.status == 200 => Some(u.clone()),
-            Ok(r) => {
-                // Still paused, with transactions that would not finish.
-                tracing::warn!(proxy = %u, status = r.status, body = %r.body.trim(), "pause before switchover incomplete");
-                Some(u.clone())
-            }
-            Err(e) => {
-                tracing::warn!(proxy = %u, error = %e, "cannot pause a connection manager before switchover");
-                None
-            }
-        }
-    });
-    crate::join_all(calls).await.into_iter().flatten().collect()
-}
-
-async fn resume_proxies(urls: &[String]) {
-    let calls = urls.iter().map(|u| async move {
-        let url = format!("{u}/resume?service=read_write");
-        if let Err(e) = crate::http_client::request("POST", &url, None, None, Duration::from_secs(5)).await {
-            tracing::error!(proxy = %u, error = %e, "cannot resume a connection manager after switchover");
-        }
-    });
-    crate::join_all(calls).await;
-}
-
-/// Waits (briefly) until the leader key's holder reports itself a running
-/// primary, so resumed transactions find it ready.
-async fn wait_for_writable_leader(state: &ApiState) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if let Ok(snap) = state.dcs.read_cluster().await {
-            let leader = snap.leader.as_ref().map(|l| l.name.clone());
-            let ready = record::records(&snap).into_iter().any(|r| {
-                Some(&r.state.name) == leader.as_ref()
-                    && r.state.running
-                    && r.state.role == MemberRole::Primary
-            });
-            if ready {
-                return;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 async fn failover(
@@ -990,6 +1003,9 @@ async fn failover(
     // As in Patroni, naming the leader turns a failover into a switchover.
     if body.get("leader").is_some_and(|v| !v.is_null()) {
         return do_switchover(&state, &body).await;
+    }
+    if body.get("scheduled_at").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request("Failover can't be scheduled"));
     }
     let Some(candidate) = str_field(&body, "candidate")? else {
         return Err(ApiError::bad_request("a failover needs a candidate"));
@@ -1037,19 +1053,44 @@ async fn failover(
     request_and_wait(&state, request, Goal::Leader(&candidate), "failover").await
 }
 
+/// `DELETE /switchover`: withdraws the pending request, scheduled or not,
+/// but only the one read: a request written meanwhile stays (409).
 async fn cancel_switchover(
     State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    state.dcs.delete_failover().await.map_err(|e| {
-        ApiError::unavailable(format!(
-            "cannot delete the switchover request: {}",
-            chain(&e)
-        ))
-    })?;
+    let snap = read(&state).await?;
+    let Some(request) = snap.failover else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no switchover is scheduled",
+        ));
+    };
+    let deleted = state
+        .dcs
+        .delete_failover_if(snap.failover_revision)
+        .await
+        .map_err(|e| {
+            ApiError::unavailable(format!(
+                "cannot delete the switchover request: {}",
+                chain(&e)
+            ))
+        })?;
+    if !deleted {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the request changed while it was being withdrawn; look again",
+        ));
+    }
     wake(&state);
-    Ok(text(StatusCode::OK, "pending switchover cancelled"))
+    tracing::info!(%request, "switchover request withdrawn through the API");
+    let what = if request.get("scheduled_at").is_some_and(|v| !v.is_null()) {
+        "scheduled switchover deleted"
+    } else {
+        "pending switchover cancelled"
+    };
+    Ok(text(StatusCode::OK, what))
 }
 
 /// `GET /metrics`: the local member's HA state in Prometheus text format,
@@ -1096,6 +1137,11 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         "sync_standbys",
         "Synchronous standbys listed by the leader",
         sync.as_ref().map_or(0, |s| s.members.len() as i64),
+    );
+    gauge(
+        "sync_quorum",
+        "How many of the listed synchronous standbys hold each acknowledged commit",
+        sync.as_ref().map_or(0, |s| s.claim().quorum as i64),
     );
     gauge(
         "sync_blocked_seconds",

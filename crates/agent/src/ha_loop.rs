@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 use pgwarden_config::{AgentConfig, EtcdConfig};
 use pgwarden_dcs::{ClusterSnapshot, EtcdDcs, HistoryEntry, LeaderWatch, LeaseId};
 use pgwarden_ha::{
-    decide, rank_candidates, AcquireReason, ClusterView, Decision, DemoteReason, ElectionSettings,
-    MemberRole, MemberState, ReleaseReason, StartMode, Timing,
+    decide, overdue_after, plan_sync, rank_candidates, wanted_config, AcquireReason, ClusterView,
+    Decision, DemoteReason, ElectionSettings, MemberRole, MemberState, Protection, ReleaseReason,
+    Schedule, StartMode, SyncConfig, SyncObservation, SyncState, SyncStep, Timing,
 };
 use pgwarden_pgctl::{PgCtlError, StopMode};
 use pgwarden_topology::HostAddr;
 use tokio::sync::{mpsc, watch};
 
+use crate::handover;
 use crate::postgres::{LocalPostgres, Observation};
 use crate::record::{cluster_view, records, unix_ms, MemberRecord};
 use crate::status::{AgentStatus, Command, StatusHandle};
@@ -77,9 +79,12 @@ pub(crate) struct HaLoop {
     /// Why a required watchdog cannot be used; such a member stays out of
     /// elections.
     watchdog_problem: Option<String>,
-    /// The standbys `synchronous_standby_names` makes PostgreSQL wait for,
-    /// as this agent last set it.
-    sync_applied: Vec<String>,
+    /// What `synchronous_standby_names` makes PostgreSQL wait for, as this
+    /// agent last set it.
+    sync_applied: SyncConfig,
+    /// The leader's WAL position once `sync_applied` was in effect; read on
+    /// the iteration after the change, so every walsender has it too.
+    sync_applied_at: Option<u64>,
     /// Since when commits have had no acknowledging standby.
     sync_blocked_since: Option<(Instant, u64)>,
     /// The synchronous set is not yet what the settings want.
@@ -90,6 +95,8 @@ pub(crate) struct HaLoop {
     /// When (Unix ms) a failsafe round last succeeded, or this member last
     /// acknowledged a leader's.
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// The revision of the scheduled switchover request last logged.
+    scheduled_seen: Option<i64>,
 }
 
 impl HaLoop {
@@ -144,12 +151,14 @@ impl HaLoop {
                 timing.ttl.saturating_sub(timing.safety_margin),
             ),
             watchdog_problem: None,
-            sync_applied: Vec::new(),
+            sync_applied: SyncConfig::none(),
+            sync_applied_at: None,
             sync_blocked_since: None,
             sync_pending: false,
             proxy_url,
             fence: None,
             failsafe_seen,
+            scheduled_seen: None,
             cfg,
         }
     }
@@ -168,11 +177,21 @@ impl HaLoop {
         }
         let crashes = self.pg.crashes();
         let mut leader_watch = self.dcs.watch_leader().await;
+        let mut request_watch = self.dcs.watch_failover().await;
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
+            // A leader key whose lease has run out is deleted by etcd within
+            // half a second; the watch says when, and the short pace covers
+            // a watch that is being re-established.
+            let expiring = self
+                .snapshot
+                .leader
+                .as_ref()
+                .is_some_and(|l| l.ttl_left.is_some_and(|t| t.is_zero()));
             let pace = if (!self.routing_ready && self.snapshot.leader.is_some())
                 || self.sync_pending
+                || expiring
             {
                 ACK_PACE
             } else if !self.dcs_ok || self.start_failed_since.is_some() || !self.obs.pg.running {
@@ -180,10 +199,16 @@ impl HaLoop {
             } else {
                 self.timing.loop_wait
             };
+            // A scheduled switchover runs at its time, not up to a loop
+            // later.
+            let pace = self.until_scheduled().map_or(pace, |d| pace.min(d));
             tokio::select! {
                 _ = tokio::time::sleep(pace) => {}
                 ev = leader_watch.next() => {
                     tracing::debug!(event = ?ev, "leader key changed");
+                }
+                ev = request_watch.next() => {
+                    tracing::debug!(event = ?ev, "switchover request changed");
                 }
                 _ = crashes.notified() => {}
                 cmd = self.commands.recv() => match cmd {
@@ -288,13 +313,25 @@ impl HaLoop {
     async fn initialize(&mut self, claim: &str) -> Result<(), AgentStepError> {
         let superuser = self.pg.superuser().to_string();
         let hba = self.cfg.pg_hba.clone();
+        // In maximum protection not even the first commit may be
+        // acknowledged without a standby: PostgreSQL starts waiting for one.
+        let strict = self.cfg.sync.protection == Protection::MaximumProtection;
+        let blocked = SyncConfig::blocked();
+        let names = blocked.standby_names(self.cfg.sync.method);
         self.pg
             .with(move |i| {
                 i.initdb(&superuser)?;
                 append_hba(i.datadir(), &hba)?;
+                if strict {
+                    i.set_setting("synchronous_standby_names", &names)?;
+                }
                 i.clear_standby()
             })
             .await?;
+        if strict {
+            self.sync_applied = blocked;
+            self.sync_applied_at = None;
+        }
         self.pg.start(Duration::from_secs(60)).await?;
         let lease = self.ensure_lease().await?;
         let t0 = Instant::now();
@@ -444,7 +481,9 @@ impl HaLoop {
             last_lease_renewal: self.last_renewal,
             now: Instant::now(),
             dcs_reachable: self.dcs_ok,
+            unix_ms: unix_ms(),
         };
+        self.note_scheduled(&view);
         let decision = decide(&view, &local, &self.timing, &self.settings);
         let text = decision.to_string();
         if text != self.last_decision {
@@ -455,7 +494,7 @@ impl HaLoop {
         // stay leader (restarting or promoting PostgreSQL included), or a
         // slow restart would cost it the key.
         if decision.keeps_lease() {
-            self.renew().await;
+            let _ = self.renew().await;
         } else {
             self.keep_member_alive().await;
         }
@@ -528,15 +567,61 @@ impl HaLoop {
             Decision::Demote { reason } => self.demote(reason).await,
             Decision::FollowLeader { leader } => self.follow(leader).await,
             Decision::StartPostgres { mode } => self.start(mode).await,
-            Decision::ReleaseLeader { reason } => self.release(reason).await,
+            Decision::ReleaseLeader { reason } => self.release(reason, view).await,
+            Decision::CancelSwitchover { reason } => {
+                match self
+                    .dcs
+                    .delete_failover_if(self.snapshot.failover_revision)
+                    .await
+                {
+                    Ok(true) => tracing::warn!("scheduled switchover withdrawn: {reason}"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot withdraw the switchover request"),
+                }
+            }
         }
     }
 
-    async fn renew(&mut self) {
-        let Some(lease) = self.lease else { return };
+    /// How long until a scheduled switchover is due, while one waits.
+    fn until_scheduled(&self) -> Option<Duration> {
+        let req = crate::record::cluster_view(&self.snapshot, 0).failover_request?;
+        match Schedule::of(
+            req.scheduled_at.as_deref(),
+            unix_ms(),
+            overdue_after(&self.timing),
+        ) {
+            Schedule::Waiting(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Logs a scheduled switchover once, when the leader first sees it.
+    fn note_scheduled(&mut self, view: &ClusterView) {
+        let revision = self.snapshot.failover_revision;
+        let Some(req) = view.failover_request.as_ref() else {
+            return;
+        };
+        let (Some(at), true) = (&req.scheduled_at, self.holds_leader_key()) else {
+            return;
+        };
+        if self.scheduled_seen == Some(revision) {
+            return;
+        }
+        self.scheduled_seen = Some(revision);
+        tracing::info!(
+            candidate = req.candidate.as_deref().unwrap_or("?"),
+            "awaiting the switchover scheduled at {at}"
+        );
+    }
+
+    /// Renews the leader lease; whether it worked.
+    async fn renew(&mut self) -> bool {
+        let Some(lease) = self.lease else {
+            return false;
+        };
         let budget = self.retry_budget();
         if budget.is_zero() {
-            return;
+            return false;
         }
         let t0 = Instant::now();
         let name = self.cfg.name.clone();
@@ -552,6 +637,7 @@ impl HaLoop {
                     )
                     .await;
                 }
+                return true;
             }
             Ok(Ok(false)) => {
                 tracing::warn!("the leader key is no longer held by this agent's lease");
@@ -560,6 +646,7 @@ impl HaLoop {
             Ok(Err(e)) => tracing::warn!(error = %e, "leader lease renewal failed"),
             Err(_) => tracing::warn!("leader lease renewal timed out"),
         }
+        false
     }
 
     async fn keep_member_alive(&mut self) {
@@ -576,11 +663,17 @@ impl HaLoop {
         }
     }
 
-    /// Before taking the key as the best candidate, ask the other members
-    /// for their current positions: the published ones are up to a loop
-    /// old, and a replica that received more WAL since must win instead.
-    async fn still_best(&self, view: &ClusterView) -> bool {
+    /// Before taking the key, asks the other members for their current
+    /// positions, since the published ones are up to a loop old: a replica
+    /// that received more WAL since must win instead, and under quorum
+    /// commit only positions read now count (a published one may predate
+    /// the last commit that member acknowledged), so a member that does not
+    /// answer is not counted as seen. Whether this node may still take the
+    /// key: as the best candidate, or, for a manual failover, as an
+    /// eligible one.
+    async fn fresh_check(&self, view: &ClusterView, best_only: bool) -> bool {
         let mut fresh = view.clone();
+        let quorum = view.quorum_commit();
         let peers: Vec<(usize, String)> = fresh
             .members
             .iter()
@@ -602,6 +695,35 @@ impl HaLoop {
                 m.replayed_lsn = lsn("replayed_lsn").or(m.replayed_lsn);
             }
         }
+        if quorum {
+            // A member's API reports its last loop's observation; the
+            // quorum rule needs what it holds now, so ask its PostgreSQL.
+            let listed: Vec<(usize, Option<HostAddr>)> = fresh
+                .members
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.name != self.cfg.name && view.sync_members.contains(&m.name))
+                .map(|(i, m)| (i, self.member_address(&m.name)))
+                .collect();
+            let positions = crate::join_all(
+                listed
+                    .iter()
+                    .map(|(_, addr)| self.standby_position(addr.clone())),
+            )
+            .await;
+            for m in fresh.members.iter_mut() {
+                if m.name != self.cfg.name && view.sync_members.contains(&m.name) {
+                    m.received_lsn = None;
+                    m.replayed_lsn = None;
+                }
+            }
+            for ((i, _), pos) in listed.iter().zip(positions) {
+                if let Some((received, replayed)) = pos {
+                    fresh.members[*i].received_lsn = received;
+                    fresh.members[*i].replayed_lsn = replayed;
+                }
+            }
+        }
         if let Some(me) = fresh.members.iter_mut().find(|m| m.name == self.cfg.name) {
             me.received_lsn = self.obs.pg.received_lsn.or(me.received_lsn);
             me.replayed_lsn = self.obs.pg.replayed_lsn.or(me.replayed_lsn);
@@ -609,18 +731,66 @@ impl HaLoop {
             me.last_seen_ms_ago = 0;
         }
         let ranking = rank_candidates(&fresh, &self.settings);
-        let best = ranking.best() == Some(self.cfg.name.as_str());
-        if !best {
-            tracing::info!(
-                best = ranking.best().unwrap_or("nobody"),
-                "a peer reported a better position; not taking the leader key"
-            );
+        let me = self.cfg.name.as_str();
+        let ok = if best_only {
+            ranking.best() == Some(me)
+        } else {
+            ranking.is_eligible(me)
+        };
+        if !ok {
+            match ranking.exclusion(me) {
+                Some(why) => tracing::info!("not taking the leader key: {why}"),
+                None => tracing::info!(
+                    best = ranking.best().unwrap_or("nobody"),
+                    "a peer reported a better position; not taking the leader key"
+                ),
+            }
         }
-        best
+        ok
+    }
+
+    /// A standby's WAL positions (received, replayed) read from its
+    /// PostgreSQL now, or `None` if it cannot be asked.
+    async fn standby_position(&self, addr: Option<HostAddr>) -> Option<(Option<u64>, Option<u64>)> {
+        let conninfo = self.pg.source_conninfo(&addr?);
+        let ask = async {
+            let (c, conn) = tokio_postgres::connect(&conninfo, tokio_postgres::NoTls)
+                .await
+                .ok()?;
+            tokio::spawn(conn);
+            let row = c
+                .query_one(
+                    "SELECT pg_wal_lsn_diff(pg_last_wal_receive_lsn(), '0/0')::int8, \
+                     pg_wal_lsn_diff(pg_last_wal_replay_lsn(), '0/0')::int8 \
+                     WHERE pg_is_in_recovery()",
+                    &[],
+                )
+                .await
+                .ok()?;
+            let lsn = |i: usize| row.get::<_, Option<i64>>(i).map(|v| v.max(0) as u64);
+            Some((lsn(0), lsn(1)))
+        };
+        tokio::time::timeout(PEER_TIMEOUT, ask).await.ok().flatten()
     }
 
     async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
-        if matches!(reason, AcquireReason::BestCandidate) && !self.still_best(view).await {
+        let switchover = view
+            .failover_request
+            .as_ref()
+            .is_some_and(|r| r.from_leader.is_some());
+        let checked = match reason {
+            AcquireReason::BestCandidate => self.fresh_check(view, true).await,
+            // A failover the operator named still may not lose a commit
+            // under quorum commit; a switchover's candidate catches up with
+            // the stopped leader instead.
+            AcquireReason::FailoverRequested { forced: false }
+                if view.quorum_commit() && !switchover =>
+            {
+                self.fresh_check(view, false).await
+            }
+            AcquireReason::FailoverRequested { .. } => true,
+        };
+        if !checked {
             return;
         }
         let lease = match self.ensure_lease().await {
@@ -718,15 +888,15 @@ impl HaLoop {
         if self.cfg.sync.protection.synchronous() {
             // Before the first write can be acknowledged, PostgreSQL must
             // already wait for standbys: those running now will reconnect to
-            // this node.
+            // this node. In strict mode with none, commits wait for one.
             let members: Vec<String> = records(&self.snapshot)
                 .into_iter()
                 .filter(|r| r.state.name != self.cfg.name && r.state.running)
                 .filter(|r| !r.state.tags.nosync)
                 .map(|r| r.state.name)
-                .take(self.cfg.sync.count)
                 .collect();
-            self.apply_sync(&members).await;
+            let config = wanted_config(&self.cfg.sync, &SyncConfig::none(), &members);
+            self.apply_sync(&config).await;
         }
         let timeline = self.obs.pg.timeline;
         let lsn = self.obs.pg.received_lsn.unwrap_or(0);
@@ -949,9 +1119,30 @@ impl HaLoop {
         }
     }
 
-    async fn release(&mut self, reason: &ReleaseReason) {
+    async fn release(&mut self, reason: &ReleaseReason, view: &ClusterView) {
+        let mut paused = Vec::new();
         match reason {
             ReleaseReason::Switchover { .. } => {
+                let scheduled = view
+                    .failover_request
+                    .as_ref()
+                    .is_some_and(|r| r.scheduled_at.is_some());
+                if scheduled {
+                    // Nobody waits on the API now: pause the connection
+                    // managers here, as the API does for an immediate one.
+                    let proxies: Vec<String> = records(&self.snapshot)
+                        .into_iter()
+                        .filter_map(|r| r.proxy_url)
+                        .collect();
+                    paused = handover::pause_proxies(&proxies).await;
+                    // The drain may have taken a while: stop only with a
+                    // lease that certainly still stands.
+                    if !self.renew().await {
+                        tracing::warn!("not switching over: the leader lease could not be renewed");
+                        handover::resume_proxies(&paused).await;
+                        return;
+                    }
+                }
                 // A checkpoint first makes the shutdown checkpoint short.
                 let _ = self.checkpoint(&self.cfg.pg_listen.clone()).await;
                 if let Err(e) = self.pg.stop(StopMode::Fast).await {
@@ -986,19 +1177,30 @@ impl HaLoop {
             "on_role_change",
             "replica",
         );
+        if !paused.is_empty() {
+            let dcs = self.dcs.clone();
+            let me = self.cfg.name.clone();
+            tokio::spawn(async move {
+                let wait = crate::api::DEFAULT_SWITCHOVER_WAIT + handover::WRITABLE_WAIT;
+                handover::wait_for_writable_leader(&dcs, Some(&me), wait).await;
+                handover::resume_proxies(&paused).await;
+            });
+        }
     }
 
     /// One step of keeping the synchronous standbys as the protection mode
     /// wants them; see [`pgwarden_ha::protection`] for the order of steps.
     async fn manage_sync(&mut self) {
-        use pgwarden_ha::{plan_sync, SyncObservation, SyncState, SyncStep};
         let settings = self.cfg.sync;
         let rows = match self
             .pg
             .query(
                 "SELECT application_name, state, coalesce(sync_state, ''), \
-                 pg_wal_lsn_diff(coalesce(flush_lsn, '0/0'), '0/0')::int8 \
-                 FROM pg_stat_replication",
+                 pg_wal_lsn_diff(coalesce(flush_lsn, '0/0'), '0/0')::int8, \
+                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8 \
+                 FROM pg_stat_replication \
+                 UNION ALL SELECT NULL, NULL, NULL, NULL, \
+                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8",
                 Duration::from_secs(2),
             )
             .await
@@ -1012,8 +1214,19 @@ impl HaLoop {
         let records = records(&self.snapshot);
         let col =
             |r: &Vec<Option<String>>, i: usize| r.get(i).cloned().flatten().unwrap_or_default();
-        let mut streaming: Vec<(String, i64)> = rows
+        // The extra row, the only one without a name, carries the position
+        // even when nothing streams.
+        let current_lsn: Option<u64> = rows
             .iter()
+            .find(|r| r.first().is_some_and(Option::is_none))
+            .and_then(|r| col(r, 4).parse().ok());
+        let rows: Vec<&Vec<Option<String>>> = rows
+            .iter()
+            .filter(|r| r.first().is_some_and(Option::is_some))
+            .collect();
+        let mut streaming: Vec<(String, u64)> = rows
+            .iter()
+            .copied()
             .filter(|r| col(r, 1) == "streaming")
             .filter(|r| {
                 let name = col(r, 0);
@@ -1025,43 +1238,41 @@ impl HaLoop {
             .map(|r| (col(r, 0), col(r, 3).parse().unwrap_or(0)))
             .collect();
         streaming.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let acknowledging: Vec<String> = rows
+        let acknowledging = rows
             .iter()
+            .copied()
+            .filter(|r| col(r, 1) == "streaming")
             .filter(|r| matches!(col(r, 2).as_str(), "sync" | "quorum"))
-            .map(|r| col(r, 0))
-            .filter(|n| self.sync_applied.contains(n))
-            .collect();
-        let blocked = !self.sync_applied.is_empty() && acknowledging.is_empty();
+            .filter(|r| self.sync_applied.names.contains(&col(r, 0)))
+            .count();
+        // Commits wait while fewer standbys than required acknowledge them.
+        let blocked = !self.sync_applied.is_async() && acknowledging < self.sync_applied.num;
         if blocked {
             if self.sync_blocked_since.is_none() {
-                tracing::warn!("commits are waiting: no synchronous standby acknowledges them");
+                tracing::warn!(
+                    "commits are waiting: too few synchronous standbys acknowledge them"
+                );
                 self.sync_blocked_since = Some((Instant::now(), unix_ms()));
             }
         } else if self.sync_blocked_since.take().is_some() {
-            tracing::info!("a synchronous standby acknowledges commits again");
+            tracing::info!("synchronous standbys acknowledge commits again");
         }
         let published =
             crate::record::sync_state(&self.snapshot).filter(|s| s.leader == self.cfg.name);
         let obs = SyncObservation {
             applied: self.sync_applied.clone(),
-            candidates: streaming.into_iter().map(|(n, _)| n).collect(),
-            acknowledging: acknowledging.clone(),
+            applied_at: self.sync_applied_at,
+            candidates: streaming.iter().map(|(n, _)| n.clone()).collect(),
+            flushed: streaming,
             blocked_for: self.sync_blocked_since.map(|(at, _)| at.elapsed()),
         };
+        if self.sync_applied_at.is_none() {
+            // The change made on an earlier iteration is in effect by now:
+            // every commit acknowledged under the old rule lies before this.
+            self.sync_applied_at = current_lsn;
+        }
         let step = plan_sync(&settings, published.as_ref(), &obs);
         let blocked_ms = self.sync_blocked_since.map(|(_, ms)| ms);
-        let state = |members: Vec<String>, degraded: bool| SyncState {
-            leader: self.cfg.name.clone(),
-            synchronous: settings.protection.synchronous(),
-            members,
-            degraded_since_ms: degraded.then(|| {
-                published
-                    .as_ref()
-                    .and_then(|p| p.degraded_since_ms)
-                    .unwrap_or_else(unix_ms)
-            }),
-            blocked_since_ms: blocked_ms,
-        };
         self.sync_pending = step != SyncStep::Nothing;
         match step {
             SyncStep::Nothing => {
@@ -1074,29 +1285,36 @@ impl HaLoop {
                     self.put_sync(&next).await;
                 }
             }
-            SyncStep::PublishThenApply { members, degraded } => {
+            SyncStep::Publish {
+                members,
+                quorum,
+                degraded,
+            } => {
                 if degraded {
                     tracing::warn!("no synchronous standby left: recording asynchronous operation, then no longer waiting");
+                } else if !members.is_empty() {
+                    tracing::info!(standbys = ?members, quorum, "synchronous standbys listed");
                 }
-                // In maximum performance the agent leaves the standby names
-                // alone unless it set them itself (an operator may have).
-                let ours = settings.protection.synchronous() || !self.sync_applied.is_empty();
-                if self.put_sync(&state(members.clone(), degraded)).await && ours {
-                    self.apply_sync(&members).await;
-                }
+                let state = SyncState {
+                    leader: self.cfg.name.clone(),
+                    synchronous: settings.protection.synchronous(),
+                    members,
+                    quorum: Some(quorum),
+                    degraded_since_ms: degraded.then(|| {
+                        published
+                            .as_ref()
+                            .and_then(|p| p.degraded_since_ms)
+                            .unwrap_or_else(unix_ms)
+                    }),
+                    blocked_since_ms: blocked_ms,
+                };
+                self.put_sync(&state).await;
             }
-            SyncStep::ApplyThenPublish { members } => {
-                if self.sync_applied != members {
-                    self.apply_sync(&members).await;
-                } else if members.iter().all(|m| acknowledging.contains(m)) {
-                    tracing::info!(standbys = ?members, "synchronous standbys acknowledge commits");
-                    self.put_sync(&state(members, false)).await;
-                }
-            }
+            SyncStep::Apply(config) => self.apply_sync(&config).await,
         }
     }
 
-    async fn put_sync(&mut self, state: &pgwarden_ha::SyncState) -> bool {
+    async fn put_sync(&mut self, state: &SyncState) -> bool {
         let Ok(value) = serde_json::to_value(state) else {
             return false;
         };
@@ -1113,10 +1331,10 @@ impl HaLoop {
         }
     }
 
-    /// Makes PostgreSQL wait for exactly `members` and waits (briefly) until
-    /// it does.
-    async fn apply_sync(&mut self, members: &[String]) {
-        let names = pgwarden_ha::standby_names(self.cfg.sync.method, members);
+    /// Makes PostgreSQL wait as `config` says and waits (briefly) until it
+    /// does.
+    async fn apply_sync(&mut self, config: &SyncConfig) {
+        let names = config.standby_names(self.cfg.sync.method);
         let value = names.clone();
         let res = self
             .pg
@@ -1130,7 +1348,8 @@ impl HaLoop {
             return;
         }
         tracing::info!(synchronous_standby_names = %names, "synchronous standbys set");
-        self.sync_applied = members.to_vec();
+        self.sync_applied = config.clone();
+        self.sync_applied_at = None;
         let deadline = Instant::now() + Duration::from_secs(2);
         while Instant::now() < deadline {
             let now = self

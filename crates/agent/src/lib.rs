@@ -10,12 +10,14 @@
 //! * [`watchdog`]: the Linux watchdog armed while leading.
 //! * [`fence`]: the process that stops a leader's PostgreSQL when its
 //!   agent dies.
+//! * `handover`: the connection managers paused around a switchover.
 //! * [`api`]: the Patroni-compatible REST API; [`http_client`] is how
 //!   members and `pgwarden ctl` call it.
 
 pub mod api;
 pub mod fence;
 mod ha_loop;
+mod handover;
 pub mod http_client;
 pub mod postgres;
 pub mod record;

@@ -71,6 +71,9 @@ pub fn records(snapshot: &ClusterSnapshot) -> Vec<MemberRecord> {
 /// The HA decision's view of a snapshot read at wall-clock `now_ms`.
 pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
     let sync = sync_state(snapshot);
+    let claim = sync
+        .as_ref()
+        .map_or_else(pgwarden_ha::Claim::none, SyncState::claim);
     let members = records(snapshot)
         .into_iter()
         .map(|r| {
@@ -95,8 +98,11 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
             .failover
             .as_ref()
             .and_then(|v| serde_json::from_value::<FailoverRequest>(v.clone()).ok()),
-        sync_members: sync.as_ref().map(|s| s.members.clone()).unwrap_or_default(),
+        // The claim's members: a key claiming nothing lets nobody be
+        // promoted while it restricts promotion.
+        sync_members: claim.members,
         sync_restricted: sync.as_ref().is_some_and(SyncState::restricts_promotion),
+        sync_quorum: Some(claim.quorum),
     }
 }
 

@@ -510,11 +510,27 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         (json!({}), 400),
         (json!({"leader": "n1", "candidate": "n1"}), 400),
         (json!({"candidate": "n1"}), 400),
+        (json!({"candidate": 7}), 400),
         (
-            json!({"leader": "n1", "candidate": "n2", "scheduled_at": "2030-01-01T00:00:00Z"}),
+            json!({"leader": "n1", "candidate": "n2", "scheduled_at": "2030-01-01T00:00:00"}),
             400,
         ),
-        (json!({"candidate": 7}), 400),
+        (
+            json!({"leader": "n1", "candidate": "n2", "scheduled_at": "next tuesday"}),
+            422,
+        ),
+        (
+            json!({"leader": "n1", "candidate": "n2", "scheduled_at": "2001-01-01T00:00:00Z"}),
+            422,
+        ),
+        (
+            json!({"leader": "n1", "candidate": "n3", "scheduled_at": "2099-01-01T00:00:00Z"}),
+            412,
+        ),
+        (
+            json!({"leader": "n1", "candidate": "n2", "scheduled_at": 5}),
+            400,
+        ),
         (json!({"leader": "n1", "candidate": "n9"}), 412),
         (json!({"leader": "n1", "candidate": "n3"}), 412),
         (json!({"leader": "n2", "candidate": "n3"}), 412),
@@ -553,6 +569,59 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         Some(json!({"candidate": "n2", "from_leader": "n1"}))
     );
     assert_eq!(quick.write("DELETE", "/switchover", None).await.status, 200);
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+    let r = quick.write("DELETE", "/switchover", None).await;
+    assert_eq!(r.status, 404, "{}", r.body);
+
+    // Scheduled: written at once (normalised to UTC), answered 202, shown on
+    // /cluster in Patroni's form, and withdrawn.
+    let r = quick
+        .write(
+            "POST",
+            "/switchover",
+            Some(json!({"leader": "n1", "candidate": "n2",
+                        "scheduled_at": "2099-06-01T14:30:00.250+02:00"})),
+        )
+        .await;
+    assert_eq!((r.status, r.body.trim()), (202, "Switchover scheduled"));
+    assert_eq!(
+        d.read_cluster().await.unwrap().failover,
+        Some(json!({"candidate": "n2", "from_leader": "n1",
+                    "scheduled_at": "2099-06-01T12:30:00.250Z"}))
+    );
+    let cluster = get_json(&format!("{}/cluster", quick.url), T)
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster["scheduled_switchover"],
+        json!({"at": "2099-06-01T12:30:00.250Z", "from": "n1", "to": "n2"})
+    );
+    let r = quick.write("DELETE", "/switchover", None).await;
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "scheduled switchover deleted")
+    );
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+    // Not in maintenance mode, and a failover is never scheduled.
+    d.put_config(&json!({"pause": true})).await.unwrap();
+    let r = quick
+        .write(
+            "POST",
+            "/switchover",
+            Some(json!({"candidate": "n2", "scheduled_at": "2099-06-01T14:30:00Z"})),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("paused"), "{}", r.body);
+    d.put_config(&json!({})).await.unwrap();
+    let r = quick
+        .write(
+            "POST",
+            "/failover",
+            Some(json!({"candidate": "n2", "scheduled_at": "2099-06-01T14:30:00Z"})),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
     assert!(d.read_cluster().await.unwrap().failover.is_none());
 
     // The leader key moves while the request waits.

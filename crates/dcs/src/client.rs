@@ -16,7 +16,7 @@ use tokio::sync::Mutex;
 use crate::error::{DcsError, Result};
 use crate::keys::{check_member, KeyLayout};
 use crate::snapshot::{ClusterSnapshot, HistoryEntry, LeaseId, RawKv};
-use crate::watch::{self, LeaderWatch};
+use crate::watch::{self, LeaderWatch, RequestWatch};
 
 /// How often HTTP/2 pings probe a connection that carries a stream (a watch
 /// or a keep-alive). etcd answers pings sent more often than every 5 s with
@@ -364,7 +364,14 @@ impl EtcdDcs {
     /// Follows the leader key: see [`LeaderWatch`]. The watch runs in a task
     /// of the current tokio runtime until the returned value is dropped.
     pub async fn watch_leader(&self) -> LeaderWatch {
-        watch::spawn(self.clone())
+        watch::spawn_leader(self.clone())
+    }
+
+    /// Follows the `failover` key, so that an agent learns of a switchover
+    /// request written through another member's API at once rather than
+    /// on its next loop. Runs like [`watch_leader`](Self::watch_leader).
+    pub async fn watch_failover(&self) -> RequestWatch {
+        watch::spawn_request(self.clone())
     }
 
     /// Replaces the dynamic settings unconditionally.
@@ -448,6 +455,22 @@ impl EtcdDcs {
     /// switchover).
     pub async fn delete_failover(&self) -> Result<()> {
         self.delete("delete failover", self.keys.failover()).await
+    }
+
+    /// Deletes the pending request only if it is the one read at
+    /// `revision` ([`ClusterSnapshot::failover_revision`]), so a request
+    /// written meanwhile survives. Atomic; `Ok(false)` if the key changed
+    /// or is gone.
+    pub async fn delete_failover_if(&self, revision: i64) -> Result<bool> {
+        let key = self.keys.failover();
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.as_str(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        Ok(self.txn("delete failover", txn).await?.succeeded())
     }
 
     /// Publishes the leader's WAL position, but only while the leader key

@@ -34,7 +34,8 @@
 //! ([`EtcdDcs::keep_alive_once`], or [`EtcdDcs::renew_leader`] for the
 //! leader) every loop keeps both; when the agent dies or is cut off, etcd
 //! deletes both when the TTL runs out, and [`EtcdDcs::watch_leader`] tells
-//! every replica at once.
+//! every replica at once. [`EtcdDcs::watch_failover`] does the same for
+//! switchover requests.
 
 mod client;
 mod error;
@@ -46,4 +47,4 @@ pub use client::EtcdDcs;
 pub use error::{DcsError, Result};
 pub use keys::{KeyLayout, DEFAULT_NAMESPACE};
 pub use snapshot::{ClusterSnapshot, HistoryEntry, LeaderKey, LeaseId};
-pub use watch::{LeaderEvent, LeaderWatch};
+pub use watch::{KeyWatch, LeaderEvent, LeaderWatch, RequestEvent, RequestWatch};

@@ -82,6 +82,9 @@ pub struct ClusterSnapshot {
     pub history: Vec<HistoryEntry>,
     /// A pending switchover or failover request.
     pub failover: Option<Value>,
+    /// The `failover` key's modification revision (zero when absent), for
+    /// [`EtcdDcs::delete_failover_if`](crate::EtcdDcs::delete_failover_if).
+    pub failover_revision: i64,
     /// Synchronous replication state.
     pub sync: Option<Value>,
     /// The leader's last published WAL position.
@@ -131,7 +134,10 @@ impl ClusterSnapshot {
                     s.config_revision = kv.mod_revision;
                 }),
                 "history" => serde_json::from_slice(kv.value).ok().map(|h| s.history = h),
-                "failover" => json(kv.value).map(|v| s.failover = Some(v)),
+                "failover" => json(kv.value).map(|v| {
+                    s.failover = Some(v);
+                    s.failover_revision = kv.mod_revision;
+                }),
                 "sync" => json(kv.value).map(|v| s.sync = Some(v)),
                 "status" => json(kv.value).map(|v| s.status = Some(v)),
                 other => match other.strip_prefix("members/") {
@@ -215,6 +221,7 @@ mod tests {
         assert_eq!(s.history[0].lsn, 100);
         assert_eq!(s.history[0].leader, "");
         assert!(s.failover.is_some() && s.sync.is_some() && s.status.is_some());
+        assert_eq!(s.failover_revision, 7);
         assert!(s.malformed.is_empty());
     }
 

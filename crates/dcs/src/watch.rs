@@ -1,10 +1,11 @@
-//! Following the leader key as it changes, so a replica learns that the
-//! leader's lease expired or was released when etcd deletes the key, not on
-//! its next loop.
+//! Following single keys as they change: the leader key, so a replica
+//! learns that the leader's lease expired or was released when etcd deletes
+//! the key, not on its next loop; and the `failover` key, so the leader
+//! learns of a switchover request written through another member's API.
 
 use std::time::Duration;
 
-use etcd_client::{EventType, WatchOptions};
+use etcd_client::{EventType, KeyValue, WatchOptions};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -30,49 +31,101 @@ pub enum LeaderEvent {
     Deleted,
 }
 
-/// Changes of the leader key, from an etcd watch that re-establishes itself
-/// after errors.
+/// A change of the `failover` key (a switchover or failover request).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RequestEvent {
+    /// A request was written.
+    Put {
+        /// The key's modification revision.
+        revision: i64,
+    },
+    /// The request was consumed or withdrawn.
+    Deleted,
+}
+
+/// Changes of one key, from an etcd watch that re-establishes itself after
+/// errors.
 ///
 /// The first event, and the first after every reconnection whose state
 /// differs from the last event delivered, describes the key as it is (so a
-/// missing key is reported as [`LeaderEvent::Deleted`]); after that, every
-/// change etcd reports. Changes that happen while the watch is broken are
-/// coalesced into that one catch-up event. Events are hints to re-read the
-/// cluster, never a replacement for reading it. Dropping the value stops the
-/// watch.
+/// missing key is reported as deleted); after that, every change etcd
+/// reports. Changes that happen while the watch is broken are coalesced
+/// into that one catch-up event. Events are hints to re-read the cluster,
+/// never a replacement for reading it. Dropping the value stops the watch.
 #[derive(Debug)]
-pub struct LeaderWatch {
-    rx: mpsc::Receiver<LeaderEvent>,
+pub struct KeyWatch<E> {
+    rx: mpsc::Receiver<E>,
     task: JoinHandle<()>,
 }
 
-impl LeaderWatch {
+/// Changes of the leader key; see [`KeyWatch`].
+pub type LeaderWatch = KeyWatch<LeaderEvent>;
+
+/// Changes of the `failover` key; see [`KeyWatch`].
+pub type RequestWatch = KeyWatch<RequestEvent>;
+
+impl<E> KeyWatch<E> {
     /// The next change; `None` only if the watch task has ended, which
     /// happens when the runtime shuts down.
-    pub async fn next(&mut self) -> Option<LeaderEvent> {
+    pub async fn next(&mut self) -> Option<E> {
         self.rx.recv().await
     }
 
     /// A change already received, without waiting.
-    pub fn try_next(&mut self) -> Option<LeaderEvent> {
+    pub fn try_next(&mut self) -> Option<E> {
         self.rx.try_recv().ok()
     }
 }
 
-impl Drop for LeaderWatch {
+impl<E> Drop for KeyWatch<E> {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-pub(crate) fn spawn(dcs: EtcdDcs) -> LeaderWatch {
+/// What a key's value (or its absence) means to a watcher.
+type Decode<E> = fn(Option<&KeyValue>) -> E;
+
+fn leader_event(kv: Option<&KeyValue>) -> LeaderEvent {
+    match kv {
+        Some(kv) => LeaderEvent::Put {
+            name: String::from_utf8_lossy(kv.value()).into_owned(),
+            generation: kv.create_revision(),
+        },
+        None => LeaderEvent::Deleted,
+    }
+}
+
+fn request_event(kv: Option<&KeyValue>) -> RequestEvent {
+    match kv {
+        Some(kv) => RequestEvent::Put {
+            revision: kv.mod_revision(),
+        },
+        None => RequestEvent::Deleted,
+    }
+}
+
+pub(crate) fn spawn_leader(dcs: EtcdDcs) -> LeaderWatch {
+    let key = dcs.keys().leader();
+    spawn(dcs, key, leader_event)
+}
+
+pub(crate) fn spawn_request(dcs: EtcdDcs) -> RequestWatch {
+    let key = dcs.keys().failover();
+    spawn(dcs, key, request_event)
+}
+
+fn spawn<E>(dcs: EtcdDcs, key: String, decode: Decode<E>) -> KeyWatch<E>
+where
+    E: Clone + PartialEq + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(16);
     let task = tokio::spawn(async move {
         let mut last = None;
         loop {
-            match follow(&dcs, &tx, &mut last).await {
+            match follow(&dcs, &key, decode, &tx, &mut last).await {
                 Ok(()) => return,
-                Err(e) => tracing::warn!(error = %e, "leader watch broken; re-establishing"),
+                Err(e) => tracing::warn!(key = %key, error = %e, "watch broken; re-establishing"),
             }
             tokio::select! {
                 _ = tokio::time::sleep(RETRY_DELAY) => {}
@@ -80,31 +133,25 @@ pub(crate) fn spawn(dcs: EtcdDcs) -> LeaderWatch {
             }
         }
     });
-    LeaderWatch { rx, task }
+    KeyWatch { rx, task }
 }
 
 /// Reads the key, then watches it from just after that read so no change
 /// falls between the two. `Ok` when the receiver has gone away.
-async fn follow(
+async fn follow<E: Clone + PartialEq>(
     dcs: &EtcdDcs,
-    tx: &mpsc::Sender<LeaderEvent>,
-    last: &mut Option<LeaderEvent>,
+    key: &str,
+    decode: Decode<E>,
+    tx: &mpsc::Sender<E>,
+    last: &mut Option<E>,
 ) -> Result<()> {
-    const OP: &str = "watch leader";
-    let key = dcs.keys().leader();
+    const OP: &str = "watch";
     let mut client = dcs.client().clone();
     let (current, revision) = dcs
         .bounded(OP, async {
-            let resp = client.get(key.as_str(), None).await.map_err(etcd(OP))?;
+            let resp = client.get(key, None).await.map_err(etcd(OP))?;
             let revision = resp.header().map_or(0, |h| h.revision());
-            let current = match resp.kvs().first() {
-                Some(kv) => LeaderEvent::Put {
-                    name: String::from_utf8_lossy(kv.value()).into_owned(),
-                    generation: kv.create_revision(),
-                },
-                None => LeaderEvent::Deleted,
-            };
-            Ok((current, revision))
+            Ok((decode(resp.kvs().first()), revision))
         })
         .await?;
     if last.as_ref() != Some(&current) && !deliver(tx, last, current).await {
@@ -113,10 +160,7 @@ async fn follow(
     let options = WatchOptions::new().with_start_revision(revision + 1);
     let mut stream = dcs
         .bounded(OP, async {
-            client
-                .watch(key.as_str(), Some(options))
-                .await
-                .map_err(etcd(OP))
+            client.watch(key, Some(options)).await.map_err(etcd(OP))
         })
         .await?;
     loop {
@@ -132,14 +176,8 @@ async fn follow(
         }
         for ev in resp.events() {
             let event = match ev.event_type() {
-                EventType::Put => LeaderEvent::Put {
-                    name: ev
-                        .kv()
-                        .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
-                        .unwrap_or_default(),
-                    generation: ev.kv().map_or(0, |kv| kv.create_revision()),
-                },
-                EventType::Delete => LeaderEvent::Deleted,
+                EventType::Put => decode(ev.kv()),
+                EventType::Delete => decode(None),
             };
             if !deliver(tx, last, event).await {
                 return Ok(());
@@ -148,15 +186,11 @@ async fn follow(
     }
 }
 
-async fn deliver(
-    tx: &mpsc::Sender<LeaderEvent>,
-    last: &mut Option<LeaderEvent>,
-    event: LeaderEvent,
-) -> bool {
+async fn deliver<E: Clone>(tx: &mpsc::Sender<E>, last: &mut Option<E>, event: E) -> bool {
     *last = Some(event.clone());
     tx.send(event).await.is_ok()
 }
 
 fn closed(why: &str) -> DcsError {
-    etcd("watch leader")(etcd_client::Error::WatchError(why.into()))
+    etcd("watch")(etcd_client::Error::WatchError(why.into()))
 }

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use pgwarden_dcs::{DcsError, EtcdDcs, HistoryEntry, LeaderEvent, LeaseId};
+use pgwarden_dcs::{DcsError, EtcdDcs, HistoryEntry, LeaderEvent, LeaseId, RequestEvent};
 use pgwarden_testkit::etcd::EtcdServer;
 use pgwarden_testkit::eventually;
 use serde_json::json;
@@ -210,6 +210,40 @@ async fn switchover_hands_the_key_to_the_named_candidate_only() {
     assert!(c.read_cluster().await.unwrap().failover.is_none());
 }
 
+/// The next request event, failing the test if none comes in time.
+async fn next(w: &mut pgwarden_dcs::RequestWatch) -> RequestEvent {
+    tokio::time::timeout(Duration::from_secs(5), w.next())
+        .await
+        .expect("a request event in time")
+        .expect("watch still running")
+}
+
+#[tokio::test]
+async fn a_request_is_withdrawn_only_as_it_was_read_and_its_changes_are_watched() {
+    let etcd = EtcdServer::start();
+    let (a, b) = (dcs(&etcd, "c").await, dcs(&etcd, "c").await);
+    let mut watch = b.watch_failover().await;
+    assert_eq!(next(&mut watch).await, RequestEvent::Deleted, "none yet");
+    a.put_failover(&json!({"candidate": "b", "scheduled_at": "2030-01-01T00:00:00Z"}))
+        .await
+        .unwrap();
+    let RequestEvent::Put { revision: first } = next(&mut watch).await else {
+        panic!("expected a put");
+    };
+    let snap = a.read_cluster().await.unwrap();
+    assert_eq!(snap.failover_revision, first);
+    // Replaced meanwhile: the withdrawal of the old one must not delete it.
+    a.put_failover(&json!({"candidate": "c"})).await.unwrap();
+    assert!(matches!(next(&mut watch).await, RequestEvent::Put { revision } if revision > first));
+    assert!(!a.delete_failover_if(snap.failover_revision).await.unwrap());
+    let snap = a.read_cluster().await.unwrap();
+    assert_eq!(snap.failover.as_ref().unwrap()["candidate"], "c");
+    assert!(a.delete_failover_if(snap.failover_revision).await.unwrap());
+    assert_eq!(next(&mut watch).await, RequestEvent::Deleted);
+    assert!(!a.delete_failover_if(snap.failover_revision).await.unwrap());
+    assert_eq!(a.read_cluster().await.unwrap().failover_revision, 0);
+}
+
 #[tokio::test]
 async fn a_member_key_disappears_with_its_lease() {
     let etcd = EtcdServer::start();
@@ -389,6 +423,7 @@ async fn every_op_fails_in_bounded_time(d: &EtcdDcs, lease: LeaseId) {
     check!("append_history", d.append_history(&HistoryEntry::default()));
     check!("put_failover", d.put_failover(&json!({})));
     check!("delete_failover", d.delete_failover());
+    check!("delete_failover_if", d.delete_failover_if(1));
     check!("put_status", d.put_status("a", &json!({})));
     check!("revoke_lease", d.revoke_lease(lease));
 }

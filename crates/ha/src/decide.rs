@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::election::{is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking};
 use crate::member::MemberRole;
 use crate::rto::Timing;
+use crate::schedule::{overdue_after, Schedule};
 use crate::secs::Secs;
 use crate::view::{ClusterView, LocalView};
 
@@ -65,6 +66,12 @@ pub enum Decision {
         /// start with a failover.
         renew_lease: bool,
     },
+    /// The leader, otherwise in good order, withdraws a scheduled switchover
+    /// that can no longer be carried out at the time it was asked for.
+    CancelSwitchover {
+        /// Why.
+        reason: CancelReason,
+    },
 }
 
 impl Decision {
@@ -75,7 +82,7 @@ impl Decision {
     /// restarting PostgreSQL would otherwise lose the key halfway.
     pub fn keeps_lease(&self) -> bool {
         match self {
-            Decision::RenewLease | Decision::Promote => true,
+            Decision::RenewLease | Decision::Promote | Decision::CancelSwitchover { .. } => true,
             Decision::StartPostgres { mode } => matches!(mode, StartMode::AsLeader { .. }),
             Decision::Paused { renew_lease } => *renew_lease,
             _ => false,
@@ -102,6 +109,9 @@ impl fmt::Display for Decision {
                 f.write_str("paused: renewing the leader lease, no automatic failover")
             }
             Decision::Paused { renew_lease: false } => f.write_str("paused: no automatic failover"),
+            Decision::CancelSwitchover { reason } => {
+                write!(f, "cancelling the scheduled switchover: {reason}")
+            }
         }
     }
 }
@@ -206,6 +216,39 @@ impl fmt::Display for ReleaseReason {
     }
 }
 
+/// Why the leader withdraws a scheduled switchover.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CancelReason {
+    /// Its time passed longer ago than [`crate::overdue_after`] allows
+    /// (the candidate was not ready then, or the cluster was paused).
+    Overdue {
+        /// The time it was scheduled for, as stored.
+        scheduled_at: String,
+        /// How long ago that was.
+        late: Duration,
+    },
+    /// Its time cannot be read.
+    Unreadable {
+        /// The stored value.
+        scheduled_at: String,
+    },
+}
+
+impl fmt::Display for CancelReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CancelReason::Overdue { scheduled_at, late } => write!(
+                f,
+                "it was due at {scheduled_at}, {} ago, and could not be carried out then",
+                Secs(*late)
+            ),
+            CancelReason::Unreadable { scheduled_at } => {
+                write!(f, "its time {scheduled_at:?} cannot be read")
+            }
+        }
+    }
+}
+
 /// Why a node without the leader key leaves it alone.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WaitReason {
@@ -232,6 +275,10 @@ pub enum WaitReason {
     /// The leader key names this node but belongs to a lease this process
     /// does not hold, left by an earlier run; only its expiry frees it.
     StaleOwnKey,
+    /// The leader's lease has run out but etcd has not deleted the key yet
+    /// (it does within half a second); the key cannot be taken before, and
+    /// the deletion wakes every agent.
+    KeyExpiring,
 }
 
 impl fmt::Display for WaitReason {
@@ -252,6 +299,9 @@ impl fmt::Display for WaitReason {
                 "the leader key names this node but belongs to an earlier lease; \
                  waiting for it to expire",
             ),
+            WaitReason::KeyExpiring => {
+                f.write_str("the leader's lease has run out; waiting for etcd to delete its key")
+            }
         }
     }
 }
@@ -312,12 +362,13 @@ pub fn decide(
     timing: &Timing,
     settings: &ElectionSettings,
 ) -> Decision {
-    let view = with_local_observation(cluster, local);
+    let mut view = with_local_observation(cluster, local);
+    let cancel = scheduled_request(&mut view, local, timing);
     let ranking = rank_candidates(&view, settings);
     let manual = manual_ranking(&view, settings, &ranking);
     match view.current_leader() {
         Some(l) if l.name == local.name && local.holds_lease => {
-            as_leader(&view, local, timing, &manual)
+            as_leader(&view, local, timing, &manual, cancel)
         }
         Some(l) if l.name == local.name => {
             if view.paused {
@@ -333,11 +384,40 @@ pub fn decide(
     }
 }
 
+/// Leaves a scheduled request in the view only while it is to be acted on:
+/// its time has come (within [`overdue_after`]) and the cluster is not in
+/// maintenance mode, where scheduled actions wait as in Patroni. Returns why
+/// the leader should withdraw it, if it should.
+fn scheduled_request(
+    view: &mut ClusterView,
+    local: &LocalView,
+    timing: &Timing,
+) -> Option<CancelReason> {
+    let req = view.failover_request.as_ref()?;
+    let at = req.scheduled_at.clone()?;
+    let schedule = Schedule::of(Some(&at), local.unix_ms, overdue_after(timing));
+    if !schedule.is_active() || view.paused {
+        view.failover_request = None;
+    }
+    if view.paused {
+        return None;
+    }
+    match schedule {
+        Schedule::Overdue(late) => Some(CancelReason::Overdue {
+            scheduled_at: at,
+            late,
+        }),
+        Schedule::Unreadable => Some(CancelReason::Unreadable { scheduled_at: at }),
+        _ => None,
+    }
+}
+
 fn as_leader(
     view: &ClusterView,
     local: &LocalView,
     timing: &Timing,
     ranking: &Ranking,
+    cancel: Option<CancelReason>,
 ) -> Decision {
     // In maintenance mode the operator owns PostgreSQL; demoting on a DCS
     // outage would be exactly the surprise pause is meant to rule out.
@@ -387,7 +467,10 @@ fn as_leader(
     if pg.in_recovery {
         return Decision::Promote;
     }
-    Decision::RenewLease
+    match cancel {
+        Some(reason) => Decision::CancelSwitchover { reason },
+        None => Decision::RenewLease,
+    }
 }
 
 /// The member a pending switchover away from this leader should go to, if
@@ -441,8 +524,11 @@ fn as_follower(view: &ClusterView, local: &LocalView, leader: &str) -> Decision 
 fn manual_ranking(view: &ClusterView, settings: &ElectionSettings, ranking: &Ranking) -> Ranking {
     match &view.failover_request {
         Some(req) if req.from_leader.is_some() => {
+            // Nor does the quorum rule: the candidate receives everything
+            // the old leader wrote before it is promoted.
             let relaxed = ClusterView {
                 last_leader_lsn: None,
+                sync_quorum: None,
                 ..view.clone()
             };
             rank_candidates(&relaxed, settings)
@@ -466,9 +552,10 @@ fn without_leader(
         if let Some(candidate) = req.candidate.as_deref() {
             if candidate == local.name {
                 if local.postgres.running && (req.forced || manual.is_eligible(&local.name)) {
-                    return Decision::AcquireLeader {
-                        reason: AcquireReason::FailoverRequested { forced: req.forced },
-                    };
+                    return acquire(
+                        view,
+                        AcquireReason::FailoverRequested { forced: req.forced },
+                    );
                 }
             } else if candidate_ready(view, manual, candidate, req.forced) {
                 return stand_by(
@@ -490,9 +577,7 @@ fn without_leader(
         };
     }
     if is_best(&local.name, ranking) {
-        return Decision::AcquireLeader {
-            reason: AcquireReason::BestCandidate,
-        };
+        return acquire(view, AcquireReason::BestCandidate);
     }
     let reason = if view.member(&local.name).is_none() {
         WaitReason::NotInView
@@ -505,6 +590,20 @@ fn without_leader(
         }
     };
     stand_by(view, local, reason)
+}
+
+/// Takes the free key, or waits for it when it is only nearly free: a key
+/// whose lease has run out still exists until etcd deletes it, a
+/// create-if-absent cannot succeed before, and an attempt would ask every
+/// member for its position, the dead leader included, whose API may not
+/// answer for seconds when its host is gone rather than refusing.
+fn acquire(view: &ClusterView, reason: AcquireReason) -> Decision {
+    if view.leader.is_some() {
+        return Decision::WaitForLeader {
+            reason: WaitReason::KeyExpiring,
+        };
+    }
+    Decision::AcquireLeader { reason }
 }
 
 /// Leaves the key to others; a primary without the key must also stop
@@ -813,17 +912,43 @@ mod tests {
                 says: "waiting for a leader: this node has not published its member state yet",
             },
             Case {
-                name: "an expired key is no key",
+                name: "an expired key is no leader, but not free until etcd deletes it",
                 cluster: {
                     let mut v = free().leader_key("n1").build();
                     v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
                     v
                 },
                 local: local("n2").build(),
-                want: Decision::AcquireLeader {
-                    reason: AcquireReason::BestCandidate,
+                want: wait(WaitReason::KeyExpiring),
+                says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
+                       to delete its key",
+            },
+            Case {
+                name: "nor for a manual failover",
+                cluster: {
+                    let mut v = free().leader_key("n1").failover_to("n3", true).build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
                 },
-                says: "acquiring the leader key: this node is the best candidate",
+                local: local("n3").build(),
+                want: wait(WaitReason::KeyExpiring),
+                says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
+                       to delete its key",
+            },
+            Case {
+                name: "a primary not first in line still stops taking writes",
+                cluster: {
+                    let mut v = free().leader_key("n4").build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
+                },
+                local: local("n3").primary().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::BetterCandidate { name: "n2".into() },
+                    },
+                },
+                says: "demoting: no leader key and n2 is a better candidate",
             },
         ]);
     }
@@ -1146,6 +1271,203 @@ mod tests {
     }
 
     #[test]
+    fn a_scheduled_switchover_waits_for_its_time_then_runs_or_is_cancelled() {
+        // NOW_MS is 2023-11-14T22:13:20Z; overdue after 7.5 s (norm).
+        let sched = |at: &str| {
+            cluster()
+                .leader("n1")
+                .replica("n2", 0)
+                .scheduled_switchover("n1", "n2", at)
+        };
+        let release = Decision::ReleaseLeader {
+            reason: ReleaseReason::Switchover {
+                candidate: "n2".into(),
+            },
+        };
+        check(vec![
+            Case {
+                name: "not yet",
+                cluster: sched("2023-11-14T22:13:21Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "due now",
+                cluster: sched("2023-11-14T22:13:20Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: release.clone(),
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "due, written in another zone, a loop late",
+                cluster: sched("2023-11-15T00:13:15+02:00").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: release,
+                says: "releasing the leader key: switching over to n2",
+            },
+            Case {
+                name: "due but paused: scheduled actions wait",
+                cluster: sched("2023-11-14T22:13:20Z").paused().build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "overdue: withdrawn, not carried out late",
+                cluster: sched("2023-11-14T22:13:10Z").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Overdue {
+                        scheduled_at: "2023-11-14T22:13:10Z".into(),
+                        late: secs(10),
+                    },
+                },
+                says: "cancelling the scheduled switchover: it was due at \
+                       2023-11-14T22:13:10Z, 10 s ago, and could not be carried out then",
+            },
+            Case {
+                name: "overdue while paused: left for later",
+                cluster: sched("2023-11-14T22:13:10Z").paused().build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Paused { renew_lease: true },
+                says: "paused: renewing the leader lease, no automatic failover",
+            },
+            Case {
+                name: "unreadable time",
+                cluster: sched("at noon").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Unreadable {
+                        scheduled_at: "at noon".into(),
+                    },
+                },
+                says: "cancelling the scheduled switchover: its time \"at noon\" cannot be read",
+            },
+            Case {
+                name: "a crashed PostgreSQL comes first",
+                cluster: sched("2023-11-14T22:13:10Z").build(),
+                local: local("n1").stopped().holding_lease().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::AsLeader {
+                        failed_for: Duration::ZERO,
+                        timeout: secs(25),
+                    },
+                },
+                says: "starting PostgreSQL as the leader (the leader key is released if it is \
+                       not up within 25 s)",
+            },
+        ]);
+    }
+
+    #[test]
+    fn a_switchover_not_yet_due_does_not_steer_an_election() {
+        let free = |at: &str| {
+            cluster()
+                .replica("n2", 0)
+                .replica("n3", 300)
+                .scheduled_switchover("n1", "n3", at)
+        };
+        check(vec![
+            Case {
+                name: "the best candidate takes the key",
+                cluster: free("2023-11-14T22:20:00Z").build(),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "the named candidate does not",
+                cluster: free("2023-11-14T22:20:00Z").build(),
+                local: local("n3").build(),
+                want: wait(WaitReason::BetterCandidate { name: "n2".into() }),
+                says: "waiting for a leader: n2 is a better candidate",
+            },
+            Case {
+                name: "once due, it names the winner",
+                cluster: free("2023-11-14T22:13:19Z").build(),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: false },
+                },
+                says: "acquiring the leader key: a manual failover named this node",
+            },
+            Case {
+                name: "and the best one steps aside",
+                cluster: free("2023-11-14T22:13:19Z").build(),
+                local: local("n2").build(),
+                want: wait(WaitReason::FailoverRequested {
+                    candidate: "n3".into(),
+                }),
+                says: "waiting for a leader: a manual failover named n3",
+            },
+        ]);
+    }
+
+    #[test]
+    fn quorum_commit_elects_only_a_member_known_to_hold_every_commit() {
+        let q = |b: crate::fixtures::ClusterBuilder| {
+            let mut v = b.build();
+            v.sync_restricted = true;
+            v.sync_members = vec!["n2".into(), "n3".into()];
+            v.sync_quorum = Some(1);
+            v
+        };
+        check(vec![
+            Case {
+                name: "the more advanced takes the key",
+                cluster: q(cluster().replica("n2", 0).replica("n3", 64)),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "the other says why not",
+                cluster: q(cluster().replica("n2", 0).replica("n3", 64)),
+                local: local("n3").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::QuorumBehind { lag_bytes: 64 },
+                }),
+                says: "waiting for a leader: this node is not eligible (64 bytes behind another \
+                       listed synchronous standby, so it may lack acknowledged commits)",
+            },
+            Case {
+                name: "without the other's position, nobody",
+                cluster: q(cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 0)
+                    .with("n3", |m| m.last_seen_ms_ago = 60_000)),
+                local: local("n2").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::QuorumUnseen { seen: 1, needed: 2 },
+                }),
+                says: "waiting for a leader: this node is not eligible (only 1 listed \
+                       synchronous standbys report a WAL position, 2 needed to know which holds \
+                       every acknowledged commit)",
+            },
+            Case {
+                name: "a switchover to the one behind still happens: it catches up first",
+                cluster: q(cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .replica("n3", 64)
+                    .switchover("n1", "n3")),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n3".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n3",
+            },
+        ]);
+    }
+
+    #[test]
     fn only_leader_decisions_keep_the_lease() {
         let keeps = [
             Decision::RenewLease,
@@ -1157,6 +1479,11 @@ mod tests {
                 },
             },
             Decision::Paused { renew_lease: true },
+            Decision::CancelSwitchover {
+                reason: CancelReason::Unreadable {
+                    scheduled_at: String::new(),
+                },
+            },
         ];
         assert!(keeps.iter().all(Decision::keeps_lease));
         let drops = [

@@ -10,6 +10,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::member::{MemberRole, MemberState};
+use crate::protection::Claim;
 use crate::rto::{RtoPreset, Timing};
 use crate::secs::Secs;
 use crate::view::ClusterView;
@@ -79,6 +80,22 @@ pub enum ExclusionReason {
     /// The cluster runs synchronously and it is not a listed synchronous
     /// standby, so it may lack acknowledged commits.
     NotSynchronous,
+    /// The cluster runs with quorum commit, and too few listed standbys
+    /// report a WAL position to tell which of them holds every
+    /// acknowledged commit.
+    QuorumUnseen {
+        /// Listed standbys whose position is known.
+        seen: usize,
+        /// How many are needed: listed − quorum + 1.
+        needed: usize,
+    },
+    /// The cluster runs with quorum commit, and it is behind the position
+    /// that enough listed standbys reach to hold every acknowledged commit,
+    /// so it may lack some.
+    QuorumBehind {
+        /// How far behind that position it is.
+        lag_bytes: u64,
+    },
     /// It trails the last known leader position by more than allowed.
     LaggingTooMuch {
         /// How far behind it is.
@@ -107,6 +124,16 @@ impl fmt::Display for ExclusionReason {
             ExclusionReason::NotSynchronous => {
                 f.write_str("not a synchronous standby, so it may lack acknowledged commits")
             }
+            ExclusionReason::QuorumUnseen { seen, needed } => write!(
+                f,
+                "only {seen} listed synchronous standbys report a WAL position, {needed} needed \
+                 to know which holds every acknowledged commit"
+            ),
+            ExclusionReason::QuorumBehind { lag_bytes } => write!(
+                f,
+                "{lag_bytes} bytes behind another listed synchronous standby, so it may lack \
+                 acknowledged commits"
+            ),
             ExclusionReason::LaggingTooMuch { lag_bytes, limit } => write!(
                 f,
                 "lagging {lag_bytes} bytes behind the last leader position (limit {limit})"
@@ -169,11 +196,13 @@ pub fn rank_candidates(view: &ClusterView, settings: &ElectionSettings) -> Ranki
     } else {
         view.last_leader_lsn
     };
+    let floor = quorum_floor(view, ttl_ms);
     for m in &view.members {
         let reason = if view.sync_restricted && !view.sync_members.contains(&m.name) {
             Some(ExclusionReason::NotSynchronous)
         } else {
             exclusion(m, lag_base, newest_timeline, ttl_ms, settings)
+                .or_else(|| quorum_exclusion(m, floor.as_ref()?))
         };
         match reason {
             Some(reason) => excluded.push((m.name.clone(), reason)),
@@ -190,6 +219,55 @@ pub fn rank_candidates(view: &ClusterView, settings: &ElectionSettings) -> Ranki
     Ranking {
         eligible: eligible.into_iter().map(|m| m.name.clone()).collect(),
         excluded,
+    }
+}
+
+/// Under quorum commit, the WAL position a listed standby must reach to
+/// be sure to hold every acknowledged commit: each commit is on `quorum`
+/// of the m listed, so any m − quorum + 1 of them include a holder, and a
+/// member at least as far as the furthest of some such group holds them
+/// all. The group with the lowest such position is the `needed` lowest
+/// positions seen. `Err((seen, needed))` when fewer are known. `None`
+/// without quorum commit (every listed standby holds everything).
+///
+/// A position is known for a listed member heard from within the ttl that
+/// reports one. The agent fills in fresh positions (and drops those of
+/// members that do not answer) before it takes the key.
+fn quorum_floor(view: &ClusterView, ttl_ms: u64) -> Option<Result<u64, (usize, usize)>> {
+    if !view.sync_restricted {
+        return None;
+    }
+    let claim = Claim::new(
+        view.sync_members.clone(),
+        view.sync_quorum.unwrap_or(view.sync_members.len()),
+    );
+    let needed = claim.needed()?;
+    if needed <= 1 {
+        return None;
+    }
+    let mut seen: Vec<u64> = view
+        .members
+        .iter()
+        .filter(|m| claim.members.contains(&m.name) && m.last_seen_ms_ago <= ttl_ms)
+        .filter_map(MemberState::wal_position)
+        .collect();
+    seen.sort_unstable();
+    Some(seen.get(needed - 1).copied().ok_or((seen.len(), needed)))
+}
+
+fn quorum_exclusion(
+    m: &MemberState,
+    floor: &Result<u64, (usize, usize)>,
+) -> Option<ExclusionReason> {
+    match *floor {
+        Err((seen, needed)) => Some(ExclusionReason::QuorumUnseen { seen, needed }),
+        Ok(floor) => match m.wal_position() {
+            None => Some(ExclusionReason::NoWalPosition),
+            Some(p) if p < floor => Some(ExclusionReason::QuorumBehind {
+                lag_bytes: floor - p,
+            }),
+            Some(_) => None,
+        },
     }
 }
 
@@ -265,6 +343,160 @@ mod tests {
 
     fn rank(view: &ClusterView) -> Ranking {
         rank_candidates(view, &ElectionSettings::default())
+    }
+
+    /// A cluster whose `sync` key lists `listed` with `quorum`, and whose
+    /// members stand `lag` bytes behind the last leader position.
+    fn quorum(members: &[(&str, u64)], listed: &[&str], quorum: usize) -> ClusterView {
+        let mut b = cluster();
+        for (name, lag) in members {
+            b = b.replica(name, *lag);
+        }
+        let mut v = b.build();
+        v.sync_restricted = true;
+        v.sync_members = listed.iter().map(|s| s.to_string()).collect();
+        v.sync_quorum = Some(quorum);
+        v
+    }
+
+    #[test]
+    fn quorum_one_of_two_promotes_only_the_more_advanced_of_both() {
+        let v = quorum(&[("n2", 0), ("n3", 100)], &["n2", "n3"], 1);
+        let r = rank(&v);
+        assert_eq!(r.eligible, ["n2"]);
+        assert_eq!(
+            r.exclusion("n3"),
+            Some(&ExclusionReason::QuorumBehind { lag_bytes: 100 })
+        );
+        // Lag behind the old leader's last position does not count: the
+        // WAL no standby has was never acknowledged.
+        let v = quorum(&[("n2", 5 * MIB), ("n3", 6 * MIB)], &["n2", "n3"], 1);
+        assert_eq!(rank(&v).eligible, ["n2"]);
+    }
+
+    #[test]
+    fn quorum_one_of_two_with_one_member_missing_promotes_nobody() {
+        // n3 alone may have acknowledged the last commits.
+        for gone in [
+            (|m: &mut MemberState| m.last_seen_ms_ago = 31_000) as fn(&mut MemberState),
+            |m| {
+                m.received_lsn = None;
+                m.replayed_lsn = None;
+            },
+        ] {
+            let v = cluster()
+                .replica("n2", 0)
+                .replica("n3", 0)
+                .with("n3", gone)
+                .build();
+            let v = ClusterView {
+                sync_restricted: true,
+                sync_members: vec!["n2".into(), "n3".into()],
+                sync_quorum: Some(1),
+                ..v
+            };
+            let r = rank(&v);
+            assert!(r.eligible.is_empty(), "{r:?}");
+            assert_eq!(
+                r.exclusion("n2"),
+                Some(&ExclusionReason::QuorumUnseen { seen: 1, needed: 2 })
+            );
+        }
+    }
+
+    #[test]
+    fn quorum_two_of_three_tolerates_one_missing_member() {
+        let mut v = quorum(
+            &[("n2", 0), ("n3", 100), ("n4", 300)],
+            &["n2", "n3", "n4"],
+            2,
+        );
+        // All three seen: a commit on two of them is on n2 or n3, so
+        // anyone at least as far as the second lowest (n3) holds them all.
+        let r = rank(&v);
+        assert_eq!(r.eligible, ["n2", "n3"]);
+        assert_eq!(
+            r.exclusion("n4"),
+            Some(&ExclusionReason::QuorumBehind { lag_bytes: 200 })
+        );
+        // n2 gone: the two left must be compared, and n3 leads them.
+        v.members.retain(|m| m.name != "n2");
+        let r = rank(&v);
+        assert_eq!(r.eligible, ["n3"]);
+        // n3 gone too: nobody can be sure.
+        v.members.retain(|m| m.name != "n3");
+        assert_eq!(
+            rank(&v).exclusion("n4"),
+            Some(&ExclusionReason::QuorumUnseen { seen: 1, needed: 2 })
+        );
+    }
+
+    #[test]
+    fn quorum_ties_are_all_safe_and_broken_by_priority_then_name() {
+        let v = quorum(&[("n3", 0), ("n2", 0), ("n4", 50)], &["n2", "n3", "n4"], 1);
+        assert_eq!(rank(&v).eligible, ["n2", "n3"]);
+        let mut v = quorum(&[("n3", 0), ("n2", 0)], &["n2", "n3"], 1);
+        v.members[0].tags.failover_priority = 3;
+        assert_eq!(rank(&v).eligible, ["n3", "n2"]);
+    }
+
+    #[test]
+    fn quorum_a_higher_priority_behind_is_passed_over_not_waited_for() {
+        let v = cluster()
+            .replica("n2", 100)
+            .with("n2", |m| m.tags.failover_priority = 9)
+            .replica("n3", 0)
+            .build();
+        let v = ClusterView {
+            sync_restricted: true,
+            sync_members: vec!["n2".into(), "n3".into()],
+            sync_quorum: Some(1),
+            ..v
+        };
+        assert_eq!(rank(&v).eligible, ["n3"]);
+    }
+
+    #[test]
+    fn quorum_counts_positions_of_listed_members_only_but_of_all_of_them() {
+        // A nofailover standby is never promoted, yet its position may be
+        // the one that holds the last commits.
+        let v = cluster()
+            .replica("n2", 100)
+            .replica("n3", 0)
+            .with("n3", |m| m.tags.nofailover = true)
+            .replica("n4", 0)
+            .build();
+        let v = ClusterView {
+            sync_restricted: true,
+            sync_members: vec!["n2".into(), "n3".into()],
+            sync_quorum: Some(1),
+            ..v
+        };
+        let r = rank(&v);
+        assert!(r.eligible.is_empty(), "{r:?}");
+        assert_eq!(
+            r.exclusion("n2"),
+            Some(&ExclusionReason::QuorumBehind { lag_bytes: 100 })
+        );
+        assert_eq!(r.exclusion("n4"), Some(&ExclusionReason::NotSynchronous));
+    }
+
+    #[test]
+    fn first_keeps_promoting_any_listed_standby() {
+        // Every listed standby holds every acknowledged commit: priority
+        // still decides, whatever the positions.
+        for q in [None, Some(2)] {
+            let mut v = quorum(&[("n2", 100), ("n3", 0)], &["n2", "n3"], 2);
+            v.sync_quorum = q;
+            v.members[0].tags.failover_priority = 2;
+            assert_eq!(rank(&v).eligible, ["n2", "n3"], "{q:?}");
+        }
+        // A claim of nothing promotes nobody.
+        let v = quorum(&[("n2", 0)], &[], 0);
+        assert_eq!(
+            rank(&v).exclusion("n2"),
+            Some(&ExclusionReason::NotSynchronous)
+        );
     }
 
     #[test]
@@ -474,6 +706,16 @@ mod tests {
             }
             .to_string(),
             "on timeline 3, behind timeline 4"
+        );
+        assert_eq!(
+            ExclusionReason::QuorumUnseen { seen: 1, needed: 2 }.to_string(),
+            "only 1 listed synchronous standbys report a WAL position, 2 needed to know which \
+             holds every acknowledged commit"
+        );
+        assert_eq!(
+            ExclusionReason::QuorumBehind { lag_bytes: 8 }.to_string(),
+            "8 bytes behind another listed synchronous standby, so it may lack acknowledged \
+             commits"
         );
     }
 }

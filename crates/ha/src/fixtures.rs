@@ -8,6 +8,9 @@ use crate::view::{ClusterView, FailoverRequest, LeaderInfo, LocalPg, LocalView};
 
 pub(crate) const MIB: u64 = 1024 * 1024;
 
+/// The wall clock of every local fixture: 2023-11-14T22:13:20Z.
+pub(crate) const NOW_MS: u64 = 1_700_000_000_000;
+
 /// Where the (last) leader's WAL stands in every fixture.
 pub(crate) const LEADER_LSN: u64 = 0x3_0000_0000;
 
@@ -74,6 +77,7 @@ impl ClusterBuilder {
             candidate: Some(candidate.to_string()),
             from_leader: None,
             forced,
+            scheduled_at: None,
         });
         self
     }
@@ -83,7 +87,17 @@ impl ClusterBuilder {
             candidate: Some(to.to_string()),
             from_leader: Some(from.to_string()),
             forced: false,
+            scheduled_at: None,
         });
+        self
+    }
+
+    /// A switchover from `from` to `to` scheduled at `at` (as stored).
+    pub(crate) fn scheduled_switchover(mut self, from: &str, to: &str, at: &str) -> Self {
+        self = self.switchover(from, to);
+        if let Some(r) = self.view.failover_request.as_mut() {
+            r.scheduled_at = Some(at.to_string());
+        }
         self
     }
 
@@ -108,6 +122,7 @@ pub(crate) fn local(name: &str) -> LocalBuilder {
     // Far enough from the process start that `now - age` never underflows.
     let now = Instant::now() + Duration::from_secs(3_600);
     let mut view = LocalView::new(name, now);
+    view.unix_ms = NOW_MS;
     view.postgres = LocalPg {
         running: true,
         in_recovery: true,

@@ -15,6 +15,7 @@
 //!   observation.
 //! * [`election`]: which members may become leader, best first.
 //! * [`protection`]: protection modes and the synchronous standby set.
+//! * [`schedule`]: when a scheduled switchover is due.
 //! * [`decide`](mod@decide): the action for this loop iteration.
 //!
 //! # Timing presets
@@ -36,6 +37,7 @@ pub mod election;
 pub mod member;
 pub mod protection;
 pub mod rto;
+pub mod schedule;
 pub mod view;
 
 mod secs;
@@ -44,7 +46,8 @@ mod secs;
 mod fixtures;
 
 pub use decide::{
-    decide, AcquireReason, Decision, DemoteReason, ReleaseReason, StartMode, WaitReason,
+    decide, AcquireReason, CancelReason, Decision, DemoteReason, ReleaseReason, StartMode,
+    WaitReason,
 };
 pub use election::{
     is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking,
@@ -52,11 +55,12 @@ pub use election::{
 };
 pub use member::{MemberRole, MemberState, Tags};
 pub use protection::{
-    plan_sync, standby_names, Protection, SyncMethod, SyncObservation, SyncSettings, SyncState,
-    SyncStep,
+    plan_sync, wanted_config, Claim, Protection, SyncConfig, SyncMethod, SyncObservation,
+    SyncSettings, SyncState, SyncStep, NO_STANDBY,
 };
 pub use rto::{
     ParseRtoError, ReferenceRto, RtoPreset, RtoRange, RtoSetting, Timing, TimingError,
     TimingOverrides,
 };
+pub use schedule::{format_timestamp, overdue_after, parse_timestamp, Schedule, TimestampError};
 pub use view::{ClusterView, FailoverRequest, LeaderInfo, LocalPg, LocalView};

@@ -32,6 +32,10 @@ pub struct FailoverRequest {
     /// Skip the candidate's eligibility checks. This can lose data and is
     /// meant for a cluster with no healthy candidate left.
     pub forced: bool,
+    /// When a scheduled switchover is to happen, as an RFC 3339 UTC
+    /// timestamp; `None` for a request to carry out at once. See
+    /// [`crate::schedule`].
+    pub scheduled_at: Option<String>,
 }
 
 /// The cluster as published in the DCS at the start of this iteration.
@@ -54,12 +58,26 @@ pub struct ClusterView {
     /// Whether only `sync_members` may be promoted automatically: the
     /// cluster runs synchronously and has not degraded.
     pub sync_restricted: bool,
+    /// How many of `sync_members` hold each acknowledged commit; `None`:
+    /// all of them (`FIRST`). Below that, the election must compare the
+    /// positions of enough of them ([`crate::protection::Claim::needed`]).
+    pub sync_quorum: Option<usize>,
 }
 
 impl ClusterView {
     /// The published state of one member.
     pub fn member(&self, name: &str) -> Option<&MemberState> {
         self.members.iter().find(|m| m.name == name)
+    }
+
+    /// Whether promotion is restricted by a quorum claim: each acknowledged
+    /// commit is on fewer than all listed standbys, so an election must
+    /// compare their positions.
+    pub fn quorum_commit(&self) -> bool {
+        self.sync_restricted
+            && self
+                .sync_quorum
+                .is_some_and(|q| q > 0 && q < self.sync_members.len())
     }
 
     /// The leader key's holder, unless the key is missing or its lease has
@@ -107,6 +125,9 @@ pub struct LocalView {
     /// Whether the last DCS request succeeded; when false the cluster view is
     /// stale and must not be used to claim leadership.
     pub dcs_reachable: bool,
+    /// The wall clock, Unix milliseconds, which times scheduled requests
+    /// (the monotonic `now` cannot be compared with a calendar time).
+    pub unix_ms: u64,
 }
 
 impl LocalView {
@@ -120,6 +141,7 @@ impl LocalView {
             last_lease_renewal: None,
             now,
             dcs_reachable: true,
+            unix_ms: 0,
         }
     }
 
@@ -153,6 +175,21 @@ mod tests {
         assert!(v.current_leader().is_some());
         v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
         assert!(v.current_leader().is_none());
+    }
+
+    #[test]
+    fn quorum_commit_is_a_quorum_below_the_list() {
+        let v = |restricted, members: &[&str], quorum| ClusterView {
+            sync_restricted: restricted,
+            sync_members: members.iter().map(|m| m.to_string()).collect(),
+            sync_quorum: quorum,
+            ..ClusterView::default()
+        };
+        assert!(v(true, &["a", "b"], Some(1)).quorum_commit());
+        assert!(!v(true, &["a", "b"], Some(2)).quorum_commit());
+        assert!(!v(true, &["a", "b"], None).quorum_commit());
+        assert!(!v(false, &["a", "b"], Some(1)).quorum_commit());
+        assert!(!v(true, &[], Some(0)).quorum_commit());
     }
 
     #[test]

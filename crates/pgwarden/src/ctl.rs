@@ -53,7 +53,14 @@ enum Command {
         /// The current leader, checked before anything is changed.
         #[arg(long)]
         leader: Option<String>,
+        /// When to switch over: an ISO 8601 timestamp with a UTC offset
+        /// (`2030-01-01T03:00:00+01:00`), or `now`. The leader carries it
+        /// out at that time; `pgwarden ctl cancel-switchover` withdraws it.
+        #[arg(long, value_name = "TIME")]
+        scheduled: Option<String>,
     },
+    /// Withdraw a pending or scheduled switchover.
+    CancelSwitchover,
     /// Make a member leader of a cluster that has none.
     Failover {
         /// The member to become leader.
@@ -96,10 +103,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let cluster = api.get("/cluster").await?;
             print!("{}", render_list(&cluster));
         }
-        Command::Switchover { candidate, leader } => {
+        Command::Switchover {
+            candidate,
+            leader,
+            scheduled,
+        } => {
             let mut body = json!({ "candidate": candidate });
             if let Some(l) = leader {
                 body["leader"] = json!(l);
+            }
+            if let Some(at) = scheduled.filter(|t| !t.trim().eq_ignore_ascii_case("now")) {
+                body["scheduled_at"] = json!(at);
             }
             println!(
                 "{}",
@@ -114,6 +128,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 api.write("POST", "/failover", Some(body), MOVE_TIMEOUT)
                     .await?
             );
+        }
+        Command::CancelSwitchover => {
+            println!(
+                "{}",
+                api.write("DELETE", "/switchover", None, TIMEOUT).await?
+            )
         }
         Command::Pause => println!("{}", api.write("POST", "/pause", None, TIMEOUT).await?),
         Command::Resume => println!("{}", api.write("POST", "/resume", None, TIMEOUT).await?),
@@ -229,6 +249,7 @@ fn role_title(role: &str) -> String {
     match role {
         "leader" => "Leader".into(),
         "sync_standby" => "Sync Standby".into(),
+        "quorum_standby" => "Quorum Standby".into(),
         other => {
             let mut c = other.chars();
             c.next()
@@ -337,15 +358,29 @@ pub(crate) fn render_list(cluster: &Value) -> String {
                             .collect()
                     })
                     .unwrap_or_default();
-                out += &format!(
-                    "Synchronous standbys: {}
-",
+                let list = if members.is_empty() {
+                    "none".to_string()
+                } else {
                     members.join(", ")
-                );
+                };
+                // Under quorum commit each commit is on some of them.
+                match sync["quorum"].as_u64().map(|q| q as usize) {
+                    Some(q) if q > 0 && q < members.len() => {
+                        out += &format!("Synchronous standbys: {list} (each commit on any {q})\n")
+                    }
+                    _ => out += &format!("Synchronous standbys: {list}\n"),
+                }
             }
         }
     }
-    if let Some(f) = cluster.get("failover").filter(|f| !f.is_null()) {
+    if let Some(s) = cluster.get("scheduled_switchover").filter(|s| !s.is_null()) {
+        out += &format!(
+            "Switchover scheduled at {}: from {} to {}\n",
+            str_of(&s["at"]),
+            str_of(&s["from"]),
+            str_of(&s["to"])
+        );
+    } else if let Some(f) = cluster.get("failover").filter(|f| !f.is_null()) {
         out += &format!("Pending failover request: {f}\n");
     }
     for m in &members {
@@ -468,6 +503,30 @@ Maintenance mode: on
 Problem on n3: rewind failed
 ";
         assert_eq!(out, want, "\n{out}");
+    }
+
+    #[test]
+    fn list_shows_a_scheduled_switchover_or_a_pending_request() {
+        let mut cluster = json!({
+            "scope": "c",
+            "leader": "n1",
+            "members": [],
+            "failover": {"from_leader": "n1", "candidate": "n2", "scheduled_at": "2030-01-01T03:00:00Z"},
+            "scheduled_switchover": {"at": "2030-01-01T03:00:00Z", "from": "n1", "to": "n2"},
+        });
+        let out = render_list(&cluster);
+        assert!(
+            out.ends_with("Switchover scheduled at 2030-01-01T03:00:00Z: from n1 to n2\n"),
+            "{out}"
+        );
+        assert!(!out.contains("Pending"), "{out}");
+        cluster["scheduled_switchover"] = Value::Null;
+        cluster["failover"] = json!({"candidate": "n2"});
+        let out = render_list(&cluster);
+        assert!(
+            out.ends_with("Pending failover request: {\"candidate\":\"n2\"}\n"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -144,6 +144,39 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
     .await;
     assert!(!ok);
     assert!(err.contains("412") && err.contains("n9"), "{err}");
+
+    // A scheduled switchover is stored, shown, and withdrawn.
+    let schedule = |at: &'static str| {
+        args(&[
+            "switchover",
+            "--candidate",
+            "n2",
+            "--scheduled",
+            at,
+            "--password",
+            "pw",
+        ])
+    };
+    let (ok, _, err) = ctl(schedule("2001-01-01T00:00:00+00:00")).await;
+    assert!(!ok);
+    assert!(err.contains("422") && err.contains("in the past"), "{err}");
+    let (ok, out, err) = ctl(schedule("2099-01-01T01:00:00+01:00")).await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Switchover scheduled");
+    let (ok, out, err) = ctl(args(&["list"])).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("\nSwitchover scheduled at 2099-01-01T00:00:00Z: from n1 to n2\n"),
+        "{out}"
+    );
+    let (ok, out, err) = ctl(args(&["cancel-switchover", "--password", "pw"])).await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "scheduled switchover deleted");
+    assert!(dcs.read_cluster().await.unwrap().failover.is_none());
+    let (ok, _, err) = ctl(args(&["cancel-switchover", "--password", "pw"])).await;
+    assert!(!ok);
+    assert!(err.contains("404"), "{err}");
+
     let (ok, _, err) = ctl(vec![
         "--api".into(),
         "http://127.0.0.1:1".into(),

@@ -954,9 +954,8 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         .agent_settings("protection = \"maximum_protection\"\non_sync_blocked = \"reject\"")
         .start();
     healthy(&c, 2, BOOTSTRAP).await;
-    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
-        .await
-        .unwrap();
+    // A new cluster in strict mode takes its first commit once a standby
+    // is listed.
     eventually(
         "a synchronous standby is listed",
         Duration::from_secs(20),
@@ -968,6 +967,9 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         },
     )
     .await;
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
     c.kill_node(1);
     c.kill_node(2);
     // A commit now waits for a standby that is not there.
@@ -1296,9 +1298,6 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
         .agent_settings("protection = \"maximum_protection\"")
         .start();
     healthy(&c, 2, BOOTSTRAP).await;
-    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
-        .await
-        .unwrap();
     let listed = eventually(
         "a synchronous standby is listed",
         Duration::from_secs(20),
@@ -1313,6 +1312,11 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
         },
     )
     .await;
+    // A new cluster in strict mode takes its first commit once a standby
+    // is listed.
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
     eventually(
@@ -1342,4 +1346,378 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
         serde_json::Value::Null,
         "strict mode never degrades"
     );
+}
+
+/// A write request to node `i`'s API.
+async fn api_write(
+    c: &AgentCluster,
+    i: usize,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> pgwarden_agent::http_client::Response {
+    let url = format!("{}{path}", c.node(i).api_url());
+    pgwarden_agent::http_client::request(
+        method,
+        &url,
+        body.as_ref(),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
+}
+
+/// The cluster as stored in etcd right now.
+async fn read_cluster(c: &AgentCluster) -> pgwarden_dcs::ClusterSnapshot {
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    dcs.read_cluster().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_switchover_happens_at_its_time_and_a_cancelled_one_never() {
+    use pgwarden_agent::record::unix_ms;
+    use pgwarden_ha::format_timestamp;
+    let c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let holder = |s: &pgwarden_dcs::ClusterSnapshot| s.leader.as_ref().map(|l| l.name.clone());
+    eventually(
+        "every member publishes a running server",
+        Duration::from_secs(20),
+        || async {
+            let snap = read_cluster(&c).await;
+            let running = snap
+                .members
+                .iter()
+                .filter(|(_, m)| m["running"] == true)
+                .count();
+            (running == 3)
+                .then_some(())
+                .ok_or(format!("{running} running"))
+        },
+    )
+    .await;
+
+    // Scheduled through a replica's API, then withdrawn: nothing happens,
+    // not at its time and not once it would be overdue.
+    let at = unix_ms() as i64 + 3_000;
+    let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": format_timestamp(at)});
+    let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
+    assert_eq!((r.status, r.body.trim()), (202, "Switchover scheduled"));
+    let r = api_write(&c, 1, "DELETE", "/switchover", None).await;
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "scheduled switchover deleted")
+    );
+    // Observing a window, not waiting for a condition: its time plus the
+    // grace (1.5 loops) plus a loop.
+    while (unix_ms() as i64) < at + 3_500 {
+        let snap = read_cluster(&c).await;
+        assert_eq!(holder(&snap).as_deref(), Some("n1"), "{}", c.logs());
+        assert!(snap.failover.is_none());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(writable(&c).await, vec![0]);
+
+    // Scheduled through a replica's API again: the leader learns of it from
+    // the watch, keeps leading until the time, then hands over.
+    let at = unix_ms() as i64 + 3_000;
+    let stamp = format_timestamp(at);
+    let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": stamp});
+    let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    // The leader's own view shows it as soon as it has read it.
+    let shown = format!("Switchover scheduled at {stamp}: from n1 to n2");
+    eventually("ctl list shows it", Duration::from_secs(2), || async {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+            .args(["ctl", "--api", &c.node(0).api_url(), "list"])
+            .output()
+            .await
+            .map_err(|e| e.to_string())?;
+        let list = String::from_utf8_lossy(&out.stdout).to_string();
+        list.contains(&shown).then_some(()).ok_or(list)
+    })
+    .await;
+    let moved_at = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let snap = read_cluster(&c).await;
+            let now = unix_ms() as i64;
+            match holder(&snap).as_deref() {
+                Some("n1") => {}
+                other => {
+                    assert!(
+                        now >= at,
+                        "the key left n1 ({other:?}) {} ms before its time",
+                        at - now
+                    );
+                    if other == Some("n2") {
+                        return now;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the switchover did not happen\n{}", c.logs()));
+    eprintln!(
+        "the key moved {} ms after the scheduled time",
+        moved_at - at
+    );
+    assert!(
+        moved_at - at < 10_000,
+        "the switchover happened {} ms after its time",
+        moved_at - at
+    );
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains(&format!("awaiting the switchover scheduled at {stamp}")));
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(20)).await, 1);
+    let (promoted, snap) = eventually(
+        "the promotion is recorded",
+        Duration::from_secs(10),
+        || async {
+            let snap = read_cluster(&c).await;
+            match snap.history.last() {
+                Some(h) => Ok((h.clone(), snap)),
+                None => Err("no history".to_string()),
+            }
+        },
+    )
+    .await;
+    assert_eq!(promoted.leader, "n2");
+    assert!(
+        promoted.time_ms as i64 >= at,
+        "promoted {} ms before its time",
+        at - promoted.time_ms as i64
+    );
+    assert!(snap.failover.is_none(), "the request is consumed");
+    // The old leader rejoins as a replica.
+    healthy(&c, 2, Duration::from_secs(60)).await;
+}
+
+/// The number of sessions on `conninfo`'s server waiting for a synchronous
+/// standby to confirm their commit.
+async fn waiting_for_sync_rep(conninfo: &str) -> Result<i64, String> {
+    one(
+        conninfo,
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+    )
+    .await?
+    .parse()
+    .map_err(|e: std::num::ParseIntError| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maximum_protection_takes_no_write_before_its_first_standby_is_listed() {
+    let mut c = cluster()
+        .agent_settings("protection = \"maximum_protection\"\non_sync_blocked = \"reject\"")
+        .hold_back(1)
+        .hold_back(2)
+        .start();
+    // n1 leads a new cluster alone: PostgreSQL waits for a standby no
+    // member can be, and the key says commits are blocked.
+    let direct = c.node(0).pg_conninfo();
+    eventually(
+        "the new leader blocks commits",
+        Duration::from_secs(20),
+        || async {
+            let names = one(&direct, "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            let ok = names == "FIRST 1 (\"pgwarden/none\")"
+                && key["leader"] == "n1"
+                && key["synchronous"] == true
+                && key["members"] == serde_json::json!([])
+                && key["degraded_since_ms"].is_null()
+                && key["blocked_since_ms"].is_u64();
+            ok.then_some(()).ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    // The very first commit waits.
+    let (client, conn) = tokio_postgres::connect(&direct, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let first = tokio::spawn(async move {
+        client
+            .simple_query("CREATE TABLE acked (id int8); INSERT INTO acked VALUES (0)")
+            .await
+    });
+    eventually(
+        "the first commit waits for a standby",
+        Duration::from_secs(10),
+        || async {
+            let n = waiting_for_sync_rep(&direct).await?;
+            (n >= 1).then_some(()).ok_or(format!("{n} waiting"))
+        },
+    )
+    .await;
+    assert!(!first.is_finished(), "a commit acknowledged by nobody");
+    // The state is explicit, and the read-write port refuses at once.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "list"])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        list.contains("Writes blocked: no synchronous standby") && list.contains("none"),
+        "{list}"
+    );
+    let rw = c.node(0).rw_conninfo();
+    eventually(
+        "the read-write port refuses",
+        Duration::from_secs(10),
+        || async {
+            match one(&rw, "SELECT 1").await {
+                Err(e) if e.contains("waits for a synchronous standby") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(!first.is_finished());
+
+    // The first replica joins (cloning the blocked primary) and is listed:
+    // the commit completes, and the read-write port serves.
+    c.launch_held_back(1);
+    eventually("n2 is listed", BOOTSTRAP, || async {
+        let key = sync_key(&c).await;
+        (key["members"] == serde_json::json!(["n2"]))
+            .then_some(())
+            .ok_or(key.to_string())
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .unwrap_or_else(|_| panic!("the first commit still waits\n{}", c.logs()))
+        .unwrap()
+        .unwrap();
+    eventually(
+        "the read-write port serves",
+        Duration::from_secs(20),
+        || async { one(&rw, "INSERT INTO acked VALUES (-1) RETURNING 1").await },
+    )
+    .await;
+
+    // Nothing acknowledged is lost when the leader dies now, and the new
+    // leader, alone, blocks commits in turn until the last node joins.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = start_writer(c.node(1).rw_conninfo(), stop.clone());
+    eventually(
+        "writes are acknowledged",
+        Duration::from_secs(10),
+        || async {
+            let n = one(&direct, "SELECT count(*) FROM acked").await?;
+            (n.parse::<i64>().unwrap_or(0) > 20).then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    c.kill_node(0);
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 1);
+    let n2 = c.node(1).pg_conninfo();
+    eventually(
+        "the new leader blocks commits",
+        Duration::from_secs(20),
+        || async {
+            let names = one(&n2, "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            let ok = names == "FIRST 1 (\"pgwarden/none\")"
+                && key["leader"] == "n2"
+                && key["blocked_since_ms"].is_u64();
+            ok.then_some(()).ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    c.launch_held_back(2);
+    eventually("n3 is listed", BOOTSTRAP, || async {
+        let key = sync_key(&c).await;
+        (key["leader"] == "n2" && key["members"] == serde_json::json!(["n3"]))
+            .then_some(())
+            .ok_or(key.to_string())
+    })
+    .await;
+    writes_resume(&n2).await;
+    assert_no_acknowledged_write_lost(&n2, &stop, writer).await;
+    let rows: Vec<String> = query(&n2, "SELECT id FROM acked WHERE id <= 0 ORDER BY id")
+        .await
+        .unwrap();
+    assert_eq!(rows, ["-1", "0"], "the first commits are on the new leader");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_commit_lists_every_standby_and_loses_no_acknowledged_write_on_failover() {
+    let mut c = cluster()
+        .agent_settings(
+            "protection = \"maximum_protection\"\nsync_method = \"quorum\"\nsynchronous_node_count = 1",
+        )
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    // Both replicas are listed; each commit waits for any one of them.
+    eventually(
+        "both standbys are listed, one of them needed",
+        Duration::from_secs(30),
+        || async {
+            let names = one(&c.node(0).pg_conninfo(), "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            let ok = names == "ANY 1 (\"n2\", \"n3\")"
+                && key["members"] == serde_json::json!(["n2", "n3"])
+                && key["quorum"] == 1;
+            ok.then_some(()).ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "list"])
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        list.contains("Quorum Standby")
+            && list.contains("Synchronous standbys: n2, n3 (each commit on any 1)"),
+        "{list}"
+    );
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
+    eventually(
+        "writes are acknowledged",
+        Duration::from_secs(10),
+        || async {
+            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
+            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    // kill -9 of the whole node while the writer runs: the survivor that
+    // holds every acknowledged commit must be the one promoted.
+    c.kill_node(0);
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    let conninfo = c.node(np).pg_conninfo();
+    writes_resume(&conninfo).await;
+    assert_no_acknowledged_write_lost(&conninfo, &stop, writer).await;
+    // The new leader lists the other survivor.
+    let other = if np == 1 { "n3" } else { "n2" };
+    eventually(
+        "the new leader lists the other survivor",
+        Duration::from_secs(20),
+        || async {
+            let key = sync_key(&c).await;
+            let ok = key["leader"] == c.node(np).name.as_str()
+                && key["members"] == serde_json::json!([other])
+                && key["quorum"] == 1;
+            ok.then_some(()).ok_or(key.to_string())
+        },
+    )
+    .await;
 }

@@ -115,6 +115,7 @@ pub struct AgentClusterBuilder {
     etcd_relays: bool,
     tables: String,
     etcd_members: usize,
+    held_back: Vec<usize>,
 }
 
 impl AgentClusterBuilder {
@@ -147,6 +148,15 @@ impl AgentClusterBuilder {
     /// Runs etcd with `n` members (default 1); every agent lists them all.
     pub fn etcd_members(mut self, n: usize) -> Self {
         self.etcd_members = n;
+        self
+    }
+
+    /// Does not start node `i` (never node 0) with the others; the test
+    /// starts it with [`AgentCluster::launch_held_back`], for instance to
+    /// see a new cluster before its first replica joins.
+    pub fn hold_back(mut self, i: usize) -> Self {
+        assert!(i > 0, "node 0 creates the cluster");
+        self.held_back.push(i);
         self
     }
 
@@ -220,6 +230,7 @@ impl AgentClusterBuilder {
             nodes,
             relays,
             etcd,
+            tails: tails.clone(),
             dir,
         };
         c.launch(0, &tails[0]);
@@ -233,7 +244,9 @@ impl AgentClusterBuilder {
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
         for (i, tail) in tails.iter().enumerate().skip(1) {
-            c.launch(i, tail);
+            if !self.held_back.contains(&i) {
+                c.launch(i, tail);
+            }
         }
         c
     }
@@ -270,6 +283,8 @@ pub struct AgentCluster {
     nodes: Vec<AgentNode>,
     relays: Vec<Relay>,
     etcd: EtcdCluster,
+    /// Each node's configuration after its ports.
+    tails: Vec<String>,
     // Dropped last: the directories outlive every process using them.
     dir: tempfile::TempDir,
 }
@@ -286,6 +301,7 @@ impl AgentCluster {
             etcd_relays: false,
             tables: String::new(),
             etcd_members: 1,
+            held_back: Vec::new(),
         }
     }
 
@@ -384,6 +400,13 @@ impl AgentCluster {
             write_config(n, tail);
         }
         panic!("node {i}: no free ports after four tries\n{}", self.logs());
+    }
+
+    /// Starts node `i`'s agent for the first time, after it was held back
+    /// ([`AgentClusterBuilder::hold_back`]).
+    pub fn launch_held_back(&mut self, i: usize) {
+        let tail = self.tails[i].clone();
+        self.launch(i, &tail);
     }
 
     /// Starts (or restarts) node `i`'s agent.
