@@ -45,6 +45,16 @@ pub fn give(mut buf: BytesMut) {
     });
 }
 
+/// Makes room in `buf` for a read: a buffer from the list if it has none,
+/// otherwise at least `room` spare bytes.
+pub fn ready_for_read(buf: &mut BytesMut, room: usize) {
+    if buf.capacity() == 0 {
+        *buf = take();
+    } else if buf.capacity() - buf.len() < room {
+        buf.reserve(room);
+    }
+}
+
 /// Gives `buf` back and leaves an unallocated buffer in its place.
 pub fn release(buf: &mut BytesMut) {
     give(std::mem::take(buf));

@@ -39,11 +39,7 @@ impl ClientStream {
         match self {
             ClientStream::Plain(s) => {
                 s.readable().await?;
-                if buf.capacity() == 0 {
-                    *buf = crate::bufcache::take();
-                } else {
-                    buf.reserve(8 * 1024);
-                }
+                crate::bufcache::ready_for_read(buf, 8 * 1024);
                 // `read_buf` rather than `try_read_buf`: a short read clears
                 // the readiness, which saves the next call a recv() that
                 // would only say EAGAIN (one system call per transaction).
@@ -52,11 +48,7 @@ impl ClientStream {
                 s.read_buf(buf).await.map(Some)
             }
             ClientStream::Tls(s) => {
-                if buf.capacity() == 0 {
-                    *buf = crate::bufcache::take();
-                } else {
-                    buf.reserve(8 * 1024);
-                }
+                crate::bufcache::ready_for_read(buf, 8 * 1024);
                 s.read_buf(buf).await.map(Some)
             }
             ClientStream::Gone => Err(gone()),

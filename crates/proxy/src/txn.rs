@@ -293,11 +293,7 @@ async fn read_attached(
 ) -> std::io::Result<usize> {
     match attached {
         Some(c) => {
-            if buf.capacity() == 0 {
-                *buf = crate::bufcache::take();
-            } else if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(16 * 1024);
-            }
+            crate::bufcache::ready_for_read(buf, 4096);
             c.conn.stream.read_buf(buf).await
         }
         None => std::future::pending().await,
