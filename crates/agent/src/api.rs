@@ -1167,20 +1167,32 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         .into_response()
 }
 
+/// How long a member asked to acknowledge a leader spends checking that it
+/// cannot reach etcd itself: well inside the leader's request budget.
+const FAILSAFE_CHECK: Duration = Duration::from_secs(1);
+
 /// `POST /failsafe`: a leader that cannot reach etcd asks whether it may
 /// keep leading. A member answers yes only while it cannot reach etcd
 /// either and does not lead itself: one that reaches etcd follows etcd,
 /// where another leader may be elected, so it must refuse.
 async fn failsafe(State(state): State<Arc<ApiState>>) -> Response {
     let st = state.status.load_full();
-    if st.dcs_reachable {
+    if st.is_leader {
+        return text(StatusCode::CONFLICT, "this member leads");
+    }
+    // The HA loop's view is up to a loop old: a leader that lost etcd a
+    // moment ago asks before this member's own next read has failed. The
+    // answer is what etcd says now, so ask it.
+    if st.dcs_reachable
+        && matches!(
+            tokio::time::timeout(FAILSAFE_CHECK, state.dcs.read_cluster()).await,
+            Ok(Ok(_))
+        )
+    {
         return text(
             StatusCode::CONFLICT,
             "etcd is reachable from here; follow etcd",
         );
-    }
-    if st.is_leader {
-        return text(StatusCode::CONFLICT, "this member leads");
     }
     state
         .failsafe_seen

@@ -413,7 +413,15 @@ impl HaLoop {
         let op = self.etcd.op_timeout;
         match (self.holds_leader_key(), self.last_renewal) {
             (true, Some(at)) => {
-                (at + self.timing.demote_after()).saturating_duration_since(Instant::now())
+                let left =
+                    (at + self.timing.demote_after()).saturating_duration_since(Instant::now());
+                // With failsafe on, a read retried up to the deadline would
+                // leave the members no time to acknowledge this leader.
+                if self.cfg.failsafe {
+                    left.saturating_sub(self.failsafe_budget().min(left / 2))
+                } else {
+                    left
+                }
             }
             _ => op * 2,
         }
@@ -427,6 +435,7 @@ impl HaLoop {
     }
 
     async fn iterate(&mut self) {
+        let began_ms = unix_ms();
         let probe_timeout = Duration::from_secs(2).min(self.timing.loop_wait.max(RETRY_PACE));
         self.obs = self.pg.observe(probe_timeout).await;
         if self.obs.pg.running {
@@ -481,7 +490,7 @@ impl HaLoop {
             last_lease_renewal: self.last_renewal,
             now: Instant::now(),
             dcs_reachable: self.dcs_ok,
-            unix_ms: unix_ms(),
+            unix_ms: began_ms,
         };
         self.note_scheduled(&view);
         let decision = decide(&view, &local, &self.timing, &self.settings);
@@ -1374,13 +1383,18 @@ impl HaLoop {
         c.batch_execute("CHECKPOINT").await
     }
 
+    /// How long the members have to acknowledge this leader.
+    fn failsafe_budget(&self) -> Duration {
+        Duration::from_secs(2).min(self.timing.retry_timeout)
+    }
+
     /// With etcd out of reach, asks every other member of the last known
     /// membership to acknowledge this leader. All of them answering counts
     /// as a lease renewal, so the leader keeps taking writes; one missing
     /// answer and the renewal is not counted, so it demotes on schedule.
     async fn failsafe_round(&mut self) {
         let t0 = Instant::now();
-        let budget = Duration::from_secs(2).min(self.timing.retry_timeout);
+        let budget = self.failsafe_budget();
         let peers: Vec<(String, String)> = records(&self.snapshot)
             .into_iter()
             .filter(|r| r.state.name != self.cfg.name)

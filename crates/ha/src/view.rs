@@ -126,7 +126,10 @@ pub struct LocalView {
     /// stale and must not be used to claim leadership.
     pub dcs_reachable: bool,
     /// The wall clock, Unix milliseconds, which times scheduled requests
-    /// (the monotonic `now` cannot be compared with a calendar time).
+    /// (the monotonic `now` cannot be compared with a calendar time). The
+    /// agent passes the moment its iteration began, so that a request the
+    /// loop woke up for is judged on time even when observing PostgreSQL
+    /// and reading the DCS took a while on a loaded machine.
     pub unix_ms: u64,
 }
 
