@@ -260,9 +260,11 @@ async fn nearest_picks_the_lowest_rtt() {
     // Make the direct replica the slow one: put the relayed one at 0 delay
     // and compare against the EWMA the engine reports.
     relay.set_delay(Duration::ZERO, Duration::ZERO);
+    // Below the 2 × 15 ms the delay alone cost: the delay is gone from the
+    // average. How far below depends on the machine's load.
     let snap = until(&e, "relayed replica fast again", WAIT, |s| {
         let r = s.topology.hosts()[2].rtt.get().unwrap_or(f64::MAX);
-        (r < 10.0).then_some(()).ok_or(format!("{r}"))
+        (r < 30.0).then_some(()).ok_or(format!("{r}"))
     })
     .await;
     let h = snap.topology.hosts();
@@ -476,16 +478,24 @@ async fn delayed_replica_is_flagged_and_kept_out_of_replica_reads() {
         .delayed(Duration::from_secs(600))
         .start();
     let e = engine(&c.addrs(), TopologyConfig::default());
+    // The other hosts measured too, or the pick below would be made among
+    // whichever had answered first.
     let snap = until(&e, "delayed replica flagged", WAIT, |s| {
-        let h = &s.topology.hosts()[2];
-        (h.alive && h.delayed).then_some(()).ok_or(format!("{h:?}"))
+        let h = s.topology.hosts();
+        let measured = h.iter().all(|h| h.alive && h.rtt.get().is_some());
+        (measured && h[2].delayed && h[1].lag_bytes.is_some())
+            .then_some(())
+            .ok_or(format!("{h:?}"))
     })
     .await;
     assert!(!snap.topology.hosts()[1].delayed);
     let sel = Selector::default();
-    assert!(picks(&sel, &snap.topology, &Want::Replica, 4)
-        .iter()
-        .all(|&i| i == 1));
+    let picked = picks(&sel, &snap.topology, &Want::Replica, 4);
+    assert!(
+        picked.iter().all(|&i| i == 1),
+        "{picked:?} from {:?}",
+        snap.topology.hosts()
+    );
     assert_eq!(sel.select(&snap.topology, &Want::Delayed), Ok(2));
     // A commit reaches the delayed replica but is not applied: it lags in
     // bytes, and its delay is unknown (nothing replayed since it started)
