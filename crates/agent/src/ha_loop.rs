@@ -1035,6 +1035,48 @@ impl HaLoop {
         }
     }
 
+    /// Whether the local replica replayed WAL past the point where the
+    /// leader's timeline `leader_tl` forked off the one it is on. Asked
+    /// only while it does not stream; an answer that cannot be had is no.
+    async fn replayed_past_fork(&self, leader: &HostAddr, leader_tl: u32) -> bool {
+        let Some(replayed) = self.obs.pg.replayed_lsn else {
+            return false;
+        };
+        let local_tl = match self
+            .pg
+            .query(
+                "SELECT timeline_id FROM pg_control_checkpoint()",
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Ok(rows) => rows
+                .first()
+                .and_then(|r| r.first().cloned().flatten())
+                .and_then(|t| t.parse::<u32>().ok()),
+            Err(_) => None,
+        };
+        let Some(local_tl) = local_tl.filter(|t| *t < leader_tl) else {
+            return false;
+        };
+        let file = pgwarden_ha::timeline::history_file_name(leader_tl);
+        let history = async {
+            let (c, conn) =
+                tokio_postgres::connect(&self.pg.source_conninfo(leader), tokio_postgres::NoTls)
+                    .await
+                    .ok()?;
+            tokio::spawn(conn);
+            c.query_one("SELECT pg_read_file('pg_wal/' || $1)", &[&file])
+                .await
+                .ok()?
+                .get::<_, Option<String>>(0)
+        };
+        match tokio::time::timeout(Duration::from_secs(2), history).await {
+            Ok(Some(h)) => pgwarden_ha::timeline::replayed_past_fork(&h, local_tl, replayed),
+            _ => false,
+        }
+    }
+
     /// Makes a former primary fit to follow `leader`: crash recovery if it
     /// went down hard, then pg_rewind; a fresh clone when rewinding fails
     /// and that is allowed.
@@ -1098,7 +1140,22 @@ impl HaLoop {
             return;
         };
         let leader_tl = self.member_record(leader).map_or(0, |r| r.state.timeline);
-        if self.former_primary && !self.obs.streaming && leader_tl > self.obs.pg.timeline {
+        let diverged = !self.former_primary
+            && !self.obs.streaming
+            && self.obs.pg.in_recovery
+            && leader_tl > 1
+            && self.replayed_past_fork(&addr, leader_tl).await;
+        if diverged {
+            tracing::warn!(
+                leader,
+                "this replica replayed WAL that the leader's timeline does not have; it must rewind"
+            );
+            self.former_primary = true;
+        }
+        if self.former_primary
+            && !self.obs.streaming
+            && (leader_tl > self.obs.pg.timeline || diverged)
+        {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
             if self.rejoin(&addr).await.is_ok() {
                 self.start(&StartMode::ReplicaOf {

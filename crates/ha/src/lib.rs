@@ -16,6 +16,7 @@
 //! * [`election`]: which members may become leader, best first.
 //! * [`protection`]: protection modes and the synchronous standby set.
 //! * [`schedule`]: when a scheduled switchover is due.
+//! * [`timeline`]: whether a replica replayed WAL past the leader's fork.
 //! * [`decide`](mod@decide): the action for this loop iteration.
 //!
 //! # Timing presets
@@ -38,6 +39,7 @@ pub mod member;
 pub mod protection;
 pub mod rto;
 pub mod schedule;
+pub mod timeline;
 pub mod view;
 
 mod secs;
