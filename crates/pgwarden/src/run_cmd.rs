@@ -278,9 +278,11 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
             .services()
             .into_iter()
             .map(|s| ServiceSpec {
-                pool: (s.pool_mode == PoolMode::Transaction).then(|| PoolSettings {
-                    wants_primary: s.want == Want::Primary,
-                    ..base.clone()
+                pool: (s.pool_mode == PoolMode::Transaction).then(|| {
+                    std::sync::Arc::new(PoolSettings {
+                        wants_primary: s.want == Want::Primary,
+                        ..base.clone()
+                    })
                 }),
                 name: s.name,
                 listen: s.listen,

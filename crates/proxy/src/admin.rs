@@ -207,8 +207,8 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
         .map(|e| {
             vec![
                 "C".into(),
-                e.user.clone(),
-                e.database.clone(),
+                e.user.to_string(),
+                e.database.to_string(),
                 if e.host.is_some() {
                     "active".into()
                 } else {

@@ -88,7 +88,7 @@ pub(crate) const TRACKED: [&str; 6] = [
 /// Values of the [`TRACKED`] parameters, by position: compared on every
 /// transaction of a pooled client, so kept in a form that costs no hashing.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(crate) struct Tracked([Option<Box<str>>; TRACKED.len()]);
+pub(crate) struct Tracked([Option<Arc<str>>; TRACKED.len()]);
 
 impl Tracked {
     fn index(name: &str) -> Option<usize> {
@@ -105,6 +105,17 @@ impl Tracked {
         if let Some(i) = Self::index(name) {
             if self.0[i].as_deref() != Some(value) {
                 self.0[i] = Some(value.into());
+            }
+        }
+    }
+
+    /// Takes the values `other` knows and this does not, sharing them:
+    /// a client starts with its first server's values, which most
+    /// clients of a pool have in common.
+    pub fn adopt_missing(&mut self, other: &Tracked) {
+        for (mine, theirs) in self.0.iter_mut().zip(other.0.iter()) {
+            if mine.is_none() {
+                mine.clone_from(theirs);
             }
         }
     }
@@ -423,6 +434,30 @@ impl Checkout {
     }
 }
 
+/// Session defaults every client of a pool shares, which a new server
+/// connection takes from the start-up parameters of the client it opens
+/// for.
+const SERVER_DEFAULTS: [&str; 5] = [
+    "client_encoding",
+    "DateStyle",
+    "TimeZone",
+    "IntervalStyle",
+    "extra_float_digits",
+];
+
+/// The part of a client's start-up message that opening a server
+/// connection for it reads ([`SERVER_DEFAULTS`]).
+pub(crate) fn server_defaults(client_startup: &StartupMessage) -> StartupMessage {
+    StartupMessage::new(
+        client_startup
+            .params
+            .iter()
+            .filter(|(k, _)| SERVER_DEFAULTS.contains(&k.as_str()))
+            .cloned()
+            .collect(),
+    )
+}
+
 /// Opens a server connection for a pool and logs in.
 async fn connect(
     key: &PoolKey,
@@ -443,17 +478,8 @@ async fn connect(
         ("user".into(), key.user.clone()),
         ("database".into(), key.database.clone()),
     ]);
-    // Session defaults every client of the pool shares.
-    for name in [
-        "client_encoding",
-        "DateStyle",
-        "TimeZone",
-        "IntervalStyle",
-        "extra_float_digits",
-    ] {
-        if let Some(v) = client_startup.get(name) {
-            startup.set(name, v);
-        }
+    for (name, v) in server_defaults(client_startup).params {
+        startup.set(&name, &v);
     }
     if key.read_only {
         startup.set("default_transaction_read_only", "on");

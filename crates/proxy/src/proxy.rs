@@ -34,7 +34,8 @@ pub struct ServiceSpec {
     pub connect_wait_timeout: Duration,
     /// Transaction pooling with these settings; `None` = session mode
     /// (each client session relayed to its own server connection).
-    pub pool: Option<crate::pool::PoolSettings>,
+    /// Shared by every client of the service that no override touches.
+    pub pool: Option<Arc<crate::pool::PoolSettings>>,
 }
 
 /// Everything the connection manager serves.
@@ -118,21 +119,29 @@ impl PoolOverrides {
         service: &ServiceSpec,
         database: &str,
         user: &str,
-    ) -> Option<PoolSettings> {
+    ) -> Option<Arc<PoolSettings>> {
         let u = self.users.get(user).copied().unwrap_or_default();
         let d = self.databases.get(database).copied().unwrap_or_default();
         let transaction = u.0.or(d.0).unwrap_or(service.pool.is_some());
         if !transaction {
             return None;
         }
-        let mut s = service.pool.clone().unwrap_or_else(|| PoolSettings {
-            wants_primary: service.want == Want::Primary,
-            ..self.defaults.clone()
-        });
-        if let Some(size) = u.1.or(d.1) {
+        let size = u.1.or(d.1);
+        if let (Some(s), None) = (&service.pool, size) {
+            return Some(s.clone());
+        }
+        let mut s = service
+            .pool
+            .as_deref()
+            .cloned()
+            .unwrap_or_else(|| PoolSettings {
+                wants_primary: service.want == Want::Primary,
+                ..self.defaults.clone()
+            });
+        if let Some(size) = size {
             s.size = size;
         }
-        Some(s)
+        Some(Arc::new(s))
     }
 }
 
@@ -140,6 +149,8 @@ impl PoolOverrides {
 pub(crate) struct Service {
     pub spec: ServiceSpec,
     pub selector: Selector,
+    /// The service's name, shared by its entries in the session table.
+    pub name: Arc<str>,
 }
 
 /// Why pgwarden ends a session.
@@ -218,8 +229,8 @@ impl Drop for SessionGuard<'_> {
 
 pub(crate) struct SessionEntry {
     pub service: Arc<str>,
-    pub user: String,
-    pub database: String,
+    pub user: Arc<str>,
+    pub database: Arc<str>,
     pub client: SocketAddr,
     pub want: Want,
     /// The host a session is bound to; `None` for pooled clients, whose
@@ -570,6 +581,7 @@ impl Proxy {
             let name = svc.name.clone();
             let service = Service {
                 selector: Selector::new(svc.policy.clone()),
+                name: Arc::from(svc.name.as_str()),
                 spec: svc.clone(),
             };
             match self.listeners.get(&name) {
@@ -718,11 +730,9 @@ async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listen
                     tokio::spawn(crate::session::refuse_busy(stream));
                     continue;
                 }
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    crate::session::run(shared.clone(), svc, stream, peer).await;
-                    shared.clients.fetch_sub(1, Ordering::Relaxed);
-                });
+                // Spawned as it is: a wrapping block would hold the whole
+                // session future twice. The session gives its slot back.
+                tokio::spawn(crate::session::run(shared.clone(), svc, stream, peer));
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.

@@ -13,6 +13,7 @@ use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tracing::Instrument;
 
 use crate::auth::Credential;
 use crate::cancel::BackendKey;
@@ -55,69 +56,88 @@ pub(crate) async fn refuse_busy(mut client: TcpStream) {
     let _ = client.shutdown().await;
 }
 
-pub(crate) async fn run(
+/// Gives a client's place under `max_client_conn` back when its session
+/// ends, however it ends.
+struct ClientSlot<'a>(&'a Shared);
+
+impl Drop for ClientSlot<'_> {
+    fn drop(&mut self) {
+        self.0
+            .clients
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Serves one client connection until it ends. A plain function around
+/// an `async move` block rather than an async fn, whose arguments would be
+/// kept twice in the future for the client's whole life.
+pub(crate) fn run(
     shared: Arc<Shared>,
     service: Arc<Service>,
     client: TcpStream,
     peer: SocketAddr,
-) {
+) -> impl std::future::Future<Output = ()> + Send {
     let _ = client.set_nodelay(true);
     let mut client = ClientStream::Plain(client);
-    let name = service.spec.name.clone();
-    let label = ServiceLabel {
-        service: name.clone(),
-    };
-    let gauge = shared
-        .metrics
-        .client_connections
-        .get_or_create(&label)
-        .clone();
-    gauge.inc();
-    let span = tracing::debug_span!("session", service = %name, client = %peer);
-    let _enter = span.enter();
-    // The start-up and authentication phase is boxed and freed once done:
-    // a task's future is allocated at its largest, and a pooled client
-    // spends its life idle in the much smaller transaction loop.
-    let outcome = match Box::pin(serve(&shared, &service, &mut client, peer)).await {
-        Ok(Some(p)) => crate::txn::run(
-            &shared,
-            &service,
-            &mut client,
-            p.startup,
-            p.early,
-            peer,
-            p.settings,
-            p.credential,
-        )
-        .await
-        .map_err(|(code, message, reason)| Refusal::new(code, reason, message)),
-        Ok(None) => Ok(()),
-        Err(r) => Err(r),
-    };
-    if let Err(r) = outcome {
-        shared.metrics.error(&name, r.reason);
-        tracing::debug!(reason = r.reason, message = %r.message, "client refused");
-        let mut out = BytesMut::new();
-        encode::error_response(
-            &mut out,
-            Severity::Fatal,
-            r.code.code(),
-            &r.message,
-            None,
-            None,
-        );
-        let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
-        let _ = client.shutdown().await;
+    async move {
+        // The accept loop counted this client against max_client_conn.
+        let _slot = ClientSlot(&shared);
+        let gauge = shared
+            .metrics
+            .client_connections
+            .get_or_create(&ServiceLabel {
+                service: service.spec.name.clone(),
+            })
+            .clone();
+        gauge.inc();
+        let span = tracing::debug_span!("session", service = %service.spec.name, client = %peer);
+        // The start-up and authentication phase is boxed and freed once done:
+        // a task's future is allocated at its largest, and a pooled client
+        // spends its life idle in the much smaller transaction loop. For the
+        // same reason nothing of that phase may stay live across the loop:
+        // what it hands on is boxed.
+        let served = Box::pin(serve(&shared, &service, &mut client, peer))
+            .instrument(span.clone())
+            .await;
+        let refused = match served {
+            Ok(Some(pooled)) => {
+                crate::txn::run(&shared, &service, &mut client, pooled, peer)
+                    .instrument(span)
+                    .await;
+                None
+            }
+            Ok(None) => None,
+            Err(r) => Some(r),
+        };
+        if let Some(r) = refused {
+            shared.metrics.error(&service.spec.name, r.reason);
+            tracing::debug!(reason = r.reason, message = %r.message, "client refused");
+            let mut out = BytesMut::new();
+            encode::error_response(
+                &mut out,
+                Severity::Fatal,
+                r.code.code(),
+                &r.message,
+                None,
+                None,
+            );
+            let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+            let _ = client.shutdown().await;
+        }
+        gauge.dec();
     }
-    gauge.dec();
 }
 
 /// A client that goes on to transaction pooling, once logged in.
-struct Pooled {
-    startup: StartupMessage,
-    early: BytesMut,
-    settings: crate::pool::PoolSettings,
-    credential: Credential,
+pub(crate) struct Pooled {
+    /// What the client sent at start-up.
+    pub startup: StartupMessage,
+    /// Bytes the client sent after its start-up, not yet handled.
+    pub early: BytesMut,
+    /// The client's pool settings (service, database and user combined).
+    pub settings: Arc<crate::pool::PoolSettings>,
+    /// What the client proved, for opening server connections as its role.
+    pub credential: Credential,
 }
 
 /// Start-up, authentication, and for session mode the whole session;
@@ -127,7 +147,7 @@ async fn serve(
     service: &Arc<Service>,
     client: &mut ClientStream,
     peer: SocketAddr,
-) -> Result<Option<Pooled>, Refusal> {
+) -> Result<Option<Box<Pooled>>, Refusal> {
     let mut buf = BytesMut::with_capacity(1024);
     // One budget from accept to an authenticated client, so a slow client
     // costs a bounded amount.
@@ -222,12 +242,12 @@ async fn serve(
         startup.user().unwrap_or_default(),
     );
     if let Some(pool) = pool {
-        return Ok(Some(Pooled {
+        return Ok(Some(Box::new(Pooled {
             startup,
             early: buf,
             settings: pool,
             credential: credential.unwrap_or(Credential::None),
-        }));
+        })));
     }
     let (server, host) = connect_server(shared, service).await?;
     shared
@@ -547,9 +567,9 @@ async fn relay(
         shared,
         id,
         SessionEntry {
-            service: Arc::from(spec.name.as_str()),
-            user: startup.user().unwrap_or_default().to_string(),
-            database: startup.database().unwrap_or_default().to_string(),
+            service: service.name.clone(),
+            user: Arc::from(startup.user().unwrap_or_default()),
+            database: Arc::from(startup.database().unwrap_or_default()),
             client: peer,
             want: spec.want.clone(),
             host: Some(host.clone()),

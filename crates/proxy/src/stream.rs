@@ -38,7 +38,10 @@ impl ClientStream {
     pub async fn read_some(&mut self, buf: &mut BytesMut) -> io::Result<Option<usize>> {
         match self {
             ClientStream::Plain(s) => {
-                s.readable().await?;
+                // Polled readiness rather than `readable()`, whose future
+                // carries a waiter node: this future waits in every idle
+                // pooled client, and its size is memory per client.
+                std::future::poll_fn(|cx| s.poll_read_ready(cx)).await?;
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
                 // `read_buf` rather than `try_read_buf`: a short read clears
                 // the readiness, which saves the next call a recv() that

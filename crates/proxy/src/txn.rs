@@ -75,53 +75,21 @@ impl Replies {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Serves a logged-in client by transaction pooling until it leaves.
+///
+/// The future lives as long as the client, idle most of the time, so its
+/// size is memory per client: the arguments come boxed (an async fn keeps
+/// its arguments beside the locals they move into) and the session is
+/// built outside it.
 pub(crate) async fn run(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
     client: &mut ClientStream,
-    startup: StartupMessage,
-    mut early: BytesMut,
+    pooled: Box<crate::session::Pooled>,
     peer: std::net::SocketAddr,
-    settings: crate::pool::PoolSettings,
-    credential: crate::auth::Credential,
-) -> Result<(), (SqlState, String, &'static str)> {
+) {
     let spec = &service.spec;
-    let database = startup.database().unwrap_or_default().to_string();
-    let user = startup.user().unwrap_or_default().to_string();
-    let client_id = shared.next_session.fetch_add(1, Ordering::Relaxed);
-    let mut session = Session {
-        shared: shared.clone(),
-        service: service.clone(),
-        startup,
-        database,
-        user,
-        client_id,
-        attached: None,
-        replies: Replies::default(),
-        params: Tracked::default(),
-        statements: HashMap::new(),
-        pinned: false,
-        cancel_target: Arc::new(Mutex::new(None)),
-        skip: 0,
-        settings,
-        credential,
-        last_pool: None,
-        outbuf: BytesMut::new(),
-        paused: shared.paused(&spec.name),
-        wait_histogram: shared
-            .metrics
-            .pool_wait
-            .get_or_create(&ServiceLabel {
-                service: spec.name.clone(),
-            })
-            .clone(),
-    };
-    for k in TRACKED {
-        if let Some(v) = session.startup.get(k) {
-            session.params.set(k, v);
-        }
-    }
+    let (mut session, mut early) = Session::new(shared, service, *pooled);
 
     // Log in once to learn the server's parameters (and whether the
     // database and role exist); the connection goes straight back.
@@ -141,41 +109,25 @@ pub(crate) async fn run(
                 ),
             }
             let _ = client.write_all(&out).await;
-            return Ok(());
+            return;
         }
     };
-    let mut hello = BytesMut::new();
-    encode::authentication_ok(&mut hello);
-    let mut server_params: Vec<(&String, &String)> = first.conn.params.iter().collect();
-    server_params.sort();
-    for (k, v) in server_params {
-        let v = session.params.get(k).unwrap_or(v.as_str());
-        encode::parameter_status(&mut hello, k, v);
-    }
-    // Only the tracked parameters are the client's; the rest belong to
-    // the server and cost memory per idle client if copied.
-    for (k, v) in first.conn.tracked.iter() {
-        if session.params.get(k).is_none() {
-            session.params.set(k, v);
-        }
-    }
-    first.release(true);
     let key = shared
         .cancel
         .register_dynamic(session.cancel_target.clone());
-    encode::backend_key_data(&mut hello, key.0, key.1);
-    encode::ready_for_query(&mut hello, TxStatus::Idle);
+    let hello = hello(&mut session, first, key);
     if client.write_all(&hello).await.is_err() {
         shared.cancel.remove(key);
-        return Ok(());
+        return;
     }
+    drop(hello);
 
     let killed = Arc::new(KillState::default());
     let registration = SessionGuard::register(
         shared,
-        client_id,
+        session.client_id,
         SessionEntry {
-            service: Arc::from(spec.name.as_str()),
+            service: service.name.clone(),
             user: session.user.clone(),
             database: session.database.clone(),
             client: peer,
@@ -212,8 +164,9 @@ pub(crate) async fn run(
             let idle_limit = session.settings.client_idle_timeout.filter(|_| session.attached.is_none());
             tokio::select! {
                 _ = async {
+                    // Boxed: a timer is large, and most clients have none.
                     match idle_limit {
-                        Some(d) => tokio::time::sleep(d).await,
+                        Some(d) => Box::pin(tokio::time::sleep(d)).await,
                         None => std::future::pending().await,
                     }
                 } => {
@@ -284,7 +237,27 @@ pub(crate) async fn run(
     drop(registration);
     shared.cancel.remove(key);
     let _ = client.shutdown().await;
-    Ok(())
+}
+
+/// What a client gets on login: the server's parameters (the client's
+/// own where it set them), its cancel key, ReadyForQuery. The first server
+/// goes back to its pool.
+fn hello(session: &mut Session, first: Checkout, key: (i32, i32)) -> BytesMut {
+    let mut hello = BytesMut::new();
+    encode::authentication_ok(&mut hello);
+    let mut server_params: Vec<(&String, &String)> = first.conn.params.iter().collect();
+    server_params.sort();
+    for (k, v) in server_params {
+        let v = session.params.get(k).unwrap_or(v.as_str());
+        encode::parameter_status(&mut hello, k, v);
+    }
+    // Only the tracked parameters are the client's; the rest belong to
+    // the server and cost memory per idle client if copied.
+    session.params.adopt_missing(&first.conn.tracked);
+    first.release(true);
+    encode::backend_key_data(&mut hello, key.0, key.1);
+    encode::ready_for_query(&mut hello, TxStatus::Idle);
+    hello
 }
 
 async fn read_attached(
@@ -313,8 +286,9 @@ struct Session {
     shared: Arc<Shared>,
     service: Arc<Service>,
     startup: StartupMessage,
-    database: String,
-    user: String,
+    /// Shared with the session table's entry.
+    database: Arc<str>,
+    user: Arc<str>,
     client_id: u64,
     attached: Option<Checkout>,
     replies: Replies,
@@ -330,7 +304,7 @@ struct Session {
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
     /// This client's pool settings (service, database and user combined).
-    settings: crate::pool::PoolSettings,
+    settings: Arc<crate::pool::PoolSettings>,
     /// What the client proved, for opening server connections as its role.
     credential: crate::auth::Credential,
     /// Output buffer towards the server, kept while attached.
@@ -344,6 +318,56 @@ struct Session {
 }
 
 impl Session {
+    /// The session of a client that just logged in, and the bytes it sent
+    /// after its start-up.
+    fn new(
+        shared: &Arc<Shared>,
+        service: &Arc<Service>,
+        pooled: crate::session::Pooled,
+    ) -> (Session, BytesMut) {
+        let crate::session::Pooled {
+            startup,
+            early,
+            settings,
+            credential,
+        } = pooled;
+        let mut params = Tracked::default();
+        for k in TRACKED {
+            if let Some(v) = startup.get(k) {
+                params.set(k, v);
+            }
+        }
+        let session = Session {
+            shared: shared.clone(),
+            service: service.clone(),
+            database: Arc::from(startup.database().unwrap_or_default()),
+            user: Arc::from(startup.user().unwrap_or_default()),
+            // Only what opening a server connection reads stays.
+            startup: crate::pool::server_defaults(&startup),
+            client_id: shared.next_session.fetch_add(1, Ordering::Relaxed),
+            attached: None,
+            replies: Replies::default(),
+            params,
+            statements: HashMap::new(),
+            pinned: false,
+            cancel_target: Arc::new(Mutex::new(None)),
+            skip: 0,
+            settings,
+            credential,
+            last_pool: None,
+            outbuf: BytesMut::new(),
+            paused: shared.paused(&service.spec.name),
+            wait_histogram: shared
+                .metrics
+                .pool_wait
+                .get_or_create(&ServiceLabel {
+                    service: service.spec.name.clone(),
+                })
+                .clone(),
+        };
+        (session, early)
+    }
+
     fn server_name(&self, name: &str) -> String {
         format!("pgw{}_{name}", self.client_id)
     }
@@ -425,8 +449,8 @@ impl Session {
             let pool = self.shared.pool(
                 PoolKey {
                     host: host.clone(),
-                    database: self.database.clone(),
-                    user: self.user.clone(),
+                    database: self.database.to_string(),
+                    user: self.user.to_string(),
                     read_only: spec.read_only,
                 },
                 &settings,
@@ -481,6 +505,14 @@ impl Session {
             }
             return Ok(());
         }
+        // Boxed: waiting for a server is the largest state of the client's
+        // future, which otherwise every idle client would carry; one small
+        // allocation per transaction.
+        Box::pin(self.attach_new()).await
+    }
+
+    /// Borrows a server for the transaction that starts.
+    async fn attach_new(&mut self) -> Result<(), Fatal> {
         let mut c = self.acquire().await?;
         let mut sets = String::new();
         // Usually equal: one comparison of six short strings, no hashing.

@@ -115,9 +115,11 @@ pub async fn proxy_full(
     let e = engine(addrs, TopologyConfig::default());
     let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
     let svc = |name: &str, want: Want, read_only: bool, fallback: bool| ServiceSpec {
-        pool: pool.clone().map(|p| pgwarden_proxy::PoolSettings {
-            wants_primary: want == Want::Primary,
-            ..p
+        pool: pool.clone().map(|p| {
+            std::sync::Arc::new(pgwarden_proxy::PoolSettings {
+                wants_primary: want == Want::Primary,
+                ..p
+            })
         }),
         name: name.into(),
         listen: any,
