@@ -1348,6 +1348,106 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_replayed_past_the_new_leaders_fork_rewinds_and_follows() {
+    use nix::sys::signal::Signal;
+    let mut c = cluster()
+        .agent_settings("protection = \"maximum_protection\"")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let listed = eventually(
+        "a synchronous standby is listed",
+        Duration::from_secs(20),
+        || async {
+            let key = sync_key(&c).await;
+            key["members"]
+                .as_array()
+                .and_then(|m| m.first())
+                .and_then(|m| m.as_str())
+                .map(str::to_string)
+                .ok_or(key.to_string())
+        },
+    )
+    .await;
+    let sync = (1..3).find(|&i| c.node(i).name == listed).unwrap();
+    let other = 3 - sync;
+    query(&c.node(0).pg_conninfo(), "CREATE TABLE forked (id int8)")
+        .await
+        .unwrap();
+    // Freeze the synchronous standby's WAL receiver: the next commit waits
+    // for it, while the other replica receives and replays the commit.
+    let receiver: i32 = one(
+        &c.node(sync).pg_conninfo(),
+        "SELECT pid FROM pg_stat_wal_receiver",
+    )
+    .await
+    .unwrap()
+    .parse()
+    .unwrap();
+    signal(receiver, Signal::SIGSTOP);
+    let leader = c.node(0).pg_conninfo();
+    let waiting = tokio::spawn(async move {
+        let _ = query(&leader, "INSERT INTO forked VALUES (1)").await;
+    });
+    let replay = |i: usize| {
+        let conninfo = c.node(i).pg_conninfo();
+        async move {
+            one(
+                &conninfo,
+                "SELECT pg_wal_lsn_diff(pg_last_wal_replay_lsn(), '0/0')::int8",
+            )
+            .await?
+            .parse::<i64>()
+            .map_err(|e| e.to_string())
+        }
+    };
+    eventually(
+        "the other replica replays past the synchronous one",
+        Duration::from_secs(20),
+        || async {
+            let (a, b) = (replay(other).await?, replay(sync).await?);
+            (a > b).then_some(()).ok_or(format!("{a} <= {b}"))
+        },
+    )
+    .await;
+    c.kill_node(0);
+    // The frozen receiver's socket still holds what the old leader sent
+    // (a continued receiver would read it): kill it, and its PostgreSQL
+    // restarts without that WAL.
+    signal(receiver, Signal::SIGKILL);
+    waiting.abort();
+    // Only the synchronous standby may be promoted; the other replica has
+    // a commit the new timeline does not, so it must rewind to follow.
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, sync);
+    eventually(
+        "the other replica streams from the new leader",
+        Duration::from_secs(60),
+        || async {
+            let status = one(
+                &c.node(other).pg_conninfo(),
+                "SELECT status || ' ' || received_tli FROM pg_stat_wal_receiver",
+            )
+            .await?;
+            (status == "streaming 2").then_some(()).ok_or(status)
+        },
+    )
+    .await;
+    assert!(c
+        .node(other)
+        .log_tail()
+        .contains("the leader's timeline does not have; it must rewind"));
+    let rows = one(&c.node(other).pg_conninfo(), "SELECT count(*) FROM forked")
+        .await
+        .unwrap();
+    assert_eq!(rows, "0", "the unacknowledged commit is rewound away");
+    // And it becomes the synchronous standby: commits go through again.
+    let new_leader = c.node(sync).pg_conninfo();
+    eventually("commits go through", Duration::from_secs(30), || async {
+        query(&new_leader, "INSERT INTO forked VALUES (2)").await
+    })
+    .await;
+}
+
 /// A write request to node `i`'s API.
 async fn api_write(
     c: &AgentCluster,
