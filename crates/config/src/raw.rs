@@ -245,6 +245,7 @@ pub(crate) struct RawPool {
     pub server_lifetime: Option<Dur>,
     pub query_wait_timeout: Option<Dur>,
     pub client_idle_timeout: Option<Dur>,
+    pub max_prepared_statements: Option<Spanned<u32>>,
     pub admin_users: Option<Vec<String>>,
     #[serde(default)]
     pub databases: BTreeMap<Spanned<String>, RawPoolOverride>,

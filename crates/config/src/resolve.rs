@@ -345,6 +345,11 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
     let d = PoolConfig::default();
     at_least_one(&raw.size, "pool.size", src)?;
     at_least_one(&raw.max_client_conn, "pool.max_client_conn", src)?;
+    at_least_one(
+        &raw.max_prepared_statements,
+        "pool.max_prepared_statements",
+        src,
+    )?;
     let size = raw.size.as_ref().map_or(d.size, |s| *s.get_ref());
     let min_size = raw.min_size.as_ref().map_or(d.min_size, |s| *s.get_ref());
     if let Some(m) = &raw.min_size {
@@ -369,6 +374,9 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         server_lifetime: optional_timeout(raw.server_lifetime, d.server_lifetime),
         query_wait_timeout: optional_timeout(raw.query_wait_timeout, d.query_wait_timeout),
         client_idle_timeout: optional_timeout(raw.client_idle_timeout, d.client_idle_timeout),
+        max_prepared_statements: raw
+            .max_prepared_statements
+            .map_or(d.max_prepared_statements, Spanned::into_inner),
         admin_users: raw.admin_users.unwrap_or(d.admin_users),
         databases,
         users,

@@ -305,6 +305,8 @@ pub struct PoolConfig {
     pub query_wait_timeout: Option<Duration>,
     /// Disconnect clients idle this long; `None` never does.
     pub client_idle_timeout: Option<Duration>,
+    /// Statements kept prepared per server connection; at least 1.
+    pub max_prepared_statements: u32,
     /// Roles allowed into the admin console (database `pgwarden` on the
     /// read-write port).
     pub admin_users: Vec<String>,
@@ -325,6 +327,7 @@ impl Default for PoolConfig {
             server_lifetime: Some(Duration::from_secs(3600)),
             query_wait_timeout: Some(Duration::from_secs(120)),
             client_idle_timeout: None,
+            max_prepared_statements: 1000,
             admin_users: Vec::new(),
             databases: BTreeMap::new(),
             users: BTreeMap::new(),

@@ -198,6 +198,10 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         ("pool.mode", format!("{:?}", p.mode).to_lowercase()),
         ("pool.size", p.size.to_string()),
         ("pool.max_client_conn", p.max_client_conn.to_string()),
+        (
+            "pool.max_prepared_statements",
+            p.max_prepared_statements.to_string(),
+        ),
         ("pool.query_wait_timeout", d(p.query_wait_timeout)),
         ("pool.server_idle_timeout", d(p.server_idle_timeout)),
         ("pool.server_lifetime", d(p.server_lifetime)),
@@ -266,6 +270,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         server_password: password,
         min_size: p.min_size as usize,
         client_idle_timeout: p.client_idle_timeout,
+        max_prepared_statements: p.max_prepared_statements as usize,
     };
     let exception = |o: &pgwarden_config::PoolOverride| {
         (

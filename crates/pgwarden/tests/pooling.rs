@@ -154,6 +154,57 @@ async fn prepared_statements_follow_the_client_across_servers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_server_keeps_a_bounded_number_of_prepared_statements() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 1,
+            query_wait_timeout: WAIT,
+            max_prepared_statements: 3,
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    // Two clients, one server: ten statements each, used in turns, the
+    // first ones again after the later ones pushed them out.
+    let mut stmts = Vec::new();
+    for i in 0..10i32 {
+        let sa = a.prepare(&format!("SELECT $1::int4 + {i}")).await.unwrap();
+        let sb = b.prepare(&format!("SELECT $1::int4 * {i}")).await.unwrap();
+        stmts.push((i, sa, sb));
+    }
+    for round in 0..2 {
+        for (i, sa, sb) in &stmts {
+            let ra: i32 = a.query_one(sa, &[&round]).await.unwrap().get(0);
+            let rb: i32 = b.query_one(sb, &[&round]).await.unwrap().get(0);
+            assert_eq!((ra, rb), (round + i, round * i));
+            // Seen from the server, between transactions: never more than
+            // the bound.
+            let held: i64 = a
+                .query_one("SELECT count(*) FROM pg_prepared_statements", &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert!(held <= 3, "{held} statements on the server");
+        }
+    }
+    // After an error, every statement still works (prepared again where
+    // it was closed).
+    let err = a.query_one("SELECT 1/0", &[]).await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("22012"));
+    for (i, sa, _) in &stmts {
+        let r: i32 = a.query_one(sa, &[&1]).await.unwrap().get(0);
+        assert_eq!(r, 1 + i);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_state_pins_the_client_to_its_server() {
     let c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy_with(

@@ -5,7 +5,7 @@
 //! for a server connection are served in arrival order, so none starves
 //! however many clients share a few servers.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +36,9 @@ pub struct PoolKey {
     pub read_only: bool,
 }
 
+/// Default of `pool.max_prepared_statements`.
+pub const DEFAULT_MAX_PREPARED_STATEMENTS: usize = 1000;
+
 /// Pool settings (see `[pool]` in the configuration reference).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolSettings {
@@ -56,6 +59,9 @@ pub struct PoolSettings {
     pub min_size: usize,
     /// A client with no transaction running for this long is disconnected.
     pub client_idle_timeout: Option<Duration>,
+    /// Most statements kept prepared on one server connection; past it,
+    /// the least recently used are closed.
+    pub max_prepared_statements: usize,
 }
 
 impl Default for PoolSettings {
@@ -69,6 +75,7 @@ impl Default for PoolSettings {
             server_password: None,
             min_size: 0,
             client_idle_timeout: None,
+            max_prepared_statements: DEFAULT_MAX_PREPARED_STATEMENTS,
         }
     }
 }
@@ -144,12 +151,86 @@ pub struct ServerConn {
     pub(crate) tracked: Tracked,
     /// The backend's own cancel key.
     pub backend_key: (i32, i32),
-    /// Names of statements prepared on this connection (server-side names).
-    pub prepared: HashSet<String>,
+    /// Statements prepared on this connection (server-side names).
+    pub prepared: StatementCache,
     /// When the connection was opened.
     pub created: Instant,
     /// When it was last released.
     pub last_used: Instant,
+}
+
+/// The statements prepared on one server connection, by server-side name,
+/// with when each was last used: the least recently used go first when
+/// the connection holds more than `max_prepared_statements`.
+#[derive(Debug, Default)]
+pub struct StatementCache {
+    names: HashMap<String, u64>,
+    tick: u64,
+}
+
+impl StatementCache {
+    /// Whether `name` is prepared; marks it used.
+    pub fn touch(&mut self, name: &str) -> bool {
+        self.tick += 1;
+        match self.names.get_mut(name) {
+            Some(t) => {
+                *t = self.tick;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Records `name` as prepared (and just used).
+    pub fn insert(&mut self, name: &str) {
+        self.tick += 1;
+        match self.names.get_mut(name) {
+            Some(t) => *t = self.tick,
+            None => {
+                self.names.insert(name.to_string(), self.tick);
+            }
+        }
+    }
+
+    /// Forgets `name`.
+    pub fn remove(&mut self, name: &str) {
+        self.names.remove(name);
+    }
+
+    /// Forgets every statement.
+    pub fn clear(&mut self) {
+        self.names.clear();
+    }
+
+    /// How many statements are prepared.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Removes and returns the least recently used names until at most
+    /// `bound` remain, sparing `keep` (the statement about to run).
+    pub fn evict(&mut self, bound: usize, keep: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        while self.names.len() > bound.max(1) {
+            let Some(victim) = self
+                .names
+                .iter()
+                .filter(|(n, _)| n.as_str() != keep)
+                .min_by_key(|(_, t)| **t)
+                .map(|(n, _)| n.clone())
+            else {
+                break;
+            };
+            self.names.remove(&victim);
+            out.push(victim);
+        }
+        out
+    }
 }
 
 impl ServerConn {
@@ -611,7 +692,7 @@ pub(crate) async fn login(
         params,
         tracked,
         backend_key,
-        prepared: HashSet::new(),
+        prepared: StatementCache::default(),
         created: Instant::now(),
         last_used: Instant::now(),
     })
@@ -640,4 +721,36 @@ fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
     out.extend_from_slice(&[0]);
     out.extend_from_slice(&(data.len() as i32).to_be_bytes());
     out.extend_from_slice(data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StatementCache;
+
+    #[test]
+    fn the_least_recently_used_statements_go_first_and_the_one_in_use_stays() {
+        let mut c = StatementCache::default();
+        for n in ["a", "b", "c", "d"] {
+            c.insert(n);
+        }
+        assert!(c.touch("a"));
+        assert!(!c.touch("x"));
+        // "b" is now the oldest, then "c".
+        assert_eq!(c.evict(2, "d"), vec!["b".to_string(), "c".to_string()]);
+        assert_eq!(c.len(), 2);
+        assert!(c.touch("a") && c.touch("d"));
+        // The statement about to run is spared even when it is the oldest.
+        c.insert("e");
+        c.insert("f");
+        assert_eq!(
+            c.evict(1, "a"),
+            vec!["d".to_string(), "e".to_string(), "f".to_string()]
+        );
+        assert!(c.touch("a"));
+        // Nothing to do within the bound; a bound of 0 counts as 1.
+        assert!(c.evict(5, "a").is_empty());
+        assert!(c.evict(0, "a").is_empty());
+        c.remove("a");
+        assert!(c.is_empty());
+    }
 }

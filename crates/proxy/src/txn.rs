@@ -60,6 +60,11 @@ struct Replies {
     /// pgwarden (swallow its ParseComplete). Tagged with the batch they
     /// belong to, so those skipped after an error are dropped at its Sync.
     parses: VecDeque<(bool, u64)>,
+    /// Close messages sent and not yet answered, tagged likewise: `Some`
+    /// = a statement pgwarden closed to keep the server's cache bounded
+    /// (swallow its CloseComplete; if the server skipped it, the
+    /// statement is still there).
+    closes: VecDeque<(Option<String>, u64)>,
     /// Batches sent / completed (a batch ends with Query or Sync).
     sent: u64,
     done: u64,
@@ -294,8 +299,9 @@ struct Session {
     replies: Replies,
     /// The client's view of the tracked session parameters.
     params: Tracked,
-    /// The client's named statements: name → Parse body after the name.
-    statements: HashMap<String, Bytes>,
+    /// The client's named statements: name → its name on servers and the
+    /// Parse body after the name (kept to prepare it on other servers).
+    statements: HashMap<String, (Arc<str>, Bytes)>,
     /// The client used session state (LISTEN, session advisory locks,
     /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
     /// keeps its server connection until it disconnects.
@@ -636,6 +642,11 @@ impl Session {
 
     fn forward(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
         let body = &msg[5..];
+        if tag == frontend::CLOSE {
+            // Every Close is answered by a CloseComplete, in order with
+            // those of pgwarden's own.
+            self.replies.closes.push_back((None, self.replies.sent));
+        }
         match tag {
             frontend::QUERY => {
                 let text = message::query_text(body).unwrap_or("");
@@ -657,13 +668,15 @@ impl Session {
                         let name = p.name.to_string();
                         let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
                         let sname = self.server_name(&name);
-                        self.statements.insert(name, rest.clone());
+                        self.statements
+                            .insert(name, (Arc::from(sname.as_str()), rest.clone()));
                         if let Some(c) = self.attached.as_mut() {
-                            c.conn.prepared.insert(sname.clone());
+                            c.conn.prepared.insert(&sname);
                         }
                         self.replies.parses.push_back((false, self.replies.sent));
                         self.replies.open_batch = true;
                         put_parse(out, &sname, &rest);
+                        self.bound_statements(&sname, out);
                         return Ok(());
                     }
                     self.replies.parses.push_back((false, self.replies.sent));
@@ -672,9 +685,8 @@ impl Session {
             frontend::BIND => {
                 if let Ok((portal, stmt)) = message::bind_names(body) {
                     if !stmt.is_empty() {
-                        let stmt = stmt.to_string();
                         let skip = portal.len() + 1 + stmt.len() + 1;
-                        let sname = self.ensure(&stmt, out);
+                        let sname = self.ensure(stmt, out);
                         let rest = &body[skip.min(body.len())..];
                         out.put_u8(frontend::BIND);
                         out.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
@@ -696,7 +708,7 @@ impl Session {
                             self.ensure(&name, out)
                         } else {
                             self.statements.remove(&name);
-                            let s = self.server_name(&name);
+                            let s: Arc<str> = Arc::from(self.server_name(&name));
                             if let Some(c) = self.attached.as_mut() {
                                 c.conn.prepared.remove(&s);
                             }
@@ -742,16 +754,39 @@ impl Session {
 
     /// Makes sure the client's statement `name` exists on the attached
     /// server, injecting its Parse if needed; returns the server-side name.
-    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> String {
-        let sname = self.server_name(name);
-        if let (Some(rest), Some(c)) = (self.statements.get(name), self.attached.as_mut()) {
-            if !c.conn.prepared.contains(&sname) {
+    /// Runs per Bind, so a known statement costs no allocation.
+    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> Arc<str> {
+        let Some((sname, rest)) = self.statements.get(name) else {
+            return Arc::from(self.server_name(name));
+        };
+        let sname = sname.clone();
+        if let Some(c) = self.attached.as_mut() {
+            if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
-                c.conn.prepared.insert(sname.clone());
+                c.conn.prepared.insert(&sname);
                 self.replies.parses.push_back((true, self.replies.sent));
+                self.bound_statements(&sname, out);
             }
         }
         sname
+    }
+
+    /// Closes the least recently used statements of the attached server
+    /// while it holds more than `max_prepared_statements`, sparing `keep`.
+    fn bound_statements(&mut self, keep: &str, out: &mut BytesMut) {
+        let bound = self.settings.max_prepared_statements;
+        let Some(c) = self.attached.as_mut() else {
+            return;
+        };
+        if c.conn.prepared.len() <= bound {
+            return;
+        }
+        for victim in c.conn.prepared.evict(bound, keep) {
+            put_close(out, &victim);
+            self.replies
+                .closes
+                .push_back((Some(victim), self.replies.sent));
+        }
     }
 
     /// `DEALLOCATE name` / `DEALLOCATE ALL` for protocol-level statements
@@ -813,7 +848,10 @@ impl Session {
             let avail = buf.len() - pos;
             let interesting = matches!(
                 h.tag,
-                backend::PARSE_COMPLETE | backend::READY_FOR_QUERY | backend::PARAMETER_STATUS
+                backend::PARSE_COMPLETE
+                    | backend::CLOSE_COMPLETE
+                    | backend::READY_FOR_QUERY
+                    | backend::PARAMETER_STATUS
             );
             if !interesting {
                 let n = total.min(avail);
@@ -839,11 +877,24 @@ impl Session {
                         continue;
                     }
                 }
+                backend::CLOSE_COMPLETE => {
+                    self.drop_stale_closes();
+                    if let Some((Some(_), _)) = self.replies.closes.front() {
+                        self.replies.closes.pop_front();
+                        let o = out.get_or_insert_with(BytesMut::new);
+                        o.extend_from_slice(&buf[..pos]);
+                        buf.advance(pos + total);
+                        pos = 0;
+                        continue;
+                    }
+                    self.replies.closes.pop_front();
+                }
                 backend::READY_FOR_QUERY => {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.done += 1;
                     self.replies.status = message::ready_for_query_status(body).ok();
                     self.drop_stale_parses();
+                    self.drop_stale_closes();
                 }
                 _ => {
                     if let Ok((k, v)) = message::parameter_status(body) {
@@ -874,6 +925,21 @@ impl Session {
             }
             None => ToClient::Prefix(pos),
         })
+    }
+
+    /// Closes of a completed batch were skipped (an error came first):
+    /// the statements pgwarden meant to close are still on the server.
+    fn drop_stale_closes(&mut self) {
+        while let Some((_, batch)) = self.replies.closes.front() {
+            if *batch >= self.replies.done {
+                break;
+            }
+            if let (Some((Some(name), _)), Some(c)) =
+                (self.replies.closes.pop_front(), self.attached.as_mut())
+            {
+                c.conn.prepared.insert(&name);
+            }
+        }
     }
 
     fn drop_stale_parses(&mut self) {
@@ -930,6 +996,15 @@ async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
             Err(e) => return Err(e.to_string()),
         }
     }
+}
+
+/// A Close of the prepared statement `name`.
+fn put_close(out: &mut BytesMut, name: &str) {
+    out.put_u8(frontend::CLOSE);
+    out.put_u32((4 + 1 + name.len() + 1) as u32);
+    out.put_u8(b'S');
+    out.put_slice(name.as_bytes());
+    out.put_u8(0);
 }
 
 fn put_parse(out: &mut BytesMut, name: &str, rest: &[u8]) {
