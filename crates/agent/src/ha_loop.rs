@@ -910,7 +910,22 @@ impl HaLoop {
         let timeline = self.obs.pg.timeline;
         let lsn = self.obs.pg.received_lsn.unwrap_or(0);
         tracing::info!(member = %self.cfg.name, "promoting the local PostgreSQL: {why}");
-        match self.pg.promote().await {
+        let mut promotion = self.pg.promote();
+        let promoted = loop {
+            tokio::select! {
+                r = &mut promotion => break r.unwrap_or_else(|e| Err(PgCtlError::CommandFailed {
+                    program: "pg_ctl promote".into(),
+                    status: "panicked".into(),
+                    output: e.to_string(),
+                })),
+                // A promotion that waits for recovery (a server that just
+                // crashed and restarts) must not cost this node its lease.
+                _ = tokio::time::sleep(self.timing.loop_wait) => {
+                    self.renew().await;
+                }
+            }
+        };
+        match promoted {
             Ok(()) => {
                 self.former_primary = true;
                 self.obs = self.pg.observe(Duration::from_secs(2)).await;

@@ -160,9 +160,14 @@ impl LocalPostgres {
         self.with(move |i| i.stop(mode)).await
     }
 
-    /// Promotes a standby (`pg_ctl promote -w`).
-    pub async fn promote(&self) -> Result<(), PgCtlError> {
-        self.with(|i| i.promote()).await
+    /// Promotes a standby (`pg_ctl promote -w`) on a task of its own, so
+    /// that the caller can go on renewing its lease while a server that is
+    /// still recovering takes its time.
+    pub fn promote(&self) -> tokio::task::JoinHandle<Result<(), PgCtlError>> {
+        let instance = self.instance.clone();
+        tokio::task::spawn_blocking(move || {
+            instance.lock().unwrap_or_else(|e| e.into_inner()).promote()
+        })
     }
 
     /// Observes the server: is a postmaster there, does it answer, and in
