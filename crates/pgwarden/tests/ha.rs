@@ -815,6 +815,38 @@ async fn sync_key(c: &AgentCluster) -> serde_json::Value {
 
 /// Waits until writes land on `conninfo` again: the row count of `acked`
 /// grows past what it was when the server first answered.
+/// Waits until the read-write port at `rw` refuses new transactions
+/// because commits wait for a synchronous standby (`on_sync_blocked =
+/// reject`).
+async fn refuses_while_sync_blocked(rw: &str) {
+    eventually(
+        "the read-write port refuses",
+        Duration::from_secs(10),
+        || async {
+            match one(rw, "SELECT 1").await {
+                Err(e) if e.contains("waits for a synchronous standby") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits until the writer's table on `conninfo` holds more than `n` rows.
+async fn acknowledged_over(conninfo: &str, n: i64) {
+    eventually(
+        "writes are acknowledged",
+        Duration::from_secs(10),
+        || async {
+            let rows = one(conninfo, "SELECT count(*) FROM acked").await?;
+            (rows.parse::<i64>().unwrap_or(0) > n)
+                .then_some(())
+                .ok_or(rows)
+        },
+    )
+    .await;
+}
+
 /// The first member of the published synchronous set, once there is one.
 async fn listed_standby(c: &AgentCluster) -> String {
     eventually(
@@ -941,15 +973,7 @@ async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_s
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Through n3's read-write port, which routes to whoever leads.
     let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
-    eventually(
-        "writes are acknowledged",
-        Duration::from_secs(10),
-        || async {
-            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
-            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
-        },
-    )
-    .await;
+    acknowledged_over(&c.node(0).pg_conninfo(), 50).await;
     c.kill_node(0);
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
     assert_eq!(np, 1, "only the synchronous standby may be promoted");
@@ -1032,17 +1056,7 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
     // on_sync_blocked = reject: new transactions through the read-write
     // port fail at once, saying why, instead of hanging too.
     let rw = c.node(0).rw_conninfo();
-    eventually(
-        "the read-write port refuses",
-        Duration::from_secs(10),
-        || async {
-            match one(&rw, "SELECT 1").await {
-                Err(e) if e.contains("waits for a synchronous standby") => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    refuses_while_sync_blocked(&rw).await;
     assert_eq!(
         sync_key(&c).await["degraded_since_ms"],
         serde_json::Value::Null
@@ -1316,15 +1330,7 @@ async fn maximum_protection_loses_no_acknowledged_write_on_failover() {
         .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
-    eventually(
-        "writes are acknowledged",
-        Duration::from_secs(10),
-        || async {
-            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
-            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
-        },
-    )
-    .await;
+    acknowledged_over(&c.node(0).pg_conninfo(), 50).await;
     c.kill_node(0);
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
     assert_eq!(
@@ -1660,17 +1666,7 @@ async fn maximum_protection_takes_no_write_before_its_first_standby_is_listed() 
         "{list}"
     );
     let rw = c.node(0).rw_conninfo();
-    eventually(
-        "the read-write port refuses",
-        Duration::from_secs(10),
-        || async {
-            match one(&rw, "SELECT 1").await {
-                Err(e) if e.contains("waits for a synchronous standby") => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    refuses_while_sync_blocked(&rw).await;
     assert!(!first.is_finished());
 
     // The first replica joins (cloning the blocked primary) and is listed:
@@ -1699,15 +1695,7 @@ async fn maximum_protection_takes_no_write_before_its_first_standby_is_listed() 
     // leader, alone, blocks commits in turn until the last node joins.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = start_writer(c.node(1).rw_conninfo(), stop.clone());
-    eventually(
-        "writes are acknowledged",
-        Duration::from_secs(10),
-        || async {
-            let n = one(&direct, "SELECT count(*) FROM acked").await?;
-            (n.parse::<i64>().unwrap_or(0) > 20).then_some(()).ok_or(n)
-        },
-    )
-    .await;
+    acknowledged_over(&direct, 20).await;
     c.kill_node(0);
     assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 1);
     let n2 = c.node(1).pg_conninfo();
@@ -1777,15 +1765,7 @@ async fn quorum_commit_lists_every_standby_and_loses_no_acknowledged_write_on_fa
         .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = start_writer(c.node(2).rw_conninfo(), stop.clone());
-    eventually(
-        "writes are acknowledged",
-        Duration::from_secs(10),
-        || async {
-            let n = one(&c.node(0).pg_conninfo(), "SELECT count(*) FROM acked").await?;
-            (n.parse::<i64>().unwrap_or(0) > 50).then_some(()).ok_or(n)
-        },
-    )
-    .await;
+    acknowledged_over(&c.node(0).pg_conninfo(), 50).await;
     // kill -9 of the whole node while the writer runs: the survivor that
     // holds every acknowledged commit must be the one promoted.
     c.kill_node(0);

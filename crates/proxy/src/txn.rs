@@ -125,6 +125,7 @@ pub(crate) async fn run(
         shared.cancel.remove(key);
         return;
     }
+    // Not kept in the future's idle state.
     drop(hello);
 
     let killed = Arc::new(KillState::default());
