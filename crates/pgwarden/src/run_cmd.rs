@@ -28,18 +28,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime(&config)?.block_on(serve(&args.config, config, false, None))
 }
 
-/// The multi-threaded runtime of the connection manager, sized by
-/// `engine.worker_threads` (or the cores).
+/// The control runtime: the topology engine, the listeners, the HTTP
+/// port, reloads and (in agent mode) the HA loop. Client traffic runs on
+/// the proxy's own worker threads (`engine.worker_threads`), so neither
+/// waits for the other. Two threads, so that a slow control task (an etcd
+/// call, a pg_ctl) never holds up the rest.
 pub fn runtime(config: &Config) -> anyhow::Result<tokio::runtime::Runtime> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = config.engine.effective_worker_threads(cores);
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name("pgwarden-worker")
+        .worker_threads(2)
+        .thread_name("pgwarden-control")
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    tracing::info!(worker_threads = threads, "starting");
+    tracing::info!(
+        worker_threads = config.engine.effective_worker_threads(cores),
+        "starting"
+    );
     Ok(runtime)
 }
 
@@ -121,6 +126,9 @@ pub async fn serve(
                             || new.cluster.dbname != running.cluster.dbname
                         {
                             tracing::warn!("probe settings (interval, time-outs, user, dbname) take effect at the next restart");
+                        }
+                        if new.engine.worker_threads != running.engine.worker_threads {
+                            tracing::warn!("engine.worker_threads takes effect at the next restart");
                         }
                         if agent.is_some() {
                             // The router merges them with the members from etcd.
@@ -301,6 +309,9 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
         max_client_conn: p.max_client_conn as usize,
+        worker_threads: config
+            .engine
+            .effective_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),
         admin_users: p.admin_users.clone(),
         settings: settings_view(config),
         auth_timeout: config

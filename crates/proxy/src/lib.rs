@@ -22,6 +22,7 @@ mod relay;
 mod session;
 mod stream;
 mod txn;
+mod workers;
 
 pub use auth::AuthSpec;
 pub use metrics::Metrics;

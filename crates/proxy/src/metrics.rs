@@ -248,7 +248,7 @@ impl Metrics {
                 }
             }
         }
-        let pool_series: [(&str, &str, &str); 7] = [
+        let pool_series: [(&str, &str, &str); 8] = [
             (
                 "pgwarden_pool_clients_waiting",
                 "gauge",
@@ -284,6 +284,11 @@ impl Metrics {
                 "gauge",
                 "Longest wait for a server connection",
             ),
+            (
+                "pgwarden_pool_server_moves_total",
+                "counter",
+                "Server connections moved to another worker thread with the client that borrowed them",
+            ),
         ];
         for (i, (name, kind, help)) in pool_series.iter().enumerate() {
             out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
@@ -297,7 +302,8 @@ impl Metrics {
                     3 => st.total.load(o) as f64,
                     4 => st.transactions.load(o) as f64,
                     5 => st.wait_us.load(o) as f64 / 1e6,
-                    _ => st.max_wait_us.load(o) as f64 / 1e6,
+                    6 => st.max_wait_us.load(o) as f64 / 1e6,
+                    _ => st.moves.load(o) as f64,
                 };
                 out.push_str(&format!(
                     "{name}{{host=\"{}\",database=\"{}\",user=\"{}\"}} {v}\n",

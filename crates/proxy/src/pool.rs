@@ -157,6 +157,9 @@ pub struct ServerConn {
     pub created: Instant,
     /// When it was last released.
     pub last_used: Instant,
+    /// The worker whose event loop the socket is registered with
+    /// ([`crate::workers::NONE`]: the control runtime's).
+    pub home: usize,
 }
 
 /// The statements prepared on one server connection, by server-side name,
@@ -275,6 +278,9 @@ pub struct PoolStats {
     pub wait_us: AtomicU64,
     /// Longest wait, microseconds.
     pub max_wait_us: AtomicU64,
+    /// Server connections moved to another worker thread's event loop
+    /// because a client there borrowed them.
+    pub moves: AtomicU64,
 }
 
 /// A pool of server connections.
@@ -419,7 +425,8 @@ impl Pool {
             return None;
         }
         let permit = self.permits.clone().try_acquire_owned().ok()?;
-        let conn = self.idle.lock().expect("poisoned").pop()?;
+        let conn = pop_idle(&mut self.idle.lock().expect("poisoned"))?;
+        let conn = self.moved_here(conn)?;
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         Some(Checkout {
             conn,
@@ -427,6 +434,24 @@ impl Pool {
             waited: Duration::ZERO,
             _permit: permit,
         })
+    }
+
+    /// [`move_here`], counting a connection lost on the way.
+    fn moved_here(&self, conn: Box<ServerConn>) -> Option<Box<ServerConn>> {
+        let from = conn.home;
+        match move_here(conn) {
+            Ok(c) => {
+                if c.home != from {
+                    self.stats.moves.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!(host = %self.key.host, error = %e, "moving a server connection between workers failed; it is closed");
+                self.stats.total.fetch_sub(1, Ordering::Relaxed);
+                None
+            }
+        }
     }
 
     /// Waits (FIFO, up to `query_wait_timeout`) for a permit, then reuses an
@@ -448,8 +473,8 @@ impl Pool {
         let waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
         self.stats.max_wait_us.fetch_max(waited, Ordering::Relaxed);
-        let reused = self.idle.lock().expect("poisoned").pop();
-        let conn = match reused {
+        let reused = pop_idle(&mut self.idle.lock().expect("poisoned"));
+        let conn = match reused.and_then(|c| self.moved_here(c)) {
             Some(c) => c,
             None => {
                 let stored = self.credential.lock().expect("poisoned").clone();
@@ -695,7 +720,38 @@ pub(crate) async fn login(
         prepared: StatementCache::default(),
         created: Instant::now(),
         last_used: Instant::now(),
+        home: crate::workers::current(),
     })
+}
+
+/// Takes the idle connection that suits this thread best: the most
+/// recently used one registered with this worker's event loop, else the
+/// most recently used of all.
+#[allow(clippy::vec_box)] // see `Pool::idle`
+fn pop_idle(idle: &mut Vec<Box<ServerConn>>) -> Option<Box<ServerConn>> {
+    let here = crate::workers::current();
+    match idle.iter().rposition(|c| c.home == here) {
+        Some(i) => Some(idle.remove(i)),
+        None => idle.pop(),
+    }
+}
+
+/// Moves a connection's socket into the epoll of the worker running now,
+/// so that its replies wake this thread directly rather than through
+/// another worker's event loop. TLS connections stay where they are
+/// (rustls' stream cannot be taken apart and put back): they work from
+/// any worker, at the cost of a cross-thread wake-up per read.
+fn move_here(mut conn: Box<ServerConn>) -> std::io::Result<Box<ServerConn>> {
+    let here = crate::workers::current();
+    if conn.home == here || here == crate::workers::NONE {
+        return Ok(conn);
+    }
+    if let ServerStream::Plain(tcp) = conn.stream {
+        let tcp = TcpStream::from_std(tcp.into_std()?)?;
+        conn.stream = ServerStream::Plain(tcp);
+        conn.home = here;
+    }
+    Ok(conn)
 }
 
 /// PasswordMessage: a NUL-terminated password or md5 hash.

@@ -52,6 +52,9 @@ pub struct ProxySpec {
     /// Most client connections at once, over all services; counted from
     /// accept, before any authentication, so idle sockets cannot pile up.
     pub max_client_conn: usize,
+    /// Threads that carry client traffic, each with its own event loop.
+    /// Read once, at start.
+    pub worker_threads: usize,
     /// Roles allowed into the admin console.
     pub admin_users: Vec<String>,
     /// The effective configuration as `SHOW CONFIG` lists it.
@@ -300,6 +303,8 @@ pub(crate) struct Shared {
     pub auth: arc_swap::ArcSwapOption<crate::auth::Authenticator>,
     /// How long a client may take from connecting to being authenticated.
     pub auth_timeout: Mutex<Duration>,
+    /// The threads sessions run on.
+    pub workers: crate::workers::Workers,
 }
 
 impl Shared {
@@ -429,6 +434,13 @@ pub enum ProxyError {
         #[source]
         source: std::io::Error,
     },
+    /// The worker threads could not be started.
+    #[error("starting the worker threads")]
+    Workers {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Proxy {
@@ -465,6 +477,8 @@ impl Proxy {
             server_tls: Arc::new(ArcSwap::from_pointee(Default::default())),
             auth: arc_swap::ArcSwapOption::empty(),
             auth_timeout: Mutex::new(Duration::from_secs(60)),
+            workers: crate::workers::Workers::start(spec.worker_threads)
+                .map_err(|source| ProxyError::Workers { source })?,
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {
@@ -708,6 +722,7 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
+        self.shared.workers.stop();
         self.router.abort();
         for l in self.listeners.values() {
             l.task.abort();
@@ -730,9 +745,22 @@ async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listen
                     tokio::spawn(crate::session::refuse_busy(stream));
                     continue;
                 }
+                // The socket leaves this runtime's epoll for the worker's:
+                // its readiness is then reported on the thread that serves
+                // it.
+                let stream = match stream.into_std() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        shared.clients.fetch_sub(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "handing a connection to a worker failed");
+                        continue;
+                    }
+                };
                 // Spawned as it is: a wrapping block would hold the whole
                 // session future twice. The session gives its slot back.
-                tokio::spawn(crate::session::run(shared.clone(), svc, stream, peer));
+                shared
+                    .workers
+                    .spawn(crate::session::run(shared.clone(), svc, stream, peer));
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.

@@ -74,14 +74,18 @@ impl Drop for ClientSlot<'_> {
 pub(crate) fn run(
     shared: Arc<Shared>,
     service: Arc<Service>,
-    client: TcpStream,
+    client: std::net::TcpStream,
     peer: SocketAddr,
 ) -> impl std::future::Future<Output = ()> + Send {
     let _ = client.set_nodelay(true);
-    let mut client = ClientStream::Plain(client);
     async move {
         // The accept loop counted this client against max_client_conn.
         let _slot = ClientSlot(&shared);
+        // Registered with the epoll of the worker this runs on.
+        let Ok(client) = TcpStream::from_std(client) else {
+            return;
+        };
+        let mut client = ClientStream::Plain(client);
         let gauge = shared
             .metrics
             .client_connections

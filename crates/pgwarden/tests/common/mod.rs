@@ -141,6 +141,7 @@ pub async fn proxy_full(
         server_connect_timeout: Duration::from_secs(2),
         shutdown_timeout: Duration::from_secs(5),
         max_client_conn,
+        worker_threads: WORKERS.with(|w| w.get()),
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
         pool_overrides,
@@ -205,6 +206,10 @@ thread_local! {
     /// TLS towards the servers (mode, CA file) for the next proxy built on
     /// this thread.
     pub static SERVER_TLS: std::cell::RefCell<(pgwarden_proxy::ServerTlsMode, Option<std::path::PathBuf>)> = const { std::cell::RefCell::new((pgwarden_proxy::ServerTlsMode::Disable, None)) };
+    /// Worker threads of the next proxy built on this thread. Two by
+    /// default, so that consecutive clients land on different workers and
+    /// pooled servers move between them.
+    pub static WORKERS: std::cell::Cell<usize> = const { std::cell::Cell::new(2) };
 }
 
 /// Waits until `n` hosts are alive and a primary is known.

@@ -1,0 +1,138 @@
+//! The traffic engine: a fixed set of worker threads, each running its own
+//! single-threaded event loop, among which client connections are shared
+//! out.
+//!
+//! A work-stealing runtime moves a session between threads whenever one
+//! is idle, and wakes idle threads to look for work: on a machine that
+//! PostgreSQL and its clients keep busy, those cross-thread wake-ups cost
+//! more CPU than relaying the bytes (measured in docs/benchmarks.md). Here
+//! a session lives on the worker that accepted it, with its sockets
+//! registered in that worker's own epoll, so a message in and a message
+//! out take no other thread's time. Server connections shared through a
+//! pool move to the worker that borrows them (see `pool`), for the same
+//! reason.
+//!
+//! The listeners, the HTTP port, the topology engine and configuration
+//! reloads stay on the control runtime that started the proxy: routing
+//! updates never queue behind traffic, nor traffic behind them.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+thread_local! {
+    static CURRENT: Cell<usize> = const { Cell::new(NONE) };
+}
+
+/// The "worker" of any thread that is not one.
+pub const NONE: usize = usize::MAX;
+
+/// The worker this thread is, or [`NONE`].
+pub fn current() -> usize {
+    CURRENT.with(|c| c.get())
+}
+
+/// The worker threads.
+#[derive(Debug)]
+pub struct Workers {
+    handles: Vec<Handle>,
+    next: AtomicUsize,
+    /// Dropping a sender ends its worker: its runtime, with every session
+    /// still on it, is dropped.
+    stop: Mutex<Vec<oneshot::Sender<()>>>,
+}
+
+impl Workers {
+    /// Starts `n` workers (at least one).
+    pub fn start(n: usize) -> io::Result<Workers> {
+        let n = n.max(1);
+        let mut handles = Vec::with_capacity(n);
+        let mut stop = Vec::with_capacity(n);
+        for id in 0..n {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (tx, rx) = oneshot::channel::<()>();
+            handles.push(runtime.handle().clone());
+            stop.push(tx);
+            std::thread::Builder::new()
+                .name(format!("pgwarden-worker-{id}"))
+                .spawn(move || {
+                    CURRENT.with(|c| c.set(id));
+                    // Ends when the sender is dropped; the runtime and its
+                    // tasks go with the thread.
+                    let _ = runtime.block_on(rx);
+                })?;
+        }
+        Ok(Workers {
+            handles,
+            next: AtomicUsize::new(0),
+            stop: Mutex::new(stop),
+        })
+    }
+
+    /// Runs `task` on the next worker, round robin.
+    pub fn spawn<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
+        drop(self.handles[i].spawn(task));
+    }
+
+    /// Ends every worker and drops what runs on it. Idempotent.
+    pub fn stop(&self) {
+        self.stop.lock().expect("poisoned").clear();
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn tasks_are_shared_out_round_robin_and_know_their_worker() {
+        let workers = Workers::start(2).unwrap();
+        assert_eq!(current(), NONE);
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..4 {
+            let tx = tx.clone();
+            workers.spawn(async move {
+                tx.send((current(), std::thread::current().id())).unwrap();
+            });
+        }
+        let seen: Vec<_> = (0..4).map(|_| rx.recv().unwrap()).collect();
+        let ids: HashSet<usize> = seen.iter().map(|s| s.0).collect();
+        assert_eq!(ids, HashSet::from([0, 1]));
+        let threads: HashSet<_> = seen.iter().map(|s| s.1).collect();
+        assert_eq!(threads.len(), 2, "each worker is its own thread");
+    }
+
+    #[test]
+    fn stopping_drops_what_runs_on_the_workers() {
+        let workers = Workers::start(1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        workers.spawn(async move {
+            let _held = tx;
+            std::future::pending::<()>().await;
+        });
+        workers.stop();
+        // The sender is dropped with the task, which disconnects the channel.
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(10)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+        );
+    }
+}
