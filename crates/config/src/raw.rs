@@ -246,6 +246,7 @@ pub(crate) struct RawPool {
     pub query_wait_timeout: Option<Dur>,
     pub client_idle_timeout: Option<Dur>,
     pub max_prepared_statements: Option<Spanned<u32>>,
+    pub reuse_session_servers: Option<bool>,
     pub admin_users: Option<Vec<String>>,
     #[serde(default)]
     pub databases: BTreeMap<Spanned<String>, RawPoolOverride>,

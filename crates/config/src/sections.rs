@@ -307,6 +307,9 @@ pub struct PoolConfig {
     pub client_idle_timeout: Option<Duration>,
     /// Statements kept prepared per server connection; at least 1.
     pub max_prepared_statements: u32,
+    /// Session mode pools too: a client's server connection is reset with
+    /// `DISCARD ALL` when it leaves and kept for the next client.
+    pub reuse_session_servers: bool,
     /// Roles allowed into the admin console (database `pgwarden` on the
     /// read-write port).
     pub admin_users: Vec<String>,
@@ -328,6 +331,7 @@ impl Default for PoolConfig {
             query_wait_timeout: Some(Duration::from_secs(120)),
             client_idle_timeout: None,
             max_prepared_statements: 1000,
+            reuse_session_servers: false,
             admin_users: Vec::new(),
             databases: BTreeMap::new(),
             users: BTreeMap::new(),

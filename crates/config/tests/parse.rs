@@ -264,6 +264,13 @@ fn durations_everywhere() {
     .unwrap();
     assert_eq!(c.pool.server_lifetime, None);
     assert_eq!(c.pool.client_idle_timeout, Some(Duration::from_secs(300)));
+    assert!(!c.pool.reuse_session_servers, "off unless asked for");
+    let c = parse(
+        &format!("{}\n[pool]\nreuse_session_servers = true\n", with("")),
+        FILE,
+    )
+    .unwrap();
+    assert!(c.pool.reuse_session_servers);
 }
 
 #[test]

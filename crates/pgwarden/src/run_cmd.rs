@@ -162,9 +162,10 @@ fn warn_unimplemented(config: &Config) {
     let transaction = config
         .services()
         .iter()
-        .any(|s| s.pool_mode == PoolMode::Transaction);
+        .any(|s| s.pool_mode == PoolMode::Transaction)
+        || config.pool.reuse_session_servers;
     if transaction && config.auth.is_none() {
-        tracing::warn!("transaction pooling authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
+        tracing::warn!("pooling (transaction pooling, or reuse_session_servers) authenticates clients as 'trust' until [auth] is configured: keep the pooled ports on trusted networks");
     }
     if config.tls.client_ca.is_some() && config.auth.is_none() {
         tracing::warn!("tls.client_ca is set without [auth]: client certificates are verified in the handshake, but only pgwarden's pg_hba.conf rules use them");
@@ -209,6 +210,10 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         (
             "pool.max_prepared_statements",
             p.max_prepared_statements.to_string(),
+        ),
+        (
+            "pool.reuse_session_servers",
+            p.reuse_session_servers.to_string(),
         ),
         ("pool.query_wait_timeout", d(p.query_wait_timeout)),
         ("pool.server_idle_timeout", d(p.server_idle_timeout)),
@@ -279,6 +284,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         min_size: p.min_size as usize,
         client_idle_timeout: p.client_idle_timeout,
         max_prepared_statements: p.max_prepared_statements as usize,
+        hold_session: false,
     };
     let exception = |o: &pgwarden_config::PoolOverride| {
         (
@@ -372,6 +378,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
                 .map(|(k, o)| (k.clone(), exception(o)))
                 .collect(),
             defaults: base,
+            reuse_session_servers: p.reuse_session_servers,
         },
     }
 }

@@ -215,6 +215,103 @@ async fn one_server_serves_clients_on_different_workers() {
     assert!(moves >= 19.0, "the server moved {moves} times");
 }
 
+/// Session pooling (`reuse_session_servers`): a session-mode client keeps
+/// one server connection with all its session state across transactions;
+/// when it leaves, the connection is reset with DISCARD ALL and the next
+/// client gets it clean. One that leaves mid-transaction is not reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_pooling_resets_servers_and_reuses_them() {
+    let c = TestCluster::builder().replicas(0).start();
+    let overrides = pgwarden_proxy::PoolOverrides {
+        reuse_session_servers: true,
+        defaults: PoolSettings {
+            size: 1,
+            query_wait_timeout: Duration::from_secs(2),
+            ..PoolSettings::default()
+        },
+        ..Default::default()
+    };
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(5),
+        None,
+        100,
+        overrides,
+        None,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let direct = c.conninfo(0);
+
+    let a = client(&url).await.unwrap();
+    a.batch_execute(
+        "SET work_mem = '7MB'; CREATE TEMP TABLE t (x int); PREPARE p AS SELECT 7; \
+         LISTEN ch; SELECT pg_advisory_lock(42)",
+    )
+    .await
+    .unwrap();
+    let pid_a = one(&a, "SELECT pg_backend_pid()").await;
+    a.batch_execute("BEGIN; INSERT INTO t VALUES (1); COMMIT")
+        .await
+        .unwrap();
+    // Session state outlives the transactions: the server stays with a.
+    assert_eq!(one(&a, "SHOW work_mem").await, "7MB");
+    assert_eq!(one(&a, "EXECUTE p").await, "7");
+    assert_eq!(one(&a, "SELECT count(*) FROM t").await, "1");
+    assert_eq!(one(&a, "SELECT pg_backend_pid()").await, pid_a);
+
+    // The pool's one connection is taken: another client waits, then is
+    // told why.
+    let err = client(&url).await.expect_err("the pool is full");
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err}");
+
+    drop(a);
+    // The next client waits for a's connection, which comes back reset.
+    let b = client(&url).await.unwrap();
+    assert_eq!(one(&b, "SELECT pg_backend_pid()").await, pid_a, "reused");
+    assert_eq!(one(&b, "SHOW work_mem").await, "4MB");
+    assert_eq!(
+        one(&b, "SELECT to_regclass('pg_temp.t') IS NULL").await,
+        "t"
+    );
+    assert_eq!(
+        one(&b, "SELECT count(*) FROM pg_listening_channels()").await,
+        "0"
+    );
+    let gone = b.simple_query("EXECUTE p").await.unwrap_err();
+    assert_eq!(sqlstate(&gone).as_deref(), Some("26000"), "{gone}");
+    assert_eq!(
+        sql_value(&direct, "SELECT pg_try_advisory_lock(42)")
+            .await
+            .as_deref(),
+        Some("t"),
+        "a's advisory lock was released"
+    );
+
+    // Leaving inside a transaction: the connection is closed, not reused.
+    b.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    drop(b);
+    let d = client(&url).await.unwrap();
+    let pid_d = one(&d, "SELECT pg_backend_pid()").await;
+    assert_ne!(
+        pid_d, pid_a,
+        "a connection left mid-transaction is not reused"
+    );
+    let q = format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid_a}");
+    pgwarden_testkit::eventually("the old backend exits", Duration::from_secs(10), || {
+        let q = q.clone();
+        let direct = direct.clone();
+        async move {
+            match sql_value(&direct, &q).await.as_deref() {
+                Some("0") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_server_keeps_a_bounded_number_of_prepared_statements() {
     let c = TestCluster::builder().replicas(0).start();
@@ -592,6 +689,7 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
             .into_iter()
             .collect(),
         users: Default::default(),
+        reuse_session_servers: false,
         defaults: PoolSettings {
             min_size: 2,
             client_idle_timeout: Some(Duration::from_millis(800)),

@@ -62,6 +62,11 @@ pub struct PoolSettings {
     /// Most statements kept prepared on one server connection; past it,
     /// the least recently used are closed.
     pub max_prepared_statements: usize,
+    /// Session pooling: the client keeps the server connection it first
+    /// borrows until it leaves; the connection is then reset (`DISCARD
+    /// ALL`) and kept for the next client. Set per client by
+    /// [`crate::PoolOverrides::resolve`].
+    pub hold_session: bool,
 }
 
 impl Default for PoolSettings {
@@ -76,6 +81,7 @@ impl Default for PoolSettings {
             min_size: 0,
             client_idle_timeout: None,
             max_prepared_statements: DEFAULT_MAX_PREPARED_STATEMENTS,
+            hold_session: false,
         }
     }
 }

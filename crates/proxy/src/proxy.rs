@@ -113,10 +113,15 @@ pub struct PoolOverrides {
     /// Settings for pools that exist only because of an override (the
     /// service itself is in session mode).
     pub defaults: PoolSettings,
+    /// Session-mode clients share pools too: each keeps one server
+    /// connection for its session, which is reset and reused by the next
+    /// client instead of being closed.
+    pub reuse_session_servers: bool,
 }
 
 impl PoolOverrides {
-    /// The pool settings for one client session, `None` = session mode.
+    /// The pool settings for one client session, `None` = session mode
+    /// without pooling (a server connection of its own, closed with it).
     pub fn resolve(
         &self,
         service: &ServiceSpec,
@@ -126,11 +131,11 @@ impl PoolOverrides {
         let u = self.users.get(user).copied().unwrap_or_default();
         let d = self.databases.get(database).copied().unwrap_or_default();
         let transaction = u.0.or(d.0).unwrap_or(service.pool.is_some());
-        if !transaction {
+        if !transaction && !self.reuse_session_servers {
             return None;
         }
         let size = u.1.or(d.1);
-        if let (Some(s), None) = (&service.pool, size) {
+        if let (true, Some(s), None) = (transaction, &service.pool, size) {
             return Some(s.clone());
         }
         let mut s = service
@@ -144,6 +149,7 @@ impl PoolOverrides {
         if let Some(size) = size {
             s.size = size;
         }
+        s.hold_session = !transaction;
         Some(Arc::new(s))
     }
 }

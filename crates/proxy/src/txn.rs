@@ -167,7 +167,9 @@ pub(crate) async fn run(
         }
         loop {
             // Only a client between transactions can be idle.
-            let idle_limit = session.settings.client_idle_timeout.filter(|_| session.attached.is_none());
+            let between = session.attached.is_none()
+                || (session.settings.hold_session && session.replies.idle());
+            let idle_limit = session.settings.client_idle_timeout.filter(|_| between);
             tokio::select! {
                 _ = async {
                     // Boxed: a timer is large, and most clients have none.
@@ -215,7 +217,7 @@ pub(crate) async fn run(
                     if let ToClient::Prefix(n) = out {
                         sbuf.advance(n);
                     }
-                    if session.attached.is_some() && session.replies.idle() && !session.pinned && sbuf.is_empty() && session.skip == 0 {
+                    if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 {
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
@@ -237,12 +239,18 @@ pub(crate) async fn run(
         );
         let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
-    // A server mid-transaction cannot be handed to someone else.
-    let reusable = session.replies.idle() && !session.pinned;
-    session.detach(reusable);
     drop(registration);
     shared.cancel.remove(key);
     let _ = client.shutdown().await;
+    // A server mid-transaction cannot be handed to someone else; one that
+    // carried a whole session must be reset first (after the client is
+    // let go, which need not wait for it).
+    let reusable = if session.settings.hold_session {
+        session.replies.idle() && session.reset().await
+    } else {
+        session.replies.idle() && !session.pinned
+    };
+    session.detach(reusable);
 }
 
 /// What a client gets on login: the server's parameters (the client's
@@ -547,6 +555,31 @@ impl Session {
         self.skip = 0;
         self.attached = Some(c);
         Ok(())
+    }
+
+    /// Resets the held server connection for the next client (session
+    /// pooling): `DISCARD ALL` drops prepared statements, temporary tables,
+    /// session settings, LISTENs and advisory locks. False when the server
+    /// did not confirm in time: the connection is then closed instead.
+    async fn reset(&mut self) -> bool {
+        let Some(c) = self.attached.as_mut() else {
+            return false;
+        };
+        if c.pool.is_retired() {
+            return false;
+        }
+        let done = tokio::time::timeout(RESET_TIMEOUT, run_on_server(c, "DISCARD ALL")).await;
+        match done {
+            Ok(Ok(None)) => {
+                c.conn.prepared.clear();
+                true
+            }
+            Ok(Ok(Some(error))) => {
+                tracing::warn!(%error, "resetting a session's server connection failed; closing it");
+                false
+            }
+            Ok(Err(_)) | Err(_) => false,
+        }
     }
 
     fn detach(&mut self, reusable: bool) {
@@ -959,17 +992,31 @@ impl Session {
 /// Sets session parameters on a freshly borrowed server before the client's
 /// first statement; the replies are the pool's business, not the client's.
 async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
+    if let Some(text) = run_on_server(c, sets).await? {
+        tracing::warn!(error = %text, "setting session parameters on a pooled connection failed");
+    }
+    Ok(())
+}
+
+/// Longest wait for a server to confirm `DISCARD ALL`.
+const RESET_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `sql` (simple protocol) on a server connection of pgwarden's own
+/// and reads up to its ReadyForQuery, keeping ParameterStatus changes.
+/// `Ok(Some(message))`: the server answered with an error.
+async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<String>, String> {
     let mut q = BytesMut::new();
-    encode::query(&mut q, sets);
+    encode::query(&mut q, sql);
     c.conn
         .stream
         .write_all(&q)
         .await
         .map_err(|e| e.to_string())?;
     let mut buf = BytesMut::with_capacity(1024);
+    let mut error = None;
     loop {
         match message::split_message(&mut buf, 1 << 20) {
-            Ok(Some((backend::READY_FOR_QUERY, _))) => return Ok(()),
+            Ok(Some((backend::READY_FOR_QUERY, _))) => return Ok(error),
             Ok(Some((backend::PARAMETER_STATUS, m))) => {
                 if let Ok((k, v)) = message::parameter_status(&m[5..]) {
                     c.conn.set_param(k, v);
@@ -980,7 +1027,7 @@ async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
                 let text = message::find_field(&fields, b'M')
                     .unwrap_or("error")
                     .to_string();
-                tracing::warn!(error = %text, "setting session parameters on a pooled connection failed");
+                error = Some(text);
             }
             Ok(Some(_)) => {}
             Ok(None) => {
