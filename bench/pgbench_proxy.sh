@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Session-mode passthrough overhead: pgbench against one PostgreSQL 15 primary
-# directly, through `pgwarden run` (read-write port), through HAProxy (mode tcp)
-# and through PgBouncer (pool_mode=session), all on 127.0.0.1.
+# Session-mode overhead: pgbench against one PostgreSQL 15 primary directly,
+# through `pgwarden run` (read-write port) as a session relay and with session
+# pooling (`reuse_session_servers`, the counterpart of PgBouncer's session
+# mode), through HAProxy (mode tcp) and through PgBouncer (pool_mode=session),
+# all on 127.0.0.1.
 #
 #   bench/pgbench_proxy.sh                 (DUR=10 R=1)
 #   DUR=10 R=3 bench/pgbench_proxy.sh
@@ -10,8 +12,8 @@
 #      R    repetitions of the whole interleaved set; the table shows medians (default 1)
 #      SCALE pgbench -i scale factor (default 10)
 #
-# Workloads (each row runs direct, pgwarden, haproxy, pgbouncer one after the
-# other, then the next row; the whole set is repeated R times):
+# Workloads (each row runs direct, pgwarden, pgwarden-pool, haproxy, pgbouncer
+# one after the other, then the next row; the whole set is repeated R times):
 #   -S -M simple   at 1, 16, 64 clients
 #   -S -M prepared at 1, 16, 64 clients
 #   -S -C          at 16 clients (a new connection per transaction)
@@ -20,6 +22,9 @@
 # Proxy CPU is utime+stime of the proxy process (all threads) from
 # /proc/PID/stat, sampled right before and after the pgbench run, shown as CPU
 # ms per 1,000 transactions.
+#
+# PostgreSQL's max_connections is raised to 300 (ALTER SYSTEM + pg_ctl
+# restart): pgwarden-pool keeps up to 64 idle server connections between runs.
 #
 # Needs root (apt-get, and the proxies run as the postgres user).
 set -euo pipefail
@@ -36,15 +41,31 @@ bench_build
 
 # --- temp dir, processes, cleanup -------------------------------------------
 bench_tmpdir pgbench-proxy
-demo="" pgw="" hap="" pgb=""
-CLEANUP_STOPS=(pgb:INT hap:TERM pgw:INT demo:INT) # the demo stops PostgreSQL and removes its data directory
-CLEANUP_LOGS=(demo.log pgwarden.log haproxy.log pgb/pgbouncer.log)
+demo="" pgw="" pgp="" hap="" pgb="" datadir=""
+# The demo stops PostgreSQL (through its pidfile, also after the pg_ctl
+# restart below) and, given --dir, leaves the data directory to $tmp. In case
+# the demo died first, stop PostgreSQL with pg_ctl.
+bench_cleanup_after() {
+  [ -n "$datadir" ] && [ -e "$datadir/postmaster.pid" ] &&
+    as_postgres "$PG_BIN/pg_ctl" stop -D "$datadir" -m fast -w >/dev/null 2>&1
+  return 0
+}
+CLEANUP_STOPS=(pgb:INT hap:TERM pgp:INT pgw:INT demo:INT)
+CLEANUP_LOGS=(demo.log pgwarden.log pgwarden-pool.log haproxy.log pgb/pgbouncer.log pgb/postgres.log)
 bench_traps
 
-read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT < <(free_ports 6)
+read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT PP_RW PP_RO PP_HTTP < <(free_ports 9)
 
 # --- PostgreSQL --------------------------------------------------------------
-start_demo "$PG_PORT"
+start_demo "$PG_PORT" "$tmp/demo"
+datadir=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show data_directory')
+log "raising max_connections to 300 (pg_ctl restart of $datadir)"
+psql -h $HOST -p "$PG_PORT" -U postgres -Atqc "alter system set max_connections = 300" >/dev/null
+if ! as_postgres "$PG_BIN/pg_ctl" restart -D "$datadir" -m fast -w -t 60 \
+  -l "$tmp/pgb/postgres.log" >/dev/null 2>&1; then
+  log "warning: pg_ctl restart failed"
+fi
+wait_sql "$PG_PORT" PostgreSQL
 max_conn=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show max_connections')
 log "pgbench -i -s $SCALE (max_connections=$max_conn)"
 pgbench -i -q -s "$SCALE" -h $HOST -p "$PG_PORT" -U postgres postgres >"$tmp/init.log" 2>&1
@@ -61,6 +82,21 @@ http = "$HOST:$HTTP_PORT"
 EOF
 RUST_LOG=warn "$bin" run --config "$tmp/pgwarden.toml" >"$tmp/pgwarden.log" 2>&1 &
 pgw=$!
+# Session pooling: server connections reset with DISCARD ALL and reused.
+cat >"$tmp/pgwarden-pool.toml" <<EOF
+[cluster]
+hosts = ["$HOST:$PG_PORT"]
+user = "postgres"
+[listen]
+read_write = "$HOST:$PP_RW"
+read_only = "$HOST:$PP_RO"
+http = "$HOST:$PP_HTTP"
+[pool]
+reuse_session_servers = true
+size = 100
+EOF
+RUST_LOG=warn "$bin" run --config "$tmp/pgwarden-pool.toml" >"$tmp/pgwarden-pool.log" 2>&1 &
+pgp=$!
 
 # --- HAProxy: plain TCP relay -------------------------------------------------
 cat >"$tmp/haproxy.cfg" <<EOF
@@ -106,14 +142,15 @@ setpriv --reuid postgres --regid postgres --init-groups \
 pgb=$!
 
 wait_sql "$RW_PORT" pgwarden
+wait_sql "$PP_RW" pgwarden-pool
 wait_sql "$HAP_PORT" HAProxy
 wait_sql "$PGB_PORT" PgBouncer
-for p in "$pgw" "$hap" "$pgb"; do kill -0 "$p" || { log "a proxy died"; exit 1; }; done
+for p in "$pgw" "$pgp" "$hap" "$pgb"; do kill -0 "$p" || { log "a proxy died"; exit 1; }; done
 
 # --- runs ----------------------------------------------------------------------
-targets=(direct pgwarden haproxy pgbouncer)
-declare -A port=([direct]=$PG_PORT [pgwarden]=$RW_PORT [haproxy]=$HAP_PORT [pgbouncer]=$PGB_PORT)
-declare -A pid=([direct]="" [pgwarden]=$pgw [haproxy]=$hap [pgbouncer]=$pgb)
+targets=(direct pgwarden pgwarden-pool haproxy pgbouncer)
+declare -A port=([direct]=$PG_PORT [pgwarden]=$RW_PORT [pgwarden-pool]=$PP_RW [haproxy]=$HAP_PORT [pgbouncer]=$PGB_PORT)
+declare -A pid=([direct]="" [pgwarden]=$pgw [pgwarden-pool]=$pgp [haproxy]=$hap [pgbouncer]=$pgb)
 workloads=(
   "-S -M simple -c 1"
   "-S -M simple -c 16"
@@ -123,9 +160,10 @@ workloads=(
   "-S -M prepared -c 64"
   "-S -C -c 16"
 )
-# PostgreSQL allows $max_conn connections: before each run, wait until the
-# previous run's backends are gone (and make PgBouncer drop its idle server
-# connections after its runs, so they don't count against the next target).
+# Before each run, wait until the previous run's backends are gone (besides
+# the up to 64 idle ones pgwarden-pool keeps), and make PgBouncer drop its
+# idle server connections after its runs, so every PgBouncer run starts with
+# a cold pool (pgwarden-pool's stays warm).
 
 results=$tmp/results.tsv
 : >"$results"
@@ -137,7 +175,7 @@ for rep in $(seq 1 "$R"); do
     jobs=$((clients < 2 ? clients : 2))
     for t in "${targets[@]}"; do
       i=$((i + 1))
-      settle "$PG_PORT" 4
+      settle "$PG_PORT" 68
       p=${pid[$t]}
       [ -n "$p" ] && { kill -0 "$p" || { log "$t died"; exit 1; }; c0=$(cpu "$p"); }
       # shellcheck disable=SC2086

@@ -133,6 +133,14 @@ impl Tracked {
         }
     }
 
+    /// Whether every value this knows is the one `other` has.
+    pub fn agrees_with(&self, other: &Tracked) -> bool {
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .all(|(mine, theirs)| mine.is_none() || mine == theirs)
+    }
+
     /// The known (name, value) pairs.
     pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> {
         TRACKED
@@ -166,6 +174,8 @@ pub struct ServerConn {
     /// The worker whose event loop the socket is registered with
     /// ([`crate::workers::NONE`]: the control runtime's).
     pub home: usize,
+    /// Cache of [`ServerConn::status_block`].
+    status_block: Option<bytes::Bytes>,
 }
 
 /// The statements prepared on one server connection, by server-side name,
@@ -248,11 +258,32 @@ impl ServerConn {
         self.tracked.set(name, value);
         match self.params.get_mut(name) {
             Some(v) if v == value => {}
-            Some(v) => *v = value.to_string(),
+            Some(v) => {
+                *v = value.to_string();
+                self.status_block = None;
+            }
             None => {
                 self.params.insert(name.to_string(), value.to_string());
+                self.status_block = None;
             }
         }
+    }
+
+    /// `params` as ParameterStatus messages (sorted by name), built once
+    /// and kept until a parameter changes: most new clients are greeted
+    /// with exactly these.
+    pub fn status_block(&mut self) -> &[u8] {
+        if self.status_block.is_none() {
+            let mut params: Vec<(&String, &String)> = self.params.iter().collect();
+            params.sort();
+            let room = params.iter().map(|(k, v)| 7 + k.len() + v.len()).sum();
+            let mut block = BytesMut::with_capacity(room);
+            for (k, v) in params {
+                pgwarden_wire::encode::parameter_status(&mut block, k, v);
+            }
+            self.status_block = Some(block.freeze());
+        }
+        self.status_block.as_deref().unwrap_or_default()
     }
 }
 
@@ -549,7 +580,11 @@ impl Checkout {
 /// Session defaults every client of a pool shares, which a new server
 /// connection takes from the start-up parameters of the client it opens
 /// for.
-const SERVER_DEFAULTS: [&str; 5] = [
+const SERVER_DEFAULTS: [&str; 6] = [
+    // Most clients of a pool are one application: with its name as the
+    // server's default, neither a new client nor a reset (DISCARD ALL
+    // returns to the default) needs a SET.
+    "application_name",
     "client_encoding",
     "DateStyle",
     "TimeZone",
@@ -727,6 +762,7 @@ pub(crate) async fn login(
         created: Instant::now(),
         last_used: Instant::now(),
         home: crate::workers::current(),
+        status_block: None,
     })
 }
 

@@ -120,9 +120,25 @@ pub(crate) async fn run(
     let key = shared
         .cancel
         .register_dynamic(session.cancel_target.clone());
-    let hello = hello(&mut session, first, key);
+    let mut first = first;
+    let hello = hello(&mut session, &mut first, key);
+    if session.settings.hold_session {
+        // Session pooling: the server that answered the login stays.
+        if let Err(f) = Box::pin(session.attach_checkout(first)).await {
+            let mut out = BytesMut::new();
+            encode::error_response(&mut out, Severity::Fatal, f.code.code(), &f.message, None, None);
+            let _ = client.write_all(&out).await;
+            shared.cancel.remove(key);
+            session.detach(false);
+            return;
+        }
+    } else {
+        first.release(true);
+    }
     if client.write_all(&hello).await.is_err() {
         shared.cancel.remove(key);
+        // Nothing ran on it.
+        session.detach(true);
         return;
     }
     // Not kept in the future's idle state.
@@ -254,10 +270,27 @@ pub(crate) async fn run(
 }
 
 /// What a client gets on login: the server's parameters (the client's
-/// own where it set them), its cancel key, ReadyForQuery. The first server
-/// goes back to its pool.
-fn hello(session: &mut Session, first: Checkout, key: (i32, i32)) -> BytesMut {
-    let mut hello = BytesMut::new();
+/// own where it set them), its cancel key, ReadyForQuery.
+fn hello(session: &mut Session, first: &mut Checkout, key: (i32, i32)) -> BytesMut {
+    if session.params.agrees_with(&first.conn.tracked) {
+        // The usual case: the client asked for nothing the server does
+        // not already have, and the server's greeting is cached.
+        let block = first.conn.status_block();
+        let mut hello = BytesMut::with_capacity(block.len() + 64);
+        encode::authentication_ok(&mut hello);
+        hello.extend_from_slice(block);
+        session.params.adopt_missing(&first.conn.tracked);
+        encode::backend_key_data(&mut hello, key.0, key.1);
+        encode::ready_for_query(&mut hello, TxStatus::Idle);
+        return hello;
+    }
+    let room: usize = first
+        .conn
+        .params
+        .iter()
+        .map(|(k, v)| 7 + k.len() + v.len().max(64))
+        .sum();
+    let mut hello = BytesMut::with_capacity(room + 64);
     encode::authentication_ok(&mut hello);
     let mut server_params: Vec<(&String, &String)> = first.conn.params.iter().collect();
     server_params.sort();
@@ -268,7 +301,6 @@ fn hello(session: &mut Session, first: Checkout, key: (i32, i32)) -> BytesMut {
     // Only the tracked parameters are the client's; the rest belong to
     // the server and cost memory per idle client if copied.
     session.params.adopt_missing(&first.conn.tracked);
-    first.release(true);
     encode::backend_key_data(&mut hello, key.0, key.1);
     encode::ready_for_query(&mut hello, TxStatus::Idle);
     hello
@@ -528,7 +560,13 @@ impl Session {
 
     /// Borrows a server for the transaction that starts.
     async fn attach_new(&mut self) -> Result<(), Fatal> {
-        let mut c = self.acquire().await?;
+        let c = self.acquire().await?;
+        self.attach_checkout(c).await
+    }
+
+    /// Makes `c` the client's server: its session parameters brought in
+    /// line with the client's, cancel requests pointed at it.
+    async fn attach_checkout(&mut self, mut c: Checkout) -> Result<(), Fatal> {
         let mut sets = String::new();
         // Usually equal: one comparison of six short strings, no hashing.
         if c.conn.tracked != self.params {
