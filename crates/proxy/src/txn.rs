@@ -126,7 +126,14 @@ pub(crate) async fn run(
         // Session pooling: the server that answered the login stays.
         if let Err(f) = Box::pin(session.attach_checkout(first)).await {
             let mut out = BytesMut::new();
-            encode::error_response(&mut out, Severity::Fatal, f.code.code(), &f.message, None, None);
+            encode::error_response(
+                &mut out,
+                Severity::Fatal,
+                f.code.code(),
+                &f.message,
+                None,
+                None,
+            );
             let _ = client.write_all(&out).await;
             shared.cancel.remove(key);
             session.detach(false);

@@ -77,12 +77,12 @@ impl Workers {
     }
 
     /// Runs `task` on the next worker, round robin.
-    pub fn spawn<F>(&self, task: F)
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<()>
     where
         F: Future<Output = ()> + Send + 'static,
     {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
-        drop(self.handles[i].spawn(task));
+        self.handles[i].spawn(task)
     }
 
     /// Ends every worker and drops what runs on it. Idempotent.
