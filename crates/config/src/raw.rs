@@ -229,6 +229,7 @@ pub(crate) struct RawService {
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawEngine {
     pub worker_threads: Option<Spanned<usize>>,
+    pub pool_affinity: Option<bool>,
     pub connect_wait_timeout: Option<Dur>,
     pub server_connect_timeout: Option<PositiveDur>,
     pub shutdown_timeout: Option<Dur>,

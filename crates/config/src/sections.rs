@@ -125,6 +125,9 @@ pub struct EngineConfig {
     /// Worker threads; `None` sizes the pool from the core count, see
     /// [`EngineConfig::effective_worker_threads`].
     pub worker_threads: Option<usize>,
+    /// Pooled clients of one (service, database, user) move, once logged
+    /// in, to one worker thread chosen by those names.
+    pub pool_affinity: bool,
     /// How long a new client may wait for an eligible host to appear
     /// (during a failover, say) before it is turned away.
     pub connect_wait_timeout: Duration,
@@ -138,6 +141,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             worker_threads: None,
+            pool_affinity: true,
             connect_wait_timeout: Duration::from_secs(5),
             server_connect_timeout: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(30),

@@ -315,6 +315,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
         max_client_conn: p.max_client_conn as usize,
+        pool_affinity: config.engine.pool_affinity,
         worker_threads: config
             .engine
             .effective_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),

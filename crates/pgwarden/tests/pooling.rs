@@ -4,7 +4,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, one, proxy_with, ready, sql_value, sqlstate, until, via, WORKERS};
+use common::{
+    client, one, proxy_with, ready, sql_value, sqlstate, until, via, POOL_AFFINITY, WORKERS,
+};
 use pgwarden_proxy::PoolSettings;
 use pgwarden_testkit::TestCluster;
 
@@ -158,61 +160,70 @@ async fn prepared_statements_follow_the_client_across_servers() {
 }
 
 /// Clients are shared out among the worker threads in turn, so two
-/// consecutive clients run on different workers. With one server between
-/// them, the server moves to the borrowing client's worker on every
-/// transaction, and keeps working there in both protocols.
+/// consecutive clients connect on different workers. Without pool
+/// affinity they stay there, and the one server between them moves to the
+/// borrowing client's worker on every transaction, working there in both
+/// protocols. With it (the default), both clients move at login to their
+/// pool's worker, and the server never moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_server_serves_clients_on_different_workers() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(5),
-        pool(1, Duration::from_secs(10)),
-        100,
-    )
-    .await;
-    ready(&e, 1).await;
-    let a = client(&via(&p, "read_write")).await.unwrap();
-    let b = client(&via(&p, "read_write")).await.unwrap();
-    let stmt_a = a
-        .prepare("SELECT pg_backend_pid(), $1::int4 + 1")
-        .await
-        .unwrap();
-    let stmt_b = b
-        .prepare("SELECT pg_backend_pid(), $1::int4 + 2")
-        .await
-        .unwrap();
-    let mut pids = std::collections::BTreeSet::new();
-    for i in 0..20i32 {
-        let (who, stmt, add) = if i % 2 == 0 {
-            (&a, &stmt_a, 1)
-        } else {
-            (&b, &stmt_b, 2)
-        };
-        let row = tokio::time::timeout(Duration::from_secs(10), who.query_one(stmt, &[&i]))
+    for affinity in [false, true] {
+        POOL_AFFINITY.with(|a| a.set(affinity));
+        let (e, p) = proxy_with(
+            &c.addrs(),
+            Duration::from_secs(5),
+            pool(1, Duration::from_secs(10)),
+            100,
+        )
+        .await;
+        ready(&e, 1).await;
+        let a = client(&via(&p, "read_write")).await.unwrap();
+        let b = client(&via(&p, "read_write")).await.unwrap();
+        let stmt_a = a
+            .prepare("SELECT pg_backend_pid(), $1::int4 + 1")
             .await
-            .expect("a borrowed server answers on the client's worker")
             .unwrap();
-        assert_eq!(row.get::<_, i32>(1), i + add);
-        pids.insert(row.get::<_, i32>(0));
-        let simple = tokio::time::timeout(Duration::from_secs(10), one(who, "SELECT 40 + 2"))
+        let stmt_b = b
+            .prepare("SELECT pg_backend_pid(), $1::int4 + 2")
             .await
-            .expect("simple protocol too");
-        assert_eq!(simple, "42");
+            .unwrap();
+        let mut pids = std::collections::BTreeSet::new();
+        for i in 0..20i32 {
+            let (who, stmt, add) = if i % 2 == 0 {
+                (&a, &stmt_a, 1)
+            } else {
+                (&b, &stmt_b, 2)
+            };
+            let row = tokio::time::timeout(Duration::from_secs(10), who.query_one(stmt, &[&i]))
+                .await
+                .expect("a borrowed server answers on the client's worker")
+                .unwrap();
+            assert_eq!(row.get::<_, i32>(1), i + add);
+            pids.insert(row.get::<_, i32>(0));
+            let simple = tokio::time::timeout(Duration::from_secs(10), one(who, "SELECT 40 + 2"))
+                .await
+                .expect("simple protocol too");
+            assert_eq!(simple, "42");
+        }
+        assert_eq!(pids.len(), 1, "one server connection: {pids:?}");
+        let http = p.http_addr().unwrap();
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+            .await
+            .unwrap();
+        let moves: f64 = body
+            .lines()
+            .find(|l| l.starts_with("pgwarden_pool_server_moves_total{"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no moves counter: {body}"));
+        if affinity {
+            assert_eq!(moves, 0.0, "both clients share their pool's worker");
+        } else {
+            // a and b alternate 20 times; each turn after the first moves it.
+            assert!(moves >= 19.0, "the server moved {moves} times");
+        }
     }
-    assert_eq!(pids.len(), 1, "one server connection: {pids:?}");
-    let http = p.http_addr().unwrap();
-    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
-        .await
-        .unwrap();
-    let moves: f64 = body
-        .lines()
-        .find(|l| l.starts_with("pgwarden_pool_server_moves_total{"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no moves counter: {body}"));
-    // a and b alternate 20 times; each turn after the first moves it.
-    assert!(moves >= 19.0, "the server moved {moves} times");
 }
 
 /// Session pooling (`reuse_session_servers`): a session-mode client keeps

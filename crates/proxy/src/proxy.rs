@@ -55,6 +55,9 @@ pub struct ProxySpec {
     /// Threads that carry client traffic, each with its own event loop.
     /// Read once, at start.
     pub worker_threads: usize,
+    /// Pooled clients of one (service, database, user) share one worker.
+    /// Read once, at start.
+    pub pool_affinity: bool,
     /// Roles allowed into the admin console.
     pub admin_users: Vec<String>,
     /// The effective configuration as `SHOW CONFIG` lists it.
@@ -311,6 +314,8 @@ pub(crate) struct Shared {
     pub auth_timeout: Mutex<Duration>,
     /// The threads sessions run on.
     pub workers: crate::workers::Workers,
+    /// See [`ProxySpec::pool_affinity`].
+    pub pool_affinity: bool,
 }
 
 impl Shared {
@@ -485,6 +490,7 @@ impl Proxy {
             auth_timeout: Mutex::new(Duration::from_secs(60)),
             workers: crate::workers::Workers::start(spec.worker_threads)
                 .map_err(|source| ProxyError::Workers { source })?,
+            pool_affinity: spec.pool_affinity,
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let mut proxy = Proxy {

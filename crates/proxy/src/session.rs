@@ -105,6 +105,40 @@ pub(crate) fn run(
             .await;
         let refused = match served {
             Ok(Some(pooled)) => {
+                let home = shared.workers.pool_home(
+                    &service.spec.name,
+                    pooled.startup.database().unwrap_or_default(),
+                    pooled.startup.user().unwrap_or_default(),
+                );
+                let moving = shared.pool_affinity
+                    && home != crate::workers::current()
+                    && matches!(client, ClientStream::Plain(_));
+                if moving {
+                    if let ClientStream::Plain(tcp) =
+                        std::mem::replace(&mut client, ClientStream::Gone)
+                    {
+                        if let Ok(tcp) = tcp.into_std() {
+                            // The task on the pool's worker takes over the
+                            // client's slot and gauge.
+                            std::mem::forget(_slot);
+                            drop(shared.workers.spawn_on(
+                                home,
+                                pooled_on_home(
+                                    shared.clone(),
+                                    service.clone(),
+                                    tcp,
+                                    pooled,
+                                    peer,
+                                    gauge,
+                                    span,
+                                ),
+                            ));
+                        } else {
+                            gauge.dec();
+                        }
+                        return;
+                    }
+                }
                 crate::txn::run(&shared, &service, &mut client, pooled, peer)
                     .instrument(span)
                     .await;
@@ -127,6 +161,31 @@ pub(crate) fn run(
             );
             let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
             let _ = client.shutdown().await;
+        }
+        gauge.dec();
+    }
+}
+
+/// The rest of a pooled client's life, on the worker of its pool
+/// ([`crate::workers::Workers::pool_home`]). Not an async fn, for the
+/// reason given at [`run`].
+#[allow(clippy::manual_async_fn)]
+fn pooled_on_home(
+    shared: Arc<Shared>,
+    service: Arc<Service>,
+    client: std::net::TcpStream,
+    pooled: Box<Pooled>,
+    peer: SocketAddr,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    span: tracing::Span,
+) -> impl std::future::Future<Output = ()> + Send {
+    async move {
+        let _slot = ClientSlot(&shared);
+        if let Ok(tcp) = TcpStream::from_std(client) {
+            let mut client = ClientStream::Plain(tcp);
+            crate::txn::run(&shared, &service, &mut client, pooled, peer)
+                .instrument(span)
+                .await;
         }
         gauge.dec();
     }

@@ -85,6 +85,24 @@ impl Workers {
         self.handles[i].spawn(task)
     }
 
+    /// Runs `task` on worker `i` (modulo their number).
+    pub fn spawn_on<F>(&self, i: usize, task: F) -> tokio::task::JoinHandle<()>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.handles[i % self.handles.len()].spawn(task)
+    }
+
+    /// The worker for the pooled clients of one service, database and
+    /// user: the same for all of them, so that their pool's connections
+    /// stay on one thread.
+    pub fn pool_home(&self, service: &str, database: &str, user: &str) -> usize {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (service, database, user).hash(&mut h);
+        (h.finish() % self.handles.len() as u64) as usize
+    }
+
     /// Ends every worker and drops what runs on it. Idempotent.
     pub fn stop(&self) {
         self.stop.lock().expect("poisoned").clear();

@@ -142,6 +142,7 @@ pub async fn proxy_full(
         shutdown_timeout: Duration::from_secs(5),
         max_client_conn,
         worker_threads: WORKERS.with(|w| w.get()),
+        pool_affinity: POOL_AFFINITY.with(|a| a.get()),
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
         pool_overrides,
@@ -210,6 +211,8 @@ thread_local! {
     /// default, so that consecutive clients land on different workers and
     /// pooled servers move between them.
     pub static WORKERS: std::cell::Cell<usize> = const { std::cell::Cell::new(2) };
+    /// `engine.pool_affinity` of the next proxy built on this thread.
+    pub static POOL_AFFINITY: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
 }
 
 /// Waits until `n` hosts are alive and a primary is known.
