@@ -49,6 +49,24 @@ impl Fatal {
             raw: None,
         }
     }
+
+    /// What the client is sent: the server's own ErrorResponse, or one
+    /// built from the code and message.
+    fn into_message(self) -> BytesMut {
+        if let Some(raw) = self.raw {
+            return raw;
+        }
+        let mut out = BytesMut::new();
+        encode::error_response(
+            &mut out,
+            Severity::Fatal,
+            self.code.code(),
+            &self.message,
+            None,
+            None,
+        );
+        out
+    }
 }
 
 /// Where a server's replies to the current batch go.
@@ -101,19 +119,7 @@ pub(crate) async fn run(
     let first = match Box::pin(session.acquire()).await {
         Ok(c) => c,
         Err(f) => {
-            let mut out = BytesMut::new();
-            match f.raw {
-                Some(raw) => out.extend_from_slice(&raw),
-                None => encode::error_response(
-                    &mut out,
-                    Severity::Fatal,
-                    f.code.code(),
-                    &f.message,
-                    None,
-                    None,
-                ),
-            }
-            let _ = client.write_all(&out).await;
+            let _ = client.write_all(&f.into_message()).await;
             return;
         }
     };
@@ -125,16 +131,7 @@ pub(crate) async fn run(
     if session.settings.hold_session {
         // Session pooling: the server that answered the login stays.
         if let Err(f) = Box::pin(session.attach_checkout(first)).await {
-            let mut out = BytesMut::new();
-            encode::error_response(
-                &mut out,
-                Severity::Fatal,
-                f.code.code(),
-                &f.message,
-                None,
-                None,
-            );
-            let _ = client.write_all(&out).await;
+            let _ = client.write_all(&f.into_message()).await;
             shared.cancel.remove(key);
             session.detach(false);
             return;
@@ -251,15 +248,7 @@ pub(crate) async fn run(
     .await;
 
     if let Err(f) = outcome {
-        let mut out = BytesMut::new();
-        encode::error_response(
-            &mut out,
-            Severity::Fatal,
-            f.code.code(),
-            &f.message,
-            None,
-            None,
-        );
+        let out = f.into_message();
         let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
     drop(registration);
