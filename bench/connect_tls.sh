@@ -51,11 +51,6 @@ bench_build
 # --- temp dir, processes, cleanup -------------------------------------------
 bench_tmpdir connect-tls
 demo="" pgw_session="" pgw_pooled="" datadir=""
-bench_cleanup_after() {
-  [ -n "$datadir" ] && [ -e "$datadir/postmaster.pid" ] &&
-    as_postgres "$PG_BIN/pg_ctl" stop -D "$datadir" -m fast -w >/dev/null 2>&1
-  return 0
-}
 CLEANUP_STOPS=(pgw_session:INT pgw_pooled:INT demo:INT)
 CLEANUP_LOGS=(demo.log pgwarden-session.log pgwarden-pooled.log)
 bench_traps

@@ -71,6 +71,12 @@ cleanup() {
     stop "${!v:-}" "${s#*:}"
   done
   if declare -F bench_cleanup_after >/dev/null; then bench_cleanup_after || true; fi
+  # The demo stops PostgreSQL through its pidfile (also after a pg_ctl
+  # restart); a script that set $datadir gets it stopped here in case the
+  # demo died first.
+  if [ -n "${datadir:-}" ] && [ -e "$datadir/postmaster.pid" ]; then
+    as_postgres "$PG_BIN/pg_ctl" stop -D "$datadir" -m fast -w >/dev/null 2>&1 || true
+  fi
   wait 2>/dev/null || true
   if [ "$rc" -ne 0 ]; then
     for f in "${CLEANUP_LOGS[@]}"; do
@@ -80,6 +86,20 @@ cleanup() {
   [ -n "${tmp:-}" ] && rm -rf "$tmp"
   exit "$rc"
 }
+# raise_max_connections PORT N: ALTER SYSTEM and a pg_ctl restart of the
+# demo's PostgreSQL on PORT (started with --dir, so the data directory stays
+# until $tmp goes); sets $datadir.
+raise_max_connections() {
+  datadir=$(psql -h $HOST -p "$1" -U postgres -Atqc 'show data_directory')
+  log "raising max_connections to $2 (pg_ctl restart of $datadir)"
+  psql -h $HOST -p "$1" -U postgres -Atqc "alter system set max_connections = $2" >/dev/null
+  if ! as_postgres "$PG_BIN/pg_ctl" restart -D "$datadir" -m fast -w -t 60 \
+    -l "$tmp/pgb/postgres.log" >/dev/null 2>&1; then
+    log "warning: pg_ctl restart failed"
+  fi
+  wait_sql "$1" PostgreSQL
+}
+
 bench_traps() {
   trap cleanup EXIT
   trap 'exit 130' INT

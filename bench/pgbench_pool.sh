@@ -67,14 +67,6 @@ bench_cleanup_hook() {
   [ -n "$holder" ] && kill "$holder" 2>/dev/null
   return 0
 }
-# The demo stops PostgreSQL (through its pidfile, also after the pg_ctl
-# restart below) but, given --dir, leaves the data directory: it goes with
-# $tmp. In case the demo died first, stop PostgreSQL with pg_ctl.
-bench_cleanup_after() {
-  [ -n "$datadir" ] && [ -e "$datadir/postmaster.pid" ] &&
-    as_postgres "$PG_BIN/pg_ctl" stop -D "$datadir" -m fast -w >/dev/null 2>&1
-  return 0
-}
 CLEANUP_STOPS=(pgb:INT pgw:INT demo:INT)
 CLEANUP_LOGS=(demo.log pgwarden.log pgb/pgbouncer.log pgb/postgres.log)
 bench_traps
@@ -85,14 +77,7 @@ load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # --- PostgreSQL --------------------------------------------------------------
 start_demo "$PG_PORT" "$tmp/demo"
-datadir=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show data_directory')
-log "raising max_connections to $MAX_CONN (pg_ctl restart of $datadir)"
-psql -h $HOST -p "$PG_PORT" -U postgres -Atqc "alter system set max_connections = $MAX_CONN" >/dev/null
-if ! as_postgres "$PG_BIN/pg_ctl" restart -D "$datadir" -m fast -w -t 60 \
-  -l "$tmp/pgb/postgres.log" >/dev/null 2>&1; then
-  log "warning: pg_ctl restart failed"
-fi
-wait_sql "$PG_PORT" PostgreSQL
+raise_max_connections "$PG_PORT" "$MAX_CONN"
 max_conn=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show max_connections')
 log "pgbench -i -s $SCALE (max_connections=$max_conn)"
 pgbench -i -q -s "$SCALE" -h $HOST -p "$PG_PORT" -U postgres postgres >"$tmp/init.log" 2>&1

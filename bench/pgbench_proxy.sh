@@ -42,14 +42,6 @@ bench_build
 # --- temp dir, processes, cleanup -------------------------------------------
 bench_tmpdir pgbench-proxy
 demo="" pgw="" pgp="" hap="" pgb="" datadir=""
-# The demo stops PostgreSQL (through its pidfile, also after the pg_ctl
-# restart below) and, given --dir, leaves the data directory to $tmp. In case
-# the demo died first, stop PostgreSQL with pg_ctl.
-bench_cleanup_after() {
-  [ -n "$datadir" ] && [ -e "$datadir/postmaster.pid" ] &&
-    as_postgres "$PG_BIN/pg_ctl" stop -D "$datadir" -m fast -w >/dev/null 2>&1
-  return 0
-}
 CLEANUP_STOPS=(pgb:INT hap:TERM pgp:INT pgw:INT demo:INT)
 CLEANUP_LOGS=(demo.log pgwarden.log pgwarden-pool.log haproxy.log pgb/pgbouncer.log pgb/postgres.log)
 bench_traps
@@ -58,14 +50,7 @@ read -r PG_PORT RW_PORT RO_PORT HTTP_PORT HAP_PORT PGB_PORT PP_RW PP_RO PP_HTTP 
 
 # --- PostgreSQL --------------------------------------------------------------
 start_demo "$PG_PORT" "$tmp/demo"
-datadir=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show data_directory')
-log "raising max_connections to 300 (pg_ctl restart of $datadir)"
-psql -h $HOST -p "$PG_PORT" -U postgres -Atqc "alter system set max_connections = 300" >/dev/null
-if ! as_postgres "$PG_BIN/pg_ctl" restart -D "$datadir" -m fast -w -t 60 \
-  -l "$tmp/pgb/postgres.log" >/dev/null 2>&1; then
-  log "warning: pg_ctl restart failed"
-fi
-wait_sql "$PG_PORT" PostgreSQL
+raise_max_connections "$PG_PORT" 300
 max_conn=$(psql -h $HOST -p "$PG_PORT" -U postgres -Atqc 'show max_connections')
 log "pgbench -i -s $SCALE (max_connections=$max_conn)"
 pgbench -i -q -s "$SCALE" -h $HOST -p "$PG_PORT" -U postgres postgres >"$tmp/init.log" 2>&1
