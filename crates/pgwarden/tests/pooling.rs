@@ -223,6 +223,27 @@ async fn one_server_serves_clients_on_different_workers() {
             // a and b alternate 20 times; each turn after the first moves it.
             assert!(moves >= 19.0, "the server moved {moves} times");
         }
+        // Once a pooled client has shown where its pool lives, the next
+        // ones are accepted there: at most the first one changes worker,
+        // where round robin would move about half of them.
+        for _ in 0..10 {
+            let c = client(&via(&p, "read_write")).await.unwrap();
+            assert_eq!(one(&c, "SELECT 1").await, "1");
+        }
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+            .await
+            .unwrap();
+        let client_moves: f64 = body
+            .lines()
+            .find(|l| l.starts_with("pgwarden_client_moves_total "))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no client moves counter: {body}"));
+        if affinity {
+            assert!(client_moves <= 1.0, "{client_moves} of 12 clients moved");
+        } else {
+            assert_eq!(client_moves, 0.0, "without affinity clients stay put");
+        }
     }
 }
 

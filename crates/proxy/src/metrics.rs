@@ -77,6 +77,9 @@ pub struct Metrics {
     pub auth_failures: Family<ReasonLabel, Counter>,
     /// How long clients waited for a pooled server connection.
     pub pool_wait: Family<ServiceLabel, Histogram, fn() -> Histogram>,
+    /// Pooled clients moved after login to the worker thread of their
+    /// pool (`engine.pool_affinity`).
+    pub client_moves: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -109,6 +112,7 @@ impl Metrics {
                 // 10 µs to ~5 s.
                 Histogram::new(exponential_buckets(0.000_01, 3.0, 13))
             }),
+            client_moves: Counter::default(),
         };
         {
             let mut r = m.registry.lock().expect("metrics registry");
@@ -161,6 +165,11 @@ impl Metrics {
                 "pool_wait_seconds",
                 "Time clients waited for a pooled server connection",
                 m.pool_wait.clone(),
+            );
+            r.register(
+                "client_moves",
+                "Pooled clients moved after login to the worker thread of their pool",
+                m.client_moves.clone(),
             );
         }
         m

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -163,6 +163,48 @@ pub(crate) struct Service {
     pub selector: Selector,
     /// The service's name, shared by its entries in the session table.
     pub name: Arc<str>,
+    /// The worker the last pooled client of this service was sent to
+    /// ([`crate::workers::Workers::pool_home`]), or
+    /// [`crate::workers::NONE`]. The accept loop serves new clients there,
+    /// so that a client of the usual pool never changes thread.
+    pub home_hint: AtomicUsize,
+    /// The service's metric series and pause switch, looked up once here
+    /// rather than by label for every client.
+    pub handles: ServiceHandles,
+    /// The pool its last pooled client used: a new client of the same
+    /// database and user starts from it, without a look-up in the pool
+    /// table.
+    pub recent_pool: arc_swap::ArcSwapOption<Pool>,
+}
+
+/// Per-service metric series and pause switch, resolved when the service
+/// is (re)built.
+pub(crate) struct ServiceHandles {
+    pub client_connections: prometheus_client::metrics::gauge::Gauge,
+    pub bytes_from_clients: prometheus_client::metrics::counter::Counter,
+    pub bytes_to_clients: prometheus_client::metrics::counter::Counter,
+    pub pool_wait: prometheus_client::metrics::histogram::Histogram,
+    pub paused: watch::Receiver<bool>,
+}
+
+impl ServiceHandles {
+    fn new(shared: &Shared, name: &str) -> ServiceHandles {
+        let label = crate::metrics::ServiceLabel {
+            service: name.to_string(),
+        };
+        let (bytes_from_clients, bytes_to_clients) = shared.metrics.byte_counters(name);
+        ServiceHandles {
+            client_connections: shared
+                .metrics
+                .client_connections
+                .get_or_create(&label)
+                .clone(),
+            bytes_from_clients,
+            bytes_to_clients,
+            pool_wait: shared.metrics.pool_wait.get_or_create(&label).clone(),
+            paused: shared.paused(name),
+        }
+    }
 }
 
 /// Why pgwarden ends a session.
@@ -387,7 +429,46 @@ impl Shared {
 struct Listener {
     addr: SocketAddr,
     service: Arc<ArcSwap<Service>>,
-    task: JoinHandle<()>,
+    task: Arc<AcceptTask>,
+}
+
+/// The task accepting on one listener. It moves to the worker its pooled
+/// clients live on, so it is found here rather than through one
+/// `JoinHandle`.
+#[derive(Default)]
+struct AcceptTask(Mutex<(bool, Option<JoinHandle<()>>)>);
+
+impl AcceptTask {
+    /// Ends the accept loop wherever it runs now; the listening socket is
+    /// closed with it.
+    fn stop(&self) {
+        let mut t = self.0.lock().expect("poisoned");
+        t.0 = true;
+        if let Some(h) = t.1.take() {
+            h.abort();
+        }
+    }
+
+    /// Starts the accept loop on worker `worker` (any, round robin, for
+    /// [`crate::workers::NONE`]) unless the listener was stopped.
+    fn start(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        service: Arc<ArcSwap<Service>>,
+        listener: std::net::TcpListener,
+        worker: usize,
+    ) {
+        let mut t = self.0.lock().expect("poisoned");
+        if t.0 {
+            return;
+        }
+        let task = accept_loop(shared.clone(), service, listener, self.clone());
+        t.1 = Some(if worker == crate::workers::NONE {
+            shared.workers.spawn(task)
+        } else {
+            shared.workers.spawn_on(worker, task)
+        });
+    }
 }
 
 /// Makes a service refuse new transactions (and sessions) with a reason,
@@ -609,28 +690,27 @@ impl Proxy {
                 selector: Selector::new(svc.policy.clone()),
                 name: Arc::from(svc.name.as_str()),
                 spec: svc.clone(),
+                home_hint: AtomicUsize::new(crate::workers::NONE),
+                handles: ServiceHandles::new(&self.shared, &svc.name),
+                recent_pool: Default::default(),
             };
             match self.listeners.get(&name) {
                 Some(l)
                     if l.addr == svc.listen
                         || (svc.listen.port() == 0 && l.addr.ip() == svc.listen.ip()) =>
                 {
+                    let hint = l.service.load().home_hint.load(Ordering::Relaxed);
+                    service.home_hint.store(hint, Ordering::Relaxed);
                     l.service.store(Arc::new(service));
                 }
                 _ => match bind_for_worker(svc.listen).await {
                     Ok((listener, addr)) => {
                         let handle = Arc::new(ArcSwap::from_pointee(service));
                         // Accepting on a worker rather than here saves a
-                        // thread wake-up per connection: half of them are
-                        // served by the worker that accepted them.
-                        let shared = self.shared.clone();
-                        let service = handle.clone();
-                        let task = self.shared.workers.spawn(async move {
-                            match TcpListener::from_std(listener) {
-                                Ok(l) => accept_loop(shared, service, l).await,
-                                Err(e) => tracing::error!(error = %e, "cannot register a listener"),
-                            }
-                        });
+                        // thread wake-up per connection: the clients served
+                        // by the worker that accepted them need none.
+                        let task = Arc::new(AcceptTask::default());
+                        task.start(&self.shared, handle.clone(), listener, crate::workers::NONE);
                         if let Some(old) = self.listeners.insert(
                             name.clone(),
                             Listener {
@@ -639,7 +719,7 @@ impl Proxy {
                                 task,
                             },
                         ) {
-                            old.task.abort();
+                            old.task.stop();
                         }
                         self.shared
                             .services
@@ -667,7 +747,7 @@ impl Proxy {
             .collect();
         for name in removed {
             if let Some(l) = self.listeners.remove(&name) {
-                l.task.abort();
+                l.task.stop();
                 self.shared.services.lock().expect("poisoned").remove(&name);
                 tracing::info!(service = %name, "service removed; its sessions continue");
             }
@@ -710,7 +790,7 @@ impl Proxy {
     pub async fn shutdown(mut self) {
         self.shared.accepting.store(false, Ordering::SeqCst);
         for (_, l) in self.listeners.drain() {
-            l.task.abort();
+            l.task.stop();
         }
         let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
         let mut changes = self.shared.changes.clone();
@@ -742,7 +822,7 @@ impl Drop for Proxy {
         self.shared.workers.stop();
         self.router.abort();
         for l in self.listeners.values() {
-            l.task.abort();
+            l.task.stop();
         }
         if let Some((_, t)) = &self.http {
             t.abort();
@@ -758,7 +838,25 @@ async fn bind_for_worker(addr: SocketAddr) -> std::io::Result<(std::net::TcpList
     Ok((listener.into_std()?, local))
 }
 
-async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listener: TcpListener) {
+/// Accepts clients and shares them out among the workers: round robin,
+/// or for a pooled service to the worker of its usual pool, where this
+/// loop then moves itself so that such a client is served by the thread
+/// that accepted it, with no other thread woken and its socket registered
+/// once.
+async fn accept_loop(
+    shared: Arc<Shared>,
+    service: Arc<ArcSwap<Service>>,
+    listener: std::net::TcpListener,
+    task: Arc<AcceptTask>,
+) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot register a listener");
+            return;
+        }
+    };
+    let here = crate::workers::current();
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
@@ -768,6 +866,23 @@ async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listen
                     shared.clients.fetch_sub(1, Ordering::Relaxed);
                     shared.metrics.error(&svc.spec.name, "max_client_conn");
                     tokio::spawn(crate::session::refuse_busy(stream));
+                    continue;
+                }
+                let hint = if shared.pool_affinity {
+                    svc.home_hint.load(Ordering::Relaxed)
+                } else {
+                    crate::workers::NONE
+                };
+                if hint == here {
+                    // Spawned as it is: a wrapping block would hold the
+                    // whole session future twice. The session gives its
+                    // slot back.
+                    drop(tokio::spawn(crate::session::run(
+                        shared.clone(),
+                        svc,
+                        crate::session::Accepted::Here(stream),
+                        peer,
+                    )));
                     continue;
                 }
                 // The socket leaves this runtime's epoll for the worker's:
@@ -781,13 +896,24 @@ async fn accept_loop(shared: Arc<Shared>, service: Arc<ArcSwap<Service>>, listen
                         continue;
                     }
                 };
-                // Spawned as it is: a wrapping block would hold the whole
-                // session future twice. The session gives its slot back.
-                drop(
-                    shared
-                        .workers
-                        .spawn(crate::session::run(shared.clone(), svc, stream, peer)),
+                let session = crate::session::run(
+                    shared.clone(),
+                    svc,
+                    crate::session::Accepted::Handed(stream),
+                    peer,
                 );
+                if hint == crate::workers::NONE {
+                    drop(shared.workers.spawn(session));
+                    continue;
+                }
+                drop(shared.workers.spawn_on(hint, session));
+                // Moving costs about what handing one client over does,
+                // and only happens when the usual pool changes worker.
+                match listener.into_std() {
+                    Ok(l) => task.start(&shared, service, l, hint),
+                    Err(e) => tracing::error!(error = %e, "cannot move a listener between workers"),
+                }
+                return;
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.

@@ -68,31 +68,38 @@ impl Drop for ClientSlot<'_> {
     }
 }
 
+/// A client connection as the accept loop hands it over.
+pub(crate) enum Accepted {
+    /// Accepted by the worker that serves it, already in its epoll.
+    Here(TcpStream),
+    /// Accepted on another worker, to be registered where it is served.
+    Handed(std::net::TcpStream),
+}
+
 /// Serves one client connection until it ends. A plain function around
 /// an `async move` block rather than an async fn, whose arguments would be
 /// kept twice in the future for the client's whole life.
+#[allow(clippy::manual_async_fn)]
 pub(crate) fn run(
     shared: Arc<Shared>,
     service: Arc<Service>,
-    client: std::net::TcpStream,
+    client: Accepted,
     peer: SocketAddr,
 ) -> impl std::future::Future<Output = ()> + Send {
-    let _ = client.set_nodelay(true);
     async move {
         // The accept loop counted this client against max_client_conn.
         let _slot = ClientSlot(&shared);
-        // Registered with the epoll of the worker this runs on.
-        let Ok(client) = TcpStream::from_std(client) else {
-            return;
+        let client = match client {
+            Accepted::Here(tcp) => tcp,
+            // Registered with the epoll of the worker this runs on.
+            Accepted::Handed(tcp) => match TcpStream::from_std(tcp) {
+                Ok(tcp) => tcp,
+                Err(_) => return,
+            },
         };
+        let _ = client.set_nodelay(true);
         let mut client = ClientStream::Plain(client);
-        let gauge = shared
-            .metrics
-            .client_connections
-            .get_or_create(&ServiceLabel {
-                service: service.spec.name.clone(),
-            })
-            .clone();
+        let gauge = service.handles.client_connections.clone();
         gauge.inc();
         let span = tracing::debug_span!("session", service = %service.spec.name, client = %peer);
         // The start-up and authentication phase is boxed and freed once done:
@@ -110,6 +117,11 @@ pub(crate) fn run(
                     pooled.startup.database().unwrap_or_default(),
                     pooled.startup.user().unwrap_or_default(),
                 );
+                if shared.pool_affinity {
+                    service
+                        .home_hint
+                        .store(home, std::sync::atomic::Ordering::Relaxed);
+                }
                 let moving = shared.pool_affinity
                     && home != crate::workers::current()
                     && matches!(client, ClientStream::Plain(_));
@@ -121,6 +133,7 @@ pub(crate) fn run(
                             // The task on the pool's worker takes over the
                             // client's slot and gauge.
                             std::mem::forget(_slot);
+                            shared.metrics.client_moves.inc();
                             drop(shared.workers.spawn_on(
                                 home,
                                 pooled_on_home(
@@ -643,7 +656,10 @@ async fn relay(
     let label = ServiceLabel {
         service: spec.name.clone(),
     };
-    let (from_client, to_client) = shared.metrics.byte_counters(&spec.name);
+    let (from_client, to_client) = (
+        service.handles.bytes_from_clients.clone(),
+        service.handles.bytes_to_clients.clone(),
+    );
     let refusals = shared
         .metrics
         .read_only_refusals

@@ -27,7 +27,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
-use crate::metrics::ServiceLabel;
 use crate::pool::{Checkout, PoolKey, ServerError, Tracked, TRACKED};
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 
@@ -163,7 +162,10 @@ pub(crate) async fn run(
             client_fd: client.raw_fd(),
         },
     );
-    let (from_client, to_client) = shared.metrics.byte_counters(&spec.name);
+    let (from_client, to_client) = (
+        service.handles.bytes_from_clients.clone(),
+        service.handles.bytes_to_clients.clone(),
+    );
 
     // The startup buffer is not needed once the client is idle.
     if early.is_empty() {
@@ -253,7 +255,11 @@ pub(crate) async fn run(
     }
     drop(registration);
     shared.cancel.remove(key);
-    let _ = client.shutdown().await;
+    // TLS ends with close_notify; a plain socket's close sends the FIN a
+    // shutdown would, one system call sooner.
+    if client.is_tls() {
+        let _ = client.shutdown().await;
+    }
     // A server mid-transaction cannot be handed to someone else; one that
     // carried a whole session must be reset first (after the client is
     // let go, which need not wait for it).
@@ -380,11 +386,20 @@ impl Session {
                 params.set(k, v);
             }
         }
+        let database = startup.database().unwrap_or_default();
+        let user = startup.user().unwrap_or_default();
+        // Most clients of a service are one application: its pool is
+        // likely the last one used, and checked again at the first
+        // transaction like any other.
+        let last_pool = service
+            .recent_pool
+            .load_full()
+            .filter(|p| p.key.database == database && p.key.user == user);
         let session = Session {
             shared: shared.clone(),
             service: service.clone(),
-            database: Arc::from(startup.database().unwrap_or_default()),
-            user: Arc::from(startup.user().unwrap_or_default()),
+            database: Arc::from(database),
+            user: Arc::from(user),
             // Only what opening a server connection reads stays.
             startup: crate::pool::server_defaults(&startup),
             client_id: shared.next_session.fetch_add(1, Ordering::Relaxed),
@@ -397,16 +412,10 @@ impl Session {
             skip: 0,
             settings,
             credential,
-            last_pool: None,
+            last_pool,
             outbuf: BytesMut::new(),
-            paused: shared.paused(&service.spec.name),
-            wait_histogram: shared
-                .metrics
-                .pool_wait
-                .get_or_create(&ServiceLabel {
-                    service: service.spec.name.clone(),
-                })
-                .clone(),
+            paused: service.handles.paused.clone(),
+            wait_histogram: service.handles.pool_wait.clone(),
         };
         (session, early)
     }
@@ -476,28 +485,43 @@ impl Session {
                 .service
                 .selector
                 .select(&snap.topology, &spec.want)
-                .map(|i| snap.topology.hosts()[i].config.addr.clone());
-            let host = match pick {
-                Ok(h) => h,
-                Err(e) => {
-                    tokio::select! {
-                        r = changes.changed() => if r.is_err() { return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, e.to_string())) },
-                        _ = tokio::time::sleep_until(deadline) => {
-                            return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\": {e}", spec.name)));
+                .map(|i| &snap.topology.hosts()[i].config.addr);
+            // Clients outnumbering servers wait here at every
+            // transaction: the pool of the last one is found without
+            // building its key or taking the pool table's lock.
+            let reuse = match (&pick, &self.last_pool) {
+                (Ok(h), Some(p)) if p.key.host == **h && !p.is_retired() => Some(p.clone()),
+                _ => None,
+            };
+            let pool = match reuse {
+                Some(p) => p,
+                None => {
+                    let host = match pick.cloned() {
+                        Ok(h) => h,
+                        Err(e) => {
+                            tokio::select! {
+                                r = changes.changed() => if r.is_err() { return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, e.to_string())) },
+                                _ = tokio::time::sleep_until(deadline) => {
+                                    return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\": {e}", spec.name)));
+                                }
+                            }
+                            continue;
                         }
-                    }
-                    continue;
+                    };
+                    let pool = self.shared.pool(
+                        PoolKey {
+                            host,
+                            database: self.database.to_string(),
+                            user: self.user.to_string(),
+                            read_only: spec.read_only,
+                        },
+                        &settings,
+                    );
+                    self.service.recent_pool.store(Some(pool.clone()));
+                    pool
                 }
             };
-            let pool = self.shared.pool(
-                PoolKey {
-                    host: host.clone(),
-                    database: self.database.to_string(),
-                    user: self.user.to_string(),
-                    read_only: spec.read_only,
-                },
-                &settings,
-            );
+            let host = &pool.key.host;
             pool.set_credential(&self.credential);
             match pool.checkout(&self.startup, deadline).await {
                 Ok(c) => {
