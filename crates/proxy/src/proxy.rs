@@ -835,7 +835,37 @@ impl Drop for Proxy {
 async fn bind_for_worker(addr: SocketAddr) -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr().unwrap_or(addr);
+    if let Err(e) = defer_accept(&listener) {
+        tracing::debug!(error = %e, "TCP_DEFER_ACCEPT not set");
+    }
     Ok((listener.into_std()?, local))
+}
+
+/// A PostgreSQL client speaks first, so the kernel may keep a new
+/// connection until its first bytes (the SSLRequest or start-up packet)
+/// arrive: accepting it and reading them then take one wake-up of the
+/// worker instead of two. A client that stays silent is handed over
+/// anyway after about a second, and `auth_timeout` deals with it.
+#[allow(unsafe_code)]
+fn defer_accept(listener: &TcpListener) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let secs: libc::c_int = 1;
+    // SAFETY: a valid socket descriptor, and a pointer to a c_int that
+    // lives for the call with its exact size.
+    let r = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&secs as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Accepts clients and shares them out among the workers: round robin,

@@ -29,6 +29,9 @@ thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(NONE) };
 }
 
+/// Period of each worker's idle timer (see [`Workers::start`]).
+const TICK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The "worker" of any thread that is not one.
 pub const NONE: usize = usize::MAX;
 
@@ -66,7 +69,23 @@ impl Workers {
                     CURRENT.with(|c| c.set(id));
                     // Ends when the sender is dropped; the runtime and its
                     // tasks go with the thread.
-                    let _ = runtime.block_on(rx);
+                    runtime.block_on(async {
+                        // A timer that always expires within a second: a
+                        // new time-out further away (every client's
+                        // start-up deadline, every wait for a server) then
+                        // falls after the event loop's next wake-up, and
+                        // registering it does not have to interrupt the
+                        // loop through its eventfd, a system call each.
+                        let tick = tokio::spawn(async {
+                            let mut t = tokio::time::interval(TICK);
+                            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                            loop {
+                                t.tick().await;
+                            }
+                        });
+                        let _ = rx.await;
+                        tick.abort();
+                    });
                 })?;
         }
         Ok(Workers {
