@@ -519,6 +519,58 @@ async fn query_wait_timeout_errors_only_the_waiting_client() {
     holder.batch_execute("COMMIT").await.unwrap();
 }
 
+/// Every wait for a server has its own `query_wait_timeout`, counted from
+/// when that wait began, however often the client waited before (the
+/// timer of a client's waits is kept and moved between them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
+    let c = TestCluster::builder().replicas(0).start();
+    let wait = Duration::from_secs(2);
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, wait), 10_000).await;
+    ready(&e, 1).await;
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let waiter = client(&via(&p, "read_write")).await.unwrap();
+    // First wait: served after 0.5 s.
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let t0 = tokio::time::Instant::now();
+    let first = tokio::spawn(async move {
+        let r = one(&waiter, "SELECT 3").await;
+        (waiter, r)
+    });
+    tokio::time::sleep_until(t0 + Duration::from_millis(500)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let (waiter, r) = first.await.unwrap();
+    assert_eq!(r, "3");
+    // Second wait: it lasts past the first wait's deadline and is served.
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let second = tokio::spawn(async move {
+        let r = waiter.simple_query("SELECT 4").await.map(|_| ());
+        (waiter, r)
+    });
+    tokio::time::sleep_until(t0 + wait + Duration::from_millis(250)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let (waiter, r) = second.await.unwrap();
+    r.expect("a wait is measured from its own start, not from an earlier one");
+    // Third wait: still ends with the time-out, a full query_wait_timeout later.
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let started = std::time::Instant::now();
+    let err = waiter.simple_query("SELECT 5").await.unwrap_err();
+    assert!(
+        started.elapsed() >= wait - Duration::from_millis(50),
+        "{:?}",
+        started.elapsed()
+    );
+    let msg = err
+        .as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default();
+    assert!(msg.contains("query_wait_timeout"), "{err}: {msg}");
+    holder.batch_execute("COMMIT").await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -498,15 +499,36 @@ impl Pool {
         startup: &StartupMessage,
         deadline: tokio::time::Instant,
     ) -> Result<Checkout, ServerError> {
+        self.checkout_timed(startup, deadline, &mut None).await
+    }
+
+    /// [`checkout`](Self::checkout) with a timer the caller keeps between
+    /// waits. Once a client has waited, the next wait only moves its
+    /// timer's deadline later, an atomic store, instead of adding a timer
+    /// to the event loop's wheel and removing it again: with clients
+    /// outnumbering servers, every transaction waits.
+    pub async fn checkout_timed(
+        self: &Arc<Self>,
+        startup: &StartupMessage,
+        deadline: tokio::time::Instant,
+        timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+    ) -> Result<Checkout, ServerError> {
         let started = Instant::now();
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        let permit = tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned()).await;
-        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-        let permit = match permit {
-            Ok(Ok(p)) => p,
-            Ok(Err(_)) => return Err(ServerError::Retired),
-            Err(_) => return Err(ServerError::Timeout),
+        let timer = match timer {
+            Some(t) => {
+                t.as_mut().reset(deadline);
+                t
+            }
+            None => timer.insert(Box::pin(tokio::time::sleep_until(deadline))),
         };
+        let permit = tokio::select! {
+            biased;
+            p = self.permits.clone().acquire_owned() => p.map_err(|_| ServerError::Retired),
+            _ = timer.as_mut() => Err(ServerError::Timeout),
+        };
+        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let permit = permit?;
         let waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
         self.stats.max_wait_us.fetch_max(waited, Ordering::Relaxed);
@@ -533,9 +555,11 @@ impl Pool {
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
                     .max(Duration::from_secs(1));
+                // Boxed: logging in is rare and its state large, and
+                // without it every wait for a server would carry it.
                 let c = tokio::time::timeout(
                     remaining,
-                    connect(&self.key, startup, &cred, &self.server_tls.load()),
+                    Box::pin(connect(&self.key, startup, &cred, &self.server_tls.load())),
                 )
                 .await
                 .map_err(|_| ServerError::Timeout)??;

@@ -364,6 +364,9 @@ struct Session {
     paused: watch::Receiver<bool>,
     /// This service's wait histogram, resolved once.
     wait_histogram: prometheus_client::metrics::histogram::Histogram,
+    /// The timer of the client's waits for a server, kept once it has
+    /// waited ([`crate::pool::Pool::checkout_timed`]).
+    wait_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Session {
@@ -416,6 +419,7 @@ impl Session {
             outbuf: BytesMut::new(),
             paused: service.handles.paused.clone(),
             wait_histogram: service.handles.pool_wait.clone(),
+            wait_timer: None,
         };
         (session, early)
     }
@@ -523,7 +527,10 @@ impl Session {
             };
             let host = &pool.key.host;
             pool.set_credential(&self.credential);
-            match pool.checkout(&self.startup, deadline).await {
+            match pool
+                .checkout_timed(&self.startup, deadline, &mut self.wait_timer)
+                .await
+            {
                 Ok(c) => {
                     self.wait_histogram.observe(c.waited.as_secs_f64());
                     return Ok(c);
