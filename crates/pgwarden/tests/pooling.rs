@@ -208,15 +208,7 @@ async fn one_server_serves_clients_on_different_workers() {
         }
         assert_eq!(pids.len(), 1, "one server connection: {pids:?}");
         let http = p.http_addr().unwrap();
-        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
-            .await
-            .unwrap();
-        let moves: f64 = body
-            .lines()
-            .find(|l| l.starts_with("pgwarden_pool_server_moves_total{"))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no moves counter: {body}"));
+        let moves = common::metric_sample(http, "pgwarden_pool_server_moves_total{").await;
         if affinity {
             assert_eq!(moves, 0.0, "both clients share their pool's worker");
         } else {
@@ -230,15 +222,7 @@ async fn one_server_serves_clients_on_different_workers() {
             let c = client(&via(&p, "read_write")).await.unwrap();
             assert_eq!(one(&c, "SELECT 1").await, "1");
         }
-        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
-            .await
-            .unwrap();
-        let client_moves: f64 = body
-            .lines()
-            .find(|l| l.starts_with("pgwarden_client_moves_total "))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no client moves counter: {body}"));
+        let client_moves = common::metric_sample(http, "pgwarden_client_moves_total ").await;
         if affinity {
             assert!(client_moves <= 1.0, "{client_moves} of 12 clients moved");
         } else {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use pgwarden_topology::{HostAddr, NoTarget};
-use pgwarden_wire::encode::{self, Severity};
+use pgwarden_wire::encode;
 use pgwarden_wire::message::{backend, frontend, TxStatus};
 use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc, Violation};
 use pgwarden_wire::sqlstate::{self, SqlState};
@@ -43,14 +43,9 @@ impl Refusal {
 /// Turns a client away when `max_client_conn` is reached, before reading
 /// anything from it; existing clients are not affected.
 pub(crate) async fn refuse_busy(mut client: TcpStream) {
-    let mut out = BytesMut::new();
-    encode::error_response(
-        &mut out,
-        Severity::Fatal,
+    let out = encode::fatal(
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
-        None,
-        None,
     );
     let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     let _ = client.shutdown().await;
@@ -163,15 +158,7 @@ pub(crate) fn run(
         if let Some(r) = refused {
             shared.metrics.error(&service.spec.name, r.reason);
             tracing::debug!(reason = r.reason, message = %r.message, "client refused");
-            let mut out = BytesMut::new();
-            encode::error_response(
-                &mut out,
-                Severity::Fatal,
-                r.code.code(),
-                &r.message,
-                None,
-                None,
-            );
+            let out = encode::fatal(r.code.code(), &r.message);
             let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
             let _ = client.shutdown().await;
         }
@@ -613,14 +600,9 @@ async fn relay(
             }
             Err(e) => {
                 tracing::warn!(host = %host, error = ?e, "server login failed");
-                let mut out = BytesMut::new();
-                encode::error_response(
-                    &mut out,
-                    Severity::Fatal,
+                let out = encode::fatal(
                     sqlstate::CONNECTION_FAILURE.code(),
                     &format!("could not log in to {host}"),
-                    None,
-                    None,
                 );
                 let _ = client.write_all(&out).await;
                 return;
@@ -891,15 +873,7 @@ impl Io<'_> {
         }
         if let Some((code, message)) = notice {
             if s2c.at_boundary() {
-                let mut out = BytesMut::new();
-                encode::error_response(
-                    &mut out,
-                    Severity::Fatal,
-                    code.code(),
-                    &message,
-                    None,
-                    None,
-                );
+                let out = encode::fatal(code.code(), &message);
                 let _ = tokio::time::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
             }
         }

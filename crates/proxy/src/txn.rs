@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::stream::ClientStream;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use pgwarden_wire::encode::{self, Severity};
+use pgwarden_wire::encode;
 use pgwarden_wire::message::{self, backend, frontend, TxStatus};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::StartupMessage;
@@ -55,16 +55,7 @@ impl Fatal {
         if let Some(raw) = self.raw {
             return raw;
         }
-        let mut out = BytesMut::new();
-        encode::error_response(
-            &mut out,
-            Severity::Fatal,
-            self.code.code(),
-            &self.message,
-            None,
-            None,
-        );
-        out
+        encode::fatal(self.code.code(), &self.message)
     }
 }
 

@@ -133,6 +133,14 @@ pub fn error_response(
     );
 }
 
+/// A FATAL ErrorResponse with only a code and a message, as a message of
+/// its own: what a client is sent just before its connection is closed.
+pub fn fatal(code: &str, message: &str) -> BytesMut {
+    let mut out = BytesMut::new();
+    error_response(&mut out, Severity::Fatal, code, message, None, None);
+    out
+}
+
 /// NoticeResponse (`N`); same layout as [`error_response`].
 pub fn notice_response(
     dst: &mut BytesMut,

@@ -175,6 +175,19 @@ pub async fn client(conninfo: &str) -> Result<tokio_postgres::Client, tokio_post
 }
 
 /// A plain HTTP/1.0 GET; returns (status, body).
+/// The value of the first `/metrics` sample whose line starts with
+/// `prefix` (a metric name and its opening `{`, or a name and a space).
+pub async fn metric_sample(http: std::net::SocketAddr, prefix: &str) -> f64 {
+    let (_, body) = tokio::task::spawn_blocking(move || http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} sample: {body}"))
+}
+
 pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect HTTP");
