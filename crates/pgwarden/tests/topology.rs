@@ -501,12 +501,16 @@ async fn delayed_replica_is_flagged_and_kept_out_of_replica_reads() {
     // bytes, and its delay is unknown (nothing replayed since it started)
     // rather than a misleading zero.
     sql(&c.conninfo(0), "CREATE TABLE t_delay (x int)").await;
+    // Lag is computed from the primary's probe; the delay comes from the
+    // replica's own, which must have seen the commit arrive unapplied.
     let snap = until(&e, "delayed replica lags", WAIT, |s| {
         let h = &s.topology.hosts()[2];
-        h.lag_bytes
-            .is_some_and(|l| l > 0)
+        let unapplied = h
+            .observation()
+            .is_some_and(|o| matches!((o.receive_lsn, o.replay_lsn), (Some(r), Some(a)) if r > a));
+        (h.lag_bytes.is_some_and(|l| l > 0) && unapplied)
             .then_some(())
-            .ok_or(format!("{:?}", h.lag_bytes))
+            .ok_or(format!("{:?} {:?}", h.lag_bytes, h.observation()))
     })
     .await;
     assert_ne!(snap.topology.hosts()[2].replay_delay, Some(Duration::ZERO));
