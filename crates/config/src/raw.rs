@@ -230,6 +230,7 @@ pub(crate) struct RawService {
 pub(crate) struct RawEngine {
     pub worker_threads: Option<Spanned<usize>>,
     pub pool_affinity: Option<bool>,
+    pub worker_fill: Option<usize>,
     pub connect_wait_timeout: Option<Dur>,
     pub server_connect_timeout: Option<PositiveDur>,
     pub shutdown_timeout: Option<Dur>,

@@ -316,6 +316,7 @@ fn engine(raw: &RawEngine, src: &Source<'_>) -> Result<EngineConfig, ConfigError
     Ok(EngineConfig {
         worker_threads: raw.worker_threads.as_ref().map(|n| *n.get_ref()),
         pool_affinity: raw.pool_affinity.unwrap_or(d.pool_affinity),
+        worker_fill: raw.worker_fill.unwrap_or(d.worker_fill),
         connect_wait_timeout: raw
             .connect_wait_timeout
             .map_or(d.connect_wait_timeout, |v| v.0),

@@ -128,6 +128,9 @@ pub struct EngineConfig {
     /// Pooled clients of one (service, database, user) move, once logged
     /// in, to one worker thread chosen by those names.
     pub pool_affinity: bool,
+    /// Clients a worker takes before new ones go to the next worker;
+    /// 0 shares them out in turn.
+    pub worker_fill: usize,
     /// How long a new client may wait for an eligible host to appear
     /// (during a failover, say) before it is turned away.
     pub connect_wait_timeout: Duration,
@@ -142,6 +145,7 @@ impl Default for EngineConfig {
         EngineConfig {
             worker_threads: None,
             pool_affinity: true,
+            worker_fill: 32,
             connect_wait_timeout: Duration::from_secs(5),
             server_connect_timeout: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(30),

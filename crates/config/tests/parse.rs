@@ -135,6 +135,7 @@ fn defaults() {
     assert_eq!(c.services().len(), 2);
 
     assert_eq!(c.engine.worker_threads, None);
+    assert_eq!(c.engine.worker_fill, 32);
     assert_eq!(c.engine.connect_wait_timeout, Duration::from_secs(5));
     assert_eq!(c.engine.server_connect_timeout, Duration::from_secs(2));
     assert_eq!(c.engine.shutdown_timeout, Duration::from_secs(30));
@@ -192,6 +193,7 @@ fn full_example_parses() {
         })
     );
     assert_eq!(c.engine.effective_worker_threads(64), 4);
+    assert_eq!(c.engine.worker_fill, 16);
     assert_eq!(c.pool.min_size, 2);
     assert_eq!(c.pool.client_idle_timeout, None);
     assert_eq!(c.pool.size_for("analytics", "app"), 5);

@@ -127,8 +127,11 @@ pub async fn serve(
                         {
                             tracing::warn!("probe settings (interval, time-outs, user, dbname) take effect at the next restart");
                         }
-                        if new.engine.worker_threads != running.engine.worker_threads {
-                            tracing::warn!("engine.worker_threads takes effect at the next restart");
+                        if new.engine.worker_threads != running.engine.worker_threads
+                            || new.engine.worker_fill != running.engine.worker_fill
+                            || new.engine.pool_affinity != running.engine.pool_affinity
+                        {
+                            tracing::warn!("engine.worker_threads, worker_fill and pool_affinity take effect at the next restart");
                         }
                         if agent.is_some() {
                             // The router merges them with the members from etcd.
@@ -316,6 +319,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         shutdown_timeout: config.engine.shutdown_timeout,
         max_client_conn: p.max_client_conn as usize,
         pool_affinity: config.engine.pool_affinity,
+        worker_fill: config.engine.worker_fill,
         worker_threads: config
             .engine
             .effective_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),

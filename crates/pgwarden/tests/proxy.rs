@@ -527,3 +527,66 @@ async fn http_health_cluster_and_metrics() {
         assert!(body.contains(series), "missing {series} in\n{body}");
     }
 }
+
+/// The clients each worker holds, from `pgwarden_worker_clients`.
+async fn worker_clients(http: std::net::SocketAddr) -> (f64, f64) {
+    (
+        common::metric_sample(http, "pgwarden_worker_clients{worker=\"0\"} ").await,
+        common::metric_sample(http, "pgwarden_worker_clients{worker=\"1\"} ").await,
+    )
+}
+
+/// With `engine.worker_fill`, new clients fill the first worker, then the
+/// next, then go to the worker with the fewest; a client that leaves frees
+/// its place. With 0 they are shared out in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_fill_one_worker_before_the_next() {
+    let c = TestCluster::builder().replicas(0).start();
+    common::WORKER_FILL.with(|f| f.set(3));
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let mut clients = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..7 {
+        let db = client(&via(&p, "read_write")).await.unwrap();
+        assert_eq!(one(&db, "SELECT 1").await, "1");
+        clients.push(db);
+        seen.push(worker_clients(http).await);
+    }
+    assert_eq!(
+        seen,
+        [
+            (1.0, 0.0),
+            (2.0, 0.0),
+            (3.0, 0.0),
+            (3.0, 1.0),
+            (3.0, 2.0),
+            (3.0, 3.0),
+            (4.0, 3.0),
+        ]
+    );
+    drop(clients);
+    let deadline = std::time::Instant::now() + WAIT;
+    while worker_clients(http).await != (0.0, 0.0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "closed clients still counted: {:?}",
+            worker_clients(http).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    p.shutdown().await;
+
+    common::WORKER_FILL.with(|f| f.set(0));
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let db = client(&via(&p, "read_write")).await.unwrap();
+        assert_eq!(one(&db, "SELECT 1").await, "1");
+        clients.push(db);
+    }
+    assert_eq!(worker_clients(http).await, (2.0, 2.0), "in turn");
+}

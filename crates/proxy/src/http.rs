@@ -156,6 +156,15 @@ fn switch(shared: &Shared, service: &str, pause: bool) -> (StatusCode, String) {
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     let snap = shared.snapshot.load_full();
+    for (i, n) in shared.workers.client_counts().enumerate() {
+        shared
+            .metrics
+            .worker_clients
+            .get_or_create(&crate::metrics::WorkerLabel {
+                worker: i.to_string(),
+            })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
     (
         [(
             header::CONTENT_TYPE,

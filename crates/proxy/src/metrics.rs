@@ -21,6 +21,13 @@ pub struct ServiceLabel {
     pub service: String,
 }
 
+/// Label set naming a worker thread.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    /// The worker's number, from 0.
+    pub worker: String,
+}
+
 /// Label set naming a host.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HostLabel {
@@ -80,6 +87,9 @@ pub struct Metrics {
     /// Pooled clients moved after login to the worker thread of their
     /// pool (`engine.pool_affinity`).
     pub client_moves: Counter,
+    /// Clients placed on each worker thread and still connected; set
+    /// when scraped.
+    pub worker_clients: Family<WorkerLabel, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -113,6 +123,7 @@ impl Metrics {
                 Histogram::new(exponential_buckets(0.000_01, 3.0, 13))
             }),
             client_moves: Counter::default(),
+            worker_clients: Family::default(),
         };
         {
             let mut r = m.registry.lock().expect("metrics registry");
@@ -170,6 +181,11 @@ impl Metrics {
                 "client_moves",
                 "Pooled clients moved after login to the worker thread of their pool",
                 m.client_moves.clone(),
+            );
+            r.register(
+                "worker_clients",
+                "Clients placed on each worker thread and still connected",
+                m.worker_clients.clone(),
             );
         }
         m

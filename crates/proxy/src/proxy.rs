@@ -58,6 +58,9 @@ pub struct ProxySpec {
     /// Pooled clients of one (service, database, user) share one worker.
     /// Read once, at start.
     pub pool_affinity: bool,
+    /// Clients a worker takes before new ones go to the next one; 0
+    /// shares them out in turn. Read once, at start.
+    pub worker_fill: usize,
     /// Roles allowed into the admin console.
     pub admin_users: Vec<String>,
     /// The effective configuration as `SHOW CONFIG` lists it.
@@ -464,7 +467,7 @@ impl AcceptTask {
         }
         let task = accept_loop(shared.clone(), service, listener, self.clone());
         t.1 = Some(if worker == crate::workers::NONE {
-            shared.workers.spawn(task)
+            shared.workers.spawn_on(shared.workers.pick(), task)
         } else {
             shared.workers.spawn_on(worker, task)
         });
@@ -569,7 +572,7 @@ impl Proxy {
             server_tls: Arc::new(ArcSwap::from_pointee(Default::default())),
             auth: arc_swap::ArcSwapOption::empty(),
             auth_timeout: Mutex::new(Duration::from_secs(60)),
-            workers: crate::workers::Workers::start(spec.worker_threads)
+            workers: crate::workers::Workers::start(spec.worker_threads, spec.worker_fill)
                 .map_err(|source| ProxyError::Workers { source })?,
             pool_affinity: spec.pool_affinity,
         });
@@ -868,11 +871,12 @@ fn defer_accept(listener: &TcpListener) -> std::io::Result<()> {
     }
 }
 
-/// Accepts clients and shares them out among the workers: round robin,
-/// or for a pooled service to the worker of its usual pool, where this
-/// loop then moves itself so that such a client is served by the thread
-/// that accepted it, with no other thread woken and its socket registered
-/// once.
+/// Accepts clients and shares them out among the workers
+/// ([`crate::workers::Workers::pick`]), or for a pooled service sends
+/// them to the worker of its usual pool. The loop moves itself to where
+/// its next clients are likely to go, so that such a client is served by
+/// the thread that accepted it, with no other thread woken and its socket
+/// registered once.
 async fn accept_loop(
     shared: Arc<Shared>,
     service: Arc<ArcSwap<Service>>,
@@ -903,15 +907,22 @@ async fn accept_loop(
                 } else {
                     crate::workers::NONE
                 };
-                if hint == here {
+                let target = if hint == crate::workers::NONE {
+                    shared.workers.pick()
+                } else {
+                    hint
+                };
+                shared.workers.enter(target);
+                if target == here {
                     // Spawned as it is: a wrapping block would hold the
                     // whole session future twice. The session gives its
-                    // slot back.
+                    // slots back.
                     drop(tokio::spawn(crate::session::run(
                         shared.clone(),
                         svc,
                         crate::session::Accepted::Here(stream),
                         peer,
+                        target,
                     )));
                     continue;
                 }
@@ -922,6 +933,7 @@ async fn accept_loop(
                     Ok(s) => s,
                     Err(e) => {
                         shared.clients.fetch_sub(1, Ordering::Relaxed);
+                        shared.workers.leave(target);
                         tracing::warn!(error = %e, "handing a connection to a worker failed");
                         continue;
                     }
@@ -931,16 +943,21 @@ async fn accept_loop(
                     svc,
                     crate::session::Accepted::Handed(stream),
                     peer,
+                    target,
                 );
-                if hint == crate::workers::NONE {
-                    drop(shared.workers.spawn(session));
+                drop(shared.workers.spawn_on(target, session));
+                // Follow the usual pool, or the worker being filled, so
+                // that the next clients need no hand-over. Moving costs
+                // about what handing one client over does, and happens
+                // only when the usual pool changes worker or a worker is
+                // full; not while clients are shared out in turn.
+                let follow = hint != crate::workers::NONE
+                    || (shared.workers.fills() && shared.workers.filling(target));
+                if !follow {
                     continue;
                 }
-                drop(shared.workers.spawn_on(hint, session));
-                // Moving costs about what handing one client over does,
-                // and only happens when the usual pool changes worker.
                 match listener.into_std() {
-                    Ok(l) => task.start(&shared, service, l, hint),
+                    Ok(l) => task.start(&shared, service, l, target),
                     Err(e) => tracing::error!(error = %e, "cannot move a listener between workers"),
                 }
                 return;

@@ -53,13 +53,16 @@ pub(crate) async fn refuse_busy(mut client: TcpStream) {
 
 /// Gives a client's place under `max_client_conn` back when its session
 /// ends, however it ends.
-struct ClientSlot<'a>(&'a Shared);
+/// A client's place in `max_client_conn` and on the worker it was counted
+/// on ([`crate::workers::Workers::enter`]).
+struct ClientSlot<'a>(&'a Shared, usize);
 
 impl Drop for ClientSlot<'_> {
     fn drop(&mut self) {
         self.0
             .clients
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.workers.leave(self.1);
     }
 }
 
@@ -80,10 +83,12 @@ pub(crate) fn run(
     service: Arc<Service>,
     client: Accepted,
     peer: SocketAddr,
+    worker: usize,
 ) -> impl std::future::Future<Output = ()> + Send {
     async move {
-        // The accept loop counted this client against max_client_conn.
-        let _slot = ClientSlot(&shared);
+        // The accept loop counted this client against max_client_conn and
+        // on `worker`.
+        let _slot = ClientSlot(&shared, worker);
         let client = match client {
             Accepted::Here(tcp) => tcp,
             // Registered with the epoll of the worker this runs on.
@@ -128,6 +133,8 @@ pub(crate) fn run(
                             // The task on the pool's worker takes over the
                             // client's slot and gauge.
                             std::mem::forget(_slot);
+                            shared.workers.leave(worker);
+                            shared.workers.enter(home);
                             shared.metrics.client_moves.inc();
                             drop(shared.workers.spawn_on(
                                 home,
@@ -180,7 +187,8 @@ fn pooled_on_home(
     span: tracing::Span,
 ) -> impl std::future::Future<Output = ()> + Send {
     async move {
-        let _slot = ClientSlot(&shared);
+        let home = crate::workers::current();
+        let _slot = ClientSlot(&shared, home);
         if let Ok(tcp) = TcpStream::from_std(client) {
             let mut client = ClientStream::Plain(tcp);
             crate::txn::run(&shared, &service, &mut client, pooled, peer)

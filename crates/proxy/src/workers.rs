@@ -15,6 +15,12 @@
 //! The listeners, the HTTP port, the topology engine and configuration
 //! reloads stay on the control runtime that started the proxy: routing
 //! updates never queue behind traffic, nor traffic behind them.
+//!
+//! New clients fill one worker before the next is used ([`Workers::pick`]):
+//! the machine is usually shared with PostgreSQL and the clients, and one
+//! event loop with sixteen sessions finds several of them ready at each
+//! wake-up, where two loops with eight each sleep and wake about twice as
+//! often for the same traffic (measured in docs/benchmarks.md).
 
 use std::cell::Cell;
 use std::future::Future;
@@ -45,14 +51,19 @@ pub fn current() -> usize {
 pub struct Workers {
     handles: Vec<Handle>,
     next: AtomicUsize,
+    /// Clients placed on each worker and still connected.
+    clients: Vec<AtomicUsize>,
+    /// See [`Workers::pick`].
+    fill: usize,
     /// Dropping a sender ends its worker: its runtime, with every session
     /// still on it, is dropped.
     stop: Mutex<Vec<oneshot::Sender<()>>>,
 }
 
 impl Workers {
-    /// Starts `n` workers (at least one).
-    pub fn start(n: usize) -> io::Result<Workers> {
+    /// Starts `n` workers (at least one) that take `fill` clients each
+    /// before the next one is used (0: in turn).
+    pub fn start(n: usize, fill: usize) -> io::Result<Workers> {
         let n = n.max(1);
         let mut handles = Vec::with_capacity(n);
         let mut stop = Vec::with_capacity(n);
@@ -89,19 +100,55 @@ impl Workers {
                 })?;
         }
         Ok(Workers {
+            clients: (0..handles.len()).map(|_| AtomicUsize::new(0)).collect(),
+            fill,
             handles,
             next: AtomicUsize::new(0),
             stop: Mutex::new(stop),
         })
     }
 
-    /// Runs `task` on the next worker, round robin.
-    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<()>
-    where
-        F: Future<Output = ()> + Send + 'static,
-    {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
-        self.handles[i].spawn(task)
+    /// The worker for a new client: the first with fewer than `fill`
+    /// clients, else the one with the fewest; in turn when `fill` is 0.
+    pub fn pick(&self) -> usize {
+        if self.fill == 0 {
+            return self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
+        }
+        let counts = self.clients.iter().map(|c| c.load(Ordering::Relaxed));
+        pick_filling(counts, self.fill)
+    }
+
+    /// Whether [`Workers::pick`] fills workers one after the other (rather
+    /// than sharing clients out in turn).
+    pub fn fills(&self) -> bool {
+        self.fill > 0
+    }
+
+    /// Whether worker `i` is the one being filled: it holds no more than
+    /// `fill` clients, counting one just placed there.
+    pub fn filling(&self, i: usize) -> bool {
+        self.clients
+            .get(i)
+            .is_some_and(|c| c.load(Ordering::Relaxed) <= self.fill)
+    }
+
+    /// Clients counted on each worker, in worker order.
+    pub fn client_counts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.clients.iter().map(|c| c.load(Ordering::Relaxed))
+    }
+
+    /// Counts a client on worker `i` until [`Workers::leave`].
+    pub fn enter(&self, i: usize) {
+        if let Some(c) = self.clients.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A client counted by [`Workers::enter`] is gone.
+    pub fn leave(&self, i: usize) {
+        if let Some(c) = self.clients.get(i) {
+            c.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Runs `task` on worker `i` (modulo their number).
@@ -134,19 +181,65 @@ impl Drop for Workers {
     }
 }
 
+/// The first worker with fewer than `fill` clients, else the least busy
+/// (the first of equals).
+fn pick_filling(counts: impl Iterator<Item = usize>, fill: usize) -> usize {
+    let mut least = (usize::MAX, 0);
+    for (i, n) in counts.enumerate() {
+        if n < fill {
+            return i;
+        }
+        if n < least.0 {
+            least = (n, i);
+        }
+    }
+    least.1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashSet;
 
     #[test]
+    fn clients_fill_one_worker_then_the_next_then_the_least_busy() {
+        assert_eq!(pick_filling([0, 0].into_iter(), 2), 0);
+        assert_eq!(pick_filling([1, 0].into_iter(), 2), 0);
+        assert_eq!(pick_filling([2, 0].into_iter(), 2), 1);
+        assert_eq!(pick_filling([2, 1, 0].into_iter(), 2), 1);
+        assert_eq!(pick_filling([3, 2].into_iter(), 2), 1);
+        assert_eq!(pick_filling([2, 2].into_iter(), 2), 0);
+        // A worker that emptied is filled again first.
+        assert_eq!(pick_filling([5, 0, 9].into_iter(), 4), 1);
+    }
+
+    #[test]
+    fn counted_clients_steer_the_pick() {
+        let workers = Workers::start(2, 2).unwrap();
+        assert!(workers.fills());
+        let a = workers.pick();
+        workers.enter(a);
+        let b = workers.pick();
+        workers.enter(b);
+        let c = workers.pick();
+        workers.enter(c);
+        assert_eq!((a, b, c), (0, 0, 1));
+        workers.leave(a);
+        assert_eq!(workers.pick(), 0, "a freed place on the first worker");
+        let in_turn = Workers::start(2, 0).unwrap();
+        assert!(!in_turn.fills());
+        let picks: Vec<_> = (0..4).map(|_| in_turn.pick()).collect();
+        assert_eq!(picks, [0, 1, 0, 1]);
+    }
+
+    #[test]
     fn tasks_are_shared_out_round_robin_and_know_their_worker() {
-        let workers = Workers::start(2).unwrap();
+        let workers = Workers::start(2, 0).unwrap();
         assert_eq!(current(), NONE);
         let (tx, rx) = std::sync::mpsc::channel();
         for _ in 0..4 {
             let tx = tx.clone();
-            workers.spawn(async move {
+            workers.spawn_on(workers.pick(), async move {
                 tx.send((current(), std::thread::current().id())).unwrap();
             });
         }
@@ -159,9 +252,9 @@ mod tests {
 
     #[test]
     fn stopping_drops_what_runs_on_the_workers() {
-        let workers = Workers::start(1).unwrap();
+        let workers = Workers::start(1, 0).unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<()>();
-        workers.spawn(async move {
+        workers.spawn_on(workers.pick(), async move {
             let _held = tx;
             std::future::pending::<()>().await;
         });

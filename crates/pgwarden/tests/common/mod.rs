@@ -143,6 +143,7 @@ pub async fn proxy_full(
         max_client_conn,
         worker_threads: WORKERS.with(|w| w.get()),
         pool_affinity: POOL_AFFINITY.with(|a| a.get()),
+        worker_fill: WORKER_FILL.with(|a| a.get()),
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
         pool_overrides,
@@ -226,6 +227,9 @@ thread_local! {
     pub static WORKERS: std::cell::Cell<usize> = const { std::cell::Cell::new(2) };
     /// `engine.pool_affinity` of the next proxy built on this thread.
     pub static POOL_AFFINITY: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    /// `engine.worker_fill` of the next proxy built on this thread: 0 (in
+    /// turn) by default, for the same reason as [`WORKERS`].
+    pub static WORKER_FILL: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Waits until `n` hosts are alive and a primary is known.
