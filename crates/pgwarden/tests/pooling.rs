@@ -813,3 +813,40 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
     })
     .await;
 }
+
+/// Session-pooled clients hold a server for their whole session, so pool
+/// affinity does not gather them on one worker: they stay where they were
+/// placed (here in turn), and none moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_pooled_clients_stay_where_they_were_placed() {
+    let c = TestCluster::builder().replicas(0).start();
+    let overrides = pgwarden_proxy::PoolOverrides {
+        reuse_session_servers: true,
+        defaults: PoolSettings {
+            size: 4,
+            ..PoolSettings::default()
+        },
+        ..Default::default()
+    };
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(5),
+        None,
+        100,
+        overrides,
+        None,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let db = client(&url).await.unwrap();
+        assert_eq!(one(&db, "SELECT 1").await, "1");
+        clients.push(db);
+    }
+    let http = p.http_addr().unwrap();
+    assert_eq!(common::worker_clients(http).await, (2.0, 2.0));
+    let moves = common::metric_sample(http, "pgwarden_client_moves_total ").await;
+    assert_eq!(moves, 0.0);
+}

@@ -528,14 +528,6 @@ async fn http_health_cluster_and_metrics() {
     }
 }
 
-/// The clients each worker holds, from `pgwarden_worker_clients`.
-async fn worker_clients(http: std::net::SocketAddr) -> (f64, f64) {
-    (
-        common::metric_sample(http, "pgwarden_worker_clients{worker=\"0\"} ").await,
-        common::metric_sample(http, "pgwarden_worker_clients{worker=\"1\"} ").await,
-    )
-}
-
 /// With `engine.worker_fill`, new clients fill the first worker, then the
 /// next, then go to the worker with the fewest; a client that leaves frees
 /// its place. With 0 they are shared out in turn.
@@ -552,7 +544,7 @@ async fn clients_fill_one_worker_before_the_next() {
         let db = client(&via(&p, "read_write")).await.unwrap();
         assert_eq!(one(&db, "SELECT 1").await, "1");
         clients.push(db);
-        seen.push(worker_clients(http).await);
+        seen.push(common::worker_clients(http).await);
     }
     assert_eq!(
         seen,
@@ -568,11 +560,11 @@ async fn clients_fill_one_worker_before_the_next() {
     );
     drop(clients);
     let deadline = std::time::Instant::now() + WAIT;
-    while worker_clients(http).await != (0.0, 0.0) {
+    while common::worker_clients(http).await != (0.0, 0.0) {
         assert!(
             std::time::Instant::now() < deadline,
             "closed clients still counted: {:?}",
-            worker_clients(http).await
+            common::worker_clients(http).await
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -588,5 +580,5 @@ async fn clients_fill_one_worker_before_the_next() {
         assert_eq!(one(&db, "SELECT 1").await, "1");
         clients.push(db);
     }
-    assert_eq!(worker_clients(http).await, (2.0, 2.0), "in turn");
+    assert_eq!(common::worker_clients(http).await, (2.0, 2.0), "in turn");
 }

@@ -117,12 +117,16 @@ pub(crate) fn run(
                     pooled.startup.database().unwrap_or_default(),
                     pooled.startup.user().unwrap_or_default(),
                 );
-                if shared.pool_affinity {
+                // A session-mode pool lends a server for a whole session,
+                // so its servers rarely change hands and gain nothing from
+                // one thread; its clients are placed like relayed ones.
+                let affinity = shared.pool_affinity && !pooled.settings.hold_session;
+                if affinity {
                     service
                         .home_hint
                         .store(home, std::sync::atomic::Ordering::Relaxed);
                 }
-                let moving = shared.pool_affinity
+                let moving = affinity
                     && home != crate::workers::current()
                     && matches!(client, ClientStream::Plain(_));
                 if moving {

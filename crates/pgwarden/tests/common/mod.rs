@@ -189,6 +189,14 @@ pub async fn metric_sample(http: std::net::SocketAddr, prefix: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {prefix} sample: {body}"))
 }
 
+/// The clients placed on workers 0 and 1 (`pgwarden_worker_clients`).
+pub async fn worker_clients(http: std::net::SocketAddr) -> (f64, f64) {
+    (
+        metric_sample(http, "pgwarden_worker_clients{worker=\"0\"} ").await,
+        metric_sample(http, "pgwarden_worker_clients{worker=\"1\"} ").await,
+    )
+}
+
 pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect HTTP");
