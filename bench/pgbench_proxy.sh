@@ -60,6 +60,11 @@ cat >"$tmp/pgwarden.toml" <<EOF
 [cluster]
 hosts = ["$HOST:$PG_PORT"]
 user = "postgres"
+# pgbench, the proxies and PostgreSQL oversubscribe the cores many times;
+# an idle connection's query then waits up to a second or two for CPU, and
+# the default 2 s would mark the only host down mid-run.
+query_timeout = "10s"
+connect_timeout = "10s"
 [listen]
 read_write = "$HOST:$RW_PORT"
 read_only = "$HOST:$RO_PORT"
@@ -72,6 +77,11 @@ cat >"$tmp/pgwarden-pool.toml" <<EOF
 [cluster]
 hosts = ["$HOST:$PG_PORT"]
 user = "postgres"
+# pgbench, the proxies and PostgreSQL oversubscribe the cores many times;
+# an idle connection's query then waits up to a second or two for CPU, and
+# the default 2 s would mark the only host down mid-run.
+query_timeout = "10s"
+connect_timeout = "10s"
 [listen]
 read_write = "$HOST:$PP_RW"
 read_only = "$HOST:$PP_RO"
