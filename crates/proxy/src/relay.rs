@@ -5,13 +5,25 @@
 //! body must be inspected (e.g. a Query on a read-only service) are held
 //! back until complete; everything else, including a 64 MiB DataRow or
 //! COPY chunk, streams through without being buffered whole.
+//!
+//! A pump holds a read buffer only while bytes are in flight: it borrows
+//! one from the worker's free list when its socket has data and gives it
+//! back once everything read is forwarded. An idle session then costs no
+//! buffer, and the sessions of a worker take turns with the same few
+//! buffers, which stay in the CPU's cache (64 sessions with two 16 KiB
+//! buffers each would spread every message over 2 MiB).
+
+use std::future::Future;
+use std::pin::pin;
 
 use bytes::{Buf, BytesMut};
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::bufcache;
+
 /// Read buffer size per direction.
-const CHUNK: usize = 16 * 1024;
+const CHUNK: usize = bufcache::SIZE;
 
 /// Longest message pgwarden holds back for inspection. Larger inspected
 /// messages are a protocol error (PostgreSQL itself caps a Query at 1 GB).
@@ -125,6 +137,28 @@ impl Framing {
     }
 }
 
+/// Reads into `buf`, which holds a buffer from the free list only while
+/// the read returns data or `buf` still holds bytes: a read that has to
+/// wait gives an empty buffer back.
+async fn read_borrowing<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut BytesMut,
+) -> std::io::Result<usize> {
+    std::future::poll_fn(|cx| {
+        if buf.capacity() == 0 {
+            *buf = bufcache::take();
+        } else if buf.capacity() - buf.len() < CHUNK / 4 {
+            buf.reserve(CHUNK);
+        }
+        let polled = pin!(reader.read_buf(&mut *buf)).poll(cx);
+        if polled.is_pending() && buf.is_empty() {
+            bufcache::release(buf);
+        }
+        polled
+    })
+    .await
+}
+
 /// Copies messages from `reader` to `writer` until EOF, an error, or an
 /// inspected message that stops the session.
 pub async fn pump<R, W>(
@@ -139,12 +173,9 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut buf = BytesMut::with_capacity(CHUNK);
+    let mut buf = BytesMut::new();
     loop {
-        if buf.capacity() - buf.len() < CHUNK / 4 {
-            buf.reserve(CHUNK);
-        }
-        match reader.read_buf(&mut buf).await {
+        match read_borrowing(reader, &mut buf).await {
             Ok(0) => return End::Eof,
             Ok(n) => {
                 bytes.inc_by(n as u64);
@@ -252,6 +283,31 @@ mod tests {
         expected.extend(msg(b'Q', b"good\0"));
         assert_eq!(out, expected);
         assert!(framing.at_boundary());
+    }
+
+    #[tokio::test]
+    async fn a_waiting_read_holds_no_buffer() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        let mut buf = BytesMut::new();
+        {
+            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf));
+            let waker = std::task::Waker::noop();
+            let polled = read.poll(&mut std::task::Context::from_waker(waker));
+            assert!(polled.is_pending());
+        }
+        assert_eq!(buf.capacity(), 0, "an idle read gives its buffer back");
+        a.write_all(b"hello").await.unwrap();
+        assert_eq!(read_borrowing(&mut b, &mut buf).await.unwrap(), 5);
+        assert_eq!(&buf[..], b"hello");
+        // Bytes not yet forwarded keep their buffer across a wait.
+        {
+            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf));
+            let waker = std::task::Waker::noop();
+            assert!(read
+                .poll(&mut std::task::Context::from_waker(waker))
+                .is_pending());
+        }
+        assert_eq!(&buf[..], b"hello");
     }
 
     #[tokio::test]
