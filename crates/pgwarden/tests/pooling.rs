@@ -238,25 +238,15 @@ async fn one_server_serves_clients_on_different_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_pooling_resets_servers_and_reuses_them() {
     let c = TestCluster::builder().replicas(0).start();
-    let overrides = pgwarden_proxy::PoolOverrides {
-        reuse_session_servers: true,
-        defaults: PoolSettings {
+    let (_e, p) = session_pooling_proxy(
+        &c,
+        PoolSettings {
             size: 1,
             query_wait_timeout: Duration::from_secs(2),
             ..PoolSettings::default()
         },
-        ..Default::default()
-    };
-    let (e, p) = common::proxy_full(
-        &c.addrs(),
-        Duration::from_secs(5),
-        None,
-        100,
-        overrides,
-        None,
     )
     .await;
-    ready(&e, 1).await;
     let url = via(&p, "read_write");
     let direct = c.conninfo(0);
 
@@ -820,12 +810,37 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_pooled_clients_stay_where_they_were_placed() {
     let c = TestCluster::builder().replicas(0).start();
-    let overrides = pgwarden_proxy::PoolOverrides {
-        reuse_session_servers: true,
-        defaults: PoolSettings {
+    let (_e, p) = session_pooling_proxy(
+        &c,
+        PoolSettings {
             size: 4,
             ..PoolSettings::default()
         },
+    )
+    .await;
+    let url = via(&p, "read_write");
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let db = client(&url).await.unwrap();
+        assert_eq!(one(&db, "SELECT 1").await, "1");
+        clients.push(db);
+    }
+    let http = p.http_addr().unwrap();
+    assert_eq!(common::worker_clients(http).await, (2.0, 2.0));
+    let moves = common::metric_sample(http, "pgwarden_client_moves_total ").await;
+    assert_eq!(moves, 0.0);
+}
+
+/// A proxy in front of `c` whose session-mode services reuse server
+/// connections (`reuse_session_servers`) with pools of `settings`, once
+/// its one host is ready.
+async fn session_pooling_proxy(
+    c: &TestCluster,
+    settings: PoolSettings,
+) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
+    let overrides = pgwarden_proxy::PoolOverrides {
+        reuse_session_servers: true,
+        defaults: settings,
         ..Default::default()
     };
     let (e, p) = common::proxy_full(
@@ -838,15 +853,5 @@ async fn session_pooled_clients_stay_where_they_were_placed() {
     )
     .await;
     ready(&e, 1).await;
-    let url = via(&p, "read_write");
-    let mut clients = Vec::new();
-    for _ in 0..4 {
-        let db = client(&url).await.unwrap();
-        assert_eq!(one(&db, "SELECT 1").await, "1");
-        clients.push(db);
-    }
-    let http = p.http_addr().unwrap();
-    assert_eq!(common::worker_clients(http).await, (2.0, 2.0));
-    let moves = common::metric_sample(http, "pgwarden_client_moves_total ").await;
-    assert_eq!(moves, 0.0);
+    (e, p)
 }

@@ -51,10 +51,9 @@ pub(crate) async fn refuse_busy(mut client: TcpStream) {
     let _ = client.shutdown().await;
 }
 
-/// Gives a client's place under `max_client_conn` back when its session
-/// ends, however it ends.
-/// A client's place in `max_client_conn` and on the worker it was counted
-/// on ([`crate::workers::Workers::enter`]).
+/// A client's place under `max_client_conn` and on the worker it was
+/// counted on ([`crate::workers::Workers::enter`]), given back when its
+/// session ends, however it ends.
 struct ClientSlot<'a>(&'a Shared, usize);
 
 impl Drop for ClientSlot<'_> {
