@@ -855,3 +855,150 @@ async fn session_pooling_proxy(
     ready(&e, 1).await;
     (e, p)
 }
+
+/// A client speaking the protocol byte by byte, for encodings that
+/// tokio-postgres does not speak (it insists on UTF8).
+struct RawClient(std::net::TcpStream);
+
+impl RawClient {
+    fn connect(addr: std::net::SocketAddr, client_encoding: &str) -> RawClient {
+        use std::io::Write;
+        let mut body = 196_608u32.to_be_bytes().to_vec();
+        for (k, v) in [
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("client_encoding", client_encoding),
+        ] {
+            body.extend_from_slice(k.as_bytes());
+            body.push(0);
+            body.extend_from_slice(v.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&((body.len() + 4) as u32).to_be_bytes())
+            .unwrap();
+        s.write_all(&body).unwrap();
+        let mut c = RawClient(s);
+        let greeting = c.until_ready();
+        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
+        c
+    }
+
+    /// Messages up to and including the next ReadyForQuery.
+    fn until_ready(&mut self) -> Vec<(u8, Vec<u8>)> {
+        use std::io::Read;
+        let mut out = Vec::new();
+        loop {
+            let mut head = [0u8; 5];
+            self.0.read_exact(&mut head).unwrap();
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+            let mut body = vec![0u8; len - 4];
+            self.0.read_exact(&mut body).unwrap();
+            out.push((head[0], body));
+            if head[0] == b'Z' {
+                return out;
+            }
+        }
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        use std::io::Write;
+        self.0.write_all(bytes).unwrap();
+        self.until_ready()
+    }
+
+    fn simple(&mut self, sql: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        let mut m = vec![b'Q'];
+        m.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
+        m.extend_from_slice(sql);
+        m.push(0);
+        self.send(&m)
+    }
+
+    /// Parse under `name`, Bind, Execute, Sync.
+    fn extended(&mut self, name: &[u8], sql: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        let mut m = vec![b'P'];
+        m.extend_from_slice(&((4 + name.len() + 1 + sql.len() + 1 + 2) as u32).to_be_bytes());
+        for part in [name, sql] {
+            m.extend_from_slice(part);
+            m.push(0);
+        }
+        m.extend_from_slice(&[0, 0]);
+        let mut bind = vec![b'B'];
+        let body_len = 1 + name.len() + 1 + 2 + 2 + 2;
+        bind.extend_from_slice(&((body_len + 4) as u32).to_be_bytes());
+        bind.push(0);
+        bind.extend_from_slice(name);
+        bind.push(0);
+        bind.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        m.extend_from_slice(&bind);
+        // Execute the unnamed portal, all rows; Sync.
+        m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
+        m.extend_from_slice(&[b'S', 0, 0, 0, 4]);
+        self.send(&m)
+    }
+}
+
+/// The SQLSTATE of the first ErrorResponse among `replies`.
+fn error_code(replies: &[(u8, Vec<u8>)]) -> Option<String> {
+    let (_, body) = replies.iter().find(|(t, _)| *t == b'E')?;
+    body.split(|b| *b == 0)
+        .find(|f| f.first() == Some(&b'C'))
+        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+}
+
+/// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
+/// UTF-8 text; its statements are checked all the same: switching a
+/// read-only session to read-write is refused, in the relay and in the
+/// transaction pool, and session state pins a pooled client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latin1_clients_get_the_read_only_and_pinning_rules_too() {
+    let c = TestCluster::builder().replicas(0).start();
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        // No replica: the read-only service falls back to the primary.
+        let ro = p.service_addrs()["read_only"];
+        let mut s = RawClient::connect(ro, "LATIN1");
+        let r = s.extended(b"s\xe9", b"BEGIN READ WRITE /* \xe9 */");
+        assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        let r = s.simple(b"SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE -- \xe9");
+        assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        let r = s.extended(b"", b"CREATE TABLE latin1_\xe9 (x int)");
+        assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        // Plain reads with LATIN1 text work.
+        let r = s.simple(b"SELECT 'caf\xe9'");
+        assert_eq!(error_code(&r), None, "{pooled}: {r:?}");
+        let row = r.iter().find(|(t, _)| *t == b'D').expect("a row");
+        assert!(row.1.ends_with(b"caf\xe9"), "{row:?}");
+    }
+
+    // Session state with a LATIN1 literal pins the client in the pool: the
+    // server it set search_path on serves nobody else. The pool hands out
+    // the server released last, so without the pin the next client would
+    // get it and see the setting.
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "LATIN1");
+    let r = a.simple(b"SET search_path TO \"caf\xe9\", public");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    for _ in 0..3 {
+        let path = one(&b, "SHOW search_path").await;
+        assert!(
+            !path.contains("caf"),
+            "another client's setting leaked: {path}"
+        );
+    }
+    let r = a.simple(b"SHOW search_path");
+    let row = r.iter().find(|(t, _)| *t == b'D').expect("a row");
+    assert!(
+        row.1.windows(4).any(|w| w == b"caf\xe9"),
+        "{:?}",
+        String::from_utf8_lossy(&row.1)
+    );
+}

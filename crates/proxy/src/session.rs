@@ -559,10 +559,7 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
         frontend::QUERY => (pgwarden_wire::message::query_bytes(body).ok()?, None),
         frontend::PARSE => {
             let p = pgwarden_wire::message::parse_message(body).ok()?;
-            (
-                p.query.as_bytes(),
-                Some((p.name.to_string(), p.param_type_count)),
-            )
+            (p.query, Some((p.name, p.param_type_count)))
         }
         _ => return None,
     };
@@ -577,7 +574,7 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
     let mut out = BytesMut::new();
     match parse {
         None => encode::query(&mut out, &sql),
-        Some((name, n)) => encode::parse(&mut out, &name, &sql, &vec![0; usize::from(n)]),
+        Some((name, n)) => encode::parse(&mut out, name, &sql, &vec![0; usize::from(n)]),
     }
     Some(out)
 }
@@ -915,8 +912,21 @@ mod tests {
         encode::parse(&mut p, "s1", "BEGIN READ WRITE", &[23]);
         let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
         let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
-        assert_eq!(parsed.name, "s1");
+        assert_eq!(parsed.name, b"s1");
         assert_eq!(parsed.param_type_count, 1);
+
+        // A client encoding other than UTF-8 (LATIN1 bytes in the name and
+        // a comment) is checked all the same, and the name kept.
+        let mut p = BytesMut::new();
+        encode::parse(&mut p, b"s\xe9", b"BEGIN READ WRITE /* \xe9 */", &[]);
+        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
+        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
+        assert_eq!(parsed.name, b"s\xe9");
+        let body = b"SET TRANSACTION READ WRITE -- \xe9\0";
+        let mut q = vec![frontend::QUERY];
+        q.extend_from_slice(&(4 + body.len() as u32).to_be_bytes());
+        q.extend_from_slice(body);
+        assert!(guard_message("ro", frontend::QUERY, &q).is_some());
     }
 
     #[test]

@@ -739,11 +739,19 @@ impl Session {
         }
         match tag {
             frontend::QUERY => {
-                let text = message::query_text(body).unwrap_or("");
+                // Raw bytes: the client's encoding need not be UTF-8.
+                let text = message::query_bytes(body).unwrap_or_default();
                 if pins_session(text) {
                     self.pinned = true;
                 }
-                if let Some(rewritten) = self.deallocate(text, out) {
+                let rewritten = if starts_with_word(text, "DEALLOCATE") {
+                    std::str::from_utf8(text)
+                        .ok()
+                        .and_then(|t| self.deallocate(t, out))
+                } else {
+                    None
+                };
+                if let Some(rewritten) = rewritten {
                     self.note_sent(tag);
                     encode::query(out, &rewritten);
                     return Ok(());
@@ -754,8 +762,11 @@ impl Session {
                     if pins_session(p.query) {
                         self.pinned = true;
                     }
-                    if !p.name.is_empty() {
-                        let name = p.name.to_string();
+                    // A name that is not UTF-8 is passed on as it is, not
+                    // followed from server to server.
+                    let named = std::str::from_utf8(p.name).ok().filter(|n| !n.is_empty());
+                    if let Some(name) = named {
+                        let name = name.to_string();
                         let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
                         let sname = self.server_name(&name);
                         self.statements
@@ -1150,12 +1161,22 @@ fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
     })
 }
 
-fn pins_session(sql: &str) -> bool {
+/// Whether the first word of `sql` is `keyword` (ASCII, any case).
+fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
+    words(sql)
+        .next()
+        .is_some_and(|w| w.eq_ignore_ascii_case(keyword.as_bytes()))
+}
+
+/// Whether a statement leaves state in the session that outlives its
+/// transaction. Takes raw bytes: the keywords are ASCII in every client
+/// encoding PostgreSQL accepts, whatever the literals around them hold.
+fn pins_session(sql: &[u8]) -> bool {
     // Runs on every Query and Parse, so it walks the words in place (no
     // upper-cased copy, no list of words) and compares a word only with
     // the keywords of its length.
     let is = |w: &[u8], k: &str| w.eq_ignore_ascii_case(k.as_bytes());
-    let mut words = words(sql.as_bytes());
+    let mut words = words(sql);
     let Some(first) = words.next() else {
         return false;
     };
@@ -1227,7 +1248,7 @@ mod tests {
             "SET search_path TO x",
             "PREPARE p AS SELECT 1",
         ] {
-            assert!(pins_session(s), "{s}");
+            assert!(pins_session(s.as_bytes()), "{s}");
         }
         for s in [
             "SELECT 1",
@@ -1238,8 +1259,12 @@ mod tests {
             "select pg_advisory_xact_lock(1)",
             "BEGIN",
         ] {
-            assert!(!pins_session(s), "{s}");
+            assert!(!pins_session(s.as_bytes()), "{s}");
         }
+        // Literals in a client encoding other than UTF-8 (LATIN1 'é').
+        assert!(pins_session(b"SET search_path TO '\xe9'"));
+        assert!(pins_session(b"LISTEN \"ch\xe9\""));
+        assert!(!pins_session(b"SELECT '\xe9'"));
     }
 
     /// The straightforward statement of the rule: upper-case, split into
@@ -1344,7 +1369,7 @@ mod tests {
                     sql.push(' ');
                 }
             }
-            assert_eq!(pins_session(&sql), reference(&sql), "{sql:?}");
+            assert_eq!(pins_session(sql.as_bytes()), reference(&sql), "{sql:?}");
         }
     }
 }

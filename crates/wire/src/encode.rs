@@ -241,10 +241,15 @@ pub fn query(dst: &mut BytesMut, text: &str) {
 }
 
 /// Parse (`P`); a zero type OID leaves the parameter type to the server.
-pub fn parse(dst: &mut BytesMut, name: &str, query: &str, param_types: &[u32]) {
+pub fn parse(
+    dst: &mut BytesMut,
+    name: impl AsRef<[u8]>,
+    query: impl AsRef<[u8]>,
+    param_types: &[u32],
+) {
     framed(dst, frontend::PARSE, |b| {
-        put_cstr(b, name.as_bytes());
-        put_cstr(b, query.as_bytes());
+        put_cstr(b, name.as_ref());
+        put_cstr(b, query.as_ref());
         b.put_i16(count16(param_types.len()));
         for t in param_types.iter().take(i16::MAX as usize) {
             b.put_u32(*t);
@@ -489,7 +494,7 @@ mod tests {
         let p = message::parse_message(body(&m)).unwrap();
         assert_eq!(
             (p.name, p.query, p.param_type_count),
-            ("s1", "SELECT $1::int", 1)
+            (&b"s1"[..], &b"SELECT $1::int"[..], 1)
         );
         let (t, m) = one(&mut buf);
         assert_eq!(t, b'B');

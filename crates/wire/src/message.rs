@@ -294,12 +294,16 @@ pub fn query_text(body: &[u8]) -> Result<&str, BodyError> {
 }
 
 /// The parts of a Parse (`P`) body the proxy needs.
+///
+/// Name and query are raw bytes in the client's encoding: a client with
+/// `client_encoding = LATIN1` sends bytes that are not UTF-8, and the
+/// proxy's checks must see its statements all the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParseMsg<'a> {
     /// Statement name; empty for the unnamed statement.
-    pub name: &'a str,
+    pub name: &'a [u8],
     /// Query text.
-    pub query: &'a str,
+    pub query: &'a [u8],
     /// Number of parameter type OIDs the client specified (they follow in
     /// the body and are validated but not returned).
     pub param_type_count: u16,
@@ -308,8 +312,8 @@ pub struct ParseMsg<'a> {
 /// Reads a Parse (`P`) body.
 pub fn parse_message(body: &[u8]) -> Result<ParseMsg<'_>, BodyError> {
     let mut r = Reader::new(body);
-    let name = r.cstr()?;
-    let query = r.cstr()?;
+    let name = r.cstr_bytes()?;
+    let query = r.cstr_bytes()?;
     let count = r.i16()?;
     let count =
         u16::try_from(count).map_err(|_| BodyError::InvalidValue("negative parameter count"))?;
@@ -599,10 +603,15 @@ mod tests {
         assert_eq!(
             parse_message(b),
             Ok(ParseMsg {
-                name: "s1",
-                query: "SELECT $1",
+                name: b"s1",
+                query: b"SELECT $1",
                 param_type_count: 1
             })
+        );
+        // Not UTF-8 (a LATIN1 client): read all the same.
+        assert_eq!(
+            parse_message(b"s\xe9\0SELECT '\xe9'\0\0\0").map(|p| (p.name, p.query)),
+            Ok((&b"s\xe9"[..], &b"SELECT '\xe9'"[..]))
         );
         assert_eq!(
             parse_message(b"s1\0SELECT $1\0\0\x02\0\0\0\x17"),
