@@ -1002,3 +1002,75 @@ async fn latin1_clients_get_the_read_only_and_pinning_rules_too() {
         String::from_utf8_lossy(&row.1)
     );
 }
+
+/// A FunctionCall (`F`) message: the fast-path call of function `oid`
+/// with text arguments, text result.
+fn function_call(oid: u32, args: &[&[u8]]) -> Vec<u8> {
+    let mut b = oid.to_be_bytes().to_vec();
+    b.extend_from_slice(&1i16.to_be_bytes());
+    b.extend_from_slice(&0i16.to_be_bytes());
+    b.extend_from_slice(&(args.len() as i16).to_be_bytes());
+    for a in args {
+        b.extend_from_slice(&(a.len() as i32).to_be_bytes());
+        b.extend_from_slice(a);
+    }
+    b.extend_from_slice(&0i16.to_be_bytes());
+    let mut m = vec![b'F'];
+    m.extend_from_slice(&((b.len() + 4) as u32).to_be_bytes());
+    m.extend_from_slice(&b);
+    m
+}
+
+/// `set_config` through the fast-path function-call interface, with a
+/// write pipelined behind it, cannot make a read-only session write: the
+/// call is refused (25006) and the write fails, in the relay and in the
+/// transaction pool. Other function calls still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_services_refuse_set_config_through_function_calls() {
+    let c = TestCluster::builder().replicas(0).start();
+    let primary = c.conninfo(0);
+    sql_value(&primary, "CREATE TABLE fastpath_t (x int)").await;
+    let oid = |name: &'static str| {
+        let primary = primary.clone();
+        async move {
+            sql_value(&primary, &format!("SELECT '{name}'::regproc::oid"))
+                .await
+                .unwrap()
+                .parse::<u32>()
+                .unwrap()
+        }
+    };
+    let (set_config, version) = (
+        oid("pg_catalog.set_config").await,
+        oid("pg_catalog.version").await,
+    );
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        // No replica: the read-only service falls back to the primary.
+        let mut s = RawClient::connect(p.service_addrs()["read_only"], "UTF8");
+        let mut pipelined = function_call(
+            set_config,
+            &[b"default_transaction_read_only", b"off", b"false"],
+        );
+        pipelined.extend_from_slice(b"Q\0\0\0\x26INSERT INTO fastpath_t VALUES (1)\0");
+        let r = s.send(&pipelined);
+        assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        let r = s.until_ready();
+        assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        let r = s.send(&function_call(version, &[]));
+        assert_eq!(error_code(&r), None, "{pooled}: {r:?}");
+        let (_, v) = r.iter().find(|(t, _)| *t == b'V').expect("a result");
+        assert!(String::from_utf8_lossy(v).contains("PostgreSQL"), "{v:?}");
+        let r = s.simple(b"SHOW transaction_read_only");
+        let (_, row) = r.iter().find(|(t, _)| *t == b'D').expect("a row");
+        assert!(row.ends_with(b"on"), "{row:?}");
+    }
+    assert_eq!(
+        sql_value(&primary, "SELECT count(*) FROM fastpath_t")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+}

@@ -553,8 +553,39 @@ fn refusal_sql(message: &str) -> String {
     )
 }
 
+/// `pg_catalog.set_config(text, text, boolean)`, fixed in PostgreSQL's
+/// catalog.
+const SET_CONFIG_OID: u32 = 2078;
+
+/// The client messages a read-only service inspects.
+pub(crate) fn guarded(tag: u8) -> bool {
+    matches!(
+        tag,
+        frontend::QUERY | frontend::PARSE | frontend::FUNCTION_CALL
+    )
+}
+
+/// What to send instead of a client message on a read-only service, if
+/// it would make the session or its transaction read-write.
 pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesMut> {
     let body = &msg[5..];
+    if tag == frontend::FUNCTION_CALL {
+        // The fast-path interface calls a function by OID, with no SQL
+        // for the lexer to see: `set_config` there could turn off
+        // read-only before the server's report of it arrives, with
+        // statements pipelined behind it. A refused call gets the same
+        // ErrorResponse and ReadyForQuery a failed call would.
+        let oid = body.get(..4)?;
+        if u32::from_be_bytes([oid[0], oid[1], oid[2], oid[3]]) != SET_CONFIG_OID {
+            return None;
+        }
+        let sql = refusal_sql(&format!(
+            "service \"{service}\" is read-only: set_config through the function-call interface is not allowed"
+        ));
+        let mut out = BytesMut::new();
+        encode::query(&mut out, &sql);
+        return Some(out);
+    }
     let (text, parse) = match tag {
         frontend::QUERY => (pgwarden_wire::message::query_bytes(body).ok()?, None),
         frontend::PARSE => {
@@ -799,7 +830,7 @@ impl Io<'_> {
                 &mut sw,
                 &mut c2s,
                 self.from_client,
-                |t| read_only && (t == frontend::QUERY || t == frontend::PARSE),
+                |t| read_only && guarded(t),
                 |tag, msg| match guard_message(&name, tag, msg) {
                     Some(replacement) => {
                         self.refusals.inc();
@@ -927,6 +958,22 @@ mod tests {
         q.extend_from_slice(&(4 + body.len() as u32).to_be_bytes());
         q.extend_from_slice(body);
         assert!(guard_message("ro", frontend::QUERY, &q).is_some());
+    }
+
+    #[test]
+    fn fast_path_set_config_is_refused_and_other_calls_pass() {
+        let call = |oid: u32| {
+            let mut m = vec![frontend::FUNCTION_CALL, 0, 0, 0, 14];
+            m.extend_from_slice(&oid.to_be_bytes());
+            m.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+            m
+        };
+        let r =
+            guard_message("ro", frontend::FUNCTION_CALL, &call(SET_CONFIG_OID)).expect("refused");
+        assert_eq!(r[0], frontend::QUERY);
+        assert!(guard_message("ro", frontend::FUNCTION_CALL, &call(89)).is_none());
+        assert!(guard_message("ro", frontend::FUNCTION_CALL, &[b'F', 0, 0, 0, 4]).is_none());
+        assert!(guarded(frontend::FUNCTION_CALL) && !guarded(frontend::BIND));
     }
 
     #[test]

@@ -718,13 +718,14 @@ impl Session {
     /// Appends what to send to the server for one client message.
     fn translate(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
         let read_only = self.service.spec.read_only;
-        if read_only && (tag == frontend::QUERY || tag == frontend::PARSE) {
+        if read_only && crate::session::guarded(tag) {
             if let Some(replacement) =
                 crate::session::guard_message(&self.service.spec.name, tag, msg)
             {
                 // The refusal goes through the same bookkeeping as the
-                // statement it replaces (a named Parse keeps its name).
-                return self.forward(tag, &replacement, out);
+                // message it replaces (a named Parse keeps its name; a
+                // function call becomes a Query, answered alike).
+                return self.forward(replacement[0], &replacement, out);
             }
         }
         self.forward(tag, msg, out)
