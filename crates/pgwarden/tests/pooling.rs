@@ -1074,3 +1074,41 @@ async fn read_only_services_refuse_set_config_through_function_calls() {
         Some("0")
     );
 }
+
+/// A session advisory lock taken through the fast-path interface pins the
+/// client like `SELECT pg_advisory_lock(...)` does: its unlock reaches the
+/// server that holds the lock even while another client holds a
+/// transaction open. The pool hands out the server released last, so
+/// without the pin the other client would take the lock holder's server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_path_advisory_locks_pin_the_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let primary = c.conninfo(0);
+    let oid = |sig: &'static str| {
+        let primary = primary.clone();
+        async move {
+            sql_value(&primary, &format!("SELECT '{sig}'::regprocedure::oid"))
+                .await
+                .unwrap()
+                .parse::<u32>()
+                .unwrap()
+        }
+    };
+    let lock = oid("pg_catalog.pg_advisory_lock(bigint)").await;
+    let unlock = oid("pg_catalog.pg_advisory_unlock(bigint)").await;
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let r = a.send(&function_call(lock, &[b"42"]));
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    b.batch_execute("BEGIN").await.unwrap();
+    one(&b, "SELECT 1").await;
+    let r = a.send(&function_call(unlock, &[b"42"]));
+    let (_, v) = r.iter().find(|(t, _)| *t == b'V').expect("a result");
+    assert!(
+        v.ends_with(b"t"),
+        "the unlock ran where the lock is held: {r:?}"
+    );
+    b.batch_execute("COMMIT").await.unwrap();
+}

@@ -784,6 +784,14 @@ impl Session {
                     self.replies.parses.push_back((false, self.replies.sent));
                 }
             }
+            // The fast-path interface names its function by OID only.
+            frontend::FUNCTION_CALL
+                if body.get(..4).is_some_and(|b| {
+                    PINNING_FUNCTIONS.contains(&u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                }) =>
+            {
+                self.pinned = true;
+            }
             frontend::BIND => {
                 if let Ok((portal, stmt)) = message::bind_names(body) {
                     if !stmt.is_empty() {
@@ -1161,6 +1169,11 @@ fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
         (i > start).then(|| &sql[start..i])
     })
 }
+
+/// Functions (OIDs fixed in PostgreSQL's catalog) whose call through the
+/// fast-path interface pins the client: `set_config` (its value may be
+/// session-level) and the session advisory locks, in both signatures.
+const PINNING_FUNCTIONS: [u32; 9] = [2078, 2880, 2881, 2882, 2883, 2886, 2887, 2888, 2889];
 
 /// Whether the first word of `sql` is `keyword` (ASCII, any case).
 fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
