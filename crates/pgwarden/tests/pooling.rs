@@ -862,11 +862,15 @@ struct RawClient(std::net::TcpStream);
 
 impl RawClient {
     fn connect(addr: std::net::SocketAddr, client_encoding: &str) -> RawClient {
+        RawClient::connect_to(addr, "postgres", client_encoding)
+    }
+
+    fn connect_to(addr: std::net::SocketAddr, database: &str, client_encoding: &str) -> RawClient {
         use std::io::Write;
         let mut body = 196_608u32.to_be_bytes().to_vec();
         for (k, v) in [
             ("user", "postgres"),
-            ("database", "postgres"),
+            ("database", database),
             ("client_encoding", client_encoding),
         ] {
             body.extend_from_slice(k.as_bytes());
@@ -1111,4 +1115,28 @@ async fn fast_path_advisory_locks_pin_the_client() {
         "the unlock ran where the lock is held: {r:?}"
     );
     b.batch_execute("COMMIT").await.unwrap();
+}
+
+/// The admin console answers like a PostgreSQL server where it has no
+/// command to run: an empty query gets EmptyQueryResponse, and an
+/// extended-protocol batch (which it does not speak) gets one
+/// ErrorResponse, the rest of the batch skipped up to its Sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_console_answers_empty_queries_and_extended_batches_like_postgres() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let mut s = RawClient::connect_to(p.service_addrs()["read_write"], "pgwarden", "UTF8");
+    let tags = |r: &[(u8, Vec<u8>)]| r.iter().map(|(t, _)| *t as char).collect::<String>();
+    assert_eq!(tags(&s.simple(b"")), "IZ");
+    assert_eq!(tags(&s.simple(b" ; ")), "IZ");
+    let r = s.extended(b"", b"SHOW POOLS");
+    assert_eq!(tags(&r), "EZ", "{r:?}");
+    assert_eq!(error_code(&r).as_deref(), Some("0A000"));
+    // A Flush alone is no error, and the console still answers.
+    let r = s.send(&[b'H', 0, 0, 0, 4, b'S', 0, 0, 0, 4]);
+    assert_eq!(tags(&r), "Z", "{r:?}");
+    let r = s.simple(b"SHOW POOLS");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert!(tags(&r).ends_with("CZ"), "{r:?}");
 }

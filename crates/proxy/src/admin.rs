@@ -63,6 +63,9 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
         return;
     }
     let mut buf = BytesMut::with_capacity(1024);
+    // After an error in an extended-protocol batch, messages up to its
+    // Sync are skipped, as PostgreSQL does: one ErrorResponse per batch.
+    let mut skipping = false;
     loop {
         let (tag, msg) = loop {
             match message::split_message(&mut buf, 1 << 20) {
@@ -80,11 +83,21 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
             frontend::TERMINATE => return,
             frontend::QUERY => {
                 let text = message::query_text(&msg[5..]).unwrap_or("");
-                command(shared, text, &mut out);
+                if text.trim().trim_matches(';').trim().is_empty() {
+                    encode::empty_query_response(&mut out);
+                } else {
+                    command(shared, text, &mut out);
+                }
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
-            frontend::SYNC => encode::ready_for_query(&mut out, TxStatus::Idle),
+            frontend::SYNC => {
+                skipping = false;
+                encode::ready_for_query(&mut out, TxStatus::Idle);
+            }
+            frontend::FLUSH => {}
+            _ if skipping => {}
             _ => {
+                skipping = true;
                 encode::error_response(
                     &mut out,
                     Severity::Error,

@@ -235,6 +235,12 @@ pub fn authentication_sasl_final(dst: &mut BytesMut, data: &[u8]) {
     authentication(dst, 12, data);
 }
 
+/// EmptyQueryResponse (`I`): the answer to a query string with no
+/// statement in it.
+pub fn empty_query_response(dst: &mut BytesMut) {
+    framed(dst, backend::EMPTY_QUERY_RESPONSE, |_| {});
+}
+
 /// Query (`Q`).
 pub fn query(dst: &mut BytesMut, text: &str) {
     framed(dst, frontend::QUERY, |b| put_cstr(b, text.as_bytes()));
