@@ -555,7 +555,7 @@ fn refusal_sql(message: &str) -> String {
 
 /// `pg_catalog.set_config(text, text, boolean)`, fixed in PostgreSQL's
 /// catalog.
-const SET_CONFIG_OID: u32 = 2078;
+pub(crate) const SET_CONFIG_OID: u32 = 2078;
 
 /// The client messages a read-only service inspects.
 pub(crate) fn guarded(tag: u8) -> bool {
@@ -575,8 +575,7 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
         // read-only before the server's report of it arrives, with
         // statements pipelined behind it. A refused call gets the same
         // ErrorResponse and ReadyForQuery a failed call would.
-        let oid = body.get(..4)?;
-        if u32::from_be_bytes([oid[0], oid[1], oid[2], oid[3]]) != SET_CONFIG_OID {
+        if pgwarden_wire::message::function_call_oid(body).ok()? != SET_CONFIG_OID {
             return None;
         }
         let sql = refusal_sql(&format!(

@@ -786,9 +786,8 @@ impl Session {
             }
             // The fast-path interface names its function by OID only.
             frontend::FUNCTION_CALL
-                if body.get(..4).is_some_and(|b| {
-                    PINNING_FUNCTIONS.contains(&u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-                }) =>
+                if message::function_call_oid(body)
+                    .is_ok_and(|oid| PINNING_FUNCTIONS.contains(&oid)) =>
             {
                 self.pinned = true;
             }
@@ -1173,7 +1172,17 @@ fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
 /// Functions (OIDs fixed in PostgreSQL's catalog) whose call through the
 /// fast-path interface pins the client: `set_config` (its value may be
 /// session-level) and the session advisory locks, in both signatures.
-const PINNING_FUNCTIONS: [u32; 9] = [2078, 2880, 2881, 2882, 2883, 2886, 2887, 2888, 2889];
+const PINNING_FUNCTIONS: [u32; 9] = [
+    crate::session::SET_CONFIG_OID,
+    2880,
+    2881,
+    2882,
+    2883,
+    2886,
+    2887,
+    2888,
+    2889,
+];
 
 /// Whether the first word of `sql` is `keyword` (ASCII, any case).
 fn starts_with_word(sql: &[u8], keyword: &str) -> bool {

@@ -326,6 +326,12 @@ pub fn parse_message(body: &[u8]) -> Result<ParseMsg<'_>, BodyError> {
     })
 }
 
+/// The OID of the function a FunctionCall (`F`) body calls; the arguments
+/// are left to the server.
+pub fn function_call_oid(body: &[u8]) -> Result<u32, BodyError> {
+    Reader::new(body).i32().map(|oid| oid as u32)
+}
+
 /// Portal and statement names of a Bind (`B`) body, in that order.
 ///
 /// Only the names are read; parameter values and formats are left to the
@@ -621,6 +627,12 @@ mod tests {
             parse_message(b"\0q\0\xff\xff"),
             Err(BodyError::InvalidValue(_))
         ));
+    }
+
+    #[test]
+    fn function_call_oid_is_the_first_word() {
+        assert_eq!(function_call_oid(b"\0\0\x08\x1e\0\0"), Ok(2078));
+        assert_eq!(function_call_oid(b"\0\0"), Err(BodyError::Truncated));
     }
 
     #[test]

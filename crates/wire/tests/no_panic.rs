@@ -40,6 +40,7 @@ fn all_body_accessors(b: &[u8]) {
     let _ = message::query_text(b);
     let _ = message::query_bytes(b);
     let _ = message::parse_message(b);
+    let _ = message::function_call_oid(b);
     let _ = message::bind_names(b);
     let _ = message::close_target(b);
     let _ = message::describe_target(b);
