@@ -1140,3 +1140,54 @@ async fn admin_console_answers_empty_queries_and_extended_batches_like_postgres(
     assert_eq!(error_code(&r), None, "{r:?}");
     assert!(tags(&r).ends_with("CZ"), "{r:?}");
 }
+
+/// `DISCARD ALL` from one client (connection pools of Npgsql and others
+/// send it on every checkout) drops all prepared statements of the server
+/// it runs on. The other clients' statements there are prepared again when
+/// they are next used; the discarding client's own are gone, as on
+/// PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discard_all_from_one_client_does_not_break_the_others_statements() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One server: every client shares it.
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let a_stmt = a.prepare("SELECT $1::int4 + 1").await.unwrap();
+    let b_stmt = b.prepare("SELECT $1::int4 + 2").await.unwrap();
+    assert_eq!(
+        a.query_one(&a_stmt, &[&1i32])
+            .await
+            .unwrap()
+            .get::<_, i32>(0),
+        2
+    );
+    assert_eq!(
+        b.query_one(&b_stmt, &[&1i32])
+            .await
+            .unwrap()
+            .get::<_, i32>(0),
+        3
+    );
+    for discard in ["DISCARD ALL", "discard all;"] {
+        b.batch_execute(discard).await.unwrap();
+        let row = a.query_one(&a_stmt, &[&2i32]).await.unwrap();
+        assert_eq!(row.get::<_, i32>(0), 3, "after {discard}");
+        let err = b.query_one(&b_stmt, &[&1i32]).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("26000"), "{err}");
+    }
+    // Through the extended protocol too.
+    let discard = b.prepare("DISCARD ALL").await.unwrap();
+    b.execute(&discard, &[]).await.unwrap();
+    let row = a.query_one(&a_stmt, &[&3i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 4);
+    // A DISCARD ALL that fails (inside a transaction block) leaves the
+    // server's statements where they were; a's still works.
+    b.batch_execute("BEGIN").await.unwrap();
+    let err = b.batch_execute("DISCARD ALL").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("25001"), "{err}");
+    b.batch_execute("ROLLBACK").await.unwrap();
+    let row = a.query_one(&a_stmt, &[&4i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 5);
+}

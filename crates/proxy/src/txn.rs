@@ -358,6 +358,10 @@ struct Session {
     /// The timer of the client's waits for a server, kept once it has
     /// waited ([`crate::pool::Pool::checkout_timed`]).
     wait_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// A `DISCARD ALL` / `DEALLOCATE ALL` went to the attached server
+    /// ([`Session::forget_statements`]), and whether an error followed.
+    discarding: bool,
+    discard_failed: bool,
 }
 
 impl Session {
@@ -411,6 +415,8 @@ impl Session {
             paused: service.handles.paused.clone(),
             wait_histogram: service.handles.pool_wait.clone(),
             wait_timer: None,
+            discarding: false,
+            discard_failed: false,
         };
         (session, early)
     }
@@ -640,9 +646,11 @@ impl Session {
 
     fn detach(&mut self, reusable: bool) {
         crate::bufcache::release(&mut self.outbuf);
+        let uncertain = std::mem::take(&mut self.discard_failed);
+        self.discarding = false;
         if let Some(c) = self.attached.take() {
             *self.cancel_target.lock().expect("poisoned") = None;
-            c.release(reusable);
+            c.release(reusable && !uncertain);
         }
     }
 
@@ -745,6 +753,9 @@ impl Session {
                 if pins_session(text) {
                     self.pinned = true;
                 }
+                if discards_all(text) {
+                    self.forget_statements();
+                }
                 let rewritten = if starts_with_word(text, "DEALLOCATE") {
                     std::str::from_utf8(text)
                         .ok()
@@ -762,6 +773,9 @@ impl Session {
                 if let Ok(p) = message::parse_message(body) {
                     if pins_session(p.query) {
                         self.pinned = true;
+                    }
+                    if discards_all(p.query) {
+                        self.forget_statements();
                     }
                     // A name that is not UTF-8 is passed on as it is, not
                     // followed from server to server.
@@ -898,6 +912,23 @@ impl Session {
         }
     }
 
+    /// The client dropped every prepared statement of its session
+    /// (`DEALLOCATE ALL`, `DISCARD ALL`): its own are gone, and so is
+    /// everything on the attached server, other clients' statements
+    /// included; those are prepared again on demand.
+    ///
+    /// Should the statement fail (inside a transaction block, say), the
+    /// server keeps statements its cache no longer lists, and preparing
+    /// them again would fail: an error before the server is released
+    /// closes it instead.
+    fn forget_statements(&mut self) {
+        self.statements.clear();
+        if let Some(c) = self.attached.as_mut() {
+            c.conn.prepared.clear();
+            self.discarding = true;
+        }
+    }
+
     /// `DEALLOCATE name` / `DEALLOCATE ALL` for protocol-level statements
     /// (psycopg evicts its cache that way): renamed to the server-side name.
     fn deallocate(&mut self, text: &str, out: &mut BytesMut) -> Option<String> {
@@ -914,12 +945,7 @@ impl Session {
             return None;
         }
         if name.eq_ignore_ascii_case("all") {
-            self.statements.clear();
-            if let Some(c) = self.attached.as_mut() {
-                // Other clients' statements on this server go too; they are
-                // prepared again on demand.
-                c.conn.prepared.clear();
-            }
+            self.forget_statements();
             return None;
         }
         let name = name.trim_matches('"');
@@ -961,7 +987,7 @@ impl Session {
                     | backend::CLOSE_COMPLETE
                     | backend::READY_FOR_QUERY
                     | backend::PARAMETER_STATUS
-            );
+            ) || (self.discarding && h.tag == backend::ERROR_RESPONSE);
             if !interesting {
                 let n = total.min(avail);
                 pos += n;
@@ -998,6 +1024,7 @@ impl Session {
                     }
                     self.replies.closes.pop_front();
                 }
+                backend::ERROR_RESPONSE => self.discard_failed = true,
                 backend::READY_FOR_QUERY => {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.done += 1;
@@ -1184,6 +1211,15 @@ const PINNING_FUNCTIONS: [u32; 9] = [
     2889,
 ];
 
+/// Whether `sql` is `DISCARD ALL`, which drops the server's prepared
+/// statements (it cannot run inside a transaction block, so it is the
+/// only statement of its text).
+fn discards_all(sql: &[u8]) -> bool {
+    let mut w = words(sql);
+    w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"DISCARD"))
+        && w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"ALL"))
+}
+
 /// Whether the first word of `sql` is `keyword` (ASCII, any case).
 fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
     words(sql)
@@ -1284,6 +1320,9 @@ mod tests {
         ] {
             assert!(!pins_session(s.as_bytes()), "{s}");
         }
+        assert!(super::discards_all(b"discard  ALL;"));
+        assert!(!super::discards_all(b"DISCARD PLANS"));
+        assert!(!super::discards_all(b"SELECT 'DISCARD ALL'"));
         // Literals in a client encoding other than UTF-8 (LATIN1 'é').
         assert!(pins_session(b"SET search_path TO '\xe9'"));
         assert!(pins_session(b"LISTEN \"ch\xe9\""));
