@@ -923,27 +923,39 @@ impl RawClient {
 
     /// Parse under `name`, Bind, Execute, Sync.
     fn extended(&mut self, name: &[u8], sql: &[u8]) -> Vec<(u8, Vec<u8>)> {
-        let mut m = vec![b'P'];
-        m.extend_from_slice(&((4 + name.len() + 1 + sql.len() + 1 + 2) as u32).to_be_bytes());
-        for part in [name, sql] {
-            m.extend_from_slice(part);
-            m.push(0);
-        }
-        m.extend_from_slice(&[0, 0]);
-        let mut bind = vec![b'B'];
-        let body_len = 1 + name.len() + 1 + 2 + 2 + 2;
-        bind.extend_from_slice(&((body_len + 4) as u32).to_be_bytes());
-        bind.push(0);
-        bind.extend_from_slice(name);
-        bind.push(0);
-        bind.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-        m.extend_from_slice(&bind);
-        // Execute the unnamed portal, all rows; Sync.
-        m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
-        m.extend_from_slice(&[b'S', 0, 0, 0, 4]);
+        let mut m = msg_parse(name, sql);
+        m.extend(msg_bind_execute(name));
+        m.extend_from_slice(MSG_SYNC);
         self.send(&m)
     }
 }
+
+/// Parse of `sql` as statement `name`, parameter types left to the server.
+fn msg_parse(name: &[u8], sql: &[u8]) -> Vec<u8> {
+    let mut m = vec![b'P'];
+    m.extend_from_slice(&((4 + name.len() + 1 + sql.len() + 1 + 2) as u32).to_be_bytes());
+    for part in [name, sql] {
+        m.extend_from_slice(part);
+        m.push(0);
+    }
+    m.extend_from_slice(&[0, 0]);
+    m
+}
+
+/// Bind of statement `name` (no parameters) to the unnamed portal, and
+/// Execute of it, all rows.
+fn msg_bind_execute(name: &[u8]) -> Vec<u8> {
+    let mut m = vec![b'B'];
+    m.extend_from_slice(&((4 + 1 + name.len() + 1 + 6) as u32).to_be_bytes());
+    m.push(0);
+    m.extend_from_slice(name);
+    m.push(0);
+    m.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
+    m
+}
+
+const MSG_SYNC: &[u8] = &[b'S', 0, 0, 0, 4];
 
 /// The SQLSTATE of the first ErrorResponse among `replies`.
 fn error_code(replies: &[(u8, Vec<u8>)]) -> Option<String> {
@@ -1190,4 +1202,80 @@ async fn discard_all_from_one_client_does_not_break_the_others_statements() {
     b.batch_execute("ROLLBACK").await.unwrap();
     let row = a.query_one(&a_stmt, &[&4i32]).await.unwrap();
     assert_eq!(row.get::<_, i32>(0), 5);
+}
+
+/// A client that closes a statement and prepares another under the same
+/// name gets the new one, also on a server that still holds the old one:
+/// the Close reached only the server the client was on at the time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_name_reused_after_close_gets_the_new_statement() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let value = |r: &[(u8, Vec<u8>)]| {
+        assert_eq!(error_code(r), None, "{r:?}");
+        let (_, row) = r.iter().find(|(t, _)| *t == b'D').expect("a row");
+        String::from_utf8_lossy(&row[6..]).into_owned()
+    };
+    assert_eq!(value(&a.extended(b"s1", b"SELECT 'old'")), "old");
+    // b takes the server a used; a's Close goes to the other one.
+    b.batch_execute("BEGIN").await.unwrap();
+    one(&b, "SELECT 1").await;
+    let r = a.send(&[b'C', 0, 0, 0, 8, b'S', b's', b'1', 0, b'S', 0, 0, 0, 4]);
+    assert_eq!(
+        r.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+        b"3Z",
+        "{r:?}"
+    );
+    b.batch_execute("COMMIT").await.unwrap();
+    // Back on the server that still has the old statement.
+    assert_eq!(value(&a.extended(b"s1", b"SELECT 'new'")), "new");
+    let mut bind_again = msg_bind_execute(b"s1");
+    bind_again.extend_from_slice(MSG_SYNC);
+    assert_eq!(value(&a.send(&bind_again)), "new");
+}
+
+/// A statement pgwarden prepares on a server just before the client binds
+/// it, in a batch where an earlier message failed, is skipped by the
+/// server; pgwarden then knows it is not there and prepares it again the
+/// next time instead of binding a statement the server does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_prepared_in_a_failed_batch_is_prepared_again() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let r = a.extended(b"s2", b"SELECT 'two'");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let mut use_s2 = msg_bind_execute(b"s2");
+    use_s2.extend_from_slice(MSG_SYNC);
+    for round in 0..2 {
+        // b holds the server that has s2, so a is on the other one.
+        b.batch_execute("BEGIN").await.unwrap();
+        one(&b, "SELECT 1").await;
+        if round == 0 {
+            // A failing statement first: the server skips the rest of the
+            // batch, the Parse pgwarden puts before the Bind of s2 too.
+            let mut batch = msg_parse(b"", b"SELECT 1/0");
+            batch.extend(msg_bind_execute(b""));
+            batch.extend(msg_bind_execute(b"s2"));
+            batch.extend_from_slice(MSG_SYNC);
+            let r = a.send(&batch);
+            assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+        } else {
+            let r = a.send(&use_s2);
+            assert_eq!(error_code(&r), None, "{r:?}");
+            let (_, row) = r.iter().find(|(t, _)| *t == b'D').expect("a row");
+            assert!(row.ends_with(b"two"), "{row:?}");
+        }
+        b.batch_execute("COMMIT").await.unwrap();
+    }
 }

@@ -64,10 +64,9 @@ impl Fatal {
 struct Replies {
     /// Queries and Syncs sent whose ReadyForQuery has not come back.
     pending: usize,
-    /// Parse messages sent and not yet answered: `true` = injected by
-    /// pgwarden (swallow its ParseComplete). Tagged with the batch they
+    /// Parse messages sent and not yet answered, with the batch they
     /// belong to, so those skipped after an error are dropped at its Sync.
-    parses: VecDeque<(bool, u64)>,
+    parses: VecDeque<SentParse>,
     /// Close messages sent and not yet answered, tagged likewise: `Some`
     /// = a statement pgwarden closed to keep the server's cache bounded
     /// (swallow its CloseComplete; if the server skipped it, the
@@ -80,6 +79,16 @@ struct Replies {
     open_batch: bool,
     /// Last transaction status the server reported.
     status: Option<TxStatus>,
+}
+
+/// A Parse sent to the attached server.
+struct SentParse {
+    /// Injected by pgwarden: its ParseComplete is swallowed.
+    injected: bool,
+    /// The server-side name of a statement pgwarden follows; should the
+    /// server skip the Parse, the statement is not there after all.
+    name: Option<Arc<str>>,
+    batch: u64,
 }
 
 impl Replies {
@@ -362,6 +371,8 @@ struct Session {
     /// ([`Session::forget_statements`]), and whether an error followed.
     discarding: bool,
     discard_failed: bool,
+    /// Named Parse messages so far, numbering server-side names.
+    parses_named: u64,
 }
 
 impl Session {
@@ -417,12 +428,25 @@ impl Session {
             wait_timer: None,
             discarding: false,
             discard_failed: false,
+            parses_named: 0,
         };
         (session, early)
     }
 
-    fn server_name(&self, name: &str) -> String {
-        format!("pgw{}_{name}", self.client_id)
+    /// The server-side name for a client's statement: unique per Parse, so
+    /// that a name the client closes and prepares again never meets its
+    /// old statement on a server the Close did not reach.
+    fn server_name(&mut self, name: &str) -> String {
+        self.parses_named += 1;
+        format!("pgw{}_{}_{name}", self.client_id, self.parses_named)
+    }
+
+    /// The server-side name for a statement the client never prepared
+    /// here: no statement has it (the `u` keeps it apart from
+    /// [`Session::server_name`]'s), so the server answers as PostgreSQL
+    /// would for an unknown name.
+    fn untracked_name(&self, name: &str) -> String {
+        format!("pgw{}u_{name}", self.client_id)
     }
 
     /// Picks a host and borrows a connection from its pool, waiting in
@@ -783,19 +807,26 @@ impl Session {
                     if let Some(name) = named {
                         let name = name.to_string();
                         let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
-                        let sname = self.server_name(&name);
-                        self.statements
-                            .insert(name, (Arc::from(sname.as_str()), rest.clone()));
+                        let sname: Arc<str> = Arc::from(self.server_name(&name));
+                        self.statements.insert(name, (sname.clone(), rest.clone()));
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.prepared.insert(&sname);
                         }
-                        self.replies.parses.push_back((false, self.replies.sent));
+                        self.replies.parses.push_back(SentParse {
+                            injected: false,
+                            name: Some(sname.clone()),
+                            batch: self.replies.sent,
+                        });
                         self.replies.open_batch = true;
                         put_parse(out, &sname, &rest);
                         self.bound_statements(&sname, out);
                         return Ok(());
                     }
-                    self.replies.parses.push_back((false, self.replies.sent));
+                    self.replies.parses.push_back(SentParse {
+                        injected: false,
+                        name: None,
+                        batch: self.replies.sent,
+                    });
                 }
             }
             // The fast-path interface names its function by OID only.
@@ -830,8 +861,12 @@ impl Session {
                         let sname = if tag == frontend::DESCRIBE {
                             self.ensure(&name, out)
                         } else {
-                            self.statements.remove(&name);
-                            let s: Arc<str> = Arc::from(self.server_name(&name));
+                            // A name the client never prepared here gets
+                            // one no statement has: closing it is no error.
+                            let s = match self.statements.remove(&name) {
+                                Some((s, _)) => s,
+                                None => Arc::from(self.untracked_name(&name)),
+                            };
                             if let Some(c) = self.attached.as_mut() {
                                 c.conn.prepared.remove(&s);
                             }
@@ -880,14 +915,18 @@ impl Session {
     /// Runs per Bind, so a known statement costs no allocation.
     fn ensure(&mut self, name: &str, out: &mut BytesMut) -> Arc<str> {
         let Some((sname, rest)) = self.statements.get(name) else {
-            return Arc::from(self.server_name(name));
+            return Arc::from(self.untracked_name(name));
         };
         let sname = sname.clone();
         if let Some(c) = self.attached.as_mut() {
             if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
                 c.conn.prepared.insert(&sname);
-                self.replies.parses.push_back((true, self.replies.sent));
+                self.replies.parses.push_back(SentParse {
+                    injected: true,
+                    name: Some(sname.clone()),
+                    batch: self.replies.sent,
+                });
                 self.bound_statements(&sname, out);
             }
         }
@@ -1004,7 +1043,8 @@ impl Session {
             match h.tag {
                 backend::PARSE_COMPLETE => {
                     self.drop_stale_parses();
-                    if let Some((true, _)) = self.replies.parses.pop_front() {
+                    if let Some(SentParse { injected: true, .. }) = self.replies.parses.pop_front()
+                    {
                         let o = out.get_or_insert_with(BytesMut::new);
                         o.extend_from_slice(&buf[..pos]);
                         buf.advance(pos + total);
@@ -1081,11 +1121,18 @@ impl Session {
     fn drop_stale_parses(&mut self) {
         // Parses of a batch that has completed can no longer be answered
         // (an error made the server skip them).
-        while let Some(&(_, batch)) = self.replies.parses.front() {
-            if batch < self.replies.done {
-                self.replies.parses.pop_front();
-            } else {
+        while let Some(p) = self.replies.parses.front() {
+            if p.batch >= self.replies.done {
                 break;
+            }
+            if let (
+                Some(SentParse {
+                    name: Some(name), ..
+                }),
+                Some(c),
+            ) = (self.replies.parses.pop_front(), self.attached.as_mut())
+            {
+                c.conn.prepared.remove(&name);
             }
         }
     }
