@@ -914,11 +914,7 @@ impl RawClient {
     }
 
     fn simple(&mut self, sql: &[u8]) -> Vec<(u8, Vec<u8>)> {
-        let mut m = vec![b'Q'];
-        m.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
-        m.extend_from_slice(sql);
-        m.push(0);
-        self.send(&m)
+        self.send(&msg_query(sql))
     }
 
     /// Parse under `name`, Bind, Execute, Sync.
@@ -928,6 +924,15 @@ impl RawClient {
         m.extend_from_slice(MSG_SYNC);
         self.send(&m)
     }
+}
+
+/// Query (simple protocol) of `sql`.
+fn msg_query(sql: &[u8]) -> Vec<u8> {
+    let mut m = vec![b'Q'];
+    m.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
+    m.extend_from_slice(sql);
+    m.push(0);
+    m
 }
 
 /// Parse of `sql` as statement `name`, parameter types left to the server.
@@ -1070,7 +1075,7 @@ async fn read_only_services_refuse_set_config_through_function_calls() {
             set_config,
             &[b"default_transaction_read_only", b"off", b"false"],
         );
-        pipelined.extend_from_slice(b"Q\0\0\0\x26INSERT INTO fastpath_t VALUES (1)\0");
+        pipelined.extend(msg_query(b"INSERT INTO fastpath_t VALUES (1)"));
         let r = s.send(&pipelined);
         assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
         let r = s.until_ready();
