@@ -1284,3 +1284,101 @@ async fn a_statement_prepared_in_a_failed_batch_is_prepared_again() {
         b.batch_execute("COMMIT").await.unwrap();
     }
 }
+
+const MSG_FLUSH: &[u8] = &[b'H', 0, 0, 0, 4];
+
+/// libpq's pipeline mode (psycopg 3's `conn.pipeline()`) follows each
+/// Sync with a Flush. A Flush once the transaction has ended asks for
+/// nothing that needs a server, so it must not hold one: on a pool of
+/// one, another client still gets the server at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_between_transactions_does_not_hold_a_server() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(1, Duration::from_secs(5)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    // A pipeline whose second statement fails, as psycopg sends it.
+    let mut pipeline = msg_parse(b"", b"SELECT 1");
+    pipeline.extend(msg_bind_execute(b""));
+    pipeline.extend(msg_parse(b"", b"SELECT 1/0"));
+    pipeline.extend(msg_bind_execute(b""));
+    pipeline.extend_from_slice(MSG_FLUSH);
+    pipeline.extend_from_slice(MSG_SYNC);
+    pipeline.extend_from_slice(MSG_FLUSH);
+    for round in 0..3 {
+        let r = a.send(&pipeline);
+        assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+        if round == 2 {
+            // A Flush on its own, between transactions.
+            std::io::Write::write_all(&mut a.0, MSG_FLUSH).unwrap();
+        }
+        assert_eq!(one(&b, "SELECT 7").await, "7", "round {round}");
+    }
+    assert_eq!(one(&b, "SELECT 8").await, "8");
+    let r = a.simple(b"SELECT 9");
+    assert_eq!(error_code(&r), None, "{r:?}");
+}
+
+/// A client may prepare `DISCARD ALL` in one batch and run it in another
+/// (psycopg 3 does, with `prepare_threshold=0`): the two can land on
+/// different servers. The statements are gone from the server it ran on,
+/// not from the one where it was only prepared; another client's statement
+/// keeps working on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let addr = p.service_addrs()["read_write"];
+    let (mut a, mut b) = (
+        RawClient::connect(addr, "UTF8"),
+        RawClient::connect(addr, "UTF8"),
+    );
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let mut use_sb = msg_bind_execute(b"sb");
+    use_sb.extend_from_slice(MSG_SYNC);
+    let b_runs = |b: &mut RawClient, step: &str| {
+        let r = b.send(&use_sb);
+        assert_eq!(error_code(&r), None, "{step}: {r:?}");
+        assert!(
+            r.iter().any(|(t, body)| *t == b'D' && body.ends_with(b"b")),
+            "{step}: {r:?}"
+        );
+    };
+    // b's statement on both servers: X, then Y while the holder has X.
+    let r = b.extended(b"sb", b"SELECT 'b'");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    holder.batch_execute("BEGIN").await.unwrap();
+    b_runs(&mut b, "prepared on the second server");
+    holder.batch_execute("COMMIT").await.unwrap();
+    // a prepares DISCARD ALL on X...
+    let mut prepare = msg_parse(b"d", b"DISCARD ALL");
+    prepare.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&prepare)), None);
+    // ...and runs it on Y, while the holder has X.
+    holder.batch_execute("BEGIN").await.unwrap();
+    let mut run = msg_bind_execute(b"d");
+    run.extend_from_slice(MSG_SYNC);
+    let r = a.send(&run);
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert!(
+        r.iter()
+            .any(|(t, body)| *t == b'C' && body.starts_with(b"DISCARD ALL")),
+        "{r:?}"
+    );
+    b_runs(&mut b, "on the server DISCARD ALL ran on");
+    holder.batch_execute("COMMIT").await.unwrap();
+    b_runs(&mut b, "on the server DISCARD ALL was prepared on");
+    // As on PostgreSQL, `d` dropped itself.
+    let r = a.send(&run);
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+}

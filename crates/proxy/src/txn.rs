@@ -342,9 +342,12 @@ struct Session {
     replies: Replies,
     /// The client's view of the tracked session parameters.
     params: Tracked,
-    /// The client's named statements: name → its name on servers and the
-    /// Parse body after the name (kept to prepare it on other servers).
-    statements: HashMap<String, (Arc<str>, Bytes)>,
+    /// The client's named statements: name → its name on servers, the
+    /// Parse body after the name (kept to prepare it on other servers) and
+    /// whether running it drops every statement ([`drops_statements`]).
+    statements: HashMap<String, (Arc<str>, Bytes, bool)>,
+    /// The unnamed statement drops every statement when run.
+    unnamed_drops: bool,
     /// The client used session state (LISTEN, session advisory locks,
     /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
     /// keeps its server connection until it disconnects.
@@ -416,6 +419,7 @@ impl Session {
             replies: Replies::default(),
             params,
             statements: HashMap::new(),
+            unnamed_drops: false,
             pinned: false,
             cancel_target: Arc::new(Mutex::new(None)),
             skip: 0,
@@ -724,6 +728,13 @@ impl Session {
                 self.flush(out).await?;
                 return Ok(true);
             }
+            // pgwarden passes replies on as they come, so a Flush between
+            // transactions has nothing to push; libpq's pipeline mode
+            // sends one after each Sync, and it must not take a server.
+            if tag == frontend::FLUSH && self.attached.is_none() {
+                buf.advance(total);
+                continue;
+            }
             self.attach().await?;
             self.translate(tag, &buf[..total], out)?;
             buf.advance(total);
@@ -777,7 +788,7 @@ impl Session {
                 if pins_session(text) {
                     self.pinned = true;
                 }
-                if discards_all(text) {
+                if drops_statements(text) {
                     self.forget_statements();
                 }
                 let rewritten = if starts_with_word(text, "DEALLOCATE") {
@@ -798,9 +809,9 @@ impl Session {
                     if pins_session(p.query) {
                         self.pinned = true;
                     }
-                    if discards_all(p.query) {
-                        self.forget_statements();
-                    }
+                    // Forgotten when run, not here: the Bind may come in a
+                    // later batch, on another server.
+                    let drops = drops_statements(p.query);
                     // A name that is not UTF-8 is passed on as it is, not
                     // followed from server to server.
                     let named = std::str::from_utf8(p.name).ok().filter(|n| !n.is_empty());
@@ -808,7 +819,8 @@ impl Session {
                         let name = name.to_string();
                         let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
                         let sname: Arc<str> = Arc::from(self.server_name(&name));
-                        self.statements.insert(name, (sname.clone(), rest.clone()));
+                        self.statements
+                            .insert(name, (sname.clone(), rest.clone(), drops));
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.prepared.insert(&sname);
                         }
@@ -822,6 +834,7 @@ impl Session {
                         self.bound_statements(&sname, out);
                         return Ok(());
                     }
+                    self.unnamed_drops = drops;
                     self.replies.parses.push_back(SentParse {
                         injected: false,
                         name: None,
@@ -840,7 +853,10 @@ impl Session {
                 if let Ok((portal, stmt)) = message::bind_names(body) {
                     if !stmt.is_empty() {
                         let skip = portal.len() + 1 + stmt.len() + 1;
-                        let sname = self.ensure(stmt, out);
+                        let (sname, drops) = self.ensure(stmt, out);
+                        if drops {
+                            self.forget_statements();
+                        }
                         let rest = &body[skip.min(body.len())..];
                         out.put_u8(frontend::BIND);
                         out.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
@@ -852,6 +868,9 @@ impl Session {
                         self.replies.open_batch = true;
                         return Ok(());
                     }
+                    if stmt.is_empty() && self.unnamed_drops {
+                        self.forget_statements();
+                    }
                 }
             }
             frontend::DESCRIBE | frontend::CLOSE => {
@@ -859,12 +878,12 @@ impl Session {
                     if !name.is_empty() {
                         let name = name.to_string();
                         let sname = if tag == frontend::DESCRIBE {
-                            self.ensure(&name, out)
+                            self.ensure(&name, out).0
                         } else {
                             // A name the client never prepared here gets
                             // one no statement has: closing it is no error.
                             let s = match self.statements.remove(&name) {
-                                Some((s, _)) => s,
+                                Some((s, ..)) => s,
                                 None => Arc::from(self.untracked_name(&name)),
                             };
                             if let Some(c) = self.attached.as_mut() {
@@ -898,12 +917,13 @@ impl Session {
                     self.replies.open_batch = false;
                 }
             }
+            // Not Flush: it asks for replies without starting anything
+            // that needs this server, and after a Sync it ends no batch.
             frontend::PARSE
             | frontend::BIND
             | frontend::DESCRIBE
             | frontend::EXECUTE
-            | frontend::CLOSE
-            | frontend::FLUSH => {
+            | frontend::CLOSE => {
                 self.replies.open_batch = true;
             }
             _ => {}
@@ -912,12 +932,13 @@ impl Session {
 
     /// Makes sure the client's statement `name` exists on the attached
     /// server, injecting its Parse if needed; returns the server-side name.
-    /// Runs per Bind, so a known statement costs no allocation.
-    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> Arc<str> {
-        let Some((sname, rest)) = self.statements.get(name) else {
-            return Arc::from(self.untracked_name(name));
+    /// Runs per Bind, so a known statement costs no allocation. Also says
+    /// whether running the statement drops every statement.
+    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> (Arc<str>, bool) {
+        let Some((sname, rest, drops)) = self.statements.get(name) else {
+            return (Arc::from(self.untracked_name(name)), false);
         };
-        let sname = sname.clone();
+        let (sname, drops) = (sname.clone(), *drops);
         if let Some(c) = self.attached.as_mut() {
             if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
@@ -930,7 +951,7 @@ impl Session {
                 self.bound_statements(&sname, out);
             }
         }
-        sname
+        (sname, drops)
     }
 
     /// Closes the least recently used statements of the attached server
@@ -983,15 +1004,15 @@ impl Session {
         if words.next().is_some() {
             return None;
         }
+        // Forgotten already (`drops_statements`).
         if name.eq_ignore_ascii_case("all") {
-            self.forget_statements();
             return None;
         }
         let name = name.trim_matches('"');
         if !self.statements.contains_key(name) {
             return None;
         }
-        let sname = self.ensure(name, out);
+        let (sname, _) = self.ensure(name, out);
         self.statements.remove(name);
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.remove(&sname);
@@ -1228,6 +1249,40 @@ const WORD: [bool; 256] = {
     t
 };
 
+/// `sql` from its first token on: past white space and comments (`--` to
+/// the end of the line, `/* */` nested), as PostgreSQL's lexer skips them.
+fn after_comments(mut sql: &[u8]) -> &[u8] {
+    loop {
+        let trimmed = sql.trim_ascii_start();
+        if let Some(rest) = trimmed.strip_prefix(b"--") {
+            let end = rest
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(rest.len(), |p| p + 1);
+            sql = &rest[end..];
+        } else if trimmed.starts_with(b"/*") {
+            let (mut depth, mut i) = (0usize, 0);
+            while i < trimmed.len() {
+                if trimmed[i..].starts_with(b"/*") {
+                    depth += 1;
+                    i += 2;
+                } else if trimmed[i..].starts_with(b"*/") {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            sql = &trimmed[i..];
+        } else {
+            return trimmed;
+        }
+    }
+}
+
 /// The words of `sql`, in place: runs of ASCII letters, digits and `_`.
 fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
     let mut i = 0;
@@ -1258,18 +1313,28 @@ const PINNING_FUNCTIONS: [u32; 9] = [
     2889,
 ];
 
-/// Whether `sql` is `DISCARD ALL`, which drops the server's prepared
-/// statements (it cannot run inside a transaction block, so it is the
-/// only statement of its text).
-fn discards_all(sql: &[u8]) -> bool {
-    let mut w = words(sql);
-    w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"DISCARD"))
-        && w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"ALL"))
+/// Whether running `sql` drops every prepared statement of the session:
+/// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL`.
+fn drops_statements(sql: &[u8]) -> bool {
+    let mut w = words(after_comments(sql));
+    match w.next() {
+        Some(first) if first.eq_ignore_ascii_case(b"DISCARD") => {
+            w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"ALL"))
+        }
+        Some(first) if first.eq_ignore_ascii_case(b"DEALLOCATE") => {
+            let mut next = w.next();
+            if next.is_some_and(|n| n.eq_ignore_ascii_case(b"PREPARE")) {
+                next = w.next();
+            }
+            next.is_some_and(|n| n.eq_ignore_ascii_case(b"ALL"))
+        }
+        _ => false,
+    }
 }
 
 /// Whether the first word of `sql` is `keyword` (ASCII, any case).
 fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
-    words(sql)
+    words(after_comments(sql))
         .next()
         .is_some_and(|w| w.eq_ignore_ascii_case(keyword.as_bytes()))
 }
@@ -1367,9 +1432,17 @@ mod tests {
         ] {
             assert!(!pins_session(s.as_bytes()), "{s}");
         }
-        assert!(super::discards_all(b"discard  ALL;"));
-        assert!(!super::discards_all(b"DISCARD PLANS"));
-        assert!(!super::discards_all(b"SELECT 'DISCARD ALL'"));
+        assert!(super::drops_statements(b"discard  ALL;"));
+        assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
+        assert!(super::drops_statements(b"deallocate prepare all"));
+        assert!(!super::drops_statements(b"DEALLOCATE s1"));
+        assert!(!super::drops_statements(b"DISCARD PLANS"));
+        assert!(!super::drops_statements(b"SELECT 'DISCARD ALL'"));
+        assert!(!super::drops_statements(b"/* DISCARD ALL */ SELECT 1"));
+        assert!(super::drops_statements(
+            b"-- DISCARD\n/* a /* b */ c */DISCARD ALL"
+        ));
+        assert!(!super::drops_statements(b"/* unterminated DISCARD ALL"));
         // Literals in a client encoding other than UTF-8 (LATIN1 'é').
         assert!(pins_session(b"SET search_path TO '\xe9'"));
         assert!(pins_session(b"LISTEN \"ch\xe9\""));
