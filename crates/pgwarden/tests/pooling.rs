@@ -1382,3 +1382,71 @@ async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
     let r = a.send(&run);
     assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
 }
+
+/// A cancel request still on its way to the server when the client's query
+/// ends must not cancel the next client's query on that server: the server
+/// goes back to the pool only once the request is delivered. The relay
+/// holds the forwarded request (a slow postmaster) while the first query
+/// ends and the next client asks for the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        pool(1, WAIT),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let active = |query: &'static str| {
+        let direct = direct.clone();
+        async move {
+            let q = format!("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query = '{query}'");
+            sql_value(&direct, &q).await.as_deref() == Some("1")
+        }
+    };
+    let token = a.cancel_token();
+    let first = tokio::spawn(async move { a.simple_query("SELECT pg_sleep(1)").await.map(|_| ()) });
+    pgwarden_testkit::eventually("a's query runs", WAIT, || async {
+        if active("SELECT pg_sleep(1)").await {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    relay.set_hold_new(true);
+    let before = relay.connections();
+    let cancel = tokio::spawn(async move { token.cancel_query(tokio_postgres::NoTls).await });
+    pgwarden_testkit::eventually("the cancel request reaches the relay", WAIT, || async {
+        if relay.connections() > before {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    // The request is held: a's query ends on its own.
+    first.await.unwrap().expect("a's query was not cancelled");
+    let second =
+        tokio::spawn(async move { b.simple_query("SELECT pg_sleep(0.2)").await.map(|_| ()) });
+    let http = p.http_addr().unwrap();
+    pgwarden_testkit::eventually("b waits for the server, or runs on it", WAIT, || async {
+        let waiting = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        if waiting == 1.0 || active("SELECT pg_sleep(0.2)").await {
+            Ok(())
+        } else {
+            Err(format!("waiting {waiting}"))
+        }
+    })
+    .await;
+    relay.set_hold_new(false);
+    cancel.await.unwrap().unwrap();
+    let r = tokio::time::timeout(WAIT, second).await.unwrap().unwrap();
+    assert!(r.is_ok(), "b's query was cancelled: {r:?}");
+}

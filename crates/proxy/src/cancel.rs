@@ -28,7 +28,129 @@ pub struct CancelRegistry {
 #[derive(Debug, Clone)]
 enum Target {
     Fixed(BackendKey),
-    Dynamic(Arc<Mutex<Option<BackendKey>>>),
+    Dynamic(Arc<CancelSlot>),
+}
+
+/// A pooled client's link to the backend it borrows, shared with the
+/// cancel requests sent to that backend.
+///
+/// A cancel request still on its way when the client lets the server go
+/// would land on whatever the next client runs there. So the server goes
+/// back to its pool only once every cancel request sent to it has been
+/// delivered, and is closed if delivery cannot be confirmed.
+#[derive(Default)]
+pub struct CancelSlot(Mutex<SlotState>);
+
+#[derive(Default)]
+struct SlotState {
+    backend: Option<BackendKey>,
+    /// Cancel requests being forwarded to the backend (or to one the
+    /// client let go of, whose release waits in `parked`).
+    in_flight: u32,
+    /// A cancel request of this attachment was not confirmed delivered:
+    /// it may still arrive.
+    unconfirmed: bool,
+    /// Releases held back until the cancel requests in flight are done;
+    /// called with whether the server may be reused.
+    parked: Option<Box<dyn FnOnce(bool) + Send>>,
+}
+
+impl std::fmt::Debug for CancelSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("CancelSlot")
+            .field("backend", &s.backend)
+            .field("in_flight", &s.in_flight)
+            .finish()
+    }
+}
+
+impl CancelSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The client now uses `backend`.
+    pub fn attach(&self, backend: BackendKey) {
+        let mut s = self.lock();
+        s.backend = Some(backend);
+        if s.parked.is_none() {
+            s.unconfirmed = false;
+        }
+    }
+
+    /// The client lets its backend go. `release(reusable)` runs now, or,
+    /// with cancel requests to the backend in flight, when the last one is
+    /// done; `reusable` is false if one may still arrive.
+    pub fn detach(&self, release: impl FnOnce(bool) + Send + 'static) {
+        let mut s = self.lock();
+        s.backend = None;
+        if s.in_flight == 0 {
+            let safe = !std::mem::take(&mut s.unconfirmed);
+            drop(s);
+            release(safe);
+            return;
+        }
+        // Rare (a cancel request crossing the end of a transaction): the
+        // allocation is only paid here.
+        s.parked = Some(match s.parked.take() {
+            None => Box::new(release),
+            Some(earlier) => Box::new(move |safe| {
+                earlier(safe);
+                release(safe);
+            }),
+        });
+    }
+
+    /// Starts forwarding a cancel request to the current backend, if any.
+    fn begin(self: &Arc<Self>) -> Option<(BackendKey, CancelGuard)> {
+        let mut s = self.lock();
+        let backend = s.backend?;
+        s.in_flight += 1;
+        Some((
+            backend,
+            CancelGuard {
+                slot: self.clone(),
+                delivered: false,
+            },
+        ))
+    }
+}
+
+/// A cancel request being forwarded to a pooled client's backend; see
+/// [`CancelSlot`]. Dropping it ends the request.
+#[derive(Debug)]
+pub struct CancelGuard {
+    slot: Arc<CancelSlot>,
+    delivered: bool,
+}
+
+impl CancelGuard {
+    /// The server confirmed it read the request.
+    pub fn delivered(&mut self) {
+        self.delivered = true;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        let mut s = self.slot.lock();
+        s.in_flight -= 1;
+        if !self.delivered {
+            s.unconfirmed = true;
+        }
+        if s.in_flight > 0 {
+            return;
+        }
+        let Some(release) = s.parked.take() else {
+            return;
+        };
+        let safe = !std::mem::take(&mut s.unconfirmed);
+        drop(s);
+        release(safe);
+    }
 }
 
 impl CancelRegistry {
@@ -39,7 +161,7 @@ impl CancelRegistry {
 
     /// Registers a pooled client whose backend changes as it borrows
     /// server connections.
-    pub fn register_dynamic(&self, backend: Arc<Mutex<Option<BackendKey>>>) -> (i32, i32) {
+    pub fn register_dynamic(&self, backend: Arc<CancelSlot>) -> (i32, i32) {
         self.insert(Target::Dynamic(backend))
     }
 
@@ -63,16 +185,112 @@ impl CancelRegistry {
             .remove(&key);
     }
 
-    /// The backend behind a client key; unknown keys give `None`.
-    pub fn lookup(&self, key: (i32, i32)) -> Option<BackendKey> {
-        match self
+    /// The backend behind a client key, with the guard a pooled client's
+    /// server is held by until the request is done; unknown keys, and
+    /// pooled clients between transactions, give `None`.
+    pub fn lookup(&self, key: (i32, i32)) -> Option<(BackendKey, Option<CancelGuard>)> {
+        let target = self
             .keys
             .lock()
             .expect("cancel registry poisoned")
             .get(&key)?
-        {
-            Target::Fixed(k) => Some(*k),
-            Target::Dynamic(k) => *k.lock().expect("poisoned"),
+            .clone();
+        match target {
+            Target::Fixed(k) => Some((k, None)),
+            Target::Dynamic(slot) => slot.begin().map(|(k, g)| (k, Some(g))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    const BACKEND: BackendKey = BackendKey {
+        server: SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 5432),
+        pid: 7,
+        secret: 9,
+    };
+
+    /// 0 = not released, 1 = released for reuse, 2 = released to close.
+    fn recorder() -> (Arc<AtomicU8>, impl FnOnce(bool) + Send + 'static) {
+        let state = Arc::new(AtomicU8::new(0));
+        let s = state.clone();
+        (state, move |safe| {
+            s.store(if safe { 1 } else { 2 }, Ordering::SeqCst)
+        })
+    }
+
+    #[test]
+    fn a_server_waits_for_cancel_requests_in_flight() {
+        let registry = CancelRegistry::default();
+        let slot = Arc::new(CancelSlot::default());
+        let key = registry.register_dynamic(slot.clone());
+        // Between transactions there is nothing to cancel.
+        assert!(registry.lookup(key).is_none());
+
+        slot.attach(BACKEND);
+        let (target, guard) = registry.lookup(key).unwrap();
+        assert_eq!(target, BACKEND);
+        let mut guard = guard.unwrap();
+        let (state, release) = recorder();
+        slot.detach(release);
+        assert_eq!(
+            state.load(Ordering::SeqCst),
+            0,
+            "held while the request is in flight"
+        );
+        guard.delivered();
+        drop(guard);
+        assert_eq!(state.load(Ordering::SeqCst), 1, "reusable once delivered");
+
+        // Without a cancel request, released at once.
+        slot.attach(BACKEND);
+        let (state, release) = recorder();
+        slot.detach(release);
+        assert_eq!(state.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn an_unconfirmed_cancel_request_closes_the_server() {
+        let slot = Arc::new(CancelSlot::default());
+        // Given up before the transaction ended...
+        slot.attach(BACKEND);
+        drop(slot.begin().unwrap().1);
+        let (state, release) = recorder();
+        slot.detach(release);
+        assert_eq!(state.load(Ordering::SeqCst), 2);
+        // ...or after.
+        slot.attach(BACKEND);
+        let guard = slot.begin().unwrap().1;
+        let (state, release) = recorder();
+        slot.detach(release);
+        drop(guard);
+        assert_eq!(state.load(Ordering::SeqCst), 2);
+        // The next transaction starts afresh.
+        slot.attach(BACKEND);
+        let (state, release) = recorder();
+        slot.detach(release);
+        assert_eq!(state.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn releases_held_across_attachments_all_run() {
+        let slot = Arc::new(CancelSlot::default());
+        slot.attach(BACKEND);
+        let mut guard = slot.begin().unwrap().1;
+        let (first, release) = recorder();
+        slot.detach(release);
+        // The client borrows another server while the request is in flight.
+        slot.attach(BACKEND);
+        let (second, release) = recorder();
+        slot.detach(release);
+        assert_eq!(first.load(Ordering::SeqCst), 0);
+        assert_eq!(second.load(Ordering::SeqCst), 0);
+        guard.delivered();
+        drop(guard);
+        assert_eq!(first.load(Ordering::SeqCst), 1);
+        assert_eq!(second.load(Ordering::SeqCst), 1);
     }
 }

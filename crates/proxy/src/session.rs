@@ -428,19 +428,26 @@ async fn read_startup(
 async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
     // An unknown key is ignored silently, as PostgreSQL does: a wrong
     // guess must not learn anything.
-    let Some(key) = shared.cancel.lookup((pid, secret)) else {
-        tracing::debug!("cancel request with an unknown key ignored");
+    let Some((key, mut guard)) = shared.cancel.lookup((pid, secret)) else {
+        tracing::debug!("cancel request with an unknown key or no query to cancel ignored");
         return;
     };
     let timeout = shared.server_connect_timeout();
     if let Ok(Ok(mut s)) = tokio::time::timeout(timeout, TcpStream::connect(key.server)).await {
-        let _ = s
-            .write_all(&encode::cancel_request(key.pid, key.secret))
-            .await;
-        let mut sink = [0u8; 1];
-        // The server closes once it has read the request.
-        let _ = tokio::time::timeout(timeout, s.read(&mut sink)).await;
+        if s.write_all(&encode::cancel_request(key.pid, key.secret))
+            .await
+            .is_ok()
+        {
+            let mut sink = [0u8; 1];
+            // The server closes once it has signalled the backend.
+            if let Ok(Ok(0)) = tokio::time::timeout(timeout, s.read(&mut sink)).await {
+                if let Some(g) = guard.as_mut() {
+                    g.delivered();
+                }
+            }
+        }
     }
+    drop(guard);
 }
 
 /// Picks a host and connects, waiting up to the service's

@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::stream::ClientStream;
@@ -352,7 +352,7 @@ struct Session {
     /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
     /// keeps its server connection until it disconnects.
     pinned: bool,
-    cancel_target: Arc<Mutex<Option<BackendKey>>>,
+    cancel_target: Arc<crate::cancel::CancelSlot>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
     /// This client's pool settings (service, database and user combined).
@@ -421,7 +421,7 @@ impl Session {
             statements: HashMap::new(),
             unnamed_drops: false,
             pinned: false,
-            cancel_target: Arc::new(Mutex::new(None)),
+            cancel_target: Arc::default(),
             skip: 0,
             settings,
             credential,
@@ -633,7 +633,7 @@ impl Session {
                 .await
                 .map_err(|e| Fatal::new(sqlstate::CONNECTION_FAILURE, e))?;
         }
-        *self.cancel_target.lock().expect("poisoned") = Some(BackendKey {
+        self.cancel_target.attach(BackendKey {
             server: c.conn.peer,
             pid: c.conn.backend_key.0,
             secret: c.conn.backend_key.1,
@@ -677,8 +677,9 @@ impl Session {
         let uncertain = std::mem::take(&mut self.discard_failed);
         self.discarding = false;
         if let Some(c) = self.attached.take() {
-            *self.cancel_target.lock().expect("poisoned") = None;
-            c.release(reusable && !uncertain);
+            let reusable = reusable && !uncertain;
+            self.cancel_target
+                .detach(move |safe| c.release(reusable && safe));
         }
     }
 

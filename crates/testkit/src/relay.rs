@@ -61,6 +61,8 @@ struct Shared {
     /// (upstream, downstream) one-way latency.
     delay: Mutex<(Duration, Duration)>,
     blackhole: watch::Sender<bool>,
+    /// New connections wait before connecting upstream.
+    hold_new: watch::Sender<bool>,
     refuse: AtomicBool,
     /// Bumped by `reset_all`; each connection subscribes when accepted, so it
     /// only sees resets requested after it was counted.
@@ -97,6 +99,7 @@ impl Relay {
             target: Mutex::new(target),
             delay: Mutex::new((Duration::ZERO, Duration::ZERO)),
             blackhole: watch::Sender::new(false),
+            hold_new: watch::Sender::new(false),
             refuse: AtomicBool::new(false),
             reset: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
@@ -187,6 +190,14 @@ impl Relay {
     /// connections connect upstream.
     pub fn set_blackhole(&self, on: bool) {
         self.shared.blackhole.send_replace(on);
+    }
+
+    /// While on, new connections are accepted but not connected upstream
+    /// (their bytes wait in the relay); existing connections flow as
+    /// usual. Turning it off connects the held ones. Models a peer that is
+    /// slow to accept, such as a busy postmaster.
+    pub fn set_hold_new(&self, on: bool) {
+        self.shared.hold_new.send_replace(on);
     }
 
     /// Resets every current connection: both the client and the server get an
@@ -352,6 +363,7 @@ async fn relay(
     shared: &Shared,
 ) -> io::Result<()> {
     let mut blackhole = shared.blackhole.subscribe();
+    until(&mut shared.hold_new.subscribe(), false).await;
     until(&mut blackhole, false).await;
     let target = *lock(&shared.target);
     let server = server.insert(TcpStream::connect(target).await?);
