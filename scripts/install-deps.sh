@@ -3,7 +3,7 @@
 # - the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench);
 # - etcd (the HA store the test kit starts), and protoc with the protobuf
 #   well-known types, which the etcd client's build compiles the API with;
-# - psycopg 3, the non-Rust driver the integration tests use.
+# - psycopg 3 and asyncpg, the non-Rust drivers the integration tests use.
 set -euo pipefail
 
 packages=(postgresql-15 postgresql-client-15 etcd-server protobuf-compiler libprotobuf-dev)
@@ -12,9 +12,9 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 
-if ! python3 -c "import psycopg" 2>/dev/null; then
-  python3 -m pip install -q "psycopg[binary]" 2>/dev/null \
-    || python3 -m pip install -q --break-system-packages "psycopg[binary]"
+if ! python3 -c "import psycopg, asyncpg" 2>/dev/null; then
+  python3 -m pip install -q "psycopg[binary]" asyncpg 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages "psycopg[binary]" asyncpg
 fi
 
 [ ${#missing[@]} -eq 0 ] && exit 0

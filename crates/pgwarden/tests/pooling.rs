@@ -857,8 +857,9 @@ async fn session_pooling_proxy(
 }
 
 /// A client speaking the protocol byte by byte, for encodings that
-/// tokio-postgres does not speak (it insists on UTF8).
-struct RawClient(std::net::TcpStream);
+/// tokio-postgres does not speak (it insists on UTF8); with the cancel key
+/// it was given.
+struct RawClient(std::net::TcpStream, (i32, i32));
 
 impl RawClient {
     fn connect(addr: std::net::SocketAddr, client_encoding: &str) -> RawClient {
@@ -884,9 +885,17 @@ impl RawClient {
         s.write_all(&((body.len() + 4) as u32).to_be_bytes())
             .unwrap();
         s.write_all(&body).unwrap();
-        let mut c = RawClient(s);
+        let mut c = RawClient(s, (0, 0));
         let greeting = c.until_ready();
         assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
+        let (_, key) = greeting
+            .iter()
+            .find(|(t, _)| *t == b'K')
+            .expect("BackendKeyData");
+        c.1 = (
+            i32::from_be_bytes(key[0..4].try_into().unwrap()),
+            i32::from_be_bytes(key[4..8].try_into().unwrap()),
+        );
         c
     }
 
@@ -1449,4 +1458,125 @@ async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
     cancel.await.unwrap().unwrap();
     let r = tokio::time::timeout(WAIT, second).await.unwrap().unwrap();
     assert!(r.is_ok(), "b's query was cancelled: {r:?}");
+}
+
+/// A cancel request for a client that waits for a server (the pool is
+/// busy) cancels the statement it queued: the client gets 57014 at once,
+/// as from PostgreSQL, and the statement never runs; the client goes on
+/// normally. (PgBouncer drops such a request; the statement runs later.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_request_cancels_a_statement_waiting_for_a_server() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    common::sql(&direct, "CREATE TABLE queued (v int)").await;
+    let addr = p.service_addrs()["read_write"];
+    let http = p.http_addr().unwrap();
+    let waiting = |n: f64| {
+        pgwarden_testkit::eventually("clients waiting", WAIT, move || async move {
+            let w = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+            if w == n {
+                Ok(())
+            } else {
+                Err(format!("{w} waiting"))
+            }
+        })
+    };
+    let cancel = |key: (i32, i32)| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut m = vec![0, 0, 0, 16, 4, 210, 22, 46];
+        m.extend_from_slice(&key.0.to_be_bytes());
+        m.extend_from_slice(&key.1.to_be_bytes());
+        tokio::io::AsyncWriteExt::write_all(&mut s, &m)
+            .await
+            .unwrap();
+        let mut end = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut end).await;
+    };
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let a = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
+    let mut raw = RawClient::connect(addr, "UTF8");
+    holder.batch_execute("BEGIN").await.unwrap();
+
+    // Simple protocol, then extended (tokio-postgres prepares, then binds).
+    for (round, extended) in [(1, false), (2, true)] {
+        let token = a.cancel_token();
+        let a2 = a.clone();
+        let q = tokio::spawn(async move {
+            if extended {
+                a2.execute("INSERT INTO queued VALUES ($1)", &[&round])
+                    .await
+                    .map(|_| ())
+            } else {
+                a2.batch_execute("INSERT INTO queued VALUES (1)").await
+            }
+        });
+        waiting(1.0).await;
+        token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), q)
+            .await
+            .expect("the cancelled client is answered while the pool is still busy")
+            .unwrap();
+        let err = r.expect_err("cancelled");
+        assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
+        waiting(0.0).await;
+    }
+
+    // A batch whose Sync comes after the cancel (asyncpg prepares with
+    // Parse, Describe, Flush): the error comes at once, the rest of the
+    // batch is skipped, and its Sync gets ReadyForQuery.
+    use std::io::Write;
+    let mut batch = msg_parse(b"", b"INSERT INTO queued VALUES (3)");
+    batch.extend_from_slice(&[b'D', 0, 0, 0, 6, b'S', 0]);
+    batch.extend_from_slice(MSG_FLUSH);
+    raw.0.write_all(&batch).unwrap();
+    waiting(1.0).await;
+    cancel(raw.1).await;
+    raw.0.write_all(&msg_bind_execute(b"")).unwrap();
+    let r = raw.send(MSG_SYNC);
+    let tags: Vec<u8> = r.iter().map(|(t, _)| *t).collect();
+    assert_eq!(tags, b"EZ", "{r:?}");
+    assert_eq!(error_code(&r).as_deref(), Some("57014"));
+
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        sql_value(&direct, "SELECT count(*) FROM queued")
+            .await
+            .as_deref(),
+        Some("0"),
+        "a cancelled statement ran"
+    );
+    assert_eq!(one(&a, "SELECT 7").await, "7");
+    let r = raw.simple(b"SELECT 8");
+    assert_eq!(error_code(&r), None, "{r:?}");
+}
+
+/// Real drivers in numbers on a pool of two: psycopg 3 (pipelines with a
+/// failing statement, DISCARD ALL, server-side statements from the first
+/// use) and asyncpg (its statement cache on, cursors, COPY, timeouts that
+/// cancel), eighteen clients at once. An error no client asked for, or a
+/// hang, fails the run (tests/clients/pool_mix.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let port = p.service_addrs()["read_write"].port();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/pool_mix.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(script)
+            .arg(port.to_string())
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python3");
+    assert!(
+        out.status.success(),
+        "pool_mix.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -38,8 +38,15 @@ enum Target {
 /// would land on whatever the next client runs there. So the server goes
 /// back to its pool only once every cancel request sent to it has been
 /// delivered, and is closed if delivery cannot be confirmed.
+///
+/// A request for a client that is waiting for a server cancels the wait
+/// instead: the statement it queued never runs.
 #[derive(Default)]
-pub struct CancelSlot(Mutex<SlotState>);
+pub struct CancelSlot {
+    state: Mutex<SlotState>,
+    /// Wakes a client waiting for a server when it is cancelled.
+    wake: tokio::sync::Notify,
+}
 
 #[derive(Default)]
 struct SlotState {
@@ -53,12 +60,16 @@ struct SlotState {
     /// Releases held back until the cancel requests in flight are done;
     /// called with whether the server may be reused.
     parked: Option<Box<dyn FnOnce(bool) + Send>>,
+    /// The client waits for a server, and whether it was cancelled.
+    waiting: bool,
+    cancelled: bool,
 }
 
 impl std::fmt::Debug for CancelSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.lock();
         f.debug_struct("CancelSlot")
+            .field("waiting", &s.waiting)
             .field("backend", &s.backend)
             .field("in_flight", &s.in_flight)
             .finish()
@@ -67,9 +78,34 @@ impl std::fmt::Debug for CancelSlot {
 
 impl CancelSlot {
     fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
-        self.0
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The client starts waiting for a server.
+    pub fn start_waiting(&self) {
+        let mut s = self.lock();
+        s.waiting = true;
+        s.cancelled = false;
+    }
+
+    /// The client stopped waiting; true if it was cancelled meanwhile.
+    pub fn stop_waiting(&self) -> bool {
+        let mut s = self.lock();
+        s.waiting = false;
+        std::mem::take(&mut s.cancelled)
+    }
+
+    /// Resolves once a cancel request arrives for the waiting client.
+    pub async fn cancelled(&self) {
+        loop {
+            // A wake-up left from an earlier wait is told apart by the flag.
+            self.wake.notified().await;
+            if self.lock().cancelled {
+                return;
+            }
+        }
     }
 
     /// The client now uses `backend`.
@@ -104,10 +140,18 @@ impl CancelSlot {
         });
     }
 
-    /// Starts forwarding a cancel request to the current backend, if any.
+    /// Starts forwarding a cancel request to the current backend, if any;
+    /// cancels the client's wait if it is waiting for one.
     fn begin(self: &Arc<Self>) -> Option<(BackendKey, CancelGuard)> {
         let mut s = self.lock();
-        let backend = s.backend?;
+        let Some(backend) = s.backend else {
+            if s.waiting {
+                s.cancelled = true;
+                drop(s);
+                self.wake.notify_one();
+            }
+            return None;
+        };
         s.in_flight += 1;
         Some((
             backend,
@@ -273,6 +317,28 @@ mod tests {
         let (state, release) = recorder();
         slot.detach(release);
         assert_eq!(state.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_cancel_request_ends_a_wait_for_a_server() {
+        let slot = Arc::new(CancelSlot::default());
+        slot.start_waiting();
+        assert!(slot.begin().is_none(), "nothing to forward");
+        assert!(slot.stop_waiting());
+        // The wake-up left from that wait does not end the next one.
+        slot.start_waiting();
+        tokio::select! {
+            biased;
+            () = slot.cancelled() => panic!("woken by an earlier request"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert!(slot.begin().is_none());
+        slot.cancelled().await;
+        assert!(slot.stop_waiting());
+        // Between transactions a request does nothing.
+        assert!(slot.begin().is_none());
+        slot.start_waiting();
+        assert!(!slot.stop_waiting());
     }
 
     #[test]

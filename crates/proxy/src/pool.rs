@@ -514,7 +514,16 @@ impl Pool {
         timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
     ) -> Result<Checkout, ServerError> {
         let started = Instant::now();
+        // Counted down however the wait ends: the caller may drop this
+        // future (a cancel request for the waiting client).
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let waiting = Waiting(&self.stats.waiting);
         let timer = match timer {
             Some(t) => {
                 t.as_mut().reset(deadline);
@@ -527,7 +536,7 @@ impl Pool {
             p = self.permits.clone().acquire_owned() => p.map_err(|_| ServerError::Retired),
             _ = timer.as_mut() => Err(ServerError::Timeout),
         };
-        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        drop(waiting);
         let permit = permit?;
         let waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);

@@ -115,8 +115,10 @@ pub(crate) async fn run(
 
     // Log in once to learn the server's parameters (and whether the
     // database and role exist); the connection goes straight back.
+    // No cancel key is out yet, so nothing can cancel this wait.
     let first = match Box::pin(session.acquire()).await {
-        Ok(c) => c,
+        Ok(Some(c)) => c,
+        Ok(None) => return,
         Err(f) => {
             let _ = client.write_all(&f.into_message()).await;
             return;
@@ -186,6 +188,9 @@ pub(crate) async fn run(
         };
         if !early.is_empty() {
             session.client_bytes(&mut early).await?;
+            if session.answer_client(client).await.is_err() {
+                return Ok(());
+            }
         }
         loop {
             // Only a client between transactions can be idle.
@@ -211,6 +216,9 @@ pub(crate) async fn run(
                         Ok(None) => {}
                     }
                     if session.client_bytes(&mut early).await? {
+                        return Ok(());
+                    }
+                    if session.answer_client(client).await.is_err() {
                         return Ok(());
                     }
                     // Buffers exist only while bytes are in flight, so an
@@ -376,6 +384,12 @@ struct Session {
     discard_failed: bool,
     /// Named Parse messages so far, numbering server-side names.
     parses_named: u64,
+    /// What pgwarden answers the client itself (a statement cancelled
+    /// while waiting for a server), sent after the messages at hand.
+    to_client: BytesMut,
+    /// The rest of a cancelled extended-protocol batch is skipped, as
+    /// PostgreSQL skips a failed one, up to its Sync.
+    skip_to_sync: bool,
 }
 
 impl Session {
@@ -433,6 +447,8 @@ impl Session {
             discarding: false,
             discard_failed: false,
             parses_named: 0,
+            to_client: BytesMut::new(),
+            skip_to_sync: false,
         };
         (session, early)
     }
@@ -456,7 +472,8 @@ impl Session {
     /// Picks a host and borrows a connection from its pool, waiting in
     /// line (and for a host to appear, and while the service is paused)
     /// up to `query_wait_timeout`.
-    async fn acquire(&mut self) -> Result<Checkout, Fatal> {
+    /// `None`: the client was cancelled while waiting (a CancelRequest).
+    async fn acquire(&mut self) -> Result<Option<Checkout>, Fatal> {
         // The common case costs no lock, allocation or timer: the host is
         // the one of the last transaction, its pool still serves, the
         // service is not paused and a connection is idle.
@@ -477,15 +494,29 @@ impl Session {
             {
                 if let Some(c) = pool.try_checkout() {
                     self.wait_histogram.observe(0.0);
-                    return Ok(c);
+                    return Ok(Some(c));
                 }
             }
         }
         // Boxed: the slow path's state is large and rare, and would
         // otherwise be part of every idle client's task.
-        let c = Box::pin(self.acquire_slow()).await?;
+        let slot = self.cancel_target.clone();
+        slot.start_waiting();
+        let got = tokio::select! {
+            r = Box::pin(self.acquire_slow()) => Some(r),
+            () = slot.cancelled() => None,
+        };
+        let cancelled = slot.stop_waiting();
+        let Some(c) = got.transpose()? else {
+            return Ok(None);
+        };
+        if cancelled {
+            // Cancelled just as a server came: nothing was sent on it.
+            c.release(true);
+            return Ok(None);
+        }
         self.last_pool = Some(c.pool.clone());
-        Ok(c)
+        Ok(Some(c))
     }
 
     async fn acquire_slow(&mut self) -> Result<Checkout, Fatal> {
@@ -589,8 +620,9 @@ impl Session {
     }
 
     /// Borrows a server if none is attached, and sets the client's session
-    /// parameters on it where they differ.
-    async fn attach(&mut self) -> Result<(), Fatal> {
+    /// parameters on it where they differ. False: the client was cancelled
+    /// while waiting for one.
+    async fn attach(&mut self) -> Result<bool, Fatal> {
         if let Some(c) = &self.attached {
             // Checked per message rather than watched: a client mid-way
             // through a transaction on a server that is no longer right
@@ -602,7 +634,7 @@ impl Session {
                     "terminating connection: the server is no longer the right host for this service; reconnect",
                 ));
             }
-            return Ok(());
+            return Ok(true);
         }
         // Boxed: waiting for a server is the largest state of the client's
         // future, which otherwise every idle client would carry; one small
@@ -611,9 +643,54 @@ impl Session {
     }
 
     /// Borrows a server for the transaction that starts.
-    async fn attach_new(&mut self) -> Result<(), Fatal> {
-        let c = self.acquire().await?;
-        self.attach_checkout(c).await
+    async fn attach_new(&mut self) -> Result<bool, Fatal> {
+        let Some(c) = self.acquire().await? else {
+            return Ok(false);
+        };
+        self.attach_checkout(c).await?;
+        Ok(true)
+    }
+
+    /// The client was cancelled while waiting for a server for message
+    /// `tag`: it gets what PostgreSQL answers a statement cancelled before
+    /// it ran, and the statement never runs.
+    fn cancelled_in_line(&mut self, tag: u8) {
+        let error = |out: &mut BytesMut| {
+            encode::error_response(
+                out,
+                encode::Severity::Error,
+                sqlstate::QUERY_CANCELED.code(),
+                "canceling statement due to user request",
+                None,
+                None,
+            )
+        };
+        match tag {
+            frontend::QUERY | frontend::FUNCTION_CALL => {
+                error(&mut self.to_client);
+                encode::ready_for_query(&mut self.to_client, TxStatus::Idle);
+            }
+            frontend::SYNC => encode::ready_for_query(&mut self.to_client, TxStatus::Idle),
+            frontend::PARSE
+            | frontend::BIND
+            | frontend::DESCRIBE
+            | frontend::EXECUTE
+            | frontend::CLOSE => {
+                error(&mut self.to_client);
+                self.skip_to_sync = true;
+            }
+            // COPY messages outside a COPY: ignored, as PostgreSQL does.
+            _ => {}
+        }
+    }
+
+    /// Sends the client what pgwarden answered itself.
+    async fn answer_client(&mut self, client: &mut ClientStream) -> std::io::Result<()> {
+        if self.to_client.is_empty() {
+            return Ok(());
+        }
+        let out = std::mem::take(&mut self.to_client);
+        client.write_all(&out).await
     }
 
     /// Makes `c` the client's server: its session parameters brought in
@@ -736,7 +813,19 @@ impl Session {
                 buf.advance(total);
                 continue;
             }
-            self.attach().await?;
+            if self.skip_to_sync {
+                if tag == frontend::SYNC {
+                    self.skip_to_sync = false;
+                    encode::ready_for_query(&mut self.to_client, TxStatus::Idle);
+                }
+                buf.advance(total);
+                continue;
+            }
+            if !self.attach().await? {
+                self.cancelled_in_line(tag);
+                buf.advance(total);
+                continue;
+            }
             self.translate(tag, &buf[..total], out)?;
             buf.advance(total);
         }
