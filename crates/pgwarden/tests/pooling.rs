@@ -867,13 +867,21 @@ impl RawClient {
     }
 
     fn connect_to(addr: std::net::SocketAddr, database: &str, client_encoding: &str) -> RawClient {
+        RawClient::connect_with(
+            addr,
+            &[
+                ("user", "postgres"),
+                ("database", database),
+                ("client_encoding", client_encoding),
+            ],
+        )
+    }
+
+    /// With these start-up parameters.
+    fn connect_with(addr: std::net::SocketAddr, params: &[(&str, &str)]) -> RawClient {
         use std::io::Write;
         let mut body = 196_608u32.to_be_bytes().to_vec();
-        for (k, v) in [
-            ("user", "postgres"),
-            ("database", database),
-            ("client_encoding", client_encoding),
-        ] {
+        for (k, v) in params {
             body.extend_from_slice(k.as_bytes());
             body.push(0);
             body.extend_from_slice(v.as_bytes());
@@ -970,6 +978,14 @@ fn msg_bind_execute(name: &[u8]) -> Vec<u8> {
 }
 
 const MSG_SYNC: &[u8] = &[b'S', 0, 0, 0, 4];
+
+/// The first column of the first row among `replies` (text format),
+/// which must hold no error.
+fn value(replies: &[(u8, Vec<u8>)]) -> String {
+    assert_eq!(error_code(replies), None, "{replies:?}");
+    let (_, row) = replies.iter().find(|(t, _)| *t == b'D').expect("a row");
+    String::from_utf8_lossy(&row[6..]).into_owned()
+}
 
 /// The SQLSTATE of the first ErrorResponse among `replies`.
 fn error_code(replies: &[(u8, Vec<u8>)]) -> Option<String> {
@@ -1231,11 +1247,6 @@ async fn a_statement_name_reused_after_close_gets_the_new_statement() {
     let rw = p.service_addrs()["read_write"];
     let mut a = RawClient::connect(rw, "UTF8");
     let b = client(&via(&p, "read_write")).await.unwrap();
-    let value = |r: &[(u8, Vec<u8>)]| {
-        assert_eq!(error_code(r), None, "{r:?}");
-        let (_, row) = r.iter().find(|(t, _)| *t == b'D').expect("a row");
-        String::from_utf8_lossy(&row[6..]).into_owned()
-    };
     assert_eq!(value(&a.extended(b"s1", b"SELECT 'old'")), "old");
     // b takes the server a used; a's Close goes to the other one.
     b.batch_execute("BEGIN").await.unwrap();
@@ -1579,4 +1590,81 @@ async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Start-up settings beyond the tracked parameters (`options=-c ...`, or
+/// parameters such as `extra_float_digits`, which JDBC sends) follow the
+/// client from server to server in transaction pooling and never reach
+/// clients that did not ask for them; one PostgreSQL refuses, or one
+/// pooling cannot honour, refuses the login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_settings_follow_the_client_and_stay_its_own() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    common::sql(
+        &direct,
+        "CREATE SCHEMA s1; CREATE TABLE s1.t (v int); CREATE TABLE public.t (v int)",
+    )
+    .await;
+    let default = |name: &'static str| {
+        let direct = direct.clone();
+        async move { sql_value(&direct, &format!("SHOW {name}")).await.unwrap() }
+    };
+    let url = via(&p, "read_write");
+    let a = client(&format!(
+        "{url} options='-c search_path=s1,public -c work_mem=7MB'"
+    ))
+    .await
+    .unwrap();
+    let b = client(&url).await.unwrap();
+    let mut raw = RawClient::connect_with(
+        p.service_addrs()["read_write"],
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("extra_float_digits", "-1"),
+        ],
+    );
+    // One server: each client's turn finds the previous one's settings.
+    for _ in 0..2 {
+        assert_eq!(one(&a, "SHOW search_path").await, "s1,public");
+        assert_eq!(one(&a, "SHOW work_mem").await, "7MB");
+        a.batch_execute("INSERT INTO t VALUES (1)").await.unwrap();
+        assert_eq!(value(&raw.simple(b"SHOW extra_float_digits")), "-1");
+        assert_eq!(
+            one(&b, "SHOW search_path").await,
+            default("search_path").await
+        );
+        assert_eq!(one(&b, "SHOW work_mem").await, default("work_mem").await);
+        assert_eq!(
+            one(&b, "SHOW extra_float_digits").await,
+            default("extra_float_digits").await
+        );
+    }
+    assert_eq!(
+        sql_value(&direct, "SELECT count(*) FROM s1.t")
+            .await
+            .as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        sql_value(&direct, "SELECT count(*) FROM public.t")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+    // Refused as PostgreSQL refuses it...
+    let err = client(&format!("{url} options='-c no_such_setting=1'"))
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("42704"), "{err}");
+    // ...or because pooling cannot honour it.
+    let err = client(&format!("{url} options='-B 100'"))
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("0A000"), "{err}");
+    assert_eq!(one(&b, "SELECT 1").await, "1");
+    assert_eq!(one(&a, "SHOW search_path").await, "s1,public");
 }

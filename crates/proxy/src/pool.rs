@@ -151,6 +151,150 @@ impl Tracked {
     }
 }
 
+/// Settings a pooled client asked for at start-up beyond the tracked
+/// parameters: other start-up parameters (`search_path`,
+/// `extra_float_digits`, ...) and the `-c name=value` of its `options`.
+/// Pooled server connections open without them; pgwarden sets them with
+/// `set_config` on whichever server the client lands on, and resets them
+/// when a client without them lands there. Sorted by name; `None` (the
+/// usual case) when there are none, so comparing costs nothing.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Extras(Option<Arc<[(String, String)]>>);
+
+impl Extras {
+    /// The settings in `startup` beyond what pooling handles itself, or
+    /// why they cannot be honoured with a pooled server connection.
+    /// `read_only`: the service sets `default_transaction_read_only`
+    /// itself.
+    pub fn from_startup(startup: &StartupMessage, read_only: bool) -> Result<Extras, String> {
+        let mut found: Vec<(String, String)> = Vec::new();
+        let mut add = |name: &str, value: &str| -> Result<(), String> {
+            let valid = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.');
+            if !valid {
+                return Err(format!("invalid configuration parameter name \"{name}\""));
+            }
+            let lower = name.to_ascii_lowercase();
+            if matches!(lower.as_str(), "session_authorization" | "role") {
+                return Err(format!(
+                    "start-up parameter \"{name}\" is not supported with pooling: connect as that role instead"
+                ));
+            }
+            if TRACKED.iter().any(|t| t.eq_ignore_ascii_case(&lower))
+                || (read_only && lower == "default_transaction_read_only")
+            {
+                return Ok(());
+            }
+            // Later values win, as in PostgreSQL.
+            found.retain(|(n, _)| *n != lower);
+            found.push((lower, value.to_string()));
+            Ok(())
+        };
+        for (name, value) in &startup.params {
+            match name.as_str() {
+                "user" | "database" => {}
+                "replication" => {
+                    return Err("replication connections are not supported with pooling".into())
+                }
+                "options" => {
+                    for (n, v) in parse_options(value)? {
+                        add(&n, &v)?;
+                    }
+                }
+                n if n.starts_with("_pq_.") => {}
+                n => add(n, value)?,
+            }
+        }
+        if found.is_empty() {
+            return Ok(Extras(None));
+        }
+        found.sort();
+        Ok(Extras(Some(found.into())))
+    }
+
+    /// The (name, value) pairs.
+    pub fn iter(&self) -> impl Iterator<Item = &(String, String)> {
+        self.0.iter().flat_map(|e| e.iter())
+    }
+
+    /// The statements that take a server whose settings are `from` to
+    /// these: `set_config` for each value that differs, `RESET` for each
+    /// setting `from` has and these do not. Empty when they agree.
+    pub fn sql_from(&self, from: &Extras) -> String {
+        let mut sql = String::new();
+        if self == from {
+            return sql;
+        }
+        let had = |name: &str| {
+            from.iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        for (name, value) in self.iter() {
+            if had(name) != Some(value.as_str()) {
+                // set_config reads the value as a start-up parameter is
+                // read (a list such as "a, b" stays a list).
+                sql.push_str(&format!(
+                    "SELECT pg_catalog.set_config('{name}', '{}', false);",
+                    value.replace('\'', "''")
+                ));
+            }
+        }
+        for (name, _) in from.iter() {
+            if !self.iter().any(|(n, _)| n == name) {
+                sql.push_str(&format!("RESET {name};"));
+            }
+        }
+        sql
+    }
+}
+
+/// The `-c name=value` and `--name=value` settings of a start-up
+/// `options` string (white space separates them; a backslash keeps the
+/// next character, as PostgreSQL reads it).
+fn parse_options(options: &str) -> Result<Vec<(String, String)>, String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut chars = options.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => word.extend(chars.next()),
+            c if c.is_ascii_whitespace() => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    let mut settings = Vec::new();
+    let mut words = words.into_iter();
+    while let Some(w) = words.next() {
+        let setting = if w == "-c" {
+            words
+                .next()
+                .ok_or_else(|| "start-up options: -c without a setting".to_string())?
+        } else if let Some(rest) = w.strip_prefix("--").or_else(|| w.strip_prefix("-c")) {
+            rest.to_string()
+        } else {
+            return Err(format!(
+                "start-up option \"{w}\" is not supported with pooling (only -c name=value)"
+            ));
+        };
+        let Some((name, value)) = setting.split_once('=') else {
+            return Err(format!("start-up options: \"{setting}\" is not name=value"));
+        };
+        // PostgreSQL reads '-' in an option's name as '_'.
+        settings.push((name.replace('-', "_"), value.to_string()));
+    }
+    Ok(settings)
+}
+
 /// One server connection, logged in and idle at a transaction boundary
 /// whenever it sits in a pool.
 #[derive(Debug)]
@@ -164,6 +308,8 @@ pub struct ServerConn {
     pub params: HashMap<String, String>,
     /// The tracked subset of `params`.
     pub(crate) tracked: Tracked,
+    /// The start-up settings of the client it last served ([`Extras`]).
+    pub(crate) extras: Extras,
     /// The backend's own cancel key.
     pub backend_key: (i32, i32),
     /// Statements prepared on this connection (server-side names).
@@ -613,7 +759,7 @@ impl Checkout {
 /// Session defaults every client of a pool shares, which a new server
 /// connection takes from the start-up parameters of the client it opens
 /// for.
-const SERVER_DEFAULTS: [&str; 6] = [
+const SERVER_DEFAULTS: [&str; 5] = [
     // Most clients of a pool are one application: with its name as the
     // server's default, neither a new client nor a reset (DISCARD ALL
     // returns to the default) needs a SET.
@@ -622,7 +768,6 @@ const SERVER_DEFAULTS: [&str; 6] = [
     "DateStyle",
     "TimeZone",
     "IntervalStyle",
-    "extra_float_digits",
 ];
 
 /// The part of a client's start-up message that opening a server
@@ -790,6 +935,7 @@ pub(crate) async fn login(
         peer,
         params,
         tracked,
+        extras: Extras::default(),
         backend_key,
         prepared: StatementCache::default(),
         created: Instant::now(),
@@ -856,7 +1002,102 @@ fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::StatementCache;
+    use super::{Extras, StatementCache};
+    use pgwarden_wire::startup::StartupMessage;
+
+    fn startup(params: &[(&str, &str)]) -> StartupMessage {
+        StartupMessage::new(
+            params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    fn pairs(e: &Extras) -> Vec<(&str, &str)> {
+        e.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+    }
+
+    #[test]
+    fn start_up_settings_come_from_parameters_and_options() {
+        let s = startup(&[
+            ("user", "app"),
+            ("database", "db"),
+            ("application_name", "tracked, not extra"),
+            ("_pq_.something", "protocol extension"),
+            ("extra_float_digits", "3"),
+            (
+                "options",
+                r"-c search_path=a,\ b --statement-timeout=5s -cwork_mem=8MB",
+            ),
+        ]);
+        let e = Extras::from_startup(&s, false).unwrap();
+        assert_eq!(
+            pairs(&e),
+            [
+                ("extra_float_digits", "3"),
+                ("search_path", "a, b"),
+                ("statement_timeout", "5s"),
+                ("work_mem", "8MB"),
+            ]
+        );
+        // Nothing beyond the basics: nothing to compare.
+        let plain = Extras::from_startup(&startup(&[("user", "app")]), false).unwrap();
+        assert_eq!(plain, Extras::default());
+        // A read-only service sets this one itself.
+        let ro = startup(&[("default_transaction_read_only", "on")]);
+        assert_eq!(Extras::from_startup(&ro, true).unwrap(), Extras::default());
+        assert_eq!(pairs(&Extras::from_startup(&ro, false).unwrap()).len(), 1);
+        // A later value wins, as in PostgreSQL.
+        let twice = startup(&[("work_mem", "1MB"), ("options", "-c work_mem=2MB")]);
+        assert_eq!(
+            pairs(&Extras::from_startup(&twice, false).unwrap()),
+            [("work_mem", "2MB")]
+        );
+    }
+
+    #[test]
+    fn start_up_settings_pooling_cannot_honour_are_refused() {
+        for (params, why) in [
+            (vec![("options", "-B 100")], "not supported"),
+            (vec![("options", "-c")], "without a setting"),
+            (vec![("options", "-c search_path")], "not name=value"),
+            (vec![("replication", "database")], "replication"),
+            (vec![("role", "admin")], "connect as that role"),
+            (
+                vec![("options", "-c session_authorization=x")],
+                "connect as that role",
+            ),
+            (
+                vec![("bad name;", "1")],
+                "invalid configuration parameter name",
+            ),
+        ] {
+            let err = Extras::from_startup(&startup(&params), false).unwrap_err();
+            assert!(err.contains(why), "{params:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn settings_are_set_where_they_differ_and_reset_where_not_wanted() {
+        let e = |p: &[(&str, &str)]| Extras::from_startup(&startup(p), false).unwrap();
+        let mine = e(&[("search_path", "it's, b"), ("work_mem", "8MB")]);
+        assert_eq!(mine.sql_from(&mine), "");
+        assert_eq!(
+            mine.sql_from(&Extras::default()),
+            "SELECT pg_catalog.set_config('search_path', 'it''s, b', false);\
+             SELECT pg_catalog.set_config('work_mem', '8MB', false);"
+        );
+        let theirs = e(&[("work_mem", "8MB"), ("lock_timeout", "1s")]);
+        assert_eq!(
+            mine.sql_from(&theirs),
+            "SELECT pg_catalog.set_config('search_path', 'it''s, b', false);RESET lock_timeout;"
+        );
+        assert_eq!(
+            Extras::default().sql_from(&theirs),
+            "RESET lock_timeout;RESET work_mem;"
+        );
+    }
 
     #[test]
     fn the_least_recently_used_statements_go_first_and_the_one_in_use_stays() {

@@ -212,6 +212,8 @@ pub(crate) struct Pooled {
     pub settings: Arc<crate::pool::PoolSettings>,
     /// What the client proved, for opening server connections as its role.
     pub credential: Credential,
+    /// Its start-up settings that pooled servers do not open with.
+    pub extras: crate::pool::Extras,
 }
 
 /// Start-up, authentication, and for session mode the whole session;
@@ -316,11 +318,14 @@ async fn serve(
         startup.user().unwrap_or_default(),
     );
     if let Some(pool) = pool {
+        let extras = crate::pool::Extras::from_startup(&startup, spec.read_only)
+            .map_err(|e| Refusal::new(sqlstate::FEATURE_NOT_SUPPORTED, "startup_parameter", e))?;
         return Ok(Some(Box::new(Pooled {
             startup,
             early: buf,
             settings: pool,
             credential: credential.unwrap_or(Credential::None),
+            extras,
         })));
     }
     let (server, host) = connect_server(shared, service).await?;

@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
-use crate::pool::{Checkout, PoolKey, ServerError, Tracked, TRACKED};
+use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked, TRACKED};
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
@@ -128,6 +128,14 @@ pub(crate) async fn run(
         .cancel
         .register_dynamic(session.cancel_target.clone());
     let mut first = first;
+    // Applied on the first server before the client is let in: a setting
+    // PostgreSQL refuses refuses the login, as it would without pgwarden.
+    if let Err((f, reusable)) = session.apply_extras(&mut first).await {
+        shared.cancel.remove(key);
+        first.release(reusable);
+        let _ = client.write_all(&f.into_message()).await;
+        return;
+    }
     let hello = hello(&mut session, &mut first, key);
     if session.settings.hold_session {
         // Session pooling: the server that answered the login stays.
@@ -390,6 +398,8 @@ struct Session {
     /// The rest of a cancelled extended-protocol batch is skipped, as
     /// PostgreSQL skips a failed one, up to its Sync.
     skip_to_sync: bool,
+    /// Start-up settings set on each server the client lands on.
+    extras: Extras,
 }
 
 impl Session {
@@ -405,6 +415,7 @@ impl Session {
             early,
             settings,
             credential,
+            extras,
         } = pooled;
         let mut params = Tracked::default();
         for k in TRACKED {
@@ -449,6 +460,7 @@ impl Session {
             parses_named: 0,
             to_client: BytesMut::new(),
             skip_to_sync: false,
+            extras,
         };
         (session, early)
     }
@@ -706,9 +718,14 @@ impl Session {
             }
         }
         if !sets.is_empty() {
-            sync_params(&mut c, &sets)
-                .await
-                .map_err(|e| Fatal::new(sqlstate::CONNECTION_FAILURE, e))?;
+            if let Err(e) = sync_params(&mut c, &sets).await {
+                c.release(false);
+                return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, e));
+            }
+        }
+        if let Err((fatal, reusable)) = self.apply_extras(&mut c).await {
+            c.release(reusable);
+            return Err(fatal);
         }
         self.cancel_target.attach(BackendKey {
             server: c.conn.peer,
@@ -722,6 +739,39 @@ impl Session {
         self.skip = 0;
         self.attached = Some(c);
         Ok(())
+    }
+
+    /// Brings the start-up settings of `c` ([`Extras`]) in line with the
+    /// client's. Err: what to tell the client, and whether `c` may go back
+    /// to its pool (a refused setting changes nothing on the server: the
+    /// statements run as one transaction).
+    async fn apply_extras(&self, c: &mut Checkout) -> Result<(), (Fatal, bool)> {
+        let sql = self.extras.sql_from(&c.conn.extras);
+        if sql.is_empty() {
+            return Ok(());
+        }
+        match run_on_server(c, &sql).await {
+            Ok(None) => {
+                c.conn.extras = self.extras.clone();
+                Ok(())
+            }
+            Ok(Some((code, message))) => Err((
+                // The server's own code (42704 for an unknown parameter).
+                Fatal {
+                    code: sqlstate::INVALID_PARAMETER_VALUE,
+                    message: String::new(),
+                    raw: Some(encode::fatal(&code, &message)),
+                },
+                true,
+            )),
+            Err(e) => Err((
+                Fatal::new(
+                    sqlstate::CONNECTION_FAILURE,
+                    format!("terminating connection: {e}"),
+                ),
+                false,
+            )),
+        }
     }
 
     /// Resets the held server connection for the next client (session
@@ -739,9 +789,11 @@ impl Session {
         match done {
             Ok(Ok(None)) => {
                 c.conn.prepared.clear();
+                // RESET ALL is part of it.
+                c.conn.extras = Extras::default();
                 true
             }
-            Ok(Ok(Some(error))) => {
+            Ok(Ok(Some((_, error)))) => {
                 tracing::warn!(%error, "resetting a session's server connection failed; closing it");
                 false
             }
@@ -1075,6 +1127,9 @@ impl Session {
         self.statements.clear();
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.clear();
+            // DISCARD ALL resets settings too; applying them again where
+            // they were kept (DEALLOCATE ALL) does no harm.
+            c.conn.extras = Extras::default();
             self.discarding = true;
         }
     }
@@ -1252,7 +1307,7 @@ impl Session {
 /// Sets session parameters on a freshly borrowed server before the client's
 /// first statement; the replies are the pool's business, not the client's.
 async fn sync_params(c: &mut Checkout, sets: &str) -> Result<(), String> {
-    if let Some(text) = run_on_server(c, sets).await? {
+    if let Some((_, text)) = run_on_server(c, sets).await? {
         tracing::warn!(error = %text, "setting session parameters on a pooled connection failed");
     }
     Ok(())
@@ -1263,8 +1318,8 @@ const RESET_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs `sql` (simple protocol) on a server connection of pgwarden's own
 /// and reads up to its ReadyForQuery, keeping ParameterStatus changes.
-/// `Ok(Some(message))`: the server answered with an error.
-async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<String>, String> {
+/// `Ok(Some((sqlstate, message)))`: the server answered with an error.
+async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<(String, String)>, String> {
     let mut q = BytesMut::new();
     encode::query(&mut q, sql);
     c.conn
@@ -1287,7 +1342,10 @@ async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<String>, St
                 let text = message::find_field(&fields, b'M')
                     .unwrap_or("error")
                     .to_string();
-                error = Some(text);
+                let code = message::find_field(&fields, b'C')
+                    .unwrap_or(sqlstate::INTERNAL_ERROR.code())
+                    .to_string();
+                error = Some((code, text));
             }
             Ok(Some(_)) => {}
             Ok(None) => {
