@@ -44,8 +44,6 @@ enum Target {
 #[derive(Default)]
 pub struct CancelSlot {
     state: Mutex<SlotState>,
-    /// Wakes a client waiting for a server when it is cancelled.
-    wake: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -63,6 +61,9 @@ struct SlotState {
     /// The client waits for a server, and whether it was cancelled.
     waiting: bool,
     cancelled: bool,
+    /// Wakes the waiting client when it is cancelled (one per client, so
+    /// a waker, lighter than a `Notify`).
+    waker: Option<std::task::Waker>,
 }
 
 impl std::fmt::Debug for CancelSlot {
@@ -94,18 +95,23 @@ impl CancelSlot {
     pub fn stop_waiting(&self) -> bool {
         let mut s = self.lock();
         s.waiting = false;
+        s.waker = None;
         std::mem::take(&mut s.cancelled)
     }
 
     /// Resolves once a cancel request arrives for the waiting client.
     pub async fn cancelled(&self) {
-        loop {
-            // A wake-up left from an earlier wait is told apart by the flag.
-            self.wake.notified().await;
-            if self.lock().cancelled {
-                return;
+        std::future::poll_fn(|cx| {
+            let mut s = self.lock();
+            if s.cancelled {
+                return std::task::Poll::Ready(());
             }
-        }
+            if !s.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                s.waker = Some(cx.waker().clone());
+            }
+            std::task::Poll::Pending
+        })
+        .await
     }
 
     /// The client now uses `backend`.
@@ -147,8 +153,11 @@ impl CancelSlot {
         let Some(backend) = s.backend else {
             if s.waiting {
                 s.cancelled = true;
+                let waker = s.waker.take();
                 drop(s);
-                self.wake.notify_one();
+                if let Some(w) = waker {
+                    w.wake();
+                }
             }
             return None;
         };

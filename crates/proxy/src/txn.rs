@@ -394,7 +394,8 @@ struct Session {
     parses_named: u64,
     /// What pgwarden answers the client itself (a statement cancelled
     /// while waiting for a server), sent after the messages at hand.
-    to_client: BytesMut,
+    /// Boxed: rarely used, and part of every idle client otherwise.
+    answers: Option<Box<BytesMut>>,
     /// The rest of a cancelled extended-protocol batch is skipped, as
     /// PostgreSQL skips a failed one, up to its Sync.
     skip_to_sync: bool,
@@ -458,7 +459,7 @@ impl Session {
             discarding: false,
             discard_failed: false,
             parses_named: 0,
-            to_client: BytesMut::new(),
+            answers: None,
             skip_to_sync: false,
             extras,
         };
@@ -679,16 +680,16 @@ impl Session {
         };
         match tag {
             frontend::QUERY | frontend::FUNCTION_CALL => {
-                error(&mut self.to_client);
-                encode::ready_for_query(&mut self.to_client, TxStatus::Idle);
+                error(self.answers());
+                encode::ready_for_query(self.answers(), TxStatus::Idle);
             }
-            frontend::SYNC => encode::ready_for_query(&mut self.to_client, TxStatus::Idle),
+            frontend::SYNC => encode::ready_for_query(self.answers(), TxStatus::Idle),
             frontend::PARSE
             | frontend::BIND
             | frontend::DESCRIBE
             | frontend::EXECUTE
             | frontend::CLOSE => {
-                error(&mut self.to_client);
+                error(self.answers());
                 self.skip_to_sync = true;
             }
             // COPY messages outside a COPY: ignored, as PostgreSQL does.
@@ -696,13 +697,17 @@ impl Session {
         }
     }
 
+    /// Where pgwarden's own answers to the client go.
+    fn answers(&mut self) -> &mut BytesMut {
+        self.answers.get_or_insert_with(Box::default)
+    }
+
     /// Sends the client what pgwarden answered itself.
     async fn answer_client(&mut self, client: &mut ClientStream) -> std::io::Result<()> {
-        if self.to_client.is_empty() {
-            return Ok(());
+        match self.answers.take() {
+            Some(out) => client.write_all(&out).await,
+            None => Ok(()),
         }
-        let out = std::mem::take(&mut self.to_client);
-        client.write_all(&out).await
     }
 
     /// Makes `c` the client's server: its session parameters brought in
@@ -868,7 +873,7 @@ impl Session {
             if self.skip_to_sync {
                 if tag == frontend::SYNC {
                     self.skip_to_sync = false;
-                    encode::ready_for_query(&mut self.to_client, TxStatus::Idle);
+                    encode::ready_for_query(self.answers(), TxStatus::Idle);
                 }
                 buf.advance(total);
                 continue;
