@@ -1668,3 +1668,48 @@ async fn start_up_settings_follow_the_client_and_stay_its_own() {
     assert_eq!(one(&b, "SELECT 1").await, "1");
     assert_eq!(one(&a, "SHOW search_path").await, "s1,public");
 }
+
+/// A client asking for a newer protocol minor version (libpq 18 can ask
+/// for 3.2) or for protocol options learns, as from PostgreSQL, that the
+/// pool speaks 3.0 and knows none of them (NegotiateProtocolVersion before
+/// the login), instead of believing it got them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_clients_asking_for_a_newer_protocol_are_told_3_0() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    for (minor, option) in [(2u16, None), (0, Some("_pq_.foo")), (2, Some("_pq_.foo"))] {
+        let mut body = 3u16.to_be_bytes().to_vec();
+        body.extend_from_slice(&minor.to_be_bytes());
+        for (k, v) in [("user", "postgres"), ("database", "postgres")]
+            .into_iter()
+            .chain(option.map(|o| (o, "1")))
+        {
+            body.extend_from_slice(k.as_bytes());
+            body.push(0);
+            body.extend_from_slice(v.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut s = std::net::TcpStream::connect(p.service_addrs()["read_write"]).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&((body.len() + 4) as u32).to_be_bytes())
+            .unwrap();
+        s.write_all(&body).unwrap();
+        let mut c = RawClient(s, (0, 0));
+        let greeting = c.until_ready();
+        let (tag, v) = &greeting[0];
+        assert_eq!(*tag, b'v', "{greeting:?}");
+        // Protocol 3.0, written as PostgreSQL writes it.
+        let mut want = vec![0, 3, 0, 0];
+        want.extend_from_slice(&(option.is_some() as u32).to_be_bytes());
+        if let Some(o) = option {
+            want.extend_from_slice(o.as_bytes());
+            want.push(0);
+        }
+        assert_eq!(v, &want);
+        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
+        assert_eq!(value(&c.simple(b"SELECT 1")), "1");
+    }
+}

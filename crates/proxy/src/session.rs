@@ -264,6 +264,31 @@ async fn serve(
         startup.set("default_transaction_read_only", "on");
     }
 
+    let admin = !spec.read_only
+        && startup.database() == Some(crate::admin::ADMIN_DATABASE)
+        && spec.want == pgwarden_topology::Want::Primary;
+    let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
+        spec,
+        startup.database().unwrap_or_default(),
+        startup.user().unwrap_or_default(),
+    );
+    // Where pgwarden answers the login itself, it also answers a request
+    // for a newer protocol minor version or for protocol options, as
+    // PostgreSQL does before authentication: it speaks 3.0 and knows no
+    // option, and its servers are asked for nothing more. A plain relay
+    // leaves that to the server.
+    if admin || pool.is_some() || shared.auth.load().is_some() {
+        if let Some(v) = startup.negotiation(0) {
+            if client.write_all(&v).await.is_err() {
+                return Ok(None);
+            }
+            startup.protocol = (3, 0);
+            startup
+                .params
+                .retain(|(n, _)| !n.starts_with(pgwarden_wire::startup::PROTOCOL_OPTION_PREFIX));
+        }
+    }
+
     let credential = match shared.auth.load_full() {
         None => None,
         Some(auth) => match tokio::time::timeout_at(
@@ -305,18 +330,10 @@ async fn serve(
             }
         },
     };
-    if !spec.read_only
-        && startup.database() == Some(crate::admin::ADMIN_DATABASE)
-        && spec.want == pgwarden_topology::Want::Primary
-    {
+    if admin {
         Box::pin(crate::admin::run(shared, client, &startup)).await;
         return Ok(None);
     }
-    let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
-        spec,
-        startup.database().unwrap_or_default(),
-        startup.user().unwrap_or_default(),
-    );
     if let Some(pool) = pool {
         let extras = crate::pool::Extras::from_startup(&startup, spec.read_only)
             .map_err(|e| Refusal::new(sqlstate::FEATURE_NOT_SUPPORTED, "startup_parameter", e))?;

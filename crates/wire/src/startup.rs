@@ -280,12 +280,16 @@ fn take_cstr(rest: &mut &[u8]) -> Result<String, StartupError> {
 }
 
 /// NegotiateProtocolVersion (`v`): the newest minor version supported for
-/// the requested major version, and the protocol options not recognised.
+/// the requested major version 3, and the protocol options not recognised.
+///
+/// The version goes on the wire whole (major in the high 16 bits), as
+/// PostgreSQL sends it and as libpq reads it: a bare minor number reads
+/// as a downgrade to before 3.0, which libpq refuses.
 pub fn negotiate_protocol_version(newest_minor: i32, unrecognized: &[&str]) -> Bytes {
     let mut dst = BytesMut::new();
     dst.put_u8(backend::NEGOTIATE_PROTOCOL_VERSION);
     untagged_packet(&mut dst, |b| {
-        b.put_i32(newest_minor);
+        b.put_i32((3 << 16) | newest_minor);
         b.put_i32(i32::try_from(unrecognized.len()).unwrap_or(i32::MAX));
         for o in unrecognized {
             put_cstr(b, o.as_bytes());
@@ -421,7 +425,8 @@ mod tests {
         let (tag, msg) = split_message(&mut nego, 1000).unwrap().unwrap();
         assert_eq!(tag, b'v');
         let mut r = Reader::new(body(&msg));
-        assert_eq!(r.i32(), Ok(0));
+        // 3.0, as PostgreSQL writes it.
+        assert_eq!(r.i32(), Ok(0x0003_0000));
         assert_eq!(r.i32(), Ok(2));
         assert_eq!(r.cstr(), Ok("_pq_.compression"));
         assert_eq!(r.cstr(), Ok("_pq_.x"));
