@@ -168,7 +168,13 @@ impl Extras {
     /// itself.
     pub fn from_startup(startup: &StartupMessage, read_only: bool) -> Result<Extras, String> {
         let mut found: Vec<(String, String)> = Vec::new();
-        let mut add = |name: &str, value: &str| -> Result<(), String> {
+        let top_level = |lower: &str| {
+            startup
+                .params
+                .iter()
+                .any(|(n, _)| n.eq_ignore_ascii_case(lower))
+        };
+        let mut add = |name: &str, value: &str, from_options: bool| -> Result<(), String> {
             let valid = !name.is_empty()
                 && name
                     .bytes()
@@ -182,7 +188,13 @@ impl Extras {
                     "start-up parameter \"{name}\" is not supported with pooling: connect as that role instead"
                 ));
             }
-            if TRACKED.iter().any(|t| t.eq_ignore_ascii_case(&lower))
+            // A tracked parameter is replayed as such; one given only in
+            // `options` is set like the rest, and the client then takes the
+            // server's value as its own.
+            // (Replayed under the exact name the client's session reads.)
+            let tracked = TRACKED.contains(&name);
+            if (tracked && !from_options)
+                || (from_options && top_level(&lower))
                 || (read_only && lower == "default_transaction_read_only")
             {
                 return Ok(());
@@ -192,19 +204,21 @@ impl Extras {
             found.push((lower, value.to_string()));
             Ok(())
         };
+        // PostgreSQL applies `options` first, then the other parameters,
+        // which win where both set something.
+        if let Some(options) = startup.get("options") {
+            for (n, v) in parse_options(options)? {
+                add(&n, &v, true)?;
+            }
+        }
         for (name, value) in &startup.params {
             match name.as_str() {
-                "user" | "database" => {}
+                "user" | "database" | "options" => {}
                 "replication" => {
                     return Err("replication connections are not supported with pooling".into())
                 }
-                "options" => {
-                    for (n, v) in parse_options(value)? {
-                        add(&n, &v)?;
-                    }
-                }
                 n if n.starts_with("_pq_.") => {}
-                n => add(n, value)?,
+                n => add(n, value, false)?,
             }
         }
         if found.is_empty() {
@@ -1048,11 +1062,28 @@ mod tests {
         let ro = startup(&[("default_transaction_read_only", "on")]);
         assert_eq!(Extras::from_startup(&ro, true).unwrap(), Extras::default());
         assert_eq!(pairs(&Extras::from_startup(&ro, false).unwrap()).len(), 1);
-        // A later value wins, as in PostgreSQL.
-        let twice = startup(&[("work_mem", "1MB"), ("options", "-c work_mem=2MB")]);
+        // A parameter wins over the same setting in `options`, as in
+        // PostgreSQL, wherever it comes in the packet.
+        for twice in [
+            startup(&[("work_mem", "1MB"), ("options", "-c work_mem=2MB")]),
+            startup(&[("options", "-c work_mem=2MB"), ("work_mem", "1MB")]),
+        ] {
+            let e = Extras::from_startup(&twice, false).unwrap();
+            assert_eq!(pairs(&e), [("work_mem", "1MB")]);
+        }
+        // A tracked parameter only in `options` is set like the rest.
+        let enc = startup(&[("options", "-c client_encoding=LATIN1 -c DateStyle=German")]);
         assert_eq!(
-            pairs(&Extras::from_startup(&twice, false).unwrap()),
-            [("work_mem", "2MB")]
+            pairs(&Extras::from_startup(&enc, false).unwrap()),
+            [("client_encoding", "LATIN1"), ("datestyle", "German")]
+        );
+        let enc = startup(&[
+            ("client_encoding", "UTF8"),
+            ("options", "-c client_encoding=LATIN1"),
+        ]);
+        assert_eq!(
+            Extras::from_startup(&enc, false).unwrap(),
+            Extras::default()
         );
     }
 
