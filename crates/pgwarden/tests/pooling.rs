@@ -1574,22 +1574,7 @@ async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
     let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
     ready(&e, 1).await;
     let port = p.service_addrs()["read_write"].port();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/pool_mix.py");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
-            .arg(script)
-            .arg(port.to_string())
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("python3");
-    assert!(
-        out.status.success(),
-        "pool_mix.py failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::python_client("pool_mix.py", vec![port.to_string()]).await;
 }
 
 /// Start-up settings beyond the tracked parameters (`options=-c ...`, or

@@ -249,21 +249,5 @@ async fn psycopg_run(extra: &str) {
     );
     let _pg = Running::start(&config, dir.path());
     lands_on("read-only port on the replica", ro, "t").await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/psycopg_ops.py");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg(script)
-            .arg(rw.to_string())
-            .arg(ro.to_string())
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("python3");
-    assert!(
-        out.status.success(),
-        "psycopg failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::python_client("psycopg_ops.py", vec![rw.to_string(), ro.to_string()]).await;
 }

@@ -264,3 +264,24 @@ pub async fn one(c: &tokio_postgres::Client, q: &str) -> String {
         })
         .expect("a row")
 }
+
+/// Runs the driver script `tests/clients/NAME` with python3 and `args`;
+/// panics with its output unless it exits successfully.
+pub async fn python_client(name: &str, args: Vec<String>) {
+    let script = format!("{}/tests/clients/{name}", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(&script)
+            .args(&args)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python3");
+    assert!(
+        out.status.success(),
+        "{name} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
