@@ -1698,3 +1698,41 @@ async fn pooled_clients_asking_for_a_newer_protocol_are_told_3_0() {
         assert_eq!(value(&c.simple(b"SELECT 1")), "1");
     }
 }
+
+/// An idle pooled server connection whose backend went away (here
+/// `pg_terminate_backend`; `idle_session_timeout` or a restart alike) is
+/// noticed when a client next borrows a server: the client's statement runs
+/// on a live connection instead of getting the dead one's FATAL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_server_that_went_away_is_not_handed_out() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    for round in 0..2 {
+        let pid = one(&a, "SELECT pg_backend_pid()").await;
+        let q = format!("SELECT pg_terminate_backend({pid})");
+        assert_eq!(sql_value(&direct, &q).await.as_deref(), Some("t"));
+        let gone = format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}");
+        pgwarden_testkit::eventually("the backend exits", WAIT, || {
+            let (direct, gone) = (direct.clone(), gone.clone());
+            async move {
+                match sql_value(&direct, &gone).await.as_deref() {
+                    Some("0") => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        })
+        .await;
+        let next = a
+            .simple_query("SELECT pg_backend_pid()")
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let new_pid = next.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0),
+            _ => None,
+        });
+        assert_ne!(new_pid, Some(pid.as_str()), "round {round}");
+    }
+}

@@ -623,7 +623,7 @@ impl Pool {
             return None;
         }
         let permit = self.permits.clone().try_acquire_owned().ok()?;
-        let conn = pop_idle(&mut self.idle.lock().expect("poisoned"))?;
+        let conn = self.pop_live()?;
         let conn = self.moved_here(conn)?;
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         Some(Checkout {
@@ -632,6 +632,20 @@ impl Pool {
             waited: Duration::ZERO,
             _permit: permit,
         })
+    }
+
+    /// An idle connection ([`pop_idle`]) whose server has not gone away
+    /// meanwhile; those that have are closed on the way, so that no client
+    /// gets a stale FATAL for its first statement.
+    fn pop_live(&self) -> Option<Box<ServerConn>> {
+        loop {
+            let conn = pop_idle(&mut self.idle.lock().expect("poisoned"))?;
+            if !conn.stream.spoke_while_idle() {
+                return Some(conn);
+            }
+            tracing::debug!(host = %self.key.host, "an idle server connection was closed by the server");
+            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// [`move_here`], counting a connection lost on the way.
@@ -701,7 +715,7 @@ impl Pool {
         let waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
         self.stats.max_wait_us.fetch_max(waited, Ordering::Relaxed);
-        let reused = pop_idle(&mut self.idle.lock().expect("poisoned"));
+        let reused = self.pop_live();
         let conn = match reused.and_then(|c| self.moved_here(c)) {
             Some(c) => c,
             None => {

@@ -484,6 +484,22 @@ impl std::fmt::Debug for ServerStream {
 }
 
 impl ServerStream {
+    /// Whether the server sent anything, closed or failed since its socket
+    /// was last read to the end: an idle server connection says nothing
+    /// unless it is going away (a FATAL before the close, as after
+    /// `pg_terminate_backend` or `idle_session_timeout`). Costs no system
+    /// call unless the event loop saw the socket become readable.
+    pub fn spoke_while_idle(&self) -> bool {
+        let tcp = match self {
+            ServerStream::Plain(s) => s,
+            ServerStream::Tls(s) => s.get_ref().0,
+        };
+        let mut byte = [0u8; 1];
+        let mut buf = tokio::io::ReadBuf::new(&mut byte);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        tcp.poll_peek(&mut cx, &mut buf).is_ready()
+    }
+
     /// The server's address.
     pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
         match self {
