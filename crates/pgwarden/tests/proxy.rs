@@ -582,3 +582,52 @@ async fn clients_fill_one_worker_before_the_next() {
     }
     assert_eq!(common::worker_clients(http).await, (2.0, 2.0), "in turn");
 }
+
+/// Whether the established TCP socket from `local` to `remote` port has
+/// its keepalive timer running (the `tr` field of /proc/net/tcp is 2):
+/// an idle connection without SO_KEEPALIVE has no timer at all.
+fn keepalive_timer(local: u16, remote: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next().unwrap(), 16).unwrap();
+    let row = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f[3] == "01" && port(f[1]) == local && port(f[2]) == remote)
+        .unwrap_or_else(|| panic!("no established socket {local} -> {remote}:\n{table}"));
+    row[5].starts_with("02:")
+}
+
+/// Both legs of a relayed session have TCP keepalive on (with the
+/// system's timings), as PostgreSQL and libpq do: a client host that
+/// vanishes without closing frees its session and the backend behind it
+/// instead of holding them for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_connections_have_tcp_keepalive() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let listen = p.service_addrs()["read_write"].port();
+    let mut s = std::net::TcpStream::connect(p.service_addrs()["read_write"]).unwrap();
+    let mine = s.local_addr().unwrap().port();
+    // A startup packet, so that the server leg exists too.
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    body.extend_from_slice(b"user\0postgres\0database\0postgres\0application_name\0ka\0\0");
+    s.write_all(&((body.len() + 4) as u32).to_be_bytes())
+        .unwrap();
+    s.write_all(&body).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 1];
+    s.read_exact(&mut greeting).unwrap();
+    assert!(keepalive_timer(listen, mine), "client leg");
+    let server_port: u16 = sql_value(
+        &c.conninfo(0),
+        "SELECT client_port FROM pg_stat_activity WHERE application_name = 'ka'",
+    )
+    .await
+    .unwrap()
+    .parse()
+    .unwrap();
+    let pg_port = c.addr(0).rsplit(':').next().unwrap().parse().unwrap();
+    assert!(keepalive_timer(server_port, pg_port), "server leg");
+}

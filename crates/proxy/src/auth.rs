@@ -217,7 +217,7 @@ impl Authenticator {
             let tcp = tokio::net::TcpStream::connect((primary.host.as_str(), primary.port))
                 .await
                 .map_err(|e| e.to_string())?;
-            let _ = tcp.set_nodelay(true);
+            crate::stream::tune(&tcp);
             let stream = server_tls.start(tcp, &primary.host).await?;
             cfg.connect_raw(stream, tokio_postgres::NoTls)
                 .await

@@ -822,7 +822,7 @@ async fn connect(
     let tcp = TcpStream::connect((key.host.host.as_str(), key.host.port))
         .await
         .map_err(fail)?;
-    let _ = tcp.set_nodelay(true);
+    crate::stream::tune(&tcp);
     let stream = server_tls
         .start(tcp, &key.host.host)
         .await

@@ -96,7 +96,7 @@ pub(crate) fn run(
                 Err(_) => return,
             },
         };
-        let _ = client.set_nodelay(true);
+        crate::stream::tune(&client);
         let mut client = ClientStream::Plain(client);
         let gauge = service.handles.client_connections.clone();
         gauge.inc();
@@ -535,7 +535,7 @@ async fn connect_server(
                 let s = TcpStream::connect((addr.host.as_str(), addr.port))
                     .await
                     .map_err(|e| e.to_string())?;
-                let _ = s.set_nodelay(true);
+                crate::stream::tune(&s);
                 server_tls.start(s, &addr.host).await
             };
             match tokio::time::timeout(timeout, attempt).await {

@@ -483,6 +483,16 @@ impl std::fmt::Debug for ServerStream {
     }
 }
 
+/// Socket options for every client and server connection: no Nagle
+/// delay, and TCP keepalive with the system's timings, as PostgreSQL and
+/// libpq set it, so a peer that vanished without a word (a crashed host,
+/// a NAT that forgot the flow) is found out and its connection, and the
+/// backend behind a relayed session, freed.
+pub(crate) fn tune(tcp: &TcpStream) {
+    let _ = tcp.set_nodelay(true);
+    let _ = socket2::SockRef::from(tcp).set_keepalive(true);
+}
+
 impl ServerStream {
     /// Whether the server sent anything, closed or failed since its socket
     /// was last read to the end: an idle server connection says nothing
