@@ -1407,7 +1407,8 @@ async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay
 /// holds the forwarded request (a slow postmaster) while the first query
-/// ends and the next client asks for the server.
+/// ends and the next client asks for the server; advisory locks held by a
+/// direct connection decide when each query may end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
     let c = TestCluster::builder().replicas(0).start();
@@ -1421,19 +1422,28 @@ async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
     .await;
     ready(&e, 1).await;
     let direct = c.conninfo(0);
+    let locks = client(&direct).await.unwrap();
+    locks
+        .batch_execute("SELECT pg_advisory_lock(1), pg_advisory_lock(2)")
+        .await
+        .unwrap();
     let a = client(&via(&p, "read_write")).await.unwrap();
     let b = client(&via(&p, "read_write")).await.unwrap();
-    let active = |query: &'static str| {
+    let blocked = |query: &'static str| {
         let direct = direct.clone();
         async move {
-            let q = format!("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query = '{query}'");
+            let q = format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query = '{query}'"
+            );
             sql_value(&direct, &q).await.as_deref() == Some("1")
         }
     };
     let token = a.cancel_token();
-    let first = tokio::spawn(async move { a.simple_query("SELECT pg_sleep(1)").await.map(|_| ()) });
+    const A: &str = "SELECT pg_advisory_xact_lock(1)";
+    const B: &str = "SELECT pg_advisory_xact_lock(2)";
+    let first = tokio::spawn(async move { a.simple_query(A).await.map(|_| ()) });
     pgwarden_testkit::eventually("a's query runs", WAIT, || async {
-        if active("SELECT pg_sleep(1)").await {
+        if blocked(A).await {
             Ok(())
         } else {
             Err("not yet".into())
@@ -1452,21 +1462,34 @@ async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
     })
     .await;
     // The request is held: a's query ends on its own.
+    locks
+        .batch_execute("SELECT pg_advisory_unlock(1)")
+        .await
+        .unwrap();
     first.await.unwrap().expect("a's query was not cancelled");
-    let second =
-        tokio::spawn(async move { b.simple_query("SELECT pg_sleep(0.2)").await.map(|_| ()) });
+    let second = tokio::spawn(async move { b.simple_query(B).await.map(|_| ()) });
     let http = p.http_addr().unwrap();
+    let waiting = || common::metric_sample(http, "pgwarden_pool_clients_waiting{");
     pgwarden_testkit::eventually("b waits for the server, or runs on it", WAIT, || async {
-        let waiting = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        if waiting == 1.0 || active("SELECT pg_sleep(0.2)").await {
+        if waiting().await == 1.0 || blocked(B).await {
             Ok(())
         } else {
-            Err(format!("waiting {waiting}"))
+            Err("neither yet".into())
         }
     })
     .await;
+    // The server is held back while the request is on its way.
+    assert!(
+        !blocked(B).await,
+        "b runs on the server the request is headed for"
+    );
+    assert_eq!(waiting().await, 1.0);
     relay.set_hold_new(false);
     cancel.await.unwrap().unwrap();
+    locks
+        .batch_execute("SELECT pg_advisory_unlock(2)")
+        .await
+        .unwrap();
     let r = tokio::time::timeout(WAIT, second).await.unwrap().unwrap();
     assert!(r.is_ok(), "b's query was cancelled: {r:?}");
 }
