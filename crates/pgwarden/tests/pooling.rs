@@ -20,6 +20,15 @@ fn pool(size: usize, wait: Duration) -> Option<PoolSettings> {
     })
 }
 
+/// A pgwarden in front of `c` (one node) with a transaction pool of
+/// `size` server connections and `WAIT` as its query_wait_timeout, once
+/// the topology engine has seen the node.
+async fn pooled(c: &TestCluster, size: usize) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(size, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    (e, p)
+}
+
 /// Client backends on `conninfo`'s server other than probes and ourselves.
 async fn server_connections(conninfo: &str) -> usize {
     sql_value(
@@ -1026,8 +1035,7 @@ async fn latin1_clients_get_the_read_only_and_pinning_rules_too() {
     // server it set search_path on serves nobody else. The pool hands out
     // the server released last, so without the pin the next client would
     // get it and see the setting.
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let rw = p.service_addrs()["read_write"];
     let mut a = RawClient::connect(rw, "LATIN1");
     let r = a.simple(b"SET search_path TO \"caf\xe9\", public");
@@ -1142,8 +1150,7 @@ async fn fast_path_advisory_locks_pin_the_client() {
     };
     let lock = oid("pg_catalog.pg_advisory_lock(bigint)").await;
     let unlock = oid("pg_catalog.pg_advisory_unlock(bigint)").await;
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
     let r = a.send(&function_call(lock, &[b"42"]));
     assert_eq!(error_code(&r), None, "{r:?}");
@@ -1166,8 +1173,7 @@ async fn fast_path_advisory_locks_pin_the_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_answers_empty_queries_and_extended_batches_like_postgres() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let mut s = RawClient::connect_to(p.service_addrs()["read_write"], "pgwarden", "UTF8");
     let tags = |r: &[(u8, Vec<u8>)]| r.iter().map(|(t, _)| *t as char).collect::<String>();
     assert_eq!(tags(&s.simple(b"")), "IZ");
@@ -1192,8 +1198,7 @@ async fn admin_console_answers_empty_queries_and_extended_batches_like_postgres(
 async fn discard_all_from_one_client_does_not_break_the_others_statements() {
     let c = TestCluster::builder().replicas(0).start();
     // One server: every client shares it.
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 1).await;
     let a = client(&via(&p, "read_write")).await.unwrap();
     let b = client(&via(&p, "read_write")).await.unwrap();
     let a_stmt = a.prepare("SELECT $1::int4 + 1").await.unwrap();
@@ -1242,8 +1247,7 @@ async fn a_statement_name_reused_after_close_gets_the_new_statement() {
     let c = TestCluster::builder().replicas(0).start();
     // One worker: idle servers are reused most recent first.
     WORKERS.with(|w| w.set(1));
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let rw = p.service_addrs()["read_write"];
     let mut a = RawClient::connect(rw, "UTF8");
     let b = client(&via(&p, "read_write")).await.unwrap();
@@ -1274,8 +1278,7 @@ async fn a_statement_prepared_in_a_failed_batch_is_prepared_again() {
     let c = TestCluster::builder().replicas(0).start();
     // One worker: idle servers are reused most recent first.
     WORKERS.with(|w| w.set(1));
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
     let b = client(&via(&p, "read_write")).await.unwrap();
     let r = a.extended(b"s2", b"SELECT 'two'");
@@ -1356,8 +1359,7 @@ async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
     let c = TestCluster::builder().replicas(0).start();
     // One worker: idle servers are reused most recent first.
     WORKERS.with(|w| w.set(1));
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let addr = p.service_addrs()["read_write"];
     let (mut a, mut b) = (
         RawClient::connect(addr, "UTF8"),
@@ -1501,8 +1503,7 @@ async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_request_cancels_a_statement_waiting_for_a_server() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 1).await;
     let direct = c.conninfo(0);
     common::sql(&direct, "CREATE TABLE queued (v int)").await;
     let addr = p.service_addrs()["read_write"];
@@ -1594,8 +1595,7 @@ async fn a_cancel_request_cancels_a_statement_waiting_for_a_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     let port = p.service_addrs()["read_write"].port();
     common::python_client("pool_mix.py", vec![port.to_string()]).await;
 }
@@ -1608,8 +1608,7 @@ async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_up_settings_follow_the_client_and_stay_its_own() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 1).await;
     let direct = c.conninfo(0);
     common::sql(
         &direct,
@@ -1685,8 +1684,7 @@ async fn start_up_settings_follow_the_client_and_stay_its_own() {
 async fn pooled_clients_asking_for_a_newer_protocol_are_told_3_0() {
     use std::io::Write;
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 2).await;
     for (minor, option) in [(2u16, None), (0, Some("_pq_.foo")), (2, Some("_pq_.foo"))] {
         let mut body = 3u16.to_be_bytes().to_vec();
         body.extend_from_slice(&minor.to_be_bytes());
@@ -1729,8 +1727,7 @@ async fn pooled_clients_asking_for_a_newer_protocol_are_told_3_0() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_server_that_went_away_is_not_handed_out() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
-    ready(&e, 1).await;
+    let (_engine, p) = pooled(&c, 1).await;
     let direct = c.conninfo(0);
     let a = client(&via(&p, "read_write")).await.unwrap();
     for round in 0..2 {
