@@ -1600,6 +1600,41 @@ async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
     common::python_client("pool_mix.py", vec![port.to_string()]).await;
 }
 
+/// The PostgreSQL JDBC driver with its defaults (statements become named
+/// server-side statements after five uses) and with server-side statements
+/// from the first use, twelve clients on a pool of two: batches (many
+/// Bind/Execute, one Sync) committed, rolled back and failing part way,
+/// savepoints, cursors read through a named portal in several round trips,
+/// query timeouts (cancel requests), read-only transactions, generated
+/// keys, DISCARD ALL / DEALLOCATE ALL and metadata queries. An error no
+/// client asked for, a wrong count, or a hang fails the run
+/// (tests/clients/JdbcMix.java). The driver quietly prepares a statement
+/// again when the server says it does not exist, so the server's log is
+/// read too: the only errors in it are the ones the clients caused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jdbc_clients_share_a_pool_of_two() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let port = p.service_addrs()["read_write"].port();
+    common::java_client("JdbcMix.java", vec![port.to_string(), "12".into()]).await;
+    let log = std::fs::read_to_string(c.node(0).log_path()).unwrap();
+    let asked_for = [
+        "duplicate key value violates unique constraint",
+        "division by zero",
+        "canceling statement due to user request",
+        "cannot execute INSERT in a read-only transaction",
+    ];
+    let unexpected: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("ERROR:") && !asked_for.iter().any(|a| l.contains(a)))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "errors no client asked for:\n{}",
+        unexpected.join("\n")
+    );
+}
+
 /// Start-up settings beyond the tracked parameters (`options=-c ...`, or
 /// parameters such as `extra_float_digits`, which JDBC sends) follow the
 /// client from server to server in transaction pooling and never reach

@@ -268,16 +268,32 @@ pub async fn one(c: &tokio_postgres::Client, q: &str) -> String {
 /// Runs the driver script `tests/clients/NAME` with python3 and `args`;
 /// panics with its output unless it exits successfully.
 pub async fn python_client(name: &str, args: Vec<String>) {
+    client_program("python3", Vec::new(), name, args).await;
+}
+
+/// Where Debian's libpostgresql-jdbc-java puts the PostgreSQL JDBC driver.
+const JDBC_JAR: &str = "/usr/share/java/postgresql.jar";
+
+/// Runs the single-file Java program `tests/clients/NAME` (launched from
+/// source, with the PostgreSQL JDBC driver on the class path) with `args`;
+/// panics with its output unless it exits successfully.
+pub async fn java_client(name: &str, args: Vec<String>) {
+    client_program("java", vec!["-cp".into(), JDBC_JAR.into()], name, args).await;
+}
+
+async fn client_program(program: &str, pre: Vec<String>, name: &str, args: Vec<String>) {
     let script = format!("{}/tests/clients/{name}", env!("CARGO_MANIFEST_DIR"));
+    let prog = program.to_string();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
+        std::process::Command::new(&prog)
+            .args(&pre)
             .arg(&script)
             .args(&args)
             .output()
     })
     .await
     .unwrap()
-    .expect("python3");
+    .unwrap_or_else(|e| panic!("{program}: {e}"));
     assert!(
         out.status.success(),
         "{name} failed:\n{}\n{}",
