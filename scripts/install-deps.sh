@@ -3,13 +3,13 @@
 # - the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench);
 # - etcd (the HA store the test kit starts), and protoc with the protobuf
 #   well-known types, which the etcd client's build compiles the API with;
-# - psycopg 3, asyncpg and the PostgreSQL JDBC driver (with a JDK to run
-#   the test client from source), the non-Rust drivers the integration
-#   tests use.
+# - psycopg 3, asyncpg, the PostgreSQL JDBC driver (with a JDK to run the
+#   test client from source) and PHP's PDO pgsql and pgsql extensions, the
+#   non-Rust drivers the integration tests use.
 set -euo pipefail
 
 packages=(postgresql-15 postgresql-client-15 etcd-server protobuf-compiler libprotobuf-dev
-  openjdk-17-jdk-headless libpostgresql-jdbc-java)
+  openjdk-17-jdk-headless libpostgresql-jdbc-java php-cli php-pgsql)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1405,6 +1405,66 @@ async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
     assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
 }
 
+/// `DEALLOCATE name` of a protocol-level statement prepared on another
+/// server answers as PostgreSQL would: it succeeds without preparing the
+/// statement again (which would fail here: its table is gone), and inside
+/// a failed transaction it fails with 25P02; in neither case is the client
+/// left waiting (PHP's PDO drops every statement it prepared this way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deallocate_of_a_statement_prepared_on_another_server() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (_engine, p) = pooled(&c, 2).await;
+    let addr = p.service_addrs()["read_write"];
+    let direct = client(&c.conninfo(0)).await.unwrap();
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let mut a = RawClient::connect(addr, "UTF8");
+    let tags = |r: &[(u8, Vec<u8>)]| -> Vec<String> {
+        r.iter()
+            .filter(|(t, _)| *t == b'C')
+            .map(|(_, b)| String::from_utf8_lossy(&b[..b.len() - 1]).into_owned())
+            .collect()
+    };
+    direct
+        .batch_execute("CREATE TABLE gone (v int)")
+        .await
+        .unwrap();
+    // `s` prepared on X, whose table then goes; the holder takes X.
+    assert_eq!(
+        error_code(&a.extended(b"s", b"SELECT count(*) FROM gone")),
+        None
+    );
+    holder.batch_execute("BEGIN").await.unwrap();
+    direct.batch_execute("DROP TABLE gone").await.unwrap();
+    let r = a.simple(b"DEALLOCATE s");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert_eq!(tags(&r), ["DEALLOCATE"], "{r:?}");
+    holder.batch_execute("COMMIT").await.unwrap();
+    // Gone, as on PostgreSQL.
+    let mut run = msg_bind_execute(b"s");
+    run.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&run)).as_deref(), Some("26000"));
+
+    // `s2` prepared on X; the holder takes X; on Y a's transaction fails.
+    assert_eq!(error_code(&a.extended(b"s2", b"SELECT 2")), None);
+    holder.batch_execute("BEGIN").await.unwrap();
+    let r = a.simple(b"BEGIN; SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.simple(b"DEALLOCATE s2");
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(tags(&r), Vec::<String>::new(), "{r:?}");
+    assert_eq!(
+        r.last().map(|(_, b)| b.as_slice()),
+        Some(&b"E"[..]),
+        "{r:?}"
+    );
+    let r = a.simple(b"ROLLBACK");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay
@@ -1617,13 +1677,21 @@ async fn jdbc_clients_share_a_pool_of_two() {
     let (_engine, p) = pooled(&c, 2).await;
     let port = p.service_addrs()["read_write"].port();
     common::java_client("JdbcMix.java", vec![port.to_string(), "12".into()]).await;
+    server_errors_only(
+        &mut c,
+        &[
+            "duplicate key value violates unique constraint",
+            "division by zero",
+            "canceling statement due to user request",
+            "cannot execute INSERT in a read-only transaction",
+        ],
+    );
+}
+
+/// Fails unless every ERROR in the server log of node 0 contains one of
+/// `asked_for`.
+fn server_errors_only(c: &mut TestCluster, asked_for: &[&str]) {
     let log = std::fs::read_to_string(c.node(0).log_path()).unwrap();
-    let asked_for = [
-        "duplicate key value violates unique constraint",
-        "division by zero",
-        "canceling statement due to user request",
-        "cannot execute INSERT in a read-only transaction",
-    ];
     let unexpected: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("ERROR:") && !asked_for.iter().any(|a| l.contains(a)))
@@ -1632,6 +1700,30 @@ async fn jdbc_clients_share_a_pool_of_two() {
         unexpected.is_empty(),
         "errors no client asked for:\n{}",
         unexpected.join("\n")
+    );
+}
+
+/// PHP clients on a pool of two, one process each: PDO with native
+/// prepares (a statement per object, dropped with DEALLOCATE when the
+/// object goes, also after its table is gone), transactions with errors,
+/// DISCARD ALL / DEALLOCATE ALL; and the pgsql extension reusing a
+/// statement name for another query after DEALLOCATE, SQL-level PREPARE,
+/// DEALLOCATE of unknown names, and cancelled asynchronous queries
+/// (tests/clients/php_mix.php). As with JDBC, the server's log must hold
+/// only the errors the clients caused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn php_clients_share_a_pool_of_two() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let port = p.service_addrs()["read_write"].port();
+    common::php_client("php_mix.php", vec![port.to_string(), "12".into()]).await;
+    server_errors_only(
+        &mut c,
+        &[
+            "duplicate key value violates unique constraint",
+            "canceling statement due to user request",
+            "prepared statement \"never_prepared_",
+        ],
     );
 }
 

@@ -372,9 +372,9 @@ impl StatementCache {
         }
     }
 
-    /// Forgets `name`.
-    pub fn remove(&mut self, name: &str) {
-        self.names.remove(name);
+    /// Forgets `name`; whether it was prepared.
+    pub fn remove(&mut self, name: &str) -> bool {
+        self.names.remove(name).is_some()
     }
 
     /// Forgets every statement.

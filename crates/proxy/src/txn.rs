@@ -79,6 +79,10 @@ struct Replies {
     open_batch: bool,
     /// Last transaction status the server reported.
     status: Option<TxStatus>,
+    /// Batches (simple Queries) that start with a PREPARE of pgwarden's
+    /// own (see [`Session::deallocate`]), whose CommandComplete is
+    /// swallowed.
+    hidden_prepares: Vec<u64>,
 }
 
 /// A Parse sent to the attached server.
@@ -941,7 +945,7 @@ impl Session {
                 let rewritten = if starts_with_word(text, "DEALLOCATE") {
                     std::str::from_utf8(text)
                         .ok()
-                        .and_then(|t| self.deallocate(t, out))
+                        .and_then(|t| self.deallocate(t))
                 } else {
                     None
                 };
@@ -1141,7 +1145,7 @@ impl Session {
 
     /// `DEALLOCATE name` / `DEALLOCATE ALL` for protocol-level statements
     /// (psycopg evicts its cache that way): renamed to the server-side name.
-    fn deallocate(&mut self, text: &str, out: &mut BytesMut) -> Option<String> {
+    fn deallocate(&mut self, text: &str) -> Option<String> {
         let t = text.trim().trim_end_matches(';').trim();
         let mut words = t.split_whitespace();
         if !words.next()?.eq_ignore_ascii_case("deallocate") {
@@ -1159,15 +1163,28 @@ impl Session {
             return None;
         }
         let name = name.trim_matches('"');
-        if !self.statements.contains_key(name) {
-            return None;
+        let (sname, _, _) = self.statements.remove(name)?;
+        let here = self
+            .attached
+            .as_mut()
+            .is_some_and(|c| c.conn.prepared.remove(&sname));
+        if here {
+            return Some(format!("DEALLOCATE \"{sname}\""));
         }
-        let (sname, _) = self.ensure(name, out);
-        self.statements.remove(name);
-        if let Some(c) = self.attached.as_mut() {
-            c.conn.prepared.remove(&sname);
-        }
-        Some(format!("DEALLOCATE \"{sname}\""))
+        // Not prepared on this server: the DEALLOCATE the client waits for
+        // drops a placeholder, prepared in the same Query (whose PREPARE
+        // reply is swallowed). Preparing the real statement only to drop
+        // it would plan it for nothing, and fail if it no longer parses
+        // (its table dropped, say), which the DEALLOCATE would not have
+        // done where the statement was prepared. Not as a Parse ahead of
+        // the Query either: after a failed Parse (in an aborted
+        // transaction) the server would ignore the Query until a Sync, and
+        // the client would wait for ever. In one Query, an aborted
+        // transaction fails it with the error the DEALLOCATE would get.
+        self.replies.hidden_prepares.push(self.replies.sent);
+        Some(format!(
+            "PREPARE \"{sname}\" AS SELECT; DEALLOCATE \"{sname}\""
+        ))
     }
 
     /// Processes a chunk from the server; returns what goes to the client.
@@ -1197,7 +1214,8 @@ impl Session {
                     | backend::CLOSE_COMPLETE
                     | backend::READY_FOR_QUERY
                     | backend::PARAMETER_STATUS
-            ) || (self.discarding && h.tag == backend::ERROR_RESPONSE);
+            ) || (self.discarding && h.tag == backend::ERROR_RESPONSE)
+                || (h.tag == backend::COMMAND_COMPLETE && !self.replies.hidden_prepares.is_empty());
             if !interesting {
                 let n = total.min(avail);
                 pos += n;
@@ -1235,10 +1253,30 @@ impl Session {
                     }
                     self.replies.closes.pop_front();
                 }
-                backend::ERROR_RESPONSE => self.discard_failed = true,
+                backend::COMMAND_COMPLETE => {
+                    if self.replies.hidden_prepares.first() == Some(&self.replies.done)
+                        && body.starts_with(b"PREPARE\0")
+                    {
+                        self.replies.hidden_prepares.remove(0);
+                        let o = out.get_or_insert_with(BytesMut::new);
+                        o.extend_from_slice(&buf[..pos]);
+                        buf.advance(pos + total);
+                        pos = 0;
+                        continue;
+                    }
+                }
+                backend::ERROR_RESPONSE => {
+                    if self.discarding {
+                        self.discard_failed = true;
+                    }
+                }
                 backend::READY_FOR_QUERY => {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.done += 1;
+                    // A hidden PREPARE that failed (its Query ended with an
+                    // error) has no reply left to swallow.
+                    let done = self.replies.done;
+                    self.replies.hidden_prepares.retain(|b| *b >= done);
                     self.replies.status = message::ready_for_query_status(body).ok();
                     self.drop_stale_parses();
                     self.drop_stale_closes();

@@ -281,6 +281,12 @@ pub async fn java_client(name: &str, args: Vec<String>) {
     client_program("java", vec!["-cp".into(), JDBC_JAR.into()], name, args).await;
 }
 
+/// Runs the PHP program `tests/clients/NAME` with the PHP command line and
+/// `args`; panics with its output unless it exits successfully.
+pub async fn php_client(name: &str, args: Vec<String>) {
+    client_program("php", Vec::new(), name, args).await;
+}
+
 async fn client_program(program: &str, pre: Vec<String>, name: &str, args: Vec<String>) {
     let script = format!("{}/tests/clients/{name}", env!("CARGO_MANIFEST_DIR"));
     let prog = program.to_string();
