@@ -4,9 +4,12 @@
 # - etcd (the HA store the test kit starts), and protoc with the protobuf
 #   well-known types, which the etcd client's build compiles the API with;
 # - psycopg 3, asyncpg, the PostgreSQL JDBC driver (with a JDK to run the
-#   test client from source) and PHP's PDO pgsql and pgsql extensions, the
-#   non-Rust drivers the integration tests use.
+#   test client from source), PHP's PDO pgsql and pgsql extensions and
+#   node-postgres, the non-Rust drivers the integration tests use.
 set -euo pipefail
+
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
 
 packages=(postgresql-15 postgresql-client-15 etcd-server protobuf-compiler libprotobuf-dev
   openjdk-17-jdk-headless libpostgresql-jdbc-java php-cli php-pgsql)
@@ -20,10 +23,23 @@ if ! python3 -c "import psycopg, asyncpg" 2>/dev/null; then
     || python3 -m pip install -q --break-system-packages "psycopg[binary]" asyncpg
 fi
 
-[ ${#missing[@]} -eq 0 ] && exit 0
+# node-postgres, from the npm registry, into npm's global modules (the
+# tests point NODE_PATH there). Node.js itself from Debian where missing.
+if ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 
-sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
+install_node_pg() {
+  command -v npm >/dev/null 2>&1 || return 0
+  NODE_PATH=$(npm root -g) node -e 'require("pg")' 2>/dev/null \
+    || $sudo npm install -g --silent --no-audit --no-fund pg@8
+}
+
+if [ ${#missing[@]} -eq 0 ]; then
+  install_node_pg
+  exit 0
+fi
+
 echo "installing: ${missing[*]}" >&2
 $sudo apt-get update -qq
 # The packages would start a PostgreSQL cluster on 5432 and an etcd member
@@ -35,3 +51,4 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
   trap '$sudo rm -f /usr/sbin/policy-rc.d' EXIT
 fi
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+install_node_pg

@@ -1727,6 +1727,29 @@ async fn php_clients_share_a_pool_of_two() {
     );
 }
 
+/// node-postgres clients on a pool of two: named statements (parsed once
+/// per connection, then only bound, wherever the client lands),
+/// transactions with errors, `statement_timeout` from the start-up packet
+/// (it must follow the client to every server), several statements in one
+/// simple Query, values of 100-200 kB (tests/clients/node_mix.js). As with
+/// JDBC, the server's log must hold only the errors the clients caused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_postgres_clients_share_a_pool_of_two() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let port = p.service_addrs()["read_write"].port();
+    common::node_client("node_mix.js", vec![port.to_string(), "12".into()]).await;
+    server_errors_only(
+        &mut c,
+        &[
+            "duplicate key value violates unique constraint",
+            "current transaction is aborted",
+            "canceling statement due to statement timeout",
+            "division by zero",
+        ],
+    );
+}
+
 /// Start-up settings beyond the tracked parameters (`options=-c ...`, or
 /// parameters such as `extra_float_digits`, which JDBC sends) follow the
 /// client from server to server in transaction pooling and never reach

@@ -287,7 +287,29 @@ pub async fn php_client(name: &str, args: Vec<String>) {
     client_program("php", Vec::new(), name, args).await;
 }
 
+/// Runs the Node.js program `tests/clients/NAME` with `args`, with npm's
+/// global modules (where scripts/install-deps.sh puts node-postgres) on
+/// its module path; panics with its output unless it exits successfully.
+pub async fn node_client(name: &str, args: Vec<String>) {
+    let root = std::process::Command::new("npm")
+        .args(["root", "-g"])
+        .output()
+        .expect("npm (scripts/install-deps.sh installs it)");
+    let root = String::from_utf8_lossy(&root.stdout).trim().to_string();
+    client_program_env("node", Vec::new(), name, args, vec![("NODE_PATH", root)]).await;
+}
+
 async fn client_program(program: &str, pre: Vec<String>, name: &str, args: Vec<String>) {
+    client_program_env(program, pre, name, args, Vec::new()).await;
+}
+
+async fn client_program_env(
+    program: &str,
+    pre: Vec<String>,
+    name: &str,
+    args: Vec<String>,
+    env: Vec<(&'static str, String)>,
+) {
     let script = format!("{}/tests/clients/{name}", env!("CARGO_MANIFEST_DIR"));
     let prog = program.to_string();
     let out = tokio::task::spawn_blocking(move || {
@@ -295,6 +317,7 @@ async fn client_program(program: &str, pre: Vec<String>, name: &str, args: Vec<S
             .args(&pre)
             .arg(&script)
             .args(&args)
+            .envs(env)
             .output()
     })
     .await
