@@ -1166,27 +1166,82 @@ async fn fast_path_advisory_locks_pin_the_client() {
     b.batch_execute("COMMIT").await.unwrap();
 }
 
-/// The admin console answers like a PostgreSQL server where it has no
-/// command to run: an empty query gets EmptyQueryResponse, and an
-/// extended-protocol batch (which it does not speak) gets one
-/// ErrorResponse, the rest of the batch skipped up to its Sync.
+/// The admin console answers like a PostgreSQL server: an empty query gets
+/// EmptyQueryResponse; the extended protocol works (Parse, Bind, Describe,
+/// Execute, Close, Sync), with one ErrorResponse per failed batch, the rest
+/// of it skipped up to its Sync; the settings drivers send when they
+/// connect (JDBC's `SET extra_float_digits`) are accepted, others refused.
+/// JDBC, with its default extended protocol and in simple mode, reads
+/// SHOW output by PgBouncer's column names (tests/clients/JdbcAdmin.java).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admin_console_answers_empty_queries_and_extended_batches_like_postgres() {
+async fn admin_console_answers_like_postgres_in_both_protocols() {
     let c = TestCluster::builder().replicas(0).start();
     let (_engine, p) = pooled(&c, 2).await;
-    let mut s = RawClient::connect_to(p.service_addrs()["read_write"], "pgwarden", "UTF8");
+    let addr = p.service_addrs()["read_write"];
+    // A pool to show.
+    let app = client(&via(&p, "read_write")).await.unwrap();
+    app.batch_execute("SELECT 1").await.unwrap();
+    let mut s = RawClient::connect_to(addr, "pgwarden", "UTF8");
     let tags = |r: &[(u8, Vec<u8>)]| r.iter().map(|(t, _)| *t as char).collect::<String>();
     assert_eq!(tags(&s.simple(b"")), "IZ");
     assert_eq!(tags(&s.simple(b" ; ")), "IZ");
+    // Parse, Bind, Execute (rows, no RowDescription), Sync.
     let r = s.extended(b"", b"SHOW POOLS");
-    assert_eq!(tags(&r), "EZ", "{r:?}");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let t = tags(&r);
+    assert!(
+        t.starts_with("12") && t.ends_with("CZ") && !t.contains('T'),
+        "{r:?}"
+    );
+    // A named statement described, run twice, closed.
+    let mut m = msg_parse(b"st", b"SHOW STATS");
+    m.extend_from_slice(&[b'D', 0, 0, 0, 8, b'S', b's', b't', 0]);
+    m.extend(msg_bind_execute(b"st"));
+    m.extend(msg_bind_execute(b"st"));
+    m.extend_from_slice(&[b'C', 0, 0, 0, 8, b'S', b's', b't', 0]);
+    m.extend_from_slice(MSG_SYNC);
+    let r = s.send(&m);
+    // (DataRows, one per pool, left out: there may be none yet.)
+    assert_eq!(tags(&r).replace('D', ""), "1tT2C2C3Z", "{r:?}");
+    // An unknown command fails at Execute; the batch is skipped to Sync.
+    let mut m = msg_parse(b"", b"SHOW NOTHING");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    let r = s.send(&m);
+    assert_eq!(tags(&r), "12EZ", "{r:?}");
     assert_eq!(error_code(&r).as_deref(), Some("0A000"));
+    let mut m = msg_bind_execute(b"closed");
+    m.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&s.send(&m)).as_deref(), Some("26000"));
     // A Flush alone is no error, and the console still answers.
     let r = s.send(&[b'H', 0, 0, 0, 4, b'S', 0, 0, 0, 4]);
     assert_eq!(tags(&r), "Z", "{r:?}");
-    let r = s.simple(b"SHOW POOLS");
-    assert_eq!(error_code(&r), None, "{r:?}");
-    assert!(tags(&r).ends_with("CZ"), "{r:?}");
+    // Driver settings pass; pgwarden's own are not set this way.
+    for ok in [
+        &b"SET extra_float_digits = 3"[..],
+        b"SET application_name TO 'x'",
+        b"set SESSION TimeZone='UTC'",
+        b"RESET ALL",
+    ] {
+        let r = s.simple(ok);
+        assert_eq!(error_code(&r), None, "{r:?}");
+    }
+    assert_eq!(
+        error_code(&s.simple(b"SET default_pool_size = 5")).as_deref(),
+        Some("0A000")
+    );
+    // tokio-postgres: every query is prepared (Parse, Describe statement).
+    let url = format!(
+        "host={} port={} user=postgres dbname=pgwarden",
+        addr.ip(),
+        addr.port()
+    );
+    let admin = client(&url).await.unwrap();
+    let rows = admin.query("SHOW POOLS", &[]).await.unwrap();
+    assert!(!rows.is_empty());
+    let _: &str = rows[0].get("cl_active");
+    common::java_client("JdbcAdmin.java", vec![addr.port().to_string()]).await;
 }
 
 /// `DISCARD ALL` from one client (connection pools of Npgsql and others

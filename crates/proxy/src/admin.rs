@@ -2,6 +2,7 @@
 //! PgBouncer's command names and, where a counterpart exists, its column
 //! names, so dashboards and habits carry over.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use crate::stream::ClientStream;
 use bytes::{BufMut, BytesMut};
 use pgwarden_wire::encode::{self, Severity};
 use pgwarden_wire::message::{self, frontend, TxStatus};
-use pgwarden_wire::sqlstate;
+use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -66,6 +67,10 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
     // After an error in an extended-protocol batch, messages up to its
     // Sync are skipped, as PostgreSQL does: one ErrorResponse per batch.
     let mut skipping = false;
+    // The extended protocol (drivers such as JDBC use it for everything):
+    // statement and portal names to command text.
+    let mut statements: HashMap<String, String> = HashMap::new();
+    let mut portals: HashMap<String, String> = HashMap::new();
     loop {
         let (tag, msg) = loop {
             match message::split_message(&mut buf, 1 << 20) {
@@ -97,21 +102,209 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
             frontend::FLUSH => {}
             _ if skipping => {}
             _ => {
-                skipping = true;
-                encode::error_response(
+                let ok = extended(
+                    shared,
+                    tag,
+                    &msg[5..],
+                    &mut statements,
+                    &mut portals,
                     &mut out,
-                    Severity::Error,
-                    sqlstate::FEATURE_NOT_SUPPORTED.code(),
-                    "the admin console speaks the simple query protocol only",
-                    None,
-                    None,
                 );
+                skipping = !ok;
             }
         }
         if client.write_all(&out).await.is_err() {
             return;
         }
     }
+}
+
+/// One message of the extended protocol; false after an ErrorResponse
+/// (the rest of the batch is then skipped up to its Sync).
+fn extended(
+    shared: &Arc<Shared>,
+    tag: u8,
+    body: &[u8],
+    statements: &mut HashMap<String, String>,
+    portals: &mut HashMap<String, String>,
+    out: &mut BytesMut,
+) -> bool {
+    let fail = |out: &mut BytesMut, code: SqlState, text: &str| {
+        encode::error_response(out, Severity::Error, code.code(), text, None, None);
+        false
+    };
+    match tag {
+        frontend::PARSE => {
+            let Ok(p) = message::parse_message(body) else {
+                return fail(out, sqlstate::PROTOCOL_VIOLATION, "invalid Parse message");
+            };
+            if p.param_type_count > 0 {
+                return fail(
+                    out,
+                    sqlstate::FEATURE_NOT_SUPPORTED,
+                    "admin commands take no parameters",
+                );
+            }
+            let (Ok(name), Ok(text)) = (std::str::from_utf8(p.name), std::str::from_utf8(p.query))
+            else {
+                return fail(out, sqlstate::CHARACTER_NOT_IN_REPERTOIRE, "invalid UTF-8");
+            };
+            if !name.is_empty() && statements.contains_key(name) {
+                return fail(
+                    out,
+                    sqlstate::DUPLICATE_PREPARED_STATEMENT,
+                    &format!("prepared statement \"{name}\" already exists"),
+                );
+            }
+            statements.insert(name.to_string(), text.to_string());
+            out.put_slice(&[b'1', 0, 0, 0, 4]);
+        }
+        frontend::BIND => {
+            let Ok((portal, statement)) = message::bind_names(body) else {
+                return fail(out, sqlstate::PROTOCOL_VIOLATION, "invalid Bind message");
+            };
+            let Some(text) = statements.get(statement) else {
+                return fail(
+                    out,
+                    sqlstate::INVALID_SQL_STATEMENT_NAME,
+                    &format!("prepared statement \"{statement}\" does not exist"),
+                );
+            };
+            portals.insert(portal.to_string(), text.clone());
+            out.put_slice(&[b'2', 0, 0, 0, 4]);
+        }
+        frontend::DESCRIBE => {
+            let Ok((kind, name)) = message::describe_target(body) else {
+                return fail(
+                    out,
+                    sqlstate::PROTOCOL_VIOLATION,
+                    "invalid Describe message",
+                );
+            };
+            let text = if kind == b'S' {
+                statements.get(name)
+            } else {
+                portals.get(name)
+            };
+            let Some(text) = text else {
+                let what = if kind == b'S' {
+                    "prepared statement"
+                } else {
+                    "portal"
+                };
+                let code = if kind == b'S' {
+                    sqlstate::INVALID_SQL_STATEMENT_NAME
+                } else {
+                    sqlstate::INVALID_CURSOR_NAME
+                };
+                return fail(out, code, &format!("{what} \"{name}\" does not exist"));
+            };
+            if kind == b'S' {
+                // No parameters.
+                out.put_slice(&[b't', 0, 0, 0, 6, 0, 0]);
+            }
+            // Only SHOW returns rows; running it to learn its columns
+            // changes nothing.
+            let mut result = BytesMut::new();
+            if is_show(text) {
+                command(shared, text, &mut result);
+            }
+            match result.first() {
+                Some(b'T') => {
+                    let len = u32::from_be_bytes([result[1], result[2], result[3], result[4]]);
+                    out.put_slice(&result[..1 + len as usize]);
+                }
+                Some(b'E') => {
+                    out.put_slice(&result);
+                    return false;
+                }
+                _ => out.put_slice(&[b'n', 0, 0, 0, 4]),
+            }
+        }
+        frontend::EXECUTE => {
+            let portal = body.split(|b| *b == 0).next().unwrap_or_default();
+            let portal = String::from_utf8_lossy(portal);
+            let Some(text) = portals.get(portal.as_ref()) else {
+                return fail(
+                    out,
+                    sqlstate::INVALID_CURSOR_NAME,
+                    &format!("portal \"{portal}\" does not exist"),
+                );
+            };
+            if text.trim().trim_matches(';').trim().is_empty() {
+                encode::empty_query_response(out);
+                return true;
+            }
+            let mut result = BytesMut::new();
+            command(shared, text, &mut result);
+            // Execute sends no RowDescription (Describe does).
+            if result.first() == Some(&b'T') {
+                let len = u32::from_be_bytes([result[1], result[2], result[3], result[4]]);
+                let _ = result.split_to(1 + len as usize);
+            }
+            let failed = result.first() == Some(&b'E');
+            out.put_slice(&result);
+            return !failed;
+        }
+        frontend::CLOSE => {
+            let Ok((kind, name)) = message::close_target(body) else {
+                return fail(out, sqlstate::PROTOCOL_VIOLATION, "invalid Close message");
+            };
+            if kind == b'S' {
+                statements.remove(name);
+            } else {
+                portals.remove(name);
+            }
+            out.put_slice(&[b'3', 0, 0, 0, 4]);
+        }
+        _ => {
+            return fail(
+                out,
+                sqlstate::PROTOCOL_VIOLATION,
+                &format!("unexpected message type 0x{tag:02x}"),
+            )
+        }
+    }
+    true
+}
+
+fn is_show(text: &str) -> bool {
+    text.split_whitespace()
+        .next()
+        .is_some_and(|w| w.eq_ignore_ascii_case("show"))
+}
+
+/// Session settings drivers send when they connect (JDBC sends
+/// `SET extra_float_digits = 3`): accepted and ignored, since the console's
+/// answers are all text; anything else is refused, so that nobody takes a
+/// SET for a change of pgwarden's settings (which come from its file, with
+/// RELOAD).
+const DRIVER_SETTINGS: &[&str] = &[
+    "application_name",
+    "client_encoding",
+    "datestyle",
+    "extra_float_digits",
+    "intervalstyle",
+    "lock_timeout",
+    "search_path",
+    "statement_timeout",
+    "timezone",
+    "idle_in_transaction_session_timeout",
+    "bytea_output",
+];
+
+/// `SET [SESSION|LOCAL] name {=|TO} value` and `RESET name|ALL`: the
+/// setting's name, lower-cased, or `None` when `words` is neither.
+fn setting_name(words: &[&str]) -> Option<String> {
+    let rest = match words {
+        ["SET", "SESSION" | "LOCAL", rest @ ..] | ["SET", rest @ ..] => rest,
+        ["RESET", name] => return Some(name.to_ascii_lowercase()),
+        _ => return None,
+    };
+    let first = rest.first()?;
+    // `SET name=value` arrives as one word.
+    let name = first.split('=').next().unwrap_or(first);
+    Some(name.to_ascii_lowercase())
 }
 
 fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
@@ -122,6 +315,21 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
         .map(str::to_ascii_uppercase)
         .collect();
     let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    if let Some(name) = setting_name(&words) {
+        if name == "all" || DRIVER_SETTINGS.contains(&name.as_str()) {
+            encode::command_complete(out, words[0]);
+        } else {
+            encode::error_response(
+                out,
+                Severity::Error,
+                sqlstate::FEATURE_NOT_SUPPORTED.code(),
+                &format!("the admin console does not set \"{name}\""),
+                None,
+                Some("pgwarden's settings come from its configuration file: edit it and RELOAD."),
+            );
+        }
+        return;
+    }
     match words.as_slice() {
         ["SHOW", "POOLS"] => show_pools(shared, out),
         ["SHOW", "CLIENTS"] => show_clients(shared, out),
@@ -329,4 +537,43 @@ fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>], tag: &str) 
         out.put_slice(&row);
     }
     encode::command_complete(out, tag);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(sql: &str) -> Option<String> {
+        let words: Vec<String> = sql
+            .split_whitespace()
+            .map(str::to_ascii_uppercase)
+            .collect();
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        setting_name(&words)
+    }
+
+    #[test]
+    fn set_and_reset_name_their_setting() {
+        assert_eq!(
+            name("SET extra_float_digits = 3").as_deref(),
+            Some("extra_float_digits")
+        );
+        assert_eq!(
+            name("set session TimeZone TO 'UTC'").as_deref(),
+            Some("timezone")
+        );
+        assert_eq!(
+            name("SET LOCAL search_path=public").as_deref(),
+            Some("search_path")
+        );
+        assert_eq!(
+            name("SET application_name='a b'").as_deref(),
+            Some("application_name")
+        );
+        assert_eq!(name("RESET ALL").as_deref(), Some("all"));
+        assert_eq!(name("reset DateStyle").as_deref(), Some("datestyle"));
+        assert_eq!(name("SHOW POOLS"), None);
+        assert_eq!(name("SET"), None);
+        assert_eq!(name("RESET"), None);
+    }
 }

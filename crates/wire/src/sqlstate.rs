@@ -59,6 +59,10 @@ pub const IDLE_SESSION_TIMEOUT: SqlState = SqlState("57P05");
 pub const INVALID_SQL_STATEMENT_NAME: SqlState = SqlState("26000");
 /// A prepared statement name is already in use.
 pub const DUPLICATE_PREPARED_STATEMENT: SqlState = SqlState("42P05");
+/// A portal (cursor) name is unknown.
+pub const INVALID_CURSOR_NAME: SqlState = SqlState("34000");
+/// Bytes that are not valid in the encoding.
+pub const CHARACTER_NOT_IN_REPERTOIRE: SqlState = SqlState("22021");
 
 #[cfg(test)]
 mod tests {
@@ -85,6 +89,8 @@ mod tests {
             IDLE_SESSION_TIMEOUT,
             INVALID_SQL_STATEMENT_NAME,
             DUPLICATE_PREPARED_STATEMENT,
+            INVALID_CURSOR_NAME,
+            CHARACTER_NOT_IN_REPERTOIRE,
         ];
         for s in all {
             assert_eq!(s.code().len(), 5);
