@@ -706,6 +706,85 @@ async fn admin_console_shows_pools_and_pauses() {
     assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
 }
 
+/// Each pool counts the queries it served and the bytes both ways, in
+/// SHOW STATS (PgBouncer's column names) and on /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_count_queries_and_bytes() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let mut app = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    // Three queries, one of them an extended-protocol batch (unnamed, so
+    // passed on unchanged), and 100 kB back.
+    let mut batch = msg_parse(b"", b"SELECT 2");
+    batch.extend(msg_bind_execute(b""));
+    batch.extend_from_slice(MSG_SYNC);
+    let sent = [
+        msg_query(b"SELECT 1"),
+        batch,
+        msg_query(b"SELECT repeat('y', 100000)"),
+    ];
+    for m in &sent {
+        assert_eq!(error_code(&app.send(m)), None);
+    }
+    let sent_bytes: usize = sent.iter().map(Vec::len).sum();
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    // A pool's counts grow when the server goes back to it, just after the
+    // client has its reply.
+    let admin = &admin;
+    let stats: std::collections::HashMap<String, u64> =
+        pgwarden_testkit::eventually("three queries counted", WAIT, || async move {
+            let rows = admin
+                .simple_query("SHOW STATS")
+                .await
+                .map_err(|e| e.to_string())?;
+            let row = rows
+                .iter()
+                .find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                    _ => None,
+                })
+                .ok_or("no pool row")?;
+            let stats: std::collections::HashMap<String, u64> = row
+                .columns()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse().ok()?)))
+                .collect();
+            match stats.get("total_query_count") {
+                Some(3) => Ok(stats),
+                _ => Err(format!("{stats:?}")),
+            }
+        })
+        .await;
+    // Each query its own transaction; the login's loan of a server (for
+    // its greeting) is none.
+    assert_eq!(stats["total_xact_count"], 3, "{stats:?}");
+    assert_eq!(stats["total_received"], sent_bytes as u64, "{stats:?}");
+    assert!(stats["total_sent"] > 100_000, "{stats:?}");
+    let http = p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    let series = |name: &str| -> f64 {
+        body.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .unwrap_or_else(|| panic!("{name} missing:\n{body}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(series("pgwarden_pool_queries_total"), 3.0);
+    assert_eq!(
+        series("pgwarden_pool_received_bytes_total"),
+        sent_bytes as f64
+    );
+    assert!(series("pgwarden_pool_sent_bytes_total") > 100_000.0);
+    assert_eq!(series("pgwarden_pool_clients_active"), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.

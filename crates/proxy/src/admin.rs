@@ -490,6 +490,9 @@ fn show_stats(shared: &Shared, out: &mut BytesMut) {
                 p.key.user.clone(),
                 p.key.host.to_string(),
                 p.stats.transactions.load(o).to_string(),
+                p.stats.queries.load(o).to_string(),
+                p.stats.received.load(o).to_string(),
+                p.stats.sent.load(o).to_string(),
                 p.stats.wait_us.load(o).to_string(),
             ]
         })
@@ -501,6 +504,9 @@ fn show_stats(shared: &Shared, out: &mut BytesMut) {
             "user",
             "host",
             "total_xact_count",
+            "total_query_count",
+            "total_received",
+            "total_sent",
             "total_wait_time",
         ],
         &rows,

@@ -273,11 +273,16 @@ impl Metrics {
                 }
             }
         }
-        let pool_series: [(&str, &str, &str); 8] = [
+        let pool_series: [(&str, &str, &str); 12] = [
             (
                 "pgwarden_pool_clients_waiting",
                 "gauge",
                 "Clients waiting for a server connection",
+            ),
+            (
+                "pgwarden_pool_clients_active",
+                "gauge",
+                "Clients holding one of the pool's server connections",
             ),
             (
                 "pgwarden_pool_servers_active",
@@ -314,6 +319,21 @@ impl Metrics {
                 "counter",
                 "Server connections moved to another worker thread with the client that borrowed them",
             ),
+            (
+                "pgwarden_pool_queries_total",
+                "counter",
+                "Queries and extended-protocol batches completed (one per ReadyForQuery)",
+            ),
+            (
+                "pgwarden_pool_received_bytes_total",
+                "counter",
+                "Bytes from clients sent to the pool's servers",
+            ),
+            (
+                "pgwarden_pool_sent_bytes_total",
+                "counter",
+                "Bytes from the pool's servers sent to clients",
+            ),
         ];
         for (i, (name, kind, help)) in pool_series.iter().enumerate() {
             out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
@@ -322,13 +342,16 @@ impl Metrics {
                 let o = std::sync::atomic::Ordering::Relaxed;
                 let v: f64 = match i {
                     0 => st.waiting.load(o) as f64,
-                    1 => st.active.load(o) as f64,
-                    2 => p.idle_count() as f64,
-                    3 => st.total.load(o) as f64,
-                    4 => st.transactions.load(o) as f64,
-                    5 => st.wait_us.load(o) as f64 / 1e6,
-                    6 => st.max_wait_us.load(o) as f64 / 1e6,
-                    _ => st.moves.load(o) as f64,
+                    1 | 2 => st.active.load(o) as f64,
+                    3 => p.idle_count() as f64,
+                    4 => st.total.load(o) as f64,
+                    5 => st.transactions.load(o) as f64,
+                    6 => st.wait_us.load(o) as f64 / 1e6,
+                    7 => st.max_wait_us.load(o) as f64 / 1e6,
+                    8 => st.moves.load(o) as f64,
+                    9 => st.queries.load(o) as f64,
+                    10 => st.received.load(o) as f64,
+                    _ => st.sent.load(o) as f64,
                 };
                 out.push_str(&format!(
                     "{name}{{host=\"{}\",database=\"{}\",user=\"{}\"}} {v}\n",

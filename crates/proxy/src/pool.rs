@@ -470,8 +470,14 @@ pub struct PoolStats {
     pub active: AtomicUsize,
     /// Server connections in existence.
     pub total: AtomicUsize,
-    /// Transactions served.
+    /// Transactions served (server connections returned).
     pub transactions: AtomicU64,
+    /// Queries and extended-protocol batches completed.
+    pub queries: AtomicU64,
+    /// Bytes sent to servers for clients.
+    pub received: AtomicU64,
+    /// Bytes of server replies passed to clients.
+    pub sent: AtomicU64,
     /// Total microseconds clients waited for a server connection.
     pub wait_us: AtomicU64,
     /// Longest wait, microseconds.
@@ -515,7 +521,21 @@ pub struct Checkout {
     pub pool: Arc<Pool>,
     /// How long the client waited for it.
     pub waited: Duration,
+    /// Traffic while lent, added to the pool's [`PoolStats`] at release
+    /// (one atomic add each per transaction rather than per message).
+    pub traffic: Traffic,
     _permit: OwnedSemaphorePermit,
+}
+
+/// Counts of one loan of a server connection.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Traffic {
+    /// Queries and extended-protocol batches completed (ReadyForQuery).
+    pub queries: u64,
+    /// Bytes sent to the server for the client.
+    pub received: u64,
+    /// Bytes of the server's replies passed to the client.
+    pub sent: u64,
 }
 
 impl Pool {
@@ -630,6 +650,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             waited: Duration::ZERO,
+            traffic: Traffic::default(),
             _permit: permit,
         })
     }
@@ -755,6 +776,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             waited: Duration::from_micros(waited),
+            traffic: Traffic::default(),
             _permit: permit,
         })
     }
@@ -768,11 +790,23 @@ impl Checkout {
         let Checkout {
             mut conn,
             pool,
+            traffic,
             _permit,
             ..
         } = self;
         pool.stats.active.fetch_sub(1, Ordering::Relaxed);
-        pool.stats.transactions.fetch_add(1, Ordering::Relaxed);
+        // A loan that ran nothing (a login's greeting, a wait cancelled
+        // as the server came) is no transaction.
+        if traffic.queries > 0 {
+            pool.stats.transactions.fetch_add(1, Ordering::Relaxed);
+        }
+        pool.stats
+            .queries
+            .fetch_add(traffic.queries, Ordering::Relaxed);
+        pool.stats
+            .received
+            .fetch_add(traffic.received, Ordering::Relaxed);
+        pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
         let lifetime = pool.settings.lock().expect("poisoned").server_lifetime;
         let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l);
         if reusable && !expired && !pool.is_retired() {

@@ -256,6 +256,9 @@ pub(crate) async fn run(
                         return Ok(());
                     };
                     to_client.inc_by(written as u64);
+                    if let Some(c) = session.attached.as_mut() {
+                        c.traffic.sent += written as u64;
+                    }
                     if let ToClient::Prefix(n) = out {
                         sbuf.advance(n);
                     }
@@ -899,6 +902,7 @@ impl Session {
             return Ok(());
         }
         let c = self.attached.as_mut().expect("attached before translating");
+        c.traffic.received += out.len() as u64;
         c.conn.stream.write_all(out).await.map_err(|e| {
             Fatal::new(
                 sqlstate::CONNECTION_FAILURE,
@@ -1273,6 +1277,9 @@ impl Session {
                 backend::READY_FOR_QUERY => {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.done += 1;
+                    if let Some(c) = self.attached.as_mut() {
+                        c.traffic.queries += 1;
+                    }
                     // A hidden PREPARE that failed (its Query ended with an
                     // error) has no reply left to swallow.
                     let done = self.replies.done;
