@@ -679,6 +679,38 @@ async fn admin_console_shows_pools_and_pauses() {
             .await
             .unwrap_or_else(|e| panic!("{cmd}: {e}"));
     }
+    // What monitoring tools built for PgBouncer read, by its column names.
+    let first_row = |msgs: Vec<tokio_postgres::SimpleQueryMessage>| {
+        msgs.into_iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                _ => None,
+            })
+            .expect("a row")
+    };
+    let v = first_row(admin.simple_query("SHOW VERSION").await.unwrap());
+    assert!(v.get("version").unwrap().starts_with("pgwarden "));
+    let d = first_row(admin.simple_query("SHOW DATABASES").await.unwrap());
+    assert_eq!(d.get("name"), Some("postgres"));
+    assert_eq!(d.get("pool_size"), Some("2"));
+    assert_eq!(d.get("port"), Some(c.port(0).to_string().as_str()));
+    assert!(d.get("current_connections").is_some());
+    let lists = admin.simple_query("SHOW LISTS").await.unwrap();
+    let items: std::collections::HashMap<String, String> = lists
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => {
+                Some((r.get("list")?.to_string(), r.get("items")?.to_string()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(items["pools"], "1", "{items:?}");
+    assert_eq!(items["databases"], "1", "{items:?}");
+    assert!(
+        items["used_clients"].parse::<usize>().unwrap() >= 1,
+        "{items:?}"
+    );
     let clients = admin.simple_query("SHOW CLIENTS").await.unwrap();
     let n = clients
         .iter()

@@ -335,6 +335,14 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
         ["SHOW", "CLIENTS"] => show_clients(shared, out),
         ["SHOW", "SERVERS"] => show_servers(shared, out),
         ["SHOW", "STATS"] => show_stats(shared, out),
+        ["SHOW", "VERSION"] => table(
+            out,
+            &["version"],
+            &[vec![format!("pgwarden {}", env!("CARGO_PKG_VERSION"))]],
+            "SHOW",
+        ),
+        ["SHOW", "DATABASES"] => show_databases(shared, out),
+        ["SHOW", "LISTS"] => show_lists(shared, out),
         ["SHOW", "CONFIG"] => {
             let rows: Vec<Vec<String>> = shared
                 .settings_view
@@ -368,7 +376,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             Severity::Error,
             sqlstate::FEATURE_NOT_SUPPORTED.code(),
             &format!("unknown admin command: {text}"),
-            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG, PAUSE [service], RESUME [service], RELOAD"),
+            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RELOAD"),
             None,
         ),
     }
@@ -395,7 +403,12 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
                 s.total.load(o).to_string(),
                 (max_us / 1_000_000).to_string(),
                 (max_us % 1_000_000).to_string(),
-                "transaction".into(),
+                if p.settings().hold_session {
+                    "session"
+                } else {
+                    "transaction"
+                }
+                .into(),
             ]
         })
         .collect();
@@ -417,6 +430,97 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         &rows,
         "SHOW",
     );
+}
+
+/// One row per database and host that a pool serves, with PgBouncer's
+/// columns (monitoring tools read it); the columns pgwarden has no
+/// counterpart for are 0 or empty.
+fn show_databases(shared: &Shared, out: &mut BytesMut) {
+    let o = Ordering::Relaxed;
+    let mut rows: Vec<Vec<String>> = shared
+        .pools
+        .lock()
+        .expect("poisoned")
+        .values()
+        .map(|p| {
+            let settings = p.settings();
+            vec![
+                p.key.database.clone(),
+                p.key.host.host.clone(),
+                p.key.host.port.to_string(),
+                p.key.database.clone(),
+                p.key.user.clone(),
+                settings.size.to_string(),
+                settings.min_size.to_string(),
+                "0".into(),
+                if settings.hold_session {
+                    "session"
+                } else {
+                    "transaction"
+                }
+                .into(),
+                "0".into(),
+                p.stats.total.load(o).to_string(),
+                "0".into(),
+                "0".into(),
+            ]
+        })
+        .collect();
+    rows.sort();
+    table(
+        out,
+        &[
+            "name",
+            "host",
+            "port",
+            "database",
+            "force_user",
+            "pool_size",
+            "min_pool_size",
+            "reserve_pool",
+            "pool_mode",
+            "max_connections",
+            "current_connections",
+            "paused",
+            "disabled",
+        ],
+        &rows,
+        "SHOW",
+    );
+}
+
+/// PgBouncer's internal lists, by the same names, where pgwarden has a
+/// counterpart (the rest are 0).
+fn show_lists(shared: &Shared, out: &mut BytesMut) {
+    let o = Ordering::Relaxed;
+    let (pools, databases, users, servers) = {
+        let pools = shared.pools.lock().expect("poisoned");
+        let databases: std::collections::BTreeSet<&str> =
+            pools.values().map(|p| p.key.database.as_str()).collect();
+        let users: std::collections::BTreeSet<&str> =
+            pools.values().map(|p| p.key.user.as_str()).collect();
+        let servers: usize = pools.values().map(|p| p.stats.total.load(o)).sum();
+        (pools.len(), databases.len(), users.len(), servers)
+    };
+    let clients = shared.sessions.lock().expect("poisoned").len();
+    let rows: Vec<Vec<String>> = [
+        ("databases", databases),
+        ("users", users),
+        ("pools", pools),
+        ("free_clients", 0),
+        ("used_clients", clients),
+        ("login_clients", 0),
+        ("free_servers", 0),
+        ("used_servers", servers),
+        ("dns_names", 0),
+        ("dns_zones", 0),
+        ("dns_queries", 0),
+        ("dns_pending", 0),
+    ]
+    .iter()
+    .map(|(k, v)| vec![k.to_string(), v.to_string()])
+    .collect();
+    table(out, &["list", "items"], &rows, "SHOW");
 }
 
 fn show_clients(shared: &Shared, out: &mut BytesMut) {
