@@ -247,6 +247,7 @@ pub(crate) struct RawPool {
     pub server_lifetime: Option<Dur>,
     pub query_wait_timeout: Option<Dur>,
     pub client_idle_timeout: Option<Dur>,
+    pub idle_transaction_timeout: Option<Dur>,
     pub max_prepared_statements: Option<Spanned<u32>>,
     pub reuse_session_servers: Option<bool>,
     pub admin_users: Option<Vec<String>>,

@@ -376,6 +376,10 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         server_lifetime: optional_timeout(raw.server_lifetime, d.server_lifetime),
         query_wait_timeout: optional_timeout(raw.query_wait_timeout, d.query_wait_timeout),
         client_idle_timeout: optional_timeout(raw.client_idle_timeout, d.client_idle_timeout),
+        idle_transaction_timeout: optional_timeout(
+            raw.idle_transaction_timeout,
+            d.idle_transaction_timeout,
+        ),
         max_prepared_statements: raw
             .max_prepared_statements
             .map_or(d.max_prepared_statements, Spanned::into_inner),

@@ -313,6 +313,9 @@ pub struct PoolConfig {
     pub query_wait_timeout: Option<Duration>,
     /// Disconnect clients idle this long; `None` never does.
     pub client_idle_timeout: Option<Duration>,
+    /// Disconnect pooled clients idle this long inside a transaction (the
+    /// server connection they hold is closed); `None` never does.
+    pub idle_transaction_timeout: Option<Duration>,
     /// Statements kept prepared per server connection; at least 1.
     pub max_prepared_statements: u32,
     /// Session mode pools too: a client's server connection is reset with
@@ -338,6 +341,7 @@ impl Default for PoolConfig {
             server_lifetime: Some(Duration::from_secs(3600)),
             query_wait_timeout: Some(Duration::from_secs(120)),
             client_idle_timeout: None,
+            idle_transaction_timeout: None,
             max_prepared_statements: 1000,
             reuse_session_servers: false,
             admin_users: Vec::new(),

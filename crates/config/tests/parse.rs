@@ -196,6 +196,7 @@ fn full_example_parses() {
     assert_eq!(c.engine.worker_fill, 16);
     assert_eq!(c.pool.min_size, 2);
     assert_eq!(c.pool.client_idle_timeout, None);
+    assert_eq!(c.pool.idle_transaction_timeout, None);
     assert_eq!(c.pool.size_for("analytics", "app"), 5);
     assert_eq!(c.pool.size_for("other", "app"), 20);
     assert_eq!(
@@ -258,7 +259,7 @@ fn durations_everywhere() {
     // Zero turns pool timeouts off.
     let c = parse(
         &format!(
-            "{}\n[pool]\nserver_lifetime = \"0s\"\nclient_idle_timeout = \"5min\"\n",
+            "{}\n[pool]\nserver_lifetime = \"0s\"\nclient_idle_timeout = \"5min\"\nidle_transaction_timeout = \"30s\"\n",
             with("")
         ),
         FILE,
@@ -266,6 +267,10 @@ fn durations_everywhere() {
     .unwrap();
     assert_eq!(c.pool.server_lifetime, None);
     assert_eq!(c.pool.client_idle_timeout, Some(Duration::from_secs(300)));
+    assert_eq!(
+        c.pool.idle_transaction_timeout,
+        Some(Duration::from_secs(30))
+    );
     assert!(!c.pool.reuse_session_servers, "off unless asked for");
     let c = parse(
         &format!("{}\n[pool]\nreuse_session_servers = true\n", with("")),

@@ -286,6 +286,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
         server_password: password,
         min_size: p.min_size as usize,
         client_idle_timeout: p.client_idle_timeout,
+        idle_transaction_timeout: p.idle_transaction_timeout,
         max_prepared_statements: p.max_prepared_statements as usize,
         hold_session: false,
     };

@@ -924,6 +924,74 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
     .await;
 }
 
+/// `idle_transaction_timeout`: a client that holds its server idle inside
+/// a transaction past it is disconnected (25P03) and the server closed
+/// (which rolls the transaction back), so the pool serves others again; a
+/// transaction whose statement runs longer, and a client idle between
+/// transactions, are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_idle_in_a_transaction_are_disconnected_and_free_their_server() {
+    use std::io::Read;
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 1,
+            query_wait_timeout: WAIT,
+            idle_transaction_timeout: Some(Duration::from_millis(500)),
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let between = client(&url).await.unwrap();
+    assert_eq!(one(&between, "SELECT 1").await, "1");
+    // A statement longer than the time-out, inside a transaction.
+    let busy = client(&url).await.unwrap();
+    busy.batch_execute("BEGIN").await.unwrap();
+    busy.batch_execute("SELECT pg_sleep(0.8)").await.unwrap();
+    busy.batch_execute("COMMIT").await.unwrap();
+    // Idle in a transaction, holding the only server, with a row written.
+    let direct = client(&c.conninfo(0)).await.unwrap();
+    direct
+        .batch_execute("CREATE TABLE itt (v int)")
+        .await
+        .unwrap();
+    let mut idle = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let r = idle.simple(b"BEGIN; INSERT INTO itt VALUES (1)");
+    assert_eq!(
+        r.last().map(|(_, b)| b.as_slice()),
+        Some(&b"T"[..]),
+        "{r:?}"
+    );
+    let mut head = [0u8; 5];
+    idle.0.read_exact(&mut head).unwrap();
+    assert_eq!(head[0], b'E');
+    let mut body = vec![0u8; u32::from_be_bytes(head[1..5].try_into().unwrap()) as usize - 4];
+    idle.0.read_exact(&mut body).unwrap();
+    assert_eq!(
+        error_code(&[(b'E', body.clone())]).as_deref(),
+        Some("25P03"),
+        "{body:?}"
+    );
+    assert_eq!(
+        idle.0.read(&mut head).unwrap(),
+        0,
+        "the connection is closed"
+    );
+    // Rolled back; the pool serves the next transaction.
+    assert_eq!(one(&between, "SELECT count(*) FROM itt").await, "0");
+    assert_eq!(
+        sql_value(&c.conninfo(0), "SELECT count(*) FROM itt")
+            .await
+            .unwrap(),
+        "0"
+    );
+}
+
 /// Session-pooled clients hold a server for their whole session, so pool
 /// affinity does not gather them on one worker: they stay where they were
 /// placed (here in turn), and none moves.

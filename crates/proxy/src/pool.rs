@@ -60,6 +60,9 @@ pub struct PoolSettings {
     pub min_size: usize,
     /// A client with no transaction running for this long is disconnected.
     pub client_idle_timeout: Option<Duration>,
+    /// Disconnect a client that holds a server connection idle inside a
+    /// transaction this long; `None` never does.
+    pub idle_transaction_timeout: Option<Duration>,
     /// Most statements kept prepared on one server connection; past it,
     /// the least recently used are closed.
     pub max_prepared_statements: usize,
@@ -81,6 +84,7 @@ impl Default for PoolSettings {
             server_password: None,
             min_size: 0,
             client_idle_timeout: None,
+            idle_transaction_timeout: None,
             max_prepared_statements: DEFAULT_MAX_PREPARED_STATEMENTS,
             hold_session: false,
         }

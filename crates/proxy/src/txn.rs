@@ -205,10 +205,22 @@ pub(crate) async fn run(
             }
         }
         loop {
-            // Only a client between transactions can be idle.
+            // Only a client between transactions can be idle; one that
+            // holds a server inside a transaction, with every reply in, is
+            // idle in transaction (and keeps that server from the others).
             let between = session.attached.is_none()
                 || (session.settings.hold_session && session.replies.idle());
-            let idle_limit = session.settings.client_idle_timeout.filter(|_| between);
+            let (idle_limit, in_transaction) = if between {
+                (session.settings.client_idle_timeout, false)
+            } else if session.attached.is_some()
+                && session.replies.pending == 0
+                && !session.replies.open_batch
+                && matches!(session.replies.status, Some(TxStatus::InTransaction | TxStatus::Failed))
+            {
+                (session.settings.idle_transaction_timeout, true)
+            } else {
+                (None, false)
+            };
             tokio::select! {
                 _ = async {
                     // Boxed: a timer is large, and most clients have none.
@@ -217,6 +229,11 @@ pub(crate) async fn run(
                         None => std::future::pending().await,
                     }
                 } => {
+                    if in_transaction {
+                        // The server is mid-transaction: it is closed, which
+                        // rolls the transaction back.
+                        return Err(Fatal::new(sqlstate::IDLE_IN_TRANSACTION_SESSION_TIMEOUT, "terminating connection due to idle_transaction_timeout"));
+                    }
                     return Err(Fatal::new(sqlstate::IDLE_SESSION_TIMEOUT, "terminating connection due to client_idle_timeout"));
                 }
                 r = client.read_some(&mut early) => {

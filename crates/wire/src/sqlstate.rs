@@ -55,6 +55,8 @@ pub const INVALID_PARAMETER_VALUE: SqlState = SqlState("22023");
 pub const PROGRAM_LIMIT_EXCEEDED: SqlState = SqlState("54000");
 /// The session was idle for too long.
 pub const IDLE_SESSION_TIMEOUT: SqlState = SqlState("57P05");
+/// The session was idle inside a transaction for too long.
+pub const IDLE_IN_TRANSACTION_SESSION_TIMEOUT: SqlState = SqlState("25P03");
 /// A prepared statement name is unknown.
 pub const INVALID_SQL_STATEMENT_NAME: SqlState = SqlState("26000");
 /// A prepared statement name is already in use.
@@ -87,6 +89,7 @@ mod tests {
             INVALID_PARAMETER_VALUE,
             PROGRAM_LIMIT_EXCEEDED,
             IDLE_SESSION_TIMEOUT,
+            IDLE_IN_TRANSACTION_SESSION_TIMEOUT,
             INVALID_SQL_STATEMENT_NAME,
             DUPLICATE_PREPARED_STATEMENT,
             INVALID_CURSOR_NAME,
