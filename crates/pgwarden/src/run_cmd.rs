@@ -221,6 +221,12 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         ("pool.query_wait_timeout", d(p.query_wait_timeout)),
         ("pool.server_idle_timeout", d(p.server_idle_timeout)),
         ("pool.server_lifetime", d(p.server_lifetime)),
+        ("pool.min_size", p.min_size.to_string()),
+        ("pool.client_idle_timeout", d(p.client_idle_timeout)),
+        (
+            "pool.idle_transaction_timeout",
+            d(p.idle_transaction_timeout),
+        ),
         (
             "engine.connect_wait_timeout",
             pgwarden_config::format_duration(config.engine.connect_wait_timeout),
