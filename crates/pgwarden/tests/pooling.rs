@@ -817,6 +817,44 @@ async fn pools_count_queries_and_bytes() {
     assert_eq!(series("pgwarden_pool_clients_active"), 0.0);
 }
 
+/// RECONNECT in the admin console replaces the pool's server connections
+/// without an error for anyone: an idle one at once, one lent to a client
+/// mid-transaction only once that transaction is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_replaces_server_connections_gracefully() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let url = via(&p, "read_write");
+    let admin = client(&url.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let (a, b) = (client(&url).await.unwrap(), client(&url).await.unwrap());
+    async fn pid(c: &tokio_postgres::Client) -> String {
+        one(c, "SELECT pg_backend_pid()").await
+    }
+    // b holds a server mid-transaction; a's server is idle.
+    b.batch_execute("BEGIN").await.unwrap();
+    let b_pid = pid(&b).await;
+    let a_pid = pid(&a).await;
+    assert_ne!(a_pid, b_pid);
+    admin.batch_execute("RECONNECT").await.unwrap();
+    // b's transaction goes on where it was.
+    assert_eq!(pid(&b).await, b_pid);
+    b.batch_execute("COMMIT").await.unwrap();
+    let new_pids = [pid(&a).await, pid(&b).await];
+    for old in [&a_pid, &b_pid] {
+        assert!(!new_pids.contains(old), "{old} still serves: {new_pids:?}");
+    }
+    let err = admin.batch_execute("RECONNECT nosuchdb").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("3D000"), "{err}");
+    admin.batch_execute("RECONNECT postgres").await.unwrap();
+    let again = pid(&a).await;
+    assert!(
+        !new_pids.contains(&again),
+        "{again} outlived RECONNECT postgres"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.

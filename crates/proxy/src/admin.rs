@@ -367,6 +367,32 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             }
             encode::command_complete(out, words[0]);
         }
+        ["RECONNECT"] | ["RECONNECT", _] => {
+            let database = text
+                .split_whitespace()
+                .nth(1)
+                .map(|d| d.trim_end_matches(';'));
+            let pools = shared.pools.lock().expect("poisoned");
+            let mut found = false;
+            for p in pools.values() {
+                if database.is_none_or(|d| p.key.database == d) {
+                    p.reconnect();
+                    found = true;
+                }
+            }
+            if let (Some(d), false) = (database, found) {
+                encode::error_response(
+                    out,
+                    Severity::Error,
+                    sqlstate::INVALID_CATALOG_NAME.code(),
+                    &format!("no pool serves database \"{d}\""),
+                    None,
+                    None,
+                );
+                return;
+            }
+            encode::command_complete(out, "RECONNECT");
+        }
         ["RELOAD"] => {
             shared.reload.notify_one();
             encode::command_complete(out, "RELOAD");
@@ -376,7 +402,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             Severity::Error,
             sqlstate::FEATURE_NOT_SUPPORTED.code(),
             &format!("unknown admin command: {text}"),
-            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RELOAD"),
+            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], RELOAD"),
             None,
         ),
     }

@@ -507,6 +507,9 @@ pub struct Pool {
     /// Set when the host no longer serves this pool's purpose (demoted,
     /// dead): idle connections are closed and released ones not kept.
     retired: AtomicBool,
+    /// Connections opened before this ([`since_epoch`]; 0: none) are
+    /// closed instead of reused ([`Pool::reconnect`]).
+    renew_before: AtomicU64,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
     /// What the last authenticated client proved, to open new connections
@@ -514,6 +517,14 @@ pub struct Pool {
     credential: Mutex<Credential>,
     /// TLS towards the server, shared with the proxy so reloads apply.
     server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
+}
+
+/// Nanoseconds from the first pool's creation to `t` (0 before it): a
+/// form of [`Instant`] that fits an atomic.
+fn since_epoch(t: Instant) -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(t.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -554,6 +565,8 @@ impl Pool {
         settings: PoolSettings,
         server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
     ) -> Arc<Pool> {
+        // Fixes the epoch before any connection exists.
+        since_epoch(Instant::now());
         Arc::new(Pool {
             server_tls,
             key,
@@ -562,6 +575,7 @@ impl Pool {
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
+            renew_before: AtomicU64::new(0),
             warming: AtomicUsize::new(0),
             credential: Mutex::new(Credential::None),
         })
@@ -572,6 +586,18 @@ impl Pool {
         self.retired.store(true, Ordering::SeqCst);
         // Waiting clients give up on this pool and pick a host again.
         self.permits.close();
+        let drained: Vec<Box<ServerConn>> =
+            std::mem::take(&mut *self.idle.lock().expect("poisoned"));
+        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+    }
+
+    /// Replaces every server connection gracefully (the admin console's
+    /// RECONNECT, after the servers' settings or passwords changed): idle
+    /// ones close now, lent ones when their client lets them go; new ones
+    /// open as clients need them. No client sees an error.
+    pub fn reconnect(&self) {
+        self.renew_before
+            .store(since_epoch(Instant::now()) + 1, Ordering::SeqCst);
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
         self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
@@ -812,7 +838,8 @@ impl Checkout {
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
         let lifetime = pool.settings.lock().expect("poisoned").server_lifetime;
-        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l);
+        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l)
+            || since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
         if reusable && !expired && !pool.is_retired() {
             conn.last_used = Instant::now();
             pool.idle.lock().expect("poisoned").push(conn);
