@@ -855,6 +855,58 @@ async fn reconnect_replaces_server_connections_gracefully() {
     );
 }
 
+/// KILL in the admin console ends every client of a database at once,
+/// between transactions or in one (57P01), and closes its pools' server
+/// connections; new clients are served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_ends_a_databases_clients_and_server_connections() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let url = via(&p, "read_write");
+    let admin = client(&url.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let idle = client(&url).await.unwrap();
+    assert_eq!(one(&idle, "SELECT 1").await, "1");
+    let mut busy = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let r = busy.simple(b"BEGIN");
+    assert_eq!(
+        r.last().map(|(_, b)| b.as_slice()),
+        Some(&b"T"[..]),
+        "{r:?}"
+    );
+    let err = admin.batch_execute("KILL nosuchdb").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("3D000"), "{err}");
+    admin.batch_execute("KILL postgres").await.unwrap();
+    // The client in a transaction is told why.
+    let r = busy.until_error();
+    assert_eq!(error_code(&r).as_deref(), Some("57P01"), "{r:?}");
+    pgwarden_testkit::eventually("the idle client closed", WAIT, || {
+        let closed = idle.is_closed();
+        async move {
+            if closed {
+                Ok(())
+            } else {
+                Err("open".into())
+            }
+        }
+    })
+    .await;
+    let direct = c.conninfo(0);
+    pgwarden_testkit::eventually("server connections closed", WAIT, || {
+        let direct = direct.clone();
+        async move {
+            match server_connections(&direct).await {
+                0 => Ok(()),
+                n => Err(format!("{n} left")),
+            }
+        }
+    })
+    .await;
+    let fresh = client(&url).await.unwrap();
+    assert_eq!(one(&fresh, "SELECT 2").await, "2");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.
@@ -1145,6 +1197,23 @@ impl RawClient {
             self.0.read_exact(&mut body).unwrap();
             out.push((head[0], body));
             if head[0] == b'Z' {
+                return out;
+            }
+        }
+    }
+
+    /// Messages up to and including the next ErrorResponse.
+    fn until_error(&mut self) -> Vec<(u8, Vec<u8>)> {
+        use std::io::Read;
+        let mut out = Vec::new();
+        loop {
+            let mut head = [0u8; 5];
+            self.0.read_exact(&mut head).unwrap();
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+            let mut body = vec![0u8; len - 4];
+            self.0.read_exact(&mut body).unwrap();
+            out.push((head[0], body));
+            if head[0] == b'E' {
                 return out;
             }
         }

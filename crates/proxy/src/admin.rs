@@ -14,7 +14,7 @@ use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::proxy::Shared;
+use crate::proxy::{Kill, Shared};
 
 /// The database name that reaches the console instead of a server.
 pub const ADMIN_DATABASE: &str = "pgwarden";
@@ -393,6 +393,41 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             }
             encode::command_complete(out, "RECONNECT");
         }
+        ["KILL", _] => {
+            let database = text
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .trim_end_matches(';');
+            let mut found = false;
+            for e in shared.sessions.lock().expect("poisoned").values() {
+                if &*e.database == database {
+                    found = true;
+                    if !e.is_killed() {
+                        e.kill(Kill::Admin);
+                    }
+                }
+            }
+            for p in shared.pools.lock().expect("poisoned").values() {
+                if p.key.database == database {
+                    found = true;
+                    p.reconnect();
+                }
+            }
+            if !found {
+                encode::error_response(
+                    out,
+                    Severity::Error,
+                    sqlstate::INVALID_CATALOG_NAME.code(),
+                    &format!("no client or pool of database \"{database}\""),
+                    None,
+                    None,
+                );
+                return;
+            }
+            tracing::info!(database, "admin console: KILL");
+            encode::command_complete(out, "KILL");
+        }
         ["RELOAD"] => {
             shared.reload.notify_one();
             encode::command_complete(out, "RELOAD");
@@ -402,7 +437,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             Severity::Error,
             sqlstate::FEATURE_NOT_SUPPORTED.code(),
             &format!("unknown admin command: {text}"),
-            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], RELOAD"),
+            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], KILL database, RELOAD"),
             None,
         ),
     }

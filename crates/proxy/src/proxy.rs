@@ -219,6 +219,8 @@ pub(crate) enum Kill {
     HostDown,
     /// pgwarden is shutting down.
     Shutdown,
+    /// An administrator ended it (the admin console's KILL).
+    Admin,
 }
 
 impl Kill {
@@ -227,6 +229,7 @@ impl Kill {
             Kill::NotPrimary => 1,
             Kill::HostDown => 2,
             Kill::Shutdown => 3,
+            Kill::Admin => 4,
         }
     }
 
@@ -235,6 +238,7 @@ impl Kill {
             1 => Some(Kill::NotPrimary),
             2 => Some(Kill::HostDown),
             3 => Some(Kill::Shutdown),
+            4 => Some(Kill::Admin),
             _ => None,
         }
     }

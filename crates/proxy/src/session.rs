@@ -924,6 +924,7 @@ impl Io<'_> {
         Ended::Killed(Some(Kill::NotPrimary)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {} is no longer the primary; reconnect to reach the new one", self.host))),
         Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {} is down", self.host))),
         Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
+        Ended::Killed(Some(Kill::Admin)) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: administrator command".to_string())),
         Ended::Downstream(End::Stopped(why)) => Some((sqlstate::READ_ONLY_SQL_TRANSACTION, format!("terminating connection: {why}"))),
         Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
         _ => None,

@@ -193,6 +193,7 @@ pub(crate) async fn run(
             Some(k) => {
                 let why = match k {
                     Kill::Shutdown => "pgwarden is shutting down",
+                    Kill::Admin => "administrator command",
                     _ => "the server went away",
                 };
                 Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))
