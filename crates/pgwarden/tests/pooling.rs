@@ -1995,10 +1995,28 @@ async fn a_cancel_request_cancels_a_statement_waiting_for_a_server() {
 /// hang, fails the run (tests/clients/pool_mix.py).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
-    let c = TestCluster::builder().replicas(0).start();
+    on_a_pool_of_two(
+        |port| common::python_client("pool_mix.py", vec![port.to_string()]),
+        None,
+    )
+    .await;
+}
+
+/// Runs a driver program against a transaction pool of two on a fresh
+/// one-node cluster (`run` gets the read-write port), then, given
+/// `asked_for`, fails unless every ERROR in the server's log is one of
+/// those.
+async fn on_a_pool_of_two<F, Fut>(run: F, asked_for: Option<&[&str]>)
+where
+    F: FnOnce(u16) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut c = TestCluster::builder().replicas(0).start();
     let (_engine, p) = pooled(&c, 2).await;
-    let port = p.service_addrs()["read_write"].port();
-    common::python_client("pool_mix.py", vec![port.to_string()]).await;
+    run(p.service_addrs()["read_write"].port()).await;
+    if let Some(asked_for) = asked_for {
+        server_errors_only(&mut c, asked_for);
+    }
 }
 
 /// The PostgreSQL JDBC driver with its defaults (statements become named
@@ -2014,19 +2032,16 @@ async fn psycopg_and_asyncpg_clients_share_a_pool_of_two() {
 /// read too: the only errors in it are the ones the clients caused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jdbc_clients_share_a_pool_of_two() {
-    let mut c = TestCluster::builder().replicas(0).start();
-    let (_engine, p) = pooled(&c, 2).await;
-    let port = p.service_addrs()["read_write"].port();
-    common::java_client("JdbcMix.java", vec![port.to_string(), "12".into()]).await;
-    server_errors_only(
-        &mut c,
-        &[
+    on_a_pool_of_two(
+        |port| common::java_client("JdbcMix.java", vec![port.to_string(), "12".into()]),
+        Some(&[
             "duplicate key value violates unique constraint",
             "division by zero",
             "canceling statement due to user request",
             "cannot execute INSERT in a read-only transaction",
-        ],
-    );
+        ]),
+    )
+    .await;
 }
 
 /// Fails unless every ERROR in the server log of node 0 contains one of
@@ -2054,18 +2069,15 @@ fn server_errors_only(c: &mut TestCluster, asked_for: &[&str]) {
 /// only the errors the clients caused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn php_clients_share_a_pool_of_two() {
-    let mut c = TestCluster::builder().replicas(0).start();
-    let (_engine, p) = pooled(&c, 2).await;
-    let port = p.service_addrs()["read_write"].port();
-    common::php_client("php_mix.php", vec![port.to_string(), "12".into()]).await;
-    server_errors_only(
-        &mut c,
-        &[
+    on_a_pool_of_two(
+        |port| common::php_client("php_mix.php", vec![port.to_string(), "12".into()]),
+        Some(&[
             "duplicate key value violates unique constraint",
             "canceling statement due to user request",
             "prepared statement \"never_prepared_",
-        ],
-    );
+        ]),
+    )
+    .await;
 }
 
 /// node-postgres clients on a pool of two: named statements (parsed once
@@ -2076,19 +2088,16 @@ async fn php_clients_share_a_pool_of_two() {
 /// JDBC, the server's log must hold only the errors the clients caused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_postgres_clients_share_a_pool_of_two() {
-    let mut c = TestCluster::builder().replicas(0).start();
-    let (_engine, p) = pooled(&c, 2).await;
-    let port = p.service_addrs()["read_write"].port();
-    common::node_client("node_mix.js", vec![port.to_string(), "12".into()]).await;
-    server_errors_only(
-        &mut c,
-        &[
+    on_a_pool_of_two(
+        |port| common::node_client("node_mix.js", vec![port.to_string(), "12".into()]),
+        Some(&[
             "duplicate key value violates unique constraint",
             "current transaction is aborted",
             "canceling statement due to statement timeout",
             "division by zero",
-        ],
-    );
+        ]),
+    )
+    .await;
 }
 
 /// Start-up settings beyond the tracked parameters (`options=-c ...`, or

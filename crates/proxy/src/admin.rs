@@ -356,7 +356,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
         ["PAUSE"] | ["RESUME"] | ["PAUSE", _] | ["RESUME", _] => {
             let on = words[0] == "PAUSE";
             let names: Vec<String> = match words.get(1) {
-                Some(_) => vec![text.split_whitespace().nth(1).unwrap_or("").trim_end_matches(';').to_string()],
+                Some(_) => vec![argument(text).unwrap_or_default().to_string()],
                 None => shared.services.lock().expect("poisoned").keys().cloned().collect(),
             };
             for n in &names {
@@ -368,10 +368,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             encode::command_complete(out, words[0]);
         }
         ["RECONNECT"] | ["RECONNECT", _] => {
-            let database = text
-                .split_whitespace()
-                .nth(1)
-                .map(|d| d.trim_end_matches(';'));
+            let database = argument(text);
             let pools = shared.pools.lock().expect("poisoned");
             let mut found = false;
             for p in pools.values() {
@@ -380,25 +377,13 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
                     found = true;
                 }
             }
-            if let (Some(d), false) = (database, found) {
-                encode::error_response(
-                    out,
-                    Severity::Error,
-                    sqlstate::INVALID_CATALOG_NAME.code(),
-                    &format!("no pool serves database \"{d}\""),
-                    None,
-                    None,
-                );
-                return;
+            match database {
+                Some(d) if !found => unknown_database(out, d),
+                _ => encode::command_complete(out, "RECONNECT"),
             }
-            encode::command_complete(out, "RECONNECT");
         }
         ["KILL", _] => {
-            let database = text
-                .split_whitespace()
-                .nth(1)
-                .unwrap_or_default()
-                .trim_end_matches(';');
+            let database = argument(text).unwrap_or_default();
             let mut found = false;
             for e in shared.sessions.lock().expect("poisoned").values() {
                 if &*e.database == database {
@@ -415,14 +400,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
                 }
             }
             if !found {
-                encode::error_response(
-                    out,
-                    Severity::Error,
-                    sqlstate::INVALID_CATALOG_NAME.code(),
-                    &format!("no client or pool of database \"{database}\""),
-                    None,
-                    None,
-                );
+                unknown_database(out, database);
                 return;
             }
             tracing::info!(database, "admin console: KILL");
@@ -464,12 +442,7 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
                 s.total.load(o).to_string(),
                 (max_us / 1_000_000).to_string(),
                 (max_us % 1_000_000).to_string(),
-                if p.settings().hold_session {
-                    "session"
-                } else {
-                    "transaction"
-                }
-                .into(),
+                pool_mode(p).into(),
             ]
         })
         .collect();
@@ -493,6 +466,33 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
     );
 }
 
+/// The word after the command (a service or database name), as typed.
+fn argument(text: &str) -> Option<&str> {
+    text.split_whitespace()
+        .nth(1)
+        .map(|d| d.trim_end_matches(';'))
+}
+
+fn unknown_database(out: &mut BytesMut, database: &str) {
+    encode::error_response(
+        out,
+        Severity::Error,
+        sqlstate::INVALID_CATALOG_NAME.code(),
+        &format!("no client or pool of database \"{database}\""),
+        None,
+        None,
+    );
+}
+
+/// PgBouncer's name for how the pool lends its servers.
+fn pool_mode(p: &crate::pool::Pool) -> &'static str {
+    if p.settings().hold_session {
+        "session"
+    } else {
+        "transaction"
+    }
+}
+
 /// One row per database and host that a pool serves, with PgBouncer's
 /// columns (monitoring tools read it); the columns pgwarden has no
 /// counterpart for are 0 or empty.
@@ -514,12 +514,7 @@ fn show_databases(shared: &Shared, out: &mut BytesMut) {
                 settings.size.to_string(),
                 settings.min_size.to_string(),
                 "0".into(),
-                if settings.hold_session {
-                    "session"
-                } else {
-                    "transaction"
-                }
-                .into(),
+                pool_mode(p).into(),
                 "0".into(),
                 p.stats.total.load(o).to_string(),
                 "0".into(),
