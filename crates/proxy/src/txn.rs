@@ -1256,10 +1256,7 @@ impl Session {
                     self.drop_stale_parses();
                     if let Some(SentParse { injected: true, .. }) = self.replies.parses.pop_front()
                     {
-                        let o = out.get_or_insert_with(BytesMut::new);
-                        o.extend_from_slice(&buf[..pos]);
-                        buf.advance(pos + total);
-                        pos = 0;
+                        drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
                 }
@@ -1267,10 +1264,7 @@ impl Session {
                     self.drop_stale_closes();
                     if let Some((Some(_), _)) = self.replies.closes.front() {
                         self.replies.closes.pop_front();
-                        let o = out.get_or_insert_with(BytesMut::new);
-                        o.extend_from_slice(&buf[..pos]);
-                        buf.advance(pos + total);
-                        pos = 0;
+                        drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
                     self.replies.closes.pop_front();
@@ -1280,10 +1274,7 @@ impl Session {
                         && body.starts_with(b"PREPARE\0")
                     {
                         self.replies.hidden_prepares.remove(0);
-                        let o = out.get_or_insert_with(BytesMut::new);
-                        o.extend_from_slice(&buf[..pos]);
-                        buf.advance(pos + total);
-                        pos = 0;
+                        drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
                 }
@@ -1433,6 +1424,16 @@ async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<(String, St
 }
 
 /// A Close of the prepared statement `name`.
+/// Leaves out of what goes to the client the message of `total` bytes
+/// at `pos` in `buf`: what came before it moves to `out`, the rest of
+/// `buf` is looked at from its start.
+fn drop_message(out: &mut Option<BytesMut>, buf: &mut BytesMut, pos: &mut usize, total: usize) {
+    let o = out.get_or_insert_with(BytesMut::new);
+    o.extend_from_slice(&buf[..*pos]);
+    buf.advance(*pos + total);
+    *pos = 0;
+}
+
 fn put_close(out: &mut BytesMut, name: &str) {
     out.put_u8(frontend::CLOSE);
     out.put_u32((4 + 1 + name.len() + 1) as u32);
