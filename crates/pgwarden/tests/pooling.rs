@@ -2100,6 +2100,34 @@ async fn node_postgres_clients_share_a_pool_of_two() {
     .await;
 }
 
+/// All four driver programs at once on one pool of two (fewer clients
+/// each): one driver's DISCARD ALL, DEALLOCATE or cancel lands on servers
+/// that the others' statements live on, and none of them may notice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_driver_at_once_on_a_pool_of_two() {
+    on_a_pool_of_two(
+        |port| async move {
+            let args = || vec![port.to_string(), "4".into()];
+            tokio::join!(
+                common::python_client("pool_mix.py", vec![port.to_string()]),
+                common::java_client("JdbcMix.java", args()),
+                common::php_client("php_mix.php", args()),
+                common::node_client("node_mix.js", args()),
+            );
+        },
+        Some(&[
+            "duplicate key value violates unique constraint",
+            "division by zero",
+            "canceling statement due to user request",
+            "canceling statement due to statement timeout",
+            "current transaction is aborted",
+            "cannot execute INSERT in a read-only transaction",
+            "prepared statement \"never_prepared_",
+        ]),
+    )
+    .await;
+}
+
 /// Start-up settings beyond the tracked parameters (`options=-c ...`, or
 /// parameters such as `extra_float_digits`, which JDBC sends) follow the
 /// client from server to server in transaction pooling and never reach
