@@ -1749,8 +1749,9 @@ async fn a_prepared_discard_all_forgets_statements_where_it_runs() {
 /// `DEALLOCATE name` of a protocol-level statement prepared on another
 /// server answers as PostgreSQL would: it succeeds without preparing the
 /// statement again (which would fail here: its table is gone), and inside
-/// a failed transaction it fails with 25P02; in neither case is the client
-/// left waiting (PHP's PDO drops every statement it prepared this way).
+/// a failed transaction it fails with 25P02 and the statement stays; in
+/// neither case is the client left waiting (PHP's PDO drops every
+/// statement it prepared this way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deallocate_of_a_statement_prepared_on_another_server() {
     let c = TestCluster::builder().replicas(0).start();
@@ -1803,6 +1804,26 @@ async fn deallocate_of_a_statement_prepared_on_another_server() {
     let r = a.simple(b"ROLLBACK");
     assert_eq!(error_code(&r), None, "{r:?}");
     holder.batch_execute("COMMIT").await.unwrap();
+    // The DEALLOCATE failed, so, as on PostgreSQL, s2 is still there.
+    let mut run = msg_bind_execute(b"s2");
+    run.extend_from_slice(MSG_SYNC);
+    assert_eq!(value(&a.send(&run)), "2");
+    // The same for a statement on the server the transaction is on.
+    let r = a.simple(b"BEGIN");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert_eq!(error_code(&a.extended(b"s3", b"SELECT 3")), None);
+    let r = a.simple(b"SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.simple(b"DEALLOCATE s3");
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(error_code(&a.simple(b"ROLLBACK")), None);
+    let mut run = msg_bind_execute(b"s3");
+    run.extend_from_slice(MSG_SYNC);
+    assert_eq!(value(&a.send(&run)), "3");
+    // And one that succeeds drops it.
+    let r = a.simple(b"DEALLOCATE s3");
+    assert_eq!(tags(&r), ["DEALLOCATE"], "{r:?}");
+    assert_eq!(error_code(&a.send(&run)).as_deref(), Some("26000"));
     assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
 }
 

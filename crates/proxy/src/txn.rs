@@ -79,10 +79,23 @@ struct Replies {
     open_batch: bool,
     /// Last transaction status the server reported.
     status: Option<TxStatus>,
-    /// Batches (simple Queries) that start with a PREPARE of pgwarden's
-    /// own (see [`Session::deallocate`]), whose CommandComplete is
+    /// `DEALLOCATE name` sent and not yet answered (see
+    /// [`Session::deallocate`]).
+    deallocs: Vec<SentDealloc>,
+}
+
+/// A client's `DEALLOCATE name`, as sent: the statement is forgotten only
+/// once the server confirms it dropped it, since a DEALLOCATE can fail (in
+/// a failed transaction) and the statement then stays.
+struct SentDealloc {
+    /// The batch (simple Query) it was sent in.
+    batch: u64,
+    /// The client's name and the server-side name.
+    name: String,
+    sname: Arc<str>,
+    /// The Query prepares a placeholder first, whose CommandComplete is
     /// swallowed.
-    hidden_prepares: Vec<u64>,
+    placeholder: bool,
 }
 
 /// A Parse sent to the attached server.
@@ -1185,11 +1198,17 @@ impl Session {
             return None;
         }
         let name = name.trim_matches('"');
-        let (sname, _, _) = self.statements.remove(name)?;
+        let sname = self.statements.get(name)?.0.clone();
         let here = self
             .attached
             .as_mut()
-            .is_some_and(|c| c.conn.prepared.remove(&sname));
+            .is_some_and(|c| c.conn.prepared.touch(&sname));
+        self.replies.deallocs.push(SentDealloc {
+            batch: self.replies.sent,
+            name: name.to_string(),
+            sname: sname.clone(),
+            placeholder: !here,
+        });
         if here {
             return Some(format!("DEALLOCATE \"{sname}\""));
         }
@@ -1203,7 +1222,6 @@ impl Session {
         // transaction) the server would ignore the Query until a Sync, and
         // the client would wait for ever. In one Query, an aborted
         // transaction fails it with the error the DEALLOCATE would get.
-        self.replies.hidden_prepares.push(self.replies.sent);
         Some(format!(
             "PREPARE \"{sname}\" AS SELECT; DEALLOCATE \"{sname}\""
         ))
@@ -1237,7 +1255,7 @@ impl Session {
                     | backend::READY_FOR_QUERY
                     | backend::PARAMETER_STATUS
             ) || (self.discarding && h.tag == backend::ERROR_RESPONSE)
-                || (h.tag == backend::COMMAND_COMPLETE && !self.replies.hidden_prepares.is_empty());
+                || (h.tag == backend::COMMAND_COMPLETE && !self.replies.deallocs.is_empty());
             if !interesting {
                 let n = total.min(avail);
                 pos += n;
@@ -1270,12 +1288,22 @@ impl Session {
                     self.replies.closes.pop_front();
                 }
                 backend::COMMAND_COMPLETE => {
-                    if self.replies.hidden_prepares.first() == Some(&self.replies.done)
-                        && body.starts_with(b"PREPARE\0")
+                    if let Some(i) = self
+                        .replies
+                        .deallocs
+                        .iter()
+                        .position(|d| d.batch == self.replies.done)
                     {
-                        self.replies.hidden_prepares.remove(0);
-                        drop_message(&mut out, buf, &mut pos, total);
-                        continue;
+                        let d = &mut self.replies.deallocs[i];
+                        if d.placeholder && body.starts_with(b"PREPARE\0") {
+                            d.placeholder = false;
+                            drop_message(&mut out, buf, &mut pos, total);
+                            continue;
+                        }
+                        if body.starts_with(b"DEALLOCATE\0") {
+                            let d = self.replies.deallocs.remove(i);
+                            self.dropped(&d.name, &d.sname);
+                        }
                     }
                 }
                 backend::ERROR_RESPONSE => {
@@ -1289,10 +1317,10 @@ impl Session {
                     if let Some(c) = self.attached.as_mut() {
                         c.traffic.queries += 1;
                     }
-                    // A hidden PREPARE that failed (its Query ended with an
-                    // error) has no reply left to swallow.
+                    // A DEALLOCATE whose Query ended without dropping the
+                    // statement (an error) leaves it where it was.
                     let done = self.replies.done;
-                    self.replies.hidden_prepares.retain(|b| *b >= done);
+                    self.replies.deallocs.retain(|d| d.batch >= done);
                     self.replies.status = message::ready_for_query_status(body).ok();
                     self.drop_stale_parses();
                     self.drop_stale_closes();
@@ -1326,6 +1354,17 @@ impl Session {
             }
             None => ToClient::Prefix(pos),
         })
+    }
+
+    /// The server dropped the client's statement `name` (`sname` there):
+    /// forgotten, unless the client has prepared the name again since.
+    fn dropped(&mut self, name: &str, sname: &Arc<str>) {
+        if self.statements.get(name).is_some_and(|(s, ..)| s == sname) {
+            self.statements.remove(name);
+        }
+        if let Some(c) = self.attached.as_mut() {
+            c.conn.prepared.remove(sname);
+        }
     }
 
     /// Closes of a completed batch were skipped (an error came first):
