@@ -209,6 +209,7 @@ pub(crate) struct RawListen {
     pub read_write: Option<Spanned<ListenAddr>>,
     pub read_only: Option<Spanned<ListenAddr>>,
     pub http: Option<Spanned<ListenAddr>>,
+    pub unix_socket_dir: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

@@ -599,10 +599,27 @@ fn services(
         None => derive("listen.http", HTTP_OFFSET)?,
     };
 
+    let unix_socket_dir = match &raw_listen.unix_socket_dir {
+        None => None,
+        Some(d) => {
+            let dir = std::path::PathBuf::from(d.get_ref());
+            let bad =
+                |why: &str| src.invalid(Some(d.span()), "listen.unix_socket_dir", why.to_string());
+            if !dir.is_absolute() {
+                return Err(bad("must be an absolute path"));
+            }
+            // sockaddr_un holds 107 bytes of path.
+            if d.get_ref().len() + "/.s.PGSQL.65535".len() > 107 {
+                return Err(bad("too long: a socket path in it would exceed 107 bytes"));
+            }
+            Some(dir)
+        }
+    };
     let listen = ListenConfig {
         read_write: rw_listener.addr,
         read_only: ro_listener.addr,
         http: http_listener.addr,
+        unix_socket_dir,
     };
     let defaults = Defaults {
         cluster,

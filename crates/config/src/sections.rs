@@ -109,7 +109,7 @@ impl fmt::Debug for ClusterConfig {
 
 /// `[listen]`: where the two default services and the HTTP endpoint
 /// accept connections, after deriving the ones the file left out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenConfig {
     /// The `read_write` service.
     pub read_write: SocketAddr,
@@ -117,6 +117,9 @@ pub struct ListenConfig {
     pub read_only: SocketAddr,
     /// The HTTP status and metrics endpoint.
     pub http: SocketAddr,
+    /// A directory where every service also listens on a Unix-domain
+    /// socket, `.s.PGSQL.PORT` after its TCP port (libpq's naming).
+    pub unix_socket_dir: Option<std::path::PathBuf>,
 }
 
 /// `[engine]`: the proxy runtime.

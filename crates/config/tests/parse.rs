@@ -920,3 +920,32 @@ fn client_ca_needs_tls_towards_clients() {
         "{err}"
     );
 }
+
+#[test]
+fn unix_socket_dir() {
+    let c = parse(
+        &with("[listen]\nunix_socket_dir = \"/run/pgwarden\"\n"),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(
+        c.listen.unix_socket_dir.as_deref(),
+        Some(std::path::Path::new("/run/pgwarden"))
+    );
+    assert_eq!(parse(MINIMAL, FILE).unwrap().listen.unix_socket_dir, None);
+    fails(
+        &with("[listen]\nunix_socket_dir = \"run/pgwarden\"\n"),
+        4,
+        "listen.unix_socket_dir",
+        "must be an absolute path",
+    );
+    fails(
+        &with(&format!(
+            "[listen]\nunix_socket_dir = \"/{}\"\n",
+            "d".repeat(100)
+        )),
+        4,
+        "listen.unix_socket_dir",
+        "would exceed 107 bytes",
+    );
+}

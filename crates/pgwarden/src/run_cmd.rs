@@ -322,6 +322,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
             })
             .collect(),
         http: Some(config.listen.http),
+        unix_socket_dir: config.listen.unix_socket_dir.clone(),
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
         max_client_conn: p.max_client_conn as usize,

@@ -907,6 +907,114 @@ async fn kill_ends_a_databases_clients_and_server_connections() {
     assert_eq!(one(&fresh, "SELECT 2").await, "2");
 }
 
+/// With `listen.unix_socket_dir`, every service also listens on
+/// `.s.PGSQL.PORT` in that directory; clients there are matched by `local`
+/// hba rules, never by
+/// `host` ones, get `N` to an SSLRequest, and show as `unix` in SHOW
+/// CLIENTS; the socket is removed when pgwarden stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_on_a_unix_socket() {
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let hba = dir.path().join("hba.conf");
+    std::fs::write(
+        &hba,
+        "local all postgres trust\nhost all postgres 127.0.0.1/32 reject\n",
+    )
+    .unwrap();
+    common::AUTH.with(|a| {
+        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    let sockets = dir.path().join("run");
+    std::fs::create_dir(&sockets).unwrap();
+    common::UNIX_SOCKET_DIR.with(|d| *d.borrow_mut() = Some(sockets.clone()));
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let port = p.service_addrs()["read_write"].port();
+    let path = sockets.join(format!(".s.PGSQL.{port}"));
+    assert!(path.exists(), "{} missing", path.display());
+    let local = |db: &str| {
+        format!(
+            "host={} port={port} user=postgres dbname={db}",
+            sockets.display()
+        )
+    };
+    let app = client(&local("postgres")).await.unwrap();
+    assert_eq!(one(&app, "SELECT 1").await, "1");
+    // The same user over TCP meets the `host ... reject` rule.
+    let Err(err) = client(&via(&p, "read_write")).await else {
+        panic!("a host rule let a TCP client in");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
+    // TLS is not offered on the socket.
+    {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        s.write_all(&[0, 0, 0, 8, 4, 210, 22, 47]).unwrap();
+        let mut answer = [0u8; 1];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"N");
+    }
+    let admin = client(&local("pgwarden")).await.unwrap();
+    let rows = admin.simple_query("SHOW CLIENTS").await.unwrap();
+    let addrs: Vec<String> = rows
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get("addr").map(str::to_string),
+            _ => None,
+        })
+        .collect();
+    assert!(addrs.iter().any(|a| a == "unix"), "{addrs:?}");
+    drop(p);
+    assert!(!path.exists(), "{} left behind", path.display());
+    drop(e);
+    // Relayed (session mode) clients too.
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), None, 10_000).await;
+    ready(&e, 1).await;
+    let port = p.service_addrs()["read_write"].port();
+    let relayed = client(&format!(
+        "host={} port={port} user=postgres dbname=postgres",
+        sockets.display()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(one(&relayed, "SELECT 3").await, "3");
+    let rows = relayed
+        .query("SELECT g FROM generate_series(1, 50000) g", &[])
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 50_000);
+    // A reload follows the key: off removes the socket (the session on it
+    // goes on), on brings it back.
+    let mut p = p;
+    let path = sockets.join(format!(".s.PGSQL.{port}"));
+    let mut spec = p.spec().clone();
+    spec.unix_socket_dir = None;
+    p.apply(spec.clone()).await.unwrap();
+    assert!(
+        !path.exists(),
+        "{} left after the key was removed",
+        path.display()
+    );
+    assert_eq!(one(&relayed, "SELECT 4").await, "4");
+    spec.unix_socket_dir = Some(sockets.clone());
+    p.apply(spec).await.unwrap();
+    let again = client(&format!(
+        "host={} port={port} user=postgres dbname=postgres",
+        sockets.display()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(one(&again, "SELECT 5").await, "5");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.

@@ -595,7 +595,11 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
                 } else {
                     "idle".into()
                 },
-                e.client.ip().to_string(),
+                if e.client == crate::session::LOCAL_PEER {
+                    "unix".to_string()
+                } else {
+                    e.client.ip().to_string()
+                },
                 e.client.port().to_string(),
                 e.service.to_string(),
                 e.host.as_ref().map(|h| h.to_string()).unwrap_or_default(),

@@ -259,14 +259,18 @@ impl Authenticator {
         // callback that is not Send.
         let (method, client_cert, line, reject) = {
             let no_roles = |_: &str| roles.clone();
-            let mut ctx = HbaContext::new(
-                ConnType::Host {
-                    ssl: client.is_tls(),
-                },
-                &database,
-                &user,
-                Some(peer.ip()),
-            );
+            let mut ctx = if client.is_local() {
+                HbaContext::new(ConnType::Local, &database, &user, None)
+            } else {
+                HbaContext::new(
+                    ConnType::Host {
+                        ssl: client.is_tls(),
+                    },
+                    &database,
+                    &user,
+                    Some(peer.ip()),
+                )
+            };
             ctx.roles_of_user = &no_roles;
             match self.hba.find(&ctx) {
                 Some(rule) => (

@@ -71,6 +71,9 @@ pub struct ProxySpec {
     pub tls: Option<TlsSpec>,
     /// TLS on the connections pgwarden opens to the servers.
     pub server_tls: crate::stream::ServerTlsMode,
+    /// Where every service also listens on a Unix-domain socket named
+    /// `.s.PGSQL.PORT` after its TCP port, as libpq names them.
+    pub unix_socket_dir: Option<std::path::PathBuf>,
     /// CA certificates (PEM) for `verify-ca` and `verify-full`.
     pub server_ca: Option<std::path::PathBuf>,
     /// Longest time from accept to an authenticated client.
@@ -507,6 +510,8 @@ impl RefusalSwitch {
 pub struct Proxy {
     shared: Arc<Shared>,
     listeners: HashMap<String, Listener>,
+    /// Unix-domain listeners by service: socket path and accept loop.
+    unix: HashMap<String, (std::path::PathBuf, JoinHandle<()>)>,
     http: Option<(SocketAddr, JoinHandle<()>)>,
     router: JoinHandle<()>,
     shutdown_timeout: Duration,
@@ -522,6 +527,17 @@ pub enum ProxyError {
     /// The TLS certificate or key could not be loaded.
     #[error("TLS: {0}")]
     Tls(String),
+    /// A Unix-domain socket could not be bound.
+    #[error("cannot listen on {} for service {service}", path.display())]
+    BindUnix {
+        /// Service name.
+        service: String,
+        /// Socket path.
+        path: std::path::PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A listen address could not be bound.
     #[error("cannot listen on {addr} for service {service}")]
     Bind {
@@ -584,6 +600,7 @@ impl Proxy {
         let mut proxy = Proxy {
             shared,
             listeners: HashMap::new(),
+            unix: HashMap::new(),
             http: None,
             router,
             shutdown_timeout: spec.shutdown_timeout,
@@ -759,6 +776,9 @@ impl Proxy {
                 tracing::info!(service = %name, "service removed; its sessions continue");
             }
         }
+        if let Err(e) = self.apply_unix(spec.unix_socket_dir.as_deref()) {
+            first_err.get_or_insert(e);
+        }
         match (&self.http, spec.http) {
             (Some((addr, _)), Some(want)) if *addr == want || want.port() == 0 => {}
             (_, None) => {
@@ -792,6 +812,69 @@ impl Proxy {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Brings the Unix-domain listeners in line with the services' TCP
+    /// ports and `dir`: one socket per service, `.s.PGSQL.PORT`.
+    fn apply_unix(&mut self, dir: Option<&std::path::Path>) -> Result<(), ProxyError> {
+        let wanted: HashMap<String, std::path::PathBuf> = match dir {
+            None => HashMap::new(),
+            Some(dir) => self
+                .listeners
+                .iter()
+                .map(|(name, l)| {
+                    (
+                        name.clone(),
+                        dir.join(format!(".s.PGSQL.{}", l.addr.port())),
+                    )
+                })
+                .collect(),
+        };
+        let stale: Vec<String> = self
+            .unix
+            .iter()
+            .filter(|(name, (path, _))| wanted.get(*name) != Some(path))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in stale {
+            if let Some((path, task)) = self.unix.remove(&name) {
+                task.abort();
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        let mut first_err = None;
+        for (name, path) in wanted {
+            if self.unix.contains_key(&name) {
+                continue;
+            }
+            let Some(service) = self.listeners.get(&name).map(|l| l.service.clone()) else {
+                continue;
+            };
+            match bind_unix(&path) {
+                Ok(listener) => {
+                    tracing::info!(service = %name, path = %path.display(), "listening");
+                    let task =
+                        tokio::spawn(unix_accept_loop(self.shared.clone(), service, listener));
+                    self.unix.insert(name, (path, task));
+                }
+                Err(source) => {
+                    tracing::error!(service = %name, path = %path.display(), error = %source, "cannot listen");
+                    first_err.get_or_insert(ProxyError::BindUnix {
+                        service: name,
+                        path,
+                        source,
+                    });
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn stop_unix(&mut self) {
+        for (_, (path, task)) in self.unix.drain() {
+            task.abort();
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+
     /// Stops accepting, lets sessions finish for up to the shutdown
     /// time-out, then ends the rest with an error that says why.
     pub async fn shutdown(mut self) {
@@ -799,6 +882,7 @@ impl Proxy {
         for (_, l) in self.listeners.drain() {
             l.task.stop();
         }
+        self.stop_unix();
         let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
         let mut changes = self.shared.changes.clone();
         while self.session_count() > 0 && tokio::time::Instant::now() < deadline {
@@ -826,6 +910,7 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
+        self.stop_unix();
         self.shared.workers.stop();
         self.router.abort();
         for l in self.listeners.values() {
@@ -834,6 +919,78 @@ impl Drop for Proxy {
         if let Some((_, t)) = &self.http {
             t.abort();
         }
+    }
+}
+
+/// Binds a Unix-domain socket at `path`, replacing a socket file left by
+/// a process that is gone (nothing answers on it); anything else there is
+/// an error. Anyone may connect, as to PostgreSQL's socket: who gets in is
+/// for the hba rules (`local` lines) to say.
+fn bind_unix(path: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            ));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                "another process is listening on it",
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))?;
+    Ok(listener)
+}
+
+/// Accepts Unix-domain clients here and hands each to a worker
+/// ([`crate::workers::Workers::pick`]), as TCP clients are.
+async fn unix_accept_loop(
+    shared: Arc<Shared>,
+    service: Arc<ArcSwap<Service>>,
+    listener: tokio::net::UnixListener,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let svc = service.load_full();
+        let n = shared.clients.fetch_add(1, Ordering::Relaxed) + 1;
+        if n > shared.max_client_conn.load(Ordering::Relaxed) {
+            shared.clients.fetch_sub(1, Ordering::Relaxed);
+            shared.metrics.error(&svc.spec.name, "max_client_conn");
+            tokio::spawn(crate::session::refuse_busy(stream));
+            continue;
+        }
+        let target = shared.workers.pick();
+        shared.workers.enter(target);
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                shared.clients.fetch_sub(1, Ordering::Relaxed);
+                shared.workers.leave(target);
+                tracing::warn!(error = %e, "handing a connection to a worker failed");
+                continue;
+            }
+        };
+        let session = crate::session::run(
+            shared.clone(),
+            svc,
+            crate::session::Accepted::Local(stream),
+            crate::session::LOCAL_PEER,
+            target,
+        );
+        drop(shared.workers.spawn_on(target, session));
     }
 }
 
@@ -1025,5 +1182,28 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 e.kill(k);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod unix_tests {
+    use super::bind_unix;
+
+    #[tokio::test]
+    async fn a_stale_socket_is_replaced_and_anything_else_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".s.PGSQL.6432");
+        // A socket file nobody listens on, as a crashed process leaves it.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let live = bind_unix(&path).expect("the stale socket is replaced");
+        // One that answers belongs to someone.
+        let err = bind_unix(&path).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        drop(live);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, "not a socket").unwrap();
+        let err = bind_unix(&path).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "not a socket");
     }
 }

@@ -42,7 +42,7 @@ impl Refusal {
 
 /// Turns a client away when `max_client_conn` is reached, before reading
 /// anything from it; existing clients are not affected.
-pub(crate) async fn refuse_busy(mut client: TcpStream) {
+pub(crate) async fn refuse_busy<S: tokio::io::AsyncWrite + Unpin>(mut client: S) {
     let out = encode::fatal(
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
@@ -71,7 +71,14 @@ pub(crate) enum Accepted {
     Here(TcpStream),
     /// Accepted on another worker, to be registered where it is served.
     Handed(std::net::TcpStream),
+    /// On a Unix-domain socket, to be registered where it is served.
+    Local(std::os::unix::net::UnixStream),
 }
+
+/// The peer address recorded for a client on a Unix-domain socket (no TCP
+/// client has port 0): shown as such, never matched by `host` rules.
+pub(crate) const LOCAL_PEER: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
 
 /// Serves one client connection until it ends. A plain function around
 /// an `async move` block rather than an async fn, whose arguments would be
@@ -88,16 +95,21 @@ pub(crate) fn run(
         // The accept loop counted this client against max_client_conn and
         // on `worker`.
         let _slot = ClientSlot(&shared, worker);
-        let client = match client {
-            Accepted::Here(tcp) => tcp,
+        let mut client = match client {
+            Accepted::Here(tcp) => ClientStream::Plain(tcp),
             // Registered with the epoll of the worker this runs on.
             Accepted::Handed(tcp) => match TcpStream::from_std(tcp) {
-                Ok(tcp) => tcp,
+                Ok(tcp) => ClientStream::Plain(tcp),
+                Err(_) => return,
+            },
+            Accepted::Local(s) => match tokio::net::UnixStream::from_std(s) {
+                Ok(s) => ClientStream::Local(s),
                 Err(_) => return,
             },
         };
-        crate::stream::tune(&client);
-        let mut client = ClientStream::Plain(client);
+        if let ClientStream::Plain(tcp) = &client {
+            crate::stream::tune(tcp);
+        }
         let gauge = service.handles.client_connections.clone();
         gauge.inc();
         let span = tracing::debug_span!("session", service = %service.spec.name, client = %peer);
@@ -243,7 +255,9 @@ async fn serve(
             }
         };
     let spec = &service.spec;
-    if shared.client_tls() == ClientTlsMode::Require && !client.is_tls() {
+    // A Unix-domain socket never leaves the machine: TLS is neither
+    // offered nor required there, as in PostgreSQL.
+    if shared.client_tls() == ClientTlsMode::Require && !client.is_tls() && !client.is_local() {
         return Err(Refusal::new(
             sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
             "tls_required",
@@ -371,7 +385,7 @@ async fn read_startup(
 ) -> Result<Option<StartupMessage>, Refusal> {
     loop {
         match parse_startup(buf) {
-            Ok(Some(StartupFrame::SslRequest)) if !client.is_tls() => {
+            Ok(Some(StartupFrame::SslRequest)) if !client.is_tls() && !client.is_local() => {
                 let acceptor = match shared.client_tls() {
                     ClientTlsMode::Disable => None,
                     _ => shared.tls.load_full(),
@@ -769,6 +783,10 @@ async fn relay(
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.as_mut());
+            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
+        }
+        ClientStream::Local(s) => {
+            let (mut cr, mut cw) = s.split();
             io.run_to(&mut cr, &mut cw, &mut server, &killed).await
         }
         ClientStream::Gone => None,

@@ -18,6 +18,8 @@ use tokio_rustls::TlsAcceptor;
 pub(crate) enum ClientStream {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
+    /// A Unix-domain socket (`listen.unix_socket_dir`).
+    Local(tokio::net::UnixStream),
     /// Only while a handshake owns the socket, or after it failed.
     Gone,
 }
@@ -30,6 +32,11 @@ impl ClientStream {
     /// Whether the session runs over TLS.
     pub fn is_tls(&self) -> bool {
         matches!(self, ClientStream::Tls(_))
+    }
+
+    /// Whether the client came in on a Unix-domain socket.
+    pub fn is_local(&self) -> bool {
+        matches!(self, ClientStream::Local(_))
     }
 
     /// Reads what is available into `buf`. On plain TCP the buffer is
@@ -50,6 +57,11 @@ impl ClientStream {
                 // with the socket.
                 s.read_buf(buf).await.map(Some)
             }
+            ClientStream::Local(s) => {
+                std::future::poll_fn(|cx| s.poll_read_ready(cx)).await?;
+                crate::bufcache::ready_for_read(buf, 8 * 1024);
+                s.read_buf(buf).await.map(Some)
+            }
             ClientStream::Tls(s) => {
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
                 s.read_buf(buf).await.map(Some)
@@ -63,6 +75,7 @@ impl ClientStream {
         use std::os::fd::AsRawFd;
         match self {
             ClientStream::Plain(s) => s.as_raw_fd(),
+            ClientStream::Local(s) => s.as_raw_fd(),
             ClientStream::Tls(s) => s.get_ref().0.as_raw_fd(),
             ClientStream::Gone => -1,
         }
@@ -103,6 +116,7 @@ impl AsyncRead for ClientStream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ClientStream::Local(s) => Pin::new(s).poll_read(cx, buf),
             ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -117,6 +131,7 @@ impl AsyncWrite for ClientStream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_write(cx, data),
+            ClientStream::Local(s) => Pin::new(s).poll_write(cx, data),
             ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, data),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -125,6 +140,7 @@ impl AsyncWrite for ClientStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ClientStream::Local(s) => Pin::new(s).poll_flush(cx),
             ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -133,6 +149,7 @@ impl AsyncWrite for ClientStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ClientStream::Local(s) => Pin::new(s).poll_shutdown(cx),
             ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -145,6 +162,7 @@ impl AsyncWrite for ClientStream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            ClientStream::Local(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -153,6 +171,7 @@ impl AsyncWrite for ClientStream {
     fn is_write_vectored(&self) -> bool {
         match self {
             ClientStream::Plain(s) => s.is_write_vectored(),
+            ClientStream::Local(s) => s.is_write_vectored(),
             ClientStream::Tls(s) => s.is_write_vectored(),
             ClientStream::Gone => false,
         }

@@ -152,6 +152,7 @@ pub async fn proxy_full(
         auth_timeout: AUTH_TIMEOUT.with(|a| *a.borrow()),
         server_tls: SERVER_TLS.with(|t| t.borrow().0),
         server_ca: SERVER_TLS.with(|t| t.borrow().1.clone()),
+        unix_socket_dir: UNIX_SOCKET_DIR.with(|d| d.borrow().clone()),
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
@@ -229,6 +230,8 @@ thread_local! {
     /// TLS towards the servers (mode, CA file) for the next proxy built on
     /// this thread.
     pub static SERVER_TLS: std::cell::RefCell<(pgwarden_proxy::ServerTlsMode, Option<std::path::PathBuf>)> = const { std::cell::RefCell::new((pgwarden_proxy::ServerTlsMode::Disable, None)) };
+    /// The Unix-socket directory of the next proxy built on this thread.
+    pub static UNIX_SOCKET_DIR: std::cell::RefCell<Option<std::path::PathBuf>> = const { std::cell::RefCell::new(None) };
     /// Worker threads of the next proxy built on this thread. Two by
     /// default, so that consecutive clients land on different workers and
     /// pooled servers move between them.
