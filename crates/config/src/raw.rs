@@ -243,6 +243,8 @@ pub(crate) struct RawPool {
     pub mode: Option<PoolMode>,
     pub size: Option<Spanned<u32>>,
     pub min_size: Option<Spanned<u32>>,
+    pub reserve_size: Option<Spanned<u32>>,
+    pub reserve_timeout: Option<Dur>,
     pub max_client_conn: Option<Spanned<u32>>,
     pub server_idle_timeout: Option<Dur>,
     pub server_lifetime: Option<Dur>,

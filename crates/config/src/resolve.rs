@@ -369,6 +369,8 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         mode: raw.mode.unwrap_or(d.mode),
         size,
         min_size,
+        reserve_size: raw.reserve_size.map_or(d.reserve_size, Spanned::into_inner),
+        reserve_timeout: raw.reserve_timeout.map_or(d.reserve_timeout, |Dur(t)| t),
         max_client_conn: raw
             .max_client_conn
             .map_or(d.max_client_conn, Spanned::into_inner),

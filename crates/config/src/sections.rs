@@ -304,6 +304,11 @@ pub struct PoolConfig {
     pub size: u32,
     /// Server connections kept open even when idle; at most `size`.
     pub min_size: u32,
+    /// Server connections a pool may lend beyond `size` to clients that
+    /// have waited `reserve_timeout`; 0: none.
+    pub reserve_size: u32,
+    /// How long a client waits before the reserve may serve it.
+    pub reserve_timeout: Duration,
     /// Client connections accepted across all listeners; at least 1.
     pub max_client_conn: u32,
     /// Close server connections idle this long; `None` keeps them.
@@ -339,6 +344,8 @@ impl Default for PoolConfig {
             mode: PoolMode::Session,
             size: 20,
             min_size: 0,
+            reserve_size: 0,
+            reserve_timeout: Duration::from_secs(5),
             max_client_conn: 10_000,
             server_idle_timeout: Some(Duration::from_secs(600)),
             server_lifetime: Some(Duration::from_secs(3600)),

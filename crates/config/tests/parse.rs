@@ -197,6 +197,8 @@ fn full_example_parses() {
     assert_eq!(c.pool.min_size, 2);
     assert_eq!(c.pool.client_idle_timeout, None);
     assert_eq!(c.pool.idle_transaction_timeout, None);
+    assert_eq!(c.pool.reserve_size, 0);
+    assert_eq!(c.pool.reserve_timeout, Duration::from_secs(5));
     assert_eq!(c.pool.size_for("analytics", "app"), 5);
     assert_eq!(c.pool.size_for("other", "app"), 20);
     assert_eq!(
@@ -259,7 +261,7 @@ fn durations_everywhere() {
     // Zero turns pool timeouts off.
     let c = parse(
         &format!(
-            "{}\n[pool]\nserver_lifetime = \"0s\"\nclient_idle_timeout = \"5min\"\nidle_transaction_timeout = \"30s\"\n",
+            "{}\n[pool]\nserver_lifetime = \"0s\"\nclient_idle_timeout = \"5min\"\nidle_transaction_timeout = \"30s\"\nreserve_size = 3\nreserve_timeout = \"250ms\"\n",
             with("")
         ),
         FILE,
@@ -271,6 +273,8 @@ fn durations_everywhere() {
         c.pool.idle_transaction_timeout,
         Some(Duration::from_secs(30))
     );
+    assert_eq!(c.pool.reserve_size, 3);
+    assert_eq!(c.pool.reserve_timeout, Duration::from_millis(250));
     assert!(!c.pool.reuse_session_servers, "off unless asked for");
     let c = parse(
         &format!("{}\n[pool]\nreuse_session_servers = true\n", with("")),

@@ -222,6 +222,11 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         ("pool.server_idle_timeout", d(p.server_idle_timeout)),
         ("pool.server_lifetime", d(p.server_lifetime)),
         ("pool.min_size", p.min_size.to_string()),
+        ("pool.reserve_size", p.reserve_size.to_string()),
+        (
+            "pool.reserve_timeout",
+            pgwarden_config::format_duration(p.reserve_timeout),
+        ),
         ("pool.client_idle_timeout", d(p.client_idle_timeout)),
         (
             "pool.idle_transaction_timeout",
@@ -282,6 +287,8 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
     let p = &config.pool;
     let base = PoolSettings {
         size: p.size as usize,
+        reserve_size: p.reserve_size as usize,
+        reserve_timeout: p.reserve_timeout,
         // "Off" means: wait as long as it takes.
         query_wait_timeout: p
             .query_wait_timeout

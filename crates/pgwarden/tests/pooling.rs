@@ -1122,6 +1122,68 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
     .await;
 }
 
+/// The reserve: with the pool's one server held, a client that has
+/// waited `reserve_timeout` is served by a connection beyond `size`, up to
+/// `reserve_size`; one more waits for a connection to come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_serves_clients_that_waited() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 1,
+            reserve_size: 1,
+            reserve_timeout: Duration::from_millis(300),
+            query_wait_timeout: WAIT,
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let holder = client(&url).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    let holder_pid = one(&holder, "SELECT pg_backend_pid()").await;
+    // Served by the reserve while the holder keeps the pool's server.
+    let second = client(&url).await.unwrap();
+    second.batch_execute("BEGIN").await.unwrap();
+    let second_pid = one(&second, "SELECT pg_backend_pid()").await;
+    assert_ne!(second_pid, holder_pid);
+    // The reserve is used up: a third waits until one comes back.
+    // (Its login needs a server too.)
+    let url3 = url.clone();
+    let waiting = tokio::spawn(async move {
+        let third = client(&url3).await.unwrap();
+        one(&third, "SELECT 3").await
+    });
+    pgwarden_testkit::eventually(
+        "the third client waits past the reserve time-out",
+        WAIT,
+        || {
+            let direct = c.conninfo(0);
+            async move {
+                // Two servers at most: size 1 plus a reserve of 1.
+                match server_connections(&direct).await {
+                    2 => Ok(()),
+                    n => Err(format!("{n} server connections")),
+                }
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!waiting.is_finished(), "served beyond size + reserve_size");
+    second.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(WAIT, waiting).await.unwrap().unwrap(),
+        "3"
+    );
+    assert!(server_connections(&c.conninfo(0)).await <= 2);
+    holder.batch_execute("COMMIT").await.unwrap();
+}
+
 /// `idle_transaction_timeout`: a client that holds its server idle inside
 /// a transaction past it is disconnected (25P03) and the server closed
 /// (which rolls the transaction back), so the pool serves others again; a

@@ -513,7 +513,7 @@ fn show_databases(shared: &Shared, out: &mut BytesMut) {
                 p.key.user.clone(),
                 settings.size.to_string(),
                 settings.min_size.to_string(),
-                "0".into(),
+                settings.reserve_size.to_string(),
                 pool_mode(p).into(),
                 "0".into(),
                 p.stats.total.load(o).to_string(),

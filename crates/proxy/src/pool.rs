@@ -45,6 +45,11 @@ pub const DEFAULT_MAX_PREPARED_STATEMENTS: usize = 1000;
 pub struct PoolSettings {
     /// Largest number of server connections per pool.
     pub size: usize,
+    /// Server connections lent beyond `size` to clients that have waited
+    /// `reserve_timeout` (PgBouncer's reserve pool); 0: none.
+    pub reserve_size: usize,
+    /// How long a client waits before the reserve may serve it.
+    pub reserve_timeout: Duration,
     /// Longest wait for a server connection before the client gets an error.
     pub query_wait_timeout: Duration,
     /// Whether the service wants the primary: its pools retire when their
@@ -77,6 +82,8 @@ impl Default for PoolSettings {
     fn default() -> Self {
         Self {
             size: 20,
+            reserve_size: 0,
+            reserve_timeout: Duration::from_secs(5),
             query_wait_timeout: Duration::from_secs(120),
             wants_primary: true,
             server_idle_timeout: Some(Duration::from_secs(600)),
@@ -498,6 +505,8 @@ pub struct Pool {
     pub key: PoolKey,
     settings: Mutex<PoolSettings>,
     permits: Arc<Semaphore>,
+    /// The reserve ([`PoolSettings::reserve_size`]).
+    reserve: Arc<Semaphore>,
     // Boxed: a connection changes hands twice per transaction, and a
     // pointer moves cheaper than the few hundred bytes of its state.
     #[allow(clippy::vec_box)]
@@ -571,6 +580,7 @@ impl Pool {
             server_tls,
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
+            reserve: Arc::new(Semaphore::new(settings.reserve_size)),
             settings: Mutex::new(settings),
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
@@ -586,6 +596,7 @@ impl Pool {
         self.retired.store(true, Ordering::SeqCst);
         // Waiting clients give up on this pool and pick a host again.
         self.permits.close();
+        self.reserve.close();
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
         self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
@@ -727,6 +738,24 @@ impl Pool {
         self.checkout_timed(startup, deadline, &mut None).await
     }
 
+    /// A permit of the reserve once the client has waited
+    /// `reserve_timeout` since `started`; never without a reserve.
+    async fn from_reserve(
+        self: &Arc<Self>,
+        started: Instant,
+    ) -> Result<OwnedSemaphorePermit, ServerError> {
+        let (size, wait) = {
+            let s = self.settings.lock().expect("poisoned");
+            (s.reserve_size, s.reserve_timeout)
+        };
+        if size == 0 {
+            return std::future::pending().await;
+        }
+        tokio::time::sleep_until((started + wait).into()).await;
+        let p = self.reserve.clone().acquire_owned().await;
+        p.map_err(|_| ServerError::Retired)
+    }
+
     /// [`checkout`](Self::checkout) with a timer the caller keeps between
     /// waits. Once a client has waited, the next wait only moves its
     /// timer's deadline later, an atomic store, instead of adding a timer
@@ -760,6 +789,9 @@ impl Pool {
             biased;
             p = self.permits.clone().acquire_owned() => p.map_err(|_| ServerError::Retired),
             _ = timer.as_mut() => Err(ServerError::Timeout),
+            // A client that has waited this long may take a connection of
+            // the reserve, while still in line for the pool's own.
+            p = self.from_reserve(started) => p,
         };
         drop(waiting);
         let permit = permit?;
