@@ -505,8 +505,11 @@ pub struct Pool {
     pub key: PoolKey,
     settings: Mutex<PoolSettings>,
     permits: Arc<Semaphore>,
-    /// The reserve ([`PoolSettings::reserve_size`]).
+    /// The reserve ([`PoolSettings::reserve_size`]) and how long a client
+    /// waits before it may use it; fixed at creation, like the size, so
+    /// that a wait reads them without a lock.
     reserve: Arc<Semaphore>,
+    reserve_after: Option<Duration>,
     // Boxed: a connection changes hands twice per transaction, and a
     // pointer moves cheaper than the few hundred bytes of its state.
     #[allow(clippy::vec_box)]
@@ -581,6 +584,7 @@ impl Pool {
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
             reserve: Arc::new(Semaphore::new(settings.reserve_size)),
+            reserve_after: (settings.reserve_size > 0).then_some(settings.reserve_timeout),
             settings: Mutex::new(settings),
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
@@ -744,13 +748,9 @@ impl Pool {
         self: &Arc<Self>,
         started: Instant,
     ) -> Result<OwnedSemaphorePermit, ServerError> {
-        let (size, wait) = {
-            let s = self.settings.lock().expect("poisoned");
-            (s.reserve_size, s.reserve_timeout)
-        };
-        if size == 0 {
+        let Some(wait) = self.reserve_after else {
             return std::future::pending().await;
-        }
+        };
         tokio::time::sleep_until((started + wait).into()).await;
         let p = self.reserve.clone().acquire_owned().await;
         p.map_err(|_| ServerError::Retired)
