@@ -948,6 +948,32 @@ fn bind_unix(path: &std::path::Path) -> std::io::Result<tokio::net::UnixListener
     Ok(listener)
 }
 
+/// Counts a new client against `max_client_conn`: false, with the
+/// refusal counted and the client not, when it would go over.
+fn admit(shared: &Shared, svc: &Service) -> bool {
+    let n = shared.clients.fetch_add(1, Ordering::Relaxed) + 1;
+    if n > shared.max_client_conn.load(Ordering::Relaxed) {
+        shared.clients.fetch_sub(1, Ordering::Relaxed);
+        shared.metrics.error(&svc.spec.name, "max_client_conn");
+        return false;
+    }
+    true
+}
+
+/// A socket taken out of this runtime for worker `target`; when that
+/// fails, the client's counts (see [`admit`]) are given back.
+fn handed<T>(shared: &Shared, target: usize, socket: std::io::Result<T>) -> Option<T> {
+    match socket {
+        Ok(s) => Some(s),
+        Err(e) => {
+            shared.clients.fetch_sub(1, Ordering::Relaxed);
+            shared.workers.leave(target);
+            tracing::warn!(error = %e, "handing a connection to a worker failed");
+            None
+        }
+    }
+}
+
 /// Accepts Unix-domain clients here and hands each to a worker
 /// ([`crate::workers::Workers::pick`]), as TCP clients are.
 async fn unix_accept_loop(
@@ -965,23 +991,14 @@ async fn unix_accept_loop(
             }
         };
         let svc = service.load_full();
-        let n = shared.clients.fetch_add(1, Ordering::Relaxed) + 1;
-        if n > shared.max_client_conn.load(Ordering::Relaxed) {
-            shared.clients.fetch_sub(1, Ordering::Relaxed);
-            shared.metrics.error(&svc.spec.name, "max_client_conn");
+        if !admit(&shared, &svc) {
             tokio::spawn(crate::session::refuse_busy(stream));
             continue;
         }
         let target = shared.workers.pick();
         shared.workers.enter(target);
-        let stream = match stream.into_std() {
-            Ok(s) => s,
-            Err(e) => {
-                shared.clients.fetch_sub(1, Ordering::Relaxed);
-                shared.workers.leave(target);
-                tracing::warn!(error = %e, "handing a connection to a worker failed");
-                continue;
-            }
+        let Some(stream) = handed(&shared, target, stream.into_std()) else {
+            continue;
         };
         let session = crate::session::run(
             shared.clone(),
@@ -1056,10 +1073,7 @@ async fn accept_loop(
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let svc = service.load_full();
-                let n = shared.clients.fetch_add(1, Ordering::Relaxed) + 1;
-                if n > shared.max_client_conn.load(Ordering::Relaxed) {
-                    shared.clients.fetch_sub(1, Ordering::Relaxed);
-                    shared.metrics.error(&svc.spec.name, "max_client_conn");
+                if !admit(&shared, &svc) {
                     tokio::spawn(crate::session::refuse_busy(stream));
                     continue;
                 }
@@ -1090,14 +1104,8 @@ async fn accept_loop(
                 // The socket leaves this runtime's epoll for the worker's:
                 // its readiness is then reported on the thread that serves
                 // it.
-                let stream = match stream.into_std() {
-                    Ok(s) => s,
-                    Err(e) => {
-                        shared.clients.fetch_sub(1, Ordering::Relaxed);
-                        shared.workers.leave(target);
-                        tracing::warn!(error = %e, "handing a connection to a worker failed");
-                        continue;
-                    }
+                let Some(stream) = handed(&shared, target, stream.into_std()) else {
+                    continue;
                 };
                 let session = crate::session::run(
                     shared.clone(),
