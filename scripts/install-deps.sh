@@ -1,35 +1,44 @@
 #!/usr/bin/env bash
 # Installs what pgwarden's demo and tests need on Debian 12, idempotently:
 # - the PostgreSQL 15 server binaries (initdb, postgres, pg_basebackup, pgbench);
-# - etcd (the HA store the test kit starts), and protoc with the protobuf
-#   well-known types, which the etcd client's build compiles the API with;
-# - psycopg 3, asyncpg, the PostgreSQL JDBC driver (with a JDK to run the
-#   test client from source), PHP's PDO pgsql and pgsql extensions and
-#   node-postgres, the non-Rust drivers the integration tests use.
+# - etcd (the HA store the demo and the test kit start), and protoc with the
+#   protobuf well-known types, which the etcd client's build compiles the
+#   API with;
+# - with --tests, the non-Rust drivers the integration tests use: psycopg 3,
+#   asyncpg, the PostgreSQL JDBC driver (with a JDK to run the test client
+#   from source), PHP's PDO pgsql and pgsql extensions and node-postgres.
+#
+#   scripts/install-deps.sh [--tests]
 set -euo pipefail
+
+tests=false
+[ "${1:-}" = "--tests" ] && tests=true
 
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 
-packages=(postgresql-15 postgresql-client-15 etcd-server protobuf-compiler libprotobuf-dev
-  openjdk-17-jdk-headless libpostgresql-jdbc-java php-cli php-pgsql)
+packages=(postgresql-15 postgresql-client-15 etcd-server protobuf-compiler libprotobuf-dev)
+if $tests; then
+  packages+=(openjdk-17-jdk-headless libpostgresql-jdbc-java php-cli php-pgsql)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 
-if ! python3 -c "import psycopg, asyncpg" 2>/dev/null; then
+if $tests && ! python3 -c "import psycopg, asyncpg" 2>/dev/null; then
   python3 -m pip install -q "psycopg[binary]" asyncpg 2>/dev/null \
     || python3 -m pip install -q --break-system-packages "psycopg[binary]" asyncpg
 fi
 
 # node-postgres, from the npm registry, into npm's global modules (the
 # tests point NODE_PATH there). Node.js itself from Debian where missing.
-if ! command -v npm >/dev/null 2>&1; then
+if $tests && ! command -v npm >/dev/null 2>&1; then
   missing+=(nodejs npm)
 fi
 
 install_node_pg() {
+  $tests || return 0
   command -v npm >/dev/null 2>&1 || return 0
   NODE_PATH=$(npm root -g) node -e 'require("pg")' 2>/dev/null \
     || $sudo npm install -g --silent --no-audit --no-fund pg@8

@@ -4,7 +4,7 @@
 # tests (real PostgreSQL clusters on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh --tests
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The fuzz targets (fuzz/, outside the workspace) are run by hand with
 # cargo-fuzz; type-checking them here keeps them compiling as the parsers'
