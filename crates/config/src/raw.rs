@@ -246,6 +246,8 @@ pub(crate) struct RawPool {
     pub reserve_size: Option<Spanned<u32>>,
     pub reserve_timeout: Option<Dur>,
     pub max_client_conn: Option<Spanned<u32>>,
+    pub max_db_connections: Option<Spanned<u32>>,
+    pub max_user_connections: Option<Spanned<u32>>,
     pub server_idle_timeout: Option<Dur>,
     pub server_lifetime: Option<Dur>,
     pub query_wait_timeout: Option<Dur>,
@@ -265,6 +267,9 @@ pub(crate) struct RawPool {
 pub(crate) struct RawPoolOverride {
     pub mode: Option<PoolMode>,
     pub size: Option<Spanned<u32>>,
+    // Each belongs to one of the two tables; the other is refused by name.
+    pub max_db_connections: Option<Spanned<u32>>,
+    pub max_user_connections: Option<Spanned<u32>>,
 }
 
 #[derive(Default, Deserialize)]

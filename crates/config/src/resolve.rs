@@ -374,6 +374,12 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         max_client_conn: raw
             .max_client_conn
             .map_or(d.max_client_conn, Spanned::into_inner),
+        max_db_connections: raw
+            .max_db_connections
+            .map_or(d.max_db_connections, Spanned::into_inner),
+        max_user_connections: raw
+            .max_user_connections
+            .map_or(d.max_user_connections, Spanned::into_inner),
         server_idle_timeout: optional_timeout(raw.server_idle_timeout, d.server_idle_timeout),
         server_lifetime: optional_timeout(raw.server_lifetime, d.server_lifetime),
         query_wait_timeout: optional_timeout(raw.query_wait_timeout, d.query_wait_timeout),
@@ -418,11 +424,29 @@ fn overrides(
                 ));
             }
         }
+        // PgBouncer's names: a database has max_db_connections, a user
+        // max_user_connections.
+        let (limit, misplaced) = match table {
+            "databases" => (o.max_db_connections, o.max_user_connections),
+            _ => (o.max_user_connections, o.max_db_connections),
+        };
+        if let Some(m) = misplaced {
+            let (key, belongs) = match table {
+                "databases" => ("max_user_connections", "pool.users.NAME"),
+                _ => ("max_db_connections", "pool.databases.NAME"),
+            };
+            return Err(src.invalid(
+                Some(m.span()),
+                format!("{prefix}.{key}"),
+                format!("not a key of this table; it belongs in [{belongs}] or [pool]"),
+            ));
+        }
         out.insert(
             name.into_inner(),
             PoolOverride {
                 mode: o.mode,
                 size: o.size.map(Spanned::into_inner),
+                max_connections: limit.map(Spanned::into_inner),
             },
         );
     }

@@ -197,6 +197,9 @@ pub struct PoolOverride {
     /// Pool size for this database or user; at least 1 and at least
     /// `pool.min_size`.
     pub size: Option<u32>,
+    /// `max_db_connections` of a database, `max_user_connections` of a
+    /// user; 0: no limit.
+    pub max_connections: Option<u32>,
 }
 
 /// Whether clients may or must use TLS.
@@ -311,6 +314,12 @@ pub struct PoolConfig {
     pub reserve_timeout: Duration,
     /// Client connections accepted across all listeners; at least 1.
     pub max_client_conn: u32,
+    /// Server connections to one database on one server, across its
+    /// users' pools; 0: no limit.
+    pub max_db_connections: u32,
+    /// Server connections of one user on one server, across the pools of
+    /// its databases; 0: no limit.
+    pub max_user_connections: u32,
     /// Close server connections idle this long; `None` keeps them.
     pub server_idle_timeout: Option<Duration>,
     /// Close server connections this old once they are idle; `None` keeps
@@ -347,6 +356,8 @@ impl Default for PoolConfig {
             reserve_size: 0,
             reserve_timeout: Duration::from_secs(5),
             max_client_conn: 10_000,
+            max_db_connections: 0,
+            max_user_connections: 0,
             server_idle_timeout: Some(Duration::from_secs(600)),
             server_lifetime: Some(Duration::from_secs(3600)),
             query_wait_timeout: Some(Duration::from_secs(120)),
@@ -371,6 +382,24 @@ impl PoolConfig {
             .and_then(|o| o.mode)
             .or_else(|| self.databases.get(database).and_then(|o| o.mode))
             .unwrap_or(service_mode)
+    }
+
+    /// `max_db_connections` of a database: its own, then the default; 0:
+    /// no limit.
+    pub fn db_limit(&self, database: &str) -> u32 {
+        self.databases
+            .get(database)
+            .and_then(|o| o.max_connections)
+            .unwrap_or(self.max_db_connections)
+    }
+
+    /// `max_user_connections` of a user: its own, then the default; 0: no
+    /// limit.
+    pub fn user_limit(&self, user: &str) -> u32 {
+        self.users
+            .get(user)
+            .and_then(|o| o.max_connections)
+            .unwrap_or(self.max_user_connections)
     }
 
     /// Pool size for a (database, user) pair: user, then database, then

@@ -582,6 +582,38 @@ fn cluster_cross_checks() {
 }
 
 #[test]
+fn connection_limits_per_database_and_user() {
+    let c = parse(
+        &with(
+            "[pool]\nmax_db_connections = 10\nmax_user_connections = 8\n\
+             [pool.databases.analytics]\nmax_db_connections = 3\n\
+             [pool.users.etl]\nmax_user_connections = 0\n",
+        ),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.pool.db_limit("analytics"), 3);
+    assert_eq!(c.pool.db_limit("app"), 10);
+    assert_eq!(c.pool.user_limit("etl"), 0);
+    assert_eq!(c.pool.user_limit("app"), 8);
+    let d = parse(MINIMAL, FILE).unwrap();
+    assert_eq!((d.pool.db_limit("x"), d.pool.user_limit("x")), (0, 0));
+    // Each limit lives in its own table, as in PgBouncer.
+    fails(
+        &with("[pool.users.etl]\nmax_db_connections = 3\n"),
+        4,
+        "pool.users.etl.max_db_connections",
+        "belongs in [pool.databases.NAME] or [pool]",
+    );
+    fails(
+        &with("[pool.databases.app]\nmax_user_connections = 3\n"),
+        4,
+        "pool.databases.app.max_user_connections",
+        "belongs in [pool.users.NAME] or [pool]",
+    );
+}
+
+#[test]
 fn pool_and_engine_checks() {
     fails(&with("[pool]\nsize = 0\n"), 4, "pool.size", "at least 1");
     fails(

@@ -8,8 +8,8 @@ use pgwarden_config::{ClientTls, ServerTls};
 use pgwarden_config::{Config, PoolMode};
 use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
 use pgwarden_proxy::{
-    AuthSpec, ClientTlsMode, PoolOverrides, PoolSettings, Proxy, ProxySpec, ServerTlsMode,
-    ServiceSpec, TlsSpec,
+    AuthSpec, ClientTlsMode, ConnLimits, PoolOverrides, PoolSettings, Proxy, ProxySpec,
+    ServerTlsMode, ServiceSpec, TlsSpec,
 };
 use pgwarden_topology::{PrimaryGate, Want};
 use std::sync::Arc;
@@ -108,6 +108,7 @@ pub async fn serve(
     }
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let admin_reload = proxy.reload_requests();
+    let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
     loop {
         tokio::select! {
@@ -151,6 +152,10 @@ pub async fn serve(
                 }
             }
             _ = crate::shutdown_signal() => break,
+            _ = admin_shutdown.notified() => {
+                tracing::info!("admin console: SHUTDOWN");
+                break;
+            }
         }
     }
     tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions");
@@ -223,6 +228,11 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         ("pool.server_lifetime", d(p.server_lifetime)),
         ("pool.min_size", p.min_size.to_string()),
         ("pool.reserve_size", p.reserve_size.to_string()),
+        ("pool.max_db_connections", p.max_db_connections.to_string()),
+        (
+            "pool.max_user_connections",
+            p.max_user_connections.to_string(),
+        ),
         (
             "pool.reserve_timeout",
             pgwarden_config::format_duration(p.reserve_timeout),
@@ -399,6 +409,23 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
                 .collect(),
             defaults: base,
             reuse_session_servers: p.reuse_session_servers,
+            db_limits: limits(p.max_db_connections, &p.databases),
+            user_limits: limits(p.max_user_connections, &p.users),
         },
+    }
+}
+
+/// `pool.max_db_connections` or `pool.max_user_connections` with the
+/// exceptions of one table.
+fn limits(
+    default: u32,
+    table: &std::collections::BTreeMap<String, pgwarden_config::PoolOverride>,
+) -> ConnLimits {
+    ConnLimits {
+        default: default as usize,
+        by_name: table
+            .iter()
+            .filter_map(|(k, o)| Some((k.clone(), o.max_connections? as usize)))
+            .collect(),
     }
 }

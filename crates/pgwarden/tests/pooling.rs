@@ -819,7 +819,8 @@ async fn pools_count_queries_and_bytes() {
 
 /// RECONNECT in the admin console replaces the pool's server connections
 /// without an error for anyone: an idle one at once, one lent to a client
-/// mid-transaction only once that transaction is over.
+/// mid-transaction only once that transaction is over, which WAIT_CLOSE
+/// waits for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_replaces_server_connections_gracefully() {
     let c = TestCluster::builder().replicas(0).start();
@@ -838,9 +839,30 @@ async fn reconnect_replaces_server_connections_gracefully() {
     let a_pid = pid(&a).await;
     assert_ne!(a_pid, b_pid);
     admin.batch_execute("RECONNECT").await.unwrap();
+    // WAIT_CLOSE returns once b's old server is closed, when b lets it go.
+    let waiter = client(&url.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let wait_close = tokio::spawn(async move { waiter.batch_execute("WAIT_CLOSE postgres").await });
     // b's transaction goes on where it was.
     assert_eq!(pid(&b).await, b_pid);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !wait_close.is_finished(),
+        "WAIT_CLOSE returned while b's old server was lent"
+    );
     b.batch_execute("COMMIT").await.unwrap();
+    tokio::time::timeout(WAIT, wait_close)
+        .await
+        .expect("WAIT_CLOSE returns once the old server is closed")
+        .unwrap()
+        .unwrap();
+    admin.batch_execute("WAIT_CLOSE").await.unwrap();
+    let err = admin
+        .batch_execute("WAIT_CLOSE nosuchdb")
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("3D000"), "{err}");
     let new_pids = [pid(&a).await, pid(&b).await];
     for old in [&a_pid, &b_pid] {
         assert!(!new_pids.contains(old), "{old} still serves: {new_pids:?}");
@@ -1071,6 +1093,7 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
             client_idle_timeout: Some(Duration::from_millis(800)),
             ..PoolSettings::default()
         },
+        ..Default::default()
     };
     let (e, p) = common::proxy_full(
         &c.addrs(),
@@ -1182,6 +1205,146 @@ async fn a_reserve_serves_clients_that_waited() {
     );
     assert!(server_connections(&c.conninfo(0)).await <= 2);
     holder.batch_execute("COMMIT").await.unwrap();
+}
+
+/// Server connections of the test's roles (u1, u2, ...) whose `column`
+/// (`datname`, `usename`) is `name`, as PostgreSQL counts them.
+async fn backends_of(conninfo: &str, column: &str, name: &str) -> usize {
+    sql_value(
+        conninfo,
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+             AND usename ~ '^u[0-9]$' AND {column} = '{name}'"
+        ),
+    )
+    .await
+    .unwrap()
+    .parse()
+    .unwrap()
+}
+
+/// `max_db_connections` caps the pools of one database together, across
+/// users: a pool that needs a connection at the cap waits for one to be
+/// given back (a pool that gets one back while others wait closes it), or
+/// closes another pool's idle connection at once; a wait that outlasts
+/// `query_wait_timeout` gets 53300 naming the limit. `max_user_connections`
+/// does the same for one user across databases, and a reload changes both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_and_user_connection_limits_span_pools() {
+    let c = TestCluster::builder().replicas(0).start();
+    let direct = c.conninfo(0);
+    let admin = client(&direct).await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE ROLE u1 LOGIN; CREATE ROLE u2 LOGIN; CREATE ROLE u3 LOGIN; \
+             GRANT ALL ON SCHEMA public TO PUBLIC",
+        )
+        .await
+        .unwrap();
+    admin.batch_execute("CREATE DATABASE other").await.unwrap();
+    let settings = PoolSettings {
+        size: 5,
+        query_wait_timeout: Duration::from_secs(3),
+        ..PoolSettings::default()
+    };
+    let overrides = |db: usize, user: usize| pgwarden_proxy::PoolOverrides {
+        db_limits: pgwarden_proxy::ConnLimits {
+            default: 0,
+            by_name: [("postgres".to_string(), db)].into_iter().collect(),
+        },
+        user_limits: pgwarden_proxy::ConnLimits {
+            default: user,
+            by_name: Default::default(),
+        },
+        ..Default::default()
+    };
+    let (e, mut p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(settings.clone()),
+        10_000,
+        overrides(2, 0),
+        None,
+    )
+    .await;
+    ready(&e, 1).await;
+    let port = p.service_addrs()["read_write"].port();
+    let url = |user: &str, db: &str| format!("host=127.0.0.1 port={port} user={user} dbname={db}");
+    let on_postgres = |d: String| async move { backends_of(&d, "datname", "postgres").await };
+
+    // Two users take the database's two connections.
+    let a = client(&url("u1", "postgres")).await.unwrap();
+    a.batch_execute("BEGIN").await.unwrap();
+    let b = client(&url("u2", "postgres")).await.unwrap();
+    b.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(on_postgres(direct.clone()).await, 2);
+    // A third user's pool has connections free but the database has none:
+    // it waits, and gets the connection u1 gives back.
+    let u3 = url("u3", "postgres");
+    let waiting = tokio::spawn(async move {
+        let cl = client(&u3).await?;
+        cl.batch_execute("SELECT 1").await?;
+        Ok::<_, tokio_postgres::Error>(cl)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "served beyond max_db_connections");
+    assert_eq!(on_postgres(direct.clone()).await, 2);
+    a.batch_execute("COMMIT").await.unwrap();
+    let c3 = tokio::time::timeout(WAIT, waiting)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the waiting client is served once u1 gives its connection back");
+    // u3's connection is now idle in its pool; u1 needs one again and the
+    // idle one of u3 is closed to make room, long before any time-out.
+    assert_eq!(one(&a, "SELECT current_user::text").await, "u1");
+    assert_eq!(on_postgres(direct.clone()).await, 2);
+    // With both held, a client that waits out query_wait_timeout is told
+    // which limit it hit.
+    a.batch_execute("BEGIN").await.unwrap();
+    let err = c3.batch_execute("SELECT 1").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("53300"), "{err:?}");
+    let msg = err.as_db_error().unwrap().message().to_string();
+    assert!(
+        msg.contains("max_db_connections (2) of database \"postgres\""),
+        "{msg}"
+    );
+    a.batch_execute("COMMIT").await.unwrap();
+    b.batch_execute("COMMIT").await.unwrap();
+
+    // A reload caps each user at one connection across databases.
+    let mut spec = p.spec().clone();
+    spec.pool_overrides = overrides(2, 1);
+    spec.admin_users = vec!["postgres".into()];
+    p.apply(spec).await.unwrap();
+    // SHOW DATABASES gives the cap and the connections counted against it.
+    let console = client(&url("postgres", "pgwarden")).await.unwrap();
+    let mut rows = 0;
+    for m in console.simple_query("SHOW DATABASES").await.unwrap() {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            if r.get("name") == Some("postgres") {
+                rows += 1;
+                assert_eq!(r.get("max_connections"), Some("2"));
+                let open: usize = r.get("current_connections").unwrap().parse().unwrap();
+                assert_eq!(open, on_postgres(direct.clone()).await);
+            }
+        }
+    }
+    assert_eq!(rows, 3, "a row per pool of database postgres");
+    let in_other = client(&url("u2", "other")).await.unwrap();
+    in_other.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(backends_of(&direct, "usename", "u2").await, 1);
+    // u2's connection to "postgres" went idle at COMMIT above; it was
+    // closed to make room, and now u2 has none left for "postgres".
+    let err = b.batch_execute("SELECT 1").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("53300"), "{err:?}");
+    let msg = err.as_db_error().unwrap().message().to_string();
+    assert!(
+        msg.contains("max_user_connections (1) of user \"u2\""),
+        "{msg}"
+    );
+    in_other.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(backends_of(&direct, "usename", "u2").await, 1);
 }
 
 /// `idle_transaction_timeout`: a client that holds its server idle inside

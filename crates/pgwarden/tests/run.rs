@@ -224,6 +224,71 @@ fn invalid_config_at_start_names_file_line_and_key() {
     );
 }
 
+/// PgBouncer's operator commands through `pgwarden run`: the connection
+/// caps come from the file (SHOW CONFIG), DISABLE refuses new clients of a
+/// database (55000) while its connected clients go on, ENABLE lets them in
+/// again, and SHUTDOWN stops the process as SIGTERM does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_console_disable_enable_and_shutdown() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "[cluster]\nhosts = [\"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\n\
+             read_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\
+             [engine]\nshutdown_timeout = \"1s\"\n\
+             [pool]\nmode = \"transaction\"\nsize = 3\nmax_db_connections = 2\n\
+             max_user_connections = 4\nadmin_users = [\"postgres\"]\n\
+             [pool.databases.postgres]\nmax_db_connections = 1\n",
+            c.addr(0)
+        ),
+    );
+    let mut pg = Running::start(&config, dir.path());
+    lands_on("read-write port", rw, "f").await;
+    let console = client(&conninfo(rw).replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let mut shown = std::collections::HashMap::new();
+    for m in console.simple_query("SHOW CONFIG").await.unwrap() {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            shown.insert(r.get(0).unwrap().to_string(), r.get(1).unwrap().to_string());
+        }
+    }
+    assert_eq!(shown["pool.max_db_connections"], "2");
+    assert_eq!(shown["pool.max_user_connections"], "4");
+
+    let connected = client(&conninfo(rw)).await.unwrap();
+    console.batch_execute("DISABLE postgres").await.unwrap();
+    let err = client(&conninfo(rw)).await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("55000"), "{err}");
+    let msg = err.as_db_error().unwrap().message();
+    assert!(
+        msg.contains("database \"postgres\" is not currently accepting connections"),
+        "{msg}"
+    );
+    // Clients already in go on; other databases and the console too.
+    assert_eq!(common::one(&connected, "SELECT 7").await, "7");
+    let err = console.batch_execute("DISABLE pgwarden").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("22023"), "{err}");
+    console.batch_execute("ENABLE postgres").await.unwrap();
+    let again = client(&conninfo(rw)).await.unwrap();
+    assert_eq!(common::one(&again, "SELECT 8").await, "8");
+    let err = console.batch_execute("SUSPEND").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("0A000"), "{err}");
+
+    console.batch_execute("SHUTDOWN").await.unwrap();
+    let status = eventually("process exit", WAIT, || {
+        let s = pg.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", pg.log());
+    assert!(pg.log().contains("SHUTDOWN"), "{}", pg.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg_through_both_ports() {
     psycopg_run("").await;

@@ -91,6 +91,7 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 if text.trim().trim_matches(';').trim().is_empty() {
                     encode::empty_query_response(&mut out);
                 } else {
+                    wait_close(shared, text).await;
                     command(shared, text, &mut out);
                 }
                 encode::ready_for_query(&mut out, TxStatus::Idle);
@@ -102,6 +103,12 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
             frontend::FLUSH => {}
             _ if skipping => {}
             _ => {
+                if tag == frontend::EXECUTE {
+                    let portal = msg[5..].split(|b| *b == 0).next().unwrap_or_default();
+                    if let Some(text) = portals.get(String::from_utf8_lossy(portal).as_ref()) {
+                        wait_close(shared, text).await;
+                    }
+                }
                 let ok = extended(
                     shared,
                     tag,
@@ -410,12 +417,48 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             shared.reload.notify_one();
             encode::command_complete(out, "RELOAD");
         }
+        // The wait itself happened before (`wait_close`).
+        ["WAIT_CLOSE"] | ["WAIT_CLOSE", _] => match argument(text) {
+            Some(d) if !shared.pools.lock().expect("poisoned").values().any(|p| p.key.database == d) => {
+                unknown_database(out, d)
+            }
+            _ => encode::command_complete(out, "WAIT_CLOSE"),
+        },
+        ["SHUTDOWN"] => {
+            tracing::info!("admin console: SHUTDOWN requested");
+            shared.shutdown.notify_one();
+            encode::command_complete(out, "SHUTDOWN");
+        }
+        ["DISABLE", _] | ["ENABLE", _] => {
+            let database = argument(text).unwrap_or_default();
+            if database == ADMIN_DATABASE {
+                encode::error_response(out, Severity::Error, sqlstate::INVALID_PARAMETER_VALUE.code(), "the admin console cannot be disabled", None, None);
+                return;
+            }
+            let mut disabled = shared.disabled.lock().expect("poisoned");
+            if words[0] == "DISABLE" {
+                disabled.insert(database.to_string());
+            } else {
+                disabled.remove(database);
+            }
+            shared.any_disabled.store(!disabled.is_empty(), Ordering::Relaxed);
+            tracing::info!(database, "admin console: {}", words[0]);
+            encode::command_complete(out, words[0]);
+        }
+        ["SUSPEND"] => encode::error_response(
+            out,
+            Severity::Error,
+            sqlstate::FEATURE_NOT_SUPPORTED.code(),
+            "SUSPEND is not supported: it prepares PgBouncer's online restart, which pgwarden does not do",
+            None,
+            Some("PAUSE holds new transactions while in-flight ones finish."),
+        ),
         _ => encode::error_response(
             out,
             Severity::Error,
             sqlstate::FEATURE_NOT_SUPPORTED.code(),
             &format!("unknown admin command: {text}"),
-            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], KILL database, RELOAD"),
+            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], WAIT_CLOSE [database], KILL database, DISABLE database, ENABLE database, RELOAD, SHUTDOWN"),
             None,
         ),
     }
@@ -467,6 +510,34 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
 }
 
 /// The word after the command (a service or database name), as typed.
+/// WAIT_CLOSE [database]: returns once no server connection of the
+/// database's pools (all pools without one) that a RECONNECT or KILL
+/// marked is still lent out; idle ones were closed by the command.
+async fn wait_close(shared: &Shared, text: &str) {
+    let mut words = text.split_whitespace();
+    if !words
+        .next()
+        .is_some_and(|w| w.trim_end_matches(';').eq_ignore_ascii_case("WAIT_CLOSE"))
+    {
+        return;
+    }
+    let database = argument(text);
+    loop {
+        let pending = shared
+            .pools
+            .lock()
+            .expect("poisoned")
+            .values()
+            .any(|p| database.is_none_or(|d| p.key.database == d) && p.stale_count() > 0);
+        if !pending {
+            return;
+        }
+        // Rare, operator-driven and short: polled rather than signalled,
+        // to keep the release of a connection free of it.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 fn argument(text: &str) -> Option<&str> {
     text.split_whitespace()
         .nth(1)
@@ -498,6 +569,7 @@ fn pool_mode(p: &crate::pool::Pool) -> &'static str {
 /// counterpart for are 0 or empty.
 fn show_databases(shared: &Shared, out: &mut BytesMut) {
     let o = Ordering::Relaxed;
+    let disabled = shared.disabled.lock().expect("poisoned").clone();
     let mut rows: Vec<Vec<String>> = shared
         .pools
         .lock()
@@ -505,6 +577,10 @@ fn show_databases(shared: &Shared, out: &mut BytesMut) {
         .values()
         .map(|p| {
             let settings = p.settings();
+            let db_limit = p
+                .limits()
+                .iter()
+                .find(|l| l.kind == crate::pool::LimitKind::Database);
             vec![
                 p.key.database.clone(),
                 p.key.host.host.clone(),
@@ -515,10 +591,14 @@ fn show_databases(shared: &Shared, out: &mut BytesMut) {
                 settings.min_size.to_string(),
                 settings.reserve_size.to_string(),
                 pool_mode(p).into(),
+                // PgBouncer's max_db_connections, and the connections
+                // counted against it (all of the database's pools).
+                db_limit.map_or(0, |l| l.max()).to_string(),
+                db_limit
+                    .map_or_else(|| p.stats.total.load(o), |l| l.open())
+                    .to_string(),
                 "0".into(),
-                p.stats.total.load(o).to_string(),
-                "0".into(),
-                "0".into(),
+                u8::from(disabled.contains(&p.key.database)).to_string(),
             ]
         })
         .collect();

@@ -28,6 +28,6 @@ pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{
-    ClientTlsMode, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
+    ClientTlsMode, ConnLimits, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
 };
 pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};

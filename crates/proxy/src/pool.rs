@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -22,7 +22,7 @@ use crate::auth::Credential;
 use crate::stream::{ServerStream, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// What identifies a pool.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -348,6 +348,9 @@ pub struct ServerConn {
     pub home: usize,
     /// Cache of [`ServerConn::status_block`].
     status_block: Option<bytes::Bytes>,
+    /// Its places under the pool's [`ConnLimit`]s, given back when the
+    /// connection is dropped.
+    slots: [Option<Slot>; 2],
 }
 
 /// The statements prepared on one server connection, by server-side name,
@@ -468,6 +471,8 @@ pub enum ServerError {
     Timeout,
     /// The pool retired while we waited: pick a host again.
     Retired,
+    /// A [`ConnLimit`] stayed full for the whole wait; what it is.
+    Limit(String),
     /// Network or protocol failure.
     Failed(String),
 }
@@ -522,6 +527,9 @@ pub struct Pool {
     /// Connections opened before this ([`since_epoch`]; 0: none) are
     /// closed instead of reused ([`Pool::reconnect`]).
     renew_before: AtomicU64,
+    /// Lent connections that will close when given back, for the admin
+    /// console's WAIT_CLOSE.
+    stale: AtomicUsize,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
     /// What the last authenticated client proved, to open new connections
@@ -529,6 +537,166 @@ pub struct Pool {
     credential: Mutex<Credential>,
     /// TLS towards the server, shared with the proxy so reloads apply.
     server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
+    /// Caps shared with other pools of the same server: its database's
+    /// and its user's.
+    limits: Vec<Arc<ConnLimit>>,
+}
+
+/// Which of PgBouncer's two shared caps a [`ConnLimit`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LimitKind {
+    /// `max_db_connections`: the pools of one database.
+    Database,
+    /// `max_user_connections`: the pools of one user.
+    User,
+}
+
+/// A cap on the server connections that several pools of one server open
+/// together: those of one database (`max_db_connections`) or of one user
+/// (`max_user_connections`). A pool that needs a new connection while the
+/// cap is reached closes an idle connection of another pool under the same
+/// cap, or waits until one closes; a pool that gets a connection back
+/// while others wait closes it instead of keeping it idle.
+#[derive(Debug)]
+pub struct ConnLimit {
+    /// Its kind, name and server, for messages.
+    pub kind: LimitKind,
+    /// The database or user name.
+    pub name: String,
+    /// The server.
+    pub host: HostAddr,
+    /// 0: no cap. Changed by a reload.
+    max: AtomicUsize,
+    /// Connections holding a [`Slot`].
+    open: AtomicUsize,
+    /// Pools waiting for a slot.
+    waiting: AtomicUsize,
+    freed: Notify,
+    members: Mutex<Vec<Weak<Pool>>>,
+}
+
+/// One connection's place under a [`ConnLimit`].
+#[derive(Debug)]
+pub struct Slot(Arc<ConnLimit>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        self.0.freed.notify_one();
+    }
+}
+
+impl ConnLimit {
+    /// A cap of `max` (0: none).
+    pub fn new(kind: LimitKind, name: &str, host: HostAddr, max: usize) -> Arc<ConnLimit> {
+        Arc::new(ConnLimit {
+            kind,
+            name: name.to_string(),
+            host,
+            max: AtomicUsize::new(max),
+            open: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            freed: Notify::new(),
+            members: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The cap; 0: none.
+    pub fn max(&self) -> usize {
+        self.max.load(Ordering::SeqCst)
+    }
+
+    /// Connections open under it.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Changes the cap (a reload). Connections above a lowered cap close
+    /// as they become idle; waiters look again under a raised one.
+    pub fn set_max(&self, max: usize) {
+        if self.max.swap(max, Ordering::SeqCst) != max {
+            self.freed.notify_waiters();
+        }
+    }
+
+    /// The configuration key and what it limits, for messages.
+    pub fn describe(&self) -> String {
+        let (key, what) = match self.kind {
+            LimitKind::Database => ("max_db_connections", "database"),
+            LimitKind::User => ("max_user_connections", "user"),
+        };
+        format!(
+            "{key} ({}) of {what} \"{}\" on {}",
+            self.max(),
+            self.name,
+            self.host
+        )
+    }
+
+    fn join(&self, pool: &Arc<Pool>) {
+        let mut members = self.members.lock().expect("poisoned");
+        members.retain(|p| p.strong_count() > 0);
+        members.push(Arc::downgrade(pool));
+    }
+
+    fn try_take(self: &Arc<Self>) -> Option<Slot> {
+        let max = self.max();
+        let taken = self
+            .open
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (max == 0 || n < max).then_some(n + 1)
+            });
+        taken.ok().map(|_| Slot(self.clone()))
+    }
+
+    /// Whether a connection coming back idle should close to make room:
+    /// pools wait for a slot, or the cap was lowered below what is open.
+    fn wants_room(&self) -> bool {
+        let max = self.max();
+        max != 0
+            && (self.waiting.load(Ordering::SeqCst) > 0 || self.open.load(Ordering::SeqCst) > max)
+    }
+
+    /// Closes one idle connection of a pool under this cap; whether there
+    /// was one.
+    fn evict_idle(&self) -> bool {
+        let members: Vec<Arc<Pool>> = self
+            .members
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        members.iter().any(|p| p.close_idle())
+    }
+
+    /// A slot, once one is free: made by closing another pool's idle
+    /// connection, or waited for.
+    async fn take(self: &Arc<Self>) -> Slot {
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        // Counted before looking for idle connections: a pool that keeps
+        // one idle after this looks at the count and closes it (see
+        // `Checkout::release`), so one of the two always sees the other.
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiting);
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(s) = self.try_take() {
+                return s;
+            }
+            if self.evict_idle() {
+                continue;
+            }
+            freed.await;
+        }
+    }
 }
 
 /// Nanoseconds from the first pool's creation to `t` (0 before it): a
@@ -577,9 +745,20 @@ impl Pool {
         settings: PoolSettings,
         server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
     ) -> Arc<Pool> {
+        Self::limited(key, settings, server_tls, Vec::new())
+    }
+
+    /// A new, empty pool under shared caps ([`ConnLimit`]).
+    pub fn limited(
+        key: PoolKey,
+        settings: PoolSettings,
+        server_tls: Arc<arc_swap::ArcSwap<ServerTls>>,
+        limits: Vec<Arc<ConnLimit>>,
+    ) -> Arc<Pool> {
         // Fixes the epoch before any connection exists.
         since_epoch(Instant::now());
-        Arc::new(Pool {
+        let pool = Arc::new(Pool {
+            limits,
             server_tls,
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
@@ -590,9 +769,51 @@ impl Pool {
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
             renew_before: AtomicU64::new(0),
+            stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
             credential: Mutex::new(Credential::None),
-        })
+        });
+        for l in &pool.limits {
+            l.join(&pool);
+        }
+        pool
+    }
+
+    /// The shared caps this pool is under.
+    pub fn limits(&self) -> &[Arc<ConnLimit>] {
+        &self.limits
+    }
+
+    /// Closes the least recently used idle connection; whether there was
+    /// one.
+    fn close_idle(&self) -> bool {
+        let oldest = {
+            let mut idle = self.idle.lock().expect("poisoned");
+            (!idle.is_empty()).then(|| idle.remove(0))
+        };
+        // Closed outside the lock: its slots wake a waiting pool.
+        let Some(conn) = oldest else { return false };
+        self.stats.total.fetch_sub(1, Ordering::Relaxed);
+        drop(conn);
+        true
+    }
+
+    /// A place under each of the pool's caps, waiting until `deadline`.
+    async fn slots(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<[Option<Slot>; 2], ServerError> {
+        let mut slots = [None, None];
+        for (slot, limit) in slots.iter_mut().zip(&self.limits) {
+            let s = match limit.try_take() {
+                Some(s) => s,
+                None => tokio::time::timeout_at(deadline, limit.take())
+                    .await
+                    .map_err(|_| ServerError::Limit(limit.describe()))?,
+            };
+            *slot = Some(s);
+        }
+        Ok(slots)
     }
 
     /// Marks the pool unusable and closes its idle connections.
@@ -613,9 +834,18 @@ impl Pool {
     pub fn reconnect(&self) {
         self.renew_before
             .store(since_epoch(Instant::now()) + 1, Ordering::SeqCst);
+        // Every connection lent now predates the mark.
+        self.stale
+            .store(self.stats.active.load(Ordering::SeqCst), Ordering::SeqCst);
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
         self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+    }
+
+    /// Lent connections that close when given back (after a RECONNECT);
+    /// none once every connection is new.
+    pub fn stale_count(&self) -> usize {
+        self.stale.load(Ordering::SeqCst)
     }
 
     /// Whether the pool was retired.
@@ -818,6 +1048,7 @@ impl Pool {
                     }
                     c => c,
                 };
+                let slots = self.slots(deadline).await?;
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
                     .max(Duration::from_secs(1));
@@ -830,7 +1061,9 @@ impl Pool {
                 .await
                 .map_err(|_| ServerError::Timeout)??;
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
-                Box::new(c)
+                let mut c = Box::new(c);
+                c.slots = slots;
+                c
             }
         };
         self.stats.active.fetch_add(1, Ordering::Relaxed);
@@ -870,11 +1103,24 @@ impl Checkout {
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
         let lifetime = pool.settings.lock().expect("poisoned").server_lifetime;
-        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l)
-            || since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
+        let renewed = since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
+        if renewed {
+            let _ = pool
+                .stale
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        }
+        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l) || renewed;
         if reusable && !expired && !pool.is_retired() {
             conn.last_used = Instant::now();
             pool.idle.lock().expect("poisoned").push(conn);
+            // Kept idle first, then the caps looked at: a pool that starts
+            // waiting for a slot meanwhile either finds it idle or is
+            // seen here.
+            if pool.stats.waiting.load(Ordering::Relaxed) == 0
+                && pool.limits.iter().any(|l| l.wants_room())
+            {
+                pool.close_idle();
+            }
         } else {
             pool.stats.total.fetch_sub(1, Ordering::Relaxed);
         }
@@ -1067,6 +1313,7 @@ pub(crate) async fn login(
         last_used: Instant::now(),
         home: crate::workers::current(),
         status_block: None,
+        slots: [None, None],
     })
 }
 

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::cancel::CancelRegistry;
 use crate::metrics::Metrics;
-use crate::pool::{Pool, PoolKey, PoolSettings};
+use crate::pool::{ConnLimit, LimitKind, Pool, PoolKey, PoolSettings};
 
 /// One service: where it listens and how it picks hosts.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,6 +126,28 @@ pub struct PoolOverrides {
     /// connection for its session, which is reset and reused by the next
     /// client instead of being closed.
     pub reuse_session_servers: bool,
+    /// `max_db_connections`: server connections to one database on one
+    /// server, across its pools.
+    pub db_limits: ConnLimits,
+    /// `max_user_connections`: server connections of one user on one
+    /// server, across its pools.
+    pub user_limits: ConnLimits,
+}
+
+/// A cap on server connections by database or user name (0: none).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConnLimits {
+    /// For names without their own.
+    pub default: usize,
+    /// By name.
+    pub by_name: HashMap<String, usize>,
+}
+
+impl ConnLimits {
+    /// The cap for `name`.
+    pub fn of(&self, name: &str) -> usize {
+        self.by_name.get(name).copied().unwrap_or(self.default)
+    }
 }
 
 impl PoolOverrides {
@@ -343,11 +365,22 @@ pub(crate) struct Shared {
     pub services: Mutex<HashMap<String, Arc<ArcSwap<Service>>>>,
     pub accepting: AtomicBool,
     pub pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
+    /// The caps pools share ([`crate::pool::ConnLimit`]), by server, kind
+    /// and name; kept for the life of the process so a reload can change
+    /// them in place.
+    pub limits: Mutex<HashMap<(HostAddr, LimitKind, String), Arc<ConnLimit>>>,
     pub paused: Mutex<HashMap<String, watch::Sender<bool>>>,
     /// Services that refuse new transactions, with the reason clients are
     /// told; `any_refusal` lets the per-transaction fast path skip the map.
     pub refusals: Mutex<HashMap<String, Arc<str>>>,
     pub any_refusal: AtomicBool,
+    /// Databases the admin console's DISABLE closed to new clients;
+    /// `any_disabled` lets a login skip the set.
+    pub disabled: Mutex<std::collections::HashSet<String>>,
+    pub any_disabled: AtomicBool,
+    /// Signalled by the admin console's SHUTDOWN; whoever runs the proxy
+    /// shuts it down as on SIGTERM.
+    pub shutdown: Arc<tokio::sync::Notify>,
     pub clients: AtomicU64,
     pub max_client_conn: AtomicU64,
     pub admin_users: Mutex<Vec<String>>,
@@ -382,12 +415,37 @@ impl Shared {
         pools
             .entry(key)
             .or_insert_with_key(|k| {
+                let limits = vec![
+                    self.limit(&k.host, LimitKind::Database, &k.database),
+                    self.limit(&k.host, LimitKind::User, &k.user),
+                ];
                 let pool =
-                    Pool::with_server_tls(k.clone(), settings.clone(), self.server_tls.clone());
+                    Pool::limited(k.clone(), settings.clone(), self.server_tls.clone(), limits);
                 pool.warm();
                 pool
             })
             .clone()
+    }
+
+    /// The cap of `kind` on `name`'s connections to `host`, created on
+    /// first use with the configured value.
+    fn limit(&self, host: &HostAddr, kind: LimitKind, name: &str) -> Arc<ConnLimit> {
+        let max = self.limit_of(kind, name);
+        self.limits
+            .lock()
+            .expect("poisoned")
+            .entry((host.clone(), kind, name.to_string()))
+            .or_insert_with(|| ConnLimit::new(kind, name, host.clone(), max))
+            .clone()
+    }
+
+    /// The configured cap of `kind` on `name` (0: none).
+    fn limit_of(&self, kind: LimitKind, name: &str) -> usize {
+        let o = self.pool_overrides.lock().expect("poisoned");
+        match kind {
+            LimitKind::Database => o.db_limits.of(name),
+            LimitKind::User => o.user_limits.of(name),
+        }
     }
 
     /// The pause switch of a service.
@@ -578,6 +636,7 @@ impl Proxy {
             services: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
             pools: Mutex::new(HashMap::new()),
+            limits: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),
             refusals: Mutex::new(HashMap::new()),
             any_refusal: AtomicBool::new(false),
@@ -586,6 +645,9 @@ impl Proxy {
             admin_users: Mutex::new(Vec::new()),
             settings_view: Mutex::new(Vec::new()),
             reload: Arc::new(tokio::sync::Notify::new()),
+            shutdown: Arc::new(tokio::sync::Notify::new()),
+            disabled: Mutex::new(Default::default()),
+            any_disabled: AtomicBool::new(false),
             pool_overrides: Mutex::new(PoolOverrides::default()),
             tls: arc_swap::ArcSwapOption::empty(),
             client_tls: Mutex::new(ClientTlsMode::Disable),
@@ -638,6 +700,11 @@ impl Proxy {
         self.shared.reload.clone()
     }
 
+    /// Notified when the admin console asks pgwarden to shut down.
+    pub fn shutdown_requests(&self) -> Arc<tokio::sync::Notify> {
+        self.shared.shutdown.clone()
+    }
+
     /// Number of client sessions currently relayed.
     pub fn session_count(&self) -> usize {
         self.shared.sessions.lock().expect("poisoned").len()
@@ -658,6 +725,9 @@ impl Proxy {
         *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
+        for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
+            limit.set_max(self.shared.limit_of(*kind, name));
+        }
         match &spec.tls {
             Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key, t.client_ca.as_deref()) {
                 Ok(acceptor) => {

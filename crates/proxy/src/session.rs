@@ -1,6 +1,7 @@
 //! One client connection: startup, routing, the relay, and its end.
 
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -281,6 +282,16 @@ async fn serve(
     let admin = !spec.read_only
         && startup.database() == Some(crate::admin::ADMIN_DATABASE)
         && spec.want == pgwarden_topology::Want::Primary;
+    if !admin && shared.any_disabled.load(Ordering::Relaxed) {
+        let db = startup.database().unwrap_or_default();
+        if shared.disabled.lock().expect("poisoned").contains(db) {
+            return Err(Refusal::new(
+                sqlstate::OBJECT_NOT_IN_PREREQUISITE_STATE,
+                "disabled",
+                format!("database \"{db}\" is not currently accepting connections (DISABLE in the pgwarden admin console)"),
+            ));
+        }
+    }
     let pool = shared.pool_overrides.lock().expect("poisoned").resolve(
         spec,
         startup.database().unwrap_or_default(),

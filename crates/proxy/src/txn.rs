@@ -650,6 +650,16 @@ impl Session {
                         format!("query_wait_timeout: no server connection to {host} became free within {} ms", settings.query_wait_timeout.as_millis()),
                     ));
                 }
+                Err(ServerError::Limit(what)) => {
+                    self.shared.metrics.error(&spec.name, "connection_limit");
+                    return Err(Fatal::new(
+                        sqlstate::TOO_MANY_CONNECTIONS,
+                        format!(
+                            "{what} reached: no server connection became free within {} ms",
+                            settings.query_wait_timeout.as_millis()
+                        ),
+                    ));
+                }
                 Err(ServerError::Refused(raw)) => {
                     return Err(Fatal {
                         code: sqlstate::CONNECTION_FAILURE,

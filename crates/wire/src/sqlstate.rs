@@ -65,6 +65,9 @@ pub const DUPLICATE_PREPARED_STATEMENT: SqlState = SqlState("42P05");
 pub const INVALID_CURSOR_NAME: SqlState = SqlState("34000");
 /// Bytes that are not valid in the encoding.
 pub const CHARACTER_NOT_IN_REPERTOIRE: SqlState = SqlState("22021");
+/// The object is not in a state that allows this, such as a database
+/// that does not accept connections.
+pub const OBJECT_NOT_IN_PREREQUISITE_STATE: SqlState = SqlState("55000");
 
 #[cfg(test)]
 mod tests {
@@ -94,6 +97,7 @@ mod tests {
             DUPLICATE_PREPARED_STATEMENT,
             INVALID_CURSOR_NAME,
             CHARACTER_NOT_IN_REPERTOIRE,
+            OBJECT_NOT_IN_PREREQUISITE_STATE,
         ];
         for s in all {
             assert_eq!(s.code().len(), 5);
