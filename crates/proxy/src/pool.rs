@@ -115,6 +115,27 @@ pub(crate) const TRACKED: [&str; 6] = [
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct Tracked([Option<Arc<str>>; TRACKED.len()]);
 
+/// One shared copy of each value servers report for the tracked
+/// parameters: a client's values are compared with its server's at every
+/// transaction, and equal values in one allocation compare by address.
+/// Bounded, so that clients choosing ever new values (an application name
+/// per process) cannot grow it without end; past the bound values are
+/// copied, which costs only speed.
+fn intern(value: &str) -> Arc<str> {
+    const MOST: usize = 4096;
+    static VALUES: Mutex<Option<std::collections::HashSet<Arc<str>>>> = Mutex::new(None);
+    let mut values = VALUES.lock().expect("poisoned");
+    let values = values.get_or_insert_with(Default::default);
+    if let Some(v) = values.get(value) {
+        return v.clone();
+    }
+    let v: Arc<str> = value.into();
+    if values.len() < MOST {
+        values.insert(v.clone());
+    }
+    v
+}
+
 impl Tracked {
     fn index(name: &str) -> Option<usize> {
         TRACKED.iter().position(|k| *k == name)
@@ -129,7 +150,7 @@ impl Tracked {
     pub fn set(&mut self, name: &str, value: &str) {
         if let Some(i) = Self::index(name) {
             if self.0[i].as_deref() != Some(value) {
-                self.0[i] = Some(value.into());
+                self.0[i] = Some(intern(value));
             }
         }
     }
@@ -508,7 +529,8 @@ pub struct PoolStats {
 pub struct Pool {
     /// Its identity.
     pub key: PoolKey,
-    settings: Mutex<PoolSettings>,
+    /// Fixed at creation: a reload's new values reach new pools.
+    settings: PoolSettings,
     permits: Arc<Semaphore>,
     /// The reserve ([`PoolSettings::reserve_size`]) and how long a client
     /// waits before it may use it; fixed at creation, like the size, so
@@ -764,7 +786,7 @@ impl Pool {
             permits: Arc::new(Semaphore::new(settings.size)),
             reserve: Arc::new(Semaphore::new(settings.reserve_size)),
             reserve_after: (settings.reserve_size > 0).then_some(settings.reserve_timeout),
-            settings: Mutex::new(settings),
+            settings,
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
@@ -855,7 +877,7 @@ impl Pool {
 
     /// Opens connections until `min_size` exist, in the background.
     pub fn warm(self: &Arc<Self>) {
-        let min = self.settings.lock().expect("poisoned").min_size;
+        let min = self.settings.min_size;
         // Connections being opened count too, or every topology change
         // would start another batch before the last one logged in.
         let have = self.stats.total.load(Ordering::Relaxed) + self.warming.load(Ordering::Relaxed);
@@ -889,8 +911,8 @@ impl Pool {
     }
 
     /// The pool's settings.
-    pub fn settings(&self) -> PoolSettings {
-        self.settings.lock().expect("poisoned").clone()
+    pub fn settings(&self) -> &PoolSettings {
+        &self.settings
     }
 
     /// Idle connections now.
@@ -900,7 +922,7 @@ impl Pool {
 
     /// Closes idle connections past `server_idle_timeout`.
     pub fn prune(&self) {
-        let Some(limit) = self.settings.lock().expect("poisoned").server_idle_timeout else {
+        let Some(limit) = self.settings.server_idle_timeout else {
             return;
         };
         let mut idle = self.idle.lock().expect("poisoned");
@@ -1034,18 +1056,10 @@ impl Pool {
             None => {
                 let stored = self.credential.lock().expect("poisoned").clone();
                 let cred = match stored {
-                    Credential::None => {
-                        match self
-                            .settings
-                            .lock()
-                            .expect("poisoned")
-                            .server_password
-                            .clone()
-                        {
-                            Some(p) => Credential::Password(p),
-                            None => Credential::None,
-                        }
-                    }
+                    Credential::None => match self.settings.server_password.clone() {
+                        Some(p) => Credential::Password(p),
+                        None => Credential::None,
+                    },
                     c => c,
                 };
                 let slots = self.slots(deadline).await?;
@@ -1102,16 +1116,19 @@ impl Checkout {
             .received
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
-        let lifetime = pool.settings.lock().expect("poisoned").server_lifetime;
+        let lifetime = pool.settings.server_lifetime;
         let renewed = since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
         if renewed {
             let _ = pool
                 .stale
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
-        let expired = lifetime.is_some_and(|l| conn.created.elapsed() >= l) || renewed;
+        // One clock read serves both the age check and the idle stamp.
+        let now = Instant::now();
+        let expired =
+            lifetime.is_some_and(|l| now.saturating_duration_since(conn.created) >= l) || renewed;
         if reusable && !expired && !pool.is_retired() {
-            conn.last_used = Instant::now();
+            conn.last_used = now;
             pool.idle.lock().expect("poisoned").push(conn);
             // Kept idle first, then the caps looked at: a pool that starts
             // waiting for a slot meanwhile either finds it idle or is

@@ -211,7 +211,7 @@ pub(crate) struct ServiceHandles {
     pub client_connections: prometheus_client::metrics::gauge::Gauge,
     pub bytes_from_clients: prometheus_client::metrics::counter::Counter,
     pub bytes_to_clients: prometheus_client::metrics::counter::Counter,
-    pub pool_wait: prometheus_client::metrics::histogram::Histogram,
+    pub pool_wait: crate::metrics::WaitHistogram,
     pub paused: watch::Receiver<bool>,
 }
 

@@ -420,7 +420,7 @@ struct Session {
     /// The service's pause switch.
     paused: watch::Receiver<bool>,
     /// This service's wait histogram, resolved once.
-    wait_histogram: prometheus_client::metrics::histogram::Histogram,
+    wait_histogram: crate::metrics::WaitHistogram,
     /// The timer of the client's waits for a server, kept once it has
     /// waited ([`crate::pool::Pool::checkout_timed`]).
     wait_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
@@ -525,9 +525,16 @@ impl Session {
     /// up to `query_wait_timeout`.
     /// `None`: the client was cancelled while waiting (a CancelRequest).
     async fn acquire(&mut self) -> Result<Option<Checkout>, Fatal> {
-        // The common case costs no lock, allocation or timer: the host is
-        // the one of the last transaction, its pool still serves, the
-        // service is not paused and a connection is idle.
+        if let Some(c) = self.try_idle() {
+            return Ok(Some(c));
+        }
+        self.acquire_waiting().await
+    }
+
+    /// The common case, which costs no lock, allocation or timer: the host
+    /// is the one of the last transaction, its pool still serves, the
+    /// service is not paused and a connection is idle.
+    fn try_idle(&mut self) -> Option<Checkout> {
         if let Some(pool) = &self.last_pool {
             let snap = self.shared.snapshot.load();
             let same = self
@@ -544,11 +551,17 @@ impl Session {
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 if let Some(c) = pool.try_checkout() {
-                    self.wait_histogram.observe(0.0);
-                    return Ok(Some(c));
+                    self.wait_histogram.observe(Duration::ZERO);
+                    return Some(c);
                 }
             }
         }
+        None
+    }
+
+    /// [`acquire`](Self::acquire) past [`try_idle`](Self::try_idle):
+    /// waits for a server, or for a cancel request.
+    async fn acquire_waiting(&mut self) -> Result<Option<Checkout>, Fatal> {
         // Boxed: the slow path's state is large and rare, and would
         // otherwise be part of every idle client's task.
         let slot = self.cancel_target.clone();
@@ -639,7 +652,7 @@ impl Session {
                 .await
             {
                 Ok(c) => {
-                    self.wait_histogram.observe(c.waited.as_secs_f64());
+                    self.wait_histogram.observe(c.waited);
                     return Ok(c);
                 }
                 Err(ServerError::Retired) => continue,
@@ -697,15 +710,24 @@ impl Session {
             }
             return Ok(true);
         }
+        // An idle server whose session already matches the client's: no
+        // wait and no statement to run, so nothing to await.
+        if let Some(c) = self.try_idle() {
+            if c.conn.tracked == self.params && c.conn.extras == self.extras {
+                self.bind(c);
+                return Ok(true);
+            }
+            Box::pin(self.attach_checkout(c)).await?;
+            return Ok(true);
+        }
         // Boxed: waiting for a server is the largest state of the client's
-        // future, which otherwise every idle client would carry; one small
-        // allocation per transaction.
+        // future, which otherwise every idle client would carry.
         Box::pin(self.attach_new()).await
     }
 
-    /// Borrows a server for the transaction that starts.
+    /// Borrows a server for the transaction that starts, waiting for one.
     async fn attach_new(&mut self) -> Result<bool, Fatal> {
-        let Some(c) = self.acquire().await? else {
+        let Some(c) = self.acquire_waiting().await? else {
             return Ok(false);
         };
         self.attach_checkout(c).await?;
@@ -780,6 +802,12 @@ impl Session {
             c.release(reusable);
             return Err(fatal);
         }
+        self.bind(c);
+        Ok(())
+    }
+
+    /// Makes `c`, whose session matches the client's, the client's server.
+    fn bind(&mut self, c: Checkout) {
         self.cancel_target.attach(BackendKey {
             server: c.conn.peer,
             pid: c.conn.backend_key.0,
@@ -791,7 +819,6 @@ impl Session {
         };
         self.skip = 0;
         self.attached = Some(c);
-        Ok(())
     }
 
     /// Brings the start-up settings of `c` ([`Extras`]) in line with the
