@@ -738,8 +738,9 @@ async fn admin_console_shows_pools_and_pauses() {
     assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
 }
 
-/// Each pool counts the queries it served and the bytes both ways, in
-/// SHOW STATS (PgBouncer's column names) and on /metrics.
+/// Each pool counts the queries it served, the bytes both ways, how long
+/// its servers were lent and how long they worked on queries, in SHOW
+/// STATS (PgBouncer's column names) and on /metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_count_queries_and_bytes() {
     let c = TestCluster::builder().replicas(0).start();
@@ -815,6 +816,68 @@ async fn pools_count_queries_and_bytes() {
     );
     assert!(series("pgwarden_pool_sent_bytes_total") > 100_000.0);
     assert_eq!(series("pgwarden_pool_clients_active"), 0.0);
+
+    // Times: a transaction that runs a 300 ms query, then sits idle in the
+    // transaction for 400 ms. Its server was lent for 700 ms or more, and
+    // busy with queries for 300 ms or more but not during the idle part.
+    let before_xact = stats["total_xact_time"];
+    let before_query = stats["total_query_time"];
+    assert!(before_xact >= before_query, "{stats:?}");
+    for m in [&b"BEGIN"[..], b"SELECT pg_sleep(0.3)"] {
+        assert_eq!(error_code(&app.send(&msg_query(m))), None);
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(error_code(&app.send(&msg_query(b"COMMIT"))), None);
+    let stats: std::collections::HashMap<String, u64> =
+        pgwarden_testkit::eventually("the transaction counted", WAIT, || async move {
+            let rows = admin
+                .simple_query("SHOW STATS")
+                .await
+                .map_err(|e| e.to_string())?;
+            let stats: std::collections::HashMap<String, u64> = rows
+                .iter()
+                .find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(
+                        r.columns()
+                            .iter()
+                            .enumerate()
+                            .filter_map(|(i, c)| {
+                                Some((c.name().to_string(), r.get(i)?.parse().ok()?))
+                            })
+                            .collect(),
+                    ),
+                    _ => None,
+                })
+                .ok_or("no pool row")?;
+            match stats.get("total_xact_count") {
+                Some(4) => Ok(stats),
+                _ => Err(format!("{stats:?}")),
+            }
+        })
+        .await;
+    let xact = stats["total_xact_time"] - before_xact;
+    let query = stats["total_query_time"] - before_query;
+    assert!(xact >= 700_000, "transaction time {xact} µs: {stats:?}");
+    assert!(query >= 300_000, "query time {query} µs: {stats:?}");
+    assert!(
+        query + 350_000 <= xact,
+        "idle time counted as query time: {query} of {xact} µs"
+    );
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    let seconds = |name: &str| -> f64 {
+        body.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .unwrap_or_else(|| panic!("{name} missing:\n{body}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(seconds("pgwarden_pool_transaction_seconds_total") >= 0.7);
+    assert!(seconds("pgwarden_pool_query_seconds_total") >= 0.3);
 }
 
 /// RECONNECT in the admin console replaces the pool's server connections

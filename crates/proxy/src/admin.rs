@@ -737,6 +737,8 @@ fn show_stats(shared: &Shared, out: &mut BytesMut) {
                 p.stats.queries.load(o).to_string(),
                 p.stats.received.load(o).to_string(),
                 p.stats.sent.load(o).to_string(),
+                p.stats.xact_us.load(o).to_string(),
+                p.stats.query_us.load(o).to_string(),
                 p.stats.wait_us.load(o).to_string(),
             ]
         })
@@ -751,6 +753,8 @@ fn show_stats(shared: &Shared, out: &mut BytesMut) {
             "total_query_count",
             "total_received",
             "total_sent",
+            "total_xact_time",
+            "total_query_time",
             "total_wait_time",
         ],
         &rows,

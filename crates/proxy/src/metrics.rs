@@ -349,7 +349,7 @@ impl Metrics {
                 }
             }
         }
-        let pool_series: [(&str, &str, &str); 12] = [
+        let pool_series: [(&str, &str, &str); 14] = [
             (
                 "pgwarden_pool_clients_waiting",
                 "gauge",
@@ -410,6 +410,16 @@ impl Metrics {
                 "counter",
                 "Bytes from the pool's servers sent to clients",
             ),
+            (
+                "pgwarden_pool_transaction_seconds_total",
+                "counter",
+                "Time the pool's server connections were lent to clients, for transactions that ran at least one query",
+            ),
+            (
+                "pgwarden_pool_query_seconds_total",
+                "counter",
+                "Time the pool's servers spent on queries, from sending one to its ReadyForQuery",
+            ),
         ];
         for (i, (name, kind, help)) in pool_series.iter().enumerate() {
             out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
@@ -427,7 +437,9 @@ impl Metrics {
                     8 => st.moves.load(o) as f64,
                     9 => st.queries.load(o) as f64,
                     10 => st.received.load(o) as f64,
-                    _ => st.sent.load(o) as f64,
+                    11 => st.sent.load(o) as f64,
+                    12 => st.xact_us.load(o) as f64 / 1e6,
+                    _ => st.query_us.load(o) as f64 / 1e6,
                 };
                 out.push_str(&format!(
                     "{name}{{host=\"{}\",database=\"{}\",user=\"{}\"}} {v}\n",

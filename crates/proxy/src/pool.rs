@@ -515,6 +515,12 @@ pub struct PoolStats {
     pub received: AtomicU64,
     /// Bytes of server replies passed to clients.
     pub sent: AtomicU64,
+    /// Microseconds server connections were lent (PgBouncer's
+    /// `total_xact_time`).
+    pub xact_us: AtomicU64,
+    /// Microseconds servers spent on queries: from sending one to its
+    /// ReadyForQuery (PgBouncer's `total_query_time`).
+    pub query_us: AtomicU64,
     /// Total microseconds clients waited for a server connection.
     pub wait_us: AtomicU64,
     /// Longest wait, microseconds.
@@ -745,14 +751,65 @@ pub struct Checkout {
 }
 
 /// Counts of one loan of a server connection.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct Traffic {
+    /// When the connection was lent.
+    pub lent_at: Instant,
+    /// Since when the server has had a query to answer (`None`: it has
+    /// answered everything sent).
+    pub busy_since: Option<Instant>,
+    /// When the last ReadyForQuery came; the end of the loan when it is
+    /// given back without more traffic.
+    pub last_ready: Option<Instant>,
+    /// Microseconds the server spent on queries during the loan.
+    pub query_us: u64,
     /// Queries and extended-protocol batches completed (ReadyForQuery).
     pub queries: u64,
     /// Bytes sent to the server for the client.
     pub received: u64,
     /// Bytes of the server's replies passed to the client.
     pub sent: u64,
+}
+
+impl Traffic {
+    /// A loan starting now; the client's first message, which asked for
+    /// it, is on its way, so the server counts as busy from here.
+    pub fn starting() -> Traffic {
+        let now = Instant::now();
+        Traffic {
+            lent_at: now,
+            busy_since: Some(now),
+            last_ready: None,
+            query_us: 0,
+            queries: 0,
+            received: 0,
+            sent: 0,
+        }
+    }
+
+    /// Bytes were sent to the server: it is busy from now on, unless it
+    /// already was.
+    pub fn sending(&mut self) {
+        if self.busy_since.is_none() {
+            self.busy_since = Some(Instant::now());
+        }
+    }
+
+    /// A ReadyForQuery came; `idle`: the server has answered everything.
+    pub fn ready(&mut self, idle: bool) {
+        self.queries += 1;
+        if idle {
+            let now = Instant::now();
+            if let Some(t) = self.busy_since.take() {
+                self.query_us += micros(now.saturating_duration_since(t));
+            }
+            self.last_ready = Some(now);
+        }
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Pool {
@@ -947,7 +1004,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             waited: Duration::ZERO,
-            traffic: Traffic::default(),
+            traffic: Traffic::starting(),
             _permit: permit,
         })
     }
@@ -1085,7 +1142,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             waited: Duration::from_micros(waited),
-            traffic: Traffic::default(),
+            traffic: Traffic::starting(),
             _permit: permit,
         })
     }
@@ -1116,6 +1173,21 @@ impl Checkout {
             .received
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
+        // The last ReadyForQuery ended the loan, unless traffic went on
+        // without being answered (a client that left mid-batch).
+        let now = match (traffic.last_ready, traffic.busy_since) {
+            (Some(t), None) => t,
+            _ => Instant::now(),
+        };
+        if traffic.queries > 0 {
+            pool.stats.xact_us.fetch_add(
+                micros(now.saturating_duration_since(traffic.lent_at)),
+                Ordering::Relaxed,
+            );
+            pool.stats
+                .query_us
+                .fetch_add(traffic.query_us, Ordering::Relaxed);
+        }
         let lifetime = pool.settings.server_lifetime;
         let renewed = since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
         if renewed {
@@ -1123,8 +1195,6 @@ impl Checkout {
                 .stale
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
-        // One clock read serves both the age check and the idle stamp.
-        let now = Instant::now();
         let expired =
             lifetime.is_some_and(|l| now.saturating_duration_since(conn.created) >= l) || renewed;
         if reusable && !expired && !pool.is_retired() {

@@ -971,6 +971,7 @@ impl Session {
         }
         let c = self.attached.as_mut().expect("attached before translating");
         c.traffic.received += out.len() as u64;
+        c.traffic.sending();
         c.conn.stream.write_all(out).await.map_err(|e| {
             Fatal::new(
                 sqlstate::CONNECTION_FAILURE,
@@ -1352,7 +1353,8 @@ impl Session {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.done += 1;
                     if let Some(c) = self.attached.as_mut() {
-                        c.traffic.queries += 1;
+                        c.traffic
+                            .ready(self.replies.pending == 0 && !self.replies.open_batch);
                     }
                     // A DEALLOCATE whose Query ended without dropping the
                     // statement (an error) leaves it where it was.
