@@ -154,6 +154,9 @@ pub enum AuthMethod {
     ScramSha256,
     /// TLS client certificate, whose name must be the user's.
     Cert,
+    /// On a Unix-domain socket: the client process's operating-system
+    /// user, as the kernel reports it, must be the user it logs in as.
+    Peer,
 }
 
 impl AuthMethod {
@@ -166,6 +169,7 @@ impl AuthMethod {
             AuthMethod::Md5 => "md5",
             AuthMethod::ScramSha256 => "scram-sha-256",
             AuthMethod::Cert => "cert",
+            AuthMethod::Peer => "peer",
         }
     }
 }
@@ -715,9 +719,7 @@ const FOREIGN_OPTIONS: &[&str] = &[
 ];
 
 /// Methods PostgreSQL 15 knows that pgwarden does not implement.
-const FOREIGN_METHODS: &[&str] = &[
-    "ident", "peer", "gss", "sspi", "pam", "bsd", "ldap", "radius",
-];
+const FOREIGN_METHODS: &[&str] = &["ident", "gss", "sspi", "pam", "bsd", "ldap", "radius"];
 
 /// PostgreSQL's `parse_hba_line`, restricted to what pgwarden supports.
 fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
@@ -808,6 +810,7 @@ fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
         "md5" => AuthMethod::Md5,
         "scram-sha-256" => AuthMethod::ScramSha256,
         "cert" => AuthMethod::Cert,
+        "peer" => AuthMethod::Peer,
         other if FOREIGN_METHODS.contains(&other) => {
             return Err(err(format!(
                 "unsupported authentication method \"{other}\""
@@ -818,6 +821,12 @@ fn parse_line(tok: TokLine, origin: &Path) -> Result<HbaRule, HbaError> {
     if method == AuthMethod::Cert && conn_type != RuleConnType::HostSsl {
         return Err(err(
             "cert authentication is only supported on hostssl connections".into(),
+        ));
+    }
+    // PostgreSQL's words: the kernel knows the peer only on a local socket.
+    if method == AuthMethod::Peer && conn_type != RuleConnType::Local {
+        return Err(err(
+            "peer authentication is only supported on local sockets".into(),
         ));
     }
 
@@ -1497,6 +1506,17 @@ mod tests {
         assert_eq!(
             parse_err("local all all crypt").message,
             "invalid authentication method \"crypt\""
+        );
+        // peer: local sockets only, and without a user name map.
+        let hba = parse("local all postgres peer\nlocal all all peer\n").unwrap();
+        assert_eq!(hba.rules()[0].method, AuthMethod::Peer);
+        assert_eq!(
+            parse_err("local all all trust\nhost all all all peer").to_string(),
+            "/etc/pg/pg_hba.conf:2: peer authentication is only supported on local sockets"
+        );
+        assert_eq!(
+            parse_err("local all all peer map=omicron").message,
+            "unsupported authentication option \"map\": user name maps are not supported"
         );
         assert_eq!(
             parse_err("host all all all md5 map=m").message,

@@ -240,3 +240,71 @@ async fn verifier_cache_expires_and_slow_clients_are_dropped() {
     );
     assert!(out.is_empty() || out[0] == b'E');
 }
+
+/// `peer` on a Unix-domain socket: the kernel's word on which operating-
+/// system user runs the client must match the user it logs in as
+/// (PostgreSQL's message otherwise, 28000), with and without pooling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_authentication_on_a_unix_socket() {
+    let c = TestCluster::builder().replicas(0).start();
+    let me = nix::unistd::User::from_uid(nix::unistd::getuid())
+        .unwrap()
+        .expect("this process's user has a name")
+        .name;
+    let other = if me == "alice" { "bob" } else { "alice" };
+    sql(
+        &c.conninfo(0),
+        &format!("CREATE ROLE \"{me}\" LOGIN; CREATE ROLE {other} LOGIN"),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = dir.path().join("run");
+    std::fs::create_dir(&sockets).unwrap();
+    let hba = dir.path().join("pg_hba.conf");
+    std::fs::write(
+        &hba,
+        "local all all peer\nhost all postgres 127.0.0.1/32 trust\n",
+    )
+    .unwrap();
+    AUTH.with(|a| {
+        *a.borrow_mut() = Some(AuthSpec {
+            hba_file: hba.clone(),
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    common::UNIX_SOCKET_DIR.with(|d| *d.borrow_mut() = Some(sockets.clone()));
+    let pooled = PoolSettings {
+        size: 2,
+        ..PoolSettings::default()
+    };
+    for pool in [None, Some(pooled)] {
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool, 1000).await;
+        common::ready(&e, 1).await;
+        let port = p.service_addrs()["read_write"].port();
+        let local = |user: &str| {
+            format!(
+                "host={} port={port} user={user} dbname=postgres",
+                sockets.display()
+            )
+        };
+        let db = common::client(&local(&me)).await.unwrap();
+        assert_eq!(common::one(&db, "SELECT current_user::text").await, me);
+        let err = common::client(&local(other)).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
+        assert_eq!(
+            err.as_db_error().unwrap().message(),
+            format!("Peer authentication failed for user \"{other}\"")
+        );
+        // Over TCP no line matches this user.
+        let err = common::client(
+            &common::via(&p, "read_write").replace("user=postgres", &format!("user={me}")),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
+    }
+}

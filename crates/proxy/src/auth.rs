@@ -340,6 +340,23 @@ impl Authenticator {
             )),
             // The certificate is the proof; its name is checked below.
             AuthMethod::Cert => Ok(Credential::None),
+            // The kernel's word on who runs the client; as after trust,
+            // pgwarden has nothing to show a server that asks.
+            AuthMethod::Peer => match client.peer_os_user() {
+                Ok(os_user) if os_user == user => Ok(Credential::None),
+                found => {
+                    let why = match found {
+                        Ok(os_user) => format!("Provided user name ({user}) and authenticated user name ({os_user}) do not match."),
+                        Err(e) => e,
+                    };
+                    tracing::info!(user = %user, line, "peer authentication failed: {why}");
+                    Err(AuthError::new(
+                        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                        "peer_mismatch",
+                        format!("Peer authentication failed for user \"{user}\""),
+                    ))
+                }
+            },
             AuthMethod::Password => {
                 let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
                 let mut out = BytesMut::new();

@@ -93,6 +93,17 @@ impl ClientStream {
         }
     }
 
+    /// On a Unix-domain socket, the name of the operating-system user
+    /// running the client, as the kernel reports it (`SO_PEERCRED`);
+    /// `Err` says why there is none.
+    pub fn peer_os_user(&self) -> Result<String, String> {
+        let ClientStream::Local(s) = self else {
+            return Err("not a Unix-domain socket".into());
+        };
+        let uid = s.peer_cred().map_err(|e| e.to_string())?.uid();
+        os_user_name(uid)
+    }
+
     /// Runs the TLS handshake on a plain connection, in place.
     pub async fn upgrade(&mut self, acceptor: &TlsAcceptor) -> io::Result<()> {
         match std::mem::replace(self, ClientStream::Gone) {
@@ -598,5 +609,14 @@ impl AsyncWrite for ServerStream {
             ServerStream::Plain(s) => s.is_write_vectored(),
             ServerStream::Tls(s) => s.is_write_vectored(),
         }
+    }
+}
+
+/// The name of user `uid` in the system's user database.
+fn os_user_name(uid: u32) -> Result<String, String> {
+    match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+        Ok(Some(u)) => Ok(u.name),
+        Ok(None) => Err(format!("local user with ID {uid} does not exist")),
+        Err(e) => Err(format!("could not look up local user ID {uid}: {e}")),
     }
 }
