@@ -126,6 +126,11 @@ async fn check_methods(s: &Setup) {
         panic!("a non-member matched +readers");
     };
     assert_eq!(sqlstate(&frank).as_deref(), Some("28000"), "{frank}");
+    // A superuser is no member of +readers (PostgreSQL's pg_hba.conf does
+    // not count superuser powers as membership): postgres skips that line
+    // and reaches its own trust line.
+    let su = common::client(&on_template1("postgres", "unused")).await;
+    assert!(su.is_ok(), "postgres matched +readers: {:?}", su.err());
     // SCRAM to pgwarden, then the ClientKey to the server.
     assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
     // md5 against an md5 verifier, then md5 to the server.

@@ -165,8 +165,12 @@ impl Authenticator {
             *guard = Some(self.connect(shared).await?);
         }
         let client = guard.as_ref().expect("connected");
-        let q = "SELECT r.rolname::text FROM pg_catalog.pg_roles r \
-                 WHERE pg_catalog.pg_has_role($1::text, r.oid, 'MEMBER')";
+        // Membership through grants only, as pg_hba.conf counts it:
+        // pg_has_role would make a superuser a member of every role.
+        let q = "WITH RECURSIVE m(oid) AS ( \
+                   SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1::text \
+                   UNION SELECT a.roleid FROM pg_catalog.pg_auth_members a JOIN m ON a.member = m.oid) \
+                 SELECT r.rolname::text FROM pg_catalog.pg_roles r JOIN m ON r.oid = m.oid";
         let rows = match tokio::time::timeout(Duration::from_secs(5), client.query(q, &[&user]))
             .await
         {
