@@ -275,7 +275,8 @@ impl std::fmt::Debug for AuthConfig {
 /// The default auth query: needs a superuser `auth_user`; the
 /// configuration reference shows a `SECURITY DEFINER` function instead.
 pub const DEFAULT_AUTH_QUERY: &str =
-    "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1";
+    "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 \
+     AND (valuntil IS NULL OR valuntil > pg_catalog.now())";
 
 /// `[tls]`: TLS termination towards clients.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -206,6 +206,43 @@ async fn transaction_pooling_logs_in_with_the_clients_proof() {
     }
 }
 
+/// A password that expires (`VALID UNTIL`) stops working through a
+/// transaction pool too, where the pool's open connection to the server
+/// would let the client in without a login of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_password_is_refused_by_the_pool() {
+    let s = setup(
+        Some(PoolSettings {
+            size: 2,
+            ..PoolSettings::default()
+        }),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
+    sql(
+        &s.c.conninfo(0),
+        "ALTER ROLE alice VALID UNTIL '2000-01-01'",
+    )
+    .await;
+    let refused = pgwarden_testkit::eventually(
+        "the expired password refused once the cache TTL is over",
+        WAIT,
+        || async {
+            match login(&s.p, "alice", "alice-secret").await {
+                Ok(u) => Err(format!("logged in as {u}")),
+                Err(e) => Ok(e),
+            }
+        },
+    )
+    .await;
+    assert_eq!(refused.0.as_deref(), Some("28P01"), "{refused:?}");
+    assert_eq!(
+        refused.1,
+        "password authentication failed for user \"alice\""
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifier_cache_expires_and_slow_clients_are_dropped() {
     let s = setup(None, Duration::from_millis(500)).await;
