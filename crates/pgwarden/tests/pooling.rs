@@ -426,6 +426,65 @@ async fn session_state_pins_the_client_to_its_server() {
     }
 }
 
+/// Session-level changes that do not start with SET pin too, so their
+/// server never goes back to the pool to surprise another client:
+/// `set_config(..., false)`, a SET after another statement of the same
+/// query, and a RESET of a start-up setting the pool applied (the pool
+/// would otherwise believe the server still had it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_changes_that_do_not_start_with_set_do_not_leak() {
+    let c = TestCluster::builder().replicas(0).start();
+    sql_value(&c.conninfo(0), "CREATE SCHEMA app; SELECT 1")
+        .await
+        .unwrap();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(1, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let default_path = {
+        let probe = client(&url).await.unwrap();
+        one(&probe, "SHOW search_path").await
+    };
+    for change in [
+        "SELECT set_config('search_path', 'pg_catalog', false)",
+        "SELECT 1; SET search_path TO pg_catalog",
+    ] {
+        let a = client(&url).await.unwrap();
+        a.batch_execute(change).await.unwrap();
+        assert_eq!(one(&a, "SHOW search_path").await, "pg_catalog", "{change}");
+        drop(a);
+        // The pool's one server: the next client must not inherit it.
+        let b = client(&url).await.unwrap();
+        assert_eq!(
+            one(&b, "SHOW search_path").await,
+            default_path,
+            "after {change}"
+        );
+    }
+    // A transaction-local set_config leaves nothing behind and pins no one.
+    let a = client(&url).await.unwrap();
+    a.batch_execute("BEGIN; SELECT set_config('search_path', 'pg_catalog', true); COMMIT")
+        .await
+        .unwrap();
+    let b = client(&url).await.unwrap();
+    assert_eq!(one(&b, "SHOW search_path").await, default_path);
+    drop((a, b));
+    // RESET of the start-up setting the pool applied for this client.
+    let with_app = format!("{url} options=-csearch_path=app");
+    let a = client(&with_app).await.unwrap();
+    assert_eq!(one(&a, "SHOW search_path").await, "app");
+    a.batch_execute("RESET search_path").await.unwrap();
+    assert_eq!(one(&a, "SHOW search_path").await, default_path);
+    drop(a);
+    let b = client(&with_app).await.unwrap();
+    assert_eq!(one(&b, "SHOW search_path").await, "app");
+}
+
 async fn futures_like_clients(p: &pgwarden_proxy::Proxy, n: usize) -> Vec<tokio_postgres::Client> {
     let mut v = Vec::new();
     for _ in 0..n {

@@ -1637,11 +1637,39 @@ fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
 /// Whether a statement leaves state in the session that outlives its
 /// transaction. Takes raw bytes: the keywords are ASCII in every client
 /// encoding PostgreSQL accepts, whatever the literals around them hold.
+/// A query of several statements pins if any of them does.
 fn pins_session(sql: &[u8]) -> bool {
+    // Most queries are one statement, perhaps with a closing semicolon:
+    // those skip the split, which has to follow quotes and comments.
+    match sql.iter().position(|&b| b == b';') {
+        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(pins_statement),
+        _ => pins_statement(sql),
+    }
+}
+
+/// Names a `SET` or `RESET` may change without pinning: the tracked
+/// parameters, whose new values the server reports and pgwarden replays
+/// on every server the client lands on, and `SET LOCAL`/`SET TRANSACTION`,
+/// which end with the transaction.
+const REPLAYED: [&str; 9] = [
+    "LOCAL",
+    "TRANSACTION",
+    "APPLICATION_NAME",
+    "CLIENT_ENCODING",
+    "DATESTYLE",
+    "TIMEZONE",
+    "TIME",
+    "INTERVALSTYLE",
+    "NAMES",
+];
+
+/// [`pins_session`] for one statement.
+fn pins_statement(sql: &[u8]) -> bool {
     // Runs on every Query and Parse, so it walks the words in place (no
     // upper-cased copy, no list of words) and compares a word only with
     // the keywords of its length.
     let is = |w: &[u8], k: &str| w.eq_ignore_ascii_case(k.as_bytes());
+    let sql = after_comments(sql);
     let mut words = words(sql);
     let Some(first) = words.next() else {
         return false;
@@ -1650,30 +1678,18 @@ fn pins_session(sql: &[u8]) -> bool {
     if is(first, "PREPARE") {
         return true;
     }
-    // A session-level SET outlives the transaction; SET LOCAL does not.
-    // Tracked parameters are replayed on every server the client lands on,
-    // so they need no pinning.
-    if is(first, "SET") {
+    // A session-level SET outlives the transaction, and so does a RESET
+    // (of a setting the pool may have applied for another client, too);
+    // `RESET ALL` resets everything.
+    if is(first, "SET") || is(first, "RESET") {
         let mut rest = words.clone();
         let mut name = rest.next();
-        if name.is_some_and(|n| is(n, "SESSION")) {
+        if is(first, "SET") && name.is_some_and(|n| is(n, "SESSION")) {
             name = rest.next();
         }
-        let replayed = name.is_some_and(|n| {
-            [
-                "LOCAL",
-                "TRANSACTION",
-                "APPLICATION_NAME",
-                "CLIENT_ENCODING",
-                "DATESTYLE",
-                "TIMEZONE",
-                "TIME",
-                "INTERVALSTYLE",
-                "NAMES",
-            ]
-            .iter()
-            .any(|k| is(n, k))
-        });
+        let replayed = name.is_some_and(|n| REPLAYED.iter().any(|k| is(n, k)))
+            && !(is(first, "RESET")
+                && name.is_some_and(|n| is(n, "LOCAL") || is(n, "TRANSACTION")));
         if !replayed {
             return true;
         }
@@ -1684,6 +1700,15 @@ fn pins_session(sql: &[u8]) -> bool {
             4 => (is(w, "TEMP") && is(prev, "CREATE")) || (is(w, "HOLD") && is(prev, "WITH")),
             6 => is(w, "LISTEN"),
             9 => is(w, "TEMPORARY") && is(prev, "CREATE"),
+            // A session-level set_config is a SET; PostgREST and row-level
+            // security set theirs with is_local = true, which ends with
+            // the transaction.
+            10 => {
+                is(w, "SET_CONFIG") && {
+                    let at = w.as_ptr() as usize - sql.as_ptr() as usize + w.len();
+                    !set_config_is_local(&sql[at..])
+                }
+            }
             13 => is(w, "AUTHORIZATION") && is(prev, "SESSION"),
             16 => is(w, "PG_ADVISORY_LOCK"),
             20 => is(w, "PG_TRY_ADVISORY_LOCK"),
@@ -1697,6 +1722,137 @@ fn pins_session(sql: &[u8]) -> bool {
         prev = w;
     }
     false
+}
+
+/// Whether the call whose arguments start at `args` (just after the name
+/// `set_config`) passes a literal true as its third argument. Anything
+/// else, a parameter (`$3`) included, counts as possibly session-level.
+fn set_config_is_local(args: &[u8]) -> bool {
+    let Some(args) = after_comments(args).strip_prefix(b"(") else {
+        return false;
+    };
+    let (mut depth, mut commas, mut third) = (0usize, 0, 0);
+    let mut i = 0;
+    while i < args.len() {
+        match args[i] {
+            b'\'' | b'"' | b'$' | b'-' | b'/' => {
+                i = skip_quoted(args, i);
+                continue;
+            }
+            b'(' | b'[' => depth += 1,
+            b')' | b']' if depth > 0 => depth -= 1,
+            b')' => {
+                if commas != 2 {
+                    return false;
+                }
+                let v = args[third..i].trim_ascii();
+                return [&b"true"[..], b"'t'", b"'true'", b"'on'", b"'yes'", b"'1'"]
+                    .iter()
+                    .any(|t| v.eq_ignore_ascii_case(t));
+            }
+            b',' if depth == 0 => {
+                commas += 1;
+                third = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    false
+}
+
+/// Past the quoted string, quoted identifier, dollar-quoted string or
+/// comment that may start at `sql[i]`; `i + 1` when none does there. An
+/// unterminated one runs to the end.
+fn skip_quoted(sql: &[u8], i: usize) -> usize {
+    let rest = &sql[i..];
+    let end = |close: &[u8], from: usize| {
+        rest[from..]
+            .windows(close.len())
+            .position(|w| w == close)
+            .map_or(sql.len(), |p| i + from + p + close.len())
+    };
+    match rest[0] {
+        b'\'' => {
+            // E'...' strings take backslash escapes; in others a doubled
+            // quote is a quote, which the loop sees as two strings.
+            let escapes = i > 0
+                && sql[i - 1].eq_ignore_ascii_case(&b'e')
+                && (i < 2 || !WORD[sql[i - 2] as usize]);
+            let mut j = 1;
+            while j < rest.len() {
+                match rest[j] {
+                    b'\\' if escapes => j += 2,
+                    b'\'' => return i + j + 1,
+                    _ => j += 1,
+                }
+            }
+            sql.len()
+        }
+        b'"' => end(b"\"", 1),
+        b'-' if rest.starts_with(b"--") => end(b"\n", 2),
+        b'/' if rest.starts_with(b"/*") => {
+            // Nested, as PostgreSQL's lexer has them.
+            let (mut depth, mut j) = (0usize, 0);
+            while j < rest.len() {
+                if rest[j..].starts_with(b"/*") {
+                    depth += 1;
+                    j += 2;
+                } else if rest[j..].starts_with(b"*/") {
+                    depth -= 1;
+                    j += 2;
+                    if depth == 0 {
+                        return i + j;
+                    }
+                } else {
+                    j += 1;
+                }
+            }
+            sql.len()
+        }
+        // $tag$ ... $tag$, the tag empty or an identifier; not $1, and
+        // not a $ inside an identifier (a$b).
+        b'$' if i == 0 || !WORD[sql[i - 1] as usize] => {
+            let tag_len = rest[1..]
+                .iter()
+                .position(|&b| !WORD[b as usize] || b == b'$')
+                .unwrap_or(rest.len() - 1);
+            let tag_ok = rest.get(1 + tag_len) == Some(&b'$')
+                && rest.get(1).is_none_or(|b| !b.is_ascii_digit());
+            if !tag_ok {
+                return i + 1;
+            }
+            let tag = &rest[..tag_len + 2];
+            end(tag, tag.len())
+        }
+        _ => i + 1,
+    }
+}
+
+/// The statements of a query: its text split at the semicolons outside
+/// quotes and comments.
+fn statements(sql: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut start = 0;
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < sql.len() {
+            match sql[i] {
+                b'\'' | b'"' | b'$' | b'-' | b'/' => i = skip_quoted(sql, i),
+                b';' => {
+                    let s = &sql[start..i];
+                    i += 1;
+                    start = i;
+                    return Some(s);
+                }
+                _ => i += 1,
+            }
+        }
+        (start < sql.len()).then(|| {
+            let s = &sql[start..];
+            start = sql.len();
+            s
+        })
+    })
 }
 
 #[cfg(test)]
@@ -1724,8 +1880,35 @@ mod tests {
             "SET TIME ZONE 'UTC'",
             "select pg_advisory_xact_lock(1)",
             "BEGIN",
+            "RESET application_name",
+            "RESET TIME ZONE",
+            "SELECT set_config('request.jwt.claims', $1, true)",
+            "select pg_catalog.set_config('app.tenant', '42', TRUE)",
+            "SELECT set_config('a', 'it''s, (x)', 'on')",
+            "SELECT set_config(E'a\\'', $$b,$$, true)",
+            "BEGIN; SELECT 1; COMMIT;",
+            "SELECT ';SET search_path TO x'",
+            "SELECT 1 -- ; SET search_path TO x",
+            "SELECT $q$ ; SET search_path TO x $q$",
         ] {
             assert!(!pins_session(s.as_bytes()), "{s}");
+        }
+        for s in [
+            "RESET ALL",
+            "reset search_path",
+            "RESET ROLE",
+            "/* by the ORM */ SET search_path TO x",
+            "-- comment\nRESET work_mem",
+            "SELECT set_config('search_path', 'x', false)",
+            "SELECT set_config('search_path', 'x', $3)",
+            "SELECT set_config('a', 'b')",
+            "SELECT set_config",
+            "BEGIN; SET search_path TO x; COMMIT",
+            "SELECT 1; RESET ALL",
+            "SELECT ''''; SET search_path TO x",
+            "SELECT $1; SET search_path TO x",
+        ] {
+            assert!(pins_session(s.as_bytes()), "{s}");
         }
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
@@ -1744,15 +1927,63 @@ mod tests {
         assert!(!pins_session(b"SELECT '\xe9'"));
     }
 
-    /// The straightforward statement of the rule: upper-case, split into
-    /// words, look at pairs and at the first words.
+    /// The straightforward statement of the rule: split into statements at
+    /// semicolons outside quotes and comments; per statement, past leading
+    /// comments, upper-case, split into words, look at pairs and at the
+    /// first words.
     fn reference(sql: &str) -> bool {
+        let mut statements = vec![String::new()];
+        let (mut quote, mut line_comment) = (None, false);
+        for c in sql.chars() {
+            let cur = statements.last_mut().unwrap();
+            if line_comment {
+                line_comment = c != '\n';
+            } else if let Some(q) = quote {
+                if c == q {
+                    quote = None;
+                }
+            } else if c == '\'' || c == '"' {
+                quote = Some(c);
+            } else if c == '-' && cur.ends_with('-') && !cur.ends_with("--") {
+                line_comment = true;
+            } else if c == ';' {
+                statements.push(String::new());
+                continue;
+            }
+            statements.last_mut().unwrap().push(c);
+        }
+        statements.iter().any(|s| reference_statement(s))
+    }
+
+    /// `s` past white space and `--` comments.
+    fn skip_comments(mut s: &str) -> &str {
+        loop {
+            s = s.trim_start();
+            match s.strip_prefix("--") {
+                Some(rest) => s = rest.find('\n').map_or("", |i| &rest[i + 1..]),
+                None => return s,
+            }
+        }
+    }
+
+    fn reference_statement(sql: &str) -> bool {
+        let sql = skip_comments(sql);
         let upper = sql.to_ascii_uppercase();
-        let words: Vec<&str> = upper
-            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .filter(|w| !w.is_empty())
-            .collect();
-        let pair = words.windows(2).any(|w| {
+        let mut words: Vec<(usize, &str)> = Vec::new();
+        let mut start = None;
+        for (i, c) in upper.char_indices().chain([(upper.len(), ' ')]) {
+            let word = c.is_ascii_alphanumeric() || c == '_';
+            match (word, start) {
+                (true, None) => start = Some(i),
+                (false, Some(b)) => {
+                    words.push((b, &upper[b..i]));
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        let names: Vec<&str> = words.iter().map(|w| w.1).collect();
+        let pair = names.windows(2).any(|w| {
             matches!(
                 (w[0], w[1]),
                 ("CREATE", "TEMP")
@@ -1761,34 +1992,38 @@ mod tests {
                     | ("SESSION", "AUTHORIZATION")
             )
         });
-        pair || words.iter().enumerate().any(|(i, w)| match *w {
+        let replayed = |name: Option<&&str>, set: bool| {
+            matches!(
+                name,
+                Some(
+                    &"APPLICATION_NAME"
+                        | &"CLIENT_ENCODING"
+                        | &"DATESTYLE"
+                        | &"TIMEZONE"
+                        | &"TIME"
+                        | &"INTERVALSTYLE"
+                        | &"NAMES"
+                )
+            ) || (set && matches!(name, Some(&"LOCAL" | &"TRANSACTION")))
+        };
+        pair || words.iter().enumerate().any(|(i, (at, w))| match *w {
             "LISTEN"
             | "PG_ADVISORY_LOCK"
             | "PG_ADVISORY_LOCK_SHARED"
             | "PG_TRY_ADVISORY_LOCK"
             | "PG_TRY_ADVISORY_LOCK_SHARED" => true,
+            "SET_CONFIG" => !skip_comments(&sql[at + w.len()..])
+                .to_ascii_lowercase()
+                .starts_with("('a','b',true)"),
             "PREPARE" => i == 0,
             "SET" => {
-                let name = match words.get(1) {
-                    Some(&"SESSION") => words.get(2),
+                let name = match names.get(1) {
+                    Some(&"SESSION") => names.get(2),
                     other => other,
                 };
-                i == 0
-                    && !matches!(
-                        name,
-                        Some(
-                            &"LOCAL"
-                                | &"TRANSACTION"
-                                | &"APPLICATION_NAME"
-                                | &"CLIENT_ENCODING"
-                                | &"DATESTYLE"
-                                | &"TIMEZONE"
-                                | &"TIME"
-                                | &"INTERVALSTYLE"
-                                | &"NAMES"
-                        )
-                    )
+                i == 0 && !replayed(name, true)
             }
+            "RESET" => i == 0 && !replayed(names.get(1), false),
             _ => false,
         })
     }
@@ -1829,6 +2064,11 @@ mod tests {
             "\n",
             "--",
             "begin",
+            "reset",
+            "all",
+            "set_config('a','b',true)",
+            "SET_CONFIG('a','b',false)",
+            "set_config($1,$2,$3)",
         ];
         // A small deterministic generator (xorshift): no test dependency.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
