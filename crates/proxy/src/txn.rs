@@ -1697,9 +1697,9 @@ fn pins_statement(sql: &[u8]) -> bool {
     let mut prev: &[u8] = b"";
     for w in std::iter::once(first).chain(words) {
         let hit = match w.len() {
-            4 => (is(w, "TEMP") && is(prev, "CREATE")) || (is(w, "HOLD") && is(prev, "WITH")),
+            4 => (is(w, "TEMP") && makes_temp(prev)) || (is(w, "HOLD") && is(prev, "WITH")),
             6 => is(w, "LISTEN"),
-            9 => is(w, "TEMPORARY") && is(prev, "CREATE"),
+            9 => is(w, "TEMPORARY") && makes_temp(prev),
             // A session-level set_config is a SET; PostgREST and row-level
             // security set theirs with is_local = true, which ends with
             // the transaction.
@@ -1722,6 +1722,14 @@ fn pins_statement(sql: &[u8]) -> bool {
         prev = w;
     }
     false
+}
+
+/// Whether `TEMP`/`TEMPORARY` after this word makes a temporary object:
+/// `CREATE [OR REPLACE] [GLOBAL | LOCAL] TEMP ...`, `SELECT ... INTO TEMP`.
+fn makes_temp(prev: &[u8]) -> bool {
+    ["CREATE", "REPLACE", "GLOBAL", "LOCAL", "INTO"]
+        .iter()
+        .any(|k| prev.eq_ignore_ascii_case(k.as_bytes()))
 }
 
 /// Whether the call whose arguments start at `args` (just after the name
@@ -1895,6 +1903,11 @@ mod tests {
         }
         for s in [
             "RESET ALL",
+            "CREATE GLOBAL TEMPORARY TABLE t (x int)",
+            "create local temp table t (x int)",
+            "CREATE OR REPLACE TEMP VIEW v AS SELECT 1",
+            "SELECT 1 AS x INTO TEMP t",
+            "select * into temporary table t from pg_class",
             "reset search_path",
             "RESET ROLE",
             "/* by the ORM */ SET search_path TO x",
@@ -1986,9 +1999,10 @@ mod tests {
         let pair = names.windows(2).any(|w| {
             matches!(
                 (w[0], w[1]),
-                ("CREATE", "TEMP")
-                    | ("CREATE", "TEMPORARY")
-                    | ("WITH", "HOLD")
+                (
+                    "CREATE" | "REPLACE" | "GLOBAL" | "LOCAL" | "INTO",
+                    "TEMP" | "TEMPORARY"
+                ) | ("WITH", "HOLD")
                     | ("SESSION", "AUTHORIZATION")
             )
         });
@@ -2044,6 +2058,9 @@ mod tests {
             "to",
             "prepare",
             "create",
+            "into",
+            "global",
+            "replace",
             "temp",
             "temporary",
             "table",
