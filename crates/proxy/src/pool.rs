@@ -727,12 +727,19 @@ impl ConnLimit {
     }
 }
 
+static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
 /// Nanoseconds from the first pool's creation to `t` (0 before it): a
-/// form of [`Instant`] that fits an atomic.
+/// form of [`Instant`] that fits an atomic (and, below 2^63, leaves the
+/// top bit for a flag: that is 292 years).
 fn since_epoch(t: Instant) -> u64 {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
     u64::try_from(t.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The [`Instant`] `ns` nanoseconds after the epoch of [`since_epoch`].
+fn at_epoch(ns: u64) -> Instant {
+    *EPOCH.get_or_init(Instant::now) + Duration::from_nanos(ns)
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -742,56 +749,55 @@ pub struct Checkout {
     pub conn: Box<ServerConn>,
     /// The pool it returns to.
     pub pool: Arc<Pool>,
-    /// How long the client waited for it.
-    pub waited: Duration,
     /// Traffic while lent, added to the pool's [`PoolStats`] at release
     /// (one atomic add each per transaction rather than per message).
     pub traffic: Traffic,
     _permit: OwnedSemaphorePermit,
 }
 
-/// Counts of one loan of a server connection.
+/// Counts of one loan of a server connection. Part of every attached
+/// client's state, so its times are kept as [`since_epoch`] nanoseconds
+/// rather than as `Instant`s of twice the size.
 #[derive(Debug, Clone, Copy)]
 pub struct Traffic {
-    /// When the connection was lent.
-    pub lent_at: Instant,
-    /// Since when the server has had a query to answer (`None`: it has
-    /// answered everything sent).
-    pub busy_since: Option<Instant>,
-    /// When the last ReadyForQuery came; the end of the loan when it is
-    /// given back without more traffic.
-    pub last_ready: Option<Instant>,
-    /// Microseconds the server spent on queries during the loan.
-    pub query_us: u64,
     /// Queries and extended-protocol batches completed (ReadyForQuery).
     pub queries: u64,
     /// Bytes sent to the server for the client.
     pub received: u64,
     /// Bytes of the server's replies passed to the client.
     pub sent: u64,
+    /// Microseconds the server spent on queries during the loan.
+    pub query_us: u64,
+    /// When the connection was lent.
+    lent_at: u64,
+    /// With [`BUSY`]: since when the server has had a query to answer.
+    /// Without: when the last ReadyForQuery came.
+    mark: u64,
 }
+
+/// The flag of [`Traffic::mark`].
+const BUSY: u64 = 1 << 63;
 
 impl Traffic {
     /// A loan starting now; the client's first message, which asked for
     /// it, is on its way, so the server counts as busy from here.
     pub fn starting() -> Traffic {
-        let now = Instant::now();
+        let now = since_epoch(Instant::now());
         Traffic {
-            lent_at: now,
-            busy_since: Some(now),
-            last_ready: None,
-            query_us: 0,
             queries: 0,
             received: 0,
             sent: 0,
+            query_us: 0,
+            lent_at: now,
+            mark: now | BUSY,
         }
     }
 
     /// Bytes were sent to the server: it is busy from now on, unless it
     /// already was.
     pub fn sending(&mut self) {
-        if self.busy_since.is_none() {
-            self.busy_since = Some(Instant::now());
+        if self.mark & BUSY == 0 {
+            self.mark = since_epoch(Instant::now()) | BUSY;
         }
     }
 
@@ -799,17 +805,23 @@ impl Traffic {
     pub fn ready(&mut self, idle: bool) {
         self.queries += 1;
         if idle {
-            let now = Instant::now();
-            if let Some(t) = self.busy_since.take() {
-                self.query_us += micros(now.saturating_duration_since(t));
+            let now = since_epoch(Instant::now());
+            if self.mark & BUSY != 0 {
+                self.query_us += now.saturating_sub(self.mark & !BUSY) / 1000;
             }
-            self.last_ready = Some(now);
+            self.mark = now;
         }
     }
-}
 
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    /// When the loan ended: at the last ReadyForQuery, unless the server
+    /// was sent more since (a client that left mid-batch).
+    fn ended(&self) -> u64 {
+        if self.mark & BUSY == 0 {
+            self.mark
+        } else {
+            since_epoch(Instant::now())
+        }
+    }
 }
 
 impl Pool {
@@ -1003,7 +1015,6 @@ impl Pool {
         Some(Checkout {
             conn,
             pool: self.clone(),
-            waited: Duration::ZERO,
             traffic: Traffic::starting(),
             _permit: permit,
         })
@@ -1048,7 +1059,8 @@ impl Pool {
         startup: &StartupMessage,
         deadline: tokio::time::Instant,
     ) -> Result<Checkout, ServerError> {
-        self.checkout_timed(startup, deadline, &mut None).await
+        let (c, _waited) = self.checkout_timed(startup, deadline, &mut None).await?;
+        Ok(c)
     }
 
     /// A permit of the reserve once the client has waited
@@ -1069,13 +1081,14 @@ impl Pool {
     /// waits. Once a client has waited, the next wait only moves its
     /// timer's deadline later, an atomic store, instead of adding a timer
     /// to the event loop's wheel and removing it again: with clients
-    /// outnumbering servers, every transaction waits.
+    /// outnumbering servers, every transaction waits. Also says how long
+    /// the client waited.
     pub async fn checkout_timed(
         self: &Arc<Self>,
         startup: &StartupMessage,
         deadline: tokio::time::Instant,
         timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
-    ) -> Result<Checkout, ServerError> {
+    ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
         // Counted down however the wait ends: the caller may drop this
         // future (a cancel request for the waiting client).
@@ -1138,13 +1151,13 @@ impl Pool {
             }
         };
         self.stats.active.fetch_add(1, Ordering::Relaxed);
-        Ok(Checkout {
+        let checkout = Checkout {
             conn,
             pool: self.clone(),
-            waited: Duration::from_micros(waited),
             traffic: Traffic::starting(),
             _permit: permit,
-        })
+        };
+        Ok((checkout, Duration::from_micros(waited)))
     }
 }
 
@@ -1173,15 +1186,11 @@ impl Checkout {
             .received
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
-        // The last ReadyForQuery ended the loan, unless traffic went on
-        // without being answered (a client that left mid-batch).
-        let now = match (traffic.last_ready, traffic.busy_since) {
-            (Some(t), None) => t,
-            _ => Instant::now(),
-        };
+        let ended = traffic.ended();
+        let now = at_epoch(ended);
         if traffic.queries > 0 {
             pool.stats.xact_us.fetch_add(
-                micros(now.saturating_duration_since(traffic.lent_at)),
+                ended.saturating_sub(traffic.lent_at) / 1000,
                 Ordering::Relaxed,
             );
             pool.stats

@@ -130,49 +130,11 @@ pub(crate) async fn run(
     let spec = &service.spec;
     let (mut session, mut early) = Session::new(shared, service, *pooled);
 
-    // Log in once to learn the server's parameters (and whether the
-    // database and role exist); the connection goes straight back.
-    // No cancel key is out yet, so nothing can cancel this wait.
-    let first = match Box::pin(session.acquire()).await {
-        Ok(Some(c)) => c,
-        Ok(None) => return,
-        Err(f) => {
-            let _ = client.write_all(&f.into_message()).await;
-            return;
-        }
+    // Boxed, and freed once the client is in: the login's states would
+    // otherwise stay in the layout of the future every idle client keeps.
+    let Some(key) = Box::pin(greet(shared, &mut session, client)).await else {
+        return;
     };
-    let key = shared
-        .cancel
-        .register_dynamic(session.cancel_target.clone());
-    let mut first = first;
-    // Applied on the first server before the client is let in: a setting
-    // PostgreSQL refuses refuses the login, as it would without pgwarden.
-    if let Err((f, reusable)) = session.apply_extras(&mut first).await {
-        shared.cancel.remove(key);
-        first.release(reusable);
-        let _ = client.write_all(&f.into_message()).await;
-        return;
-    }
-    let hello = hello(&mut session, &mut first, key);
-    if session.settings.hold_session {
-        // Session pooling: the server that answered the login stays.
-        if let Err(f) = Box::pin(session.attach_checkout(first)).await {
-            let _ = client.write_all(&f.into_message()).await;
-            shared.cancel.remove(key);
-            session.detach(false);
-            return;
-        }
-    } else {
-        first.release(true);
-    }
-    if client.write_all(&hello).await.is_err() {
-        shared.cancel.remove(key);
-        // Nothing ran on it.
-        session.detach(true);
-        return;
-    }
-    // Not kept in the future's idle state.
-    drop(hello);
 
     let killed = Arc::new(KillState::default());
     let registration = SessionGuard::register(
@@ -323,6 +285,57 @@ pub(crate) async fn run(
         session.replies.idle() && !session.pinned
     };
     session.detach(reusable);
+}
+
+/// Logs a pooled client in: borrows a server once to learn its parameters
+/// (and whether the database and role exist), applies the client's
+/// start-up settings there, sends the greeting and gives the server back
+/// (session pooling keeps it). The client's cancel key, or `None` when
+/// the client has been told why not.
+async fn greet(
+    shared: &Arc<Shared>,
+    session: &mut Session,
+    client: &mut ClientStream,
+) -> Option<(i32, i32)> {
+    // No cancel key is out yet, so nothing can cancel this wait.
+    let mut first = match Box::pin(session.acquire()).await {
+        Ok(Some(c)) => c,
+        Ok(None) => return None,
+        Err(f) => {
+            let _ = client.write_all(&f.into_message()).await;
+            return None;
+        }
+    };
+    let key = shared
+        .cancel
+        .register_dynamic(session.cancel_target.clone());
+    // Applied on the first server before the client is let in: a setting
+    // PostgreSQL refuses refuses the login, as it would without pgwarden.
+    if let Err((f, reusable)) = session.apply_extras(&mut first).await {
+        shared.cancel.remove(key);
+        first.release(reusable);
+        let _ = client.write_all(&f.into_message()).await;
+        return None;
+    }
+    let hello = hello(session, &mut first, key);
+    if session.settings.hold_session {
+        // Session pooling: the server that answered the login stays.
+        if let Err(f) = Box::pin(session.attach_checkout(first)).await {
+            let _ = client.write_all(&f.into_message()).await;
+            shared.cancel.remove(key);
+            session.detach(false);
+            return None;
+        }
+    } else {
+        first.release(true);
+    }
+    if client.write_all(&hello).await.is_err() {
+        shared.cancel.remove(key);
+        // Nothing ran on it.
+        session.detach(true);
+        return None;
+    }
+    Some(key)
 }
 
 /// What a client gets on login: the server's parameters (the client's
@@ -651,8 +664,8 @@ impl Session {
                 .checkout_timed(&self.startup, deadline, &mut self.wait_timer)
                 .await
             {
-                Ok(c) => {
-                    self.wait_histogram.observe(c.waited);
+                Ok((c, waited)) => {
+                    self.wait_histogram.observe(waited);
                     return Ok(c);
                 }
                 Err(ServerError::Retired) => continue,
@@ -711,18 +724,22 @@ impl Session {
             return Ok(true);
         }
         // An idle server whose session already matches the client's: no
-        // wait and no statement to run, so nothing to await.
-        if let Some(c) = self.try_idle() {
-            if c.conn.tracked == self.params && c.conn.extras == self.extras {
+        // wait and no statement to run, so nothing to await. Otherwise
+        // boxed: waiting for a server is the largest state of the client's
+        // future, which every idle client would carry; and the loan is
+        // moved into the box in a scope that ends before the await, so
+        // that it takes no room in this future either.
+        let slow: std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<bool, Fatal>> + Send + '_>,
+        > = match self.try_idle() {
+            Some(c) if c.conn.tracked == self.params && c.conn.extras == self.extras => {
                 self.bind(c);
                 return Ok(true);
             }
-            Box::pin(self.attach_checkout(c)).await?;
-            return Ok(true);
-        }
-        // Boxed: waiting for a server is the largest state of the client's
-        // future, which otherwise every idle client would carry.
-        Box::pin(self.attach_new()).await
+            Some(c) => Box::pin(async move { self.attach_checkout(c).await.map(|()| true) }),
+            None => Box::pin(self.attach_new()),
+        };
+        slow.await
     }
 
     /// Borrows a server for the transaction that starts, waiting for one.
