@@ -2013,7 +2013,7 @@ async fn discard_all_from_one_client_does_not_break_the_others_statements() {
             .get::<_, i32>(0),
         3
     );
-    for discard in ["DISCARD ALL", "discard all;"] {
+    for discard in ["DISCARD ALL", "discard all;", "SELECT 1; DEALLOCATE ALL"] {
         b.batch_execute(discard).await.unwrap();
         let row = a.query_one(&a_stmt, &[&2i32]).await.unwrap();
         assert_eq!(row.get::<_, i32>(0), 3, "after {discard}");

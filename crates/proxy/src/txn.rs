@@ -1626,8 +1626,17 @@ const PINNING_FUNCTIONS: [u32; 9] = [
 ];
 
 /// Whether running `sql` drops every prepared statement of the session:
-/// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL`.
+/// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL`, in any of its statements
+/// (`DEALLOCATE ALL` may follow others in one query).
 fn drops_statements(sql: &[u8]) -> bool {
+    match sql.iter().position(|&b| b == b';') {
+        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(drops_in),
+        _ => drops_in(sql),
+    }
+}
+
+/// [`drops_statements`] for one statement.
+fn drops_in(sql: &[u8]) -> bool {
     let mut w = words(after_comments(sql));
     match w.next() {
         Some(first) if first.eq_ignore_ascii_case(b"DISCARD") => {
@@ -1951,6 +1960,8 @@ mod tests {
             b"-- DISCARD\n/* a /* b */ c */DISCARD ALL"
         ));
         assert!(!super::drops_statements(b"/* unterminated DISCARD ALL"));
+        assert!(super::drops_statements(b"SELECT 1; DEALLOCATE ALL"));
+        assert!(!super::drops_statements(b"SELECT ';DEALLOCATE ALL'"));
         // Literals in a client encoding other than UTF-8 (LATIN1 'é').
         assert!(pins_session(b"SET search_path TO '\xe9'"));
         assert!(pins_session(b"LISTEN \"ch\xe9\""));
