@@ -824,50 +824,14 @@ async fn pools_count_queries_and_bytes() {
     // A pool's counts grow when the server goes back to it, just after the
     // client has its reply.
     let admin = &admin;
-    let stats: std::collections::HashMap<String, u64> =
-        pgwarden_testkit::eventually("three queries counted", WAIT, || async move {
-            let rows = admin
-                .simple_query("SHOW STATS")
-                .await
-                .map_err(|e| e.to_string())?;
-            let row = rows
-                .iter()
-                .find_map(|m| match m {
-                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
-                    _ => None,
-                })
-                .ok_or("no pool row")?;
-            let stats: std::collections::HashMap<String, u64> = row
-                .columns()
-                .iter()
-                .enumerate()
-                .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse().ok()?)))
-                .collect();
-            match stats.get("total_query_count") {
-                Some(3) => Ok(stats),
-                _ => Err(format!("{stats:?}")),
-            }
-        })
-        .await;
+    let stats = stats_once(admin, "total_query_count", 3).await;
     // Each query its own transaction; the login's loan of a server (for
     // its greeting) is none.
     assert_eq!(stats["total_xact_count"], 3, "{stats:?}");
     assert_eq!(stats["total_received"], sent_bytes as u64, "{stats:?}");
     assert!(stats["total_sent"] > 100_000, "{stats:?}");
     let http = p.http_addr().unwrap();
-    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
-        .await
-        .unwrap();
-    let series = |name: &str| -> f64 {
-        body.lines()
-            .find(|l| l.starts_with(&format!("{name}{{")))
-            .unwrap_or_else(|| panic!("{name} missing:\n{body}"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let series = metrics_of(http).await;
     assert_eq!(series("pgwarden_pool_queries_total"), 3.0);
     assert_eq!(
         series("pgwarden_pool_received_bytes_total"),
@@ -887,33 +851,7 @@ async fn pools_count_queries_and_bytes() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(error_code(&app.send(&msg_query(b"COMMIT"))), None);
-    let stats: std::collections::HashMap<String, u64> =
-        pgwarden_testkit::eventually("the transaction counted", WAIT, || async move {
-            let rows = admin
-                .simple_query("SHOW STATS")
-                .await
-                .map_err(|e| e.to_string())?;
-            let stats: std::collections::HashMap<String, u64> = rows
-                .iter()
-                .find_map(|m| match m {
-                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(
-                        r.columns()
-                            .iter()
-                            .enumerate()
-                            .filter_map(|(i, c)| {
-                                Some((c.name().to_string(), r.get(i)?.parse().ok()?))
-                            })
-                            .collect(),
-                    ),
-                    _ => None,
-                })
-                .ok_or("no pool row")?;
-            match stats.get("total_xact_count") {
-                Some(4) => Ok(stats),
-                _ => Err(format!("{stats:?}")),
-            }
-        })
-        .await;
+    let stats = stats_once(admin, "total_xact_count", 4).await;
     let xact = stats["total_xact_time"] - before_xact;
     let query = stats["total_query_time"] - before_query;
     assert!(xact >= 700_000, "transaction time {xact} µs: {stats:?}");
@@ -922,10 +860,49 @@ async fn pools_count_queries_and_bytes() {
         query + 350_000 <= xact,
         "idle time counted as query time: {query} of {xact} µs"
     );
+    let seconds = metrics_of(http).await;
+    assert!(seconds("pgwarden_pool_transaction_seconds_total") >= 0.7);
+    assert!(seconds("pgwarden_pool_query_seconds_total") >= 0.3);
+}
+
+/// The first pool row of SHOW STATS once its `column` reads `want`.
+async fn stats_once(
+    admin: &tokio_postgres::Client,
+    column: &str,
+    want: u64,
+) -> std::collections::HashMap<String, u64> {
+    pgwarden_testkit::eventually(&format!("{column} = {want}"), WAIT, || async move {
+        let rows = admin
+            .simple_query("SHOW STATS")
+            .await
+            .map_err(|e| e.to_string())?;
+        let row = rows
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                _ => None,
+            })
+            .ok_or("no pool row")?;
+        let stats: std::collections::HashMap<String, u64> = row
+            .columns()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse().ok()?)))
+            .collect();
+        match stats.get(column) {
+            Some(n) if *n == want => Ok(stats),
+            _ => Err(format!("{stats:?}")),
+        }
+    })
+    .await
+}
+
+/// `/metrics` now, as a look-up of the first series of a name.
+async fn metrics_of(http: std::net::SocketAddr) -> impl Fn(&str) -> f64 {
     let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
         .await
         .unwrap();
-    let seconds = |name: &str| -> f64 {
+    move |name: &str| -> f64 {
         body.lines()
             .find(|l| l.starts_with(&format!("{name}{{")))
             .unwrap_or_else(|| panic!("{name} missing:\n{body}"))
@@ -934,9 +911,7 @@ async fn pools_count_queries_and_bytes() {
             .unwrap()
             .parse()
             .unwrap()
-    };
-    assert!(seconds("pgwarden_pool_transaction_seconds_total") >= 0.7);
-    assert!(seconds("pgwarden_pool_query_seconds_total") >= 0.3);
+    }
 }
 
 /// RECONNECT in the admin console replaces the pool's server connections

@@ -79,6 +79,17 @@ async fn lands_on(what: &str, port: u16, want: &str) {
     .await
 }
 
+/// A configuration file for `hosts` with the read-write, read-only and
+/// HTTP ports given, then `extra`.
+fn listening(hosts: &[String], (rw, ro, http): (u16, u16, u16), extra: &str) -> String {
+    let hosts: Vec<String> = hosts.iter().map(|h| format!("\"{h}\"")).collect();
+    format!(
+        "[cluster]\nhosts = [{}]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\n\
+         read_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n{extra}",
+        hosts.join(", ")
+    )
+}
+
 fn conninfo(port: u16) -> String {
     format!("host=127.0.0.1 port={port} user=postgres dbname=postgres")
 }
@@ -236,14 +247,13 @@ async fn admin_console_disable_enable_and_shutdown() {
     let config = dir.path().join("pgwarden.toml");
     write(
         &config,
-        &format!(
-            "[cluster]\nhosts = [\"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\n\
-             read_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\
-             [engine]\nshutdown_timeout = \"1s\"\n\
+        &listening(
+            &[c.addr(0)],
+            (rw, ro, http),
+            "[engine]\nshutdown_timeout = \"1s\"\n\
              [pool]\nmode = \"transaction\"\nsize = 3\nmax_db_connections = 2\n\
              max_user_connections = 4\nadmin_users = [\"postgres\"]\n\
              [pool.databases.postgres]\nmax_db_connections = 1\n",
-            c.addr(0)
         ),
     );
     let mut pg = Running::start(&config, dir.path());
@@ -306,11 +316,7 @@ async fn psycopg_run(extra: &str) {
     let config = dir.path().join("pgwarden.toml");
     write(
         &config,
-        &format!(
-            "[cluster]\nhosts = [\"{}\", \"{}\"]\n[listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n{extra}",
-            c.addr(0),
-            c.addr(1)
-        ),
+        &listening(&[c.addr(0), c.addr(1)], (rw, ro, http), extra),
     );
     let _pg = Running::start(&config, dir.path());
     lands_on("read-only port on the replica", ro, "t").await;
