@@ -1444,6 +1444,82 @@ async fn database_and_user_connection_limits_span_pools() {
     assert_eq!(backends_of(&direct, "usename", "u2").await, 1);
 }
 
+/// Warm-up (`min_size`) takes only free room under a cap: two pools that
+/// each want more warm connections than the cap allows do not close each
+/// other's idle connections round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_warming_under_one_cap_do_not_take_turns() {
+    let c = TestCluster::builder().replicas(0).start();
+    let direct = c.conninfo(0);
+    sql_value(
+        &direct,
+        "CREATE ROLE u1 LOGIN; CREATE ROLE u2 LOGIN; SELECT 1",
+    )
+    .await
+    .unwrap();
+    let overrides = pgwarden_proxy::PoolOverrides {
+        db_limits: pgwarden_proxy::ConnLimits {
+            default: 3,
+            by_name: Default::default(),
+        },
+        ..Default::default()
+    };
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 3,
+            min_size: 2,
+            query_wait_timeout: Duration::from_secs(5),
+            ..PoolSettings::default()
+        }),
+        10_000,
+        overrides,
+        None,
+    )
+    .await;
+    ready(&e, 1).await;
+    let port = p.service_addrs()["read_write"].port();
+    for user in ["u1", "u2"] {
+        let cl = client(&format!(
+            "host=127.0.0.1 port={port} user={user} dbname=postgres"
+        ))
+        .await
+        .unwrap();
+        assert_eq!(one(&cl, "SELECT 1").await, "1");
+    }
+    let pids = || {
+        let direct = direct.clone();
+        async move {
+            sql_value(
+                &direct,
+                "SELECT coalesce(string_agg(pid::text, ',' ORDER BY pid), '') \
+                 FROM pg_stat_activity WHERE usename IN ('u1', 'u2')",
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // Both pools have warmed what they could: three connections.
+    pgwarden_testkit::eventually("the cap filled", WAIT, || async {
+        match pids().await.split(',').filter(|p| !p.is_empty()).count() {
+            3 => Ok(()),
+            n => Err(format!("{n} connections")),
+        }
+    })
+    .await;
+    let before = pids().await;
+    // Several topology rounds, each of which warms both pools again.
+    let round = e.snapshot().round;
+    until(&e, "five more rounds", WAIT, |s| {
+        (s.round >= round + 5)
+            .then_some(())
+            .ok_or(format!("round {}", s.round))
+    })
+    .await;
+    assert_eq!(pids().await, before, "warm connections were replaced");
+}
+
 /// `idle_transaction_timeout`: a client that holds its server idle inside
 /// a transaction past it is disconnected (25P03) and the server closed
 /// (which rolls the transaction back), so the pool serves others again; a

@@ -889,15 +889,18 @@ impl Pool {
         true
     }
 
-    /// A place under each of the pool's caps, waiting until `deadline`.
+    /// A place under each of the pool's caps, waiting until `deadline`,
+    /// or (`free_only`) only if there is one now.
     async fn slots(
         &self,
         deadline: tokio::time::Instant,
+        free_only: bool,
     ) -> Result<[Option<Slot>; 2], ServerError> {
         let mut slots = [None, None];
         for (slot, limit) in slots.iter_mut().zip(&self.limits) {
             let s = match limit.try_take() {
                 Some(s) => s,
+                None if free_only => return Err(ServerError::Limit(limit.describe())),
                 None => tokio::time::timeout_at(deadline, limit.take())
                     .await
                     .map_err(|_| ServerError::Limit(limit.describe()))?,
@@ -960,10 +963,15 @@ impl Pool {
                     ("database".into(), pool.key.database.clone()),
                 ]);
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-                let r = pool.checkout(&startup, deadline).await;
+                // A warm-up takes only room that is free under the caps:
+                // pools warming against each other would otherwise close
+                // each other's idle connections round after round.
+                let r = pool
+                    .checkout_inner(&startup, deadline, &mut None, true)
+                    .await;
                 pool.warming.fetch_sub(1, Ordering::Relaxed);
                 match r {
-                    Ok(c) => c.release(true),
+                    Ok((c, _)) => c.release(true),
                     Err(e) => {
                         tracing::debug!(host = %pool.key.host, error = ?e, "warming a pool failed")
                     }
@@ -1089,6 +1097,18 @@ impl Pool {
         deadline: tokio::time::Instant,
         timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
     ) -> Result<(Checkout, Duration), ServerError> {
+        self.checkout_inner(startup, deadline, timer, false).await
+    }
+
+    /// [`checkout_timed`](Self::checkout_timed); `warming`: a new
+    /// connection takes only room that is free under the caps now.
+    async fn checkout_inner(
+        self: &Arc<Self>,
+        startup: &StartupMessage,
+        deadline: tokio::time::Instant,
+        timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+        warming: bool,
+    ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
         // Counted down however the wait ends: the caller may drop this
         // future (a cancel request for the waiting client).
@@ -1132,7 +1152,7 @@ impl Pool {
                     },
                     c => c,
                 };
-                let slots = self.slots(deadline).await?;
+                let slots = self.slots(deadline, warming).await?;
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
                     .max(Duration::from_secs(1));
