@@ -1383,6 +1383,22 @@ async fn database_and_user_connection_limits_span_pools() {
         cl.batch_execute("SELECT 1").await?;
         Ok::<_, tokio_postgres::Error>(cl)
     });
+    // It shows as waiting in its pool.
+    let http = p.http_addr().unwrap();
+    pgwarden_testkit::eventually("u3's client counted as waiting", WAIT, || async move {
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+            .await
+            .unwrap();
+        let line = body
+            .lines()
+            .find(|l| l.starts_with("pgwarden_pool_clients_waiting{") && l.contains("user=\"u3\""))
+            .map(str::to_string);
+        match line {
+            Some(l) if l.ends_with(" 1") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiting.is_finished(), "served beyond max_db_connections");
     assert_eq!(on_postgres(direct.clone()).await, 2);

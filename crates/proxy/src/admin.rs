@@ -479,7 +479,7 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
                 p.key.user.clone(),
                 p.key.host.to_string(),
                 s.active.load(o).to_string(),
-                s.waiting.load(o).to_string(),
+                (s.waiting.load(o) + s.capped.load(o)).to_string(),
                 s.active.load(o).to_string(),
                 p.idle_count().to_string(),
                 s.total.load(o).to_string(),

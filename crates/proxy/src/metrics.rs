@@ -427,7 +427,7 @@ impl Metrics {
                 let st = &p.stats;
                 let o = std::sync::atomic::Ordering::Relaxed;
                 let v: f64 = match i {
-                    0 => st.waiting.load(o) as f64,
+                    0 => (st.waiting.load(o) + st.capped.load(o)) as f64,
                     1 | 2 => st.active.load(o) as f64,
                     3 => p.idle_count() as f64,
                     4 => st.total.load(o) as f64,

@@ -503,6 +503,9 @@ pub enum ServerError {
 pub struct PoolStats {
     /// Clients waiting for a server connection now.
     pub waiting: AtomicUsize,
+    /// Clients that have the pool's permit and wait for room under a
+    /// shared cap ([`ConnLimit`]); shown as waiting too.
+    pub capped: AtomicUsize,
     /// Server connections handed out now.
     pub active: AtomicUsize,
     /// Server connections in existence.
@@ -901,9 +904,21 @@ impl Pool {
             let s = match limit.try_take() {
                 Some(s) => s,
                 None if free_only => return Err(ServerError::Limit(limit.describe())),
-                None => tokio::time::timeout_at(deadline, limit.take())
-                    .await
-                    .map_err(|_| ServerError::Limit(limit.describe()))?,
+                None => {
+                    // Counted down however the wait ends, the caller's
+                    // dropping of it included.
+                    struct Capped<'a>(&'a AtomicUsize);
+                    impl Drop for Capped<'_> {
+                        fn drop(&mut self) {
+                            self.0.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }
+                    self.stats.capped.fetch_add(1, Ordering::Relaxed);
+                    let _capped = Capped(&self.stats.capped);
+                    tokio::time::timeout_at(deadline, limit.take())
+                        .await
+                        .map_err(|_| ServerError::Limit(limit.describe()))?
+                }
             };
             *slot = Some(s);
         }
