@@ -1536,6 +1536,83 @@ async fn pools_warming_under_one_cap_do_not_take_turns() {
     assert_eq!(pids().await, before, "warm connections were replaced");
 }
 
+/// A client waiting for room under a cap when the primary changes is
+/// served by the new primary at once, not left waiting on the old one
+/// until its time-out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_under_a_cap_follows_a_primary_change() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let overrides = pgwarden_proxy::PoolOverrides {
+        db_limits: pgwarden_proxy::ConnLimits {
+            default: 1,
+            by_name: Default::default(),
+        },
+        ..Default::default()
+    };
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(5),
+        pool(4, WAIT),
+        10_000,
+        overrides,
+        None,
+    )
+    .await;
+    ready(&e, 2).await;
+    let url = via(&p, "read_write");
+    let holder = client(&url).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        one(&holder, "SELECT inet_server_port()").await,
+        c.port(0).to_string()
+    );
+    let waiter = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let cl = client(&url).await?;
+            let row = cl.query_one("SELECT inet_server_port()::text", &[]).await?;
+            Ok::<_, tokio_postgres::Error>(row.get::<_, String>(0))
+        }
+    });
+    let http = p.http_addr().unwrap();
+    let series = |http| async move {
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+            .await
+            .unwrap();
+        body.lines()
+            .filter(|l| l.starts_with("pgwarden_pool_clients_waiting{"))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    pgwarden_testkit::eventually(
+        "the second client waits under the cap",
+        WAIT,
+        || async move {
+            let n = series(http).await;
+            if n == 1.0 {
+                Ok(())
+            } else {
+                Err(format!("{n} waiting"))
+            }
+        },
+    )
+    .await;
+    c.node(1).promote().unwrap();
+    until(&e, "node2 primary", WAIT, |s| {
+        (s.topology.primary() == Some(1))
+            .then_some(())
+            .ok_or("not yet".into())
+    })
+    .await;
+    // Well inside query_wait_timeout (WAIT).
+    let port = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiting client is served by the new primary")
+        .unwrap()
+        .unwrap();
+    assert_eq!(port, c.port(1).to_string());
+}
+
 /// `idle_transaction_timeout`: a client that holds its server idle inside
 /// a transaction past it is disconnected (25P03) and the server closed
 /// (which rolls the transaction back), so the pool serves others again; a

@@ -555,6 +555,9 @@ pub struct Pool {
     /// Set when the host no longer serves this pool's purpose (demoted,
     /// dead): idle connections are closed and released ones not kept.
     retired: AtomicBool,
+    /// Wakes clients waiting for room under a cap when the pool retires,
+    /// so they pick a host again instead of waiting out their time.
+    retired_signal: Notify,
     /// Connections opened before this ([`since_epoch`]; 0: none) are
     /// closed instead of reused ([`Pool::reconnect`]).
     renew_before: AtomicU64,
@@ -862,6 +865,7 @@ impl Pool {
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
+            retired_signal: Notify::new(),
             renew_before: AtomicU64::new(0),
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
@@ -915,9 +919,18 @@ impl Pool {
                     }
                     self.stats.capped.fetch_add(1, Ordering::Relaxed);
                     let _capped = Capped(&self.stats.capped);
-                    tokio::time::timeout_at(deadline, limit.take())
-                        .await
-                        .map_err(|_| ServerError::Limit(limit.describe()))?
+                    let retired = self.retired_signal.notified();
+                    tokio::pin!(retired);
+                    retired.as_mut().enable();
+                    if self.is_retired() {
+                        return Err(ServerError::Retired);
+                    }
+                    tokio::select! {
+                        _ = retired => return Err(ServerError::Retired),
+                        s = tokio::time::timeout_at(deadline, limit.take()) => {
+                            s.map_err(|_| ServerError::Limit(limit.describe()))?
+                        }
+                    }
                 }
             };
             *slot = Some(s);
@@ -931,6 +944,7 @@ impl Pool {
         // Waiting clients give up on this pool and pick a host again.
         self.permits.close();
         self.reserve.close();
+        self.retired_signal.notify_waiters();
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
         self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
@@ -1185,6 +1199,12 @@ impl Pool {
                 c
             }
         };
+        // Retired while the connection was being found or opened (a
+        // failover): it would reach a host that no longer serves the pool.
+        if self.is_retired() {
+            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+            return Err(ServerError::Retired);
+        }
         self.stats.active.fetch_add(1, Ordering::Relaxed);
         let checkout = Checkout {
             conn,
