@@ -603,7 +603,7 @@ pub struct ConnLimit {
     max: AtomicUsize,
     /// Connections holding a [`Slot`].
     open: AtomicUsize,
-    /// Pools waiting for a slot.
+    /// Clients (with their pool's permit) waiting for a slot.
     waiting: AtomicUsize,
     freed: Notify,
     members: Mutex<Vec<Weak<Pool>>>,
