@@ -1460,6 +1460,18 @@ async fn database_and_user_connection_limits_span_pools() {
     assert_eq!(backends_of(&direct, "usename", "u2").await, 1);
 }
 
+/// Pool overrides that cap every database at `n` server connections per
+/// server (`max_db_connections`).
+fn db_cap(n: usize) -> pgwarden_proxy::PoolOverrides {
+    pgwarden_proxy::PoolOverrides {
+        db_limits: pgwarden_proxy::ConnLimits {
+            default: n,
+            by_name: Default::default(),
+        },
+        ..Default::default()
+    }
+}
+
 /// Warm-up (`min_size`) takes only free room under a cap: two pools that
 /// each want more warm connections than the cap allows do not close each
 /// other's idle connections round after round.
@@ -1473,13 +1485,7 @@ async fn pools_warming_under_one_cap_do_not_take_turns() {
     )
     .await
     .unwrap();
-    let overrides = pgwarden_proxy::PoolOverrides {
-        db_limits: pgwarden_proxy::ConnLimits {
-            default: 3,
-            by_name: Default::default(),
-        },
-        ..Default::default()
-    };
+    let overrides = db_cap(3);
     let (e, p) = common::proxy_full(
         &c.addrs(),
         Duration::from_secs(3),
@@ -1542,13 +1548,7 @@ async fn pools_warming_under_one_cap_do_not_take_turns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_waiting_under_a_cap_follows_a_primary_change() {
     let mut c = TestCluster::builder().replicas(1).start();
-    let overrides = pgwarden_proxy::PoolOverrides {
-        db_limits: pgwarden_proxy::ConnLimits {
-            default: 1,
-            by_name: Default::default(),
-        },
-        ..Default::default()
-    };
+    let overrides = db_cap(1);
     let (e, p) = common::proxy_full(
         &c.addrs(),
         Duration::from_secs(5),

@@ -576,6 +576,24 @@ pub struct Pool {
     limits: Vec<Arc<ConnLimit>>,
 }
 
+/// One more in a count of waiting clients while it lives: counted down
+/// however the wait ends, the caller's dropping of the waiting future (a
+/// cancel request, a client that left) included.
+struct Counted<'a>(&'a AtomicUsize, Ordering);
+
+impl<'a> Counted<'a> {
+    fn new(count: &'a AtomicUsize, order: Ordering) -> Counted<'a> {
+        count.fetch_add(1, order);
+        Counted(count, order)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, self.1);
+    }
+}
+
 /// Which of PgBouncer's two shared caps a [`ConnLimit`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LimitKind {
@@ -707,17 +725,10 @@ impl ConnLimit {
     /// A slot, once one is free: made by closing another pool's idle
     /// connection, or waited for.
     async fn take(self: &Arc<Self>) -> Slot {
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
         // Counted before looking for idle connections: a pool that keeps
         // one idle after this looks at the count and closes it (see
         // `Checkout::release`), so one of the two always sees the other.
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waiting = Waiting(&self.waiting);
+        let _waiting = Counted::new(&self.waiting, Ordering::SeqCst);
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
@@ -909,16 +920,7 @@ impl Pool {
                 Some(s) => s,
                 None if free_only => return Err(ServerError::Limit(limit.describe())),
                 None => {
-                    // Counted down however the wait ends, the caller's
-                    // dropping of it included.
-                    struct Capped<'a>(&'a AtomicUsize);
-                    impl Drop for Capped<'_> {
-                        fn drop(&mut self) {
-                            self.0.fetch_sub(1, Ordering::Relaxed);
-                        }
-                    }
-                    self.stats.capped.fetch_add(1, Ordering::Relaxed);
-                    let _capped = Capped(&self.stats.capped);
+                    let _capped = Counted::new(&self.stats.capped, Ordering::Relaxed);
                     let retired = self.retired_signal.notified();
                     tokio::pin!(retired);
                     retired.as_mut().enable();
@@ -1139,16 +1141,7 @@ impl Pool {
         warming: bool,
     ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
-        // Counted down however the wait ends: the caller may drop this
-        // future (a cancel request for the waiting client).
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        let waiting = Waiting(&self.stats.waiting);
+        let waiting = Counted::new(&self.stats.waiting, Ordering::Relaxed);
         let timer = match timer {
             Some(t) => {
                 t.as_mut().reset(deadline);

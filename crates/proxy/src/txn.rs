@@ -1629,10 +1629,7 @@ const PINNING_FUNCTIONS: [u32; 9] = [
 /// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL`, in any of its statements
 /// (`DEALLOCATE ALL` may follow others in one query).
 fn drops_statements(sql: &[u8]) -> bool {
-    match sql.iter().position(|&b| b == b';') {
-        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(drops_in),
-        _ => drops_in(sql),
-    }
+    any_statement(sql, drops_in)
 }
 
 /// [`drops_statements`] for one statement.
@@ -1665,11 +1662,16 @@ fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
 /// encoding PostgreSQL accepts, whatever the literals around them hold.
 /// A query of several statements pins if any of them does.
 fn pins_session(sql: &[u8]) -> bool {
-    // Most queries are one statement, perhaps with a closing semicolon:
-    // those skip the split, which has to follow quotes and comments.
+    any_statement(sql, pins_statement)
+}
+
+/// Whether `check` holds for any statement of the query `sql`. Most
+/// queries are one statement, perhaps with a closing semicolon: those
+/// skip the split, which has to follow quotes and comments.
+fn any_statement(sql: &[u8], check: fn(&[u8]) -> bool) -> bool {
     match sql.iter().position(|&b| b == b';') {
-        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(pins_statement),
-        _ => pins_statement(sql),
+        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(check),
+        _ => check(sql),
     }
 }
 
