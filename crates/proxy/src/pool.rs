@@ -360,10 +360,10 @@ pub struct ServerConn {
     pub backend_key: (i32, i32),
     /// Statements prepared on this connection (server-side names).
     pub prepared: StatementCache,
-    /// When the connection was opened.
-    pub created: Instant,
-    /// When it was last released.
-    pub last_used: Instant,
+    /// When the connection was opened ([`now_ns`]).
+    pub created: u64,
+    /// When it was last released ([`now_ns`]).
+    pub last_used: u64,
     /// The worker whose event loop the socket is registered with
     /// ([`crate::workers::NONE`]: the control runtime's).
     pub home: usize,
@@ -558,7 +558,7 @@ pub struct Pool {
     /// Wakes clients waiting for room under a cap when the pool retires,
     /// so they pick a host again instead of waiting out their time.
     retired_signal: Notify,
-    /// Connections opened before this ([`since_epoch`]; 0: none) are
+    /// Connections opened before this ([`now_ns`]; 0: none) are
     /// closed instead of reused ([`Pool::reconnect`]).
     renew_before: AtomicU64,
     /// Lent connections that will close when given back, for the admin
@@ -744,19 +744,30 @@ impl ConnLimit {
     }
 }
 
-static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+static EPOCH: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
-/// Nanoseconds from the first pool's creation to `t` (0 before it): a
-/// form of [`Instant`] that fits an atomic (and, below 2^63, leaves the
-/// top bit for a flag: that is 292 years).
-fn since_epoch(t: Instant) -> u64 {
-    let epoch = *EPOCH.get_or_init(Instant::now);
-    u64::try_from(t.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
+/// The pools' clock: nanoseconds on the monotonic clock since the first
+/// pool was created. A plain integer fits an atomic and a client's state
+/// (below 2^63 it leaves the top bit for a flag: that is 292 years), and
+/// comparing two costs no `Instant` arithmetic, which would add a few
+/// hundred instructions to every transaction.
+fn now_ns() -> u64 {
+    fn monotonic() -> u64 {
+        use nix::time::{clock_gettime, ClockId};
+        // The monotonic clock cannot fail to be read on Linux.
+        clock_gettime(ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+            (t.tv_sec() as u64)
+                .saturating_mul(1_000_000_000)
+                .saturating_add(t.tv_nsec() as u64)
+        })
+    }
+    let epoch = *EPOCH.get_or_init(monotonic);
+    monotonic().saturating_sub(epoch)
 }
 
-/// The [`Instant`] `ns` nanoseconds after the epoch of [`since_epoch`].
-fn at_epoch(ns: u64) -> Instant {
-    *EPOCH.get_or_init(Instant::now) + Duration::from_nanos(ns)
+/// `d` in nanoseconds, saturating.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A server connection lent to one client until its transaction ends.
@@ -773,7 +784,7 @@ pub struct Checkout {
 }
 
 /// Counts of one loan of a server connection. Part of every attached
-/// client's state, so its times are kept as [`since_epoch`] nanoseconds
+/// client's state, so its times are kept as [`now_ns`] nanoseconds
 /// rather than as `Instant`s of twice the size.
 #[derive(Debug, Clone, Copy)]
 pub struct Traffic {
@@ -799,7 +810,7 @@ impl Traffic {
     /// A loan starting now; the client's first message, which asked for
     /// it, is on its way, so the server counts as busy from here.
     pub fn starting() -> Traffic {
-        let now = since_epoch(Instant::now());
+        let now = now_ns();
         Traffic {
             queries: 0,
             received: 0,
@@ -814,7 +825,7 @@ impl Traffic {
     /// already was.
     pub fn sending(&mut self) {
         if self.mark & BUSY == 0 {
-            self.mark = since_epoch(Instant::now()) | BUSY;
+            self.mark = now_ns() | BUSY;
         }
     }
 
@@ -822,7 +833,7 @@ impl Traffic {
     pub fn ready(&mut self, idle: bool) {
         self.queries += 1;
         if idle {
-            let now = since_epoch(Instant::now());
+            let now = now_ns();
             if self.mark & BUSY != 0 {
                 self.query_us += now.saturating_sub(self.mark & !BUSY) / 1000;
             }
@@ -836,7 +847,7 @@ impl Traffic {
         if self.mark & BUSY == 0 {
             self.mark
         } else {
-            since_epoch(Instant::now())
+            now_ns()
         }
     }
 }
@@ -864,7 +875,7 @@ impl Pool {
         limits: Vec<Arc<ConnLimit>>,
     ) -> Arc<Pool> {
         // Fixes the epoch before any connection exists.
-        since_epoch(Instant::now());
+        now_ns();
         let pool = Arc::new(Pool {
             limits,
             server_tls,
@@ -957,8 +968,7 @@ impl Pool {
     /// ones close now, lent ones when their client lets them go; new ones
     /// open as clients need them. No client sees an error.
     pub fn reconnect(&self) {
-        self.renew_before
-            .store(since_epoch(Instant::now()) + 1, Ordering::SeqCst);
+        self.renew_before.store(now_ns() + 1, Ordering::SeqCst);
         // Every connection lent now predates the mark.
         self.stale
             .store(self.stats.active.load(Ordering::SeqCst), Ordering::SeqCst);
@@ -1033,9 +1043,10 @@ impl Pool {
         let Some(limit) = self.settings.server_idle_timeout else {
             return;
         };
+        let (now, limit) = (now_ns(), nanos(limit));
         let mut idle = self.idle.lock().expect("poisoned");
         let before = idle.len();
-        idle.retain(|c| c.last_used.elapsed() < limit);
+        idle.retain(|c| now.saturating_sub(c.last_used) < limit);
         self.stats
             .total
             .fetch_sub(before - idle.len(), Ordering::Relaxed);
@@ -1235,7 +1246,6 @@ impl Checkout {
             .fetch_add(traffic.received, Ordering::Relaxed);
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
         let ended = traffic.ended();
-        let now = at_epoch(ended);
         if traffic.queries > 0 {
             pool.stats.xact_us.fetch_add(
                 ended.saturating_sub(traffic.lent_at) / 1000,
@@ -1246,16 +1256,16 @@ impl Checkout {
                 .fetch_add(traffic.query_us, Ordering::Relaxed);
         }
         let lifetime = pool.settings.server_lifetime;
-        let renewed = since_epoch(conn.created) < pool.renew_before.load(Ordering::Relaxed);
+        let renewed = conn.created < pool.renew_before.load(Ordering::Relaxed);
         if renewed {
             let _ = pool
                 .stale
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
         let expired =
-            lifetime.is_some_and(|l| now.saturating_duration_since(conn.created) >= l) || renewed;
+            lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l)) || renewed;
         if reusable && !expired && !pool.is_retired() {
-            conn.last_used = now;
+            conn.last_used = ended;
             pool.idle.lock().expect("poisoned").push(conn);
             // Kept idle first, then the caps looked at: a pool that starts
             // waiting for a slot meanwhile either finds it idle or is
@@ -1453,8 +1463,8 @@ pub(crate) async fn login(
         extras: Extras::default(),
         backend_key,
         prepared: StatementCache::default(),
-        created: Instant::now(),
-        last_used: Instant::now(),
+        created: now_ns(),
+        last_used: now_ns(),
         home: crate::workers::current(),
         status_block: None,
         slots: [None, None],

@@ -534,10 +534,18 @@ impl ServerStream {
             ServerStream::Plain(s) => s,
             ServerStream::Tls(s) => s.get_ref().0,
         };
-        let mut byte = [0u8; 1];
-        let mut buf = tokio::io::ReadBuf::new(&mut byte);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        tcp.poll_peek(&mut cx, &mut buf).is_ready()
+        // `try_io` looks at the readiness the event loop recorded before
+        // calling the peek, and registers no waker: a checkout must not
+        // displace the waker of the task that will read the socket next.
+        let peek = || {
+            let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            socket2::SockRef::from(tcp).peek(&mut byte)
+        };
+        match tcp.try_io(tokio::io::Interest::READABLE, peek) {
+            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+            // Bytes, or the end of the stream.
+            Ok(_) => true,
+        }
     }
 
     /// The server's address.

@@ -197,41 +197,12 @@ pub(crate) async fn run(
             } else {
                 (None, false)
             };
+            // Biased, in this order: a server's reply is the likeliest
+            // event while attached, and polling only the ready branch saves
+            // re-arming the client socket's readiness on every reply; the
+            // idle timer matters only when nothing else is ready.
             tokio::select! {
-                _ = async {
-                    // Boxed: a timer is large, and most clients have none.
-                    match idle_limit {
-                        Some(d) => Box::pin(tokio::time::sleep(d)).await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    if in_transaction {
-                        // The server is mid-transaction: it is closed, which
-                        // rolls the transaction back.
-                        return Err(Fatal::new(sqlstate::IDLE_IN_TRANSACTION_SESSION_TIMEOUT, "terminating connection due to idle_transaction_timeout"));
-                    }
-                    return Err(Fatal::new(sqlstate::IDLE_SESSION_TIMEOUT, "terminating connection due to client_idle_timeout"));
-                }
-                r = client.read_some(&mut early) => {
-                    match r {
-                        Ok(Some(0)) | Err(_) => return ended(&killed),
-                        Ok(Some(n)) => {
-                            from_client.inc_by(n as u64);
-                        }
-                        Ok(None) => {}
-                    }
-                    if session.client_bytes(&mut early).await? {
-                        return Ok(());
-                    }
-                    if session.answer_client(client).await.is_err() {
-                        return Ok(());
-                    }
-                    // Buffers exist only while bytes are in flight, so an
-                    // idle client costs no more than its socket and task.
-                    if early.is_empty() {
-                        crate::bufcache::release(&mut early);
-                    }
-                }
+                biased;
                 n = read_attached(&mut session.attached, &mut sbuf) => {
                     match n {
                         Ok(0) | Err(_) => {
@@ -259,6 +230,40 @@ pub(crate) async fn run(
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
+                }
+                r = client.read_some(&mut early) => {
+                    match r {
+                        Ok(Some(0)) | Err(_) => return ended(&killed),
+                        Ok(Some(n)) => {
+                            from_client.inc_by(n as u64);
+                        }
+                        Ok(None) => {}
+                    }
+                    if session.client_bytes(&mut early).await? {
+                        return Ok(());
+                    }
+                    if session.answer_client(client).await.is_err() {
+                        return Ok(());
+                    }
+                    // Buffers exist only while bytes are in flight, so an
+                    // idle client costs no more than its socket and task.
+                    if early.is_empty() {
+                        crate::bufcache::release(&mut early);
+                    }
+                }
+                _ = async {
+                    // Boxed: a timer is large, and most clients have none.
+                    match idle_limit {
+                        Some(d) => Box::pin(tokio::time::sleep(d)).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if in_transaction {
+                        // The server is mid-transaction: it is closed, which
+                        // rolls the transaction back.
+                        return Err(Fatal::new(sqlstate::IDLE_IN_TRANSACTION_SESSION_TIMEOUT, "terminating connection due to idle_transaction_timeout"));
+                    }
+                    return Err(Fatal::new(sqlstate::IDLE_SESSION_TIMEOUT, "terminating connection due to client_idle_timeout"));
                 }
             }
         }
@@ -1026,13 +1031,14 @@ impl Session {
             frontend::QUERY => {
                 // Raw bytes: the client's encoding need not be UTF-8.
                 let text = message::query_bytes(body).unwrap_or_default();
-                if pins_session(text) {
+                let effects = Effects::of(text);
+                if effects.pins {
                     self.pinned = true;
                 }
-                if drops_statements(text) {
+                if effects.drops {
                     self.forget_statements();
                 }
-                let rewritten = if starts_with_word(text, "DEALLOCATE") {
+                let rewritten = if effects.deallocate {
                     std::str::from_utf8(text)
                         .ok()
                         .and_then(|t| self.deallocate(t))
@@ -1047,12 +1053,13 @@ impl Session {
             }
             frontend::PARSE => {
                 if let Ok(p) = message::parse_message(body) {
-                    if pins_session(p.query) {
+                    let effects = Effects::of(p.query);
+                    if effects.pins {
                         self.pinned = true;
                     }
                     // Forgotten when run, not here: the Bind may come in a
                     // later batch, on another server.
-                    let drops = drops_statements(p.query);
+                    let drops = effects.drops;
                     // A name that is not UTF-8 is passed on as it is, not
                     // followed from server to server.
                     let named = std::str::from_utf8(p.name).ok().filter(|n| !n.is_empty());
@@ -1549,7 +1556,7 @@ fn put_parse(out: &mut BytesMut, name: &str, rest: &[u8]) {
 /// transaction of the same client would expect, so the client must keep
 /// its server connection. A lexical check: words inside string literals may
 /// pin needlessly, which costs pooling, never correctness.
-/// Bytes that make up the words [`pins_session`] looks at.
+/// Bytes that make up the words [`Effects`] looks at.
 const WORD: [bool; 256] = {
     let mut t = [false; 256];
     let mut i = 0;
@@ -1625,54 +1632,86 @@ const PINNING_FUNCTIONS: [u32; 9] = [
     2889,
 ];
 
-/// Whether running `sql` drops every prepared statement of the session:
-/// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL`, in any of its statements
-/// (`DEALLOCATE ALL` may follow others in one query).
-fn drops_statements(sql: &[u8]) -> bool {
-    any_statement(sql, drops_in)
+/// What a query's statements do to the session, as far as the pool must
+/// know. Runs on every Query and Parse: one walk of the words serves all
+/// three answers.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Effects {
+    /// Some statement leaves state in the session that outlives its
+    /// transaction ([`pins_statement`]).
+    pins: bool,
+    /// Some statement drops every prepared statement of the session:
+    /// `DISCARD ALL` or `DEALLOCATE [PREPARE] ALL` (which may follow other
+    /// statements in one query).
+    drops: bool,
+    /// The query starts with `DEALLOCATE`.
+    deallocate: bool,
 }
 
-/// [`drops_statements`] for one statement.
-fn drops_in(sql: &[u8]) -> bool {
-    let mut w = words(after_comments(sql));
-    match w.next() {
-        Some(first) if first.eq_ignore_ascii_case(b"DISCARD") => {
-            w.next().is_some_and(|w| w.eq_ignore_ascii_case(b"ALL"))
+impl Effects {
+    /// The effects of the query `sql`. Takes raw bytes: the keywords are
+    /// ASCII in every client encoding PostgreSQL accepts, whatever the
+    /// literals around them hold.
+    fn of(sql: &[u8]) -> Effects {
+        // Most queries are one statement, perhaps with a closing
+        // semicolon: those skip the split, which has to follow quotes and
+        // comments.
+        let several =
+            memchr::memchr(b';', sql).is_some_and(|i| !sql[i + 1..].trim_ascii().is_empty());
+        if !several {
+            return Effects::of_statement(sql);
         }
-        Some(first) if first.eq_ignore_ascii_case(b"DEALLOCATE") => {
+        let mut all = Effects::default();
+        for (i, statement) in statements(sql).enumerate() {
+            let e = Effects::of_statement(statement);
+            all.pins |= e.pins;
+            all.drops |= e.drops;
+            if i == 0 {
+                all.deallocate = e.deallocate;
+            }
+        }
+        all
+    }
+
+    fn of_statement(sql: &[u8]) -> Effects {
+        let sql = after_comments(sql);
+        let mut words = words(sql);
+        let Some(first) = words.next() else {
+            return Effects::default();
+        };
+        let is = |w: Option<&[u8]>, k: &[u8]| w.is_some_and(|w| w.eq_ignore_ascii_case(k));
+        let (mut drops, mut deallocate) = (false, false);
+        if first.eq_ignore_ascii_case(b"DISCARD") {
+            drops = is(words.clone().next(), b"ALL");
+        } else if first.eq_ignore_ascii_case(b"DEALLOCATE") {
+            deallocate = true;
+            let mut w = words.clone();
             let mut next = w.next();
-            if next.is_some_and(|n| n.eq_ignore_ascii_case(b"PREPARE")) {
+            if is(next, b"PREPARE") {
                 next = w.next();
             }
-            next.is_some_and(|n| n.eq_ignore_ascii_case(b"ALL"))
+            drops = is(next, b"ALL");
         }
-        _ => false,
+        Effects {
+            pins: pins_statement(sql, first, words),
+            drops,
+            deallocate,
+        }
     }
 }
 
-/// Whether the first word of `sql` is `keyword` (ASCII, any case).
-fn starts_with_word(sql: &[u8], keyword: &str) -> bool {
-    words(after_comments(sql))
-        .next()
-        .is_some_and(|w| w.eq_ignore_ascii_case(keyword.as_bytes()))
-}
-
-/// Whether a statement leaves state in the session that outlives its
-/// transaction. Takes raw bytes: the keywords are ASCII in every client
-/// encoding PostgreSQL accepts, whatever the literals around them hold.
-/// A query of several statements pins if any of them does.
+/// Whether the query `sql` leaves state in the session that outlives its
+/// transaction, in any of its statements.
+#[cfg(test)]
 fn pins_session(sql: &[u8]) -> bool {
-    any_statement(sql, pins_statement)
+    Effects::of(sql).pins
 }
 
-/// Whether `check` holds for any statement of the query `sql`. Most
-/// queries are one statement, perhaps with a closing semicolon: those
-/// skip the split, which has to follow quotes and comments.
-fn any_statement(sql: &[u8], check: fn(&[u8]) -> bool) -> bool {
-    match sql.iter().position(|&b| b == b';') {
-        Some(i) if !sql[i + 1..].trim_ascii().is_empty() => statements(sql).any(check),
-        _ => check(sql),
-    }
+/// Whether running the query `sql` drops every prepared statement of the
+/// session.
+#[cfg(test)]
+fn drops_statements(sql: &[u8]) -> bool {
+    Effects::of(sql).drops
 }
 
 /// Names a `SET` or `RESET` may change without pinning: the tracked
@@ -1691,17 +1730,18 @@ const REPLAYED: [&str; 9] = [
     "NAMES",
 ];
 
-/// [`pins_session`] for one statement.
-fn pins_statement(sql: &[u8]) -> bool {
+/// Whether one statement, `sql` from its first word on, leaves state in
+/// the session that outlives its transaction; `words` are the words after
+/// `first`.
+fn pins_statement<'a>(
+    sql: &'a [u8],
+    first: &'a [u8],
+    words: impl Iterator<Item = &'a [u8]> + Clone,
+) -> bool {
     // Runs on every Query and Parse, so it walks the words in place (no
     // upper-cased copy, no list of words) and compares a word only with
     // the keywords of its length.
     let is = |w: &[u8], k: &str| w.eq_ignore_ascii_case(k.as_bytes());
-    let sql = after_comments(sql);
-    let mut words = words(sql);
-    let Some(first) = words.next() else {
-        return false;
-    };
     // SQL-level PREPARE (protocol-level statements follow the client).
     if is(first, "PREPARE") {
         return true;
