@@ -2904,3 +2904,57 @@ async fn an_idle_server_that_went_away_is_not_handed_out() {
         assert_ne!(new_pid, Some(pid.as_str()), "round {round}");
     }
 }
+
+/// A result of more than 64 MiB streams through the transaction pool
+/// while the pool's other client keeps being served, pipelined queries
+/// included: the session loop leaves a socket unpolled only while its
+/// waker is registered there with nothing to read, and must read on as
+/// soon as bytes come (a stall here shows as a time-out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_results_stream_through_the_pool_while_others_are_served() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 2).await;
+    let big = client(&via(&p, "read_write")).await.unwrap();
+    let small = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
+    let streaming = async {
+        for round in 0..2 {
+            let msgs = big
+                .simple_query("SELECT g, repeat('x', 1000) FROM generate_series(1, 70000) g")
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let mut rows = 0usize;
+            let mut bytes = 0usize;
+            for m in &msgs {
+                if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                    rows += 1;
+                    assert_eq!(r.get(0), Some(rows.to_string().as_str()));
+                    bytes += r.get(1).map_or(0, str::len);
+                }
+            }
+            assert_eq!((rows, bytes), (70_000, 70_000_000), "round {round}");
+        }
+    };
+    let served = async {
+        for batch in 0..20i32 {
+            let tasks: Vec<_> = (0..25i32)
+                .map(|i| {
+                    let small = small.clone();
+                    tokio::spawn(async move {
+                        let n = batch * 100 + i;
+                        let row = small.query_one("SELECT $1::int4 * 2", &[&n]).await.unwrap();
+                        assert_eq!(row.get::<_, i32>(0), n * 2);
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+            assert_eq!(one(&small, "SELECT 'simple'").await, "simple");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::join!(streaming, served)
+    })
+    .await
+    .expect("the big result and the other client's queries finish");
+}

@@ -780,6 +780,11 @@ pub struct Checkout {
     /// Traffic while lent, added to the pool's [`PoolStats`] at release
     /// (one atomic add each per transaction rather than per message).
     pub traffic: Traffic,
+    /// The borrower's last read of the socket found nothing, with a budget
+    /// left, so the borrower's waker is registered with it: until the
+    /// socket is readable there is no need to poll it again (see
+    /// [`crate::stream::ServerStream::quiet`]). False for a new loan.
+    pub read_armed: bool,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -1066,6 +1071,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             traffic: Traffic::starting(),
+            read_armed: false,
             _permit: permit,
         })
     }
@@ -1214,6 +1220,7 @@ impl Pool {
             conn,
             pool: self.clone(),
             traffic: Traffic::starting(),
+            read_armed: false,
             _permit: permit,
         };
         Ok((checkout, Duration::from_micros(waited)))

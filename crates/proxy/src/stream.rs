@@ -29,6 +29,18 @@ fn gone() -> io::Error {
 }
 
 impl ClientStream {
+    /// Whether a plain socket's readiness, as the event loop last saw it,
+    /// shows nothing to read (no system call, no waker registered). Always
+    /// false for TLS, whose library may hold decrypted bytes the socket
+    /// no longer shows.
+    pub fn quiet(&self) -> bool {
+        match self {
+            ClientStream::Plain(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
+            ClientStream::Local(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
+            ClientStream::Tls(_) | ClientStream::Gone => false,
+        }
+    }
+
     /// Whether the session runs over TLS.
     pub fn is_tls(&self) -> bool {
         matches!(self, ClientStream::Tls(_))
@@ -41,32 +53,36 @@ impl ClientStream {
 
     /// Reads what is available into `buf`. On plain TCP the buffer is
     /// grown only once the socket is readable, so an idle client holds no
-    /// buffer. `Ok(None)`: a spurious wake-up, nothing read.
-    pub async fn read_some(&mut self, buf: &mut BytesMut) -> io::Result<Option<usize>> {
+    /// buffer. A poll function rather than an `async fn`: the session loop
+    /// polls it in place, with no future to build per poll.
+    pub fn poll_read_some(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        use tokio_util::io::poll_read_buf;
+        // Readiness is awaited first (it holds no waiter node, so an idle
+        // client's future stays small), then the read: `poll_read_buf`
+        // rather than a `try_read`, because a short read clears the
+        // readiness, which saves the next call a recv() that would only say
+        // EAGAIN (one system call per transaction). Readiness without data
+        // is rare; the buffer then waits with the socket.
         match self {
             ClientStream::Plain(s) => {
-                // Polled readiness rather than `readable()`, whose future
-                // carries a waiter node: this future waits in every idle
-                // pooled client, and its size is memory per client.
-                std::future::poll_fn(|cx| s.poll_read_ready(cx)).await?;
+                std::task::ready!(s.poll_read_ready(cx))?;
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
-                // `read_buf` rather than `try_read_buf`: a short read clears
-                // the readiness, which saves the next call a recv() that
-                // would only say EAGAIN (one system call per transaction).
-                // Readiness without data is rare; the buffer then waits
-                // with the socket.
-                s.read_buf(buf).await.map(Some)
+                poll_read_buf(Pin::new(s), cx, buf)
             }
             ClientStream::Local(s) => {
-                std::future::poll_fn(|cx| s.poll_read_ready(cx)).await?;
+                std::task::ready!(s.poll_read_ready(cx))?;
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
-                s.read_buf(buf).await.map(Some)
+                poll_read_buf(Pin::new(s), cx, buf)
             }
             ClientStream::Tls(s) => {
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
-                s.read_buf(buf).await.map(Some)
+                poll_read_buf(Pin::new(s.as_mut()), cx, buf)
             }
-            ClientStream::Gone => Err(gone()),
+            ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
 
@@ -524,6 +540,14 @@ pub(crate) fn tune(tcp: &TcpStream) {
 }
 
 impl ServerStream {
+    /// See [`ClientStream::quiet`].
+    pub fn quiet(&self) -> bool {
+        match self {
+            ServerStream::Plain(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
+            ServerStream::Tls(_) => false,
+        }
+    }
+
     /// Whether the server sent anything, closed or failed since its socket
     /// was last read to the end: an idle server connection says nothing
     /// unless it is going away (a FATAL before the close, as after

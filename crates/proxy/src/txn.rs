@@ -15,6 +15,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use crate::stream::ClientStream;
@@ -162,6 +163,7 @@ pub(crate) async fn run(
     }
     let outcome: Result<(), Fatal> = async {
         let mut sbuf = BytesMut::new();
+        let mut client_armed = false;
         // Being told to end shows as the end of the client's input.
         let ended = |killed: &KillState| match killed.reason() {
             None => Ok(()),
@@ -231,13 +233,12 @@ pub(crate) async fn run(
                         crate::bufcache::release(&mut sbuf);
                     }
                 }
-                r = client.read_some(&mut early) => {
+                r = read_client(client, &mut early, &mut client_armed) => {
                     match r {
-                        Ok(Some(0)) | Err(_) => return ended(&killed),
-                        Ok(Some(n)) => {
+                        Ok(0) | Err(_) => return ended(&killed),
+                        Ok(n) => {
                             from_client.inc_by(n as u64);
                         }
-                        Ok(None) => {}
                     }
                     if session.client_bytes(&mut early).await? {
                         return Ok(());
@@ -384,13 +385,45 @@ async fn read_attached(
     attached: &mut Option<Checkout>,
     buf: &mut BytesMut,
 ) -> std::io::Result<usize> {
-    match attached {
-        Some(c) => {
-            crate::bufcache::ready_for_read(buf, 4096);
-            c.conn.stream.read_buf(buf).await
+    let Some(c) = attached else {
+        return std::future::pending().await;
+    };
+    std::future::poll_fn(|cx| {
+        if c.read_armed && c.conn.stream.quiet() {
+            return Poll::Pending;
         }
-        None => std::future::pending().await,
-    }
+        crate::bufcache::ready_for_read(buf, 4096);
+        let r = tokio_util::io::poll_read_buf(std::pin::Pin::new(&mut c.conn.stream), cx, buf);
+        c.read_armed = r.is_pending() && tokio::task::coop::has_budget_remaining();
+        r
+    })
+    .await
+}
+
+/// [`ClientStream::poll_read_some`], not polled again while the socket stays
+/// quiet after a read that registered the task's waker with it (`armed`).
+///
+/// The session loop re-creates its branches after every event, and each
+/// poll of a socket with nothing to read takes the lock of its waiter
+/// list to register the same waker again: two of those per statement,
+/// one per socket, saved here and in [`read_attached`]. A read that found
+/// the task's budget spent registered nothing, so it does not arm (a
+/// pending read gives back the budget it took: what is left after it is
+/// what it found).
+async fn read_client(
+    client: &mut ClientStream,
+    buf: &mut BytesMut,
+    armed: &mut bool,
+) -> std::io::Result<usize> {
+    std::future::poll_fn(|cx| {
+        if *armed && client.quiet() {
+            return Poll::Pending;
+        }
+        let r = client.poll_read_some(cx, buf);
+        *armed = r.is_pending() && tokio::task::coop::has_budget_remaining();
+        r
+    })
+    .await
 }
 
 /// What [`Session::server_bytes`] passes on to the client.
@@ -1481,6 +1514,8 @@ const RESET_TIMEOUT: Duration = Duration::from_secs(5);
 /// and reads up to its ReadyForQuery, keeping ParameterStatus changes.
 /// `Ok(Some((sqlstate, message)))`: the server answered with an error.
 async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<(String, String)>, String> {
+    // Its reads leave the socket's registration as they please.
+    c.read_armed = false;
     let mut q = BytesMut::new();
     encode::query(&mut q, sql);
     c.conn
@@ -2175,5 +2210,72 @@ mod tests {
             }
             assert_eq!(pins_session(sql.as_bytes()), reference(&sql), "{sql:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod read_tests {
+    use super::{read_client, ClientStream};
+    use bytes::BytesMut;
+    use std::future::Future;
+    use std::task::Poll;
+    use tokio::io::AsyncWriteExt;
+
+    /// Spends the current task's budget (tokio's cooperative scheduling);
+    /// false if the task has none to spend.
+    fn spend_budget(cx: &mut std::task::Context<'_>) -> bool {
+        for _ in 0..10_000 {
+            match tokio::task::coop::poll_proceed(cx) {
+                Poll::Ready(c) => c.made_progress(),
+                Poll::Pending => return true,
+            }
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn only_a_read_that_registered_its_waker_arms() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut peer = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut client = ClientStream::Plain(listener.accept().await.unwrap().0);
+        let mut buf = BytesMut::new();
+        let mut armed = false;
+        // Nothing to read, budget left: the read registers, and arms.
+        std::future::poll_fn(|cx| {
+            let read = std::pin::pin!(read_client(&mut client, &mut buf, &mut armed));
+            assert!(read.poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        assert!(armed);
+        // With the budget spent the read is refused before it looks at the
+        // socket and registers nothing: arming then would leave the task
+        // asleep when bytes come.
+        armed = false;
+        std::future::poll_fn(|cx| {
+            assert!(
+                spend_budget(cx),
+                "the test runs inside a task with a budget"
+            );
+            let read = std::pin::pin!(read_client(&mut client, &mut buf, &mut armed));
+            assert!(read.poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        assert!(!armed, "a read refused for budget must not arm");
+        // An armed read of a quiet socket waits without polling it, and
+        // reads once bytes come.
+        peer.write_all(b"xyz").await.unwrap();
+        let n = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            read_client(&mut client, &mut buf, &mut armed),
+        )
+        .await
+        .expect("the bytes are read")
+        .unwrap();
+        assert_eq!((n, &buf[..]), (3, &b"xyz"[..]));
+        assert!(!armed);
     }
 }
