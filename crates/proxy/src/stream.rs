@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -39,6 +39,22 @@ impl ClientStream {
             ClientStream::Local(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
             ClientStream::Tls(_) | ClientStream::Gone => false,
         }
+    }
+
+    /// Writes all of `buf`. A plain socket with room takes it at once,
+    /// with no future polled and no waker registered (the common case: a
+    /// reply smaller than the socket's buffer); what it does not take is
+    /// written as `write_all` does.
+    pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        let n = match self {
+            ClientStream::Plain(s) => taken(s.try_write(buf))?,
+            ClientStream::Local(s) => taken(s.try_write(buf))?,
+            ClientStream::Tls(_) | ClientStream::Gone => 0,
+        };
+        if n < buf.len() {
+            self.write_all(&buf[n..]).await?;
+        }
+        Ok(())
     }
 
     /// Whether the session runs over TLS.
@@ -539,7 +555,27 @@ pub(crate) fn tune(tcp: &TcpStream) {
     let _ = socket2::SockRef::from(tcp).set_keepalive(true);
 }
 
+/// What a `try_write` took: nothing when the socket had no room.
+fn taken(r: io::Result<usize>) -> io::Result<usize> {
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        r => r,
+    }
+}
+
 impl ServerStream {
+    /// See [`ClientStream::send_all`].
+    pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        let n = match self {
+            ServerStream::Plain(s) => taken(s.try_write(buf))?,
+            ServerStream::Tls(_) => 0,
+        };
+        if n < buf.len() {
+            self.write_all(&buf[n..]).await?;
+        }
+        Ok(())
+    }
+
     /// See [`ClientStream::quiet`].
     pub fn quiet(&self) -> bool {
         match self {

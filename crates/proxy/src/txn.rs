@@ -215,8 +215,8 @@ pub(crate) async fn run(
                     }
                     let out = session.server_bytes(&mut sbuf)?;
                     let written = match &out {
-                        ToClient::Prefix(n) => client.write_all(&sbuf[..*n]).await.map(|()| *n),
-                        ToClient::Owned(o) => client.write_all(o).await.map(|()| o.len()),
+                        ToClient::Prefix(n) => client.send_all(&sbuf[..*n]).await.map(|()| *n),
+                        ToClient::Owned(o) => client.send_all(o).await.map(|()| o.len()),
                     };
                     let Ok(written) = written else {
                         return Ok(());
@@ -830,7 +830,7 @@ impl Session {
     /// Sends the client what pgwarden answered itself.
     async fn answer_client(&mut self, client: &mut ClientStream) -> std::io::Result<()> {
         match self.answers.take() {
-            Some(out) => client.write_all(&out).await,
+            Some(out) => client.send_all(&out).await,
             None => Ok(()),
         }
     }
@@ -1027,7 +1027,7 @@ impl Session {
         let c = self.attached.as_mut().expect("attached before translating");
         c.traffic.received += out.len() as u64;
         c.traffic.sending();
-        c.conn.stream.write_all(out).await.map_err(|e| {
+        c.conn.stream.send_all(out).await.map_err(|e| {
             Fatal::new(
                 sqlstate::CONNECTION_FAILURE,
                 format!("terminating connection: server write failed: {e}"),
