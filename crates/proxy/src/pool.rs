@@ -1462,6 +1462,7 @@ pub(crate) async fn login(
             _ => {}
         }
     }
+    let opened = now_ns();
     Ok(ServerConn {
         stream,
         peer,
@@ -1470,8 +1471,8 @@ pub(crate) async fn login(
         extras: Extras::default(),
         backend_key,
         prepared: StatementCache::default(),
-        created: now_ns(),
-        last_used: now_ns(),
+        created: opened,
+        last_used: opened,
         home: crate::workers::current(),
         status_block: None,
         slots: [None, None],

@@ -77,8 +77,8 @@ impl ClientStream {
         buf: &mut BytesMut,
     ) -> Poll<io::Result<usize>> {
         use tokio_util::io::poll_read_buf;
-        // Readiness is awaited first (it holds no waiter node, so an idle
-        // client's future stays small), then the read: `poll_read_buf`
+        // Readiness is polled first (no buffer is taken before the socket
+        // has bytes), then the read: `poll_read_buf`
         // rather than a `try_read`, because a short read clears the
         // readiness, which saves the next call a recv() that would only say
         // EAGAIN (one system call per transaction). Readiness without data

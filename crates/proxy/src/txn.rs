@@ -200,9 +200,10 @@ pub(crate) async fn run(
                 (None, false)
             };
             // Biased, in this order: a server's reply is the likeliest
-            // event while attached, and polling only the ready branch saves
-            // re-arming the client socket's readiness on every reply; the
-            // idle timer matters only when nothing else is ready.
+            // event while attached, and stopping at the ready branch saves
+            // polling the client socket (and registering its waker again)
+            // on every reply; the idle timer matters only when nothing
+            // else is ready.
             tokio::select! {
                 biased;
                 n = read_attached(&mut session.attached, &mut sbuf) => {
@@ -1587,10 +1588,6 @@ fn put_parse(out: &mut BytesMut, name: &str, rest: &[u8]) {
     out.put_slice(rest);
 }
 
-/// Whether a statement leaves state in the server session that the next
-/// transaction of the same client would expect, so the client must keep
-/// its server connection. A lexical check: words inside string literals may
-/// pin needlessly, which costs pooling, never correctness.
 /// Bytes that make up the words [`Effects`] looks at.
 const WORD: [bool; 256] = {
     let mut t = [false; 256];
@@ -1696,14 +1693,16 @@ impl Effects {
         if !several {
             return Effects::of_statement(sql);
         }
-        let mut all = Effects::default();
-        for (i, statement) in statements(sql).enumerate() {
-            let e = Effects::of_statement(statement);
+        // The query's first word, wherever its first statement starts.
+        let mut all = Effects {
+            deallocate: words(after_comments(sql))
+                .next()
+                .is_some_and(|w| w.eq_ignore_ascii_case(b"DEALLOCATE")),
+            ..Effects::default()
+        };
+        for e in statements(sql).map(Effects::of_statement) {
             all.pins |= e.pins;
             all.drops |= e.drops;
-            if i == 0 {
-                all.deallocate = e.deallocate;
-            }
         }
         all
     }
@@ -1766,8 +1765,10 @@ const REPLAYED: [&str; 9] = [
 ];
 
 /// Whether one statement, `sql` from its first word on, leaves state in
-/// the session that outlives its transaction; `words` are the words after
-/// `first`.
+/// the server session that the next transaction of the same client would
+/// expect, so the client must keep its server connection; `words` are the
+/// words after `first`. A lexical check: words inside string literals may
+/// pin needlessly, which costs pooling, never correctness.
 fn pins_statement<'a>(
     sql: &'a [u8],
     first: &'a [u8],
@@ -2265,8 +2266,7 @@ mod read_tests {
         })
         .await;
         assert!(!armed, "a read refused for budget must not arm");
-        // An armed read of a quiet socket waits without polling it, and
-        // reads once bytes come.
+        // The read then gets the bytes once they come.
         peer.write_all(b"xyz").await.unwrap();
         let n = tokio::time::timeout(
             std::time::Duration::from_secs(10),
