@@ -534,7 +534,7 @@ async fn wait_close(shared: &Shared, text: &str) {
         }
         // Rare, operator-driven and short: polled rather than signalled,
         // to keep the release of a connection free of it.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        crate::timer::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
 

@@ -121,7 +121,7 @@ impl Authenticator {
             *guard = Some(self.connect(shared).await?);
         }
         let client = guard.as_ref().expect("connected");
-        let rows = tokio::time::timeout(
+        let rows = crate::timer::timeout(
             Duration::from_secs(5),
             client.query(&self.spec.auth_query, &[&user]),
         )
@@ -171,7 +171,7 @@ impl Authenticator {
                    SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1::text \
                    UNION SELECT a.roleid FROM pg_catalog.pg_auth_members a JOIN m ON a.member = m.oid) \
                  SELECT r.rolname::text FROM pg_catalog.pg_roles r JOIN m ON r.oid = m.oid";
-        let rows = match tokio::time::timeout(Duration::from_secs(5), client.query(q, &[&user]))
+        let rows = match crate::timer::timeout(Duration::from_secs(5), client.query(q, &[&user]))
             .await
         {
             Ok(Ok(rows)) => rows,
@@ -208,8 +208,7 @@ impl Authenticator {
             .port(primary.port)
             .user(&self.spec.auth_user)
             .dbname(&self.spec.auth_dbname)
-            .application_name("pgwarden-auth")
-            .connect_timeout(Duration::from_secs(5));
+            .application_name("pgwarden-auth");
         if let Some(p) = &self.spec.auth_password {
             cfg.password(p);
         }
@@ -227,7 +226,7 @@ impl Authenticator {
                 .await
                 .map_err(|e| e.to_string())
         };
-        let (client, conn) = tokio::time::timeout(Duration::from_secs(5), attempt)
+        let (client, conn) = crate::timer::timeout(Duration::from_secs(5), attempt)
             .await
             .map_err(|_| format!("auth user cannot connect to {primary}: timed out"))?
             .map_err(|e| format!("auth user cannot connect to {primary}: {e}"))?;

@@ -128,7 +128,7 @@ async fn pause(
                 ),
             );
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        crate::timer::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
 

@@ -21,6 +21,7 @@ mod proxy;
 mod relay;
 mod session;
 mod stream;
+mod timer;
 mod txn;
 mod workers;
 

@@ -945,7 +945,7 @@ impl Pool {
                     }
                     tokio::select! {
                         _ = retired => return Err(ServerError::Retired),
-                        s = tokio::time::timeout_at(deadline, limit.take()) => {
+                        s = crate::timer::timeout_at(deadline, limit.take()) => {
                             s.map_err(|_| ServerError::Limit(limit.describe()))?
                         }
                     }
@@ -1128,7 +1128,7 @@ impl Pool {
         let Some(wait) = self.reserve_after else {
             return std::future::pending().await;
         };
-        tokio::time::sleep_until((started + wait).into()).await;
+        crate::timer::sleep_until((started + wait).into()).await;
         let p = self.reserve.clone().acquire_owned().await;
         p.map_err(|_| ServerError::Retired)
     }
@@ -1164,7 +1164,7 @@ impl Pool {
                 t.as_mut().reset(deadline);
                 t
             }
-            None => timer.insert(Box::pin(tokio::time::sleep_until(deadline))),
+            None => timer.insert(Box::pin(crate::timer::sleep_until(deadline))),
         };
         let permit = tokio::select! {
             biased;
@@ -1197,7 +1197,7 @@ impl Pool {
                     .max(Duration::from_secs(1));
                 // Boxed: logging in is rare and its state large, and
                 // without it every wait for a server would carry it.
-                let c = tokio::time::timeout(
+                let c = crate::timer::timeout(
                     remaining,
                     Box::pin(connect(&self.key, startup, &cred, &self.server_tls.load())),
                 )

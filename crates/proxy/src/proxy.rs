@@ -957,7 +957,7 @@ impl Proxy {
         let mut changes = self.shared.changes.clone();
         while self.session_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = crate::timer::sleep(Duration::from_millis(50)) => {}
                 _ = changes.changed() => {}
             }
         }
@@ -969,7 +969,7 @@ impl Proxy {
         }
         let grace = tokio::time::Instant::now() + Duration::from_secs(2);
         while self.session_count() > 0 && tokio::time::Instant::now() < grace {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            crate::timer::sleep(Duration::from_millis(20)).await;
         }
         self.router.abort();
         if let Some((_, t)) = self.http.take() {
@@ -1056,7 +1056,7 @@ async fn unix_accept_loop(
             Ok((s, _)) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                crate::timer::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
@@ -1204,7 +1204,7 @@ async fn accept_loop(
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
                 tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                crate::timer::sleep(Duration::from_millis(50)).await;
             }
         }
     }

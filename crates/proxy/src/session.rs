@@ -48,7 +48,7 @@ pub(crate) async fn refuse_busy<S: tokio::io::AsyncWrite + Unpin>(mut client: S)
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
     );
-    let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+    let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     let _ = client.shutdown().await;
 }
 
@@ -182,7 +182,7 @@ pub(crate) fn run(
             shared.metrics.error(&service.spec.name, r.reason);
             tracing::debug!(reason = r.reason, message = %r.message, "client refused");
             let out = encode::fatal(r.code.code(), &r.message);
-            let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+            let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
             let _ = client.shutdown().await;
         }
         gauge.dec();
@@ -243,7 +243,7 @@ async fn serve(
     let auth_timeout = *shared.auth_timeout.lock().expect("poisoned");
     let deadline = tokio::time::Instant::now() + auth_timeout;
     let mut startup =
-        match tokio::time::timeout_at(deadline, read_startup(client, &mut buf, shared)).await {
+        match crate::timer::timeout_at(deadline, read_startup(client, &mut buf, shared)).await {
             Ok(Ok(Some(s))) => s,
             Ok(Ok(None)) => return Ok(None),
             Ok(Err(r)) => return Err(r),
@@ -316,7 +316,7 @@ async fn serve(
 
     let credential = match shared.auth.load_full() {
         None => None,
-        Some(auth) => match tokio::time::timeout_at(
+        Some(auth) => match crate::timer::timeout_at(
             deadline,
             Box::pin(auth.authenticate(shared, client, &startup, peer)),
         )
@@ -480,14 +480,14 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
         return;
     };
     let timeout = shared.server_connect_timeout();
-    if let Ok(Ok(mut s)) = tokio::time::timeout(timeout, TcpStream::connect(key.server)).await {
+    if let Ok(Ok(mut s)) = crate::timer::timeout(timeout, TcpStream::connect(key.server)).await {
         if s.write_all(&encode::cancel_request(key.pid, key.secret))
             .await
             .is_ok()
         {
             let mut sink = [0u8; 1];
             // The server closes once it has signalled the backend.
-            if let Ok(Ok(0)) = tokio::time::timeout(timeout, s.read(&mut sink)).await {
+            if let Ok(Ok(0)) = crate::timer::timeout(timeout, s.read(&mut sink)).await {
                 if let Some(g) = guard.as_mut() {
                     g.delivered();
                 }
@@ -563,7 +563,7 @@ async fn connect_server(
                 crate::stream::tune(&s);
                 server_tls.start(s, &addr.host).await
             };
-            match tokio::time::timeout(timeout, attempt).await {
+            match crate::timer::timeout(timeout, attempt).await {
                 Ok(Ok(s)) => return Ok((s, addr)),
                 Ok(Err(e)) => {
                     tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
@@ -589,7 +589,7 @@ async fn connect_server(
         // Nothing usable now: wait for the topology to change.
         tokio::select! {
             r = changes.changed() => if r.is_err() { return Err(last) },
-            _ = tokio::time::sleep_until(deadline) => return Err(last),
+            _ = crate::timer::sleep_until(deadline) => return Err(last),
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(last);
@@ -971,7 +971,7 @@ impl Io<'_> {
         if let Some((code, message)) = notice {
             if s2c.at_boundary() {
                 let out = encode::fatal(code.code(), &message);
-                let _ = tokio::time::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
+                let _ = crate::timer::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
             }
         }
         let _ = cw.shutdown().await;

@@ -256,7 +256,7 @@ pub(crate) async fn run(
                 _ = async {
                     // Boxed: a timer is large, and most clients have none.
                     match idle_limit {
-                        Some(d) => Box::pin(tokio::time::sleep(d)).await,
+                        Some(d) => Box::pin(crate::timer::sleep(d)).await,
                         None => std::future::pending().await,
                     }
                 } => {
@@ -274,7 +274,7 @@ pub(crate) async fn run(
 
     if let Err(f) = outcome {
         let out = f.into_message();
-        let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+        let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
     drop(registration);
     shared.cancel.remove(key);
@@ -651,7 +651,7 @@ impl Session {
             if *paused.borrow() {
                 tokio::select! {
                     _ = paused.wait_for(|p| !*p) => continue,
-                    _ = tokio::time::sleep_until(deadline) => {
+                    _ = crate::timer::sleep_until(deadline) => {
                         return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
                     }
                 }
@@ -677,7 +677,7 @@ impl Session {
                         Err(e) => {
                             tokio::select! {
                                 r = changes.changed() => if r.is_err() { return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, e.to_string())) },
-                                _ = tokio::time::sleep_until(deadline) => {
+                                _ = crate::timer::sleep_until(deadline) => {
                                     return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\": {e}", spec.name)));
                                 }
                             }
@@ -736,7 +736,7 @@ impl Session {
                     tracing::warn!(host = %host, error = %e, "pooled server connection failed");
                     tokio::select! {
                         _ = changes.changed() => {}
-                        _ = tokio::time::sleep_until(deadline) => {
+                        _ = crate::timer::sleep_until(deadline) => {
                             return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
                         }
                     }
@@ -921,7 +921,7 @@ impl Session {
         if c.pool.is_retired() {
             return false;
         }
-        let done = tokio::time::timeout(RESET_TIMEOUT, run_on_server(c, "DISCARD ALL")).await;
+        let done = crate::timer::timeout(RESET_TIMEOUT, run_on_server(c, "DISCARD ALL")).await;
         match done {
             Ok(Ok(None)) => {
                 c.conn.prepared.clear();
@@ -2268,7 +2268,7 @@ mod read_tests {
         assert!(!armed, "a read refused for budget must not arm");
         // The read then gets the bytes once they come.
         peer.write_all(b"xyz").await.unwrap();
-        let n = tokio::time::timeout(
+        let n = crate::timer::timeout(
             std::time::Duration::from_secs(10),
             read_client(&mut client, &mut buf, &mut armed),
         )

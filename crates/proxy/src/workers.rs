@@ -35,7 +35,7 @@ thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(NONE) };
 }
 
-/// Period of each worker's idle timer (see [`Workers::start`]).
+/// Period of the timer thread's tick (see `start_timer_thread`).
 const TICK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The "worker" of any thread that is not one.
@@ -65,38 +65,32 @@ impl Workers {
     /// before the next one is used (0: in turn).
     pub fn start(n: usize, fill: usize) -> io::Result<Workers> {
         let n = n.max(1);
+        let timers = start_timer_thread()?;
         let mut handles = Vec::with_capacity(n);
         let mut stop = Vec::with_capacity(n);
         for id in 0..n {
+            // No timer driver (see `crate::timer`).
             let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
+                .enable_io()
                 .build()?;
             let (tx, rx) = oneshot::channel::<()>();
             handles.push(runtime.handle().clone());
             stop.push(tx);
+            let (timer_handle, alive) = (timers.handle.clone(), timers.alive.clone());
             std::thread::Builder::new()
                 .name(format!("pgwarden-worker-{id}"))
                 .spawn(move || {
                     CURRENT.with(|c| c.set(id));
+                    crate::timer::use_driver_of(timer_handle);
                     // Ends when the sender is dropped; the runtime and its
                     // tasks go with the thread.
                     runtime.block_on(async {
-                        // A timer that always expires within a second: a
-                        // new time-out further away (every client's
-                        // start-up deadline, every wait for a server) then
-                        // falls after the event loop's next wake-up, and
-                        // registering it does not have to interrupt the
-                        // loop through its eventfd, a system call each.
-                        let tick = tokio::spawn(async {
-                            let mut t = tokio::time::interval(TICK);
-                            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                            loop {
-                                t.tick().await;
-                            }
-                        });
                         let _ = rx.await;
-                        tick.abort();
                     });
+                    drop(runtime);
+                    // Only now may the timer thread end: a task polling a
+                    // timer whose driver is gone would panic.
+                    drop(alive);
                 })?;
         }
         Ok(Workers {
@@ -181,6 +175,43 @@ impl Drop for Workers {
     }
 }
 
+/// The thread whose runtime drives the workers' timers.
+struct TimerThread {
+    handle: Handle,
+    /// Held by every worker thread; the timer thread ends when the last
+    /// one is dropped.
+    alive: tokio::sync::mpsc::Sender<()>,
+}
+
+fn start_timer_thread() -> io::Result<TimerThread> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let handle = runtime.handle().clone();
+    let (alive, mut gone) = tokio::sync::mpsc::channel::<()>(1);
+    std::thread::Builder::new()
+        .name("pgwarden-timers".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                // A timer that always expires within a second: a worker's
+                // new time-out (every client's start-up deadline, every
+                // wait for a server) then falls after this thread's next
+                // wake-up, and arming it does not have to interrupt this
+                // thread through its eventfd.
+                let tick = tokio::spawn(async {
+                    let mut t = crate::timer::interval(TICK);
+                    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        t.tick().await;
+                    }
+                });
+                let _ = gone.recv().await;
+                tick.abort();
+            });
+        })?;
+    Ok(TimerThread { handle, alive })
+}
+
 /// The first worker with fewer than `fill` clients, else the least busy
 /// (the first of equals).
 fn pick_filling(counts: impl Iterator<Item = usize>, fill: usize) -> usize {
@@ -248,6 +279,30 @@ mod tests {
         assert_eq!(ids, HashSet::from([0, 1]));
         let threads: HashSet<_> = seen.iter().map(|s| s.1).collect();
         assert_eq!(threads.len(), 2, "each worker is its own thread");
+    }
+
+    #[test]
+    fn time_outs_armed_on_a_worker_fire() {
+        let workers = Workers::start(2, 0).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..2 {
+            let tx = tx.clone();
+            workers.spawn_on(i, async move {
+                let started = std::time::Instant::now();
+                crate::timer::sleep(std::time::Duration::from_millis(20)).await;
+                let never = std::future::pending::<()>();
+                let timed_out =
+                    crate::timer::timeout(std::time::Duration::from_millis(20), never).await;
+                tx.send((started.elapsed(), timed_out.is_err())).unwrap();
+            });
+        }
+        for _ in 0..2 {
+            let (waited, timed_out) = rx
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("the worker's timers fired");
+            assert!(waited >= std::time::Duration::from_millis(40));
+            assert!(timed_out);
+        }
     }
 
     #[test]
