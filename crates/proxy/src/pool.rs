@@ -112,8 +112,25 @@ pub(crate) const TRACKED: [&str; 6] = [
 
 /// Values of the [`TRACKED`] parameters, by position: compared on every
 /// transaction of a pooled client, so kept in a form that costs no hashing.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Tracked([Option<Arc<str>>; TRACKED.len()]);
+
+impl PartialEq for Tracked {
+    fn eq(&self, other: &Tracked) -> bool {
+        // `Arc`'s own comparison looks at the address first only for sized
+        // contents; for `str` it always compares the bytes.
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .all(|(a, b)| match (a, b) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+                (None, None) => true,
+                _ => false,
+            })
+    }
+}
+
+impl Eq for Tracked {}
 
 /// One shared copy of each value servers report for the tracked
 /// parameters: a client's values are compared with its server's at every
@@ -1536,7 +1553,24 @@ fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::{Extras, StatementCache};
+    use super::{Extras, StatementCache, Tracked};
+
+    #[test]
+    fn tracked_values_compare_by_content_whatever_their_allocation() {
+        let mut a = Tracked::default();
+        let mut b = Tracked::default();
+        assert_eq!(a, b);
+        a.set("TimeZone", "UTC");
+        assert_ne!(a, b, "a value against none");
+        b.0[3] = Some(std::sync::Arc::from(String::from("UTC")));
+        assert_eq!(a, b, "equal values in two allocations");
+        b.adopt_missing(&a);
+        b.set("TimeZone", "Europe/Paris");
+        assert_ne!(a, b);
+        let mut c = Tracked::default();
+        c.adopt_missing(&a);
+        assert_eq!(a, c, "shared values");
+    }
     use pgwarden_wire::startup::StartupMessage;
 
     fn startup(params: &[(&str, &str)]) -> StartupMessage {
