@@ -196,8 +196,8 @@ fn start_timer_thread() -> io::Result<TimerThread> {
                 // A timer that always expires within a second: a worker's
                 // new time-out (every client's start-up deadline, every
                 // wait for a server) then falls after this thread's next
-                // wake-up, and arming it does not have to interrupt this
-                // thread through its eventfd.
+                // wake-up, and arming it does not have to wake this
+                // thread early (a futex call from the arming worker).
                 let tick = tokio::spawn(async {
                     let mut t = crate::timer::interval(TICK);
                     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
