@@ -237,7 +237,9 @@ async fn serve(
     client: &mut ClientStream,
     peer: SocketAddr,
 ) -> Result<Option<Box<Pooled>>, Refusal> {
-    let mut buf = BytesMut::with_capacity(1024);
+    // Empty: the first read takes a buffer from the thread's list
+    // (`bufcache`), which is where it goes back when the client is done.
+    let mut buf = BytesMut::new();
     // One budget from accept to an authenticated client, so a slow client
     // costs a bounded amount.
     let auth_timeout = *shared.auth_timeout.lock().expect("poisoned");
@@ -668,7 +670,7 @@ async fn relay(
     shared: &Arc<Shared>,
     service: &Arc<Service>,
     client: &mut ClientStream,
-    early: BytesMut,
+    mut early: BytesMut,
     server: ServerStream,
     host: HostAddr,
     startup: StartupMessage,
@@ -771,6 +773,9 @@ async fn relay(
         Ok::<_, std::io::Error>(())
     }
     .await;
+    // The session relays through its own buffers from here on.
+    early.clear();
+    crate::bufcache::release(&mut early);
     if result.is_err() {
         drop(registration);
         finish(shared, registered_key, &host_gauge);
