@@ -20,7 +20,7 @@ pub struct BackendKey {
 /// ends and once per cancel request; never per message.
 #[derive(Debug, Default)]
 pub struct CancelRegistry {
-    keys: Mutex<HashMap<(i32, i32), Target>>,
+    keys: Mutex<HashMap<(i32, i32), Target, foldhash::fast::RandomState>>,
 }
 
 /// A session's backend is fixed; a pooled client's changes with every

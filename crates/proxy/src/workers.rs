@@ -157,10 +157,9 @@ impl Workers {
     /// user: the same for all of them, so that their pool's connections
     /// stay on one thread.
     pub fn pool_home(&self, service: &str, database: &str, user: &str) -> usize {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (service, database, user).hash(&mut h);
-        (h.finish() % self.handles.len() as u64) as usize
+        use std::hash::BuildHasher;
+        let h = foldhash::fast::FixedState::default().hash_one((service, database, user));
+        (h % self.handles.len() as u64) as usize
     }
 
     /// Ends every worker and drops what runs on it. Idempotent.
