@@ -1077,7 +1077,8 @@ async fn unix_accept_loop(
             crate::session::LOCAL_PEER,
             target,
         );
-        drop(shared.workers.spawn_on(target, session));
+        // Boxed for the reason given in `accept_loop`.
+        drop(shared.workers.spawn_on(target, Box::pin(session)));
     }
 }
 
@@ -1159,16 +1160,19 @@ async fn accept_loop(
                 };
                 shared.workers.enter(target);
                 if target == here {
-                    // Spawned as it is: a wrapping block would hold the
-                    // whole session future twice. The session gives its
-                    // slots back.
-                    drop(tokio::spawn(crate::session::run(
+                    // Boxed: tokio moves a task's future by value several
+                    // times while spawning it and again as it finishes, a
+                    // copy of the whole session future (over a kilobyte)
+                    // each time, where a box moves as a pointer. Not
+                    // wrapped in a block, which would hold the future
+                    // twice. The session gives its slots back.
+                    drop(tokio::spawn(Box::pin(crate::session::run(
                         shared.clone(),
                         svc,
                         crate::session::Accepted::Here(stream),
                         peer,
                         target,
-                    )));
+                    ))));
                     continue;
                 }
                 // The socket leaves this runtime's epoll for the worker's:
@@ -1184,7 +1188,8 @@ async fn accept_loop(
                     peer,
                     target,
                 );
-                drop(shared.workers.spawn_on(target, session));
+                // Boxed for the reason given in `accept_loop`.
+                drop(shared.workers.spawn_on(target, Box::pin(session)));
                 // Follow the usual pool, or the worker being filled, so
                 // that the next clients need no hand-over. Moving costs
                 // about what handing one client over does, and happens
