@@ -51,6 +51,7 @@ struct FenceArgs {
 }
 
 fn main() -> ExitCode {
+    pgwarden_proxy::tune_allocator();
     let cli = Cli::parse();
     init_logging();
     match cli.command {

@@ -32,3 +32,21 @@ pub use proxy::{
     ClientTlsMode, ConnLimits, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
 };
 pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};
+
+/// Tunes the C allocator for the connection manager; call once at
+/// start-up, before any thread is spawned.
+///
+/// Each new client allocates a few blocks of a kilobyte or more (its task,
+/// its start-up state), and glibc merges every "fast bin" of small freed
+/// blocks before it serves a request of that size. Without fast bins the
+/// small blocks still come from glibc's per-thread cache, and setting a
+/// client up runs about 3 % fewer instructions (docs/benchmarks.md).
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[allow(unsafe_code)]
+    // SAFETY: mallopt only sets a parameter of the allocator, and M_MXFAST
+    // = 0 is a documented value (fast bins off).
+    unsafe {
+        libc::mallopt(libc::M_MXFAST, 0);
+    }
+}
