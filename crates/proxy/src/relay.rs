@@ -29,6 +29,90 @@ const CHUNK: usize = bufcache::SIZE;
 /// messages are a protocol error (PostgreSQL itself caps a Query at 1 GB).
 pub const MAX_INSPECTED: usize = 256 * 1024 * 1024;
 
+/// What a pump can learn from, or do with, one end of the relay without
+/// polling a future. Plain sockets answer from the readiness the event
+/// loop recorded; other streams (TLS, test pipes) use the defaults, which
+/// always go through the future.
+pub trait Direct {
+    /// Whether the socket, as the event loop last saw it, has nothing to
+    /// read: no system call and no waker registered.
+    fn quiet(&self) -> bool {
+        false
+    }
+
+    /// Writes what the socket takes at once, without waiting; `Ok(0)`
+    /// leaves everything to the future.
+    fn write_now(&mut self, _buf: &[u8]) -> std::io::Result<usize> {
+        Ok(0)
+    }
+}
+
+/// A `try_write` that would block wrote nothing.
+fn taken(r: std::io::Result<usize>) -> std::io::Result<usize> {
+    match r {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+        r => r,
+    }
+}
+
+impl Direct for tokio::net::tcp::ReadHalf<'_> {
+    // `try_io` looks at the recorded readiness and registers nothing.
+    fn quiet(&self) -> bool {
+        self.as_ref()
+            .try_io(tokio::io::Interest::READABLE, || Ok(()))
+            .is_err()
+    }
+}
+
+impl Direct for tokio::net::tcp::WriteHalf<'_> {
+    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        taken(self.try_write(buf))
+    }
+}
+
+impl Direct for tokio::net::unix::ReadHalf<'_> {
+    fn quiet(&self) -> bool {
+        self.as_ref()
+            .try_io(tokio::io::Interest::READABLE, || Ok(()))
+            .is_err()
+    }
+}
+
+impl Direct for tokio::net::unix::WriteHalf<'_> {
+    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        taken(self.try_write(buf))
+    }
+}
+
+impl<T> Direct for tokio::io::ReadHalf<T> {}
+impl<T> Direct for tokio::io::WriteHalf<T> {}
+impl Direct for tokio::io::DuplexStream {}
+impl Direct for tokio::io::Sink {}
+
+impl<T: Direct + ?Sized> Direct for &mut T {
+    fn quiet(&self) -> bool {
+        (**self).quiet()
+    }
+
+    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (**self).write_now(buf)
+    }
+}
+
+/// Writes all of `buf`: what the socket takes at once without a future
+/// (a reply smaller than the socket's buffer, the common case), the rest
+/// as `write_all` does.
+async fn send_all<W: AsyncWrite + Direct + Unpin>(
+    writer: &mut W,
+    buf: &[u8],
+) -> std::io::Result<()> {
+    let n = writer.write_now(buf)?;
+    if n < buf.len() {
+        writer.write_all(&buf[n..]).await?;
+    }
+    Ok(())
+}
+
 /// What to do with one inspected, complete message.
 pub enum Verdict {
     /// Forward it (possibly modified in place).
@@ -140,17 +224,29 @@ impl Framing {
 /// Reads into `buf`, which holds a buffer from the free list only while
 /// the read returns data or `buf` still holds bytes: a read that has to
 /// wait gives an empty buffer back.
-async fn read_borrowing<R: AsyncRead + Unpin>(
+///
+/// Both directions of a session are polled whenever either wakes the
+/// task. `armed` says this read's waker is registered with its socket:
+/// while the socket's recorded readiness shows nothing, the read waits
+/// without polling it again (which would register the same waker once
+/// more).
+async fn read_borrowing<R: AsyncRead + Direct + Unpin>(
     reader: &mut R,
     buf: &mut BytesMut,
+    armed: &mut bool,
 ) -> std::io::Result<usize> {
     std::future::poll_fn(|cx| {
+        if *armed && reader.quiet() {
+            return std::task::Poll::Pending;
+        }
         if buf.capacity() == 0 {
             *buf = bufcache::take();
         } else if buf.capacity() - buf.len() < CHUNK / 4 {
             buf.reserve(CHUNK);
         }
         let polled = pin!(reader.read_buf(&mut *buf)).poll(cx);
+        // A read held back by the task's budget registered no waker.
+        *armed = polled.is_pending() && tokio::task::coop::has_budget_remaining();
         if polled.is_pending() && buf.is_empty() {
             bufcache::release(buf);
         }
@@ -170,12 +266,13 @@ pub async fn pump<R, W>(
     mut inspect: impl FnMut(u8, &mut [u8]) -> Verdict,
 ) -> End
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    R: AsyncRead + Direct + Unpin,
+    W: AsyncWrite + Direct + Unpin,
 {
     let mut buf = BytesMut::new();
+    let mut armed = false;
     loop {
-        match read_borrowing(reader, &mut buf).await {
+        match read_borrowing(reader, &mut buf, &mut armed).await {
             Ok(0) => return End::Eof,
             Ok(n) => {
                 bytes.inc_by(n as u64);
@@ -191,7 +288,7 @@ where
             let result = match step {
                 Step::Forward(n) => {
                     let r = if n > 0 {
-                        writer.write_all(&buf[..n]).await
+                        send_all(writer, &buf[..n]).await
                     } else {
                         Ok(())
                     };
@@ -285,23 +382,76 @@ mod tests {
         assert!(framing.at_boundary());
     }
 
+    /// Two pumps in one task over real sockets, as a session runs them:
+    /// each waits armed on its socket while the other works, and must
+    /// still see every byte that arrives.
+    #[tokio::test]
+    async fn pumps_sharing_a_task_see_every_byte_over_real_sockets() {
+        use tokio::net::{TcpListener, TcpStream};
+        async fn pair() -> (TcpStream, TcpStream) {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+            let (a, b) = (a.unwrap(), b.unwrap().0);
+            a.set_nodelay(true).unwrap();
+            b.set_nodelay(true).unwrap();
+            (a, b)
+        }
+        let (mut client, mut from_client) = pair().await;
+        let (mut to_server, mut server) = pair().await;
+        let relay = tokio::spawn(async move {
+            let (mut cr, mut cw) = from_client.split();
+            let (mut sr, mut sw) = to_server.split();
+            let (mut up, mut down) = (Framing::default(), Framing::default());
+            let counter = Counter::default();
+            tokio::select! {
+                e = pump(&mut cr, &mut sw, &mut up, &counter, |_| false, |_, _| Verdict::Keep) => e,
+                e = pump(&mut sr, &mut cw, &mut down, &counter, |_| false, |_, _| Verdict::Keep) => e,
+            }
+        });
+        let exchange = async {
+            for i in 0..500u32 {
+                let query = msg(b'Q', format!("select {i}\0").as_bytes());
+                client.write_all(&query).await.unwrap();
+                let mut got = vec![0u8; query.len()];
+                server.read_exact(&mut got).await.unwrap();
+                assert_eq!(got, query);
+                // Replies of every size, some larger than a read buffer.
+                let reply = msg(b'D', &vec![i as u8; (i as usize * 97) % 40_000]);
+                server.write_all(&reply).await.unwrap();
+                let mut got = vec![0u8; reply.len()];
+                client.read_exact(&mut got).await.unwrap();
+                assert_eq!(got, reply);
+            }
+        };
+        crate::timer::timeout(std::time::Duration::from_secs(30), exchange)
+            .await
+            .expect("a byte was left unread");
+        drop(client);
+        assert!(matches!(relay.await.unwrap(), End::Eof));
+    }
+
     #[tokio::test]
     async fn a_waiting_read_holds_no_buffer() {
         let (mut a, mut b) = tokio::io::duplex(64);
         let mut buf = BytesMut::new();
+        let mut armed = false;
         {
-            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf));
+            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf, &mut armed));
             let waker = std::task::Waker::noop();
             let polled = read.poll(&mut std::task::Context::from_waker(waker));
             assert!(polled.is_pending());
         }
         assert_eq!(buf.capacity(), 0, "an idle read gives its buffer back");
         a.write_all(b"hello").await.unwrap();
-        assert_eq!(read_borrowing(&mut b, &mut buf).await.unwrap(), 5);
+        assert_eq!(
+            read_borrowing(&mut b, &mut buf, &mut armed).await.unwrap(),
+            5
+        );
         assert_eq!(&buf[..], b"hello");
         // Bytes not yet forwarded keep their buffer across a wait.
         {
-            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf));
+            let read = std::pin::pin!(read_borrowing(&mut b, &mut buf, &mut armed));
             let waker = std::task::Waker::noop();
             assert!(read
                 .poll(&mut std::task::Context::from_waker(waker))

@@ -21,7 +21,7 @@ use crate::cancel::BackendKey;
 use crate::metrics::{HostLabel, RouteLabel, ServiceLabel};
 use crate::proxy::ClientTlsMode;
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
-use crate::relay::{pump, End, Framing, Verdict};
+use crate::relay::{pump, Direct, End, Framing, Verdict};
 use crate::stream::{ClientStream, ServerStream};
 
 /// An error to report to the client before closing.
@@ -850,8 +850,8 @@ impl Io<'_> {
         killed: &KillState,
     ) -> Option<(i32, i32)>
     where
-        CR: tokio::io::AsyncRead + Unpin,
-        CW: tokio::io::AsyncWrite + Unpin,
+        CR: tokio::io::AsyncRead + Direct + Unpin,
+        CW: tokio::io::AsyncWrite + Direct + Unpin,
     {
         match server {
             ServerStream::Plain(tcp) => {
@@ -876,10 +876,10 @@ impl Io<'_> {
         killed: &KillState,
     ) -> Option<(i32, i32)>
     where
-        CR: tokio::io::AsyncRead + Unpin,
-        CW: tokio::io::AsyncWrite + Unpin,
-        SR: tokio::io::AsyncRead + Unpin,
-        SW: tokio::io::AsyncWrite + Unpin,
+        CR: tokio::io::AsyncRead + Direct + Unpin,
+        CW: tokio::io::AsyncWrite + Direct + Unpin,
+        SR: tokio::io::AsyncRead + Direct + Unpin,
+        SW: tokio::io::AsyncWrite + Direct + Unpin,
     {
         let mut cancel_key: Option<(i32, i32)> = None;
         let read_only = self.spec.read_only;
