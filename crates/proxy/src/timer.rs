@@ -30,42 +30,50 @@ pub(crate) fn use_driver_of(handle: Handle) {
     DRIVER.with(|d| *d.borrow_mut() = Some(handle));
 }
 
-fn with_driver<T>(make: impl FnOnce() -> T) -> T {
-    DRIVER.with(|d| match &*d.borrow() {
-        Some(handle) => {
-            let _entered = handle.enter();
-            make()
-        }
-        None => make(),
-    })
+/// The runtime whose timer driver this thread's timers use, if not the
+/// current one. Entered by a guard in the caller rather than through a
+/// closure: a closure would move the future a time-out wraps (often over a
+/// kilobyte) in and out of it, a copy each way.
+fn driver() -> Option<Handle> {
+    DRIVER.with(|d| d.borrow().clone())
 }
 
 /// [`tokio::time::sleep`].
 #[allow(clippy::disallowed_methods)]
 pub fn sleep(duration: Duration) -> Sleep {
-    with_driver(|| tokio::time::sleep(duration))
+    let driver = driver();
+    let _entered = driver.as_ref().map(Handle::enter);
+    tokio::time::sleep(duration)
 }
 
 /// [`tokio::time::sleep_until`].
 #[allow(clippy::disallowed_methods)]
 pub fn sleep_until(deadline: Instant) -> Sleep {
-    with_driver(|| tokio::time::sleep_until(deadline))
+    let driver = driver();
+    let _entered = driver.as_ref().map(Handle::enter);
+    tokio::time::sleep_until(deadline)
 }
 
 /// [`tokio::time::timeout`].
 #[allow(clippy::disallowed_methods)]
 pub fn timeout<F: IntoFuture>(duration: Duration, future: F) -> Timeout<F::IntoFuture> {
-    with_driver(|| tokio::time::timeout(duration, future))
+    let driver = driver();
+    let _entered = driver.as_ref().map(Handle::enter);
+    tokio::time::timeout(duration, future)
 }
 
 /// [`tokio::time::timeout_at`].
 #[allow(clippy::disallowed_methods)]
 pub fn timeout_at<F: IntoFuture>(deadline: Instant, future: F) -> Timeout<F::IntoFuture> {
-    with_driver(|| tokio::time::timeout_at(deadline, future))
+    let driver = driver();
+    let _entered = driver.as_ref().map(Handle::enter);
+    tokio::time::timeout_at(deadline, future)
 }
 
 /// [`tokio::time::interval`].
 #[allow(clippy::disallowed_methods)]
 pub fn interval(period: Duration) -> tokio::time::Interval {
-    with_driver(|| tokio::time::interval(period))
+    let driver = driver();
+    let _entered = driver.as_ref().map(Handle::enter);
+    tokio::time::interval(period)
 }
