@@ -1188,7 +1188,7 @@ async fn accept_loop(
                     peer,
                     target,
                 );
-                // Boxed for the reason given in `accept_loop`.
+                // Boxed, as above.
                 drop(shared.workers.spawn_on(target, Box::pin(session)));
                 // Follow the usual pool, or the worker being filled, so
                 // that the next clients need no hand-over. Moving costs

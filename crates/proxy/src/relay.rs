@@ -21,6 +21,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::bufcache;
+use crate::stream::taken;
 
 /// Read buffer size per direction.
 const CHUNK: usize = bufcache::SIZE;
@@ -44,14 +45,6 @@ pub trait Direct {
     /// leaves everything to the future.
     fn write_now(&mut self, _buf: &[u8]) -> std::io::Result<usize> {
         Ok(0)
-    }
-}
-
-/// A `try_write` that would block wrote nothing.
-fn taken(r: std::io::Result<usize>) -> std::io::Result<usize> {
-    match r {
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
-        r => r,
     }
 }
 

@@ -556,7 +556,7 @@ pub(crate) fn tune(tcp: &TcpStream) {
 }
 
 /// What a `try_write` took: nothing when the socket had no room.
-fn taken(r: io::Result<usize>) -> io::Result<usize> {
+pub(crate) fn taken(r: io::Result<usize>) -> io::Result<usize> {
     match r {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
         r => r,
