@@ -467,6 +467,9 @@ async fn read_startup(
             Ok(None) => {}
             Err(e) => return Err(Refusal::new(e.sqlstate(), "protocol", e.to_string())),
         }
+        // A buffer from the thread's list, not one `read_buf` would
+        // allocate (and grow) for this client alone.
+        crate::bufcache::ready_for_read(buf, 1024);
         match client.read_buf(buf).await {
             Ok(0) | Err(_) => return Ok(None),
             Ok(_) => {}
