@@ -1554,6 +1554,7 @@ fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::{Extras, StatementCache, Tracked};
+    use pgwarden_wire::startup::StartupMessage;
 
     #[test]
     fn tracked_values_compare_by_content_whatever_their_allocation() {
@@ -1571,7 +1572,6 @@ mod tests {
         c.adopt_missing(&a);
         assert_eq!(a, c, "shared values");
     }
-    use pgwarden_wire::startup::StartupMessage;
 
     fn startup(params: &[(&str, &str)]) -> StartupMessage {
         StartupMessage::new(

@@ -48,34 +48,34 @@ pub trait Direct {
     }
 }
 
-impl Direct for tokio::net::tcp::ReadHalf<'_> {
-    // `try_io` looks at the recorded readiness and registers nothing.
-    fn quiet(&self) -> bool {
-        self.as_ref()
-            .try_io(tokio::io::Interest::READABLE, || Ok(()))
-            .is_err()
-    }
+/// The halves of a plain socket (TCP or Unix-domain) answer directly.
+macro_rules! direct_socket_halves {
+    ($read:ty, $write:ty) => {
+        impl Direct for $read {
+            // `try_io` looks at the recorded readiness and registers nothing.
+            fn quiet(&self) -> bool {
+                self.as_ref()
+                    .try_io(tokio::io::Interest::READABLE, || Ok(()))
+                    .is_err()
+            }
+        }
+
+        impl Direct for $write {
+            fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                taken(self.try_write(buf))
+            }
+        }
+    };
 }
 
-impl Direct for tokio::net::tcp::WriteHalf<'_> {
-    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        taken(self.try_write(buf))
-    }
-}
-
-impl Direct for tokio::net::unix::ReadHalf<'_> {
-    fn quiet(&self) -> bool {
-        self.as_ref()
-            .try_io(tokio::io::Interest::READABLE, || Ok(()))
-            .is_err()
-    }
-}
-
-impl Direct for tokio::net::unix::WriteHalf<'_> {
-    fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        taken(self.try_write(buf))
-    }
-}
+direct_socket_halves!(
+    tokio::net::tcp::ReadHalf<'_>,
+    tokio::net::tcp::WriteHalf<'_>
+);
+direct_socket_halves!(
+    tokio::net::unix::ReadHalf<'_>,
+    tokio::net::unix::WriteHalf<'_>
+);
 
 impl<T> Direct for tokio::io::ReadHalf<T> {}
 impl<T> Direct for tokio::io::WriteHalf<T> {}

@@ -31,49 +31,48 @@ pub(crate) fn use_driver_of(handle: Handle) {
 }
 
 /// The runtime whose timer driver this thread's timers use, if not the
-/// current one. Entered by a guard in the caller rather than through a
-/// closure: a closure would move the future a time-out wraps (often over a
-/// kilobyte) in and out of it, a copy each way.
+/// current one.
 fn driver() -> Option<Handle> {
     DRIVER.with(|d| d.borrow().clone())
+}
+
+/// Evaluates `$make` inside this thread's timer runtime. Entered by a guard
+/// rather than through a closure: a closure would move the future a
+/// time-out wraps (often over a kilobyte) in and out of it, a copy each way.
+macro_rules! on_driver {
+    ($make:expr) => {{
+        let driver = driver();
+        let _entered = driver.as_ref().map(Handle::enter);
+        $make
+    }};
 }
 
 /// [`tokio::time::sleep`].
 #[allow(clippy::disallowed_methods)]
 pub fn sleep(duration: Duration) -> Sleep {
-    let driver = driver();
-    let _entered = driver.as_ref().map(Handle::enter);
-    tokio::time::sleep(duration)
+    on_driver!(tokio::time::sleep(duration))
 }
 
 /// [`tokio::time::sleep_until`].
 #[allow(clippy::disallowed_methods)]
 pub fn sleep_until(deadline: Instant) -> Sleep {
-    let driver = driver();
-    let _entered = driver.as_ref().map(Handle::enter);
-    tokio::time::sleep_until(deadline)
+    on_driver!(tokio::time::sleep_until(deadline))
 }
 
 /// [`tokio::time::timeout`].
 #[allow(clippy::disallowed_methods)]
 pub fn timeout<F: IntoFuture>(duration: Duration, future: F) -> Timeout<F::IntoFuture> {
-    let driver = driver();
-    let _entered = driver.as_ref().map(Handle::enter);
-    tokio::time::timeout(duration, future)
+    on_driver!(tokio::time::timeout(duration, future))
 }
 
 /// [`tokio::time::timeout_at`].
 #[allow(clippy::disallowed_methods)]
 pub fn timeout_at<F: IntoFuture>(deadline: Instant, future: F) -> Timeout<F::IntoFuture> {
-    let driver = driver();
-    let _entered = driver.as_ref().map(Handle::enter);
-    tokio::time::timeout_at(deadline, future)
+    on_driver!(tokio::time::timeout_at(deadline, future))
 }
 
 /// [`tokio::time::interval`].
 #[allow(clippy::disallowed_methods)]
 pub fn interval(period: Duration) -> tokio::time::Interval {
-    let driver = driver();
-    let _entered = driver.as_ref().map(Handle::enter);
-    tokio::time::interval(period)
+    on_driver!(tokio::time::interval(period))
 }
