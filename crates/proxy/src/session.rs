@@ -243,20 +243,19 @@ async fn serve(
     // One budget from accept to an authenticated client, so a slow client
     // costs a bounded amount.
     let auth_timeout = *shared.auth_timeout.lock().expect("poisoned");
-    let deadline = tokio::time::Instant::now() + auth_timeout;
-    let mut startup =
-        match crate::timer::timeout_at(deadline, read_startup(client, &mut buf, shared)).await {
-            Ok(Ok(Some(s))) => s,
-            Ok(Ok(None)) => return Ok(None),
-            Ok(Err(r)) => return Err(r),
-            Err(_) => {
-                return Err(Refusal::new(
-                    sqlstate::PROTOCOL_VIOLATION,
-                    "startup_timeout",
-                    "timeout waiting for the startup packet",
-                ))
-            }
-        };
+    let deadline = crate::timer::Deadline::after(auth_timeout);
+    let mut startup = match deadline.run(read_startup(client, &mut buf, shared)).await {
+        Ok(Ok(Some(s))) => s,
+        Ok(Ok(None)) => return Ok(None),
+        Ok(Err(r)) => return Err(r),
+        Err(_) => {
+            return Err(Refusal::new(
+                sqlstate::PROTOCOL_VIOLATION,
+                "startup_timeout",
+                "timeout waiting for the startup packet",
+            ))
+        }
+    };
     let spec = &service.spec;
     // A Unix-domain socket never leaves the machine: TLS is neither
     // offered nor required there, as in PostgreSQL.
@@ -318,11 +317,9 @@ async fn serve(
 
     let credential = match shared.auth.load_full() {
         None => None,
-        Some(auth) => match crate::timer::timeout_at(
-            deadline,
-            Box::pin(auth.authenticate(shared, client, &startup, peer)),
-        )
-        .await
+        Some(auth) => match deadline
+            .run(Box::pin(auth.authenticate(shared, client, &startup, peer)))
+            .await
         {
             Ok(Ok(c)) => Some(c),
             Ok(Err(e)) => {
