@@ -231,19 +231,21 @@ impl Extras {
             if !valid {
                 return Err(format!("invalid configuration parameter name \"{name}\""));
             }
+            // A tracked parameter is replayed as such; one given only in
+            // `options` is set like the rest, and the client then takes the
+            // server's value as its own.
+            // (Replayed under the exact name the client's session reads.)
+            let tracked = TRACKED.contains(&name);
+            if tracked && !from_options {
+                return Ok(());
+            }
             let lower = name.to_ascii_lowercase();
             if matches!(lower.as_str(), "session_authorization" | "role") {
                 return Err(format!(
                     "start-up parameter \"{name}\" is not supported with pooling: connect as that role instead"
                 ));
             }
-            // A tracked parameter is replayed as such; one given only in
-            // `options` is set like the rest, and the client then takes the
-            // server's value as its own.
-            // (Replayed under the exact name the client's session reads.)
-            let tracked = TRACKED.contains(&name);
-            if (tracked && !from_options)
-                || (from_options && top_level(&lower))
+            if (from_options && top_level(&lower))
                 || (read_only && lower == "default_transaction_read_only")
             {
                 return Ok(());
@@ -1320,16 +1322,17 @@ const SERVER_DEFAULTS: [&str; 5] = [
 ];
 
 /// The part of a client's start-up message that opening a server
-/// connection for it reads ([`SERVER_DEFAULTS`]).
-pub(crate) fn server_defaults(client_startup: &StartupMessage) -> StartupMessage {
-    StartupMessage::new(
-        client_startup
-            .params
-            .iter()
-            .filter(|(k, _)| SERVER_DEFAULTS.contains(&k.as_str()))
-            .cloned()
-            .collect(),
-    )
+/// connection for it reads ([`SERVER_DEFAULTS`]). Kept in place, not
+/// copied: a connect-per-transaction client would pay two allocations for
+/// its application name alone.
+pub(crate) fn server_defaults(mut client_startup: StartupMessage) -> StartupMessage {
+    client_startup
+        .params
+        .retain(|(k, _)| SERVER_DEFAULTS.contains(&k.as_str()));
+    // Kept for the client's whole life, idle or not.
+    client_startup.params.shrink_to_fit();
+    client_startup.protocol = (3, 0);
+    client_startup
 }
 
 /// Opens a server connection for a pool and logs in.
@@ -1352,8 +1355,10 @@ async fn connect(
         ("user".into(), key.user.clone()),
         ("database".into(), key.database.clone()),
     ]);
-    for (name, v) in server_defaults(client_startup).params {
-        startup.set(&name, &v);
+    for (name, v) in &client_startup.params {
+        if SERVER_DEFAULTS.contains(&name.as_str()) {
+            startup.set(name, v);
+        }
     }
     if key.read_only {
         startup.set("default_transaction_read_only", "on");

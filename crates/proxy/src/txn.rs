@@ -530,13 +530,14 @@ impl Session {
             .recent_pool
             .load_full()
             .filter(|p| p.key.database == database && p.key.user == user);
+        let (database, user) = (Arc::from(database), Arc::from(user));
         let session = Session {
             shared: shared.clone(),
             service: service.clone(),
-            database: Arc::from(database),
-            user: Arc::from(user),
+            database,
+            user,
             // Only what opening a server connection reads stays.
-            startup: crate::pool::server_defaults(&startup),
+            startup: crate::pool::server_defaults(startup),
             client_id: shared.next_session.fetch_add(1, Ordering::Relaxed),
             attached: None,
             replies: Replies::default(),
