@@ -50,6 +50,11 @@ struct FenceArgs {
     data_dir: std::path::PathBuf,
 }
 
+/// glibc's allocator, with the worker threads' short lists of the aligned
+/// blocks each connection takes (see `pgwarden_proxy::Allocator`).
+#[global_allocator]
+static ALLOCATOR: pgwarden_proxy::Allocator = pgwarden_proxy::Allocator;
+
 fn main() -> ExitCode {
     pgwarden_proxy::tune_allocator();
     let cli = Cli::parse();

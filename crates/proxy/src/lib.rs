@@ -11,6 +11,7 @@
 //! right (a demoted primary, a dead host) to end.
 
 mod admin;
+mod alloc;
 mod auth;
 mod bufcache;
 mod cancel;
@@ -25,6 +26,7 @@ mod timer;
 mod txn;
 mod workers;
 
+pub use alloc::Allocator;
 pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
