@@ -21,6 +21,7 @@ mod pool;
 mod proxy;
 mod relay;
 mod session;
+mod sock;
 mod stream;
 mod timer;
 mod txn;

@@ -46,6 +46,16 @@ pub trait Direct {
     fn write_now(&mut self, _buf: &[u8]) -> std::io::Result<usize> {
         Ok(0)
     }
+
+    /// Reads into `buf` directly ([`crate::sock::poll_recv`]); `None`
+    /// leaves the read to the stream's `AsyncRead`.
+    fn poll_recv(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+        _buf: &mut BytesMut,
+    ) -> Option<std::task::Poll<std::io::Result<usize>>> {
+        None
+    }
 }
 
 /// The halves of a plain socket (TCP or Unix-domain) answer directly.
@@ -58,11 +68,19 @@ macro_rules! direct_socket_halves {
                     .try_io(tokio::io::Interest::READABLE, || Ok(()))
                     .is_err()
             }
+
+            fn poll_recv(
+                &mut self,
+                cx: &mut std::task::Context<'_>,
+                buf: &mut BytesMut,
+            ) -> Option<std::task::Poll<std::io::Result<usize>>> {
+                Some(crate::sock::poll_recv(self.as_ref(), cx, buf))
+            }
         }
 
         impl Direct for $write {
             fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                taken(self.try_write(buf))
+                taken(crate::sock::try_send(self.as_ref(), buf))
             }
         }
     };
@@ -89,6 +107,14 @@ impl<T: Direct + ?Sized> Direct for &mut T {
 
     fn write_now(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         (**self).write_now(buf)
+    }
+
+    fn poll_recv(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Option<std::task::Poll<std::io::Result<usize>>> {
+        (**self).poll_recv(cx, buf)
     }
 }
 
@@ -237,7 +263,10 @@ async fn read_borrowing<R: AsyncRead + Direct + Unpin>(
         } else if buf.capacity() - buf.len() < CHUNK / 4 {
             buf.reserve(CHUNK);
         }
-        let polled = pin!(reader.read_buf(&mut *buf)).poll(cx);
+        let polled = match reader.poll_recv(cx, buf) {
+            Some(polled) => polled,
+            None => pin!(reader.read_buf(&mut *buf)).poll(cx),
+        };
         // A read held back by the task's budget registered no waker.
         *armed = polled.is_pending() && tokio::task::coop::has_budget_remaining();
         if polled.is_pending() && buf.is_empty() {

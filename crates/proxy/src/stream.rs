@@ -47,8 +47,8 @@ impl ClientStream {
     /// written as `write_all` does.
     pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
         let n = match self {
-            ClientStream::Plain(s) => taken(s.try_write(buf))?,
-            ClientStream::Local(s) => taken(s.try_write(buf))?,
+            ClientStream::Plain(s) => taken(crate::sock::try_send(s, buf))?,
+            ClientStream::Local(s) => taken(crate::sock::try_send(s, buf))?,
             ClientStream::Tls(_) | ClientStream::Gone => 0,
         };
         if n < buf.len() {
@@ -87,12 +87,12 @@ impl ClientStream {
             ClientStream::Plain(s) => {
                 std::task::ready!(s.poll_read_ready(cx))?;
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
-                poll_read_buf(Pin::new(s), cx, buf)
+                crate::sock::poll_recv(s, cx, buf)
             }
             ClientStream::Local(s) => {
                 std::task::ready!(s.poll_read_ready(cx))?;
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
-                poll_read_buf(Pin::new(s), cx, buf)
+                crate::sock::poll_recv(s, cx, buf)
             }
             ClientStream::Tls(s) => {
                 crate::bufcache::ready_for_read(buf, 8 * 1024);
@@ -567,13 +567,28 @@ impl ServerStream {
     /// See [`ClientStream::send_all`].
     pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
         let n = match self {
-            ServerStream::Plain(s) => taken(s.try_write(buf))?,
+            ServerStream::Plain(s) => taken(crate::sock::try_send(s, buf))?,
             ServerStream::Tls(_) => 0,
         };
         if n < buf.len() {
             self.write_all(&buf[n..]).await?;
         }
         Ok(())
+    }
+
+    /// Reads what is available into `buf`, growing it to hold at least
+    /// `min` spare bytes first.
+    pub fn poll_read_some(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        min: usize,
+    ) -> Poll<io::Result<usize>> {
+        crate::bufcache::ready_for_read(buf, min);
+        match self {
+            ServerStream::Plain(s) => crate::sock::poll_recv(s, cx, buf),
+            ServerStream::Tls(s) => tokio_util::io::poll_read_buf(Pin::new(s.as_mut()), cx, buf),
+        }
     }
 
     /// See [`ClientStream::quiet`].

@@ -400,8 +400,7 @@ async fn read_attached(
         if c.read_armed && c.conn.stream.quiet() {
             return Poll::Pending;
         }
-        crate::bufcache::ready_for_read(buf, 4096);
-        let r = tokio_util::io::poll_read_buf(std::pin::Pin::new(&mut c.conn.stream), cx, buf);
+        let r = c.conn.stream.poll_read_some(cx, buf, 4096);
         c.read_armed = r.is_pending() && tokio::task::coop::has_budget_remaining();
         r
     })
