@@ -1647,18 +1647,116 @@ fn after_comments(mut sql: &[u8]) -> &[u8] {
 }
 
 /// The words of `sql`, in place: runs of ASCII letters, digits and `_`.
-fn words(sql: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        while i < sql.len() && !WORD[sql[i] as usize] {
-            i += 1;
+fn words(sql: &[u8]) -> Words<'_> {
+    Words {
+        sql,
+        base: 0,
+        mask: word_mask(sql, 0),
+    }
+}
+
+/// The iterator of [`words`]. It classifies 64 bytes at a time into a bit
+/// mask and finds each word's ends with bit operations: every Query and
+/// Parse goes through it, and a byte-at-a-time loop over the text was
+/// most of the cost of [`Effects::of`].
+#[derive(Clone)]
+struct Words<'a> {
+    sql: &'a [u8],
+    /// Where the block that `mask` describes starts.
+    base: usize,
+    /// One bit per byte of the block: set for the word bytes not yet
+    /// returned.
+    mask: u64,
+}
+
+impl<'a> Iterator for Words<'a> {
+    type Item = &'a [u8];
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<&'a [u8]> {
+        while self.mask == 0 {
+            if self.base + 64 >= self.sql.len() {
+                return None;
+            }
+            self.base += 64;
+            self.mask = word_mask(self.sql, self.base);
         }
-        let start = i;
-        while i < sql.len() && WORD[sql[i] as usize] {
-            i += 1;
+        let first = self.mask.trailing_zeros() as usize;
+        let start = self.base + first;
+        // The run of set bits from `first`; 64 - first when it reaches the
+        // end of the block (the shifted-in zeros become ones).
+        let run = (!(self.mask >> first)).trailing_zeros() as usize;
+        if first + run < 64 {
+            self.mask &= !((1u64 << (first + run)) - 1);
+            return Some(&self.sql[start..start + run]);
         }
-        (i > start).then(|| &sql[start..i])
-    })
+        // The word reaches the end of the block: it goes on into the next
+        // blocks for as long as they start with word bytes.
+        loop {
+            if self.base + 64 >= self.sql.len() {
+                self.mask = 0;
+                return Some(&self.sql[start..]);
+            }
+            self.base += 64;
+            let mask = word_mask(self.sql, self.base);
+            let more = mask.trailing_ones() as usize;
+            if more < 64 {
+                self.mask = mask & !((1u64 << more) - 1);
+                return Some(&self.sql[start..self.base + more]);
+            }
+        }
+    }
+}
+
+/// The word bytes of `sql[base..base + 64]`, one bit each (bit 0 for the
+/// byte at `base`); bytes past the end count as not in a word.
+fn word_mask(sql: &[u8], base: usize) -> u64 {
+    let rest = sql.get(base..).unwrap_or_default();
+    if let Some(block) = rest.first_chunk::<64>() {
+        return block_mask(block);
+    }
+    let mut block = [0u8; 64];
+    block[..rest.len()].copy_from_slice(rest);
+    block_mask(&block)
+}
+
+/// One bit per byte of `block`, set for the bytes of [`WORD`].
+#[cfg(target_arch = "x86_64")]
+fn block_mask(block: &[u8; 64]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut mask = 0u64;
+    for (i, part) in block.chunks_exact(16).enumerate() {
+        #[allow(unsafe_code)]
+        // SAFETY: SSE2 is part of every x86_64 CPU, and `part` holds the
+        // 16 bytes the unaligned load reads.
+        let bits = unsafe {
+            let v = _mm_loadu_si128(part.as_ptr().cast());
+            // Signed compares: bytes of 0x80 and up are negative, below
+            // every range here, as they are outside WORD.
+            let lower = _mm_or_si128(v, _mm_set1_epi8(0x20));
+            let letter = _mm_and_si128(
+                _mm_cmpgt_epi8(lower, _mm_set1_epi8(b'a' as i8 - 1)),
+                _mm_cmpgt_epi8(_mm_set1_epi8(b'z' as i8 + 1), lower),
+            );
+            let digit = _mm_and_si128(
+                _mm_cmpgt_epi8(v, _mm_set1_epi8(b'0' as i8 - 1)),
+                _mm_cmpgt_epi8(_mm_set1_epi8(b'9' as i8 + 1), v),
+            );
+            let under = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'_' as i8));
+            _mm_movemask_epi8(_mm_or_si128(_mm_or_si128(letter, digit), under)) as u16
+        };
+        mask |= u64::from(bits) << (16 * i);
+    }
+    mask
+}
+
+/// One bit per byte of `block`, set for the bytes of [`WORD`].
+#[cfg(not(target_arch = "x86_64"))]
+fn block_mask(block: &[u8; 64]) -> u64 {
+    block
+        .iter()
+        .enumerate()
+        .fold(0, |m, (i, &b)| m | (u64::from(WORD[b as usize]) << i))
 }
 
 /// Functions (OIDs fixed in PostgreSQL's catalog) whose call through the
@@ -1982,6 +2080,72 @@ fn statements(sql: &[u8]) -> impl Iterator<Item = &[u8]> {
 #[cfg(test)]
 mod tests {
     use super::pins_session;
+
+    /// The words of `sql` found one byte at a time, as [`super::words`]
+    /// must find them.
+    fn words_bytewise(sql: &[u8]) -> Vec<&[u8]> {
+        sql.split(|&b| !super::WORD[b as usize])
+            .filter(|w| !w.is_empty())
+            .collect()
+    }
+
+    #[test]
+    fn words_are_found_across_blocks_of_any_length() {
+        // Words that end at, start at and span the 64-byte block edges, a
+        // word longer than two blocks, bytes above 0x7f and every ASCII
+        // byte next to the ranges of word bytes.
+        let mut cases: Vec<Vec<u8>> = vec![
+            b"".to_vec(),
+            b" ".to_vec(),
+            b"a".to_vec(),
+            b"@AZ[`az{/09:_".to_vec(),
+            b"SELECT abalance FROM pgbench_accounts WHERE aid = 1;".to_vec(),
+            "caf\u{e9} na\u{ef}ve_\u{4e2d}x".as_bytes().to_vec(),
+            vec![b'x'; 200],
+        ];
+        for len in [62, 63, 64, 65, 127, 128, 129, 191, 192, 193] {
+            for word in [1, 2, 63, 64, 65, 130] {
+                let mut v = vec![b' '; len];
+                for at in [0, len.saturating_sub(word), len / 2] {
+                    for b in v.iter_mut().skip(at).take(word) {
+                        *b = b'w';
+                    }
+                }
+                cases.push(v);
+            }
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..3000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let len = (seed % 300) as usize;
+            let mut v = Vec::with_capacity(len);
+            let mut r = seed;
+            for _ in 0..len {
+                r = r
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                // Mostly word bytes and spaces, some of everything else.
+                let b = (r >> 33) as u8;
+                v.push(match b % 8 {
+                    0..=3 => b"aZ_9"[(b as usize >> 3) % 4],
+                    4 | 5 => b' ',
+                    _ => b,
+                });
+            }
+            cases.push(v);
+        }
+        for case in &cases {
+            let found: Vec<&[u8]> = super::words(case).collect();
+            assert_eq!(found, words_bytewise(case), "in {case:?}");
+            // A clone goes on from where the original stands.
+            let mut it = super::words(case);
+            it.next();
+            let rest: Vec<&[u8]> = it.clone().collect();
+            assert_eq!(rest, it.collect::<Vec<_>>());
+        }
+    }
 
     #[test]
     fn session_state_pins_and_transaction_state_does_not() {
