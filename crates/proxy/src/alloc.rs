@@ -1,17 +1,25 @@
-//! The process's memory allocator: the C library's, with a short list per
-//! worker thread of the over-aligned blocks that every connection takes.
+//! The process's memory allocator: the C library's, with lists per worker
+//! thread of the blocks it freed, handed out again without calling it.
 //!
-//! tokio aligns two blocks per connection to 128 bytes: the task and the
-//! socket's readiness record. glibc serves such a request by carving it
-//! out of a larger block and freeing what is left on either side, 600–900
-//! instructions where a plain `malloc` takes about 100: some 5 % of
-//! setting up a client (docs/benchmarks.md). Every other request goes
-//! straight to the C library.
+//! Setting up and closing a client takes some 20 blocks, most of them
+//! small. glibc's `malloc` and `free` cost about 150 instructions for a
+//! pair even from its per-thread cache, blocks above a kilobyte (the
+//! session's futures) pass its cache by for 400–500, and tokio aligns two
+//! blocks per connection to 128 bytes (the task and the socket's readiness
+//! record), which glibc carves out of a larger block for 600–900. A list
+//! per size takes a few dozen (docs/benchmarks.md).
 //!
-//! A worker keeps the blocks of the few over-aligned layouts it frees and
-//! hands them out again. Only workers do: in the binary they live as long
-//! as the proxy, so few lists are stranded by a thread that ends (each
-//! holds at most [`KEEP`] blocks).
+//! Small blocks (up to [`SMALL_MAX`] bytes, aligned as `malloc` aligns)
+//! are sorted into size classes, and every one of them, on any thread, is
+//! asked of the C library at its class's size: a block freed by one
+//! thread can then serve any request of its class on the thread that
+//! keeps it. The classes are glibc's own chunk sizes up to a kilobyte, so
+//! rounding costs no memory there. Over-aligned blocks are kept by exact
+//! layout, for the few layouts tokio uses.
+//!
+//! Only workers keep blocks. In the binary they live as long as the
+//! proxy, so few blocks are stranded by a thread that ends, and each list
+//! is bounded (see [`small_keep`] and [`KEEP`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -20,6 +28,39 @@ use std::ptr;
 /// Alignment that `malloc` gives every block on the platforms pgwarden
 /// runs on; anything above takes glibc's aligned path.
 const MALLOC_ALIGN: usize = 16;
+/// Largest size served from the small classes.
+pub(crate) const SMALL_MAX: usize = 4096 - 8;
+/// Number of small classes: 64 of 16 bytes (chunks of 32 to 1,040 bytes),
+/// then 24 of 128 bytes (to 4,096).
+const CLASSES: usize = 88;
+
+/// The size class of a small request, and the size every block of that
+/// class is asked of the C library for. glibc's chunk holds its size in
+/// the 8 bytes before the block and comes in multiples of 16 (at least
+/// 32), so up to 1,016 bytes the classes are exactly its chunk sizes.
+const fn small_class(size: usize) -> (usize, usize) {
+    let chunk = size + 8;
+    if chunk <= 1040 {
+        let chunk = if chunk < 32 { 32 } else { (chunk + 15) & !15 };
+        (chunk / 16 - 2, chunk - 8)
+    } else {
+        let chunk = (chunk + 127) & !127;
+        (64 + (chunk - 1152) / 128, chunk - 8)
+    }
+}
+
+/// How many freed blocks of a small class a thread keeps: 16 KiB worth,
+/// at most 256 and at least 4.
+const fn small_keep(class_size: usize) -> usize {
+    let n = 16 * 1024 / (class_size + 8);
+    if n > 256 {
+        256
+    } else if n < 4 {
+        4
+    } else {
+        n
+    }
+}
 /// Distinct (size, alignment) layouts a thread keeps blocks of.
 const LAYOUTS: usize = 4;
 /// Blocks kept per layout: enough for a burst of connections to close and
@@ -45,19 +86,85 @@ impl Kept {
     }
 }
 
+/// Freed blocks of one small class, linked through their first word.
+struct Small {
+    head: Cell<*mut u8>,
+    len: Cell<usize>,
+}
+
+impl Small {
+    const fn empty() -> Small {
+        Small {
+            head: Cell::new(ptr::null_mut()),
+            len: Cell::new(0),
+        }
+    }
+}
+
 thread_local! {
-    /// Whether this thread keeps freed blocks ([`keep_aligned_blocks`]).
+    /// Whether this thread keeps freed blocks ([`keep_freed_blocks`]).
     static KEEPING: Cell<bool> = const { Cell::new(false) };
     // Constant-initialised and without destructors: usable from the
     // allocator at any point of the thread's life, and never allocating.
     static KEPT: [Kept; LAYOUTS] = const { [Kept::empty(), Kept::empty(), Kept::empty(), Kept::empty()] };
+    static SMALL: [Small; CLASSES] = const { [const { Small::empty() }; CLASSES] };
 }
 
-/// Makes the calling thread keep the over-aligned blocks it frees for its
-/// own later requests. For long-lived threads: the blocks a thread keeps
-/// are not freed when it ends.
-pub(crate) fn keep_aligned_blocks() {
+/// Makes the calling thread keep the blocks it frees for its own later
+/// requests. For long-lived threads: the blocks a thread keeps are not
+/// freed when it ends.
+pub(crate) fn keep_freed_blocks() {
     KEEPING.with(|k| k.set(true));
+}
+
+/// A kept block of small class `class`, if this thread has one.
+fn take_small(class: usize) -> Option<*mut u8> {
+    if !KEEPING.with(Cell::get) {
+        return None;
+    }
+    SMALL.with(|small| {
+        let list = &small[class];
+        let block = list.head.get();
+        if block.is_null() {
+            return None;
+        }
+        // SAFETY: a kept block is at least 24 bytes and aligned for a
+        // pointer, and its first word links the next one.
+        #[allow(unsafe_code)]
+        let next = unsafe { block.cast::<*mut u8>().read() };
+        list.head.set(next);
+        list.len.set(list.len.get() - 1);
+        Some(block)
+    })
+}
+
+/// Keeps `block`, of small class `class` (of `class_size` bytes), for this
+/// thread's later requests; false when it should go back to the C library.
+fn keep_small(block: *mut u8, class: usize, class_size: usize) -> bool {
+    if !KEEPING.with(Cell::get) {
+        return false;
+    }
+    SMALL.with(|small| {
+        let list = &small[class];
+        if list.len.get() >= small_keep(class_size) {
+            return false;
+        }
+        // SAFETY: the block is the caller's to free, was asked of the C
+        // library at the class's size (24 bytes or more) and is aligned for
+        // a pointer: its first word may hold the link.
+        #[allow(unsafe_code)]
+        unsafe {
+            block.cast::<*mut u8>().write(list.head.get())
+        };
+        list.head.set(block);
+        list.len.set(list.len.get() + 1);
+        true
+    })
+}
+
+/// Whether `layout` is served from the small classes.
+fn is_small(layout: Layout) -> bool {
+    layout.size() <= SMALL_MAX && layout.align() <= MALLOC_ALIGN
 }
 
 /// A kept block for `layout`, if this thread has one.
@@ -119,12 +226,29 @@ fn keep(block: *mut u8, layout: Layout) -> bool {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Allocator;
 
-// SAFETY: every block comes from `System` with the layout it is asked for
-// (a kept block was allocated by `System` with exactly that layout), and
-// goes back to `System` or to a list of blocks of that same layout.
+// SAFETY: every block comes from `System`. A small one is asked of it at
+// its class's size, whatever thread asks, so it holds at least that many
+// bytes and may serve any request of its class; it goes back to `System`
+// or to a list of its class. An over-aligned one comes with exactly the
+// layout it is asked for, and goes back to `System` or to a list of that
+// layout. `realloc` keeps both rules for the block it returns.
 #[allow(unsafe_code)]
 unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if is_small(layout) {
+            let (class, class_size) = small_class(layout.size());
+            if let Some(block) = take_small(class) {
+                return block;
+            }
+            // SAFETY: a non-zero size (at least 24) with `layout`'s
+            // alignment, which `malloc` gives.
+            return unsafe {
+                System.alloc(Layout::from_size_align_unchecked(
+                    class_size,
+                    layout.align(),
+                ))
+            };
+        }
         if layout.align() > MALLOC_ALIGN {
             if let Some(block) = take(layout) {
                 return block;
@@ -135,6 +259,21 @@ unsafe impl GlobalAlloc for Allocator {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if is_small(layout) {
+            let (class, class_size) = small_class(layout.size());
+            if let Some(block) = take_small(class) {
+                // SAFETY: the block holds at least `layout.size()` bytes.
+                unsafe { block.write_bytes(0, layout.size()) };
+                return block;
+            }
+            // SAFETY: as in `alloc`.
+            return unsafe {
+                System.alloc_zeroed(Layout::from_size_align_unchecked(
+                    class_size,
+                    layout.align(),
+                ))
+            };
+        }
         if layout.align() > MALLOC_ALIGN {
             if let Some(block) = take(layout) {
                 // SAFETY: the block holds `layout.size()` bytes.
@@ -147,6 +286,19 @@ unsafe impl GlobalAlloc for Allocator {
     }
 
     unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+        if is_small(layout) {
+            let (class, class_size) = small_class(layout.size());
+            if keep_small(block, class, class_size) {
+                return;
+            }
+            // SAFETY: the block was asked of `System` with this layout.
+            return unsafe {
+                System.dealloc(
+                    block,
+                    Layout::from_size_align_unchecked(class_size, layout.align()),
+                )
+            };
+        }
         if layout.align() > MALLOC_ALIGN && keep(block, layout) {
             return;
         }
@@ -156,8 +308,30 @@ unsafe impl GlobalAlloc for Allocator {
     }
 
     unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let mut asked = layout;
+        if is_small(layout) {
+            let (class, class_size) = small_class(layout.size());
+            // SAFETY: the size and alignment the block was asked for.
+            asked = unsafe { Layout::from_size_align_unchecked(class_size, layout.align()) };
+            if new_size <= SMALL_MAX {
+                let (new_class, new_class_size) = small_class(new_size);
+                if new_class == class {
+                    // It already holds the new class's size.
+                    return block;
+                }
+                // SAFETY: the caller's contract, with the block's real
+                // layout and the new class's size.
+                return unsafe { System.realloc(block, asked, new_class_size) };
+            }
+        } else if layout.align() <= MALLOC_ALIGN && new_size <= SMALL_MAX {
+            // Shrinking into the small classes: the new block must hold
+            // its class's size, as every small block does.
+            let (_, new_class_size) = small_class(new_size);
+            // SAFETY: the caller's contract, passed on with a larger size.
+            return unsafe { System.realloc(block, layout, new_class_size) };
+        }
         // SAFETY: as for `dealloc`; `System` frees the old block itself.
-        unsafe { System.realloc(block, layout, new_size) }
+        unsafe { System.realloc(block, asked, new_size) }
     }
 }
 
@@ -168,7 +342,7 @@ mod tests {
 
     fn on_a_keeping_thread(f: impl FnOnce() + Send + 'static) {
         std::thread::spawn(move || {
-            keep_aligned_blocks();
+            keep_freed_blocks();
             f();
         })
         .join()
@@ -199,6 +373,92 @@ mod tests {
             assert_eq!(s, q);
             a.dealloc(s, io);
         });
+    }
+
+    #[test]
+    fn small_classes_cover_every_size_with_glibc_chunks() {
+        let mut last = (0, 0);
+        for size in 1..=SMALL_MAX {
+            let (class, class_size) = small_class(size);
+            assert!(class < CLASSES, "{size}");
+            assert!(class_size >= size, "{size}");
+            // A class's size is a request that fills a glibc chunk exactly.
+            assert_eq!((class_size + 8) % 16, 0, "{size}");
+            if size <= 1032 {
+                assert_eq!(class_size + 8, (size + 8 + 15).max(32) & !15, "{size}");
+            }
+            // The class's own size falls in the class.
+            assert_eq!(small_class(class_size), (class, class_size), "{size}");
+            assert!(class == last.0 || class == last.0 + 1, "{size}");
+            last = (class, class_size);
+        }
+        assert_eq!(last.0, CLASSES - 1);
+        assert_eq!(small_class(24), (0, 24));
+        assert_eq!(small_class(25), (1, 40));
+        assert_eq!(small_class(1033), (64, 1144));
+    }
+
+    #[test]
+    fn a_freed_small_block_serves_its_class_and_realloc_keeps_the_rules() {
+        on_a_keeping_thread(|| unsafe {
+            let a = Allocator;
+            let l = |size| Layout::from_size_align(size, 8).unwrap();
+            // 98 to 104 bytes are one class (glibc's chunk of 112 bytes).
+            assert_eq!(small_class(98).0, small_class(104).0);
+            let p = a.alloc(l(100));
+            p.write_bytes(0xCD, 100);
+            a.dealloc(p, l(100));
+            let q = a.alloc(l(104));
+            assert_eq!(q, p);
+            q.write_bytes(0xEF, 104);
+            // Another class does not get it.
+            a.dealloc(q, l(104));
+            let r = a.alloc(l(300));
+            assert_ne!(r, p);
+            // Zeroed when asked.
+            let z = a.alloc_zeroed(l(98));
+            assert_eq!(z, p);
+            assert!(std::slice::from_raw_parts(z, 98).iter().all(|&b| b == 0));
+            // Growing within the class keeps the block; out of it, the
+            // bytes move.
+            z.write_bytes(7, 98);
+            let z = a.realloc(z, l(98), 104);
+            assert_eq!(z, p);
+            let big = a.realloc(z, l(104), 5000);
+            assert!(std::slice::from_raw_parts(big, 98).iter().all(|&b| b == 7));
+            // Shrinking back into a class gives a block of the class's
+            // size, which is then kept and handed out for it.
+            let small = a.realloc(big, l(5000), 2000);
+            assert!(std::slice::from_raw_parts(small, 98)
+                .iter()
+                .all(|&b| b == 7));
+            a.dealloc(small, l(2000));
+            let again = a.alloc(l(small_class(2000).1));
+            assert_eq!(again, small);
+            again.write_bytes(1, small_class(2000).1);
+            a.dealloc(again, l(small_class(2000).1));
+            a.dealloc(r, l(300));
+            // Lists are bounded.
+            let class_size = small_class(64).1;
+            let n = small_keep(class_size) + 5;
+            let blocks: Vec<*mut u8> = (0..n).map(|_| a.alloc(l(64))).collect();
+            for &b in &blocks {
+                a.dealloc(b, l(64));
+            }
+            SMALL.with(|small| {
+                assert_eq!(small[small_class(64).0].len.get(), small_keep(class_size))
+            });
+        });
+        // A thread that did not ask keeps nothing.
+        std::thread::spawn(|| unsafe {
+            let a = Allocator;
+            let l = Layout::from_size_align(100, 8).unwrap();
+            let p = a.alloc(l);
+            a.dealloc(p, l);
+            SMALL.with(|small| assert!(small.iter().all(|s| s.len.get() == 0)));
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

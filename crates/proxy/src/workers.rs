@@ -82,7 +82,7 @@ impl Workers {
                 .spawn(move || {
                     CURRENT.with(|c| c.set(id));
                     crate::timer::use_driver_of(timer_handle);
-                    crate::alloc::keep_aligned_blocks();
+                    crate::alloc::keep_freed_blocks();
                     // Ends when the sender is dropped; the runtime and its
                     // tasks go with the thread.
                     runtime.block_on(async {
