@@ -140,7 +140,10 @@ impl Eq for Tracked {}
 /// copied, which costs only speed.
 fn intern(value: &str) -> Arc<str> {
     const MOST: usize = 4096;
-    static VALUES: Mutex<Option<std::collections::HashSet<Arc<str>>>> = Mutex::new(None);
+    // foldhash (seeded per process) rather than SipHash: this runs for
+    // every client that logs in, and the set is bounded.
+    type Values = std::collections::HashSet<Arc<str>, foldhash::fast::RandomState>;
+    static VALUES: Mutex<Option<Values>> = Mutex::new(None);
     let mut values = VALUES.lock().expect("poisoned");
     let values = values.get_or_insert_with(Default::default);
     if let Some(v) = values.get(value) {
