@@ -148,7 +148,7 @@ impl Default for EngineConfig {
         EngineConfig {
             worker_threads: None,
             pool_affinity: true,
-            worker_fill: 32,
+            worker_fill: 8,
             connect_wait_timeout: Duration::from_secs(5),
             server_connect_timeout: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(30),

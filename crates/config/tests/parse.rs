@@ -135,7 +135,7 @@ fn defaults() {
     assert_eq!(c.services().len(), 2);
 
     assert_eq!(c.engine.worker_threads, None);
-    assert_eq!(c.engine.worker_fill, 32);
+    assert_eq!(c.engine.worker_fill, 8);
     assert_eq!(c.engine.connect_wait_timeout, Duration::from_secs(5));
     assert_eq!(c.engine.server_connect_timeout, Duration::from_secs(2));
     assert_eq!(c.engine.shutdown_timeout, Duration::from_secs(30));
