@@ -222,6 +222,42 @@ fn keep(block: *mut u8, layout: Layout) -> bool {
     })
 }
 
+/// The layout a small block of `layout` is asked of the C library with,
+/// given its class's size.
+fn class_layout(layout: Layout, class_size: usize) -> Layout {
+    debug_assert!(is_small(layout) && class_size <= SMALL_MAX + 8);
+    // SAFETY: `layout`'s alignment is a power of two of at most 16, and a
+    // class's size (at most 4,096) rounded up to it cannot overflow.
+    #[allow(unsafe_code)]
+    unsafe {
+        Layout::from_size_align_unchecked(class_size, layout.align())
+    }
+}
+
+/// The layout a block of `layout` is asked of the C library with: the
+/// class's size for a small block, `layout` itself otherwise.
+fn asked_for(layout: Layout) -> Layout {
+    if is_small(layout) {
+        class_layout(layout, small_class(layout.size()).1)
+    } else {
+        layout
+    }
+}
+
+/// A kept block for `layout`, or the layout to ask the C library with.
+fn take_kept(layout: Layout) -> Result<*mut u8, Layout> {
+    if is_small(layout) {
+        let (class, class_size) = small_class(layout.size());
+        return take_small(class).ok_or_else(|| class_layout(layout, class_size));
+    }
+    if layout.align() > MALLOC_ALIGN {
+        if let Some(block) = take(layout) {
+            return Ok(block);
+        }
+    }
+    Err(layout)
+}
+
 /// The allocator of the `pgwarden` binary (see the module's comment).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Allocator;
@@ -235,103 +271,56 @@ pub struct Allocator;
 #[allow(unsafe_code)]
 unsafe impl GlobalAlloc for Allocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if is_small(layout) {
-            let (class, class_size) = small_class(layout.size());
-            if let Some(block) = take_small(class) {
-                return block;
-            }
-            // SAFETY: a non-zero size (at least 24) with `layout`'s
-            // alignment, which `malloc` gives.
-            return unsafe {
-                System.alloc(Layout::from_size_align_unchecked(
-                    class_size,
-                    layout.align(),
-                ))
-            };
+        match take_kept(layout) {
+            Ok(block) => block,
+            // SAFETY: the caller's contract, passed on with the size the
+            // block's class asks for (non-zero, `malloc`'s alignment).
+            Err(asked) => unsafe { System.alloc(asked) },
         }
-        if layout.align() > MALLOC_ALIGN {
-            if let Some(block) = take(layout) {
-                return block;
-            }
-        }
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if is_small(layout) {
-            let (class, class_size) = small_class(layout.size());
-            if let Some(block) = take_small(class) {
+        match take_kept(layout) {
+            Ok(block) => {
                 // SAFETY: the block holds at least `layout.size()` bytes.
                 unsafe { block.write_bytes(0, layout.size()) };
-                return block;
+                block
             }
             // SAFETY: as in `alloc`.
-            return unsafe {
-                System.alloc_zeroed(Layout::from_size_align_unchecked(
-                    class_size,
-                    layout.align(),
-                ))
-            };
+            Err(asked) => unsafe { System.alloc_zeroed(asked) },
         }
-        if layout.align() > MALLOC_ALIGN {
-            if let Some(block) = take(layout) {
-                // SAFETY: the block holds `layout.size()` bytes.
-                unsafe { block.write_bytes(0, layout.size()) };
-                return block;
-            }
-        }
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
-        if is_small(layout) {
+        let asked = if is_small(layout) {
             let (class, class_size) = small_class(layout.size());
             if keep_small(block, class, class_size) {
                 return;
             }
-            // SAFETY: the block was asked of `System` with this layout.
-            return unsafe {
-                System.dealloc(
-                    block,
-                    Layout::from_size_align_unchecked(class_size, layout.align()),
-                )
-            };
-        }
-        if layout.align() > MALLOC_ALIGN && keep(block, layout) {
+            class_layout(layout, class_size)
+        } else if layout.align() > MALLOC_ALIGN && keep(block, layout) {
             return;
-        }
-        // SAFETY: the caller's contract, passed on; a kept block handed out
-        // again came from `System` with this layout.
-        unsafe { System.dealloc(block, layout) }
+        } else {
+            layout
+        };
+        // SAFETY: the block was asked of `System` with this layout.
+        unsafe { System.dealloc(block, asked) }
     }
 
     unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let mut asked = layout;
-        if is_small(layout) {
-            let (class, class_size) = small_class(layout.size());
-            // SAFETY: the size and alignment the block was asked for.
-            asked = unsafe { Layout::from_size_align_unchecked(class_size, layout.align()) };
-            if new_size <= SMALL_MAX {
-                let (new_class, new_class_size) = small_class(new_size);
-                if new_class == class {
-                    // It already holds the new class's size.
-                    return block;
-                }
-                // SAFETY: the caller's contract, with the block's real
-                // layout and the new class's size.
-                return unsafe { System.realloc(block, asked, new_class_size) };
-            }
-        } else if layout.align() <= MALLOC_ALIGN && new_size <= SMALL_MAX {
-            // Shrinking into the small classes: the new block must hold
-            // its class's size, as every small block does.
-            let (_, new_class_size) = small_class(new_size);
-            // SAFETY: the caller's contract, passed on with a larger size.
-            return unsafe { System.realloc(block, layout, new_class_size) };
+        let asked = asked_for(layout);
+        // SAFETY: the caller's contract: `new_size` is non-zero and, with
+        // `layout`'s alignment, does not overflow.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        let new_asked = asked_for(new_layout);
+        if is_small(layout) && is_small(new_layout) && new_asked.size() == asked.size() {
+            // The same class: the block already holds the new size.
+            return block;
         }
-        // SAFETY: as for `dealloc`; `System` frees the old block itself.
-        unsafe { System.realloc(block, asked, new_size) }
+        // SAFETY: as for `dealloc`, with the size the new block must be
+        // asked for (its class's, when it becomes small); `System` frees
+        // the old block itself.
+        unsafe { System.realloc(block, asked, new_asked.size()) }
     }
 }
 
