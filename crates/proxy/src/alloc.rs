@@ -68,35 +68,66 @@ const LAYOUTS: usize = 4;
 /// tokio's 256-byte task blocks are 16 KiB).
 const KEEP: usize = 64;
 
-/// Freed blocks of one layout, linked through their first word.
+/// Freed blocks linked through their first word, last in first out.
+struct List {
+    head: Cell<*mut u8>,
+    len: Cell<usize>,
+}
+
+impl List {
+    const fn empty() -> List {
+        List {
+            head: Cell::new(ptr::null_mut()),
+            len: Cell::new(0),
+        }
+    }
+
+    /// The block freed last, if any.
+    fn pop(&self) -> Option<*mut u8> {
+        let block = self.head.get();
+        if block.is_null() {
+            return None;
+        }
+        // SAFETY: a listed block is at least a word long and aligned for a
+        // pointer (see `push`), and its first word links the next one.
+        #[allow(unsafe_code)]
+        let next = unsafe { block.cast::<*mut u8>().read() };
+        self.head.set(next);
+        self.len.set(self.len.get() - 1);
+        Some(block)
+    }
+
+    /// Lists `block` unless the list holds `most` already.
+    ///
+    /// The block must be the caller's to free, at least a word long and
+    /// aligned for a pointer: its first word then holds the link.
+    fn push(&self, block: *mut u8, most: usize) -> bool {
+        if self.len.get() >= most {
+            return false;
+        }
+        // SAFETY: the caller's contract above.
+        #[allow(unsafe_code)]
+        unsafe {
+            block.cast::<*mut u8>().write(self.head.get())
+        };
+        self.head.set(block);
+        self.len.set(self.len.get() + 1);
+        true
+    }
+}
+
+/// Freed blocks of one over-aligned layout.
 struct Kept {
     /// (size, alignment); (0, 0) while unused.
     layout: Cell<(usize, usize)>,
-    head: Cell<*mut u8>,
-    len: Cell<usize>,
+    list: List,
 }
 
 impl Kept {
     const fn empty() -> Kept {
         Kept {
             layout: Cell::new((0, 0)),
-            head: Cell::new(ptr::null_mut()),
-            len: Cell::new(0),
-        }
-    }
-}
-
-/// Freed blocks of one small class, linked through their first word.
-struct Small {
-    head: Cell<*mut u8>,
-    len: Cell<usize>,
-}
-
-impl Small {
-    const fn empty() -> Small {
-        Small {
-            head: Cell::new(ptr::null_mut()),
-            len: Cell::new(0),
+            list: List::empty(),
         }
     }
 }
@@ -107,7 +138,7 @@ thread_local! {
     // Constant-initialised and without destructors: usable from the
     // allocator at any point of the thread's life, and never allocating.
     static KEPT: [Kept; LAYOUTS] = const { [Kept::empty(), Kept::empty(), Kept::empty(), Kept::empty()] };
-    static SMALL: [Small; CLASSES] = const { [const { Small::empty() }; CLASSES] };
+    static SMALL: [List; CLASSES] = const { [const { List::empty() }; CLASSES] };
 }
 
 /// Makes the calling thread keep the blocks it frees for its own later
@@ -122,44 +153,15 @@ fn take_small(class: usize) -> Option<*mut u8> {
     if !KEEPING.with(Cell::get) {
         return None;
     }
-    SMALL.with(|small| {
-        let list = &small[class];
-        let block = list.head.get();
-        if block.is_null() {
-            return None;
-        }
-        // SAFETY: a kept block is at least 24 bytes and aligned for a
-        // pointer, and its first word links the next one.
-        #[allow(unsafe_code)]
-        let next = unsafe { block.cast::<*mut u8>().read() };
-        list.head.set(next);
-        list.len.set(list.len.get() - 1);
-        Some(block)
-    })
+    SMALL.with(|small| small[class].pop())
 }
 
 /// Keeps `block`, of small class `class` (of `class_size` bytes), for this
 /// thread's later requests; false when it should go back to the C library.
+/// A small block was asked of the C library at its class's size, 24 bytes
+/// or more, aligned for a pointer.
 fn keep_small(block: *mut u8, class: usize, class_size: usize) -> bool {
-    if !KEEPING.with(Cell::get) {
-        return false;
-    }
-    SMALL.with(|small| {
-        let list = &small[class];
-        if list.len.get() >= small_keep(class_size) {
-            return false;
-        }
-        // SAFETY: the block is the caller's to free, was asked of the C
-        // library at the class's size (24 bytes or more) and is aligned for
-        // a pointer: its first word may hold the link.
-        #[allow(unsafe_code)]
-        unsafe {
-            block.cast::<*mut u8>().write(list.head.get())
-        };
-        list.head.set(block);
-        list.len.set(list.len.get() + 1);
-        true
-    })
+    KEEPING.with(Cell::get) && SMALL.with(|small| small[class].push(block, small_keep(class_size)))
 }
 
 /// Whether `layout` is served from the small classes.
@@ -173,24 +175,12 @@ fn take(layout: Layout) -> Option<*mut u8> {
         return None;
     }
     let key = (layout.size(), layout.align());
-    KEPT.with(|kept| {
-        let list = kept.iter().find(|k| k.layout.get() == key)?;
-        let block = list.head.get();
-        if block.is_null() {
-            return None;
-        }
-        // SAFETY: a kept block is at least a word long and aligned to more
-        // than a word (see `keep`), and its first word links the next one.
-        #[allow(unsafe_code)]
-        let next = unsafe { block.cast::<*mut u8>().read() };
-        list.head.set(next);
-        list.len.set(list.len.get() - 1);
-        Some(block)
-    })
+    KEPT.with(|kept| kept.iter().find(|k| k.layout.get() == key)?.list.pop())
 }
 
-/// Keeps `block`, of `layout`, for this thread's later requests; false
-/// when it should go back to the C library instead.
+/// Keeps `block`, of over-aligned `layout` (aligned for a pointer, then),
+/// for this thread's later requests; false when it should go back to the
+/// C library instead.
 fn keep(block: *mut u8, layout: Layout) -> bool {
     if layout.size() < size_of::<*mut u8>() || !KEEPING.with(Cell::get) {
         return false;
@@ -198,34 +188,23 @@ fn keep(block: *mut u8, layout: Layout) -> bool {
     let key = (layout.size(), layout.align());
     KEPT.with(|kept| {
         let list = match kept.iter().find(|k| k.layout.get() == key) {
-            Some(l) => l,
+            Some(k) => k,
             None => match kept.iter().find(|k| k.layout.get() == (0, 0)) {
-                Some(l) => {
-                    l.layout.set(key);
-                    l
+                Some(k) => {
+                    k.layout.set(key);
+                    k
                 }
                 None => return false,
             },
         };
-        if list.len.get() >= KEEP {
-            return false;
-        }
-        // SAFETY: the block is the caller's to free, at least a word long
-        // and aligned to more than a word: its first word may hold the link.
-        #[allow(unsafe_code)]
-        unsafe {
-            block.cast::<*mut u8>().write(list.head.get())
-        };
-        list.head.set(block);
-        list.len.set(list.len.get() + 1);
-        true
+        list.list.push(block, KEEP)
     })
 }
 
 /// The layout a small block of `layout` is asked of the C library with,
 /// given its class's size.
 fn class_layout(layout: Layout, class_size: usize) -> Layout {
-    debug_assert!(is_small(layout) && class_size <= SMALL_MAX + 8);
+    debug_assert!(is_small(layout) && class_size <= SMALL_MAX);
     // SAFETY: `layout`'s alignment is a power of two of at most 16, and a
     // class's size (at most 4,096) rounded up to it cannot overflow.
     #[allow(unsafe_code)]
@@ -461,7 +440,7 @@ mod tests {
             }
             KEPT.with(|kept| {
                 let list = kept.iter().find(|k| k.layout.get() == (320, 64)).unwrap();
-                assert_eq!(list.len.get(), KEEP);
+                assert_eq!(list.list.len.get(), KEEP);
             });
             // Handed out last in, first out, each once.
             let again: Vec<*mut u8> = (0..KEEP).map(|_| a.alloc(l)).collect();
@@ -487,7 +466,7 @@ mod tests {
             let l = Layout::from_size_align(256, 128).unwrap();
             let p = a.alloc(l);
             a.dealloc(p, l);
-            KEPT.with(|kept| assert!(kept.iter().all(|k| k.len.get() == 0)));
+            KEPT.with(|kept| assert!(kept.iter().all(|k| k.list.len.get() == 0)));
         })
         .join()
         .unwrap();

@@ -78,11 +78,11 @@ impl ClientStream {
     ) -> Poll<io::Result<usize>> {
         use tokio_util::io::poll_read_buf;
         // Readiness is polled first (no buffer is taken before the socket
-        // has bytes), then the read: `poll_read_buf`
-        // rather than a `try_read`, because a short read clears the
-        // readiness, which saves the next call a recv() that would only say
-        // EAGAIN (one system call per transaction). Readiness without data
-        // is rare; the buffer then waits with the socket.
+        // has bytes), then the read: `sock::poll_recv` rather than a
+        // `try_read`, because a short read clears the readiness, which
+        // saves the next call a recv() that would only say EAGAIN (one
+        // system call per transaction). Readiness without data is rare;
+        // the buffer then waits with the socket.
         match self {
             ClientStream::Plain(s) => {
                 std::task::ready!(s.poll_read_ready(cx))?;
