@@ -426,7 +426,9 @@ async fn read_startup(
                 {
                     return Ok(None);
                 }
-                if let Err(e) = client.upgrade(&acceptor).await {
+                // Boxed: the handshake's state is large and rarely needed,
+                // and every client's start-up future would carry it.
+                if let Err(e) = Box::pin(client.upgrade(&acceptor)).await {
                     if crate::stream::is_client_certificate_error(&e) {
                         // Refused credentials, like a wrong password: worth
                         // the operator's attention, unlike clients that
@@ -457,17 +459,17 @@ async fn read_startup(
                 continue;
             }
             Ok(Some(StartupFrame::Cancel { pid, secret })) => {
-                forward_cancel(shared, pid, secret).await;
+                Box::pin(forward_cancel(shared, pid, secret)).await;
                 return Ok(None);
             }
             Ok(Some(StartupFrame::Startup(m))) => return Ok(Some(m)),
             Ok(None) => {}
             Err(e) => return Err(Refusal::new(e.sqlstate(), "protocol", e.to_string())),
         }
-        // A buffer from the thread's list, not one `read_buf` would
-        // allocate (and grow) for this client alone.
-        crate::bufcache::ready_for_read(buf, 1024);
-        match client.read_buf(buf).await {
+        // The buffer comes from the thread's list (`bufcache`) once the
+        // socket is readable, and the read bypasses glibc's wrappers, as
+        // in the session loop.
+        match std::future::poll_fn(|cx| client.poll_read_some(cx, buf, 1024)).await {
             Ok(0) | Err(_) => return Ok(None),
             Ok(_) => {}
         }
@@ -763,7 +765,7 @@ async fn relay(
                     encode::backend_key_data(&mut hello, p, s);
                 }
                 encode::ready_for_query(&mut hello, TxStatus::Idle);
-                client.write_all(&hello).await?;
+                client.send_all(&hello).await?;
             }
         }
         if !early.is_empty() {

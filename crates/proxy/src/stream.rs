@@ -67,14 +67,17 @@ impl ClientStream {
         matches!(self, ClientStream::Local(_))
     }
 
-    /// Reads what is available into `buf`. On plain TCP the buffer is
-    /// grown only once the socket is readable, so an idle client holds no
-    /// buffer. A poll function rather than an `async fn`: the session loop
-    /// polls it in place, with no future to build per poll.
+    /// Reads what is available into `buf`, with at least `min` spare bytes
+    /// in it. On plain TCP the buffer is grown only once the socket is
+    /// readable, so an idle client holds no buffer. A poll function rather
+    /// than an `async fn`: the session loop polls it in place, with no
+    /// future to build per poll.
+    #[inline(always)]
     pub fn poll_read_some(
         &mut self,
         cx: &mut Context<'_>,
         buf: &mut BytesMut,
+        min: usize,
     ) -> Poll<io::Result<usize>> {
         use tokio_util::io::poll_read_buf;
         // Readiness is polled first (no buffer is taken before the socket
@@ -86,16 +89,16 @@ impl ClientStream {
         match self {
             ClientStream::Plain(s) => {
                 std::task::ready!(s.poll_read_ready(cx))?;
-                crate::bufcache::ready_for_read(buf, 8 * 1024);
+                crate::bufcache::ready_for_read(buf, min);
                 crate::sock::poll_recv(s, cx, buf)
             }
             ClientStream::Local(s) => {
                 std::task::ready!(s.poll_read_ready(cx))?;
-                crate::bufcache::ready_for_read(buf, 8 * 1024);
+                crate::bufcache::ready_for_read(buf, min);
                 crate::sock::poll_recv(s, cx, buf)
             }
             ClientStream::Tls(s) => {
-                crate::bufcache::ready_for_read(buf, 8 * 1024);
+                crate::bufcache::ready_for_read(buf, min);
                 poll_read_buf(Pin::new(s.as_mut()), cx, buf)
             }
             ClientStream::Gone => Poll::Ready(Err(gone())),

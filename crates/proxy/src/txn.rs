@@ -343,7 +343,7 @@ async fn greet(
     } else {
         first.release(true);
     }
-    if client.write_all(&hello).await.is_err() {
+    if client.send_all(&hello).await.is_err() {
         shared.cancel.remove(key);
         // Nothing ran on it.
         session.detach(true);
@@ -426,7 +426,7 @@ async fn read_client(
         if *armed && client.quiet() {
             return Poll::Pending;
         }
-        let r = client.poll_read_some(cx, buf);
+        let r = client.poll_read_some(cx, buf, 8 * 1024);
         *armed = r.is_pending() && tokio::task::coop::has_budget_remaining();
         r
     })
