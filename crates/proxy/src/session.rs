@@ -369,20 +369,26 @@ async fn serve(
             extras,
         })));
     }
-    let (server, host) = connect_server(shared, service).await?;
-    shared
-        .metrics
-        .routing_decisions
-        .get_or_create(&RouteLabel {
-            service: spec.name.clone(),
-            host: host.to_string(),
-        })
-        .inc();
-    relay(
-        shared, service, client, buf, server, host, startup, peer, credential,
-    )
-    .await;
-    Ok(None)
+    // Boxed: a relayed session's connect and relay states are large, and
+    // a pooled client's start-up future would otherwise carry (and copy)
+    // them too.
+    Box::pin(async move {
+        let (server, host) = connect_server(shared, service).await?;
+        shared
+            .metrics
+            .routing_decisions
+            .get_or_create(&RouteLabel {
+                service: spec.name.clone(),
+                host: host.to_string(),
+            })
+            .inc();
+        relay(
+            shared, service, client, buf, server, host, startup, peer, credential,
+        )
+        .await;
+        Ok(None)
+    })
+    .await
 }
 
 /// Reads until a StartupMessage; answers SSL and GSS encryption requests

@@ -257,10 +257,13 @@ fn decode(packet: &[u8], len: u32) -> Result<StartupFrame, StartupError> {
     Ok(StartupFrame::Startup(msg))
 }
 
-fn decode_params(mut rest: &[u8]) -> Result<Vec<(String, String)>, StartupError> {
+fn decode_params(rest: &[u8]) -> Result<Vec<(String, String)>, StartupError> {
+    // One check of the whole list (NUL is valid UTF-8) rather than one per
+    // string: most of a short string's check is its fixed cost.
+    let mut rest = std::str::from_utf8(rest).map_err(|_| StartupError::InvalidUtf8)?;
     let mut params = Vec::new();
     loop {
-        match rest.first() {
+        match rest.as_bytes().first() {
             None => return Err(StartupError::InvalidLayout),
             Some(0) if rest.len() == 1 => return Ok(params),
             Some(0) => return Err(StartupError::InvalidLayout),
@@ -272,9 +275,9 @@ fn decode_params(mut rest: &[u8]) -> Result<Vec<(String, String)>, StartupError>
     }
 }
 
-fn take_cstr(rest: &mut &[u8]) -> Result<String, StartupError> {
-    let end = memchr::memchr(0, rest).ok_or(StartupError::InvalidLayout)?;
-    let s = std::str::from_utf8(&rest[..end]).map_err(|_| StartupError::InvalidUtf8)?;
+fn take_cstr(rest: &mut &str) -> Result<String, StartupError> {
+    let end = memchr::memchr(0, rest.as_bytes()).ok_or(StartupError::InvalidLayout)?;
+    let s = &rest[..end];
     *rest = &rest[end + 1..];
     Ok(s.to_owned())
 }
