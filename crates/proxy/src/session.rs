@@ -472,9 +472,9 @@ async fn read_startup(
             Ok(None) => {}
             Err(e) => return Err(Refusal::new(e.sqlstate(), "protocol", e.to_string())),
         }
-        // The buffer comes from the thread's list (`bufcache`) once the
-        // socket is readable, and the read bypasses glibc's wrappers, as
-        // in the session loop.
+        // As in the session loop: the buffer comes from the thread's list
+        // (`bufcache`) once the socket is readable, and a plain socket is
+        // read without glibc's wrappers.
         match std::future::poll_fn(|cx| client.poll_read_some(cx, buf, 1024)).await {
             Ok(0) | Err(_) => return Ok(None),
             Ok(_) => {}
