@@ -1692,14 +1692,16 @@ impl HaLoop {
     fn run_callback(&self, command: Option<String>, action: &'static str, role: &'static str) {
         let Some(command) = command else { return };
         let cluster = self.etcd.cluster.clone();
-        tokio::spawn(async move {
-            let res = tokio::process::Command::new("sh")
+        // A blocking wait on a pool thread rather than tokio's child
+        // processes: their driver would look for exited children at every
+        // wake-up of every event loop in the process, the proxy's included.
+        tokio::task::spawn_blocking(move || {
+            let res = std::process::Command::new("sh")
                 .arg("-c")
                 .arg(format!("{command} \"$@\""))
                 .arg("sh")
                 .args([action, role, &cluster])
-                .status()
-                .await;
+                .status();
             match res {
                 Ok(s) if s.success() => {}
                 Ok(s) => tracing::warn!(action, status = %s, "callback failed"),

@@ -62,11 +62,8 @@ pub trait Direct {
 macro_rules! direct_socket_halves {
     ($read:ty, $write:ty) => {
         impl Direct for $read {
-            // `try_io` looks at the recorded readiness and registers nothing.
             fn quiet(&self) -> bool {
-                self.as_ref()
-                    .try_io(tokio::io::Interest::READABLE, || Ok(()))
-                    .is_err()
+                crate::sock::quiet(self.as_ref())
             }
 
             fn poll_recv(

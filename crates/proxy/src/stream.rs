@@ -35,8 +35,8 @@ impl ClientStream {
     /// no longer shows.
     pub fn quiet(&self) -> bool {
         match self {
-            ClientStream::Plain(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
-            ClientStream::Local(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
+            ClientStream::Plain(s) => crate::sock::quiet(s),
+            ClientStream::Local(s) => crate::sock::quiet(s),
             ClientStream::Tls(_) | ClientStream::Gone => false,
         }
     }
@@ -597,7 +597,7 @@ impl ServerStream {
     /// See [`ClientStream::quiet`].
     pub fn quiet(&self) -> bool {
         match self {
-            ServerStream::Plain(s) => s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_err(),
+            ServerStream::Plain(s) => crate::sock::quiet(s),
             ServerStream::Tls(_) => false,
         }
     }
