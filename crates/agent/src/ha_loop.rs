@@ -1692,10 +1692,12 @@ impl HaLoop {
     fn run_callback(&self, command: Option<String>, action: &'static str, role: &'static str) {
         let Some(command) = command else { return };
         let cluster = self.etcd.cluster.clone();
-        // A blocking wait on a pool thread rather than tokio's child
-        // processes: their driver would look for exited children at every
-        // wake-up of every event loop in the process, the proxy's included.
-        tokio::task::spawn_blocking(move || {
+        // A thread of its own that waits for the shell, rather than tokio's
+        // child processes, whose driver would look for exited children at
+        // every wake-up of every event loop in the binary, the proxy's
+        // included; and rather than the blocking pool, which a shutting-down
+        // runtime waits for: a hung callback must not hold up the agent.
+        let run = move || {
             let res = std::process::Command::new("sh")
                 .arg("-c")
                 .arg(format!("{command} \"$@\""))
@@ -1707,7 +1709,13 @@ impl HaLoop {
                 Ok(s) => tracing::warn!(action, status = %s, "callback failed"),
                 Err(e) => tracing::warn!(action, error = %e, "callback could not run"),
             }
-        });
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("pgwarden-callback".into())
+            .spawn(run)
+        {
+            tracing::warn!(action, error = %e, "callback could not run");
+        }
     }
 }
 

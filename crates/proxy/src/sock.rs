@@ -106,12 +106,12 @@ fn clear_read_ready<S: Plain>(s: &S) {
     }));
 }
 
-/// Whether a `try_io` whose closure itself does not fail found the socket
-/// not ready. The error that says so is built from an `ErrorKind` and owns
-/// nothing, so it is forgotten rather than dropped: dropping an
-/// `io::Error` is an out-of-line call, and the session loop asks this
-/// several times per statement. An error that does own something (none
-/// is expected) is dropped as usual.
+/// Whether a `try_io` whose closure fails with nothing but `WouldBlock`
+/// found or left the socket not ready. The error that says so is tokio's,
+/// built from an `ErrorKind`; it owns nothing, so it is forgotten rather
+/// than dropped: dropping an `io::Error` is an out-of-line call, and the
+/// session loop asks this several times per statement. An error that does
+/// own something (none is expected) is dropped as usual.
 #[inline(always)]
 fn not_ready<T>(r: io::Result<T>) -> bool {
     match r {
