@@ -41,6 +41,8 @@ pub(crate) struct LoopLinks {
     pub(crate) routing_ack: Arc<std::sync::atomic::AtomicI64>,
     pub(crate) stopped: Arc<tokio::sync::Notify>,
     pub(crate) failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// Set, once, to why the agent gave up.
+    pub(crate) failed: watch::Sender<Option<String>>,
 }
 
 /// One agent's loop and the state it keeps between iterations.
@@ -97,6 +99,13 @@ pub(crate) struct HaLoop {
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
     /// The revision of the scheduled switchover request last logged.
     scheduled_seen: Option<i64>,
+    /// The data directory is known to hold the cluster's database (or its
+    /// identifier cannot be read): until then PostgreSQL is not started
+    /// and the member takes no part.
+    identity_known: bool,
+    /// Why this agent must stop managing its node, once it must.
+    fatal: Option<String>,
+    failed: watch::Sender<Option<String>>,
 }
 
 impl HaLoop {
@@ -115,6 +124,7 @@ impl HaLoop {
             routing_ack,
             stopped,
             failsafe_seen,
+            failed,
         } = links;
         let timing = cfg.timing;
         let settings = ElectionSettings {
@@ -159,6 +169,9 @@ impl HaLoop {
             fence: None,
             failsafe_seen,
             scheduled_seen: None,
+            identity_known: false,
+            fatal: None,
+            failed,
             cfg,
         }
     }
@@ -181,6 +194,10 @@ impl HaLoop {
         self.bootstrap(&mut leader_watch).await;
         loop {
             self.iterate().await;
+            if let Some(why) = self.fatal.take() {
+                self.give_up(why).await;
+                return;
+            }
             // A leader key whose lease has run out is deleted by etcd within
             // half a second; the watch says when, and the short pace covers
             // a watch that is being re-established.
@@ -272,8 +289,15 @@ impl HaLoop {
 
     /// One bootstrap attempt; `Ok(true)` once this member has data.
     async fn try_bootstrap(&mut self) -> Result<bool, AgentStepError> {
-        if self.snapshot.initialize.is_none() {
-            let claim = format!("claim:{}", self.cfg.name);
+        // A cluster with a leader or members has data even if etcd lost its
+        // `initialize` key: clone the leader (or wait for one) rather than
+        // create another database.
+        let fresh = self.snapshot.leader.is_none() && self.snapshot.members.is_empty();
+        if self.snapshot.initialize.is_none() && self.snapshot.leader.is_none() && !fresh {
+            tracing::debug!("the cluster has members but no initialize key: waiting for a leader");
+        }
+        if self.snapshot.initialize.is_none() && fresh {
+            let claim = pgwarden_ha::identity::claim(&self.cfg.name);
             if self.dcs.initialize_race(&claim).await? {
                 tracing::info!("won the initialize race: creating the cluster with initdb");
                 self.activity = Some("initializing");
@@ -344,6 +368,7 @@ impl HaLoop {
             .await
             .unwrap_or_default();
         self.dcs.finish_initialize(claim, &sysid).await?;
+        self.identity_known = true;
         self.former_primary = true;
         Ok(())
     }
@@ -477,6 +502,25 @@ impl HaLoop {
                 self.dcs_ok = false;
             }
         }
+        if self.identity_known && self.dcs_ok && !recorded(&self.snapshot) {
+            // etcd lost the record (restored from an old snapshot): put it
+            // back before an empty member takes the cluster for a new one.
+            let _ = self.record_identity(self.snapshot.initialize.clone()).await;
+        }
+        if !self.identity_known {
+            // Unchecked, PostgreSQL is not started; but one already running
+            // still goes through the decision while etcd is silent, which
+            // demotes a primary that holds no lease.
+            let go_on = if self.dcs_ok {
+                self.verify_identity().await
+            } else {
+                self.obs.pg.running
+            };
+            if !go_on {
+                self.publish_status();
+                return;
+            }
+        }
         if !self.dcs_ok && self.cfg.failsafe && self.holds_leader_key() && self.obs.pg.running {
             self.failsafe_round().await;
         }
@@ -529,6 +573,97 @@ impl HaLoop {
         self.routing_ready = self.leadership_acknowledged();
         self.publish_status();
         self.publish_member().await;
+    }
+
+    /// Compares the data directory's system identifier with the cluster's
+    /// (recording it if the cluster has none); `true` once this member may
+    /// take part. A different database sets `fatal`.
+    async fn verify_identity(&mut self) -> bool {
+        use pgwarden_ha::identity::{check, Identity};
+        if !self.dcs_ok {
+            return false;
+        }
+        let local = self.controldata("Database system identifier").await;
+        let recorded = self.snapshot.initialize.clone();
+        match check(recorded.as_deref(), local.as_deref(), &self.cfg.name) {
+            Identity::Matches => {
+                self.identity_known = true;
+                if self
+                    .problem
+                    .as_deref()
+                    .is_some_and(|p| p.starts_with("waiting for"))
+                {
+                    self.problem = None;
+                }
+            }
+            Identity::Unreadable => {
+                tracing::warn!(
+                    data_dir = %self.cfg.data_dir.display(),
+                    "cannot read the data directory's system identifier; it is not compared with the cluster's"
+                );
+                self.identity_known = true;
+            }
+            Identity::Pending { member } => {
+                self.problem = Some(format!(
+                    "waiting for member {member} to finish creating the cluster"
+                ));
+            }
+            Identity::Record { previous } => {
+                // Another member may write first: then compared at the next
+                // turn.
+                self.identity_known = self.record_identity(previous).await;
+            }
+            Identity::Mismatch { local, recorded } => {
+                let why = format!(
+                    "the data directory {} holds another database (system identifier {local}) than cluster {} (system identifier {recorded}, recorded in etcd); \
+                     PostgreSQL is not started. Remove or move the data directory for this member to clone the leader, or point the agent at the cluster this data belongs to",
+                    self.cfg.data_dir.display(),
+                    self.etcd.cluster,
+                );
+                self.problem = Some(why.clone());
+                self.fatal = Some(why);
+            }
+        }
+        self.identity_known
+    }
+
+    /// Writes this data directory's system identifier into `initialize`
+    /// in place of `previous` (`None`: the key is absent); `true` once
+    /// written.
+    async fn record_identity(&mut self, previous: Option<String>) -> bool {
+        let Some(local) = self.controldata("Database system identifier").await else {
+            return false;
+        };
+        let local = local.trim().to_string();
+        let written = match &previous {
+            None => self.dcs.initialize_race(&local).await,
+            Some(p) => self.dcs.finish_initialize(p, &local).await,
+        };
+        match written {
+            Ok(true) => {
+                tracing::info!(system_identifier = %local, "the cluster had no system identifier recorded: recorded this data directory's");
+                self.snapshot.initialize = Some(local);
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot record the system identifier");
+                false
+            }
+        }
+    }
+
+    /// Stops managing this node for good: withdraws from the DCS, publishes
+    /// why and tells whoever runs the agent.
+    async fn give_up(&mut self, why: String) {
+        tracing::error!("{why}");
+        if let Some(lease) = self.lease.take() {
+            let _ = self.dcs.revoke_lease(lease).await;
+        }
+        self.watchdog.disarm();
+        self.publish_status();
+        let _ = self.failed.send(Some(why));
+        self.stopped.notify_one();
     }
 
     /// Whether every live member's connection manager routes by the
@@ -1789,6 +1924,15 @@ const RETRY_GAP: Duration = Duration::from_millis(100);
 fn parse_lsn(text: &str) -> Option<u64> {
     let (hi, lo) = text.trim().split_once('/')?;
     Some((u64::from_str_radix(hi, 16).ok()? << 32) | u64::from_str_radix(lo, 16).ok()?)
+}
+
+/// Whether the cluster's `initialize` key holds something: an identifier
+/// or a claim.
+fn recorded(snapshot: &ClusterSnapshot) -> bool {
+    snapshot
+        .initialize
+        .as_deref()
+        .is_some_and(|v| !v.trim().is_empty())
 }
 
 #[cfg(test)]

@@ -82,6 +82,7 @@ pub struct AgentHandle {
     /// published in this member's record for the new leader to wait on.
     pub routing_ack: Arc<std::sync::atomic::AtomicI64>,
     stopped: Arc<tokio::sync::Notify>,
+    failed: watch::Receiver<Option<String>>,
     /// When (Unix ms) this member last took part in a successful failsafe
     /// exchange (as the leader, or acknowledging it): while recent, the
     /// leader stands even though etcd is silent.
@@ -89,6 +90,22 @@ pub struct AgentHandle {
 }
 
 impl AgentHandle {
+    /// Waits until the agent gives up managing its node for good (its data
+    /// directory holds another database than the cluster's), and says why.
+    /// Never returns while the agent runs.
+    pub async fn failure(&self) -> String {
+        let mut failed = self.failed.clone();
+        loop {
+            if let Some(why) = failed.borrow_and_update().clone() {
+                return why;
+            }
+            if failed.changed().await.is_err() {
+                // The loop ended without failing (a shutdown).
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// Stops the agent as an operator's `systemctl stop` expects: PostgreSQL
     /// is stopped, the leader key (if held) is released so a replica takes
     /// over without waiting for the ttl, and the member record withdrawn.
@@ -187,6 +204,7 @@ pub async fn start(
     });
     let routing_ack = Arc::new(std::sync::atomic::AtomicI64::new(0));
     let stopped = Arc::new(tokio::sync::Notify::new());
+    let (failed_tx, failed) = watch::channel(None);
     let ha = ha_loop::HaLoop::new(
         cfg,
         proxy_url,
@@ -200,6 +218,7 @@ pub async fn start(
             routing_ack: routing_ack.clone(),
             stopped: stopped.clone(),
             failsafe_seen: failsafe_seen.clone(),
+            failed: failed_tx,
         },
     );
     tokio::spawn(ha.run());
@@ -210,6 +229,7 @@ pub async fn start(
         dcs,
         routing_ack,
         stopped,
+        failed,
         failsafe_seen,
     })
 }

@@ -14,6 +14,7 @@
 //! * [`view`]: the cluster snapshot read from the DCS and the local
 //!   observation.
 //! * [`election`]: which members may become leader, best first.
+//! * [`identity`]: whether a data directory holds the cluster's database.
 //! * [`protection`]: protection modes and the synchronous standby set.
 //! * [`schedule`]: when a scheduled switchover is due.
 //! * [`timeline`]: whether a replica replayed WAL past the leader's fork.
@@ -35,6 +36,7 @@
 
 pub mod decide;
 pub mod election;
+pub mod identity;
 pub mod member;
 pub mod protection;
 pub mod rto;

@@ -110,6 +110,7 @@ pub async fn serve(
     let admin_reload = proxy.reload_requests();
     let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
+    let mut failure = None;
     loop {
         tokio::select! {
             _ = async {
@@ -151,6 +152,15 @@ pub async fn serve(
                     Err(e) => tracing::error!("reload rejected, the running configuration stays: {e}"),
                 }
             }
+            why = async {
+                match &agent {
+                    Some(a) => a.failure().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                failure = Some(why);
+                break;
+            }
             _ = crate::shutdown_signal() => break,
             _ = admin_shutdown.notified() => {
                 tracing::info!("admin console: SHUTDOWN");
@@ -163,7 +173,10 @@ pub async fn serve(
     if let Some(agent) = agent {
         agent.shutdown(Duration::from_secs(90)).await;
     }
-    Ok(())
+    match failure {
+        Some(why) => Err(anyhow::anyhow!("the HA agent gave up: {why}")),
+        None => Ok(()),
+    }
 }
 
 fn warn_unimplemented(config: &Config) {

@@ -659,6 +659,179 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     assert!(log.contains("rewound the former primary"), "{log}");
 }
 
+/// The system identifier of the database in `data_dir`, from
+/// pg_controldata.
+fn system_identifier(data_dir: &std::path::Path) -> String {
+    let mut spec = pgwarden_pgctl::InstanceSpec::new("probe", data_dir, 1);
+    spec.host = "127.0.0.1".into();
+    let instance = pgwarden_pgctl::Instance::new(
+        spec,
+        pgwarden_pgctl::PgBinaries::discover().unwrap(),
+        pgwarden_pgctl::RunAs::current(),
+    );
+    instance
+        .controldata()
+        .unwrap()
+        .remove("Database system identifier")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_directory_of_another_database_is_never_started() {
+    let mut c = cluster().nodes(2).hold_back(1).start();
+    healthy(&c, 0, BOOTSTRAP).await;
+    let ours = system_identifier(&c.node(0).data_dir);
+    assert_eq!(read_cluster(&c).await.initialize.as_deref(), Some(&*ours));
+    // Another database where n2's data directory goes: the wrong backup
+    // restored, or a node pointed at the wrong cluster.
+    let data_dir = c.node(1).data_dir.clone();
+    let mut spec = pgwarden_pgctl::InstanceSpec::new("n2", &data_dir, c.node(1).pg_port);
+    spec.host = "127.0.0.1".into();
+    let run_as = if nix::unistd::geteuid().is_root() {
+        pgwarden_pgctl::RunAs::unprivileged().unwrap()
+    } else {
+        pgwarden_pgctl::RunAs::current()
+    };
+    pgwarden_pgctl::Instance::new(
+        spec,
+        pgwarden_pgctl::PgBinaries::discover().unwrap(),
+        run_as,
+    )
+    .initdb("postgres")
+    .unwrap();
+    let theirs = system_identifier(&data_dir);
+    assert_ne!(theirs, ours);
+
+    c.start_agent(1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = c.agent_exit(1) {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent of n2 kept running\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let log = c.node(1).agent_log();
+    assert!(!status.success(), "{status}\n{log}");
+    assert!(
+        log.contains("holds another database")
+            && log.contains(&format!("system identifier {theirs}"))
+            && log.contains(&format!("system identifier {ours}")),
+        "{log}"
+    );
+    // Never started: a postmaster writes postmaster.opts at every start.
+    assert_eq!(c.node(1).postmaster_pid(), None);
+    assert!(!data_dir.join("postmaster.opts").exists(), "{log}");
+    assert_eq!(system_identifier(&data_dir), theirs);
+    // The cluster is as it was: same identifier, n2 never a member, n1
+    // leads and takes writes.
+    let snap = read_cluster(&c).await;
+    assert_eq!(snap.initialize.as_deref(), Some(&*ours));
+    assert!(
+        snap.members.iter().all(|(name, _)| name != "n2"),
+        "{:?}",
+        snap.members
+    );
+    assert_eq!(snap.leader.map(|l| l.name).as_deref(), Some("n1"));
+    assert_eq!(writable(&c).await, vec![0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_without_a_recorded_identifier_gets_its_leaders() {
+    let mut c = cluster().nodes(1).start();
+    healthy(&c, 0, BOOTSTRAP).await;
+    let ours = system_identifier(&c.node(0).data_dir);
+    // etcd lost the key (restored from an old snapshot, or the cluster was
+    // made by hand and then put under an agent).
+    c.stop_agent(0);
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    assert!(dcs.cancel_initialize(&ours).await.unwrap());
+    assert_eq!(read_cluster(&c).await.initialize, None);
+    c.start_agent(0);
+    healthy(&c, 0, Duration::from_secs(60)).await;
+    assert_eq!(read_cluster(&c).await.initialize.as_deref(), Some(&*ours));
+    let log = c.node(0).agent_log();
+    assert!(log.contains("recorded this data directory's"), "{log}");
+    // Lost while the agent runs, it is put back too.
+    assert!(dcs.cancel_initialize(&ours).await.unwrap());
+    eventually(
+        "the identifier recorded again",
+        Duration::from_secs(20),
+        || async {
+            let now = read_cluster(&c).await.initialize;
+            (now.as_deref() == Some(&*ours))
+                .then_some(())
+                .ok_or(format!("{now:?}"))
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_member_clones_the_leader_when_etcd_lost_the_identifier() {
+    let mut c = AgentCluster::builder(env!("CARGO_BIN_EXE_pgwarden"))
+        .agent_settings("ttl = 30\nloop_wait = 10\nretry_timeout = 10")
+        .nodes(2)
+        .hold_back(1)
+        .etcd_relays()
+        .start();
+    healthy(&c, 0, BOOTSTRAP).await;
+    let ours = system_identifier(&c.node(0).data_dir);
+    // The leader cannot put the key back while cut off; its key and record
+    // stay for the ttl.
+    c.etcd_relay(0).set_blackhole(true);
+    let dcs = pgwarden_dcs::EtcdDcs::connect(
+        &[c.etcd_endpoint()],
+        "pgwarden",
+        c.cluster_name(),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    assert!(dcs.cancel_initialize(&ours).await.unwrap());
+    c.launch_held_back(1);
+    eventually(
+        "n2 has a data directory",
+        Duration::from_secs(60),
+        || async {
+            (c.node(1).postmaster_pid().is_some())
+                .then_some(())
+                .ok_or("no postmaster yet".to_string())
+        },
+    )
+    .await;
+    let log = c.node(1).agent_log();
+    assert!(
+        log.contains("cloning the leader") && !log.contains("won the initialize race"),
+        "{log}"
+    );
+    assert_eq!(system_identifier(&c.node(1).data_dir), ours);
+    c.etcd_relay(0).set_blackhole(false);
+    healthy(&c, 1, BOOTSTRAP).await;
+    eventually(
+        "the identifier recorded again",
+        Duration::from_secs(30),
+        || async {
+            let now = read_cluster(&c).await.initialize;
+            (now.as_deref() == Some(&*ours))
+                .then_some(())
+                .ok_or(format!("{now:?}"))
+        },
+    )
+    .await;
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();

@@ -433,6 +433,12 @@ impl AgentCluster {
         node.child = Some(cmd.spawn().expect("spawn pgwarden agent"));
     }
 
+    /// How node `i`'s agent exited, once it has; `None` while it runs (or
+    /// was never started).
+    pub fn agent_exit(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.nodes[i].child.as_mut()?.try_wait().ok().flatten()
+    }
+
     /// Asks node `i`'s agent to stop (SIGTERM) and waits for it to exit.
     pub fn stop_agent(&mut self, i: usize) {
         if let Some(mut c) = self.nodes[i].child.take() {
