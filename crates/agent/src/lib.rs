@@ -64,6 +64,58 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// A file named in `[etcd]` cannot be read.
+    #[error("etcd.{key}: cannot read {}: {source}", path.display())]
+    EtcdFile {
+        /// The key that names the file.
+        key: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What the agent shows etcd, read from the files `[etcd]` names (paths
+/// as given: the caller resolves relative ones).
+pub fn etcd_security(etcd: &EtcdConfig) -> Result<pgwarden_dcs::EtcdSecurity, AgentError> {
+    let read = |key: &'static str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|source| AgentError::EtcdFile {
+            key,
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let ca_pem = etcd
+        .ca_file
+        .as_deref()
+        .map(|p| read("ca_file", p))
+        .transpose()?;
+    let identity = match (&etcd.cert_file, &etcd.key_file) {
+        (Some(c), Some(k)) => Some((read("cert_file", c)?, read("key_file", k)?)),
+        _ => None,
+    };
+    let password = match (&etcd.password, &etcd.password_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => {
+            let text = read("password_file", f)?;
+            Some(
+                String::from_utf8_lossy(&text)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        }
+        (None, None) => None,
+    };
+    let user = etcd.username.clone().zip(password);
+    Ok(pgwarden_dcs::EtcdSecurity {
+        ca_pem,
+        identity,
+        user,
+    })
 }
 
 /// A running agent, as the rest of the process uses it.
@@ -164,18 +216,29 @@ pub async fn start(
         password,
         cfg.replication_user.clone(),
     );
+    let security = etcd_security(&etcd)?;
     let dcs = loop {
-        match EtcdDcs::connect(
+        match EtcdDcs::connect_with(
             &etcd.endpoints,
             &etcd.namespace,
             &etcd.cluster,
             etcd.op_timeout,
+            &security,
         )
         .await
         {
             Ok(d) => break d,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot reach etcd yet; retrying");
+                // The cause (a refused password, a certificate etcd does
+                // not trust) is in the source chain.
+                let mut why = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    why.push_str(": ");
+                    why.push_str(&s.to_string());
+                    source = s.source();
+                }
+                tracing::warn!(error = %why, "cannot reach etcd yet; retrying");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }

@@ -157,6 +157,27 @@ pub struct EtcdConfig {
     /// Bound on each etcd request; the agent treats a time-out as a failed
     /// request and retries within `retry_timeout`.
     pub op_timeout: Duration,
+    /// PEM file of the CA that signed etcd's server certificates; set, the
+    /// agent speaks TLS to etcd. As written: relative to the file.
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate for etcd's `--client-cert-auth`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    pub key_file: Option<PathBuf>,
+    /// etcd user, when etcd's authentication is enabled.
+    pub username: Option<String>,
+    /// That user's password.
+    pub password: Option<String>,
+    /// A file whose first line is the password. As written: relative to the
+    /// file.
+    pub password_file: Option<PathBuf>,
+}
+
+impl EtcdConfig {
+    /// Whether the agent speaks TLS to etcd.
+    pub fn tls(&self) -> bool {
+        self.ca_file.is_some()
+    }
 }
 
 #[derive(Deserialize)]
@@ -213,6 +234,12 @@ pub(crate) struct RawEtcd {
     namespace: Option<Spanned<String>>,
     cluster: Spanned<String>,
     op_timeout: Option<crate::duration::PositiveDur>,
+    ca_file: Option<NonEmpty>,
+    cert_file: Option<Spanned<NonEmpty>>,
+    key_file: Option<Spanned<NonEmpty>>,
+    username: Option<Spanned<NonEmpty>>,
+    password: Option<Spanned<String>>,
+    password_file: Option<Spanned<NonEmpty>>,
 }
 
 /// A PostgreSQL parameter value: TOML strings, integers, floats and
@@ -465,11 +492,84 @@ pub(crate) fn etcd(raw: RawEtcd, src: &Source<'_>) -> Result<EtcdConfig, ConfigE
             text
         }
     };
+    let tls = raw.ca_file.is_some();
+    if let Some(e) = endpoints.iter().find(|e| {
+        if tls {
+            e.starts_with("http://")
+        } else {
+            e.starts_with("https://")
+        }
+    }) {
+        let message = if tls {
+            format!(
+                "{e:?} is plain http, but etcd.ca_file asks for TLS: write https:// or host:port"
+            )
+        } else {
+            format!("{e:?} needs TLS: set etcd.ca_file to the CA that signed etcd's certificate")
+        };
+        return Err(src.invalid(Some(span), "etcd.endpoints", message));
+    }
+    match (&raw.cert_file, &raw.key_file) {
+        (Some(c), None) => {
+            return Err(src.invalid(
+                Some(c.span()),
+                "etcd.cert_file",
+                "needs etcd.key_file, the certificate's private key",
+            ))
+        }
+        (None, Some(k)) => {
+            return Err(src.invalid(
+                Some(k.span()),
+                "etcd.key_file",
+                "needs etcd.cert_file, the certificate it belongs to",
+            ))
+        }
+        (Some(c), Some(_)) if !tls => {
+            return Err(src.invalid(
+                Some(c.span()),
+                "etcd.cert_file",
+                "a client certificate needs TLS: set etcd.ca_file too",
+            ))
+        }
+        _ => {}
+    }
+    match (&raw.username, &raw.password, &raw.password_file) {
+        (_, Some(_), Some(f)) => {
+            return Err(src.invalid(
+                Some(f.span()),
+                "etcd.password_file",
+                "etcd.password is set too; keep only one of them",
+            ))
+        }
+        (None, Some(p), None) => {
+            return Err(src.invalid(Some(p.span()), "etcd.password", "needs etcd.username"))
+        }
+        (None, None, Some(f)) => {
+            return Err(src.invalid(Some(f.span()), "etcd.password_file", "needs etcd.username"))
+        }
+        (Some(u), None, None) => {
+            return Err(src.invalid(
+                Some(u.span()),
+                "etcd.username",
+                "needs etcd.password or etcd.password_file",
+            ))
+        }
+        (Some(_), Some(p), None) if p.get_ref().is_empty() => {
+            return Err(src.invalid(Some(p.span()), "etcd.password", "is empty"))
+        }
+        _ => {}
+    }
     Ok(EtcdConfig {
         endpoints,
         namespace,
         cluster,
         op_timeout: raw.op_timeout.map_or(Duration::from_secs(2), |d| d.0),
+        ca_file: raw.ca_file.map(Into::into),
+        cert_file: raw.cert_file.map(|f| f.into_inner().into()),
+        key_file: raw.key_file.map(|f| f.into_inner().into()),
+        username: raw.username.map(|u| u.into_inner().0),
+        password: raw.password.map(Spanned::into_inner),
+        password_file: raw.password_file.map(|f| f.into_inner().into()),
     })
 }
 

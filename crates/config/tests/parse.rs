@@ -873,6 +873,94 @@ fn agent_lease_constraint_is_refused_with_the_key() {
 }
 
 #[test]
+fn etcd_tls_and_authentication() {
+    let etcd = |extra: &str| {
+        AGENT_MINIMAL.replace(
+            "cluster = \"demo\"\n",
+            &format!("cluster = \"demo\"\n{extra}"),
+        )
+    };
+    let c = parse(
+        &etcd("ca_file = \"etcd/ca.pem\"\ncert_file = \"etcd/n1.crt\"\nkey_file = \"etcd/n1.key\"\nusername = \"pgwarden\"\npassword_file = \"etcd/password\"\n"),
+        FILE,
+    )
+    .unwrap();
+    let e = c.etcd.unwrap();
+    assert!(e.tls());
+    assert_eq!(
+        e.ca_file.as_deref(),
+        Some(std::path::Path::new("etcd/ca.pem"))
+    );
+    assert_eq!(
+        e.cert_file.as_deref(),
+        Some(std::path::Path::new("etcd/n1.crt"))
+    );
+    assert_eq!(
+        e.key_file.as_deref(),
+        Some(std::path::Path::new("etcd/n1.key"))
+    );
+    assert_eq!(e.username.as_deref(), Some("pgwarden"));
+    assert_eq!(
+        e.password_file.as_deref(),
+        Some(std::path::Path::new("etcd/password"))
+    );
+    let e = parse(AGENT_MINIMAL, FILE).unwrap().etcd.unwrap();
+    assert!(!e.tls() && e.username.is_none() && e.cert_file.is_none());
+
+    fails(
+        &etcd("cert_file = \"c\"\nca_file = \"a\"\n"),
+        11,
+        "etcd.cert_file",
+        "key_file",
+    );
+    fails(
+        &etcd("key_file = \"k\"\nca_file = \"a\"\n"),
+        11,
+        "etcd.key_file",
+        "cert_file",
+    );
+    fails(
+        &etcd("cert_file = \"c\"\nkey_file = \"k\"\n"),
+        11,
+        "etcd.cert_file",
+        "ca_file",
+    );
+    fails(
+        &etcd("ca_file = \"a\"\n").replace("\"127.0.0.1:2379\"", "\"http://127.0.0.1:2379\""),
+        9,
+        "etcd.endpoints",
+        "plain http",
+    );
+    fails(
+        &AGENT_MINIMAL.replace("\"127.0.0.1:2379\"", "\"https://127.0.0.1:2379\""),
+        9,
+        "etcd.endpoints",
+        "ca_file",
+    );
+    fails(&etcd("password = \"p\"\n"), 11, "etcd.password", "username");
+    fails(
+        &etcd("password_file = \"p\"\n"),
+        11,
+        "etcd.password_file",
+        "username",
+    );
+    fails(&etcd("username = \"u\"\n"), 11, "etcd.username", "password");
+    fails(
+        &etcd("username = \"u\"\npassword = \"p\"\npassword_file = \"f\"\n"),
+        13,
+        "etcd.password_file",
+        "keep only one",
+    );
+    fails(
+        &etcd("username = \"u\"\npassword = \"\"\n"),
+        12,
+        "etcd.password",
+        "empty",
+    );
+    fails(&etcd("ca_file = \"\"\n"), 11, "ca_file", "");
+}
+
+#[test]
 fn agent_and_etcd_come_together() {
     let no_etcd = AGENT_MINIMAL.replace(
         "[etcd]\nendpoints = [\"127.0.0.1:2379\"]\ncluster = \"demo\"\n",

@@ -54,6 +54,32 @@ impl fmt::Debug for EtcdDcs {
     }
 }
 
+/// How the agent proves itself to etcd and checks etcd's certificate:
+/// TLS (a CA, optionally a client certificate) and a user name and
+/// password. The default is neither.
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    /// PEM certificates of the CA that signed etcd's server certificates;
+    /// set, the connection uses TLS (endpoints without a scheme become
+    /// `https://`).
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM client certificate (chain) and private key, for etcd's
+    /// `--client-cert-auth`.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// etcd user name and password (etcd's `auth enable`).
+    pub user: Option<(String, String)>,
+}
+
+impl fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdSecurity")
+            .field("tls", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish()
+    }
+}
+
 impl EtcdDcs {
     /// Prepares a client for `endpoints` (`host:port` or `http://host:port`)
     /// and the cluster `cluster` under `namespace`
@@ -68,15 +94,50 @@ impl EtcdDcs {
         cluster: &str,
         op_timeout: Duration,
     ) -> Result<EtcdDcs> {
+        Self::connect_with(
+            endpoints,
+            namespace,
+            cluster,
+            op_timeout,
+            &EtcdSecurity::default(),
+        )
+        .await
+    }
+
+    /// [`connect`](Self::connect) with TLS and authentication. With a user
+    /// the connection is not lazy: etcd must answer (and accept the
+    /// password) for this to succeed.
+    pub async fn connect_with(
+        endpoints: &[String],
+        namespace: &str,
+        cluster: &str,
+        op_timeout: Duration,
+        security: &EtcdSecurity,
+    ) -> Result<EtcdDcs> {
         let keys = KeyLayout::new(namespace, cluster)?;
         if endpoints.is_empty() {
             return Err(DcsError::NoEndpoints);
         }
         // No per-request timeout in the channel: it would also cut the
         // long-lived watch stream. Each operation is bounded here instead.
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(op_timeout)
             .with_keep_alive(PING_INTERVAL, op_timeout.max(Duration::from_secs(1)));
+        if let Some(ca) = &security.ca_pem {
+            let mut tls = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(ca));
+            if let Some((cert, key)) = &security.identity {
+                tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+            }
+            options = options.with_tls(tls);
+        }
+        if let Some((user, password)) = &security.user {
+            // etcd's tokens expire (5 minutes by default): log in again
+            // rather than fail every request from then on.
+            options = options
+                .with_user(user.clone(), password.clone())
+                .with_auto_token_refresh(true);
+        }
         let client = bound("connect", op_timeout, async {
             Client::connect(endpoints, Some(options))
                 .await

@@ -43,7 +43,7 @@ mod keys;
 mod snapshot;
 mod watch;
 
-pub use client::EtcdDcs;
+pub use client::{EtcdDcs, EtcdSecurity};
 pub use error::{DcsError, Result};
 pub use keys::{KeyLayout, DEFAULT_NAMESPACE};
 pub use snapshot::{ClusterSnapshot, HistoryEntry, LeaderKey, LeaseId};

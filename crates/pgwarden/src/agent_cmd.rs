@@ -20,12 +20,25 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
-    let (Some(agent), Some(etcd)) = (config.agent.clone(), config.etcd.clone()) else {
+    let (Some(agent), Some(mut etcd)) = (config.agent.clone(), config.etcd.clone()) else {
         anyhow::bail!(
             "{}: pgwarden agent needs the [agent] and [etcd] sections (use pgwarden run for standalone mode)",
             args.config.display()
         );
     };
+    // Files named in [etcd] are relative to the configuration file.
+    let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
+    for f in [
+        &mut etcd.ca_file,
+        &mut etcd.cert_file,
+        &mut etcd.key_file,
+        &mut etcd.password_file,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *f = dir.join(&*f);
+    }
     let runtime = crate::run_cmd::runtime(&config)?;
     runtime.block_on(async {
         let password = crate::run_cmd::probe_config(&config)?.password;

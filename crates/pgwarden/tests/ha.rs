@@ -832,6 +832,132 @@ async fn a_new_member_clones_the_leader_when_etcd_lost_the_identifier() {
     .await;
 }
 
+/// A CA, a certificate naming 127.0.0.1 for etcd, and a client
+/// certificate (files), all in `dir`.
+fn etcd_certs(
+    dir: &std::path::Path,
+) -> (
+    pgwarden_testkit::etcd::EtcdTls,
+    (std::path::PathBuf, std::path::PathBuf),
+) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "pgwarden test etcd CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let write = |name: &str, text: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ca_file = write("etcd-ca.pem", ca.pem());
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client = CertificateParams::new(vec!["pgwarden-agent".to_string()])
+        .unwrap()
+        .signed_by(&client_key, &issuer)
+        .unwrap();
+    let tls = pgwarden_testkit::etcd::EtcdTls {
+        ca_file,
+        cert_file: write("etcd.crt", server.pem()),
+        key_file: write("etcd.key", server_key.serialize_pem()),
+        client_cert_auth: true,
+    };
+    let client = (
+        write("agent.crt", client.pem()),
+        write("agent.key", client_key.serialize_pem()),
+    );
+    (tls, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_reach_etcd_over_tls_with_a_client_certificate_and_a_password() {
+    let certs = tempfile::tempdir().unwrap();
+    let (tls, (cert, key)) = etcd_certs(certs.path());
+    let mut c = cluster()
+        .nodes(3)
+        .hold_back(2)
+        .etcd_tls(tls.clone(), Some((cert.clone(), key.clone())))
+        .etcd_auth("pgwarden", "s3cret")
+        .start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
+    let security = pgwarden_dcs::EtcdSecurity {
+        ca_pem: Some(read(&tls.ca_file)),
+        identity: Some((read(&cert), read(&key))),
+        user: Some(("pgwarden".into(), "s3cret".into())),
+    };
+    let connect = |s: pgwarden_dcs::EtcdSecurity| {
+        let endpoint = c.etcd_endpoint();
+        let cluster = c.cluster_name().to_string();
+        async move {
+            pgwarden_dcs::EtcdDcs::connect_with(
+                &[endpoint],
+                "pgwarden",
+                &cluster,
+                Duration::from_secs(2),
+                &s,
+            )
+            .await
+        }
+    };
+    let dcs = connect(security.clone()).await.unwrap();
+    let snap = dcs.read_cluster().await.unwrap();
+    assert_eq!(snap.leader.map(|l| l.name).as_deref(), Some("n1"));
+    assert_eq!(snap.members.len(), 2, "{:?}", snap.members);
+    // Idle for longer than a token lives (2 s here): the next request logs
+    // in again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(dcs.read_cluster().await.is_ok());
+    // etcd takes neither a client without the password, nor one without
+    // a certificate.
+    let anonymous = pgwarden_dcs::EtcdSecurity {
+        user: None,
+        ..security.clone()
+    };
+    if let Ok(d) = connect(anonymous).await {
+        assert!(d.read_cluster().await.is_err());
+    }
+    let no_certificate = pgwarden_dcs::EtcdSecurity {
+        identity: None,
+        ..security.clone()
+    };
+    if let Ok(d) = connect(no_certificate).await {
+        assert!(d.read_cluster().await.is_err());
+    }
+    // An agent with a wrong password says why it cannot go on, and starts
+    // nothing.
+    let config = c.node(2).config.clone();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("\"s3cret\"", "\"wrong\"")).unwrap();
+    c.start_agent(2);
+    eventually(
+        "n2 reports the refused password",
+        Duration::from_secs(30),
+        || async {
+            let log = c.node(2).agent_log();
+            log.contains("authentication failed")
+                .then_some(())
+                .ok_or(log)
+        },
+    )
+    .await;
+    assert_eq!(c.node(2).postmaster_pid(), None);
+    assert!(!c.node(2).data_dir.exists());
+    c.kill_agent(2);
+    // A failover, which needs the lease to lapse and the watch to see it.
+    c.kill_node(0);
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 1);
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();

@@ -16,7 +16,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use crate::cluster::{free_port, sweep_leftovers, DIR_PREFIX};
-use crate::etcd::EtcdCluster;
+use crate::etcd::{EtcdCluster, EtcdOptions, EtcdTls};
 use crate::relay::Relay;
 
 /// One node: its ports, files and agent process.
@@ -116,6 +116,8 @@ pub struct AgentClusterBuilder {
     tables: String,
     etcd_members: usize,
     held_back: Vec<usize>,
+    etcd_tls: Option<(EtcdTls, Option<(PathBuf, PathBuf)>)>,
+    etcd_auth: Option<(String, String)>,
 }
 
 impl AgentClusterBuilder {
@@ -160,6 +162,21 @@ impl AgentClusterBuilder {
         self
     }
 
+    /// Runs etcd with TLS on its client port; the agents trust `tls.ca_file`
+    /// and present `client` (certificate and key files), if given.
+    pub fn etcd_tls(mut self, tls: EtcdTls, client: Option<(PathBuf, PathBuf)>) -> Self {
+        self.etcd_tls = Some((tls, client));
+        self
+    }
+
+    /// Enables etcd's authentication, with tokens that expire after 2 s;
+    /// the agents log in as `user`, who may use the keys under
+    /// `/pgwarden/` only.
+    pub fn etcd_auth(mut self, user: &str, password: &str) -> Self {
+        self.etcd_auth = Some((user.to_string(), password.to_string()));
+        self
+    }
+
     /// Puts a fault relay between each agent and etcd, so a test can cut
     /// one node off from etcd alone.
     pub fn etcd_relays(mut self) -> Self {
@@ -172,7 +189,31 @@ impl AgentClusterBuilder {
     /// node is the first primary; then the others, which clone it.
     pub fn start(self) -> AgentCluster {
         sweep_leftovers();
-        let etcd = EtcdCluster::start(self.etcd_members);
+        let etcd = EtcdCluster::start_with(
+            self.etcd_members,
+            &EtcdOptions {
+                tls: self.etcd_tls.as_ref().map(|(t, _)| t.clone()),
+                // Tokens that expire within a test: the agents must log in
+                // again.
+                auth_token_ttl: self.etcd_auth.as_ref().map(|_| 2),
+            },
+        );
+        let mut etcd_extra = String::new();
+        if let Some((tls, client)) = &self.etcd_tls {
+            let _ = writeln!(
+                etcd_extra,
+                "ca_file = {:?}",
+                tls.ca_file.display().to_string()
+            );
+            if let Some((cert, key)) = client {
+                let _ = writeln!(etcd_extra, "cert_file = {:?}", cert.display().to_string());
+                let _ = writeln!(etcd_extra, "key_file = {:?}", key.display().to_string());
+            }
+        }
+        if let Some((user, password)) = &self.etcd_auth {
+            etcd.enable_auth("root-secret", user, password, "/pgwarden/");
+            let _ = writeln!(etcd_extra, "username = {user:?}\npassword = {password:?}");
+        }
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .tempdir()
@@ -192,7 +233,8 @@ impl AgentClusterBuilder {
             let etcd_endpoint = if self.etcd_relays {
                 let target = format!("127.0.0.1:{}", etcd.client_port(0));
                 let relay = Relay::start(target.parse().expect("addr")).expect("etcd relay");
-                let ep = format!("http://{}", relay.addr());
+                // host:port: the scheme follows the agents' TLS settings.
+                let ep = relay.addr().to_string();
                 relays.push(relay);
                 ep
             } else {
@@ -217,7 +259,7 @@ impl AgentClusterBuilder {
                 .map(|(_, t)| format!("{t}\n"))
                 .collect();
             let tail = format!(
-                "{}{node_extra}\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n\n{}",
+                "{}{node_extra}\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n{etcd_extra}\n{}",
                 self.agent_toml, self.tables
             );
             write_config(&node, &tail);
@@ -302,6 +344,8 @@ impl AgentCluster {
             tables: String::new(),
             etcd_members: 1,
             held_back: Vec::new(),
+            etcd_tls: None,
+            etcd_auth: None,
         }
     }
 

@@ -30,17 +30,57 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a graceful stop may take before the member is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// TLS on etcd's client port (PEM files).
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// The CA that signed the server's (and clients') certificates.
+    pub ca_file: PathBuf,
+    /// The server certificate; it must name 127.0.0.1.
+    pub cert_file: PathBuf,
+    /// Its private key.
+    pub key_file: PathBuf,
+    /// Require clients to present a certificate signed by the CA
+    /// (`--client-cert-auth`).
+    pub client_cert_auth: bool,
+}
+
+/// How the members are started, beyond the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdOptions {
+    /// TLS on the client port.
+    pub tls: Option<EtcdTls>,
+    /// `--auth-token-ttl` in seconds (etcd's default is 300): short, a test
+    /// sees authentication tokens expire.
+    pub auth_token_ttl: Option<u32>,
+}
+
 /// Where one member listens and keeps its data; fixed for the member's
 /// life so that a restart comes back as the same member.
 #[derive(Debug, Clone)]
 struct MemberSpec {
     name: String,
     client_port: u16,
+    /// With TLS: a second, plain client listener, for the kit's health
+    /// checks and administration (it has no TLS client of its own).
+    admin_port: u16,
+    tls: Option<EtcdTls>,
+    auth_token_ttl: Option<u32>,
     peer_port: u16,
     data_dir: PathBuf,
     log: PathBuf,
     /// `name=peer-url,...` for every member of the cluster.
     initial_cluster: String,
+}
+
+impl MemberSpec {
+    /// The port the kit itself speaks plain HTTP to.
+    fn plain_port(&self) -> u16 {
+        if self.tls.is_some() {
+            self.admin_port
+        } else {
+            self.client_port
+        }
+    }
 }
 
 /// One etcd process.
@@ -55,15 +95,39 @@ impl Member {
     fn spawn(&mut self) -> std::io::Result<()> {
         let s = &self.spec;
         let log = File::options().create(true).append(true).open(&s.log)?;
-        let client = format!("http://127.0.0.1:{}", s.client_port);
+        let (client, listen) = match &s.tls {
+            None => {
+                let url = format!("http://127.0.0.1:{}", s.client_port);
+                (url.clone(), url)
+            }
+            Some(_) => {
+                let url = format!("https://127.0.0.1:{}", s.client_port);
+                let listen = format!("{url},http://127.0.0.1:{}", s.admin_port);
+                (url, listen)
+            }
+        };
         let peer = format!("http://127.0.0.1:{}", s.peer_port);
         let mut cmd = Command::new(&self.bin);
+        if let Some(tls) = &s.tls {
+            cmd.arg("--cert-file")
+                .arg(&tls.cert_file)
+                .arg("--key-file")
+                .arg(&tls.key_file)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca_file);
+            if tls.client_cert_auth {
+                cmd.arg("--client-cert-auth");
+            }
+        }
+        if let Some(ttl) = s.auth_token_ttl {
+            cmd.arg("--auth-token-ttl").arg(ttl.to_string());
+        }
         cmd.arg("--name")
             .arg(&s.name)
             .arg("--data-dir")
             .arg(&s.data_dir)
             .arg("--listen-client-urls")
-            .arg(&client)
+            .arg(&listen)
             .arg("--advertise-client-urls")
             .arg(&client)
             .arg("--listen-peer-urls")
@@ -95,7 +159,7 @@ impl Member {
     /// process exits or `within` passes first.
     fn wait_healthy(&mut self, within: Duration) -> Result<(), String> {
         let deadline = Instant::now() + within;
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.spec.client_port));
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.spec.plain_port()));
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
@@ -232,7 +296,13 @@ impl EtcdCluster {
     /// serves requests, retrying with new ports if another process took one
     /// of ours in the meantime.
     pub fn start(size: usize) -> EtcdCluster {
+        Self::start_with(size, &EtcdOptions::default())
+    }
+
+    /// [`start`](Self::start), with `options`.
+    pub fn start_with(size: usize, options: &EtcdOptions) -> EtcdCluster {
         let size = size.max(1);
+        let tls = &options.tls;
         let bin = etcd_binary().expect("etcd binary (run scripts/install-deps.sh)");
         sweep_leftovers();
         let mut last_err = String::new();
@@ -255,6 +325,9 @@ impl EtcdCluster {
                     spec: MemberSpec {
                         name: format!("etcd{i}"),
                         client_port,
+                        admin_port: if tls.is_some() { free_port() } else { 0 },
+                        tls: tls.clone(),
+                        auth_token_ttl: options.auth_token_ttl,
                         peer_port,
                         data_dir: dir.path().join(format!("etcd{i}.data")),
                         log: dir.path().join(format!("etcd{i}.log")),
@@ -298,6 +371,53 @@ impl EtcdCluster {
     /// The client port of member `i`.
     pub fn client_port(&self, i: usize) -> u16 {
         self.members[i].spec.client_port
+    }
+
+    /// Turns on etcd's authentication: creates `root` (password
+    /// `root_password`) and `user` (password `password`), who may read and
+    /// write the keys under `prefix` and nothing else, then enables
+    /// authentication. Through etcd's JSON gateway on member 0.
+    pub fn enable_auth(&self, root_password: &str, user: &str, password: &str, prefix: &str) {
+        use base64::Engine as _;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        let mut end = prefix.as_bytes().to_vec();
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let port = self.members[0].spec.plain_port();
+        let calls = [
+            ("/v3/auth/role/add", format!(r#"{{"name":"{user}"}}"#)),
+            (
+                "/v3/auth/role/grant",
+                format!(
+                    r#"{{"name":"{user}","perm":{{"permType":"READWRITE","key":"{}","range_end":"{}"}}}}"#,
+                    b64(prefix.as_bytes()),
+                    b64(&end)
+                ),
+            ),
+            (
+                "/v3/auth/user/add",
+                format!(r#"{{"name":"{user}","password":"{password}"}}"#),
+            ),
+            (
+                "/v3/auth/user/grant",
+                format!(r#"{{"user":"{user}","role":"{user}"}}"#),
+            ),
+            (
+                "/v3/auth/user/add",
+                format!(r#"{{"name":"root","password":"{root_password}"}}"#),
+            ),
+            ("/v3/auth/role/add", r#"{"name":"root"}"#.to_string()),
+            (
+                "/v3/auth/user/grant",
+                r#"{"user":"root","role":"root"}"#.to_string(),
+            ),
+            ("/v3/auth/enable", "{}".to_string()),
+        ];
+        for (path, body) in calls {
+            let reply = post(port, path, &body);
+            assert!(reply.starts_with("HTTP/1.1 200"), "etcd {path}: {reply}");
+        }
     }
 
     /// Whether member `i`'s process is running (it may still be frozen).
@@ -385,6 +505,25 @@ fn healthy(addr: SocketAddr) -> bool {
     let mut body = String::new();
     let _ = s.take(64 * 1024).read_to_string(&mut body);
     body.starts_with("HTTP/1.1 200") && body.contains(r#""health":"true""#)
+}
+
+/// One `POST` to etcd's JSON gateway; the whole reply.
+fn post(port: u16, path: &str, body: &str) -> String {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return format!("cannot connect to {addr}");
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if s.write_all(req.as_bytes()).is_err() {
+        return "write failed".into();
+    }
+    let mut reply = String::new();
+    let _ = s.take(64 * 1024).read_to_string(&mut reply);
+    reply
 }
 
 #[allow(unsafe_code)]
