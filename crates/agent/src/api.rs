@@ -158,6 +158,51 @@ pub async fn serve(
         .await
 }
 
+/// [`serve`] over HTTPS with `tls`. At `shutdown` no new connection is
+/// accepted; requests in flight run on until they end.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    state: Arc<ApiState>,
+    tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let service = hyper_util::service::TowerToHyperService::new(router(state));
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: pause rather than spin.
+                    tracing::warn!(error = %e, "REST API: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let (acceptor, service) = (acceptor.clone(), service.clone());
+        tokio::spawn(async move {
+            // A client that never finishes its handshake holds nothing for
+            // long.
+            let tls =
+                match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "REST API: TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                };
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                .await;
+        });
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Health checks
 

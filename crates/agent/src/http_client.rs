@@ -2,10 +2,12 @@
 //! other for their WAL positions during an election, and `pgwarden ctl`
 //! talking to an agent.
 //!
-//! Plain `http://` only, one connection per request: the API is small,
+//! `http://`, and `https://` once [`trust`] has named the CA of the
+//! members' certificates. One connection per request: the API is small,
 //! requests are rare, and a fresh connection never carries a half-read
 //! answer from an earlier request that timed out.
 
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -13,6 +15,19 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+
+/// What `https://` requests trust; set once at start by the agent or
+/// `pgwarden ctl`.
+static TLS: RwLock<Option<tokio_rustls::TlsConnector>> = RwLock::new(None);
+
+/// Makes `https://` requests trust the CA certificates in `ca` (PEM), and
+/// only them.
+pub fn trust(ca: &std::path::Path) -> Result<(), String> {
+    let config = crate::tls::client_config(ca)?;
+    *TLS.write().unwrap_or_else(|e| e.into_inner()) =
+        Some(tokio_rustls::TlsConnector::from(Arc::clone(&config)));
+    Ok(())
+}
 
 /// An answer: the status code and the body as text.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +70,15 @@ pub enum HttpError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// The TLS handshake failed (an untrusted certificate, one that does not
+    /// name the host), or no CA was configured for an `https://` URL.
+    #[error("TLS with {addr} failed: {reason}")]
+    Tls {
+        /// `host:port` connected to.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
     /// The connection broke or the server spoke something other than HTTP.
     #[error("HTTP exchange with {addr} failed")]
     Protocol {
@@ -94,11 +118,14 @@ pub enum HttpError {
     },
 }
 
-/// The parts of an `http://` URL a request needs.
+/// The parts of an `http://` or `https://` URL a request needs.
 #[derive(Debug, PartialEq, Eq)]
 struct Target {
     /// `host:port` to connect to (IPv6 hosts in brackets).
     addr: String,
+    /// For `https://`: the host name (or address) the certificate must
+    /// name.
+    tls_name: Option<String>,
     /// The `Host` header value.
     host_header: String,
     /// Path and query, at least `/`.
@@ -110,9 +137,13 @@ fn parse_url(url: &str) -> Result<Target, HttpError> {
         url: url.to_string(),
         reason,
     };
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| invalid("only http:// URLs are supported"))?;
+    let (rest, tls, default_port) = if let Some(r) = url.strip_prefix("http://") {
+        (r, false, 80)
+    } else if let Some(r) = url.strip_prefix("https://") {
+        (r, true, 443)
+    } else {
+        return Err(invalid("only http:// and https:// URLs are supported"));
+    };
     let (authority, path) = match rest.find(['/', '?']) {
         Some(i) if rest.as_bytes()[i] == b'?' => (&rest[..i], format!("/{}", &rest[i..])),
         Some(i) => (&rest[..i], rest[i..].to_string()),
@@ -146,10 +177,15 @@ fn parse_url(url: &str) -> Result<Target, HttpError> {
     }
     let port: u16 = match port {
         Some(p) => p.parse().map_err(|_| invalid("invalid port"))?,
-        None => 80,
+        None => default_port,
     };
     Ok(Target {
         addr: format!("{host}:{port}"),
+        tls_name: tls.then(|| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
+        }),
         host_header: authority.to_string(),
         path_and_query: path,
     })
@@ -186,7 +222,7 @@ pub async fn request(
         None => Bytes::new(),
     };
     let req = req.body(Full::new(payload))?;
-    tokio::time::timeout(timeout, send(&target.addr, req))
+    tokio::time::timeout(timeout, send(&target, req))
         .await
         .map_err(|_| HttpError::Timeout {
             url: url.to_string(),
@@ -194,7 +230,8 @@ pub async fn request(
         })?
 }
 
-async fn send(addr: &str, req: hyper::Request<Full<Bytes>>) -> Result<Response, HttpError> {
+async fn send(target: &Target, req: hyper::Request<Full<Bytes>>) -> Result<Response, HttpError> {
+    let addr = target.addr.as_str();
     let stream = TcpStream::connect(addr)
         .await
         .map_err(|source| HttpError::Connect {
@@ -203,6 +240,38 @@ async fn send(addr: &str, req: hyper::Request<Full<Bytes>>) -> Result<Response, 
         })?;
     // Small requests and answers: waiting for Nagle would only add latency.
     let _ = stream.set_nodelay(true);
+    let Some(name) = &target.tls_name else {
+        return exchange(addr, stream, req).await;
+    };
+    let tls_error = |reason: String| HttpError::Tls {
+        addr: addr.to_string(),
+        reason,
+    };
+    let connector = TLS
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .ok_or_else(|| {
+            tls_error("no CA is configured for https:// (agent.api_ca_file)".to_string())
+        })?;
+    let server_name = tokio_rustls::rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| tls_error(format!("{name:?} is not a valid TLS server name: {e}")))?;
+    let stream = connector
+        .connect(server_name, stream)
+        .await
+        .map_err(|e| tls_error(e.to_string()))?;
+    exchange(addr, stream, req).await
+}
+
+/// One request and its answer on an open connection.
+async fn exchange<S>(
+    addr: &str,
+    stream: S,
+    req: hyper::Request<Full<Bytes>>,
+) -> Result<Response, HttpError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let protocol = |source| HttpError::Protocol {
         addr: addr.to_string(),
         source,
@@ -258,6 +327,7 @@ mod tests {
     fn t(addr: &str, host: &str, path: &str) -> Target {
         Target {
             addr: addr.into(),
+            tls_name: None,
             host_header: host.into(),
             path_and_query: path.into(),
         }
@@ -282,12 +352,24 @@ mod tests {
             parse_url("http://[::1]").unwrap(),
             t("[::1]:80", "[::1]", "/")
         );
+        let tls = |addr: &str, host: &str, name: &str| Target {
+            tls_name: Some(name.into()),
+            ..t(addr, host, "/patroni")
+        };
+        assert_eq!(
+            parse_url("https://db1.example/patroni").unwrap(),
+            tls("db1.example:443", "db1.example", "db1.example")
+        );
+        assert_eq!(
+            parse_url("https://[::1]:8008/patroni").unwrap(),
+            tls("[::1]:8008", "[::1]:8008", "::1")
+        );
     }
 
     #[test]
     fn unsupported_urls_are_refused_with_a_reason() {
         for bad in [
-            "https://db1:8008/",
+            "ftp://db1:8008/",
             "db1:8008",
             "http://",
             "http://:8008/",

@@ -22,6 +22,7 @@ pub mod http_client;
 pub mod postgres;
 pub mod record;
 pub mod status;
+pub mod tls;
 pub mod watchdog;
 
 use std::collections::BTreeMap;
@@ -64,6 +65,9 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// The API's certificate, key or CA cannot be used.
+    #[error("agent.api_cert_file/api_key_file/api_ca_file: {0}")]
+    ApiTls(String),
     /// A file named in `[etcd]` cannot be read.
     #[error("etcd.{key}: cannot read {}: {source}", path.display())]
     EtcdFile {
@@ -185,6 +189,14 @@ pub async fn start(
     api_credentials: Option<(String, String)>,
     proxy_url: Option<String>,
 ) -> Result<AgentHandle, AgentError> {
+    // The CA first: this agent calls the other members' APIs with it.
+    if let Some(ca) = &cfg.api_ca_file {
+        http_client::trust(ca).map_err(AgentError::ApiTls)?;
+    }
+    let api_tls = match (&cfg.api_cert_file, &cfg.api_key_file) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key).map_err(AgentError::ApiTls)?),
+        _ => None,
+    };
     let api_listener = tokio::net::TcpListener::bind(cfg.api)
         .await
         .map_err(|source| AgentError::Api {
@@ -261,7 +273,11 @@ pub async fn start(
         failsafe_seen: failsafe_seen.clone(),
     });
     tokio::spawn(async move {
-        if let Err(e) = api::serve(api_listener, api_state, std::future::pending()).await {
+        let served = match api_tls {
+            Some(tls) => api::serve_tls(api_listener, api_state, tls, std::future::pending()).await,
+            None => api::serve(api_listener, api_state, std::future::pending()).await,
+        };
+        if let Err(e) = served {
             tracing::error!(error = %e, "the REST API stopped");
         }
     });

@@ -43,6 +43,15 @@ pub struct AgentConfig {
     pub api: SocketAddr,
     /// The API's base URL as other members use it.
     pub api_url: String,
+    /// PEM certificate (chain) the API serves HTTPS with. As written:
+    /// relative to the file.
+    pub api_cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub api_key_file: Option<PathBuf>,
+    /// PEM CA certificates that the members' API certificates chain to:
+    /// what this agent (and `pgwarden ctl`) trusts when calling an
+    /// `https://` API.
+    pub api_ca_file: Option<PathBuf>,
     /// The timing preset or target, as written.
     pub rto: RtoSetting,
     /// The effective timings: the preset with the overrides applied,
@@ -188,7 +197,10 @@ pub(crate) struct RawAgent {
     pg_listen: Spanned<ListenAddr>,
     pg_connect_address: Option<Spanned<String>>,
     api: ListenAddr,
-    api_url: Option<NonEmpty>,
+    api_url: Option<Spanned<NonEmpty>>,
+    api_cert_file: Option<Spanned<NonEmpty>>,
+    api_key_file: Option<Spanned<NonEmpty>>,
+    api_ca_file: Option<NonEmpty>,
     rto: Option<Spanned<RtoSetting>>,
     ttl: Option<Secs>,
     loop_wait: Option<Secs>,
@@ -350,10 +362,54 @@ pub(crate) fn agent(
         }
     };
     let api = raw.api.0;
-    let api_url = raw.api_url.map_or_else(
-        || format!("http://{api}"),
-        |u| u.0.trim_end_matches('/').to_string(),
-    );
+    match (&raw.api_cert_file, &raw.api_key_file) {
+        (Some(c), None) => {
+            return Err(src.invalid(
+                Some(c.span()),
+                "agent.api_cert_file",
+                "needs agent.api_key_file, the certificate's private key",
+            ))
+        }
+        (None, Some(k)) => {
+            return Err(src.invalid(
+                Some(k.span()),
+                "agent.api_key_file",
+                "needs agent.api_cert_file, the certificate it belongs to",
+            ))
+        }
+        (Some(c), Some(_)) if raw.api_ca_file.is_none() => {
+            return Err(src.invalid(
+                Some(c.span()),
+                "agent.api_cert_file",
+                "needs agent.api_ca_file too: the members call each other's API and must trust the CA of its certificates",
+            ))
+        }
+        _ => {}
+    }
+    let tls = raw.api_cert_file.is_some();
+    let api_url = match raw.api_url {
+        None if tls => format!("https://{api}"),
+        None => format!("http://{api}"),
+        Some(u) => {
+            let url = u.get_ref().0.trim_end_matches('/').to_string();
+            let wanted = if tls { "https://" } else { "http://" };
+            if !url.starts_with(wanted) {
+                return Err(src.invalid(
+                    Some(u.span()),
+                    "agent.api_url",
+                    format!(
+                        "{url:?} must start with {wanted}: the API serves {}",
+                        if tls {
+                            "HTTPS (agent.api_cert_file)"
+                        } else {
+                            "plain HTTP (no agent.api_cert_file)"
+                        }
+                    ),
+                ));
+            }
+            url
+        }
+    };
     let overrides = TimingOverrides {
         ttl: raw.ttl.map(|s| s.0),
         loop_wait: raw.loop_wait.map(|s| s.0),
@@ -412,6 +468,9 @@ pub(crate) fn agent(
         pg_connect_address,
         api,
         api_url,
+        api_cert_file: raw.api_cert_file.map(|f| f.into_inner().into()),
+        api_key_file: raw.api_key_file.map(|f| f.into_inner().into()),
+        api_ca_file: raw.api_ca_file.map(Into::into),
         rto,
         timing,
         maximum_lag_on_failover: raw

@@ -873,6 +873,71 @@ fn agent_lease_constraint_is_refused_with_the_key() {
 }
 
 #[test]
+fn agent_api_over_https() {
+    let agent = |extra: &str| {
+        AGENT_MINIMAL.replace("rto = \"fast\"\n", &format!("rto = \"fast\"\n{extra}"))
+    };
+    let c = parse(
+        &agent(
+            "api_cert_file = \"api.crt\"\napi_key_file = \"api.key\"\napi_ca_file = \"ca.pem\"\n",
+        ),
+        FILE,
+    )
+    .unwrap();
+    let a = c.agent.unwrap();
+    assert_eq!(a.api_url, "https://127.0.0.1:8008");
+    assert_eq!(
+        a.api_cert_file.as_deref(),
+        Some(std::path::Path::new("api.crt"))
+    );
+    assert_eq!(
+        a.api_key_file.as_deref(),
+        Some(std::path::Path::new("api.key"))
+    );
+    assert_eq!(
+        a.api_ca_file.as_deref(),
+        Some(std::path::Path::new("ca.pem"))
+    );
+    // The CA alone: a member (or ctl) calling HTTPS APIs, serving plain.
+    let a = parse(&agent("api_ca_file = \"ca.pem\"\n"), FILE)
+        .unwrap()
+        .agent
+        .unwrap();
+    assert_eq!(a.api_url, "http://127.0.0.1:8008");
+
+    fails(
+        &agent("api_cert_file = \"c\"\napi_ca_file = \"a\"\n"),
+        7,
+        "agent.api_cert_file",
+        "api_key_file",
+    );
+    fails(
+        &agent("api_key_file = \"k\"\n"),
+        7,
+        "agent.api_key_file",
+        "api_cert_file",
+    );
+    fails(
+        &agent("api_cert_file = \"c\"\napi_key_file = \"k\"\n"),
+        7,
+        "agent.api_cert_file",
+        "api_ca_file",
+    );
+    fails(
+        &agent("api_cert_file = \"c\"\napi_key_file = \"k\"\napi_ca_file = \"a\"\napi_url = \"http://db1:8008\"\n"),
+        10,
+        "agent.api_url",
+        "https://",
+    );
+    fails(
+        &agent("api_url = \"https://db1:8008\"\n"),
+        7,
+        "agent.api_url",
+        "http://",
+    );
+}
+
+#[test]
 fn etcd_tls_and_authentication() {
     let etcd = |extra: &str| {
         AGENT_MINIMAL.replace(

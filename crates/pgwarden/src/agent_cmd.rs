@@ -20,19 +20,23 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
-    let (Some(agent), Some(mut etcd)) = (config.agent.clone(), config.etcd.clone()) else {
+    let (Some(mut agent), Some(mut etcd)) = (config.agent.clone(), config.etcd.clone()) else {
         anyhow::bail!(
             "{}: pgwarden agent needs the [agent] and [etcd] sections (use pgwarden run for standalone mode)",
             args.config.display()
         );
     };
-    // Files named in [etcd] are relative to the configuration file.
+    // Files named in [etcd] and [agent] are relative to the configuration
+    // file.
     let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
     for f in [
         &mut etcd.ca_file,
         &mut etcd.cert_file,
         &mut etcd.key_file,
         &mut etcd.password_file,
+        &mut agent.api_cert_file,
+        &mut agent.api_key_file,
+        &mut agent.api_ca_file,
     ]
     .into_iter()
     .flatten()

@@ -26,6 +26,10 @@ pub struct Args {
         value_name = "URL"
     )]
     api: String,
+    /// PEM CA certificates an `https://` API's certificate must chain to
+    /// (the members' `agent.api_ca_file`).
+    #[arg(long, global = true, env = "PGWARDEN_API_CA", value_name = "FILE")]
+    cacert: Option<std::path::PathBuf>,
     /// User name for the write commands.
     #[arg(long, global = true, default_value = "pgwarden")]
     username: String,
@@ -94,6 +98,13 @@ enum Command {
 
 /// Runs one `pgwarden ctl` command.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    match &args.cacert {
+        Some(ca) => http_client::trust(ca).map_err(|e| anyhow::anyhow!("--cacert: {e}"))?,
+        None if args.api.starts_with("https://") => {
+            bail!("--api is https://: give --cacert, the CA of the members' API certificates")
+        }
+        None => {}
+    }
     let api = Api {
         base: args.api.trim_end_matches('/').to_string(),
         auth: args.password.map(|p| (args.username, p)),

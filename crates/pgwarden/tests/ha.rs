@@ -910,9 +910,15 @@ async fn agents_reach_etcd_over_tls_with_a_client_certificate_and_a_password() {
         }
     };
     let dcs = connect(security.clone()).await.unwrap();
-    let snap = dcs.read_cluster().await.unwrap();
-    assert_eq!(snap.leader.map(|l| l.name).as_deref(), Some("n1"));
-    assert_eq!(snap.members.len(), 2, "{:?}", snap.members);
+    // A new replica streams a moment before its agent publishes its record.
+    eventually("both members in etcd", Duration::from_secs(10), || async {
+        let snap = dcs.read_cluster().await.map_err(|e| e.to_string())?;
+        let leader = snap.leader.map(|l| l.name);
+        (leader.as_deref() == Some("n1") && snap.members.len() == 2)
+            .then_some(())
+            .ok_or(format!("leader {leader:?}, members {:?}", snap.members))
+    })
+    .await;
     // Idle for longer than a token lives (2 s here): the next request logs
     // in again.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -956,6 +962,83 @@ async fn agents_reach_etcd_over_tls_with_a_client_certificate_and_a_password() {
     // A failover, which needs the lease to lapse and the watch to see it.
     c.kill_node(0);
     assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
+    let certs = tempfile::tempdir().unwrap();
+    // A certificate naming 127.0.0.1, as every member's API needs here.
+    let (tls, _) = etcd_certs(certs.path());
+    let ca = tls.ca_file.clone();
+    let mut c = cluster()
+        .agent_settings("failsafe = true")
+        .api_tls(pgwarden_testkit::agents::ApiTls {
+            cert_file: tls.cert_file.clone(),
+            key_file: tls.key_file.clone(),
+            ca_file: ca.clone(),
+        })
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    pgwarden_agent::http_client::trust(&ca).unwrap();
+    assert!(c.node(0).api_url().starts_with("https://"));
+    // Plain HTTP gets no answer.
+    assert_eq!(
+        pgwarden_testkit::agents::http_status(c.node(0).api_port, "/health"),
+        None
+    );
+    let url = format!("{}/cluster", c.node(0).api_url());
+    eventually(
+        "the leader knows all three members, at https:// URLs",
+        Duration::from_secs(10),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let urls: Vec<&str> = v["members"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["api_url"].as_str())
+                .collect();
+            (urls.len() == 3 && urls.iter().all(|u| u.starts_with("https://")))
+                .then_some(())
+                .ok_or(format!("{urls:?}"))
+        },
+    )
+    .await;
+    let ctl = |extra: &[&str]| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"));
+        cmd.arg("ctl").arg("--api").arg(c.node(0).api_url());
+        cmd.args(extra).arg("list");
+        cmd.env_remove("PGWARDEN_API_CA");
+        cmd.output()
+    };
+    let out = ctl(&["--cacert", ca.to_str().unwrap()]).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && ["n1", "n2", "n3"].iter().all(|n| text.contains(n)),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl(&[]).await.unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--cacert"));
+    // In an etcd outage the leader stands only while every member
+    // acknowledges it through its API: over HTTPS here.
+    c.etcd().kill(0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 0).await,
+            "the leader demoted\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains("every member acknowledges this leader"));
 }
 
 #[test]

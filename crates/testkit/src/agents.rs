@@ -40,6 +40,8 @@ pub struct AgentNode {
     pub data_dir: PathBuf,
     /// The agent's log (stdout and stderr).
     pub log: PathBuf,
+    /// The REST API serves HTTPS.
+    pub api_https: bool,
     child: Option<Child>,
 }
 
@@ -61,7 +63,8 @@ impl AgentNode {
 
     /// The base URL of this node's REST API.
     pub fn api_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.api_port)
+        let scheme = if self.api_https { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.api_port)
     }
 
     /// The pid of this node's postmaster, if one runs.
@@ -118,6 +121,19 @@ pub struct AgentClusterBuilder {
     held_back: Vec<usize>,
     etcd_tls: Option<(EtcdTls, Option<(PathBuf, PathBuf)>)>,
     etcd_auth: Option<(String, String)>,
+    api_tls: Option<ApiTls>,
+}
+
+/// The REST API over HTTPS: every node serves `cert_file` (which must name
+/// 127.0.0.1) and trusts `ca_file`.
+#[derive(Debug, Clone)]
+pub struct ApiTls {
+    /// PEM certificate.
+    pub cert_file: PathBuf,
+    /// Its private key.
+    pub key_file: PathBuf,
+    /// The CA that signed it.
+    pub ca_file: PathBuf,
 }
 
 impl AgentClusterBuilder {
@@ -177,6 +193,12 @@ impl AgentClusterBuilder {
         self
     }
 
+    /// Serves every node's REST API over HTTPS.
+    pub fn api_tls(mut self, tls: ApiTls) -> Self {
+        self.api_tls = Some(tls);
+        self
+    }
+
     /// Puts a fault relay between each agent and etcd, so a test can cut
     /// one node off from etcd alone.
     pub fn etcd_relays(mut self) -> Self {
@@ -209,6 +231,16 @@ impl AgentClusterBuilder {
                 let _ = writeln!(etcd_extra, "cert_file = {:?}", cert.display().to_string());
                 let _ = writeln!(etcd_extra, "key_file = {:?}", key.display().to_string());
             }
+        }
+        let mut agent_toml = self.agent_toml.clone();
+        if let Some(t) = &self.api_tls {
+            let _ = writeln!(
+                agent_toml,
+                "api_cert_file = {:?}\napi_key_file = {:?}\napi_ca_file = {:?}",
+                t.cert_file.display().to_string(),
+                t.key_file.display().to_string(),
+                t.ca_file.display().to_string()
+            );
         }
         if let Some((user, password)) = &self.etcd_auth {
             etcd.enable_auth("root-secret", user, password, "/pgwarden/");
@@ -249,6 +281,7 @@ impl AgentClusterBuilder {
                 config: dir.path().join(format!("{name}.toml")),
                 data_dir: dir.path().join(&name),
                 log: dir.path().join(format!("{name}-agent.log")),
+                api_https: self.api_tls.is_some(),
                 name,
                 child: None,
             };
@@ -260,7 +293,7 @@ impl AgentClusterBuilder {
                 .collect();
             let tail = format!(
                 "{}{node_extra}\n[etcd]\nendpoints = [\"{etcd_endpoint}\"]\ncluster = \"{cluster_name}\"\nop_timeout = \"1s\"\n{etcd_extra}\n{}",
-                self.agent_toml, self.tables
+                agent_toml, self.tables
             );
             write_config(&node, &tail);
             tails.push(tail);
@@ -273,11 +306,12 @@ impl AgentClusterBuilder {
             relays,
             etcd,
             tails: tails.clone(),
+            api_ca: self.api_tls.map(|t| t.ca_file),
             dir,
         };
         c.launch(0, &tails[0]);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while http_status(c.nodes[0].api_port, "/primary") != Some(200) {
+        while c.api_status(0, "/primary") != Some(200) {
             assert!(
                 std::time::Instant::now() < deadline,
                 "node n1 did not become leader\n{}",
@@ -327,6 +361,8 @@ pub struct AgentCluster {
     etcd: EtcdCluster,
     /// Each node's configuration after its ports.
     tails: Vec<String>,
+    /// With the API on HTTPS, the CA its certificates chain to.
+    api_ca: Option<PathBuf>,
     // Dropped last: the directories outlive every process using them.
     dir: tempfile::TempDir,
 }
@@ -346,6 +382,7 @@ impl AgentCluster {
             held_back: Vec::new(),
             etcd_tls: None,
             etcd_auth: None,
+            api_tls: None,
         }
     }
 
@@ -403,6 +440,16 @@ impl AgentCluster {
             .unwrap_or_else(|| panic!("no node {name}"))
     }
 
+    /// The status code node `i`'s REST API answers `GET path` with, over
+    /// HTTPS when the cluster serves it so; `None` without an answer.
+    pub fn api_status(&self, i: usize, path: &str) -> Option<u16> {
+        let port = self.nodes[i].api_port;
+        match &self.api_ca {
+            None => http_status(port, path),
+            Some(ca) => https_status(port, path, ca),
+        }
+    }
+
     /// Starts node `i`'s agent for the first time. A port picked as free
     /// can be taken by another process before the agent binds it; then the
     /// agent exits at once, and the node gets new ports and another try.
@@ -414,7 +461,7 @@ impl AgentCluster {
                 // The REST API binds first, the connection manager's ports
                 // after it: both answering means every port is ours.
                 let n = &self.nodes[i];
-                if http_status(n.api_port, "/liveness").is_some()
+                if self.api_status(i, "/liveness").is_some()
                     && http_status(n.http_port, "/health").is_some()
                 {
                     return;
@@ -532,6 +579,34 @@ impl Drop for AgentCluster {
             eprintln!("{}", self.logs());
         }
     }
+}
+
+/// [`http_status`] over TLS, trusting only the CA certificates in `ca`
+/// (PEM); the server's certificate must name 127.0.0.1.
+pub fn https_status(port: u16, path: &str, ca: &Path) -> Option<u16> {
+    use rustls::pki_types::pem::PemObject;
+    use std::io::{Read, Write};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(ca).ok()? {
+        roots.add(c.ok()?).ok()?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .ok()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").ok()?;
+    let mut conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).ok()?;
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    let mut s = rustls::Stream::new(&mut conn, &mut tcp);
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The status code of a GET on the local port, if anything answers.

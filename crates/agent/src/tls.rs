@@ -1,0 +1,55 @@
+//! TLS for the REST API: the server side from this member's certificate,
+//! and the client side, for calls to other members' APIs, trusting only
+//! the members' CA.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+const VERSIONS: [&rustls::SupportedProtocolVersion; 2] =
+    [&rustls::version::TLS13, &rustls::version::TLS12];
+
+/// The server side: `cert` (PEM chain) and `key` (PEM). Errors name the
+/// file.
+pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<_, _>>())
+        .map_err(|e| format!("{}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificate found", cert.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
+    let config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&VERSIONS)
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("certificate and key do not fit: {e}"))?;
+    Ok(Arc::new(config))
+}
+
+/// The client side: servers must present a certificate that chains to
+/// the CA certificates in `ca` (PEM) and names the host of the URL.
+pub fn client_config(ca: &Path) -> Result<Arc<ClientConfig>, String> {
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).map_err(|e| format!("{}: {e}", ca.display()))? {
+        let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
+        roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("{}: no CA certificate found", ca.display()));
+    }
+    let config = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&VERSIONS)
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
