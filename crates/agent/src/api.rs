@@ -79,7 +79,7 @@ use pgwarden_ha::{
 use serde_json::{json, Map, Value};
 
 use crate::handover;
-use crate::record::{self, MemberRecord};
+use crate::record::{self, MemberRecord, RestartOrder};
 use crate::status::{AgentStatus, Command, StatusHandle};
 
 /// How long a switchover or failover request waits for the leader to
@@ -140,7 +140,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/failover", post(failover))
         .route("/pause", post(pause))
         .route("/resume", post(resume))
-        .route("/restart", post(restart))
+        .route("/restart", post(restart).delete(cancel_restart))
         .route("/reload", post(reload))
         .fallback(|| async { text(StatusCode::NOT_FOUND, "no such endpoint") })
         .with_state(state)
@@ -391,6 +391,8 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "pg_address": m.pg_address,
         "last_decision": st.last_decision,
         "problem": m.problem,
+        "pending_restart": m.pending_restart,
+        "scheduled_restart": m.scheduled_restart,
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),
             "scope": scope(&state.dcs),
@@ -441,6 +443,8 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 "tags": r.state.tags,
                 "problem": r.problem,
                 "decision": r.decision,
+                "pending_restart": r.pending_restart,
+                "scheduled_restart": r.scheduled_restart,
             })
         })
         .collect();
@@ -757,8 +761,10 @@ async fn send_command(state: &ApiState, cmd: Command) -> Result<(), ApiError> {
     }
 }
 
-/// Requests a restart of PostgreSQL in its current role; answers once the
-/// HA loop has the request, not when the restart is done.
+/// Requests a restart of PostgreSQL in its current role, at once or at
+/// `schedule`, and only if `role` and `restart_pending` (when given) hold
+/// then. Answers once the HA loop has the request, not when the restart
+/// is done.
 async fn restart(
     State(state): State<Arc<ApiState>>,
     headers: HeaderMap,
@@ -766,13 +772,105 @@ async fn restart(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let body = body_object(&body)?;
-    if body.get("schedule").is_some_and(|v| !v.is_null()) {
+    let order = restart_order(&body)?;
+    let st = state.status.load_full();
+    match order.at_ms {
+        None => {
+            if let Some(why) = order.unmet(st.member.state.role, st.member.pending_restart) {
+                return Err(ApiError::unavailable(format!(
+                    "restart conditions are not satisfied: {why}"
+                )));
+            }
+            send_command(&state, Command::Restart(order)).await?;
+            Ok(text(StatusCode::OK, "restart requested"))
+        }
+        Some(_) => {
+            if let Some(earlier) = &st.member.scheduled_restart {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    format!(
+                        "a restart is already scheduled at {}; DELETE /restart first",
+                        earlier.schedule.as_deref().unwrap_or("?")
+                    ),
+                ));
+            }
+            let at = order.schedule.clone().unwrap_or_default();
+            send_command(&state, Command::Restart(order)).await?;
+            Ok(text(
+                StatusCode::ACCEPTED,
+                &format!("restart scheduled at {at}"),
+            ))
+        }
+    }
+}
+
+/// The restart a `POST /restart` body asks for.
+fn restart_order(body: &Map<String, Value>) -> Result<RestartOrder, ApiError> {
+    if body.get("postgres_version").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request(
-            "scheduled restarts are not supported yet",
+            "the postgres_version condition is not supported",
         ));
     }
-    send_command(&state, Command::Restart).await?;
-    Ok(text(StatusCode::OK, "restart requested"))
+    let role = match str_field(body, "role")?.as_deref() {
+        None => None,
+        Some("primary" | "master") => Some("primary".to_string()),
+        Some("replica") => Some("replica".to_string()),
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "role {other:?}: use primary or replica"
+            )))
+        }
+    };
+    let restart_pending = match body.get("restart_pending") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "\"restart_pending\" must be true or false",
+            ))
+        }
+    };
+    let (schedule, at_ms) = match str_field(body, "schedule")? {
+        None => (None, None),
+        Some(text) => {
+            let at = parse_timestamp(&text).map_err(|e| match e {
+                TimestampError::NoOffset => ApiError::bad_request(
+                    "Timezone information is mandatory for the scheduled restart",
+                ),
+                TimestampError::Invalid => ApiError::bad_request(format!(
+                    "Unable to parse scheduled timestamp {text:?}. It should be in an \
+                     unambiguous format, e.g. ISO 8601"
+                )),
+            })?;
+            if at < i64::try_from(record::unix_ms()).unwrap_or(i64::MAX) {
+                return Err(ApiError::bad_request("Cannot schedule restart in the past"));
+            }
+            (Some(format_timestamp(at)), Some(at as u64))
+        }
+    };
+    Ok(RestartOrder {
+        schedule,
+        at_ms,
+        role,
+        restart_pending,
+    })
+}
+
+/// Withdraws the scheduled restart.
+async fn cancel_restart(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let st = state.status.load_full();
+    if st.member.scheduled_restart.is_none() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no restart is scheduled",
+        ));
+    }
+    send_command(&state, Command::CancelRestart).await?;
+    Ok(text(StatusCode::OK, "scheduled restart cancelled"))
 }
 
 async fn reload(

@@ -105,6 +105,8 @@ pub(crate) struct HaLoop {
     identity_known: bool,
     /// Why this agent must stop managing its node, once it must.
     fatal: Option<String>,
+    /// A restart ordered for later through the API.
+    scheduled_restart: Option<crate::record::RestartOrder>,
     failed: watch::Sender<Option<String>>,
 }
 
@@ -171,6 +173,7 @@ impl HaLoop {
             scheduled_seen: None,
             identity_known: false,
             fatal: None,
+            scheduled_restart: None,
             failed,
             cfg,
         }
@@ -198,6 +201,11 @@ impl HaLoop {
                 self.give_up(why).await;
                 return;
             }
+            if self.until_restart() == Some(Duration::ZERO) {
+                if let Some(order) = self.scheduled_restart.take() {
+                    self.restart_if(order).await;
+                }
+            }
             // A leader key whose lease has run out is deleted by etcd within
             // half a second; the watch says when, and the short pace covers
             // a watch that is being re-established.
@@ -219,6 +227,7 @@ impl HaLoop {
             // A scheduled switchover runs at its time, not up to a loop
             // later.
             let pace = self.until_scheduled().map_or(pace, |d| pace.min(d));
+            let pace = self.until_restart().map_or(pace, |d| pace.min(d));
             tokio::select! {
                 _ = tokio::time::sleep(pace) => {}
                 ev = leader_watch.next() => {
@@ -229,7 +238,18 @@ impl HaLoop {
                 }
                 _ = crashes.notified() => {}
                 cmd = self.commands.recv() => match cmd {
-                    Some(Command::Restart) => self.restart().await,
+                    Some(Command::Restart(order)) if order.at_ms.is_some() => {
+                        tracing::info!(at = order.schedule.as_deref().unwrap_or_default(), "restart scheduled");
+                        self.scheduled_restart = Some(order);
+                        self.publish_status();
+                    }
+                    Some(Command::Restart(order)) => self.restart_if(order).await,
+                    Some(Command::CancelRestart) => {
+                        if self.scheduled_restart.take().is_some() {
+                            tracing::info!("scheduled restart cancelled");
+                            self.publish_status();
+                        }
+                    }
                     Some(Command::Reload) => {
                         let _ = self.pg.with(|i| i.reload()).await;
                     }
@@ -1676,6 +1696,22 @@ impl HaLoop {
     /// Restarts PostgreSQL in its current role. The start waits at most one
     /// `loop_wait`: a server still starting is then seen by the next
     /// iteration, and a leader keeps renewing its lease meanwhile.
+    /// How long until the scheduled restart is due; zero once it is.
+    fn until_restart(&self) -> Option<Duration> {
+        let at = self.scheduled_restart.as_ref()?.at_ms?;
+        Some(Duration::from_millis(at.saturating_sub(unix_ms())))
+    }
+
+    /// Restarts PostgreSQL if `order`'s conditions hold now.
+    async fn restart_if(&mut self, order: crate::record::RestartOrder) {
+        let role = self.record().state.role;
+        if let Some(why) = order.unmet(role, self.obs.pending_restart) {
+            tracing::info!("restart not carried out: {why}");
+            return;
+        }
+        self.restart().await;
+    }
+
     async fn restart(&mut self) {
         tracing::info!("restart requested through the API");
         let _ = self.pg.stop(StopMode::Fast).await;
@@ -1759,6 +1795,8 @@ impl HaLoop {
             },
             proxy_url: self.proxy_url.clone(),
             decision: self.last_decision.clone(),
+            pending_restart: pg.running && self.obs.pending_restart,
+            scheduled_restart: self.scheduled_restart.clone(),
         }
     }
 

@@ -33,7 +33,8 @@ const OBSERVE: &str = "SELECT pg_is_in_recovery(), \
    ELSE pg_current_wal_lsn() END, '0/0')::int8, \
  pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
    ELSE pg_current_wal_lsn() END, '0/0')::int8, \
- (SELECT status FROM pg_stat_wal_receiver) = 'streaming'";
+ (SELECT status FROM pg_stat_wal_receiver) = 'streaming', \
+ EXISTS (SELECT 1 FROM pg_settings WHERE pending_restart)";
 
 /// What one observation found, beyond [`LocalPg`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub struct Observation {
     pub process: bool,
     /// A replica's WAL receiver is streaming.
     pub streaming: bool,
+    /// Settings have changed that take effect only at a restart.
+    pub pending_restart: bool,
 }
 
 /// The local PostgreSQL.
@@ -205,6 +208,7 @@ impl LocalPostgres {
                     },
                     process,
                     streaming: row.get::<_, Option<bool>>(4).unwrap_or(false),
+                    pending_restart: row.get::<_, Option<bool>>(5).unwrap_or(false),
                 }
             }
             Ok(Err(e)) => {

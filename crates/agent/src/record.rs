@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pgwarden_dcs::ClusterSnapshot;
-use pgwarden_ha::{ClusterView, FailoverRequest, LeaderInfo, MemberState, SyncState};
+use pgwarden_ha::{ClusterView, FailoverRequest, LeaderInfo, MemberRole, MemberState, SyncState};
 use serde::{Deserialize, Serialize};
 
 /// One member's published record: the fields the election reads
@@ -36,6 +36,45 @@ pub struct MemberRecord {
     /// The agent's last decision, as logged: why a member does not take
     /// over when no failover happens.
     pub decision: String,
+    /// PostgreSQL has settings changed that take effect only at a restart.
+    pub pending_restart: bool,
+    /// A restart scheduled through the API, not yet carried out.
+    pub scheduled_restart: Option<RestartOrder>,
+}
+
+/// A restart asked for through the API (`POST /restart`): at once or at a
+/// time, and only if its conditions hold then.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RestartOrder {
+    /// When, as an ISO 8601 timestamp in UTC; `None`: at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    /// The same instant, Unix milliseconds.
+    #[serde(skip)]
+    pub at_ms: Option<u64>,
+    /// Only if the member is then `primary` or `replica`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Only if PostgreSQL then has settings waiting for a restart.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub restart_pending: bool,
+}
+
+impl RestartOrder {
+    /// Why the order's conditions do not hold for a member in `role` with
+    /// (or without) `pending_restart`; `None` when they do.
+    pub fn unmet(&self, role: MemberRole, pending_restart: bool) -> Option<String> {
+        if let Some(want) = &self.role {
+            if *want != role.to_string() {
+                return Some(format!("the member is {role}, not {want}"));
+            }
+        }
+        if self.restart_pending && !pending_restart {
+            return Some("no setting is waiting for a restart".into());
+        }
+        None
+    }
 }
 
 /// Unix time in milliseconds.

@@ -68,12 +68,15 @@ impl AgentStatus {
 pub type StatusHandle = Arc<ArcSwap<AgentStatus>>;
 
 /// Requests to the HA loop from the API.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
     /// Run an iteration now (something changed in the DCS).
     Wake,
-    /// Restart the local PostgreSQL in its current role.
-    Restart,
+    /// Restart the local PostgreSQL in its current role: at once, or keep
+    /// the order until its time (replacing one kept before).
+    Restart(crate::record::RestartOrder),
+    /// Forget the scheduled restart.
+    CancelRestart,
     /// Make the local PostgreSQL re-read its configuration.
     Reload,
     /// Stop for good: stop PostgreSQL, hand the leader key over at once

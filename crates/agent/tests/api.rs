@@ -7,7 +7,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use pgwarden_agent::api::{self, ApiState};
 use pgwarden_agent::http_client::{get_json, request, Response};
-use pgwarden_agent::record::unix_ms;
+use pgwarden_agent::record::{unix_ms, RestartOrder};
 use pgwarden_agent::{AgentStatus, Command, MemberRecord, StatusHandle};
 use pgwarden_dcs::{EtcdDcs, HistoryEntry, LeaseId};
 use pgwarden_ha::{MemberRole, MemberState, Timing};
@@ -461,23 +461,82 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
     assert_eq!(config().await, Some(want), "bad patches change nothing");
 }
 
+async fn post_restart(api: &Api, body: Value) -> Response {
+    api.write("POST", "/restart", Some(body)).await
+}
+
 #[tokio::test]
 async fn restart_and_reload_reach_the_ha_loop() {
     let etcd = EtcdServer::start();
     let st = status_of(member("n1", MemberRole::Primary, None), true);
-    let mut api = Api::start(dcs(&etcd).await, st, Some((USER, PASSWORD)), T).await;
+    let mut api = Api::start(dcs(&etcd).await, st.clone(), Some((USER, PASSWORD)), T).await;
     assert_eq!(api.write("POST", "/restart", None).await.status, 200);
     assert_eq!(api.write("POST", "/reload", None).await.status, 202);
-    assert_eq!(api.drain(), [Command::Restart, Command::Reload]);
-    let r = api
-        .write(
-            "POST",
-            "/restart",
-            Some(json!({"schedule": "2030-01-01T00:00:00Z"})),
-        )
-        .await;
-    assert_eq!(r.status, 400);
+    assert_eq!(
+        api.drain(),
+        [Command::Restart(RestartOrder::default()), Command::Reload]
+    );
+
+    // Conditions are checked against what the member is now.
+    let r = post_restart(&api, json!({"role": "replica"})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("is primary, not replica"), "{}", r.body);
+    let r = post_restart(&api, json!({"restart_pending": true})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(
+        post_restart(&api, json!({"role": "master"})).await.status,
+        200
+    );
+    // Refused outright: a time in the past or without an offset, an
+    // unknown role, a condition pgwarden does not check.
+    for bad in [
+        json!({"schedule": "2020-01-01T00:00:00Z"}),
+        json!({"schedule": "2030-01-01T00:00:00"}),
+        json!({"schedule": "soon"}),
+        json!({"role": "leader"}),
+        json!({"restart_pending": "yes"}),
+        json!({"postgres_version": "15.4"}),
+    ] {
+        let r = post_restart(&api, bad.clone()).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
+    let mut drained = api.drain();
+    assert_eq!(drained.len(), 1, "{drained:?}");
+    let Command::Restart(order) = drained.remove(0) else {
+        panic!("not a restart")
+    };
+    assert_eq!(order.role.as_deref(), Some("primary"));
+
+    // A scheduled one goes to the loop with its time, in UTC.
+    let r = post_restart(
+        &api,
+        json!({"schedule": "2030-01-01T03:00:00+02:00", "restart_pending": true}),
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    assert!(r.body.contains("2030-01-01T01:00:00Z"), "{}", r.body);
+    let order = match api.drain().as_slice() {
+        [Command::Restart(o)] => o.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(order.at_ms, Some(1_893_459_600_000));
+    assert!(order.restart_pending);
+    // Once the loop shows it: no second one, and /patroni lists it.
+    let mut with = st.clone();
+    with.member.scheduled_restart = Some(order.clone());
+    api.set(with);
+    let r = post_restart(&api, json!({"schedule": "2031-01-01T00:00:00Z"})).await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    let v = get_json(&format!("{}/patroni", api.url), T).await.unwrap();
+    assert_eq!(v["scheduled_restart"]["schedule"], "2030-01-01T01:00:00Z");
+    assert_eq!(v["scheduled_restart"]["restart_pending"], true);
+    assert_eq!(api.write("DELETE", "/restart", None).await.status, 200);
+    assert_eq!(api.drain(), [Command::CancelRestart]);
+    api.set(st);
+    assert_eq!(api.write("DELETE", "/restart", None).await.status, 404);
     assert!(api.drain().is_empty());
+    // Not without credentials.
+    assert_eq!(api.code("DELETE", "/restart").await, 401);
 }
 
 #[tokio::test]

@@ -91,7 +91,20 @@ enum Command {
         set: Vec<String>,
     },
     /// Restart the member's PostgreSQL in its current role.
-    Restart,
+    Restart {
+        /// When: an ISO 8601 timestamp with a UTC offset. The member
+        /// restarts then, if the conditions still hold.
+        #[arg(long, value_name = "TIME")]
+        scheduled: Option<String>,
+        /// Only if the member is `primary` or `replica` (then).
+        #[arg(long)]
+        role: Option<String>,
+        /// Only if settings are waiting for a restart (then).
+        #[arg(long)]
+        pending: bool,
+    },
+    /// Withdraw the member's scheduled restart.
+    FlushRestart,
     /// Make the member's PostgreSQL re-read its configuration.
     Reload,
 }
@@ -164,7 +177,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 Err(_) => println!("{config}"),
             }
         }
-        Command::Restart => println!("{}", api.write("POST", "/restart", None, TIMEOUT).await?),
+        Command::Restart {
+            scheduled,
+            role,
+            pending,
+        } => {
+            let body = json!({ "schedule": scheduled, "role": role, "restart_pending": pending });
+            println!(
+                "{}",
+                api.write("POST", "/restart", Some(body), TIMEOUT).await?
+            );
+        }
+        Command::FlushRestart => {
+            println!("{}", api.write("DELETE", "/restart", None, TIMEOUT).await?)
+        }
         Command::Reload => println!("{}", api.write("POST", "/reload", None, TIMEOUT).await?),
     }
     Ok(())
@@ -398,6 +424,12 @@ pub(crate) fn render_list(cluster: &Value) -> String {
         if let Some(p) = m["problem"].as_str() {
             out += &format!("Problem on {}: {p}\n", str_of(&m["name"]));
         }
+        if m["pending_restart"] == true {
+            out += &format!("Pending restart on {}\n", str_of(&m["name"]));
+        }
+        if let Some(at) = m["scheduled_restart"]["schedule"].as_str() {
+            out += &format!("Restart of {} scheduled at {at}\n", str_of(&m["name"]));
+        }
     }
     // With no leader, say why each member does not take over.
     if cluster["leader"].is_null() {
@@ -479,7 +511,8 @@ mod tests {
                 {"name": "n1", "role": "leader", "state": "running", "pg_address": "10.0.0.1:5432",
                  "timeline": 3, "lag": null, "problem": null},
                 {"name": "n2", "role": "sync_standby", "state": "running", "pg_address": "10.0.0.2:5432",
-                 "timeline": 3, "lag": 3_500_000, "problem": null},
+                 "timeline": 3, "lag": 3_500_000, "problem": null, "pending_restart": true,
+                 "scheduled_restart": {"schedule": "2030-01-01T01:00:00Z", "restart_pending": true}},
                 {"name": "n3", "role": "stopped", "state": "stopped", "pg_address": "10.0.0.3:5432",
                  "timeline": 2, "lag": null, "problem": "rewind failed"},
             ],
@@ -495,6 +528,8 @@ Cluster: c (leader: n1)
 | n3     | 10.0.0.3:5432 | Stopped      | stopped |  2 |   unknown |
 +--------+---------------+--------------+---------+----+-----------+
 Maintenance mode: on
+Pending restart on n2
+Restart of n2 scheduled at 2030-01-01T01:00:00Z
 Problem on n3: rewind failed
 ";
         assert_eq!(out, want, "\n{out}");

@@ -1041,6 +1041,111 @@ async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
         .contains("every member acknowledges this leader"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
+    let c = cluster().nodes(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let write = |i: usize, method: &'static str, body: serde_json::Value| {
+        let url = format!("{}/restart", c.node(i).api_url());
+        async move {
+            pgwarden_agent::http_client::request(
+                method,
+                &url,
+                Some(&body),
+                Some(("pgwarden", "secret")),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let patroni = |i: usize| {
+        let url = format!("{}/patroni", c.node(i).api_url());
+        async move {
+            pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    // A setting that takes effect only at a restart, on the replica alone.
+    let replica = c.node(1).pg_conninfo();
+    query(&replica, "ALTER SYSTEM SET max_prepared_transactions = 7")
+        .await
+        .unwrap();
+    query(&replica, "SELECT pg_reload_conf()").await.unwrap();
+    eventually(
+        "n2 reports a pending restart",
+        Duration::from_secs(20),
+        || async {
+            let v = patroni(1).await?;
+            (v["pending_restart"] == true)
+                .then_some(())
+                .ok_or(v.to_string())
+        },
+    )
+    .await;
+    // Nothing is pending on the leader: a conditional restart is refused.
+    let r = write(0, "POST", serde_json::json!({"restart_pending": true})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+
+    let at = |secs: u64| {
+        pgwarden_ha::format_timestamp((pgwarden_agent::record::unix_ms() + secs * 1000) as i64)
+    };
+    let order =
+        |t: &str| serde_json::json!({"schedule": t, "role": "replica", "restart_pending": true});
+    let first = at(60);
+    assert_eq!(write(1, "POST", order(&first)).await.status, 202);
+    eventually(
+        "n2 shows the scheduled restart",
+        Duration::from_secs(10),
+        || async {
+            let v = patroni(1).await?;
+            (v["scheduled_restart"]["schedule"] == first.as_str())
+                .then_some(())
+                .ok_or(v.to_string())
+        },
+    )
+    .await;
+    assert_eq!(write(1, "POST", order(&at(90))).await.status, 409);
+    assert_eq!(write(1, "DELETE", serde_json::json!({})).await.status, 200);
+    eventually("the restart withdrawn", Duration::from_secs(10), || async {
+        let v = patroni(1).await?;
+        v["scheduled_restart"]
+            .is_null()
+            .then_some(())
+            .ok_or(v.to_string())
+    })
+    .await;
+
+    let pid = c.node(1).postmaster_pid().unwrap();
+    let due_ms = pgwarden_agent::record::unix_ms() + 4000;
+    let second = pgwarden_ha::format_timestamp(due_ms as i64);
+    assert_eq!(write(1, "POST", order(&second)).await.status, 202);
+    // A second before its time, nothing has happened yet.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    assert_eq!(c.node(1).postmaster_pid(), Some(pid), "restarted early");
+    eventually("n2 restarted", Duration::from_secs(30), || async {
+        let v = patroni(1).await?;
+        let restarted = c.node(1).postmaster_pid().is_some_and(|p| p != pid);
+        (restarted && v["pending_restart"] == false && v["scheduled_restart"].is_null())
+            .then_some(())
+            .ok_or(v.to_string())
+    })
+    .await;
+    assert!(pgwarden_agent::record::unix_ms() >= due_ms);
+    assert_eq!(
+        one(&replica, "SHOW max_prepared_transactions")
+            .await
+            .unwrap(),
+        "7"
+    );
+    let log = c.node(1).agent_log();
+    assert!(
+        log.contains("restart scheduled") && log.contains("scheduled restart cancelled"),
+        "{log}"
+    );
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
