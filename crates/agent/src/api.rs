@@ -680,6 +680,7 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     let snap = read(state).await?;
     let mut config = snap.config.unwrap_or_else(|| json!({}));
     merge_patch(&mut config, patch);
+    crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
     match state
         .dcs
         .compare_and_put_config(&config, snap.config_revision)

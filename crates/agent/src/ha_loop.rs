@@ -107,6 +107,10 @@ pub(crate) struct HaLoop {
     fatal: Option<String>,
     /// A restart ordered for later through the API.
     scheduled_restart: Option<crate::record::RestartOrder>,
+    /// The dynamic configuration's PostgreSQL parameters as last written.
+    dynamic_applied: std::collections::BTreeMap<String, String>,
+    /// The dynamic parameters last refused, so it is logged once.
+    dynamic_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
 }
 
@@ -174,6 +178,8 @@ impl HaLoop {
             identity_known: false,
             fatal: None,
             scheduled_restart: None,
+            dynamic_applied: Default::default(),
+            dynamic_refused: None,
             failed,
             cfg,
         }
@@ -540,6 +546,9 @@ impl HaLoop {
                 self.publish_status();
                 return;
             }
+        }
+        if self.dcs_ok {
+            self.apply_dynamic_parameters().await;
         }
         if !self.dcs_ok && self.cfg.failsafe && self.holds_leader_key() && self.obs.pg.running {
             self.failsafe_round().await;
@@ -1696,6 +1705,64 @@ impl HaLoop {
     /// Restarts PostgreSQL in its current role. The start waits at most one
     /// `loop_wait`: a server still starting is then seen by the next
     /// iteration, and a leader keeps renewing its lease meanwhile.
+    /// Writes the dynamic configuration's PostgreSQL parameters into the
+    /// settings file where they changed, and reloads a running server;
+    /// those that need a restart then show as `pending_restart`.
+    async fn apply_dynamic_parameters(&mut self) {
+        let wanted = match crate::parameters::dynamic(self.snapshot.config.as_ref()) {
+            Ok(w) => w,
+            Err(e) => {
+                if self.dynamic_refused.as_deref() != Some(e.as_str()) {
+                    tracing::error!("dynamic configuration not applied: {e}");
+                    self.dynamic_refused = Some(e);
+                }
+                return;
+            }
+        };
+        self.dynamic_refused = None;
+        let defaults = crate::DEFAULT_PARAMETERS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        // Parameter names are case-insensitive.
+        let local = self
+            .cfg
+            .parameters
+            .iter()
+            .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
+            .collect();
+        let changes = crate::parameters::changes(&defaults, &local, &self.dynamic_applied, &wanted);
+        if !changes.is_empty() {
+            let text = changes
+                .iter()
+                .map(|(k, v)| format!("{k} = {}", v.as_deref().unwrap_or("(default)")))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let running = self.obs.pg.running;
+            let written = self
+                .pg
+                .with(move |i| {
+                    for (k, v) in &changes {
+                        match v {
+                            Some(v) => i.set_setting(k, v)?,
+                            None => i.remove_setting(k)?,
+                        }
+                    }
+                    if running {
+                        i.reload()?;
+                    }
+                    Ok(())
+                })
+                .await;
+            if let Err(e) = written {
+                tracing::error!(error = %first_line(&e), "cannot write the dynamic parameters");
+                return;
+            }
+            tracing::info!("dynamic configuration applied: {text}");
+        }
+        self.dynamic_applied = wanted;
+    }
+
     /// How long until the scheduled restart is due; zero once it is.
     fn until_restart(&self) -> Option<Duration> {
         let at = self.scheduled_restart.as_ref()?.at_ms?;

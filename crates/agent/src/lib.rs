@@ -19,6 +19,7 @@ pub mod fence;
 mod ha_loop;
 mod handover;
 pub mod http_client;
+pub mod parameters;
 pub mod postgres;
 pub mod record;
 pub mod status;
@@ -41,7 +42,7 @@ pub use status::{AgentStatus, Command, StatusHandle};
 /// Settings the agent always gives its PostgreSQL, before the operator's
 /// `agent.parameters`: enough WAL kept for a demoted primary to rejoin
 /// without a fresh clone, and hot standbys that answer the probes.
-const DEFAULT_PARAMETERS: &[(&str, &str)] = &[
+pub(crate) const DEFAULT_PARAMETERS: &[(&str, &str)] = &[
     ("wal_level", "replica"),
     ("hot_standby", "on"),
     ("wal_keep_size", "128MB"),

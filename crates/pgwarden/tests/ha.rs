@@ -1146,6 +1146,137 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
     );
 }
 
+/// A write request to node `i`'s API, with the kit's credentials.
+async fn api_call(
+    c: &AgentCluster,
+    i: usize,
+    method: &str,
+    path: &str,
+    body: serde_json::Value,
+) -> pgwarden_agent::http_client::Response {
+    let url = format!("{}{path}", c.node(i).api_url());
+    pgwarden_agent::http_client::request(
+        method,
+        &url,
+        Some(&body),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
+}
+
+/// Waits until `SHOW name` on every node gives `want`.
+async fn everywhere(c: &AgentCluster, name: &str, want: &str) {
+    for i in 0..c.len() {
+        let conninfo = c.node(i).pg_conninfo();
+        let q = format!("SHOW {name}");
+        eventually(
+            &format!("{name} = {want} on node {i}"),
+            Duration::from_secs(30),
+            || async {
+                let v = one(&conninfo, &q).await?;
+                (v == want).then_some(()).ok_or(v)
+            },
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_parameters_reach_every_member() {
+    let c = cluster().nodes(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let params = |p: serde_json::Value| serde_json::json!({"postgresql": {"parameters": p}});
+    let patroni = |i: usize| {
+        let url = format!("{}/patroni", c.node(i).api_url());
+        async move {
+            pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    // For every member; shared_buffers is also in each node's own file,
+    // which wins.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        params(serde_json::json!({"work_mem": "8MB", "shared_buffers": "32MB"})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    everywhere(&c, "work_mem", "8MB").await;
+    everywhere(&c, "shared_buffers", "16MB").await;
+    for i in 0..2 {
+        assert_eq!(patroni(i).await.unwrap()["pending_restart"], false);
+    }
+    // One that takes a restart: pending on each member until it restarts.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        params(serde_json::json!({"max_prepared_transactions": 5})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    for i in 0..2 {
+        eventually("a pending restart", Duration::from_secs(20), || async {
+            let v = patroni(i).await?;
+            (v["pending_restart"] == true)
+                .then_some(())
+                .ok_or(v.to_string())
+        })
+        .await;
+    }
+    for i in [1, 0] {
+        let r = api_call(
+            &c,
+            i,
+            "POST",
+            "/restart",
+            serde_json::json!({"restart_pending": true}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let conninfo = c.node(i).pg_conninfo();
+        eventually(
+            "restarted with the setting",
+            Duration::from_secs(30),
+            || async {
+                let v = one(&conninfo, "SHOW max_prepared_transactions").await?;
+                (v == "5").then_some(()).ok_or(v)
+            },
+        )
+        .await;
+    }
+    // Removed: back to the default.
+    let r = api_call(
+        &c,
+        1,
+        "PATCH",
+        "/config",
+        params(serde_json::json!({"work_mem": null})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    everywhere(&c, "work_mem", "4MB").await;
+    // What the agent manages, and values that are not scalars, are refused.
+    for bad in [
+        serde_json::json!({"port": 1}),
+        serde_json::json!({"work_mem": [1]}),
+    ] {
+        let r = api_call(&c, 0, "PATCH", "/config", params(bad.clone())).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
+    assert!(c
+        .node(1)
+        .agent_log()
+        .contains("dynamic configuration applied: work_mem = 8MB"));
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
