@@ -250,6 +250,7 @@ impl HaLoop {
                         self.publish_status();
                     }
                     Some(Command::Restart(order)) => self.restart_if(order).await,
+                    Some(Command::Reconfigure(new)) => self.reconfigure(*new).await,
                     Some(Command::CancelRestart) => {
                         if self.scheduled_restart.take().is_some() {
                             tracing::info!("scheduled restart cancelled");
@@ -1720,18 +1721,21 @@ impl HaLoop {
             }
         };
         self.dynamic_refused = None;
-        let defaults = crate::DEFAULT_PARAMETERS
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        // Parameter names are case-insensitive.
-        let local = self
-            .cfg
-            .parameters
-            .iter()
-            .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
-            .collect();
-        let changes = crate::parameters::changes(&defaults, &local, &self.dynamic_applied, &wanted);
+        let before = effective_parameters(&self.dynamic_applied, &self.cfg.parameters);
+        let after = effective_parameters(&wanted, &self.cfg.parameters);
+        if self.write_parameters(&before, &after).await {
+            self.dynamic_applied = wanted;
+        }
+    }
+
+    /// Writes what changed between two sets of settings and reloads a
+    /// running server; `false` if the file could not be written.
+    async fn write_parameters(
+        &mut self,
+        before: &std::collections::BTreeMap<String, String>,
+        after: &std::collections::BTreeMap<String, String>,
+    ) -> bool {
+        let changes = crate::parameters::changes(before, after);
         if !changes.is_empty() {
             let text = changes
                 .iter()
@@ -1755,12 +1759,35 @@ impl HaLoop {
                 })
                 .await;
             if let Err(e) = written {
-                tracing::error!(error = %first_line(&e), "cannot write the dynamic parameters");
-                return;
+                tracing::error!(error = %first_line(&e), "cannot write the PostgreSQL parameters");
+                return false;
             }
-            tracing::info!("dynamic configuration applied: {text}");
+            tracing::info!("parameters applied: {text}");
         }
-        self.dynamic_applied = wanted;
+        true
+    }
+
+    /// Takes the reloadable settings of a reloaded node file: tags (in the
+    /// member record from now on), the node's own PostgreSQL parameters
+    /// (written and reloaded) and callbacks.
+    async fn reconfigure(&mut self, new: AgentConfig) {
+        if new.tags != self.cfg.tags {
+            tracing::info!(tags = ?new.tags, "tags reloaded");
+            self.cfg.tags = new.tags;
+        }
+        if new.callbacks != self.cfg.callbacks {
+            tracing::info!("callbacks reloaded");
+            self.cfg.callbacks = new.callbacks;
+        }
+        if new.parameters != self.cfg.parameters {
+            let before = effective_parameters(&self.dynamic_applied, &self.cfg.parameters);
+            let after = effective_parameters(&self.dynamic_applied, &new.parameters);
+            if self.write_parameters(&before, &after).await {
+                self.cfg.parameters = new.parameters;
+            }
+        }
+        self.publish_status();
+        self.publish_member().await;
     }
 
     /// How long until the scheduled restart is due; zero once it is.
@@ -2038,6 +2065,19 @@ fn recorded(snapshot: &ClusterSnapshot) -> bool {
         .initialize
         .as_deref()
         .is_some_and(|v| !v.trim().is_empty())
+}
+
+/// The settings in force with these `dynamic` and node-own `local`
+/// parameters over pgwarden's defaults.
+fn effective_parameters(
+    dynamic: &std::collections::BTreeMap<String, String>,
+    local: &std::collections::BTreeMap<String, String>,
+) -> std::collections::BTreeMap<String, String> {
+    let defaults = crate::DEFAULT_PARAMETERS
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    crate::parameters::effective(&defaults, dynamic, local)
 }
 
 #[cfg(test)]

@@ -74,26 +74,36 @@ pub fn dynamic(config: Option<&Value>) -> Result<BTreeMap<String, String>, Strin
     Ok(out)
 }
 
-/// What to write into the settings file to go from the dynamic parameters
-/// `old` to `new`: each changed setting with its new value, or `None` to
-/// remove it. Keys in `local` are left alone; a key leaving the dynamic
-/// configuration falls back to `defaults`.
-pub fn changes(
+/// The settings in force for a node: pgwarden's `defaults`, overridden by
+/// the `dynamic` parameters, overridden by the node's own `local` ones.
+/// Keys are compared case-insensitively (as PostgreSQL does), and come out
+/// in lower case.
+pub fn effective(
     defaults: &BTreeMap<String, String>,
+    dynamic: &BTreeMap<String, String>,
     local: &BTreeMap<String, String>,
-    old: &BTreeMap<String, String>,
-    new: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for layer in [defaults, dynamic, local] {
+        for (k, v) in layer {
+            out.insert(k.to_ascii_lowercase(), v.clone());
+        }
+    }
+    out
+}
+
+/// What to write into the settings file to go from the settings `before`
+/// to `after`: each changed one with its new value, or `None` to remove it.
+pub fn changes(
+    before: &BTreeMap<String, String>,
+    after: &BTreeMap<String, String>,
 ) -> Vec<(String, Option<String>)> {
-    let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
+    let mut keys: Vec<&String> = before.keys().chain(after.keys()).collect();
     keys.sort();
     keys.dedup();
     keys.into_iter()
-        .filter(|k| !local.contains_key(*k))
-        .filter_map(|k| {
-            let was = old.get(k).or_else(|| defaults.get(k));
-            let will = new.get(k).or_else(|| defaults.get(k));
-            (was != will).then(|| (k.clone(), will.cloned()))
-        })
+        .filter(|k| before.get(*k) != after.get(*k))
+        .map(|k| (k.clone(), after.get(k).cloned()))
         .collect()
 }
 
@@ -150,27 +160,38 @@ mod tests {
     }
 
     #[test]
-    fn changes_respect_local_settings_and_fall_back_to_defaults() {
+    fn local_settings_win_and_removed_ones_fall_back_to_defaults() {
         let defaults = map(&[("wal_keep_size", "128MB")]);
-        let local = map(&[("shared_buffers", "16MB")]);
+        let local = map(&[("Shared_Buffers", "16MB")]);
         let old = map(&[("work_mem", "8MB"), ("wal_keep_size", "1GB")]);
         let new = map(&[
             ("work_mem", "16MB"),
             ("shared_buffers", "1GB"),
             ("jit", "off"),
         ]);
+        let before = effective(&defaults, &old, &local);
+        let after = effective(&defaults, &new, &local);
+        assert_eq!(after["shared_buffers"], "16MB");
         assert_eq!(
-            changes(&defaults, &local, &old, &new),
+            changes(&before, &after),
             vec![
                 ("jit".to_string(), Some("off".to_string())),
                 ("wal_keep_size".to_string(), Some("128MB".to_string())),
                 ("work_mem".to_string(), Some("16MB".to_string())),
             ]
         );
+        let none = effective(&defaults, &BTreeMap::new(), &local);
         assert_eq!(
-            changes(&defaults, &local, &new, &BTreeMap::new()),
+            changes(&after, &none),
             vec![("jit".to_string(), None), ("work_mem".to_string(), None)]
         );
-        assert!(changes(&defaults, &local, &new, &new).is_empty());
+        assert!(changes(&after, &after).is_empty());
+        // A local setting dropped from the node's file: the dynamic one
+        // takes over.
+        let after_reload = effective(&defaults, &new, &BTreeMap::new());
+        assert_eq!(
+            changes(&after, &after_reload),
+            vec![("shared_buffers".to_string(), Some("1GB".to_string()))]
+        );
     }
 }

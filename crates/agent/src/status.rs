@@ -77,6 +77,9 @@ pub enum Command {
     Restart(crate::record::RestartOrder),
     /// Forget the scheduled restart.
     CancelRestart,
+    /// The node's file was reloaded: take its tags, parameters and
+    /// callbacks (the rest needs a restart of the agent).
+    Reconfigure(Box<pgwarden_config::AgentConfig>),
     /// Make the local PostgreSQL re-read its configuration.
     Reload,
     /// Stop for good: stop PostgreSQL, hand the leader key over at once

@@ -1274,7 +1274,70 @@ async fn dynamic_parameters_reach_every_member() {
     assert!(c
         .node(1)
         .agent_log()
-        .contains("dynamic configuration applied: work_mem = 8MB"));
+        .contains("parameters applied: work_mem = 8MB"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_node_file_changes_tags_and_parameters_in_place() {
+    let c = cluster().nodes(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let pid = c.node(1).postmaster_pid().unwrap();
+    let file = c.node(1).config.clone();
+    let text = std::fs::read_to_string(&file).unwrap();
+    let edited = text
+        .replacen("[agent]\n", "[agent]\nnofailover = true\n", 1)
+        .replace(
+            "max_connections = 50 }",
+            "max_connections = 50, work_mem = \"6MB\" }",
+        )
+        .replace("loop_wait = 1", "loop_wait = 2");
+    assert_ne!(edited, text);
+    std::fs::write(&file, edited).unwrap();
+    c.reload_agent(1);
+    let url = format!("{}/cluster", c.node(0).api_url());
+    eventually(
+        "every member sees n2 tagged nofailover",
+        Duration::from_secs(20),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let n2 = v["members"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|m| m["name"] == "n2")
+                .cloned()
+                .unwrap_or_default();
+            (n2["tags"]["nofailover"] == true)
+                .then_some(())
+                .ok_or(n2.to_string())
+        },
+    )
+    .await;
+    let conninfo = c.node(1).pg_conninfo();
+    eventually(
+        "work_mem reloaded on n2",
+        Duration::from_secs(20),
+        || async {
+            let v = one(&conninfo, "SHOW work_mem").await?;
+            (v == "6MB").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    assert_eq!(
+        c.node(1).postmaster_pid(),
+        Some(pid),
+        "PostgreSQL restarted"
+    );
+    assert_eq!(
+        one(&c.node(0).pg_conninfo(), "SHOW work_mem")
+            .await
+            .unwrap(),
+        "4MB"
+    );
+    let log = c.node(1).agent_log();
+    assert!(log.contains("take effect at the next restart"), "{log}");
 }
 
 #[test]

@@ -530,6 +530,13 @@ impl AgentCluster {
         self.nodes[i].child.as_mut()?.try_wait().ok().flatten()
     }
 
+    /// Makes node `i`'s agent re-read its file (SIGHUP).
+    pub fn reload_agent(&self, i: usize) {
+        if let Some(c) = &self.nodes[i].child {
+            let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGHUP);
+        }
+    }
+
     /// Asks node `i`'s agent to stop (SIGTERM) and waits for it to exit.
     pub fn stop_agent(&mut self, i: usize) {
         if let Some(mut c) = self.nodes[i].child.take() {
