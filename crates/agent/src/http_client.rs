@@ -23,7 +23,16 @@ static TLS: RwLock<Option<tokio_rustls::TlsConnector>> = RwLock::new(None);
 /// Makes `https://` requests trust the CA certificates in `ca` (PEM), and
 /// only them.
 pub fn trust(ca: &std::path::Path) -> Result<(), String> {
-    let config = crate::tls::client_config(ca)?;
+    trust_with(ca, None)
+}
+
+/// [`trust`], presenting the certificate and key files of `identity` to
+/// servers that ask for a client certificate.
+pub fn trust_with(
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> Result<(), String> {
+    let config = crate::tls::client_config(ca, identity)?;
     *TLS.write().unwrap_or_else(|e| e.into_inner()) =
         Some(tokio_rustls::TlsConnector::from(Arc::clone(&config)));
     Ok(())

@@ -190,13 +190,21 @@ pub async fn start(
     api_credentials: Option<(String, String)>,
     proxy_url: Option<String>,
 ) -> Result<AgentHandle, AgentError> {
-    // The CA first: this agent calls the other members' APIs with it.
+    // The CA first: this agent calls the other members' APIs with it,
+    // presenting its own certificate where they ask for one.
+    let own = cfg
+        .api_cert_file
+        .as_deref()
+        .zip(cfg.api_key_file.as_deref());
     if let Some(ca) = &cfg.api_ca_file {
-        http_client::trust(ca).map_err(AgentError::ApiTls)?;
+        http_client::trust_with(ca, own).map_err(AgentError::ApiTls)?;
     }
-    let api_tls = match (&cfg.api_cert_file, &cfg.api_key_file) {
-        (Some(cert), Some(key)) => Some(tls::server_config(cert, key).map_err(AgentError::ApiTls)?),
-        _ => None,
+    let client_ca = cfg.api_ca_file.as_deref().filter(|_| cfg.api_verify_client);
+    let api_tls = match own {
+        Some((cert, key)) => {
+            Some(tls::server_config(cert, key, client_ca).map_err(AgentError::ApiTls)?)
+        }
+        None => None,
     };
     let api_listener = tokio::net::TcpListener::bind(cfg.api)
         .await

@@ -52,6 +52,9 @@ pub struct AgentConfig {
     /// what this agent (and `pgwarden ctl`) trusts when calling an
     /// `https://` API.
     pub api_ca_file: Option<PathBuf>,
+    /// The API asks every client for a certificate chained to
+    /// `api_ca_file`; the members present their own API certificate.
+    pub api_verify_client: bool,
     /// The timing preset or target, as written.
     pub rto: RtoSetting,
     /// The effective timings: the preset with the overrides applied,
@@ -201,6 +204,7 @@ pub(crate) struct RawAgent {
     api_cert_file: Option<Spanned<NonEmpty>>,
     api_key_file: Option<Spanned<NonEmpty>>,
     api_ca_file: Option<NonEmpty>,
+    api_verify_client: Option<Spanned<bool>>,
     rto: Option<Spanned<RtoSetting>>,
     ttl: Option<Secs>,
     loop_wait: Option<Secs>,
@@ -387,6 +391,17 @@ pub(crate) fn agent(
         _ => {}
     }
     let tls = raw.api_cert_file.is_some();
+    if let Some(v) = raw
+        .api_verify_client
+        .as_ref()
+        .filter(|v| *v.get_ref() && !tls)
+    {
+        return Err(src.invalid(
+            Some(v.span()),
+            "agent.api_verify_client",
+            "needs agent.api_cert_file and api_key_file: client certificates are asked for over HTTPS",
+        ));
+    }
     let api_url = match raw.api_url {
         None if tls => format!("https://{api}"),
         None => format!("http://{api}"),
@@ -471,6 +486,7 @@ pub(crate) fn agent(
         api_cert_file: raw.api_cert_file.map(|f| f.into_inner().into()),
         api_key_file: raw.api_key_file.map(|f| f.into_inner().into()),
         api_ca_file: raw.api_ca_file.map(Into::into),
+        api_verify_client: raw.api_verify_client.is_some_and(|v| v.into_inner()),
         rto,
         timing,
         maximum_lag_on_failover: raw

@@ -30,6 +30,24 @@ pub struct Args {
     /// (the members' `agent.api_ca_file`).
     #[arg(long, global = true, env = "PGWARDEN_API_CA", value_name = "FILE")]
     cacert: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for an API with `agent.api_verify_client`.
+    #[arg(
+        long,
+        global = true,
+        env = "PGWARDEN_API_CERT",
+        value_name = "FILE",
+        requires = "key"
+    )]
+    cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    #[arg(
+        long,
+        global = true,
+        env = "PGWARDEN_API_KEY",
+        value_name = "FILE",
+        requires = "cert"
+    )]
+    key: Option<std::path::PathBuf>,
     /// User name for the write commands.
     #[arg(long, global = true, default_value = "pgwarden")]
     username: String,
@@ -112,7 +130,8 @@ enum Command {
 /// Runs one `pgwarden ctl` command.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     match &args.cacert {
-        Some(ca) => http_client::trust(ca).map_err(|e| anyhow::anyhow!("--cacert: {e}"))?,
+        Some(ca) => http_client::trust_with(ca, args.cert.as_deref().zip(args.key.as_deref()))
+            .map_err(|e| anyhow::anyhow!("--cacert/--cert/--key: {e}"))?,
         None if args.api.starts_with("https://") => {
             bail!("--api is https://: give --cacert, the CA of the members' API certificates")
         }

@@ -976,6 +976,7 @@ async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
             cert_file: tls.cert_file.clone(),
             key_file: tls.key_file.clone(),
             ca_file: ca.clone(),
+            verify_client: false,
         })
         .start();
     healthy(&c, 2, BOOTSTRAP).await;
@@ -1338,6 +1339,93 @@ async fn a_reloaded_node_file_changes_tags_and_parameters_in_place() {
     );
     let log = c.node(1).agent_log();
     assert!(log.contains("take effect at the next restart"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_that_asks_for_client_certificates_takes_only_the_members_and_ctl_with_one() {
+    let certs = tempfile::tempdir().unwrap();
+    let (tls, (client_cert, client_key)) = etcd_certs(certs.path());
+    let ca = tls.ca_file.clone();
+    let mut c = cluster()
+        .nodes(2)
+        .agent_settings("failsafe = true")
+        .api_tls(pgwarden_testkit::agents::ApiTls {
+            cert_file: tls.cert_file.clone(),
+            key_file: tls.key_file.clone(),
+            ca_file: ca.clone(),
+            verify_client: true,
+        })
+        .start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let port = c.node(0).api_port;
+    // Trusting the CA is not enough: the handshake wants a certificate.
+    assert_eq!(
+        pgwarden_testkit::agents::https_status(port, "/health", &ca, None),
+        None
+    );
+    assert_eq!(
+        pgwarden_testkit::agents::https_status(
+            port,
+            "/health",
+            &ca,
+            Some((client_cert.as_path(), client_key.as_path()))
+        ),
+        Some(200)
+    );
+    let ctl = |extra: Vec<String>| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"));
+        cmd.arg("ctl")
+            .arg("--api")
+            .arg(c.node(0).api_url())
+            .arg("--cacert")
+            .arg(&ca)
+            .args(extra)
+            .arg("list");
+        cmd.env_remove("PGWARDEN_API_CERT")
+            .env_remove("PGWARDEN_API_KEY");
+        cmd.output()
+    };
+    let out = ctl(vec![]).await.unwrap();
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let with = vec![
+        "--cert".to_string(),
+        client_cert.display().to_string(),
+        "--key".to_string(),
+        client_key.display().to_string(),
+    ];
+    // A new replica streams a moment before its record is published.
+    eventually(
+        "ctl lists both members",
+        Duration::from_secs(10),
+        || async {
+            let out = ctl(with.clone()).await.map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            (out.status.success() && text.contains("n2"))
+                .then_some(())
+                .ok_or(format!("{text}{}", String::from_utf8_lossy(&out.stderr)))
+        },
+    )
+    .await;
+    // The members present their own certificates to each other: the
+    // failsafe acknowledgements get through an etcd outage.
+    c.etcd().kill(0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 0).await,
+            "the leader demoted\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains("every member acknowledges this leader"));
 }
 
 #[test]

@@ -134,6 +134,9 @@ pub struct ApiTls {
     pub key_file: PathBuf,
     /// The CA that signed it.
     pub ca_file: PathBuf,
+    /// The API asks clients for a certificate (`agent.api_verify_client`);
+    /// the kit presents `cert_file`.
+    pub verify_client: bool,
 }
 
 impl AgentClusterBuilder {
@@ -236,10 +239,11 @@ impl AgentClusterBuilder {
         if let Some(t) = &self.api_tls {
             let _ = writeln!(
                 agent_toml,
-                "api_cert_file = {:?}\napi_key_file = {:?}\napi_ca_file = {:?}",
+                "api_cert_file = {:?}\napi_key_file = {:?}\napi_ca_file = {:?}\napi_verify_client = {}",
                 t.cert_file.display().to_string(),
                 t.key_file.display().to_string(),
-                t.ca_file.display().to_string()
+                t.ca_file.display().to_string(),
+                t.verify_client
             );
         }
         if let Some((user, password)) = &self.etcd_auth {
@@ -306,7 +310,7 @@ impl AgentClusterBuilder {
             relays,
             etcd,
             tails: tails.clone(),
-            api_ca: self.api_tls.map(|t| t.ca_file),
+            api_tls: self.api_tls,
             dir,
         };
         c.launch(0, &tails[0]);
@@ -361,8 +365,8 @@ pub struct AgentCluster {
     etcd: EtcdCluster,
     /// Each node's configuration after its ports.
     tails: Vec<String>,
-    /// With the API on HTTPS, the CA its certificates chain to.
-    api_ca: Option<PathBuf>,
+    /// With the API on HTTPS, its certificates.
+    api_tls: Option<ApiTls>,
     // Dropped last: the directories outlive every process using them.
     dir: tempfile::TempDir,
 }
@@ -444,9 +448,14 @@ impl AgentCluster {
     /// HTTPS when the cluster serves it so; `None` without an answer.
     pub fn api_status(&self, i: usize, path: &str) -> Option<u16> {
         let port = self.nodes[i].api_port;
-        match &self.api_ca {
+        match &self.api_tls {
             None => http_status(port, path),
-            Some(ca) => https_status(port, path, ca),
+            Some(t) => {
+                let identity = t
+                    .verify_client
+                    .then_some((t.cert_file.as_path(), t.key_file.as_path()));
+                https_status(port, path, &t.ca_file, identity)
+            }
         }
     }
 
@@ -589,8 +598,14 @@ impl Drop for AgentCluster {
 }
 
 /// [`http_status`] over TLS, trusting only the CA certificates in `ca`
-/// (PEM); the server's certificate must name 127.0.0.1.
-pub fn https_status(port: u16, path: &str, ca: &Path) -> Option<u16> {
+/// (PEM), and presenting `identity` (certificate and key files) if given;
+/// the server's certificate must name 127.0.0.1.
+pub fn https_status(
+    port: u16,
+    path: &str,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Option<u16> {
     use rustls::pki_types::pem::PemObject;
     use std::io::{Read, Write};
     let mut roots = rustls::RootCertStore::empty();
@@ -602,8 +617,18 @@ pub fn https_status(port: u16, path: &str, ca: &Path) -> Option<u16> {
     ))
     .with_safe_default_protocol_versions()
     .ok()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    .with_root_certificates(roots);
+    let config = match identity {
+        None => config.with_no_client_auth(),
+        Some((cert, key)) => {
+            let certs = rustls::pki_types::CertificateDer::pem_file_iter(cert)
+                .ok()?
+                .collect::<Result<Vec<_>, _>>()
+                .ok()?;
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).ok()?;
+            config.with_client_auth_cert(certs, key).ok()?
+        }
+    };
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").ok()?;
     let mut conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).ok()?;
     let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
