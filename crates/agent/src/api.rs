@@ -393,6 +393,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "problem": m.problem,
         "pending_restart": m.pending_restart,
         "scheduled_restart": m.scheduled_restart,
+        "postmaster_start_time": m.postmaster_start_time,
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),
             "scope": scope(&state.dcs),

@@ -1891,6 +1891,11 @@ impl HaLoop {
             decision: self.last_decision.clone(),
             pending_restart: pg.running && self.obs.pending_restart,
             scheduled_restart: self.scheduled_restart.clone(),
+            postmaster_start_time: self
+                .obs
+                .postmaster_start_time
+                .clone()
+                .filter(|_| pg.running),
         }
     }
 

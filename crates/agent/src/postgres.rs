@@ -34,7 +34,8 @@ const OBSERVE: &str = "SELECT pg_is_in_recovery(), \
  pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
    ELSE pg_current_wal_lsn() END, '0/0')::int8, \
  (SELECT status FROM pg_stat_wal_receiver) = 'streaming', \
- EXISTS (SELECT 1 FROM pg_settings WHERE pending_restart)";
+ EXISTS (SELECT 1 FROM pg_settings WHERE pending_restart), \
+ to_char(pg_postmaster_start_time() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
 
 /// What one observation found, beyond [`LocalPg`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -47,6 +48,8 @@ pub struct Observation {
     pub streaming: bool,
     /// Settings have changed that take effect only at a restart.
     pub pending_restart: bool,
+    /// When the postmaster started (UTC, ISO 8601).
+    pub postmaster_start_time: Option<String>,
 }
 
 /// The local PostgreSQL.
@@ -209,6 +212,7 @@ impl LocalPostgres {
                     process,
                     streaming: row.get::<_, Option<bool>>(4).unwrap_or(false),
                     pending_restart: row.get::<_, Option<bool>>(5).unwrap_or(false),
+                    postmaster_start_time: row.get(6),
                 }
             }
             Ok(Err(e)) => {

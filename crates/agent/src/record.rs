@@ -40,6 +40,9 @@ pub struct MemberRecord {
     pub pending_restart: bool,
     /// A restart scheduled through the API, not yet carried out.
     pub scheduled_restart: Option<RestartOrder>,
+    /// When the running postmaster started (UTC, ISO 8601): a restart
+    /// changes it.
+    pub postmaster_start_time: Option<String>,
 }
 
 /// A restart asked for through the API (`POST /restart`): at once or at a

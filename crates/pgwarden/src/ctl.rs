@@ -120,6 +120,10 @@ enum Command {
         /// Only if settings are waiting for a restart (then).
         #[arg(long)]
         pending: bool,
+        /// Every member, one after the other: replicas first, the leader
+        /// last, each through its own API.
+        #[arg(long)]
+        all: bool,
     },
     /// Withdraw the member's scheduled restart.
     FlushRestart,
@@ -200,17 +204,86 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             scheduled,
             role,
             pending,
+            all,
         } => {
             let body = json!({ "schedule": scheduled, "role": role, "restart_pending": pending });
-            println!(
-                "{}",
-                api.write("POST", "/restart", Some(body), TIMEOUT).await?
-            );
+            if all {
+                restart_all(&api, &body).await?;
+            } else {
+                println!(
+                    "{}",
+                    api.write("POST", "/restart", Some(body), TIMEOUT).await?
+                );
+            }
         }
         Command::FlushRestart => {
             println!("{}", api.write("DELETE", "/restart", None, TIMEOUT).await?)
         }
         Command::Reload => println!("{}", api.write("POST", "/reload", None, TIMEOUT).await?),
+    }
+    Ok(())
+}
+
+/// `restart --all`: restarts every member in turn, replicas before the
+/// leader, waiting for each to be back (its postmaster start time changed)
+/// before the next, so the cluster never has more than one member down. A
+/// member whose conditions do not hold is reported and skipped; any other
+/// failure fails the command once every member was asked.
+async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
+    let cluster = api.get("/cluster").await?;
+    let mut members = cluster["members"].as_array().cloned().unwrap_or_default();
+    members.sort_by_key(|m| m["role"] == "leader");
+    let mut failed = 0;
+    for m in &members {
+        let name = m["name"].as_str().unwrap_or("?");
+        let Some(url) = m["api_url"].as_str().filter(|u| !u.is_empty()) else {
+            println!("{name}: no API URL published; skipped");
+            continue;
+        };
+        let member = Api {
+            base: url.trim_end_matches('/').to_string(),
+            auth: api.auth.clone(),
+        };
+        let started = |v: &Value| v["postmaster_start_time"].as_str().map(str::to_string);
+        let before = member.get("/patroni").await.ok().and_then(|v| started(&v));
+        match member
+            .send("POST", "/restart", Some(body.clone()), true, TIMEOUT)
+            .await
+        {
+            Ok(r) if r.status == 200 => {
+                let deadline = tokio::time::Instant::now() + MOVE_TIMEOUT;
+                loop {
+                    let now = member.get("/patroni").await.ok();
+                    let back = now.as_ref().is_some_and(|v| {
+                        v["state"] == "running" && started(v).is_some() && started(v) != before
+                    });
+                    if back {
+                        println!("{name}: restarted");
+                        break;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        println!("{name}: not back within {MOVE_TIMEOUT:?}");
+                        failed += 1;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            }
+            Ok(r) => println!("{name}: {}", r.body.trim()),
+            Err(e) if format!("{e:#}").contains("restart conditions are not satisfied") => {
+                println!("{name}: skipped, {e:#}");
+            }
+            Err(e) => {
+                println!("{name}: {e:#}");
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} members could not be asked to restart",
+            members.len()
+        );
     }
     Ok(())
 }

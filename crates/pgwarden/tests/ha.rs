@@ -1232,27 +1232,30 @@ async fn dynamic_parameters_reach_every_member() {
         })
         .await;
     }
-    for i in [1, 0] {
-        let r = api_call(
-            &c,
-            i,
-            "POST",
-            "/restart",
-            serde_json::json!({"restart_pending": true}),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.body);
-        let conninfo = c.node(i).pg_conninfo();
-        eventually(
-            "restarted with the setting",
-            Duration::from_secs(30),
-            || async {
-                let v = one(&conninfo, "SHOW max_prepared_transactions").await?;
-                (v == "5").then_some(()).ok_or(v)
-            },
-        )
-        .await;
+    // `ctl restart --all --pending`: one member after the other, replicas
+    // first, each back before the next.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .args(["restart", "--all", "--pending"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (n2, n1) = (
+        text.find("n2: restarted").expect(&text),
+        text.find("n1: restarted").expect(&text),
+    );
+    assert!(n2 < n1, "{text}");
+    everywhere(&c, "max_prepared_transactions", "5").await;
+    for i in 0..2 {
+        assert_eq!(patroni(i).await.unwrap()["pending_restart"], false);
     }
+
     // Removed: back to the default.
     let r = api_call(
         &c,
