@@ -142,6 +142,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/resume", post(resume))
         .route("/restart", post(restart).delete(cancel_restart))
         .route("/reload", post(reload))
+        .route("/reinitialize", post(reinitialize))
         .fallback(|| async { text(StatusCode::NOT_FOUND, "no such endpoint") })
         .with_state(state)
 }
@@ -856,6 +857,28 @@ fn restart_order(body: &Map<String, Value>) -> Result<RestartOrder, ApiError> {
         role,
         restart_pending,
     })
+}
+
+/// Wipes this replica's data and clones the leader again. Refused on the
+/// leader, and without a leader to clone.
+async fn reinitialize(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let st = state.status.load_full();
+    if st.is_leader || st.member.state.role == MemberRole::Primary {
+        return Err(ApiError::unavailable(
+            "I am the leader, can not reinitialize",
+        ));
+    }
+    if st.leader.is_none() || st.leader.as_deref() == Some(state.name.as_str()) {
+        return Err(ApiError::unavailable(
+            "there is no leader to clone; can not reinitialize",
+        ));
+    }
+    send_command(&state, Command::Reinitialize).await?;
+    Ok(text(StatusCode::OK, "reinitialize started"))
 }
 
 /// Withdraws the scheduled restart.

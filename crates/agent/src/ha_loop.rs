@@ -251,6 +251,7 @@ impl HaLoop {
                     }
                     Some(Command::Restart(order)) => self.restart_if(order).await,
                     Some(Command::Reconfigure(new)) => self.reconfigure(*new).await,
+                    Some(Command::Reinitialize) => self.reinitialize().await,
                     Some(Command::CancelRestart) => {
                         if self.scheduled_restart.take().is_some() {
                             tracing::info!("scheduled restart cancelled");
@@ -1788,6 +1789,62 @@ impl HaLoop {
         }
         self.publish_status();
         self.publish_member().await;
+    }
+
+    /// Wipes a replica's data directory and clones the leader again, for a
+    /// replica that cannot recover on its own (corruption, a lost slot).
+    /// Never on a primary or the leader.
+    async fn reinitialize(&mut self) {
+        if self.holds_leader_key() || (self.obs.pg.running && !self.obs.pg.in_recovery) {
+            tracing::warn!("reinitialize refused: this member is the leader or a primary");
+            return;
+        }
+        let Some(source) = self.leader_address().filter(|_| {
+            self.snapshot
+                .leader
+                .as_ref()
+                .is_some_and(|l| l.name != self.cfg.name)
+        }) else {
+            tracing::warn!("reinitialize refused: no leader to clone");
+            return;
+        };
+        tracing::info!(from = %source, "reinitializing: wiping the data directory and cloning the leader");
+        self.activity = Some("reinitializing");
+        self.publish_status();
+        let _ = self.pg.stop(StopMode::Fast).await;
+        self.run_callback(
+            self.cfg.callbacks.on_stop.clone(),
+            "on_stop",
+            "reinitialize",
+        );
+        let cloned = self.clone_from(&source).await;
+        self.activity = None;
+        match cloned {
+            Ok(()) => {
+                self.former_primary = false;
+                self.problem = None;
+                match self
+                    .pg
+                    .start(self.timing.loop_wait)
+                    .await
+                    .or_else(still_starting)
+                {
+                    Ok(()) => self.run_callback(
+                        self.cfg.callbacks.on_start.clone(),
+                        "on_start",
+                        "replica",
+                    ),
+                    Err(e) => {
+                        tracing::error!(error = %first_line(&e), "start after reinitialize failed")
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %first_line(&e), "reinitialize failed");
+                self.problem = Some(format!("reinitialize failed: {}", first_line(&e)));
+            }
+        }
+        self.publish_status();
     }
 
     /// How long until the scheduled restart is due; zero once it is.

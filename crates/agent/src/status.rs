@@ -77,6 +77,8 @@ pub enum Command {
     Restart(crate::record::RestartOrder),
     /// Forget the scheduled restart.
     CancelRestart,
+    /// Throw the replica's data away and clone the leader again.
+    Reinitialize,
     /// The node's file was reloaded: take its tags, parameters and
     /// callbacks (the rest needs a restart of the agent).
     Reconfigure(Box<pgwarden_config::AgentConfig>),

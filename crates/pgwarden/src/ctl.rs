@@ -127,6 +127,9 @@ enum Command {
     },
     /// Withdraw the member's scheduled restart.
     FlushRestart,
+    /// Throw the member's data away and clone the leader again (replicas
+    /// only).
+    Reinit,
     /// Make the member's PostgreSQL re-read its configuration.
     Reload,
 }
@@ -216,6 +219,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 );
             }
         }
+        Command::Reinit => println!(
+            "{}",
+            api.write("POST", "/reinitialize", None, TIMEOUT).await?
+        ),
         Command::FlushRestart => {
             println!("{}", api.write("DELETE", "/restart", None, TIMEOUT).await?)
         }

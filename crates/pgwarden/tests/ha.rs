@@ -1431,6 +1431,62 @@ async fn an_api_that_asks_for_client_certificates_takes_only_the_members_and_ctl
         .contains("every member acknowledges this leader"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reinitialize_clones_a_replica_afresh_and_is_refused_on_the_leader() {
+    let c = cluster().nodes(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    // Something only the replica's data directory has.
+    let marker = c.node(1).data_dir.join("left-behind");
+    std::fs::write(&marker, "x").unwrap();
+    let pid = c.node(1).postmaster_pid().unwrap();
+    let r = api_call(&c, 0, "POST", "/reinitialize", serde_json::json!({})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("leader"), "{}", r.body);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args([
+            "ctl",
+            "--api",
+            &c.node(1).api_url(),
+            "--password",
+            "secret",
+            "reinit",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("n2 cloned afresh", Duration::from_secs(60), || async {
+        let fresh = !marker.exists() && c.node(1).postmaster_pid().is_some_and(|p| p != pid);
+        let table = one(
+            &c.node(1).pg_conninfo(),
+            "SELECT count(*) FROM pg_class WHERE relname = 'ha_log'",
+        )
+        .await?;
+        (fresh && table == "1")
+            .then_some(())
+            .ok_or(format!("marker {}, table {table}", marker.exists()))
+    })
+    .await;
+    // Streaming from the leader again.
+    healthy(&c, 1, Duration::from_secs(60)).await;
+    let log = c.node(1).agent_log();
+    assert!(
+        log.contains("reinitializing: wiping the data directory"),
+        "{log}"
+    );
+    assert_eq!(writable(&c).await, vec![0]);
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
