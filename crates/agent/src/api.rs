@@ -159,16 +159,20 @@ pub async fn serve(
         .await
 }
 
-/// [`serve`] over HTTPS with `tls`. At `shutdown` no new connection is
-/// accepted; requests in flight run on until they end.
+/// [`serve`] over HTTPS with `tls`. With `writes_need_certificate`, a
+/// connection whose client presented no certificate gets only `GET` and
+/// `HEAD` (health checks, information); anything else is refused with 403.
+/// At `shutdown` no new connection is accepted; requests in flight run on
+/// until they end.
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     state: Arc<ApiState>,
     tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    writes_need_certificate: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let service = hyper_util::service::TowerToHyperService::new(router(state));
+    let app = router(state);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let (tcp, peer) = tokio::select! {
@@ -184,7 +188,7 @@ pub async fn serve_tls(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let (acceptor, service) = (acceptor.clone(), service.clone());
+        let (acceptor, app) = (acceptor.clone(), app.clone());
         tokio::spawn(async move {
             // A client that never finishes its handshake holds nothing for
             // long.
@@ -197,6 +201,25 @@ pub async fn serve_tls(
                     }
                     Err(_) => return,
                 };
+            let certified = tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .is_some_and(|c| !c.is_empty());
+            let read_only = writes_need_certificate && !certified;
+            let service =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let mut app = app.clone();
+                    async move {
+                        if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
+                            return Ok(text(
+                                StatusCode::FORBIDDEN,
+                                "a client certificate is required for this endpoint",
+                            ));
+                        }
+                        tower_service::Service::call(&mut app, req).await
+                    }
+                });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
                 .await;

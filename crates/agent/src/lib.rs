@@ -199,11 +199,17 @@ pub async fn start(
     if let Some(ca) = &cfg.api_ca_file {
         http_client::trust_with(ca, own).map_err(AgentError::ApiTls)?;
     }
-    let client_ca = cfg.api_ca_file.as_deref().filter(|_| cfg.api_verify_client);
+    use pgwarden_config::VerifyClient;
+    let client_ca = cfg
+        .api_ca_file
+        .as_deref()
+        .filter(|_| cfg.api_verify_client != VerifyClient::None);
+    let optional = cfg.api_verify_client == VerifyClient::Optional;
     let api_tls = match own {
-        Some((cert, key)) => {
-            Some(tls::server_config(cert, key, client_ca).map_err(AgentError::ApiTls)?)
-        }
+        Some((cert, key)) => Some((
+            tls::server_config(cert, key, client_ca, optional).map_err(AgentError::ApiTls)?,
+            optional,
+        )),
         None => None,
     };
     let api_listener = tokio::net::TcpListener::bind(cfg.api)
@@ -283,7 +289,16 @@ pub async fn start(
     });
     tokio::spawn(async move {
         let served = match api_tls {
-            Some(tls) => api::serve_tls(api_listener, api_state, tls, std::future::pending()).await,
+            Some((tls, optional)) => {
+                api::serve_tls(
+                    api_listener,
+                    api_state,
+                    tls,
+                    optional,
+                    std::future::pending(),
+                )
+                .await
+            }
             None => api::serve(api_listener, api_state, std::future::pending()).await,
         };
         if let Err(e) = served {

@@ -32,11 +32,13 @@ fn identity(
 }
 
 /// The server side: `cert` (PEM chain) and `key` (PEM); with `client_ca`,
-/// every client must present a certificate chained to it.
+/// clients are asked for a certificate chained to it, which they must
+/// present unless `optional`.
 pub fn server_config(
     cert: &Path,
     key: &Path,
     client_ca: Option<&Path>,
+    optional: bool,
 ) -> Result<Arc<ServerConfig>, String> {
     let (certs, key) = identity(cert, key)?;
     let builder = ServerConfig::builder_with_provider(provider())
@@ -45,12 +47,16 @@ pub fn server_config(
     let builder = match client_ca {
         None => builder.with_no_client_auth(),
         Some(ca) => {
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            let mut verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
                 Arc::new(roots(ca)?),
                 provider(),
-            )
-            .build()
-            .map_err(|e| format!("{}: {e}", ca.display()))?;
+            );
+            if optional {
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier
+                .build()
+                .map_err(|e| format!("{}: {e}", ca.display()))?;
             builder.with_client_cert_verifier(verifier)
         }
     };

@@ -94,6 +94,42 @@ impl Api {
         }
     }
 
+    /// [`Api::start`] on HTTPS, asking for client certificates that
+    /// chain to `ca` but requiring them only for writes.
+    async fn start_tls_optional(
+        dcs: EtcdDcs,
+        st: AgentStatus,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        ca: &std::path::Path,
+    ) -> Api {
+        let status: StatusHandle = Arc::new(ArcSwap::from_pointee(st));
+        let (tx, rx) = mpsc::channel(64);
+        let state = Arc::new(ApiState {
+            name: status.load().member.state.name.clone(),
+            status: status.clone(),
+            dcs,
+            commands: tx,
+            credentials: Some((USER.to_string(), PASSWORD.to_string())),
+            maximum_lag_on_failover: 1024 * 1024,
+            switchover_wait: T,
+            failsafe_seen: Default::default(),
+        });
+        let tls = pgwarden_agent::tls::server_config(cert, key, Some(ca), true).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(api::serve_tls(listener, state, tls, true, async {
+            let _ = stopped.await;
+        }));
+        Api {
+            url,
+            status,
+            commands: rx,
+            _stop: stop,
+        }
+    }
+
     fn set(&self, st: AgentStatus) {
         self.status.store(Arc::new(st));
     }
@@ -799,4 +835,62 @@ async fn failover_needs_a_leaderless_cluster_unless_forced() {
         (r.status, r.body.trim()),
         (200, "Successfully failed over to n2")
     );
+}
+
+/// A CA, a server certificate naming 127.0.0.1 and a client certificate,
+/// as files in `dir`: (ca, (cert, key), (client cert, client key)).
+#[allow(clippy::type_complexity)]
+fn certificates(
+    dir: &std::path::Path,
+) -> (
+    std::path::PathBuf,
+    (std::path::PathBuf, std::path::PathBuf),
+    (std::path::PathBuf, std::path::PathBuf),
+) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let write = |name: &str, text: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let pair = |name: &str, san: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![san.to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (
+            write(&format!("{name}.crt"), cert.pem()),
+            write(&format!("{name}.key"), key.serialize_pem()),
+        )
+    };
+    let server = pair("server", "127.0.0.1");
+    let client = pair("client", "operator");
+    (write("ca.pem", ca.pem()), server, client)
+}
+
+#[tokio::test]
+async fn with_optional_client_certificates_reads_need_none_and_writes_need_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, (cert, key), (client_cert, client_key)) = certificates(dir.path());
+    let etcd = EtcdServer::start();
+    let st = status_of(member("n1", MemberRole::Primary, None), true);
+    let mut api = Api::start_tls_optional(dcs(&etcd).await, st, &cert, &key, &ca).await;
+    // Trusting the CA, without a certificate: reading works, writing not.
+    pgwarden_agent::http_client::trust(&ca).unwrap();
+    assert_eq!(api.code("GET", "/patroni").await, 200);
+    let r = api.write("POST", "/reload", None).await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert!(r.body.contains("client certificate"), "{}", r.body);
+    assert!(api.drain().is_empty());
+    // With one, the write goes through (and still needs the password).
+    pgwarden_agent::http_client::trust_with(&ca, Some((&client_cert, &client_key))).unwrap();
+    assert_eq!(api.write("POST", "/reload", None).await.status, 202);
+    assert_eq!(api.drain(), [Command::Reload]);
+    assert_eq!(api.code("POST", "/reload").await, 401);
 }

@@ -52,9 +52,9 @@ pub struct AgentConfig {
     /// what this agent (and `pgwarden ctl`) trusts when calling an
     /// `https://` API.
     pub api_ca_file: Option<PathBuf>,
-    /// The API asks every client for a certificate chained to
+    /// Whether the API asks clients for a certificate chained to
     /// `api_ca_file`; the members present their own API certificate.
-    pub api_verify_client: bool,
+    pub api_verify_client: VerifyClient,
     /// The timing preset or target, as written.
     pub rto: RtoSetting,
     /// The effective timings: the preset with the overrides applied,
@@ -100,6 +100,20 @@ pub struct AgentConfig {
     /// What the read-write port does with new transactions while commits
     /// wait for a synchronous standby.
     pub on_sync_blocked: OnSyncBlocked,
+}
+
+/// `agent.api_verify_client`, with Patroni's names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VerifyClient {
+    /// No client certificate is asked for.
+    #[default]
+    None,
+    /// Asked for and verified when given; required for the write endpoints
+    /// (everything but `GET`), so health checks need none.
+    Optional,
+    /// Required for every request.
+    Required,
 }
 
 /// `agent.on_sync_blocked`.
@@ -204,7 +218,7 @@ pub(crate) struct RawAgent {
     api_cert_file: Option<Spanned<NonEmpty>>,
     api_key_file: Option<Spanned<NonEmpty>>,
     api_ca_file: Option<NonEmpty>,
-    api_verify_client: Option<Spanned<bool>>,
+    api_verify_client: Option<Spanned<VerifyClient>>,
     rto: Option<Spanned<RtoSetting>>,
     ttl: Option<Secs>,
     loop_wait: Option<Secs>,
@@ -394,7 +408,7 @@ pub(crate) fn agent(
     if let Some(v) = raw
         .api_verify_client
         .as_ref()
-        .filter(|v| *v.get_ref() && !tls)
+        .filter(|v| *v.get_ref() != VerifyClient::None && !tls)
     {
         return Err(src.invalid(
             Some(v.span()),
@@ -486,7 +500,10 @@ pub(crate) fn agent(
         api_cert_file: raw.api_cert_file.map(|f| f.into_inner().into()),
         api_key_file: raw.api_key_file.map(|f| f.into_inner().into()),
         api_ca_file: raw.api_ca_file.map(Into::into),
-        api_verify_client: raw.api_verify_client.is_some_and(|v| v.into_inner()),
+        api_verify_client: raw
+            .api_verify_client
+            .map(Spanned::into_inner)
+            .unwrap_or_default(),
         rto,
         timing,
         maximum_lag_on_failover: raw

@@ -26,7 +26,7 @@ pub mod service;
 use std::path::Path;
 
 pub use agent::{
-    AgentConfig, Callbacks, EtcdConfig, OnSyncBlocked, WatchdogConfig, WatchdogMode,
+    AgentConfig, Callbacks, EtcdConfig, OnSyncBlocked, VerifyClient, WatchdogConfig, WatchdogMode,
     DEFAULT_ETCD_NAMESPACE,
 };
 pub use duration::{format_duration, parse_duration, DurationError};

@@ -887,7 +887,7 @@ fn agent_api_over_https() {
     let a = c.agent.unwrap();
     assert_eq!(a.api_url, "https://127.0.0.1:8008");
     fails(
-        &agent("api_ca_file = \"a\"\napi_verify_client = true\n"),
+        &agent("api_ca_file = \"a\"\napi_verify_client = \"optional\"\n"),
         8,
         "agent.api_verify_client",
         "api_cert_file",
@@ -904,15 +904,15 @@ fn agent_api_over_https() {
         a.api_ca_file.as_deref(),
         Some(std::path::Path::new("ca.pem"))
     );
-    assert!(!a.api_verify_client);
+    assert_eq!(a.api_verify_client, pgwarden_config::VerifyClient::None);
     let a = parse(
-        &agent("api_cert_file = \"c\"\napi_key_file = \"k\"\napi_ca_file = \"a\"\napi_verify_client = true\n"),
+        &agent("api_cert_file = \"c\"\napi_key_file = \"k\"\napi_ca_file = \"a\"\napi_verify_client = \"required\"\n"),
         FILE,
     )
     .unwrap()
     .agent
     .unwrap();
-    assert!(a.api_verify_client);
+    assert_eq!(a.api_verify_client, pgwarden_config::VerifyClient::Required);
     // The CA alone: a member (or ctl) calling HTTPS APIs, serving plain.
     let a = parse(&agent("api_ca_file = \"ca.pem\"\n"), FILE)
         .unwrap()

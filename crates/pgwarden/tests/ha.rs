@@ -976,7 +976,7 @@ async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
             cert_file: tls.cert_file.clone(),
             key_file: tls.key_file.clone(),
             ca_file: ca.clone(),
-            verify_client: false,
+            verify_client: "none",
         })
         .start();
     healthy(&c, 2, BOOTSTRAP).await;
@@ -1356,7 +1356,7 @@ async fn an_api_that_asks_for_client_certificates_takes_only_the_members_and_ctl
             cert_file: tls.cert_file.clone(),
             key_file: tls.key_file.clone(),
             ca_file: ca.clone(),
-            verify_client: true,
+            verify_client: "required",
         })
         .start();
     healthy(&c, 1, BOOTSTRAP).await;

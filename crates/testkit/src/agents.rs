@@ -134,9 +134,9 @@ pub struct ApiTls {
     pub key_file: PathBuf,
     /// The CA that signed it.
     pub ca_file: PathBuf,
-    /// The API asks clients for a certificate (`agent.api_verify_client`);
-    /// the kit presents `cert_file`.
-    pub verify_client: bool,
+    /// `agent.api_verify_client`: `none`, `optional` or `required`; unless
+    /// `none`, the kit presents `cert_file`.
+    pub verify_client: &'static str,
 }
 
 impl AgentClusterBuilder {
@@ -239,7 +239,7 @@ impl AgentClusterBuilder {
         if let Some(t) = &self.api_tls {
             let _ = writeln!(
                 agent_toml,
-                "api_cert_file = {:?}\napi_key_file = {:?}\napi_ca_file = {:?}\napi_verify_client = {}",
+                "api_cert_file = {:?}\napi_key_file = {:?}\napi_ca_file = {:?}\napi_verify_client = {:?}",
                 t.cert_file.display().to_string(),
                 t.key_file.display().to_string(),
                 t.ca_file.display().to_string(),
@@ -451,8 +451,7 @@ impl AgentCluster {
         match &self.api_tls {
             None => http_status(port, path),
             Some(t) => {
-                let identity = t
-                    .verify_client
+                let identity = (t.verify_client != "none")
                     .then_some((t.cert_file.as_path(), t.key_file.as_path()));
                 https_status(port, path, &t.ca_file, identity)
             }
