@@ -68,6 +68,29 @@ impl Api {
         credentials: Option<(&str, &str)>,
         switchover_wait: Duration,
     ) -> Api {
+        Self::start_on(dcs, st, credentials, switchover_wait, None).await
+    }
+
+    /// [`Api::start`] on HTTPS, asking for client certificates that
+    /// chain to `ca` but requiring them only for writes.
+    async fn start_tls_optional(
+        dcs: EtcdDcs,
+        st: AgentStatus,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        ca: &std::path::Path,
+    ) -> Api {
+        let tls = pgwarden_agent::tls::server_config(cert, key, Some(ca), true).unwrap();
+        Self::start_on(dcs, st, Some((USER, PASSWORD)), T, Some(tls)).await
+    }
+
+    async fn start_on(
+        dcs: EtcdDcs,
+        st: AgentStatus,
+        credentials: Option<(&str, &str)>,
+        switchover_wait: Duration,
+        tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    ) -> Api {
         let status: StatusHandle = Arc::new(ArcSwap::from_pointee(st));
         let (tx, rx) = mpsc::channel(64);
         let state = Arc::new(ApiState {
@@ -81,47 +104,16 @@ impl Api {
             failsafe_seen: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(api::serve(listener, state, async {
+        let stopped = async {
             let _ = stopped.await;
-        }));
-        Api {
-            url,
-            status,
-            commands: rx,
-            _stop: stop,
-        }
-    }
-
-    /// [`Api::start`] on HTTPS, asking for client certificates that
-    /// chain to `ca` but requiring them only for writes.
-    async fn start_tls_optional(
-        dcs: EtcdDcs,
-        st: AgentStatus,
-        cert: &std::path::Path,
-        key: &std::path::Path,
-        ca: &std::path::Path,
-    ) -> Api {
-        let status: StatusHandle = Arc::new(ArcSwap::from_pointee(st));
-        let (tx, rx) = mpsc::channel(64);
-        let state = Arc::new(ApiState {
-            name: status.load().member.state.name.clone(),
-            status: status.clone(),
-            dcs,
-            commands: tx,
-            credentials: Some((USER.to_string(), PASSWORD.to_string())),
-            maximum_lag_on_failover: 1024 * 1024,
-            switchover_wait: T,
-            failsafe_seen: Default::default(),
-        });
-        let tls = pgwarden_agent::tls::server_config(cert, key, Some(ca), true).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("https://{}", listener.local_addr().unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(api::serve_tls(listener, state, tls, true, async {
-            let _ = stopped.await;
-        }));
+        };
+        match tls {
+            Some(tls) => tokio::spawn(api::serve_tls(listener, state, tls, true, stopped)),
+            None => tokio::spawn(api::serve(listener, state, stopped)),
+        };
         Api {
             url,
             status,
