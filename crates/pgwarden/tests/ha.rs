@@ -195,14 +195,7 @@ async fn bootstrap_then_passive_failover_moves_writes_on_every_node() {
     })
     .await;
     // Every surviving connection manager acknowledged the new leadership.
-    let dcs = pgwarden_dcs::EtcdDcs::connect(
-        &[c.etcd_endpoint()],
-        "pgwarden",
-        c.cluster_name(),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
+    let dcs = cluster_dcs(&c).await;
     let snap = dcs.read_cluster().await.unwrap();
     let generation = snap.leader.as_ref().unwrap().generation;
     for (name, rec) in &snap.members {
@@ -740,6 +733,17 @@ async fn a_data_directory_of_another_database_is_never_started() {
     assert_eq!(writable(&c).await, vec![0]);
 }
 
+/// Waits until etcd's `initialize` key holds `id`.
+async fn identifier_recorded(c: &AgentCluster, id: &str, within: Duration) {
+    eventually("the identifier recorded", within, || async {
+        let now = read_cluster(c).await.initialize;
+        (now.as_deref() == Some(id))
+            .then_some(())
+            .ok_or(format!("{now:?}"))
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_without_a_recorded_identifier_gets_its_leaders() {
     let mut c = cluster().nodes(1).start();
@@ -748,14 +752,7 @@ async fn a_cluster_without_a_recorded_identifier_gets_its_leaders() {
     // etcd lost the key (restored from an old snapshot, or the cluster was
     // made by hand and then put under an agent).
     c.stop_agent(0);
-    let dcs = pgwarden_dcs::EtcdDcs::connect(
-        &[c.etcd_endpoint()],
-        "pgwarden",
-        c.cluster_name(),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
+    let dcs = cluster_dcs(&c).await;
     assert!(dcs.cancel_initialize(&ours).await.unwrap());
     assert_eq!(read_cluster(&c).await.initialize, None);
     c.start_agent(0);
@@ -765,17 +762,7 @@ async fn a_cluster_without_a_recorded_identifier_gets_its_leaders() {
     assert!(log.contains("recorded this data directory's"), "{log}");
     // Lost while the agent runs, it is put back too.
     assert!(dcs.cancel_initialize(&ours).await.unwrap());
-    eventually(
-        "the identifier recorded again",
-        Duration::from_secs(20),
-        || async {
-            let now = read_cluster(&c).await.initialize;
-            (now.as_deref() == Some(&*ours))
-                .then_some(())
-                .ok_or(format!("{now:?}"))
-        },
-    )
-    .await;
+    identifier_recorded(&c, &ours, Duration::from_secs(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -791,14 +778,7 @@ async fn a_new_member_clones_the_leader_when_etcd_lost_the_identifier() {
     // The leader cannot put the key back while cut off; its key and record
     // stay for the ttl.
     c.etcd_relay(0).set_blackhole(true);
-    let dcs = pgwarden_dcs::EtcdDcs::connect(
-        &[c.etcd_endpoint()],
-        "pgwarden",
-        c.cluster_name(),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
+    let dcs = cluster_dcs(&c).await;
     assert!(dcs.cancel_initialize(&ours).await.unwrap());
     c.launch_held_back(1);
     eventually(
@@ -819,17 +799,7 @@ async fn a_new_member_clones_the_leader_when_etcd_lost_the_identifier() {
     assert_eq!(system_identifier(&c.node(1).data_dir), ours);
     c.etcd_relay(0).set_blackhole(false);
     healthy(&c, 1, BOOTSTRAP).await;
-    eventually(
-        "the identifier recorded again",
-        Duration::from_secs(30),
-        || async {
-            let now = read_cluster(&c).await.initialize;
-            (now.as_deref() == Some(&*ours))
-                .then_some(())
-                .ok_or(format!("{now:?}"))
-        },
-    )
-    .await;
+    identifier_recorded(&c, &ours, Duration::from_secs(30)).await;
 }
 
 /// A CA, a certificate naming 127.0.0.1 for etcd, and a client
@@ -964,6 +934,22 @@ async fn agents_reach_etcd_over_tls_with_a_client_certificate_and_a_password() {
     assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 1);
 }
 
+/// Kills the only etcd member and checks that node 0, the leader, keeps
+/// taking writes well past the lease (6 s) and the demotion deadline
+/// (3 s): with failsafe on, while every member acknowledges it.
+async fn leader_stands_through_an_etcd_outage(c: &mut AgentCluster) {
+    c.etcd().kill(0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < until {
+        assert!(takes_writes(c, 0).await, "the leader demoted\n{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(c
+        .node(0)
+        .log_tail()
+        .contains("every member acknowledges this leader"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
     let certs = tempfile::tempdir().unwrap();
@@ -1026,20 +1012,7 @@ async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--cacert"));
     // In an etcd outage the leader stands only while every member
     // acknowledges it through its API: over HTTPS here.
-    c.etcd().kill(0);
-    let until = tokio::time::Instant::now() + Duration::from_secs(12);
-    while tokio::time::Instant::now() < until {
-        assert!(
-            takes_writes(&c, 0).await,
-            "the leader demoted\n{}",
-            c.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    assert!(c
-        .node(0)
-        .log_tail()
-        .contains("every member acknowledges this leader"));
+    leader_stands_through_an_etcd_outage(&mut c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1060,14 +1033,7 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
             .unwrap()
         }
     };
-    let patroni = |i: usize| {
-        let url = format!("{}/patroni", c.node(i).api_url());
-        async move {
-            pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-                .await
-                .map_err(|e| e.to_string())
-        }
-    };
+    let patroni = |i: usize| member_status(&c, i);
     // A setting that takes effect only at a restart, on the replica alone.
     let replica = c.node(1).pg_conninfo();
     query(&replica, "ALTER SYSTEM SET max_prepared_transactions = 7")
@@ -1147,6 +1113,14 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
     );
 }
 
+/// Node `i`'s `GET /patroni`.
+async fn member_status(c: &AgentCluster, i: usize) -> Result<serde_json::Value, String> {
+    let url = format!("{}/patroni", c.node(i).api_url());
+    pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// A write request to node `i`'s API, with the kit's credentials.
 async fn api_call(
     c: &AgentCluster,
@@ -1189,14 +1163,7 @@ async fn dynamic_parameters_reach_every_member() {
     let c = cluster().nodes(2).start();
     healthy(&c, 1, BOOTSTRAP).await;
     let params = |p: serde_json::Value| serde_json::json!({"postgresql": {"parameters": p}});
-    let patroni = |i: usize| {
-        let url = format!("{}/patroni", c.node(i).api_url());
-        async move {
-            pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-                .await
-                .map_err(|e| e.to_string())
-        }
-    };
+    let patroni = |i: usize| member_status(&c, i);
     // For every member; shared_buffers is also in each node's own file,
     // which wins.
     let r = api_call(
@@ -1415,20 +1382,7 @@ async fn an_api_that_asks_for_client_certificates_takes_only_the_members_and_ctl
     .await;
     // The members present their own certificates to each other: the
     // failsafe acknowledgements get through an etcd outage.
-    c.etcd().kill(0);
-    let until = tokio::time::Instant::now() + Duration::from_secs(12);
-    while tokio::time::Instant::now() < until {
-        assert!(
-            takes_writes(&c, 0).await,
-            "the leader demoted\n{}",
-            c.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    assert!(c
-        .node(0)
-        .log_tail()
-        .contains("every member acknowledges this leader"));
+    leader_stands_through_an_etcd_outage(&mut c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1626,14 +1580,7 @@ async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_
 
 /// The `sync` key as the agents last wrote it.
 async fn sync_key(c: &AgentCluster) -> serde_json::Value {
-    let dcs = pgwarden_dcs::EtcdDcs::connect(
-        &[c.etcd_endpoint()],
-        "pgwarden",
-        c.cluster_name(),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
+    let dcs = cluster_dcs(c).await;
     dcs.read_cluster()
         .await
         .unwrap()
@@ -2280,15 +2227,20 @@ async fn api_write(
 }
 
 /// The cluster as stored in etcd right now.
-async fn read_cluster(c: &AgentCluster) -> pgwarden_dcs::ClusterSnapshot {
-    let dcs = pgwarden_dcs::EtcdDcs::connect(
+/// A client of the cluster's keys in the kit's (plain) etcd.
+async fn cluster_dcs(c: &AgentCluster) -> pgwarden_dcs::EtcdDcs {
+    pgwarden_dcs::EtcdDcs::connect(
         &[c.etcd_endpoint()],
         "pgwarden",
         c.cluster_name(),
         Duration::from_secs(2),
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+async fn read_cluster(c: &AgentCluster) -> pgwarden_dcs::ClusterSnapshot {
+    let dcs = cluster_dcs(c).await;
     dcs.read_cluster().await.unwrap()
 }
 
