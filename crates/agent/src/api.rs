@@ -50,7 +50,9 @@
 //! forgotten password never leaves the cluster open to anyone who can reach
 //! the port. `PATCH /config` (JSON merge patch: `null` deletes a key),
 //! `POST /switchover`, `DELETE /switchover`, `POST /failover`,
-//! `POST /pause`, `POST /resume`, `POST /restart`, `POST /reload`.
+//! `POST /pause`, `POST /resume`, `POST /restart` (now or at `schedule`,
+//! under conditions), `DELETE /restart`, `POST /reinitialize`,
+//! `POST /reload`.
 //!
 //! A switchover or failover is written to the DCS as a request that the
 //! members' HA loops carry out; the API then waits for the leader key to
@@ -859,18 +861,15 @@ fn restart_order(body: &Map<String, Value>) -> Result<RestartOrder, ApiError> {
     let (schedule, at_ms) = match str_field(body, "schedule")? {
         None => (None, None),
         Some(text) => {
-            let at = parse_timestamp(&text).map_err(|e| match e {
-                TimestampError::NoOffset => ApiError::bad_request(
-                    "Timezone information is mandatory for the scheduled restart",
-                ),
-                TimestampError::Invalid => ApiError::bad_request(format!(
-                    "Unable to parse scheduled timestamp {text:?}. It should be in an \
-                     unambiguous format, e.g. ISO 8601"
-                )),
+            let at = future_timestamp(&text).map_err(|e| {
+                ApiError::bad_request(match e {
+                    Some(TimestampError::NoOffset) => {
+                        "Timezone information is mandatory for the scheduled restart".to_string()
+                    }
+                    Some(TimestampError::Invalid) => unparsable(&text),
+                    None => "Cannot schedule restart in the past".to_string(),
+                })
             })?;
-            if at < i64::try_from(record::unix_ms()).unwrap_or(i64::MAX) {
-                return Err(ApiError::bad_request("Cannot schedule restart in the past"));
-            }
             (Some(format_timestamp(at)), Some(at as u64))
         }
     };
@@ -1061,25 +1060,36 @@ fn schedule_time(snap: &ClusterSnapshot, text: &str) -> Result<i64, ApiError> {
             "Can't schedule switchover in the paused state",
         ));
     }
-    let at = parse_timestamp(text).map_err(|e| match e {
-        TimestampError::NoOffset => {
+    future_timestamp(text).map_err(|e| match e {
+        Some(TimestampError::NoOffset) => {
             ApiError::bad_request("Timezone information is mandatory for the scheduled switchover")
         }
-        TimestampError::Invalid => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!(
-                "Unable to parse scheduled timestamp {text:?}. It should be in an unambiguous \
-                 format, e.g. ISO 8601"
-            ),
-        ),
-    })?;
-    if at < i64::try_from(record::unix_ms()).unwrap_or(i64::MAX) {
-        return Err(ApiError::new(
+        Some(TimestampError::Invalid) => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, unparsable(text))
+        }
+        None => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Cannot schedule switchover in the past",
-        ));
+        ),
+    })
+}
+
+/// The Unix time (ms) of `text`, an ISO 8601 timestamp with a UTC offset
+/// that has not passed; `Err(None)` when it has.
+fn future_timestamp(text: &str) -> Result<i64, Option<TimestampError>> {
+    let at = parse_timestamp(text).map_err(Some)?;
+    if at < i64::try_from(record::unix_ms()).unwrap_or(i64::MAX) {
+        return Err(None);
     }
     Ok(at)
+}
+
+/// Patroni's answer to a schedule it cannot read.
+fn unparsable(text: &str) -> String {
+    format!(
+        "Unable to parse scheduled timestamp {text:?}. It should be in an unambiguous \
+         format, e.g. ISO 8601"
+    )
 }
 
 async fn switchover(
