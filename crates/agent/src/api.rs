@@ -113,9 +113,9 @@ pub struct ApiState {
     /// User name and password required by the write endpoints; `None`
     /// refuses every write.
     pub credentials: Option<(String, String)>,
-    /// The default `lag` limit of `/readiness`, and the election's lag
-    /// limit when ranking switchover candidates.
-    pub maximum_lag_on_failover: u64,
+    /// This node's own HA timing (its file's), on which `PATCH /config`
+    /// checks that the dynamic timers fit.
+    pub node_timing: pgwarden_ha::Timing,
     /// How long `POST /switchover` and `POST /failover` wait for the leader
     /// to change ([`DEFAULT_SWITCHOVER_WAIT`] in the agent).
     pub switchover_wait: Duration,
@@ -353,7 +353,7 @@ async fn health_check(
         &state.name,
         &st,
         &query,
-        state.maximum_lag_on_failover,
+        st.maximum_lag_on_failover,
     ) {
         Ok(true) => StatusCode::OK,
         Ok(false) => StatusCode::SERVICE_UNAVAILABLE,
@@ -420,6 +420,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "pending_restart": m.pending_restart,
         "scheduled_restart": m.scheduled_restart,
         "postmaster_start_time": m.postmaster_start_time,
+        "timing": crate::timing::to_json(&st.timing, st.maximum_lag_on_failover),
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),
             "scope": scope(&state.dcs),
@@ -708,6 +709,9 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     let mut config = snap.config.unwrap_or_else(|| json!({}));
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
+    crate::timing::dynamic(Some(&config))
+        .and_then(|d| crate::timing::effective(&state.node_timing, &d))
+        .map_err(ApiError::bad_request)?;
     match state
         .dcs
         .compare_and_put_config(&config, snap.config_revision)
@@ -935,7 +939,6 @@ async fn reload(
 /// liveness, lag and timeline checks, which a scheduled switchover leaves
 /// to the moment it is carried out.
 fn check_candidate(
-    state: &ApiState,
     st: &AgentStatus,
     snap: &ClusterSnapshot,
     candidate: &str,
@@ -955,7 +958,7 @@ fn check_candidate(
             "candidate {candidate} is not a member of the cluster"
         )));
     }
-    let ranking = rank_candidates(&view, &election_settings(state, st));
+    let ranking = rank_candidates(&view, &election_settings(st));
     let Some(reason) = ranking.exclusion(candidate) else {
         return Ok(());
     };
@@ -971,9 +974,9 @@ fn check_candidate(
     Ok(())
 }
 
-fn election_settings(state: &ApiState, st: &AgentStatus) -> ElectionSettings {
+fn election_settings(st: &AgentStatus) -> ElectionSettings {
     ElectionSettings {
-        maximum_lag_on_failover: state.maximum_lag_on_failover,
+        maximum_lag_on_failover: st.maximum_lag_on_failover,
         ttl: st.timing.ttl,
     }
 }
@@ -1141,7 +1144,7 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
         Some(c) => {
             // Health and lag may change before a scheduled time; the
             // leader judges them when it comes.
-            check_candidate(state, &st, &snap, c, scheduled_at.is_none(), true)?;
+            check_candidate(&st, &snap, c, scheduled_at.is_none(), true)?;
             Goal::Leader(c)
         }
         None => {
@@ -1150,7 +1153,7 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
             let mut view = record::cluster_view(&snap, record::unix_ms());
             view.members.retain(|m| m.name != current);
             view.last_leader_lsn = None;
-            let Some(best) = rank_candidates(&view, &election_settings(state, &st))
+            let Some(best) = rank_candidates(&view, &election_settings(&st))
                 .best()
                 .map(str::to_string)
             else {
@@ -1248,7 +1251,7 @@ async fn failover(
         // The candidate's agent acts on an unforced request only if it
         // passes the election's checks, so refuse here what it would ignore.
         let st = state.status.load_full();
-        check_candidate(&state, &st, &snap, &candidate, true, false)?;
+        check_candidate(&st, &snap, &candidate, true, false)?;
     }
     let request = json!({ "candidate": candidate, "forced": force });
     request_and_wait(&state, request, Goal::Leader(&candidate), "failover").await

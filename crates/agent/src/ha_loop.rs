@@ -57,6 +57,12 @@ pub(crate) struct HaLoop {
     pub(crate) timing: Timing,
     pub(crate) settings: ElectionSettings,
     lease: Option<LeaseId>,
+    /// The TTL `lease` was granted with.
+    lease_ttl: Duration,
+    /// A lease the leader key was being moved to (a new TTL) when etcd's
+    /// answer was lost, and the timing that came with it: the key may be
+    /// bound to it already.
+    lease_moving: Option<(LeaseId, Timing)>,
     last_renewal: Option<Instant>,
     dcs_ok: bool,
     last_dcs_ok: Instant,
@@ -111,6 +117,8 @@ pub(crate) struct HaLoop {
     dynamic_applied: std::collections::BTreeMap<String, String>,
     /// The dynamic parameters last refused, so it is logged once.
     dynamic_refused: Option<String>,
+    /// The dynamic timing last refused, so it is logged once.
+    timing_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
 }
 
@@ -147,6 +155,8 @@ impl HaLoop {
             timing,
             settings,
             lease: None,
+            lease_ttl: timing.ttl,
+            lease_moving: None,
             last_renewal: None,
             dcs_ok: false,
             last_dcs_ok: Instant::now(),
@@ -180,6 +190,7 @@ impl HaLoop {
             scheduled_restart: None,
             dynamic_applied: Default::default(),
             dynamic_refused: None,
+            timing_refused: None,
             failed,
             cfg,
         }
@@ -439,6 +450,7 @@ impl HaLoop {
         let l = self.dcs.grant_lease(self.timing.ttl).await?;
         tracing::debug!(lease = %l, "granted a lease");
         self.lease = Some(l);
+        self.lease_ttl = self.timing.ttl;
         Ok(l)
     }
 
@@ -550,6 +562,7 @@ impl HaLoop {
             }
         }
         if self.dcs_ok {
+            self.apply_dynamic_timing().await;
             self.apply_dynamic_parameters().await;
         }
         if !self.dcs_ok && self.cfg.failsafe && self.holds_leader_key() && self.obs.pg.running {
@@ -815,6 +828,18 @@ impl HaLoop {
                 return true;
             }
             Ok(Ok(false)) => {
+                // Moved to the new lease after all (see `move_lease`).
+                if let Some((moved, timing)) = self.lease_moving.take() {
+                    if let Ok(Ok(true)) =
+                        tokio::time::timeout(budget, self.dcs.renew_leader(&name, moved)).await
+                    {
+                        self.lease = Some(moved);
+                        self.lease_ttl = timing.ttl;
+                        self.last_renewal = Some(t0);
+                        self.adopt_timing(timing);
+                        return true;
+                    }
+                }
                 tracing::warn!("the leader key is no longer held by this agent's lease");
                 self.lease = None;
             }
@@ -1707,6 +1732,150 @@ impl HaLoop {
     /// Restarts PostgreSQL in its current role. The start waits at most one
     /// `loop_wait`: a server still starting is then seen by the next
     /// iteration, and a leader keeps renewing its lease meanwhile.
+    /// Puts the dynamic configuration's timing (on top of the node's own)
+    /// into force. A new TTL needs a new lease, and a leader moves its key
+    /// to it before it takes the new timers: until then the timers that
+    /// match the lease its key is bound to stay in force.
+    async fn apply_dynamic_timing(&mut self) {
+        self.settle_moving_lease().await;
+        let wanted = crate::timing::dynamic(self.snapshot.config.as_ref()).and_then(|d| {
+            let t = crate::timing::effective(&self.cfg.timing, &d)?;
+            Ok((t, d.maximum_lag_on_failover))
+        });
+        let (timing, lag) = match wanted {
+            Ok(w) => {
+                self.timing_refused = None;
+                w
+            }
+            Err(e) => {
+                if self.timing_refused.as_deref() != Some(e.as_str()) {
+                    tracing::error!("dynamic timing not applied, the timing in force stays: {e}");
+                    self.timing_refused = Some(e);
+                }
+                return;
+            }
+        };
+        self.settings.maximum_lag_on_failover = lag.unwrap_or(self.cfg.maximum_lag_on_failover);
+        if timing == self.timing {
+            return;
+        }
+        if timing.ttl != self.lease_ttl && !self.move_lease(timing).await {
+            return;
+        }
+        self.adopt_timing(timing);
+        if self.lease.is_none() {
+            if let Err(e) = self.ensure_lease().await {
+                tracing::warn!(error = %e, "cannot grant a lease");
+            }
+        }
+    }
+
+    fn adopt_timing(&mut self, timing: Timing) {
+        let s = |d: Duration| d.as_secs_f64();
+        tracing::info!(
+            "timing now ttl {} s, loop_wait {} s, retry_timeout {} s, primary_start_timeout {} s, safety_margin {} s",
+            s(timing.ttl),
+            s(timing.loop_wait),
+            s(timing.retry_timeout),
+            s(timing.primary_start_timeout),
+            s(timing.safety_margin)
+        );
+        self.timing = timing;
+        self.settings.ttl = timing.ttl;
+        self.watchdog
+            .set_timeout(timing.ttl.saturating_sub(timing.safety_margin));
+    }
+
+    /// Gives this member a lease of `timing.ttl`; whether `timing` may be
+    /// adopted now. A member that does not lead simply takes a new lease:
+    /// its key follows when next published, and the old lease, no longer
+    /// renewed, runs out. The leader moves its key to the new lease in one
+    /// transaction, so the key is never absent; its last renewal is then
+    /// the new lease's start.
+    async fn move_lease(&mut self, timing: Timing) -> bool {
+        let Some(old) = self.lease else {
+            return true;
+        };
+        if !self.holds_leader_key() {
+            self.dcs.forget_lease(old).await;
+            self.lease = None;
+            return true;
+        }
+        if self.lease_moving.is_some() {
+            // Not settled yet (etcd did not answer): nothing new until it is.
+            return false;
+        }
+        // Bounded like any request of a leader: a slow etcd must not hold
+        // it past the moment it has to demote.
+        let t0 = Instant::now();
+        let new =
+            match tokio::time::timeout(self.dcs_budget(), self.dcs.grant_lease(timing.ttl)).await {
+                Ok(Ok(l)) => l,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot grant a lease for the new ttl");
+                    return false;
+                }
+                Err(_) => return false,
+            };
+        let budget = self.dcs_budget();
+        let moved = tokio::time::timeout(budget, self.dcs.rebind_leader(&self.cfg.name, old, new))
+            .await
+            .unwrap_or(Err(pgwarden_dcs::DcsError::Timeout {
+                op: "rebind leader",
+                after: budget,
+            }));
+        match moved {
+            Ok(true) => {
+                tracing::info!(lease = %new, "the leader key moved to a lease of the new ttl");
+                self.dcs.forget_lease(old).await;
+                self.lease = Some(new);
+                self.lease_ttl = timing.ttl;
+                self.last_renewal = Some(t0);
+                true
+            }
+            Ok(false) => {
+                let _ = self.dcs.revoke_lease(new).await;
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "moving the leader key to a new lease failed");
+                self.lease_moving = Some((new, timing));
+                false
+            }
+        }
+    }
+
+    /// Finds out where a move of the leader key whose answer was lost
+    /// ended: on the new lease (which, with its timing, is then this
+    /// agent's) or not (the new lease is dropped). Before anything reads
+    /// whether this agent holds the key.
+    async fn settle_moving_lease(&mut self) {
+        let Some((moved, timing)) = self.lease_moving.take() else {
+            return;
+        };
+        let t0 = Instant::now();
+        let settled = tokio::time::timeout(
+            self.dcs_budget(),
+            self.dcs.renew_leader(&self.cfg.name, moved),
+        )
+        .await;
+        match settled {
+            Ok(Ok(true)) => {
+                if let Some(old) = self.lease {
+                    self.dcs.forget_lease(old).await;
+                }
+                self.lease = Some(moved);
+                self.lease_ttl = timing.ttl;
+                self.last_renewal = Some(t0);
+                self.adopt_timing(timing);
+            }
+            Ok(Ok(false)) => {
+                let _ = self.dcs.revoke_lease(moved).await;
+            }
+            _ => self.lease_moving = Some((moved, timing)),
+        }
+    }
+
     /// Writes the dynamic configuration's PostgreSQL parameters into the
     /// settings file where they changed, and reloads a running server;
     /// those that need a restart then show as `pending_restart`.
@@ -2004,6 +2173,7 @@ impl HaLoop {
             paused: crate::record::paused(&self.snapshot),
             last_decision: self.last_decision.clone(),
             timing: self.timing,
+            maximum_lag_on_failover: self.settings.maximum_lag_on_failover,
             cluster: Some(self.snapshot.clone()),
             member: rec,
         };

@@ -23,6 +23,7 @@ pub mod parameters;
 pub mod postgres;
 pub mod record;
 pub mod status;
+pub mod timing;
 pub mod tls;
 pub mod watchdog;
 
@@ -270,10 +271,10 @@ pub async fn start(
             }
         }
     };
-    let status: StatusHandle = Arc::new(ArcSwap::from_pointee(AgentStatus::initial(
-        MemberRecord::default(),
-        cfg.timing,
-    )));
+    let status: StatusHandle = Arc::new(ArcSwap::from_pointee(AgentStatus {
+        maximum_lag_on_failover: cfg.maximum_lag_on_failover,
+        ..AgentStatus::initial(MemberRecord::default(), cfg.timing)
+    }));
     let (changes_tx, changes) = watch::channel(0);
     let (commands, commands_rx) = mpsc::channel(16);
     let failsafe_seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -283,7 +284,7 @@ pub async fn start(
         dcs: dcs.clone(),
         commands: commands.clone(),
         credentials: api_credentials,
-        maximum_lag_on_failover: cfg.maximum_lag_on_failover,
+        node_timing: cfg.timing,
         switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
         failsafe_seen: failsafe_seen.clone(),
     });

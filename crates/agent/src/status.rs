@@ -40,10 +40,17 @@ pub struct AgentStatus {
     /// The effective HA timings.
     #[serde(skip)]
     pub timing: Timing,
+    /// The effective `maximum_lag_on_failover`, bytes.
+    #[serde(skip)]
+    pub maximum_lag_on_failover: u64,
     /// The cluster as last read from the DCS.
     #[serde(skip)]
     pub cluster: Option<ClusterSnapshot>,
 }
+
+/// `agent.maximum_lag_on_failover`'s default, until the configuration's
+/// value is set.
+pub const DEFAULT_MAXIMUM_LAG_ON_FAILOVER: u64 = 1 << 20;
 
 impl AgentStatus {
     /// The status before the first loop iteration.
@@ -59,6 +66,7 @@ impl AgentStatus {
             paused: false,
             last_decision: "starting".into(),
             timing,
+            maximum_lag_on_failover: DEFAULT_MAXIMUM_LAG_ON_FAILOVER,
             cluster: None,
         }
     }

@@ -91,6 +91,26 @@ impl Watchdog {
         Ok(())
     }
 
+    /// Changes the time-out (a new `ttl` or `safety_margin`); an armed
+    /// watchdog takes it at once.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        if timeout == self.timeout {
+            return;
+        }
+        self.timeout = timeout;
+        if let Some(f) = &self.file {
+            let mut secs = timeout.as_secs().max(1) as std::os::raw::c_int;
+            #[allow(unsafe_code)]
+            // SAFETY: as in `arm`.
+            let set = unsafe { wdioc_settimeout(std::os::fd::AsRawFd::as_raw_fd(f), &mut secs) };
+            match set {
+                Ok(_) => tracing::info!(timeout_s = secs, "watchdog time-out changed"),
+                Err(e) => tracing::warn!(error = %e, "cannot change the watchdog time-out"),
+            }
+            self.keepalive();
+        }
+    }
+
     /// Postpones the reset.
     pub fn keepalive(&mut self) {
         if let Some(f) = &mut self.file {

@@ -99,7 +99,7 @@ impl Api {
             dcs,
             commands: tx,
             credentials: credentials.map(|(u, p)| (u.to_string(), p.to_string())),
-            maximum_lag_on_failover: 1024 * 1024,
+            node_timing: Timing::default(),
             switchover_wait,
             failsafe_seen: Default::default(),
         });
@@ -455,7 +455,7 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
             "PATCH",
             "/config",
             Some(json!({
-                "ttl": 20,
+                "ttl": 40,
                 "pause": null,
                 "postgresql": {"parameters": {"work_mem": null, "shared_buffers": "1GB"}},
             })),
@@ -463,7 +463,7 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
         .await;
     assert_eq!(r.status, 200, "{}", r.body);
     let want = json!({
-        "ttl": 20,
+        "ttl": 40,
         "postgresql": {"parameters": {"max_connections": 100, "shared_buffers": "1GB"}},
     });
     assert_eq!(serde_json::from_str::<Value>(&r.body).unwrap(), want);
@@ -485,6 +485,21 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
         )
         .await;
         assert!(r.starts_with("HTTP/1.1 400"), "{bad:?}: {r}");
+    }
+    // Timers that do not fit this node's own (the norm preset: loop_wait 5,
+    // retry_timeout 10), or are not durations.
+    for (bad, says) in [
+        (json!({"ttl": 20}), "exceeds ttl 20 s"),
+        (json!({"retry_timeout": 30}), "exceeds ttl 40 s"),
+        (json!({"loop_wait": "soon"}), "loop_wait:"),
+        (
+            json!({"maximum_lag_on_failover": "1MB"}),
+            "maximum_lag_on_failover:",
+        ),
+    ] {
+        let r = api.write("PATCH", "/config", Some(bad.clone())).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert!(r.body.contains(says), "{bad}: {}", r.body);
     }
     assert_eq!(config().await, Some(want), "bad patches change nothing");
 }

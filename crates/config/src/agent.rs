@@ -220,11 +220,11 @@ pub(crate) struct RawAgent {
     api_ca_file: Option<NonEmpty>,
     api_verify_client: Option<Spanned<VerifyClient>>,
     rto: Option<Spanned<RtoSetting>>,
-    ttl: Option<Secs>,
-    loop_wait: Option<Secs>,
-    retry_timeout: Option<Secs>,
-    primary_start_timeout: Option<Secs>,
-    safety_margin: Option<Secs>,
+    ttl: Option<HaTimer>,
+    loop_wait: Option<HaTimer>,
+    retry_timeout: Option<HaTimer>,
+    primary_start_timeout: Option<HaTimer>,
+    safety_margin: Option<HaTimer>,
     maximum_lag_on_failover: Option<u64>,
     #[serde(default)]
     nofailover: bool,
@@ -254,7 +254,7 @@ pub(crate) struct RawAgent {
     protection: Option<Protection>,
     synchronous_node_count: Option<Spanned<u32>>,
     sync_method: Option<SyncMethod>,
-    sync_degrade_timeout: Option<Secs>,
+    sync_degrade_timeout: Option<HaTimer>,
 }
 
 #[derive(Deserialize)]
@@ -304,35 +304,36 @@ impl<'de> Deserialize<'de> for ParamValue {
     }
 }
 
-/// An HA timer. Bare integers count seconds, as in Patroni's settings that
+/// An HA timer. Bare numbers count seconds, as in Patroni's settings that
 /// operators copy from; strings take the usual units (`"500ms"`, `"2s"`).
-#[derive(Clone, Copy)]
-pub(crate) struct Secs(Duration);
+/// Also how the dynamic configuration's timers are read.
+#[derive(Clone, Copy, Debug)]
+pub struct HaTimer(pub Duration);
 
-impl<'de> Deserialize<'de> for Secs {
+impl<'de> Deserialize<'de> for HaTimer {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl Visitor<'_> for V {
-            type Value = Secs;
+            type Value = HaTimer;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a number of seconds or a duration such as \"500ms\"")
             }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Secs, E> {
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<HaTimer, E> {
                 u64::try_from(v)
-                    .map(|s| Secs(Duration::from_secs(s)))
+                    .map(|s| HaTimer(Duration::from_secs(s)))
                     .map_err(|_| E::custom("must not be negative"))
             }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Secs, E> {
-                Ok(Secs(Duration::from_secs(v)))
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<HaTimer, E> {
+                Ok(HaTimer(Duration::from_secs(v)))
             }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Secs, E> {
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<HaTimer, E> {
                 Duration::try_from_secs_f64(v)
-                    .map(Secs)
+                    .map(HaTimer)
                     .map_err(|_| E::custom("must be a non-negative number of seconds"))
             }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Secs, E> {
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<HaTimer, E> {
                 crate::duration::parse_duration(v)
-                    .map(Secs)
+                    .map(HaTimer)
                     .map_err(E::custom)
             }
         }

@@ -242,6 +242,12 @@ impl EtcdDcs {
         .await
     }
 
+    /// Stops keeping `lease`'s renewal stream, without revoking it: the
+    /// lease runs out on its own, and keys moved off it meanwhile stay.
+    pub async fn forget_lease(&self, lease: LeaseId) {
+        self.keepers.lock().await.remove(&lease);
+    }
+
     /// Takes the leader key for `name`, bound to `lease`, if no one holds it.
     ///
     /// Atomic: one transaction that writes only if the key does not exist, so
@@ -283,6 +289,36 @@ impl EtcdDcs {
             Ok(self.txn_inner("renew leader", txn).await?.succeeded())
         })
         .await
+    }
+
+    /// Binds the leader key, held by `name` through lease `from`, to lease
+    /// `to` instead, in one transaction: the key never disappears, so no
+    /// one else can take it meanwhile. A new TTL comes into force this way.
+    ///
+    /// `Ok(true)`: the key now holds `name` bound to `to` (also when an
+    /// earlier call whose answer was lost already moved it). `Ok(false)`:
+    /// the key is gone or someone else's, or bound to another lease.
+    pub async fn rebind_leader(&self, name: &str, from: LeaseId, to: LeaseId) -> Result<bool> {
+        check_member(name)?;
+        let key = self.keys.leader();
+        let txn = Txn::new()
+            .when([
+                Compare::value(key.as_str(), CompareOp::Equal, name),
+                Compare::lease(key.as_str(), CompareOp::Equal, from.0),
+            ])
+            .and_then([TxnOp::put(
+                key.as_str(),
+                name,
+                Some(PutOptions::new().with_lease(to.0)),
+            )]);
+        if self.txn("rebind leader", txn).await?.succeeded() {
+            return Ok(true);
+        }
+        let txn = Txn::new().when([
+            Compare::value(key.as_str(), CompareOp::Equal, name),
+            Compare::lease(key.as_str(), CompareOp::Equal, to.0),
+        ]);
+        Ok(self.txn("rebind leader", txn).await?.succeeded())
     }
 
     /// Deletes the leader key if it holds `name`, whichever lease it is bound

@@ -522,3 +522,40 @@ async fn a_three_member_etcd_survives_the_loss_of_one_member() {
     assert_eq!(leader.unwrap().name, "a");
     etcd.start_again(0);
 }
+
+#[tokio::test]
+async fn the_leader_key_moves_to_a_new_lease_without_being_released() {
+    let etcd = EtcdServer::start();
+    let (a, b) = (dcs(&etcd, "c").await, dcs(&etcd, "c").await);
+    let short = a.grant_lease(Duration::from_secs(3)).await.unwrap();
+    assert!(a.acquire_leader("a", short).await.unwrap());
+    let first = b.read_cluster().await.unwrap().leader.unwrap().generation;
+
+    let long = a.grant_lease(Duration::from_secs(30)).await.unwrap();
+    assert!(a.rebind_leader("a", short, long).await.unwrap());
+    // Again, as after a lost answer: already done.
+    assert!(a.rebind_leader("a", short, long).await.unwrap());
+    let leader = b.read_cluster().await.unwrap().leader.unwrap();
+    assert_eq!((leader.lease, leader.generation), (long, first));
+    assert!(a.renew_leader("a", long).await.unwrap());
+    assert!(!a.renew_leader("a", short).await.unwrap());
+    // The short lease ends and takes nothing with it.
+    let mut watch = b.watch_leader().await;
+    assert!(matches!(
+        next_event(&mut watch, OP_TIMEOUT).await,
+        LeaderEvent::Put { generation, .. } if generation == first
+    ));
+    a.revoke_lease(short).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(4), watch.next())
+            .await
+            .is_err(),
+        "the key must not change"
+    );
+    assert!(b.read_cluster().await.unwrap().leader.is_some());
+    // Nobody else's key can be moved, nor one bound to another lease.
+    let lb = b.grant_lease(Duration::from_secs(30)).await.unwrap();
+    assert!(!b.rebind_leader("b", long, lb).await.unwrap());
+    assert!(!a.rebind_leader("a", short, lb).await.unwrap());
+    assert_eq!(b.read_cluster().await.unwrap().leader.unwrap().lease, long);
+}

@@ -74,7 +74,7 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
         dcs: dcs.clone(),
         commands: tx,
         credentials: Some(("pgwarden".into(), "pw".into())),
-        maximum_lag_on_failover: 1 << 20,
+        node_timing: Timing::default(),
         switchover_wait: Duration::from_millis(500),
         failsafe_seen: Default::default(),
     });

@@ -1249,6 +1249,124 @@ async fn dynamic_parameters_reach_every_member() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
+    let mut c = cluster().nodes(2).start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    let generation = read_cluster(&c).await.leader.unwrap().generation;
+    let timing_is = |ttl: f64, loop_wait: f64, lag: u64| {
+        let c = &c;
+        async move {
+            for i in 0..2 {
+                eventually(
+                    &format!("node {i} runs ttl {ttl}, loop_wait {loop_wait}"),
+                    Duration::from_secs(20),
+                    || async {
+                        let t = member_status(c, i).await?["timing"].clone();
+                        (t["ttl"] == ttl
+                            && t["loop_wait"] == loop_wait
+                            && t["maximum_lag_on_failover"] == lag)
+                            .then_some(())
+                            .ok_or(t.to_string())
+                    },
+                )
+                .await;
+            }
+        }
+    };
+    // Longer than the nodes' own ttl (6 s): the leader moves its key to a
+    // lease of 14 s, which only the new ttl explains, without letting go
+    // of it.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"ttl": 14, "loop_wait": 2, "maximum_lag_on_failover": 2097152}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    timing_is(14.0, 2.0, 2097152).await;
+    eventually(
+        "the leader key on a lease of the new ttl",
+        Duration::from_secs(20),
+        || async {
+            let l = read_cluster(&c).await.leader.ok_or("no leader")?;
+            let left = l.ttl_left.unwrap_or_default();
+            (left > Duration::from_secs(8) && l.generation == generation)
+                .then_some(())
+                .ok_or(format!("{left:?}, generation {}", l.generation))
+        },
+    )
+    .await;
+
+    // Timers that do not fit together are refused by the API, and ignored
+    // by the agents when written to etcd directly.
+    let r = api_call(&c, 1, "PATCH", "/config", serde_json::json!({"ttl": 3})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("exceeds ttl"), "{}", r.body);
+    let dcs = cluster_dcs(&c).await;
+    let mut config = read_cluster(&c).await.config.unwrap();
+    config["ttl"] = serde_json::json!(3);
+    dcs.put_config(&config).await.unwrap();
+    for i in 0..2 {
+        eventually("the bad timing logged", Duration::from_secs(20), || async {
+            c.node(i)
+                .agent_log()
+                .contains("dynamic timing not applied")
+                .then_some(())
+                .ok_or(String::new())
+        })
+        .await;
+    }
+    timing_is(14.0, 2.0, 2097152).await;
+
+    // Shorter again; the key keeps its leadership throughout.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"ttl": 10, "loop_wait": 1, "maximum_lag_on_failover": null}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    timing_is(10.0, 1.0, 1048576).await;
+    eventually(
+        "the leader key on a lease of 10 s",
+        Duration::from_secs(20),
+        || async {
+            let l = read_cluster(&c).await.leader.ok_or("no leader")?;
+            let left = l.ttl_left.unwrap_or_default();
+            (left <= Duration::from_secs(10) && l.generation == generation)
+                .then_some(())
+                .ok_or(format!("{left:?}, generation {}", l.generation))
+        },
+    )
+    .await;
+    assert_eq!(
+        read_cluster(&c).await.leader.unwrap().name,
+        c.node(p).name,
+        "no failover on the way"
+    );
+
+    // The moved lease still ends with its holder: the other member takes
+    // over.
+    c.kill_node(p);
+    let other = c.node(1 - p).name.clone();
+    eventually(
+        "the other member leads",
+        Duration::from_secs(40),
+        || async {
+            let l = read_cluster(&c).await.leader;
+            (l.as_ref().map(|l| &l.name) == Some(&other))
+                .then_some(())
+                .ok_or(format!("{l:?}"))
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reloaded_node_file_changes_tags_and_parameters_in_place() {
     let c = cluster().nodes(2).start();
     healthy(&c, 1, BOOTSTRAP).await;
@@ -2226,7 +2344,6 @@ async fn api_write(
     .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
 }
 
-/// The cluster as stored in etcd right now.
 /// A client of the cluster's keys in the kit's (plain) etcd.
 async fn cluster_dcs(c: &AgentCluster) -> pgwarden_dcs::EtcdDcs {
     pgwarden_dcs::EtcdDcs::connect(
@@ -2239,6 +2356,7 @@ async fn cluster_dcs(c: &AgentCluster) -> pgwarden_dcs::EtcdDcs {
     .unwrap()
 }
 
+/// The cluster as stored in etcd right now.
 async fn read_cluster(c: &AgentCluster) -> pgwarden_dcs::ClusterSnapshot {
     let dcs = cluster_dcs(c).await;
     dcs.read_cluster().await.unwrap()
