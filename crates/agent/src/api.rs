@@ -113,9 +113,6 @@ pub struct ApiState {
     /// User name and password required by the write endpoints; `None`
     /// refuses every write.
     pub credentials: Option<(String, String)>,
-    /// This node's own HA timing (its file's), on which `PATCH /config`
-    /// checks that the dynamic timers fit.
-    pub node_timing: pgwarden_ha::Timing,
     /// How long `POST /switchover` and `POST /failover` wait for the leader
     /// to change ([`DEFAULT_SWITCHOVER_WAIT`] in the agent).
     pub switchover_wait: Duration,
@@ -353,7 +350,7 @@ async fn health_check(
         &state.name,
         &st,
         &query,
-        st.maximum_lag_on_failover,
+        st.settings.maximum_lag_on_failover,
     ) {
         Ok(true) => StatusCode::OK,
         Ok(false) => StatusCode::SERVICE_UNAVAILABLE,
@@ -420,7 +417,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "pending_restart": m.pending_restart,
         "scheduled_restart": m.scheduled_restart,
         "postmaster_start_time": m.postmaster_start_time,
-        "timing": crate::timing::to_json(&st.timing, st.maximum_lag_on_failover),
+        "settings": st.settings.to_json(),
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),
             "scope": scope(&state.dcs),
@@ -709,8 +706,11 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     let mut config = snap.config.unwrap_or_else(|| json!({}));
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
-    crate::timing::dynamic(Some(&config))
-        .and_then(|d| crate::timing::effective(&state.node_timing, &d))
+    state
+        .status
+        .load()
+        .node_settings
+        .with_dynamic(Some(&config))
         .map_err(ApiError::bad_request)?;
     match state
         .dcs
@@ -976,8 +976,8 @@ fn check_candidate(
 
 fn election_settings(st: &AgentStatus) -> ElectionSettings {
     ElectionSettings {
-        maximum_lag_on_failover: st.maximum_lag_on_failover,
-        ttl: st.timing.ttl,
+        maximum_lag_on_failover: st.settings.maximum_lag_on_failover,
+        ttl: st.settings.timing.ttl,
     }
 }
 

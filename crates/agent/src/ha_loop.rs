@@ -16,6 +16,7 @@ use pgwarden_pgctl::{PgCtlError, StopMode};
 use pgwarden_topology::HostAddr;
 use tokio::sync::{mpsc, watch};
 
+use crate::cluster_settings::ClusterSettings;
 use crate::handover;
 use crate::postgres::{LocalPostgres, Observation};
 use crate::record::{cluster_view, records, unix_ms, MemberRecord};
@@ -56,6 +57,11 @@ pub(crate) struct HaLoop {
     pub(crate) commands: mpsc::Receiver<Command>,
     pub(crate) timing: Timing,
     pub(crate) settings: ElectionSettings,
+    /// The protection mode in force: the node's, or the dynamic
+    /// configuration's.
+    sync: pgwarden_ha::SyncSettings,
+    /// Failsafe in force: the node's, or the dynamic configuration's.
+    failsafe: bool,
     lease: Option<LeaseId>,
     /// The TTL `lease` was granted with.
     lease_ttl: Duration,
@@ -117,8 +123,8 @@ pub(crate) struct HaLoop {
     dynamic_applied: std::collections::BTreeMap<String, String>,
     /// The dynamic parameters last refused, so it is logged once.
     dynamic_refused: Option<String>,
-    /// The dynamic timing last refused, so it is logged once.
-    timing_refused: Option<String>,
+    /// The dynamic cluster settings last refused, so it is logged once.
+    settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
 }
 
@@ -154,6 +160,8 @@ impl HaLoop {
             commands,
             timing,
             settings,
+            sync: cfg.sync,
+            failsafe: cfg.failsafe,
             lease: None,
             lease_ttl: timing.ttl,
             lease_moving: None,
@@ -190,7 +198,7 @@ impl HaLoop {
             scheduled_restart: None,
             dynamic_applied: Default::default(),
             dynamic_refused: None,
-            timing_refused: None,
+            settings_refused: None,
             failed,
             cfg,
         }
@@ -378,9 +386,9 @@ impl HaLoop {
         let hba = self.cfg.pg_hba.clone();
         // In maximum protection not even the first commit may be
         // acknowledged without a standby: PostgreSQL starts waiting for one.
-        let strict = self.cfg.sync.protection == Protection::MaximumProtection;
+        let strict = self.sync.protection == Protection::MaximumProtection;
         let blocked = SyncConfig::blocked();
-        let names = blocked.standby_names(self.cfg.sync.method);
+        let names = blocked.standby_names(self.sync.method);
         self.pg
             .with(move |i| {
                 i.initdb(&superuser)?;
@@ -482,7 +490,7 @@ impl HaLoop {
                     (at + self.timing.demote_after()).saturating_duration_since(Instant::now());
                 // With failsafe on, a read retried up to the deadline would
                 // leave the members no time to acknowledge this leader.
-                if self.cfg.failsafe {
+                if self.failsafe {
                     left.saturating_sub(self.failsafe_budget().min(left / 2))
                 } else {
                     left
@@ -562,10 +570,10 @@ impl HaLoop {
             }
         }
         if self.dcs_ok {
-            self.apply_dynamic_timing().await;
+            self.apply_cluster_settings().await;
             self.apply_dynamic_parameters().await;
         }
-        if !self.dcs_ok && self.cfg.failsafe && self.holds_leader_key() && self.obs.pg.running {
+        if !self.dcs_ok && self.failsafe && self.holds_leader_key() && self.obs.pg.running {
             self.failsafe_round().await;
         }
         let mut pg = self.obs.pg.clone();
@@ -727,7 +735,7 @@ impl HaLoop {
         // In a synchronous mode a new leader takes writes only once it has
         // said which standbys acknowledge them (or that it runs without):
         // no write is acknowledged on the strength of the leader alone.
-        if self.cfg.sync.protection.synchronous()
+        if self.sync.protection.synchronous()
             && crate::record::sync_state(&self.snapshot).is_none_or(|s| s.leader != leader.name)
         {
             return false;
@@ -1085,7 +1093,7 @@ impl HaLoop {
     }
 
     async fn promote(&mut self, why: &str) {
-        if self.cfg.sync.protection.synchronous() {
+        if self.sync.protection.synchronous() {
             // Before the first write can be acknowledged, PostgreSQL must
             // already wait for standbys: those running now will reconnect to
             // this node. In strict mode with none, commits wait for one.
@@ -1095,7 +1103,7 @@ impl HaLoop {
                 .filter(|r| !r.state.tags.nosync)
                 .map(|r| r.state.name)
                 .collect();
-            let config = wanted_config(&self.cfg.sync, &SyncConfig::none(), &members);
+            let config = wanted_config(&self.sync, &SyncConfig::none(), &members);
             self.apply_sync(&config).await;
         }
         let timeline = self.obs.pg.timeline;
@@ -1463,7 +1471,7 @@ impl HaLoop {
     /// One step of keeping the synchronous standbys as the protection mode
     /// wants them; see [`pgwarden_ha::protection`] for the order of steps.
     async fn manage_sync(&mut self) {
-        let settings = self.cfg.sync;
+        let settings = self.sync;
         let rows = match self
             .pg
             .query(
@@ -1606,7 +1614,7 @@ impl HaLoop {
     /// Makes PostgreSQL wait as `config` says and waits (briefly) until it
     /// does.
     async fn apply_sync(&mut self, config: &SyncConfig) {
-        let names = config.standby_names(self.cfg.sync.method);
+        let names = config.standby_names(self.sync.method);
         let value = names.clone();
         let res = self
             .pg
@@ -1732,30 +1740,62 @@ impl HaLoop {
     /// Restarts PostgreSQL in its current role. The start waits at most one
     /// `loop_wait`: a server still starting is then seen by the next
     /// iteration, and a leader keeps renewing its lease meanwhile.
-    /// Puts the dynamic configuration's timing (on top of the node's own)
-    /// into force. A new TTL needs a new lease, and a leader moves its key
-    /// to it before it takes the new timers: until then the timers that
-    /// match the lease its key is bound to stay in force.
-    async fn apply_dynamic_timing(&mut self) {
+    /// The settings in force, as `/patroni` shows them.
+    fn cluster_settings(&self) -> ClusterSettings {
+        ClusterSettings {
+            timing: self.timing,
+            maximum_lag_on_failover: self.settings.maximum_lag_on_failover,
+            sync: self.sync,
+            failsafe: self.failsafe,
+        }
+    }
+
+    /// Puts the dynamic configuration's cluster settings (on top of the
+    /// node's own) into force. The protection mode changes through the
+    /// same steps as any change of the synchronous standbys
+    /// ([`Self::manage_sync`]). A new TTL needs a new lease, and a leader
+    /// moves its key to it before it takes the new timers: until then the
+    /// timers that match the lease its key is bound to stay in force.
+    async fn apply_cluster_settings(&mut self) {
         self.settle_moving_lease().await;
-        let wanted = crate::timing::dynamic(self.snapshot.config.as_ref()).and_then(|d| {
-            let t = crate::timing::effective(&self.cfg.timing, &d)?;
-            Ok((t, d.maximum_lag_on_failover))
-        });
-        let (timing, lag) = match wanted {
+        let wanted = ClusterSettings::of(&self.cfg).with_dynamic(self.snapshot.config.as_ref());
+        let wanted = match wanted {
             Ok(w) => {
-                self.timing_refused = None;
+                self.settings_refused = None;
                 w
             }
             Err(e) => {
-                if self.timing_refused.as_deref() != Some(e.as_str()) {
-                    tracing::error!("dynamic timing not applied, the timing in force stays: {e}");
-                    self.timing_refused = Some(e);
+                if self.settings_refused.as_deref() != Some(e.as_str()) {
+                    tracing::error!(
+                        "dynamic configuration not applied, the settings in force stay: {e}"
+                    );
+                    self.settings_refused = Some(e);
                 }
                 return;
             }
         };
-        self.settings.maximum_lag_on_failover = lag.unwrap_or(self.cfg.maximum_lag_on_failover);
+        self.settings.maximum_lag_on_failover = wanted.maximum_lag_on_failover;
+        if wanted.sync != self.sync {
+            tracing::info!(
+                "protection now {}, {} standby(s) by {}, degrading after {} s",
+                wanted.sync.protection,
+                wanted.sync.count,
+                match wanted.sync.method {
+                    pgwarden_ha::SyncMethod::First => "first",
+                    pgwarden_ha::SyncMethod::Quorum => "quorum",
+                },
+                wanted.sync.degrade_after.as_secs_f64()
+            );
+            self.sync = wanted.sync;
+        }
+        if wanted.failsafe != self.failsafe {
+            tracing::info!(
+                "failsafe now {}",
+                if wanted.failsafe { "on" } else { "off" }
+            );
+            self.failsafe = wanted.failsafe;
+        }
+        let timing = wanted.timing;
         if timing == self.timing {
             return;
         }
@@ -1941,6 +1981,7 @@ impl HaLoop {
     /// member record from now on), the node's own PostgreSQL parameters
     /// (written and reloaded) and callbacks.
     async fn reconfigure(&mut self, new: AgentConfig) {
+        let node_settings = ClusterSettings::of(&new);
         if new.tags != self.cfg.tags {
             tracing::info!(tags = ?new.tags, "tags reloaded");
             self.cfg.tags = new.tags;
@@ -1954,6 +1995,21 @@ impl HaLoop {
             let after = effective_parameters(&self.dynamic_applied, &new.parameters);
             if self.write_parameters(&before, &after).await {
                 self.cfg.parameters = new.parameters;
+            }
+        }
+        // The node's own cluster settings: the next loop puts them into
+        // force where the dynamic configuration does not replace them,
+        // moving the leader key to a lease of a new ttl as for a dynamic
+        // change.
+        if node_settings != ClusterSettings::of(&self.cfg) {
+            tracing::info!("timings, protection and failsafe of the node file reloaded");
+            self.cfg.rto = new.rto;
+            self.cfg.timing = new.timing;
+            self.cfg.maximum_lag_on_failover = new.maximum_lag_on_failover;
+            self.cfg.sync = new.sync;
+            self.cfg.failsafe = new.failsafe;
+            if self.dcs_ok {
+                self.apply_cluster_settings().await;
             }
         }
         self.publish_status();
@@ -2172,8 +2228,8 @@ impl HaLoop {
             },
             paused: crate::record::paused(&self.snapshot),
             last_decision: self.last_decision.clone(),
-            timing: self.timing,
-            maximum_lag_on_failover: self.settings.maximum_lag_on_failover,
+            settings: self.cluster_settings(),
+            node_settings: ClusterSettings::of(&self.cfg),
             cluster: Some(self.snapshot.clone()),
             member: rec,
         };

@@ -15,6 +15,7 @@
 //!   members and `pgwarden ctl` call it.
 
 pub mod api;
+pub mod cluster_settings;
 pub mod fence;
 mod ha_loop;
 mod handover;
@@ -23,7 +24,6 @@ pub mod parameters;
 pub mod postgres;
 pub mod record;
 pub mod status;
-pub mod timing;
 pub mod tls;
 pub mod watchdog;
 
@@ -39,6 +39,23 @@ use tokio::sync::{mpsc, watch};
 
 pub use record::MemberRecord;
 pub use status::{AgentStatus, Command, StatusHandle};
+
+/// Whether going from the node file's `old` `[agent]` to `new` needs no
+/// restart of the agent: only tags, parameters, callbacks and the cluster
+/// settings (timings, lag limit, protection, failsafe) differ, which a
+/// running agent takes on `SIGHUP`.
+pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
+    let mut rest = new.clone();
+    rest.tags = old.tags.clone();
+    rest.parameters = old.parameters.clone();
+    rest.callbacks = old.callbacks.clone();
+    rest.rto = old.rto;
+    rest.timing = old.timing;
+    rest.maximum_lag_on_failover = old.maximum_lag_on_failover;
+    rest.sync = old.sync;
+    rest.failsafe = old.failsafe;
+    rest == *old
+}
 
 /// Settings the agent always gives its PostgreSQL, before the operator's
 /// `agent.parameters`: enough WAL kept for a demoted primary to rejoin
@@ -272,7 +289,8 @@ pub async fn start(
         }
     };
     let status: StatusHandle = Arc::new(ArcSwap::from_pointee(AgentStatus {
-        maximum_lag_on_failover: cfg.maximum_lag_on_failover,
+        settings: cluster_settings::ClusterSettings::of(&cfg),
+        node_settings: cluster_settings::ClusterSettings::of(&cfg),
         ..AgentStatus::initial(MemberRecord::default(), cfg.timing)
     }));
     let (changes_tx, changes) = watch::channel(0);
@@ -284,7 +302,6 @@ pub async fn start(
         dcs: dcs.clone(),
         commands: commands.clone(),
         credentials: api_credentials,
-        node_timing: cfg.timing,
         switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
         failsafe_seen: failsafe_seen.clone(),
     });
@@ -365,4 +382,43 @@ pub(crate) async fn join_all<F: std::future::Future>(
     })
     .await;
     out.into_iter().map(|v| v.expect("ready")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(extra: &str) -> AgentConfig {
+        let text = format!(
+            "[agent]\nname = \"n1\"\ndata_dir = \"/var/lib/pgwarden/n1\"\n\
+             pg_listen = \"127.0.0.1:5432\"\napi = \"127.0.0.1:8008\"\n{extra}\n\
+             [etcd]\nendpoints = [\"127.0.0.1:2379\"]\ncluster = \"demo\"\n"
+        );
+        pgwarden_config::parse(&text, "pgwarden.toml")
+            .unwrap()
+            .agent
+            .unwrap()
+    }
+
+    #[test]
+    fn cluster_settings_tags_and_parameters_reload_the_rest_does_not() {
+        let old = agent("rto = \"fast\"");
+        for same in [
+            "rto = \"safe\"",
+            "rto = \"fast\"\nttl = 30\nloop_wait = 2",
+            "rto = \"fast\"\nprotection = \"maximum_protection\"\nsync_method = \"quorum\"",
+            "rto = \"fast\"\nfailsafe = true\nmaximum_lag_on_failover = 5",
+            "rto = \"fast\"\nnofailover = true\nparameters = { work_mem = \"8MB\" }",
+            "rto = \"fast\"\non_start = \"true\"",
+        ] {
+            assert!(reloadable(&old, &agent(same)), "{same}");
+        }
+        for restart in [
+            "rto = \"fast\"\nwatchdog = \"automatic\"",
+            "rto = \"fast\"\napi_username = \"admin\"",
+            "rto = \"fast\"\nreplication_user = \"replicator\"",
+        ] {
+            assert!(!reloadable(&old, &agent(restart)), "{restart}");
+        }
+    }
 }

@@ -11,6 +11,7 @@ use pgwarden_dcs::ClusterSnapshot;
 use pgwarden_ha::Timing;
 use serde::Serialize;
 
+use crate::cluster_settings::ClusterSettings;
 use crate::record::MemberRecord;
 
 /// A snapshot of the agent after one loop iteration.
@@ -37,24 +38,28 @@ pub struct AgentStatus {
     pub paused: bool,
     /// The last decision, as logged.
     pub last_decision: String,
-    /// The effective HA timings.
+    /// The timings, lag limit, protection mode and failsafe in force.
     #[serde(skip)]
-    pub timing: Timing,
-    /// The effective `maximum_lag_on_failover`, bytes.
+    pub settings: ClusterSettings,
+    /// The node's own (its file's), which the dynamic configuration's
+    /// replace.
     #[serde(skip)]
-    pub maximum_lag_on_failover: u64,
+    pub node_settings: ClusterSettings,
     /// The cluster as last read from the DCS.
     #[serde(skip)]
     pub cluster: Option<ClusterSnapshot>,
 }
 
-/// `agent.maximum_lag_on_failover`'s default, until the configuration's
-/// value is set.
-pub const DEFAULT_MAXIMUM_LAG_ON_FAILOVER: u64 = 1 << 20;
-
 impl AgentStatus {
-    /// The status before the first loop iteration.
+    /// The status before the first loop iteration, with the defaults of
+    /// every setting but the timing.
     pub fn initial(member: MemberRecord, timing: Timing) -> Self {
+        let defaults = ClusterSettings {
+            timing,
+            maximum_lag_on_failover: pgwarden_ha::DEFAULT_MAXIMUM_LAG_ON_FAILOVER,
+            sync: Default::default(),
+            failsafe: false,
+        };
         AgentStatus {
             member,
             is_leader: false,
@@ -65,8 +70,8 @@ impl AgentStatus {
             dcs_silent_ms: 0,
             paused: false,
             last_decision: "starting".into(),
-            timing,
-            maximum_lag_on_failover: DEFAULT_MAXIMUM_LAG_ON_FAILOVER,
+            settings: defaults,
+            node_settings: defaults,
             cluster: None,
         }
     }

@@ -99,7 +99,6 @@ impl Api {
             dcs,
             commands: tx,
             credentials: credentials.map(|(u, p)| (u.to_string(), p.to_string())),
-            node_timing: Timing::default(),
             switchover_wait,
             failsafe_seen: Default::default(),
         });

@@ -151,8 +151,8 @@ pub async fn follow_leader(
                 .failsafe_seen
                 .load(std::sync::atomic::Ordering::SeqCst),
         );
-        let fresh = u128::from(st.dcs_silent_ms) < st.timing.ttl.as_millis()
-            || u128::from(failsafe_age) < st.timing.ttl.as_millis();
+        let fresh = u128::from(st.dcs_silent_ms) < st.settings.timing.ttl.as_millis()
+            || u128::from(failsafe_age) < st.settings.timing.ttl.as_millis();
         // A new leadership first closes the gate (cutting sessions to the
         // earlier primary), is acknowledged, and opens only once the agent
         // reports every live connection manager has done the same.

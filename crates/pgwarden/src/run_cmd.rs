@@ -136,12 +136,8 @@ pub async fn serve(
                             tracing::warn!("engine.worker_threads, worker_fill and pool_affinity take effect at the next restart");
                         }
                         if let (Some(handle), Some(old), Some(fresh)) = (&agent, &running.agent, &new.agent) {
-                            let mut rest = fresh.clone();
-                            rest.tags = old.tags.clone();
-                            rest.parameters = old.parameters.clone();
-                            rest.callbacks = old.callbacks.clone();
-                            if rest != *old || new.etcd != running.etcd {
-                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters and callbacks take effect at the next restart");
+                            if !pgwarden_agent::reloadable(old, fresh) || new.etcd != running.etcd {
+                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection and failsafe take effect at the next restart");
                             }
                             let _ = handle
                                 .commands

@@ -74,7 +74,6 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
         dcs: dcs.clone(),
         commands: tx,
         credentials: Some(("pgwarden".into(), "pw".into())),
-        node_timing: Timing::default(),
         switchover_wait: Duration::from_millis(500),
         failsafe_seen: Default::default(),
     });

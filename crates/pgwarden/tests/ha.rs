@@ -1261,7 +1261,7 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
                     &format!("node {i} runs ttl {ttl}, loop_wait {loop_wait}"),
                     Duration::from_secs(20),
                     || async {
-                        let t = member_status(c, i).await?["timing"].clone();
+                        let t = member_status(c, i).await?["settings"].clone();
                         (t["ttl"] == ttl
                             && t["loop_wait"] == loop_wait
                             && t["maximum_lag_on_failover"] == lag)
@@ -1312,7 +1312,7 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
         eventually("the bad timing logged", Duration::from_secs(20), || async {
             c.node(i)
                 .agent_log()
-                .contains("dynamic timing not applied")
+                .contains("dynamic configuration not applied")
                 .then_some(())
                 .ok_or(String::new())
         })
@@ -1367,14 +1367,136 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reloaded_node_file_changes_tags_and_parameters_in_place() {
+async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_time() {
+    let mut c = cluster().nodes(2).start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    let (leader, replica) = (c.node(p).name.clone(), c.node(1 - p).name.clone());
+    let direct = c.node(p).pg_conninfo();
+    let protection_is = |want: &'static str| {
+        let c = &c;
+        async move {
+            for i in 0..2 {
+                eventually(
+                    &format!("node {i} in {want}"),
+                    Duration::from_secs(20),
+                    || async {
+                        let s = member_status(c, i).await?["settings"].clone();
+                        (s["protection"] == want).then_some(()).ok_or(s.to_string())
+                    },
+                )
+                .await;
+            }
+        }
+    };
+    // Patroni's switch: the leader lists the replica and the key claims it.
+    let r = api_call(
+        &c,
+        1 - p,
+        "PATCH",
+        "/config",
+        serde_json::json!({"synchronous_mode": true}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    protection_is("maximum_availability").await;
+    eventually(
+        "the replica acknowledges commits",
+        Duration::from_secs(30),
+        || async {
+            let names = one(&direct, "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            let ok = names == format!("FIRST 1 (\"{replica}\")")
+                && key["leader"] == leader.as_str()
+                && key["synchronous"] == true
+                && key["members"] == serde_json::json!([replica]);
+            ok.then_some(()).ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    // pgwarden's own name, and back: with the key set to null each node's
+    // own mode (maximum performance) returns, the key first claiming
+    // nothing, then PostgreSQL no longer waiting.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"synchronous_mode": null, "protection": "maximum_protection"}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    protection_is("maximum_protection").await;
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"protection": "maximum", "synchronous_mode": true}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"protection": null}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    protection_is("maximum_performance").await;
+    eventually(
+        "asynchronous replication",
+        Duration::from_secs(30),
+        || async {
+            let names = one(&direct, "SHOW synchronous_standby_names").await?;
+            let key = sync_key(&c).await;
+            let ok = names.is_empty()
+                && key["synchronous"] == false
+                && key["members"] == serde_json::json!([]);
+            ok.then_some(()).ok_or(format!("{names} / {key}"))
+        },
+    )
+    .await;
+    assert_eq!(read_cluster(&c).await.leader.unwrap().name, leader);
+
+    // Failsafe, which no node's file turns on here: the leader then stands
+    // through an etcd outage.
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"failsafe_mode": true}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    for i in 0..2 {
+        eventually("failsafe on", Duration::from_secs(20), || async {
+            let s = member_status(&c, i).await?["settings"].clone();
+            (s["failsafe_mode"] == true)
+                .then_some(())
+                .ok_or(s.to_string())
+        })
+        .await;
+    }
+    assert_eq!(p, 0, "node 0 bootstraps the cluster");
+    leader_stands_through_an_etcd_outage(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let c = cluster().nodes(2).start();
     healthy(&c, 1, BOOTSTRAP).await;
     let pid = c.node(1).postmaster_pid().unwrap();
     let file = c.node(1).config.clone();
     let text = std::fs::read_to_string(&file).unwrap();
     let edited = text
-        .replacen("[agent]\n", "[agent]\nnofailover = true\n", 1)
+        .replacen(
+            "[agent]\n",
+            "[agent]\nnofailover = true\nwatchdog_device = \"/dev/watchdog0\"\n",
+            1,
+        )
         .replace(
             "max_connections = 50 }",
             "max_connections = 50, work_mem = \"6MB\" }",
@@ -1424,6 +1546,21 @@ async fn a_reloaded_node_file_changes_tags_and_parameters_in_place() {
             .await
             .unwrap(),
         "4MB"
+    );
+    // The node's own timing is reloaded too (no dynamic one replaces it);
+    // the watchdog's device waits for a restart.
+    eventually(
+        "loop_wait reloaded on n2",
+        Duration::from_secs(20),
+        || async {
+            let v = member_status(&c, 1).await?["settings"]["loop_wait"].clone();
+            (v == 2.0).then_some(()).ok_or(v.to_string())
+        },
+    )
+    .await;
+    assert_eq!(
+        member_status(&c, 0).await.unwrap()["settings"]["loop_wait"],
+        1.0
     );
     let log = c.node(1).agent_log();
     assert!(log.contains("take effect at the next restart"), "{log}");
