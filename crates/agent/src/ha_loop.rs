@@ -123,6 +123,8 @@ pub(crate) struct HaLoop {
     dynamic_applied: std::collections::BTreeMap<String, String>,
     /// The dynamic parameters last refused, so it is logged once.
     dynamic_refused: Option<String>,
+    /// Since when each of our replication slots has been unneeded.
+    slots_unwanted: std::collections::HashMap<String, Instant>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -199,6 +201,7 @@ impl HaLoop {
             dynamic_applied: Default::default(),
             dynamic_refused: None,
             settings_refused: None,
+            slots_unwanted: Default::default(),
             failed,
             cfg,
         }
@@ -610,6 +613,10 @@ impl HaLoop {
             && !self.obs.pg.in_recovery
         {
             self.manage_sync().await;
+        }
+        if self.dcs_ok && self.obs.pg.running {
+            let leading = self.holds_leader_key() && !self.obs.pg.in_recovery;
+            self.manage_slots(leading).await;
         }
         if self.holds_leader_key() && decision.keeps_lease() {
             if let Err(e) = self.watchdog.arm() {
@@ -1128,6 +1135,8 @@ impl HaLoop {
             Ok(()) => {
                 self.former_primary = true;
                 self.obs = self.pg.observe(Duration::from_secs(2)).await;
+                // Before the replicas come to stream from here.
+                self.manage_slots(true).await;
                 let entry = HistoryEntry {
                     timeline,
                     lsn,
@@ -1881,6 +1890,74 @@ impl HaLoop {
                 tracing::warn!(error = %e, "moving the leader key to a new lease failed");
                 self.lease_moving = Some((new, timing));
                 false
+            }
+        }
+    }
+
+    /// Keeps the members' replication slots ([`crate::slots`]): as the
+    /// leader one for every other member; otherwise none (those left from
+    /// a time as leader go).
+    async fn manage_slots(&mut self, leading: bool) {
+        let rows = match self
+            .pg
+            .query(
+                "SELECT slot_name, active FROM pg_replication_slots WHERE slot_type = 'physical'",
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read pg_replication_slots");
+                return;
+            }
+        };
+        let existing: Vec<(String, bool)> = rows
+            .into_iter()
+            .filter_map(|r| {
+                let name = r.first().cloned().flatten()?;
+                let active = r.get(1).cloned().flatten().as_deref() == Some("t");
+                Some((name, active))
+            })
+            .collect();
+        let wanted: std::collections::BTreeSet<String> = if leading && self.cfg.use_slots {
+            records(&self.snapshot)
+                .into_iter()
+                .filter(|r| r.state.name != self.cfg.name)
+                .map(|r| crate::slots::slot_name(&r.state.name))
+                .collect()
+        } else {
+            Default::default()
+        };
+        let plan = crate::slots::plan(
+            &existing,
+            &wanted,
+            &mut self.slots_unwanted,
+            Instant::now(),
+            self.timing.ttl * 2,
+        );
+        // Slot names are made of [a-z0-9_] (ours, and those read back are
+        // quoted as literals), so they go into the statements as they are.
+        for name in plan.create {
+            let sql = format!("SELECT pg_create_physical_replication_slot('{name}', true)");
+            match self.pg.query(&sql, Duration::from_secs(2)).await {
+                Ok(_) => tracing::info!(slot = %name, "replication slot created"),
+                Err(e) => {
+                    tracing::warn!(slot = %name, error = %e, "cannot create a replication slot")
+                }
+            }
+        }
+        for name in plan.drop {
+            let literal = name.replace('\'', "''");
+            let sql = format!("SELECT pg_drop_replication_slot('{literal}')");
+            match self.pg.query(&sql, Duration::from_secs(2)).await {
+                Ok(_) => {
+                    self.slots_unwanted.remove(&name);
+                    tracing::info!(slot = %name, "replication slot of no member dropped");
+                }
+                Err(e) => {
+                    tracing::warn!(slot = %name, error = %e, "cannot drop a replication slot")
+                }
             }
         }
     }

@@ -23,6 +23,7 @@ pub mod http_client;
 pub mod parameters;
 pub mod postgres;
 pub mod record;
+pub mod slots;
 pub mod status;
 pub mod tls;
 pub mod watchdog;
@@ -247,6 +248,7 @@ pub async fn start(
     };
     let mut spec = InstanceSpec::new(&cfg.name, &cfg.data_dir, cfg.pg_listen.port);
     spec.host = cfg.pg_listen.host.clone();
+    spec.primary_slot = cfg.use_slots.then(|| slots::slot_name(&cfg.name));
     let mut settings: BTreeMap<String, String> = DEFAULT_PARAMETERS
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))

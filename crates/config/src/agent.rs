@@ -91,6 +91,9 @@ pub struct AgentConfig {
     /// Re-clone a former primary from the leader when pg_rewind fails,
     /// instead of leaving it stopped for an operator.
     pub reclone_on_rewind_failure: bool,
+    /// Keep a physical replication slot on the leader for every other
+    /// member, and stream through it.
+    pub use_slots: bool,
     /// Protection mode and synchronous replication settings; every member
     /// of a cluster should have the same.
     pub sync: SyncSettings,
@@ -249,6 +252,7 @@ pub(crate) struct RawAgent {
     api_password: Option<String>,
     api_password_file: Option<NonEmpty>,
     reclone_on_rewind_failure: Option<bool>,
+    use_slots: Option<bool>,
     failsafe: Option<bool>,
     on_sync_blocked: Option<OnSyncBlocked>,
     protection: Option<Protection>,
@@ -533,6 +537,7 @@ pub(crate) fn agent(
         api_password: raw.api_password,
         api_password_file: raw.api_password_file.map(Into::into),
         reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
+        use_slots: raw.use_slots.unwrap_or(true),
         failsafe: raw.failsafe.unwrap_or(false),
         on_sync_blocked: raw.on_sync_blocked.unwrap_or_default(),
         sync,

@@ -61,6 +61,10 @@ pub struct InstanceSpec {
     /// clusters (tests, demos) only, since a crash soon after could leave
     /// a corrupt data directory.
     pub no_sync: bool,
+    /// The replication slot this node streams through as a standby
+    /// (`primary_slot_name`), created on the source when cloning; `None`
+    /// streams without one.
+    pub primary_slot: Option<String>,
 }
 
 impl InstanceSpec {
@@ -74,6 +78,7 @@ impl InstanceSpec {
             settings: BTreeMap::new(),
             die_with_parent: false,
             no_sync: false,
+            primary_slot: None,
         }
     }
 }
@@ -184,7 +189,27 @@ impl Instance {
         if self.spec.no_sync {
             cmd.arg("--no-sync");
         }
-        run(cmd, "pg_basebackup")?;
+        match self.spec.primary_slot.clone() {
+            None => run(cmd, "pg_basebackup")?,
+            Some(slot) => {
+                // The slot keeps the WAL from the backup's start until this
+                // standby streams. One left from an earlier clone is reused.
+                let mut again = self.command("pg_basebackup");
+                again.args(cmd.get_args());
+                cmd.args(["--create-slot", "--slot", &slot]);
+                match run(cmd, "pg_basebackup") {
+                    Err(PgCtlError::CommandFailed { output, .. })
+                        if output.contains("already exists") =>
+                    {
+                        self.wipe()?;
+                        self.make_datadir()?;
+                        again.args(["--slot", &slot]);
+                        run(again, "pg_basebackup")?;
+                    }
+                    other => other?,
+                }
+            }
+        }
         self.upstream = Some((source_host.to_string(), source_port));
         self.write_standby(user)
     }
@@ -208,6 +233,16 @@ impl Instance {
                 self.spec.name
             ),
         );
+        match &self.spec.primary_slot {
+            Some(slot) => {
+                self.spec
+                    .settings
+                    .insert("primary_slot_name".into(), slot.clone());
+            }
+            None => {
+                self.spec.settings.remove("primary_slot_name");
+            }
+        }
         let signal = self.spec.datadir.join("standby.signal");
         fs::write(&signal, b"").map_err(io_err(&signal))?;
         self.run_as.own(&signal)?;
@@ -226,6 +261,7 @@ impl Instance {
             None => {
                 self.upstream = None;
                 self.spec.settings.remove("primary_conninfo");
+                self.spec.settings.remove("primary_slot_name");
                 let signal = self.spec.datadir.join("standby.signal");
                 fs::write(&signal, b"").map_err(io_err(&signal))?;
                 self.run_as.own(&signal)?;
@@ -245,6 +281,7 @@ impl Instance {
         let _ = fs::remove_file(signal);
         self.upstream = None;
         self.spec.settings.remove("primary_conninfo");
+        self.spec.settings.remove("primary_slot_name");
         self.write_settings()
     }
 
@@ -503,6 +540,7 @@ impl Instance {
         let signal = self.spec.datadir.join("standby.signal");
         let _ = fs::remove_file(signal);
         self.spec.settings.remove("primary_conninfo");
+        self.spec.settings.remove("primary_slot_name");
         self.upstream = None;
         self.write_settings()
     }

@@ -1484,6 +1484,87 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
     leader_stands_through_an_etcd_outage(&mut c).await;
 }
 
+/// The replication slots of node `i`'s server, as `name:active`, sorted.
+async fn slots_of(c: &AgentCluster, i: usize) -> Result<Vec<String>, String> {
+    query(
+        &c.node(i).pg_conninfo(),
+        "SELECT slot_name || ':' || active FROM pg_replication_slots ORDER BY 1",
+    )
+    .await
+}
+
+/// Waits until node `i`'s slots are `want` ([`slots_of`]).
+async fn slots_are(c: &AgentCluster, i: usize, want: Vec<String>) {
+    eventually(
+        &format!("node {i} has slots {want:?}"),
+        Duration::from_secs(40),
+        || async {
+            let have = slots_of(c, i).await?;
+            (have == want).then_some(()).ok_or(format!("{have:?}"))
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
+    let mut c = cluster().start();
+    let p = healthy(&c, 2, BOOTSTRAP).await;
+    let others: Vec<usize> = (0..3).filter(|&i| i != p).collect();
+    let names: Vec<String> = (0..3).map(|i| c.node(i).name.clone()).collect();
+    let slot = |i: usize| format!("pgwarden_{}", names[i]);
+    // Each replica streams through its slot on the leader.
+    slots_are(
+        &c,
+        p,
+        others
+            .iter()
+            .map(|&i| format!("{}:true", slot(i)))
+            .collect(),
+    )
+    .await;
+    for &i in &others {
+        assert_eq!(
+            one(&c.node(i).pg_conninfo(), "SHOW primary_slot_name")
+                .await
+                .unwrap(),
+            slot(i)
+        );
+    }
+    // An operator's own slot is none of pgwarden's business.
+    one(
+        &c.node(p).pg_conninfo(),
+        "SELECT slot_name FROM pg_create_physical_replication_slot('backup_tool')",
+    )
+    .await
+    .unwrap();
+
+    // A member gone for good: its slot goes once its key has expired and
+    // the grace (two ttls) has passed, so its WAL does not pile up.
+    let (gone, stays) = (others[0], others[1]);
+    c.kill_node(gone);
+    slots_are(
+        &c,
+        p,
+        vec!["backup_tool:false".into(), format!("{}:true", slot(stays))],
+    )
+    .await;
+
+    // A switchover: the new leader keeps a slot for the old one, which
+    // streams through it and drops the slots of its own time as leader.
+    let body = serde_json::json!({"leader": names[p], "candidate": names[stays]});
+    let r = api_write(&c, stays, "POST", "/switchover", Some(body)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    slots_are(&c, stays, vec![format!("{}:true", slot(p))]).await;
+    slots_are(&c, p, vec!["backup_tool:false".into()]).await;
+    assert_eq!(
+        one(&c.node(p).pg_conninfo(), "SHOW primary_slot_name")
+            .await
+            .unwrap(),
+        slot(p)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let c = cluster().nodes(2).start();
