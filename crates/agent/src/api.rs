@@ -706,6 +706,7 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     let mut config = snap.config.unwrap_or_else(|| json!({}));
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
+    crate::slots::permanent(Some(&config)).map_err(ApiError::bad_request)?;
     state
         .status
         .load()

@@ -125,6 +125,10 @@ pub(crate) struct HaLoop {
     dynamic_refused: Option<String>,
     /// Since when each of our replication slots has been unneeded.
     slots_unwanted: std::collections::HashMap<String, Instant>,
+    /// The dynamic configuration's permanent slots, as last read well.
+    permanent_slots: std::collections::BTreeSet<String>,
+    /// The permanent slots last refused, so it is logged once.
+    slots_refused: Option<String>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -202,6 +206,8 @@ impl HaLoop {
             dynamic_refused: None,
             settings_refused: None,
             slots_unwanted: Default::default(),
+            permanent_slots: Default::default(),
+            slots_refused: None,
             failed,
             cfg,
         }
@@ -1895,9 +1901,22 @@ impl HaLoop {
     }
 
     /// Keeps the members' replication slots ([`crate::slots`]): as the
-    /// leader one for every other member; otherwise none (those left from
-    /// a time as leader go).
+    /// leader one for every other member, and the permanent ones of the
+    /// dynamic configuration; otherwise none of ours (those left from a
+    /// time as leader go).
     async fn manage_slots(&mut self, leading: bool) {
+        match crate::slots::permanent(self.snapshot.config.as_ref()) {
+            Ok(p) => {
+                self.permanent_slots = p;
+                self.slots_refused = None;
+            }
+            Err(e) => {
+                if self.slots_refused.as_deref() != Some(e.as_str()) {
+                    tracing::error!("permanent slots not applied, the previous ones stay: {e}");
+                    self.slots_refused = Some(e);
+                }
+            }
+        }
         let rows = match self
             .pg
             .query(
@@ -1920,7 +1939,7 @@ impl HaLoop {
                 Some((name, active))
             })
             .collect();
-        let wanted: std::collections::BTreeSet<String> = if leading && self.cfg.use_slots {
+        let mut wanted: std::collections::BTreeSet<String> = if leading && self.cfg.use_slots {
             records(&self.snapshot)
                 .into_iter()
                 .filter(|r| r.state.name != self.cfg.name)
@@ -1929,6 +1948,9 @@ impl HaLoop {
         } else {
             Default::default()
         };
+        if leading {
+            wanted.extend(self.permanent_slots.iter().cloned());
+        }
         let plan = crate::slots::plan(
             &existing,
             &wanted,

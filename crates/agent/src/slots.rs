@@ -36,6 +36,52 @@ pub fn slot_name(member: &str) -> String {
     s
 }
 
+/// The permanent slots of the dynamic configuration, Patroni's form:
+/// `"slots": {"name": {"type": "physical"}}` (the type may be left out).
+/// The leader keeps them, whoever leads, for consumers outside the cluster
+/// (`pg_receivewal`, a backup tool). An error names the offending slot.
+pub fn permanent(config: Option<&serde_json::Value>) -> Result<BTreeSet<String>, String> {
+    let Some(slots) = config.and_then(|c| c.get("slots")).filter(|v| !v.is_null()) else {
+        return Ok(BTreeSet::new());
+    };
+    let serde_json::Value::Object(slots) = slots else {
+        return Err("slots: must be an object of slot names".into());
+    };
+    let mut out = BTreeSet::new();
+    for (name, spec) in slots {
+        let valid = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !valid {
+            return Err(format!(
+                "slots.{name}: a slot name is 1 to 63 lower-case letters, digits and _"
+            ));
+        }
+        if name.starts_with(PREFIX) {
+            return Err(format!(
+                "slots.{name}: names starting with {PREFIX} are the members' slots"
+            ));
+        }
+        match spec.get("type").and_then(|t| t.as_str()) {
+            None | Some("physical") if spec.is_object() || spec.is_null() => {}
+            Some("logical") => {
+                return Err(format!(
+                    "slots.{name}: logical slots are not kept by pgwarden, only physical ones"
+                ))
+            }
+            _ => {
+                return Err(format!(
+                    "slots.{name}: must be an object such as {{\"type\": \"physical\"}}"
+                ))
+            }
+        }
+        out.insert(name.clone());
+    }
+    Ok(out)
+}
+
 /// What to change: slots to create and to drop.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotPlan {
@@ -88,6 +134,32 @@ mod tests {
         let long = "a".repeat(63);
         assert_eq!(slot_name(&long).len(), 63);
         assert!(slot_name(&long).starts_with(PREFIX));
+    }
+
+    #[test]
+    fn permanent_slots_in_patronis_form() {
+        use serde_json::json;
+        let got = permanent(Some(&json!({
+            "slots": {"archiver": {"type": "physical"}, "backup_2": {}},
+        })))
+        .unwrap();
+        assert_eq!(
+            got.into_iter().collect::<Vec<_>>(),
+            ["archiver", "backup_2"]
+        );
+        assert!(permanent(None).unwrap().is_empty());
+        assert!(permanent(Some(&json!({"slots": null}))).unwrap().is_empty());
+        for (bad, says) in [
+            (json!({"slots": ["a"]}), "slots:"),
+            (json!({"slots": {"Archiver": {}}}), "slots.Archiver:"),
+            (json!({"slots": {"pgwarden_n1": {}}}), "members' slots"),
+            (json!({"slots": {"l": {"type": "logical"}}}), "logical"),
+            (json!({"slots": {"x": {"type": "other"}}}), "slots.x:"),
+            (json!({"slots": {"x": 1}}), "slots.x:"),
+        ] {
+            let e = permanent(Some(&bad)).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

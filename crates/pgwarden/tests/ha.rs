@@ -1538,6 +1538,24 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
     )
     .await
     .unwrap();
+    // A permanent slot of the dynamic configuration is kept by whoever
+    // leads; the members' names and logical slots are refused.
+    for bad in [
+        serde_json::json!({"slots": {"pgwarden_x": {"type": "physical"}}}),
+        serde_json::json!({"slots": {"decoder": {"type": "logical"}}}),
+    ] {
+        let r = api_call(&c, 0, "PATCH", "/config", bad.clone()).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
+    let r = api_call(
+        &c,
+        0,
+        "PATCH",
+        "/config",
+        serde_json::json!({"slots": {"archiver": {"type": "physical"}}}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
 
     // A member gone for good: its slot goes once its key has expired and
     // the grace (two ttls) has passed, so its WAL does not pile up.
@@ -1546,7 +1564,11 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
     slots_are(
         &c,
         p,
-        vec!["backup_tool:false".into(), format!("{}:true", slot(stays))],
+        vec![
+            "archiver:false".into(),
+            "backup_tool:false".into(),
+            format!("{}:true", slot(stays)),
+        ],
     )
     .await;
 
@@ -1555,8 +1577,18 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
     let body = serde_json::json!({"leader": names[p], "candidate": names[stays]});
     let r = api_write(&c, stays, "POST", "/switchover", Some(body)).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    slots_are(&c, stays, vec![format!("{}:true", slot(p))]).await;
-    slots_are(&c, p, vec!["backup_tool:false".into()]).await;
+    slots_are(
+        &c,
+        stays,
+        vec!["archiver:false".into(), format!("{}:true", slot(p))],
+    )
+    .await;
+    slots_are(
+        &c,
+        p,
+        vec!["archiver:false".into(), "backup_tool:false".into()],
+    )
+    .await;
     assert_eq!(
         one(&c.node(p).pg_conninfo(), "SHOW primary_slot_name")
             .await
