@@ -1752,9 +1752,6 @@ impl HaLoop {
         self.stopped.notify_one();
     }
 
-    /// Restarts PostgreSQL in its current role. The start waits at most one
-    /// `loop_wait`: a server still starting is then seen by the next
-    /// iteration, and a leader keeps renewing its lease meanwhile.
     /// The settings in force, as `/patroni` shows them.
     fn cluster_settings(&self) -> ClusterSettings {
         ClusterSettings {
@@ -1939,16 +1936,16 @@ impl HaLoop {
                 Some((name, active))
             })
             .collect();
-        let mut wanted: std::collections::BTreeSet<String> = if leading && self.cfg.use_slots {
-            records(&self.snapshot)
-                .into_iter()
-                .filter(|r| r.state.name != self.cfg.name)
-                .map(|r| crate::slots::slot_name(&r.state.name))
-                .collect()
-        } else {
-            Default::default()
-        };
+        // The slots the other members say they stream through.
+        let mut wanted: std::collections::BTreeSet<String> = Default::default();
         if leading {
+            wanted.extend(
+                records(&self.snapshot)
+                    .into_iter()
+                    .filter(|r| r.state.name != self.cfg.name)
+                    .filter_map(|r| r.slot)
+                    .filter(|s| crate::slots::is_member_slot(s)),
+            );
             wanted.extend(self.permanent_slots.iter().cloned());
         }
         let plan = crate::slots::plan(
@@ -2100,6 +2097,38 @@ impl HaLoop {
         // force where the dynamic configuration does not replace them,
         // moving the leader key to a lease of a new ttl as for a dynamic
         // change.
+        if new.reclone_on_rewind_failure != self.cfg.reclone_on_rewind_failure {
+            tracing::info!(
+                reclone = new.reclone_on_rewind_failure,
+                "reclone_on_rewind_failure reloaded"
+            );
+            self.cfg.reclone_on_rewind_failure = new.reclone_on_rewind_failure;
+        }
+        if new.use_slots != self.cfg.use_slots {
+            // A replica streams through its slot from now on, or without
+            // one; the leader follows the published record.
+            let slot = new
+                .use_slots
+                .then(|| crate::slots::slot_name(&self.cfg.name));
+            let running = self.obs.pg.running;
+            let res = self
+                .pg
+                .with(move |i| {
+                    i.set_primary_slot(slot)?;
+                    if running {
+                        i.reload()?;
+                    }
+                    Ok(())
+                })
+                .await;
+            match res {
+                Ok(()) => {
+                    tracing::info!(use_slots = new.use_slots, "use_slots reloaded");
+                    self.cfg.use_slots = new.use_slots;
+                }
+                Err(e) => tracing::error!(error = %e, "cannot change primary_slot_name"),
+            }
+        }
         if node_settings != ClusterSettings::of(&self.cfg) {
             tracing::info!("timings, protection and failsafe of the node file reloaded");
             self.cfg.rto = new.rto;
@@ -2187,6 +2216,9 @@ impl HaLoop {
         self.restart().await;
     }
 
+    /// Restarts PostgreSQL in its current role. The start waits at most one
+    /// `loop_wait`: a server still starting is then seen by the next
+    /// iteration, and a leader keeps renewing its lease meanwhile.
     async fn restart(&mut self) {
         tracing::info!("restart requested through the API");
         let _ = self.pg.stop(StopMode::Fast).await;
@@ -2272,6 +2304,10 @@ impl HaLoop {
             decision: self.last_decision.clone(),
             pending_restart: pg.running && self.obs.pending_restart,
             scheduled_restart: self.scheduled_restart.clone(),
+            slot: self
+                .cfg
+                .use_slots
+                .then(|| crate::slots::slot_name(&self.cfg.name)),
             postmaster_start_time: self
                 .obs
                 .postmaster_start_time

@@ -42,9 +42,10 @@ pub use record::MemberRecord;
 pub use status::{AgentStatus, Command, StatusHandle};
 
 /// Whether going from the node file's `old` `[agent]` to `new` needs no
-/// restart of the agent: only tags, parameters, callbacks and the cluster
-/// settings (timings, lag limit, protection, failsafe) differ, which a
-/// running agent takes on `SIGHUP`.
+/// restart of the agent: only tags, parameters, callbacks, the cluster
+/// settings (timings, lag limit, protection, failsafe), `use_slots` and
+/// `reclone_on_rewind_failure` differ, which a running agent takes on
+/// `SIGHUP`.
 pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     let mut rest = new.clone();
     rest.tags = old.tags.clone();
@@ -55,6 +56,8 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.maximum_lag_on_failover = old.maximum_lag_on_failover;
     rest.sync = old.sync;
     rest.failsafe = old.failsafe;
+    rest.use_slots = old.use_slots;
+    rest.reclone_on_rewind_failure = old.reclone_on_rewind_failure;
     rest == *old
 }
 
@@ -412,6 +415,7 @@ mod tests {
             "rto = \"fast\"\nfailsafe = true\nmaximum_lag_on_failover = 5",
             "rto = \"fast\"\nnofailover = true\nparameters = { work_mem = \"8MB\" }",
             "rto = \"fast\"\non_start = \"true\"",
+            "rto = \"fast\"\nuse_slots = false\nreclone_on_rewind_failure = false",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
         }

@@ -43,6 +43,9 @@ pub struct MemberRecord {
     /// When the running postmaster started (UTC, ISO 8601): a restart
     /// changes it.
     pub postmaster_start_time: Option<String>,
+    /// The replication slot it streams through as a replica
+    /// (`agent.use_slots`), which the leader keeps for it.
+    pub slot: Option<String>,
 }
 
 /// A restart asked for through the API (`POST /restart`): at once or at a

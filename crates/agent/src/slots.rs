@@ -82,6 +82,17 @@ pub fn permanent(config: Option<&serde_json::Value>) -> Result<BTreeSet<String>,
     Ok(out)
 }
 
+/// Whether `name` is a member's slot name as [`slot_name`] makes them: a
+/// name read from another member's record goes into SQL only then.
+pub fn is_member_slot(name: &str) -> bool {
+    name.len() <= 63
+        && name.len() > PREFIX.len()
+        && name.starts_with(PREFIX)
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
 /// What to change: slots to create and to drop.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotPlan {
@@ -134,6 +145,12 @@ mod tests {
         let long = "a".repeat(63);
         assert_eq!(slot_name(&long).len(), 63);
         assert!(slot_name(&long).starts_with(PREFIX));
+        for n in ["n1", "DB-2.east", &long] {
+            assert!(is_member_slot(&slot_name(n)), "{n}");
+        }
+        for bad in ["pgwarden_", "other", "pgwarden_x'; DROP", "pgwarden_A"] {
+            assert!(!is_member_slot(bad), "{bad}");
+        }
     }
 
     #[test]

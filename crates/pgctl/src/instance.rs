@@ -270,6 +270,26 @@ impl Instance {
         }
     }
 
+    /// Changes the slot this node streams through as a standby; written at
+    /// once if it is one (`primary_slot_name` is reloadable).
+    pub fn set_primary_slot(&mut self, slot: Option<String>) -> Result<()> {
+        self.spec.primary_slot = slot;
+        if self.upstream.is_none() {
+            return Ok(());
+        }
+        match &self.spec.primary_slot {
+            Some(s) => {
+                self.spec
+                    .settings
+                    .insert("primary_slot_name".into(), s.clone());
+            }
+            None => {
+                self.spec.settings.remove("primary_slot_name");
+            }
+        }
+        self.write_settings()
+    }
+
     /// The upstream this standby was last pointed at.
     pub fn upstream(&self) -> Option<(&str, u16)> {
         self.upstream.as_ref().map(|(h, p)| (h.as_str(), *p))

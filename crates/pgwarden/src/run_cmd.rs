@@ -137,7 +137,7 @@ pub async fn serve(
                         }
                         if let (Some(handle), Some(old), Some(fresh)) = (&agent, &running.agent, &new.agent) {
                             if !pgwarden_agent::reloadable(old, fresh) || new.etcd != running.etcd {
-                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection and failsafe take effect at the next restart");
+                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots and reclone_on_rewind_failure take effect at the next restart");
                             }
                             let _ = handle
                                 .commands

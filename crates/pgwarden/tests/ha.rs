@@ -1607,7 +1607,7 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let edited = text
         .replacen(
             "[agent]\n",
-            "[agent]\nnofailover = true\nwatchdog_device = \"/dev/watchdog0\"\n",
+            "[agent]\nnofailover = true\nuse_slots = false\nwatchdog_device = \"/dev/watchdog0\"\n",
             1,
         )
         .replace(
@@ -1675,6 +1675,18 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
         member_status(&c, 0).await.unwrap()["settings"]["loop_wait"],
         1.0
     );
+    // n2 now streams without a slot, and the leader drops the one it kept
+    // for it once the grace has passed.
+    eventually(
+        "n2 streams without a slot",
+        Duration::from_secs(20),
+        || async {
+            let v = one(&conninfo, "SHOW primary_slot_name").await?;
+            v.is_empty().then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    slots_are(&c, 0, vec![]).await;
     let log = c.node(1).agent_log();
     assert!(log.contains("take effect at the next restart"), "{log}");
 }
