@@ -110,9 +110,9 @@ pub struct ApiState {
     pub dcs: EtcdDcs,
     /// Requests to the HA loop.
     pub commands: tokio::sync::mpsc::Sender<Command>,
-    /// User name and password required by the write endpoints; `None`
+    /// User name and password required by the write endpoints; none
     /// refuses every write.
-    pub credentials: Option<(String, String)>,
+    pub credentials: Arc<Credentials>,
     /// How long `POST /switchover` and `POST /failover` wait for the leader
     /// to change ([`DEFAULT_SWITCHOVER_WAIT`] in the agent).
     pub switchover_wait: Duration,
@@ -614,8 +614,29 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// The write endpoints' user name and password, which a reloaded
+/// configuration file replaces while the API serves.
+#[derive(Debug, Default)]
+pub struct Credentials(arc_swap::ArcSwapOption<(String, String)>);
+
+impl Credentials {
+    /// Credentials of `user` and `password`; `None` refuses every write.
+    pub fn new(credentials: Option<(String, String)>) -> Arc<Credentials> {
+        Arc::new(Credentials(arc_swap::ArcSwapOption::from_pointee(
+            credentials,
+        )))
+    }
+
+    /// Replaces them; whether they changed.
+    pub fn set(&self, credentials: Option<(String, String)>) -> bool {
+        let old = self.0.swap(credentials.clone().map(Arc::new));
+        old.as_deref() != credentials.as_ref()
+    }
+}
+
 fn authorize(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some((user, password)) = &state.credentials else {
+    let credentials = state.credentials.0.load();
+    let Some((user, password)) = credentials.as_deref() else {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "write endpoints are disabled: configure agent.api_password \
@@ -1443,6 +1464,19 @@ mod tests {
             c,
             json!({"ttl": 20, "postgresql": {"parameters": {"b": 2, "c": 3}}, "y": [1]})
         );
+    }
+
+    #[test]
+    fn credentials_are_replaced_in_place() {
+        let c = Credentials::new(Some(("u".into(), "p".into())));
+        assert!(!c.set(Some(("u".into(), "p".into()))), "unchanged");
+        assert!(c.set(Some(("u".into(), "q".into()))));
+        assert_eq!(
+            c.0.load().as_deref(),
+            Some(&("u".to_string(), "q".to_string()))
+        );
+        assert!(c.set(None));
+        assert!(c.0.load().is_none());
     }
 
     #[test]

@@ -43,9 +43,9 @@ pub use status::{AgentStatus, Command, StatusHandle};
 
 /// Whether going from the node file's `old` `[agent]` to `new` needs no
 /// restart of the agent: only tags, parameters, callbacks, the cluster
-/// settings (timings, lag limit, protection, failsafe), `use_slots` and
-/// `reclone_on_rewind_failure` differ, which a running agent takes on
-/// `SIGHUP`.
+/// settings (timings, lag limit, protection, failsafe), `use_slots`,
+/// `reclone_on_rewind_failure` and the API's credentials differ, which a
+/// running agent takes on `SIGHUP`.
 pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     let mut rest = new.clone();
     rest.tags = old.tags.clone();
@@ -58,6 +58,9 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.failsafe = old.failsafe;
     rest.use_slots = old.use_slots;
     rest.reclone_on_rewind_failure = old.reclone_on_rewind_failure;
+    rest.api_username = old.api_username.clone();
+    rest.api_password = old.api_password.clone();
+    rest.api_password_file = old.api_password_file.clone();
     rest == *old
 }
 
@@ -166,6 +169,8 @@ pub struct AgentHandle {
     /// exchange (as the leader, or acknowledging it): while recent, the
     /// leader stands even though etcd is silent.
     pub failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// The REST API's write credentials, replaced on a reload.
+    pub api_credentials: Arc<api::Credentials>,
 }
 
 impl AgentHandle {
@@ -301,12 +306,13 @@ pub async fn start(
     let (changes_tx, changes) = watch::channel(0);
     let (commands, commands_rx) = mpsc::channel(16);
     let failsafe_seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let credentials = api::Credentials::new(api_credentials);
     let api_state = Arc::new(api::ApiState {
         name: cfg.name.clone(),
         status: status.clone(),
         dcs: dcs.clone(),
         commands: commands.clone(),
-        credentials: api_credentials,
+        credentials: credentials.clone(),
         switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
         failsafe_seen: failsafe_seen.clone(),
     });
@@ -357,6 +363,7 @@ pub async fn start(
         stopped,
         failed,
         failsafe_seen,
+        api_credentials: credentials,
     })
 }
 
@@ -416,12 +423,12 @@ mod tests {
             "rto = \"fast\"\nnofailover = true\nparameters = { work_mem = \"8MB\" }",
             "rto = \"fast\"\non_start = \"true\"",
             "rto = \"fast\"\nuse_slots = false\nreclone_on_rewind_failure = false",
+            "rto = \"fast\"\napi_username = \"admin\"\napi_password = \"x\"",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
         }
         for restart in [
             "rto = \"fast\"\nwatchdog = \"automatic\"",
-            "rto = \"fast\"\napi_username = \"admin\"",
             "rto = \"fast\"\nreplication_user = \"replicator\"",
         ] {
             assert!(!reloadable(&old, &agent(restart)), "{restart}");

@@ -98,7 +98,9 @@ impl Api {
             status: status.clone(),
             dcs,
             commands: tx,
-            credentials: credentials.map(|(u, p)| (u.to_string(), p.to_string())),
+            credentials: pgwarden_agent::api::Credentials::new(
+                credentials.map(|(u, p)| (u.to_string(), p.to_string())),
+            ),
             switchover_wait,
             failsafe_seen: Default::default(),
         });

@@ -101,7 +101,7 @@ pub async fn refuse_writes_while_blocked(
 /// The REST API's write credentials: `agent.api_password`, the first line
 /// of `agent.api_password_file` (relative to the configuration file), or
 /// `PGWARDEN_API_PASSWORD`; none of them leaves the write endpoints closed.
-fn api_credentials(
+pub(crate) fn api_credentials(
     agent: &pgwarden_config::AgentConfig,
     config_path: &std::path::Path,
 ) -> anyhow::Result<Option<(String, String)>> {

@@ -136,8 +136,16 @@ pub async fn serve(
                             tracing::warn!("engine.worker_threads, worker_fill and pool_affinity take effect at the next restart");
                         }
                         if let (Some(handle), Some(old), Some(fresh)) = (&agent, &running.agent, &new.agent) {
+                            match crate::agent_cmd::api_credentials(fresh, path) {
+                                Ok(c) => {
+                                    if handle.api_credentials.set(c) {
+                                        tracing::info!("REST API credentials reloaded");
+                                    }
+                                }
+                                Err(e) => tracing::error!("REST API credentials not reloaded, the old ones stay: {e:#}"),
+                            }
                             if !pgwarden_agent::reloadable(old, fresh) || new.etcd != running.etcd {
-                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots and reclone_on_rewind_failure take effect at the next restart");
+                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure and the API's credentials take effect at the next restart");
                             }
                             let _ = handle
                                 .commands

@@ -73,7 +73,7 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
         status: Arc::new(ArcSwap::from_pointee(st)),
         dcs: dcs.clone(),
         commands: tx,
-        credentials: Some(("pgwarden".into(), "pw".into())),
+        credentials: pgwarden_agent::api::Credentials::new(Some(("pgwarden".into(), "pw".into()))),
         switchover_wait: Duration::from_millis(500),
         failsafe_seen: Default::default(),
     });

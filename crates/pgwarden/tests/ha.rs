@@ -1614,7 +1614,8 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
             "max_connections = 50 }",
             "max_connections = 50, work_mem = \"6MB\" }",
         )
-        .replace("loop_wait = 1", "loop_wait = 2");
+        .replace("loop_wait = 1", "loop_wait = 2")
+        .replace("api_password = \"secret\"", "api_password = \"rotated\"");
     assert_ne!(edited, text);
     std::fs::write(&file, edited).unwrap();
     c.reload_agent(1);
@@ -1687,6 +1688,25 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     )
     .await;
     slots_are(&c, 0, vec![]).await;
+    // The API takes the new password, and no longer the old one.
+    let url = format!("{}/reload", c.node(1).api_url());
+    let post = |password: &'static str| {
+        let url = url.clone();
+        async move {
+            pgwarden_agent::http_client::request(
+                "POST",
+                &url,
+                None,
+                Some(("pgwarden", password)),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap()
+            .status
+        }
+    };
+    assert_eq!(post("secret").await, 401);
+    assert_eq!(post("rotated").await, 202);
     let log = c.node(1).agent_log();
     assert!(log.contains("take effect at the next restart"), "{log}");
 }
