@@ -291,6 +291,7 @@ fn replica_check(m: &MemberRecord, lag_limit: Option<u64>) -> bool {
     m.status == "running"
         && m.state.role == MemberRole::Replica
         && !m.state.tags.noloadbalance
+        && !m.state.fenced
         && match lag_limit {
             Some(limit) => lag_within(m, limit),
             None => true,
@@ -417,6 +418,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "pending_restart": m.pending_restart,
         "scheduled_restart": m.scheduled_restart,
         "postmaster_start_time": m.postmaster_start_time,
+        "fenced": m.state.fenced,
         "settings": st.settings.to_json(),
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),
@@ -435,6 +437,7 @@ async fn patroni(State(state): State<Arc<ApiState>>) -> Response {
 pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
     let leader = snap.leader.as_ref().map(|l| l.name.clone());
     let sync = sync_members(snap);
+    let fenced = record::fenced(snap);
     let quorum = record::sync_state(snap).and_then(|s| s.quorum);
     let members: Vec<Value> = record::records(snap)
         .into_iter()
@@ -470,6 +473,7 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 "decision": r.decision,
                 "pending_restart": r.pending_restart,
                 "scheduled_restart": r.scheduled_restart,
+                "fenced": fenced.contains(&name),
             })
         })
         .collect();
@@ -728,6 +732,13 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
     crate::slots::permanent(Some(&config)).map_err(ApiError::bad_request)?;
+    let fenced = record::fenced_in(Some(&config)).map_err(ApiError::bad_request)?;
+    if let Some(l) = snap.leader.as_ref().filter(|l| fenced.contains(&l.name)) {
+        return Err(ApiError::bad_request(format!(
+            "fenced.{}: it leads; switch over to another member before fencing it",
+            l.name
+        )));
+    }
     state
         .status
         .load()

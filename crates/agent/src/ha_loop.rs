@@ -1110,10 +1110,11 @@ impl HaLoop {
             // Before the first write can be acknowledged, PostgreSQL must
             // already wait for standbys: those running now will reconnect to
             // this node. In strict mode with none, commits wait for one.
+            let fenced = crate::record::fenced(&self.snapshot);
             let members: Vec<String> = records(&self.snapshot)
                 .into_iter()
                 .filter(|r| r.state.name != self.cfg.name && r.state.running)
-                .filter(|r| !r.state.tags.nosync)
+                .filter(|r| !r.state.tags.nosync && !fenced.contains(&r.state.name))
                 .map(|r| r.state.name)
                 .collect();
             let config = wanted_config(&self.sync, &SyncConfig::none(), &members);
@@ -1507,6 +1508,7 @@ impl HaLoop {
             }
         };
         let records = records(&self.snapshot);
+        let fenced = crate::record::fenced(&self.snapshot);
         let col =
             |r: &Vec<Option<String>>, i: usize| r.get(i).cloned().flatten().unwrap_or_default();
         // The extra row, the only one without a name, carries the position
@@ -1526,6 +1528,7 @@ impl HaLoop {
             .filter(|r| {
                 let name = col(r, 0);
                 name != self.cfg.name
+                    && !fenced.contains(&name)
                     && records
                         .iter()
                         .any(|m| m.state.name == name && !m.state.tags.nosync)
@@ -2284,7 +2287,7 @@ impl HaLoop {
                     t.nofailover |= self.watchdog_problem.is_some();
                     t
                 },
-                fenced: false,
+                fenced: crate::record::fenced(&self.snapshot).contains(&self.cfg.name),
                 last_seen_ms_ago: 0,
                 api_url: self.cfg.api_url.clone(),
             },

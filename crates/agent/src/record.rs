@@ -1,6 +1,7 @@
 //! What an agent publishes under `members/<name>`, and how a DCS snapshot
 //! becomes the [`ClusterView`] the HA decision reads.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pgwarden_dcs::ClusterSnapshot;
@@ -100,6 +101,39 @@ pub fn paused(snapshot: &ClusterSnapshot) -> bool {
         .unwrap_or(false)
 }
 
+/// The members the dynamic configuration fences: `"fenced": {"n3": true}`
+/// (`pgwarden ctl fence n3`). A fenced member is never promoted nor made a
+/// synchronous standby, and takes no read traffic; an error names what is
+/// malformed.
+pub fn fenced_in(config: Option<&serde_json::Value>) -> Result<BTreeSet<String>, String> {
+    let Some(f) = config
+        .and_then(|c| c.get("fenced"))
+        .filter(|v| !v.is_null())
+    else {
+        return Ok(BTreeSet::new());
+    };
+    let serde_json::Value::Object(f) = f else {
+        return Err("fenced: must be an object of member names, e.g. {\"n3\": true}".into());
+    };
+    let mut out = BTreeSet::new();
+    for (name, v) in f {
+        match v {
+            serde_json::Value::Bool(true) => {
+                out.insert(name.clone());
+            }
+            serde_json::Value::Bool(false) | serde_json::Value::Null => {}
+            _ => return Err(format!("fenced.{name}: must be true or false")),
+        }
+    }
+    Ok(out)
+}
+
+/// [`fenced_in`] of the snapshot's configuration; a malformed entry fences
+/// nobody.
+pub fn fenced(snapshot: &ClusterSnapshot) -> BTreeSet<String> {
+    fenced_in(snapshot.config.as_ref()).unwrap_or_default()
+}
+
 /// The members' published records, skipping any that do not decode.
 pub fn records(snapshot: &ClusterSnapshot) -> Vec<MemberRecord> {
     snapshot
@@ -119,11 +153,14 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
     let claim = sync
         .as_ref()
         .map_or_else(pgwarden_ha::Claim::none, SyncState::claim);
+    let fenced = fenced(snapshot);
     let members = records(snapshot)
         .into_iter()
         .map(|r| {
             let mut m = r.state;
             m.last_seen_ms_ago = now_ms.saturating_sub(r.updated_ms);
+            // Whatever the member has published so far.
+            m.fenced |= fenced.contains(&m.name);
             m
         })
         .collect();
@@ -170,6 +207,36 @@ mod tests {
     use pgwarden_dcs::{LeaderKey, LeaseId};
     use pgwarden_ha::MemberRole;
     use serde_json::json;
+
+    #[test]
+    fn fenced_members_come_from_the_dynamic_configuration() {
+        let got = fenced_in(Some(
+            &json!({"fenced": {"n2": true, "n3": false, "n4": null}}),
+        ))
+        .unwrap();
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), ["n2"]);
+        assert!(fenced_in(None).unwrap().is_empty());
+        assert!(fenced_in(Some(&json!({"fenced": ["n2"]}))).is_err());
+        let e = fenced_in(Some(&json!({"fenced": {"n2": "yes"}}))).unwrap_err();
+        assert!(e.starts_with("fenced.n2:"), "{e}");
+        // In the view, whatever the member published.
+        let mut snap = ClusterSnapshot {
+            config: Some(json!({"fenced": {"n2": true}})),
+            ..Default::default()
+        };
+        let rec = MemberRecord {
+            state: MemberState {
+                name: "n2".into(),
+                ..MemberState::default()
+            },
+            ..MemberRecord::default()
+        };
+        snap.members
+            .push(("n2".into(), serde_json::to_value(&rec).unwrap()));
+        assert!(cluster_view(&snap, 0).members[0].fenced);
+        snap.config = None;
+        assert!(!cluster_view(&snap, 0).members[0].fenced);
+    }
 
     #[test]
     fn a_record_round_trips_and_feeds_the_view() {

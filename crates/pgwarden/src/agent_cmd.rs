@@ -144,6 +144,11 @@ pub async fn follow_leader(
     loop {
         let st = agent.status.load_full();
         let members = st.cluster.as_ref().map(records).unwrap_or_default();
+        let fenced = st
+            .cluster
+            .as_ref()
+            .map(pgwarden_agent::record::fenced)
+            .unwrap_or_default();
         // A leader that every member still acknowledges (failsafe) stands
         // even while etcd is silent.
         let failsafe_age = pgwarden_agent::record::unix_ms().saturating_sub(
@@ -203,7 +208,9 @@ pub async fn follow_leader(
                 }
             };
             let tags = &mut new_hosts[i].tags;
-            if m.state.tags.noloadbalance && !tags.iter().any(|t| t == "noloadbalance") {
+            // A fenced member takes no read traffic either.
+            let excluded = m.state.tags.noloadbalance || fenced.contains(&m.state.name);
+            if excluded && !tags.iter().any(|t| t == "noloadbalance") {
                 tags.push("noloadbalance".into());
             }
         }

@@ -132,6 +132,17 @@ enum Command {
     Reinit,
     /// Make the member's PostgreSQL re-read its configuration.
     Reload,
+    /// Fence a member: it is never promoted nor made a synchronous
+    /// standby, and takes no read traffic, until unfenced.
+    Fence {
+        /// The member.
+        member: String,
+    },
+    /// Lift a member's fence.
+    Unfence {
+        /// The member.
+        member: String,
+    },
 }
 
 /// Runs one `pgwarden ctl` command.
@@ -227,7 +238,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             println!("{}", api.write("DELETE", "/restart", None, TIMEOUT).await?)
         }
         Command::Reload => println!("{}", api.write("POST", "/reload", None, TIMEOUT).await?),
+        Command::Fence { member } => fence(&api, &member, true).await?,
+        Command::Unfence { member } => fence(&api, &member, false).await?,
     }
+    Ok(())
+}
+
+/// `fence` and `unfence`: one entry of the dynamic configuration's
+/// `fenced` object.
+async fn fence(api: &Api, member: &str, on: bool) -> anyhow::Result<()> {
+    let mut fenced = serde_json::Map::new();
+    fenced.insert(
+        member.to_string(),
+        if on { json!(true) } else { Value::Null },
+    );
+    let patch = json!({ "fenced": fenced });
+    api.write("PATCH", "/config", Some(patch), TIMEOUT).await?;
+    println!("{member}: {}", if on { "fenced" } else { "unfenced" });
     Ok(())
 }
 
@@ -470,6 +497,14 @@ pub(crate) fn render_list(cluster: &Value) -> String {
     if cluster["paused"].as_bool() == Some(true) {
         out += "Maintenance mode: on\n";
     }
+    let fenced: Vec<&str> = members
+        .iter()
+        .filter(|m| m["fenced"] == true)
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    if !fenced.is_empty() {
+        out += &format!("Fenced: {}\n", fenced.join(", "));
+    }
     if let Some(sync) = cluster.get("sync").filter(|s| s["synchronous"] == true) {
         let since = |k: &str| sync[k].as_u64().map(utc_timestamp);
         if let Some(t) = since("blocked_since_ms") {
@@ -613,7 +648,7 @@ mod tests {
                  "timeline": 3, "lag": 3_500_000, "problem": null, "pending_restart": true,
                  "scheduled_restart": {"schedule": "2030-01-01T01:00:00Z", "restart_pending": true}},
                 {"name": "n3", "role": "stopped", "state": "stopped", "pg_address": "10.0.0.3:5432",
-                 "timeline": 2, "lag": null, "problem": "rewind failed"},
+                 "timeline": 2, "lag": null, "problem": "rewind failed", "fenced": true},
             ],
         });
         let out = render_list(&cluster);
@@ -627,6 +662,7 @@ Cluster: c (leader: n1)
 | n3     | 10.0.0.3:5432 | Stopped      | stopped |  2 |   unknown |
 +--------+---------------+--------------+---------+----+-----------+
 Maintenance mode: on
+Fenced: n3
 Pending restart on n2
 Restart of n2 scheduled at 2030-01-01T01:00:00Z
 Problem on n3: rewind failed

@@ -1484,6 +1484,91 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
     leader_stands_through_an_etcd_outage(&mut c).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_member_takes_no_reads_and_is_never_promoted() {
+    let mut c = cluster().nodes(2).start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    let r = 1 - p;
+    let (leader, replica) = (c.node(p).name.clone(), c.node(r).name.clone());
+    let urls: Vec<String> = (0..2).map(|i| c.node(i).api_url()).collect();
+    let ctl = |i: usize, args: Vec<String>| {
+        let url = urls[i].clone();
+        async move {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+                .args(["ctl", "--api", &url, "--password", "secret"])
+                .args(args)
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    // Not the leader: switch over first.
+    let out = ctl(r, vec!["fence".into(), leader.clone()]).await;
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("switch over"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl(p, vec!["fence".into(), replica.clone()]).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("the replica fenced", Duration::from_secs(20), || async {
+        let v = member_status(&c, r).await?;
+        (v["fenced"] == true && c.api_status(r, "/replica") == Some(503))
+            .then_some(())
+            .ok_or(v.to_string())
+    })
+    .await;
+    // The read-only port no longer reaches it: reads fall back to the
+    // primary.
+    let ro = c.node(p).ro_conninfo();
+    eventually(
+        "reads go to the primary",
+        Duration::from_secs(20),
+        || async {
+            let v = one(&ro, "SELECT pg_is_in_recovery()").await?;
+            (v == "f").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    // The leader dies: the fenced replica does not take over.
+    c.kill_node(p);
+    eventually(
+        "the fenced replica stays out",
+        Duration::from_secs(30),
+        || async {
+            let v = member_status(&c, r).await?;
+            let d = v["last_decision"].as_str().unwrap_or_default().to_string();
+            (d.contains("not eligible (fenced)") && v["leader"].is_null())
+                .then_some(())
+                .ok_or(d)
+        },
+    )
+    .await;
+    // Unfenced, it leads.
+    let out = ctl(r, vec!["unfence".into(), replica.clone()]).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually(
+        "the unfenced member leads",
+        Duration::from_secs(30),
+        || async {
+            let l = read_cluster(&c).await.leader;
+            (l.as_ref().map(|l| &l.name) == Some(&replica))
+                .then_some(())
+                .ok_or(format!("{l:?}"))
+        },
+    )
+    .await;
+}
+
 /// The replication slots of node `i`'s server, as `name:active`, sorted.
 async fn slots_of(c: &AgentCluster, i: usize) -> Result<Vec<String>, String> {
     query(
