@@ -129,6 +129,8 @@ pub(crate) struct HaLoop {
     permanent_slots: std::collections::BTreeSet<String>,
     /// The permanent slots last refused, so it is logged once.
     slots_refused: Option<String>,
+    /// The last failed slot change, so it is logged once.
+    slot_error: Option<String>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -208,6 +210,7 @@ impl HaLoop {
             slots_unwanted: Default::default(),
             permanent_slots: Default::default(),
             slots_refused: None,
+            slot_error: None,
             failed,
             cfg,
         }
@@ -1964,9 +1967,7 @@ impl HaLoop {
             let sql = format!("SELECT pg_create_physical_replication_slot('{name}', true)");
             match self.pg.query(&sql, Duration::from_secs(2)).await {
                 Ok(_) => tracing::info!(slot = %name, "replication slot created"),
-                Err(e) => {
-                    tracing::warn!(slot = %name, error = %e, "cannot create a replication slot")
-                }
+                Err(e) => self.slot_failed(&name, "cannot create a replication slot", e),
             }
         }
         for name in plan.drop {
@@ -1977,10 +1978,18 @@ impl HaLoop {
                     self.slots_unwanted.remove(&name);
                     tracing::info!(slot = %name, "replication slot of no member dropped");
                 }
-                Err(e) => {
-                    tracing::warn!(slot = %name, error = %e, "cannot drop a replication slot")
-                }
+                Err(e) => self.slot_failed(&name, "cannot drop a replication slot", e),
             }
+        }
+    }
+
+    /// Logs a failed slot change, once while it keeps failing the same way
+    /// (a full `max_replication_slots` would otherwise warn every loop).
+    fn slot_failed(&mut self, slot: &str, what: &str, error: String) {
+        let key = format!("{what} {slot}: {error}");
+        if self.slot_error.as_deref() != Some(key.as_str()) {
+            tracing::warn!(slot, error = %error, "{what}");
+            self.slot_error = Some(key);
         }
     }
 
