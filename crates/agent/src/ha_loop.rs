@@ -131,6 +131,8 @@ pub(crate) struct HaLoop {
     slots_refused: Option<String>,
     /// The last failed slot change, so it is logged once.
     slot_error: Option<String>,
+    /// The member PostgreSQL was last pointed at as its upstream.
+    upstream: Option<String>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -211,6 +213,7 @@ impl HaLoop {
             permanent_slots: Default::default(),
             slots_refused: None,
             slot_error: None,
+            upstream: None,
             failed,
             cfg,
         }
@@ -1241,6 +1244,7 @@ impl HaLoop {
                     tracing::error!(error = %e, "cannot configure the replica");
                     return;
                 }
+                self.upstream = Some(leader.clone());
                 (self.timing.loop_wait, "replica")
             }
             StartMode::Replica => {
@@ -1398,6 +1402,9 @@ impl HaLoop {
             }
             return;
         }
+        let (source, addr) = self
+            .upstream_of(leader)
+            .unwrap_or_else(|| (leader.to_string(), addr));
         let user = self.pg.replication_user().to_string();
         let res = self
             .pg
@@ -1412,10 +1419,45 @@ impl HaLoop {
             })
             .await;
         match res {
-            Ok(true) => tracing::info!(leader, "now streaming from the leader"),
+            Ok(true) if source == leader => tracing::info!(leader, "now streaming from the leader"),
+            Ok(true) => {
+                tracing::info!(upstream = %source, "now streaming from {source} (replicatefrom)")
+            }
             Ok(false) => {}
-            Err(e) => tracing::error!(error = %e, "cannot point the replica at the leader"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot point the replica at its upstream");
+                return;
+            }
         }
+        self.upstream = Some(source);
+    }
+
+    /// Whom a replica streams from: the member its `replicatefrom` tag
+    /// names while that one is up (running, heard from within the ttl,
+    /// and not streaming from this member itself), else the leader.
+    fn upstream_of(&self, leader: &str) -> Option<(String, HostAddr)> {
+        let ttl_ms = self.timing.ttl.as_millis() as u64;
+        let now = unix_ms();
+        let from = self
+            .cfg
+            .tags
+            .replicatefrom
+            .as_deref()
+            .filter(|f| *f != leader && *f != self.cfg.name);
+        let cascade = from.and_then(|from| {
+            records(&self.snapshot)
+                .into_iter()
+                .find(|r| r.state.name == from)
+                .filter(|r| {
+                    now.saturating_sub(r.updated_ms) <= ttl_ms
+                        && r.state.running
+                        && r.status == "running"
+                        && r.upstream.as_deref() != Some(self.cfg.name.as_str())
+                })
+                .and_then(|r| r.pg_address.parse().ok())
+                .map(|a| (from.to_string(), a))
+        });
+        cascade.or_else(|| self.member_address(leader).map(|a| (leader.to_string(), a)))
     }
 
     async fn release(&mut self, reason: &ReleaseReason, view: &ClusterView) {
@@ -1903,10 +1945,11 @@ impl HaLoop {
         }
     }
 
-    /// Keeps the members' replication slots ([`crate::slots`]): as the
-    /// leader one for every other member, and the permanent ones of the
-    /// dynamic configuration; otherwise none of ours (those left from a
-    /// time as leader go).
+    /// Keeps the members' replication slots ([`crate::slots`]): one for
+    /// every member that streams from here (as the leader, also for those
+    /// that have not said whom they stream from), and as the leader the
+    /// permanent ones of the dynamic configuration; ours that nobody needs
+    /// go after the grace.
     async fn manage_slots(&mut self, leading: bool) {
         match crate::slots::permanent(self.snapshot.config.as_ref()) {
             Ok(p) => {
@@ -1942,16 +1985,20 @@ impl HaLoop {
                 Some((name, active))
             })
             .collect();
-        // The slots the other members say they stream through.
-        let mut wanted: std::collections::BTreeSet<String> = Default::default();
+        // The slots of the members that say they stream from here (the
+        // leader's also of those that have not said yet).
+        let me = self.cfg.name.as_str();
+        let mut wanted: std::collections::BTreeSet<String> = records(&self.snapshot)
+            .into_iter()
+            .filter(|r| r.state.name != me)
+            .filter(|r| match r.upstream.as_deref() {
+                Some(u) => u == me,
+                None => leading,
+            })
+            .filter_map(|r| r.slot)
+            .filter(|s| crate::slots::is_member_slot(s))
+            .collect();
         if leading {
-            wanted.extend(
-                records(&self.snapshot)
-                    .into_iter()
-                    .filter(|r| r.state.name != self.cfg.name)
-                    .filter_map(|r| r.slot)
-                    .filter(|s| crate::slots::is_member_slot(s)),
-            );
             wanted.extend(self.permanent_slots.iter().cloned());
         }
         let plan = crate::slots::plan(
@@ -2320,6 +2367,7 @@ impl HaLoop {
                 .cfg
                 .use_slots
                 .then(|| crate::slots::slot_name(&self.cfg.name)),
+            upstream: self.upstream.clone().filter(|_| pg.in_recovery),
             postmaster_start_time: self
                 .obs
                 .postmaster_start_time

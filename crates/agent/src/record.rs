@@ -45,8 +45,11 @@ pub struct MemberRecord {
     /// changes it.
     pub postmaster_start_time: Option<String>,
     /// The replication slot it streams through as a replica
-    /// (`agent.use_slots`), which the leader keeps for it.
+    /// (`agent.use_slots`), which its upstream keeps for it.
     pub slot: Option<String>,
+    /// The member it streams from as a replica: the leader, or the one its
+    /// `replicatefrom` tag names.
+    pub upstream: Option<String>,
 }
 
 /// A restart asked for through the API (`POST /restart`): at once or at a

@@ -1,10 +1,12 @@
 //! Physical replication slots for the members (`agent.use_slots`).
 //!
-//! The leader keeps a slot for every other member, so WAL a replica has
-//! not received yet stays on the leader while the replica lags behind or
-//! reconnects, instead of being recycled once `wal_keep_size` is exceeded
-//! (which would leave the replica needing a new clone). Each replica
-//! streams through its own slot (`primary_slot_name`); a new member
+//! Every member keeps a slot for each member that streams from it (the
+//! leader for most, a replica for one that cascades from it with
+//! `replicatefrom`), so WAL a replica has not received yet stays upstream
+//! while the replica lags behind or reconnects, instead of being recycled
+//! once `wal_keep_size` is exceeded (which would leave the replica needing
+//! a new clone). Each replica streams through its own slot
+//! (`primary_slot_name`) and publishes it with its upstream; a new member
 //! creates it when it clones the leader (`pg_basebackup --create-slot`).
 //!
 //! Only slots named with [`PREFIX`] are pgwarden's: an operator's own

@@ -231,6 +231,7 @@ pub(crate) struct RawAgent {
     maximum_lag_on_failover: Option<u64>,
     #[serde(default)]
     nofailover: bool,
+    replicatefrom: Option<String>,
     failover_priority: Option<i32>,
     #[serde(default)]
     nosync: bool,
@@ -461,10 +462,20 @@ pub(crate) fn agent(
         };
         src.invalid(rto_span.clone(), key, format!("{e} (rto = {rto})"))
     })?;
+    if let Some(from) = &raw.replicatefrom {
+        if !valid_member_name(from) || *from == name {
+            return Err(src.invalid(
+                None,
+                "agent.replicatefrom",
+                format!("{from:?} must name another member of the cluster"),
+            ));
+        }
+    }
     let mut tags = Tags {
         nofailover: raw.nofailover,
         nosync: raw.nosync,
         noloadbalance: raw.noloadbalance,
+        replicatefrom: raw.replicatefrom.clone(),
         ..Tags::default()
     };
     if let Some(p) = raw.failover_priority {

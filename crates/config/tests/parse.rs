@@ -788,6 +788,24 @@ http = "127.0.0.1:6434"
 "#;
 
 #[test]
+fn agent_replicatefrom_names_another_member() {
+    let with = |v: &str| {
+        AGENT_MINIMAL.replace(
+            "rto = \"fast\"",
+            &format!("rto = \"fast\"\nreplicatefrom = {v}"),
+        )
+    };
+    let c = parse(&with("\"n2\""), FILE).unwrap();
+    let a = c.agent.unwrap();
+    assert_eq!(a.tags.replicatefrom.as_deref(), Some("n2"));
+    assert!(a.use_slots, "slots are on by default");
+    for bad in ["\"n1\"", "\"no such!\""] {
+        let e = parse(&with(bad), FILE).unwrap_err().to_string();
+        assert!(e.contains("agent.replicatefrom"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn agent_minimal_file() {
     let c = parse(AGENT_MINIMAL, FILE).unwrap();
     let a = c.agent.as_ref().expect("agent section");

@@ -44,6 +44,10 @@ pub struct Tags {
     pub nosync: bool,
     /// Keep this member out of read-only load balancing.
     pub noloadbalance: bool,
+    /// Stream from this member rather than the leader (cascading
+    /// replication) while it is up, as Patroni's tag does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicatefrom: Option<String>,
 }
 
 impl Default for Tags {
@@ -54,6 +58,7 @@ impl Default for Tags {
             failover_priority: 1,
             nosync: false,
             noloadbalance: false,
+            replicatefrom: None,
         }
     }
 }

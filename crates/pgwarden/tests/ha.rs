@@ -1485,6 +1485,62 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_tagged_replicatefrom_cascades_and_falls_back_to_the_leader() {
+    let mut c = cluster().node_settings(2, "replicatefrom = \"n2\"").start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    assert_eq!(p, 0, "node 0 bootstraps the cluster");
+    let conninfos: Vec<String> = (0..3).map(|i| c.node(i).pg_conninfo()).collect();
+    let streams_from = |i: usize| {
+        let conninfo = conninfos[i].clone();
+        async move {
+            query(
+                &conninfo,
+                "SELECT application_name FROM pg_stat_replication \
+                 WHERE state = 'streaming' ORDER BY 1",
+            )
+            .await
+        }
+    };
+    // n3 streams from n2, through a slot that n2 keeps for it; the leader
+    // keeps only n2's (the one n3's clone created goes after the grace).
+    eventually("n3 streams from n2", Duration::from_secs(40), || async {
+        let (a, b) = (streams_from(0).await?, streams_from(1).await?);
+        (a == ["n2"] && b == ["n3"])
+            .then_some(())
+            .ok_or(format!("n1 feeds {a:?}, n2 feeds {b:?}"))
+    })
+    .await;
+    slots_are(&c, 1, vec!["pgwarden_n3:true".into()]).await;
+    slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
+    let leader = c.node(0).pg_conninfo();
+    query(
+        &leader,
+        "CREATE TABLE cascade_t (x int); INSERT INTO cascade_t VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let n3 = c.node(2).pg_conninfo();
+    eventually("the row reaches n3", Duration::from_secs(20), || async {
+        let v = one(&n3, "SELECT count(*) FROM cascade_t").await?;
+        (v == "1").then_some(()).ok_or(v)
+    })
+    .await;
+
+    // n2 is gone: n3 streams from the leader, which keeps its slot.
+    c.kill_node(1);
+    eventually(
+        "n3 streams from the leader",
+        Duration::from_secs(40),
+        || async {
+            let a = streams_from(0).await?;
+            (a == ["n3"]).then_some(()).ok_or(format!("{a:?}"))
+        },
+    )
+    .await;
+    slots_are(&c, 0, vec!["pgwarden_n3:true".into()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_member_takes_no_reads_and_is_never_promoted() {
     let mut c = cluster().nodes(2).start();
     let p = healthy(&c, 1, BOOTSTRAP).await;
