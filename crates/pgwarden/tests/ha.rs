@@ -1141,6 +1141,12 @@ async fn api_call(
     .unwrap_or_else(|e| panic!("{method} {url}: {e}"))
 }
 
+/// `PATCH /config` through node `i`'s API, which must take it.
+async fn patch_config_ok(c: &AgentCluster, i: usize, patch: serde_json::Value) {
+    let r = api_call(c, i, "PATCH", "/config", patch).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// Waits until `SHOW name` on every node gives `want`.
 async fn everywhere(c: &AgentCluster, name: &str, want: &str) {
     for i in 0..c.len() {
@@ -1166,30 +1172,24 @@ async fn dynamic_parameters_reach_every_member() {
     let patroni = |i: usize| member_status(&c, i);
     // For every member; shared_buffers is also in each node's own file,
     // which wins.
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         params(serde_json::json!({"work_mem": "8MB", "shared_buffers": "32MB"})),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
     everywhere(&c, "work_mem", "8MB").await;
     everywhere(&c, "shared_buffers", "16MB").await;
     for i in 0..2 {
         assert_eq!(patroni(i).await.unwrap()["pending_restart"], false);
     }
     // One that takes a restart: pending on each member until it restarts.
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         params(serde_json::json!({"max_prepared_transactions": 5})),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
     for i in 0..2 {
         eventually("a pending restart", Duration::from_secs(20), || async {
             let v = patroni(i).await?;
@@ -1224,15 +1224,7 @@ async fn dynamic_parameters_reach_every_member() {
     }
 
     // Removed: back to the default.
-    let r = api_call(
-        &c,
-        1,
-        "PATCH",
-        "/config",
-        params(serde_json::json!({"work_mem": null})),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    patch_config_ok(&c, 1, params(serde_json::json!({"work_mem": null}))).await;
     everywhere(&c, "work_mem", "4MB").await;
     // What the agent manages, and values that are not scalars, are refused.
     for bad in [
@@ -1276,15 +1268,12 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
     // Longer than the nodes' own ttl (6 s): the leader moves its key to a
     // lease of 14 s, which only the new ttl explains, without letting go
     // of it.
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         serde_json::json!({"ttl": 14, "loop_wait": 2, "maximum_lag_on_failover": 2097152}),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
     timing_is(14.0, 2.0, 2097152).await;
     eventually(
         "the leader key on a lease of the new ttl",
@@ -1321,15 +1310,12 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
     timing_is(14.0, 2.0, 2097152).await;
 
     // Shorter again; the key keeps its leadership throughout.
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         serde_json::json!({"ttl": 10, "loop_wait": 1, "maximum_lag_on_failover": null}),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
     timing_is(10.0, 1.0, 1048576).await;
     eventually(
         "the leader key on a lease of 10 s",
@@ -1389,15 +1375,7 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
         }
     };
     // Patroni's switch: the leader lists the replica and the key claims it.
-    let r = api_call(
-        &c,
-        1 - p,
-        "PATCH",
-        "/config",
-        serde_json::json!({"synchronous_mode": true}),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    patch_config_ok(&c, 1 - p, serde_json::json!({"synchronous_mode": true})).await;
     protection_is("maximum_availability").await;
     eventually(
         "the replica acknowledges commits",
@@ -1416,15 +1394,12 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
     // pgwarden's own name, and back: with the key set to null each node's
     // own mode (maximum performance) returns, the key first claiming
     // nothing, then PostgreSQL no longer waiting.
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         serde_json::json!({"synchronous_mode": null, "protection": "maximum_protection"}),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
     protection_is("maximum_protection").await;
     let r = api_call(
         &c,
@@ -1435,15 +1410,7 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
     )
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
-    let r = api_call(
-        &c,
-        0,
-        "PATCH",
-        "/config",
-        serde_json::json!({"protection": null}),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    patch_config_ok(&c, 0, serde_json::json!({"protection": null})).await;
     protection_is("maximum_performance").await;
     eventually(
         "asynchronous replication",
@@ -1462,15 +1429,7 @@ async fn the_protection_mode_and_failsafe_change_for_the_whole_cluster_at_run_ti
 
     // Failsafe, which no node's file turns on here: the leader then stands
     // through an etcd outage.
-    let r = api_call(
-        &c,
-        0,
-        "PATCH",
-        "/config",
-        serde_json::json!({"failsafe_mode": true}),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    patch_config_ok(&c, 0, serde_json::json!({"failsafe_mode": true})).await;
     for i in 0..2 {
         eventually("failsafe on", Duration::from_secs(20), || async {
             let s = member_status(&c, i).await?["settings"].clone();
@@ -1688,15 +1647,12 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
         let r = api_call(&c, 0, "PATCH", "/config", bad.clone()).await;
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
     }
-    let r = api_call(
+    patch_config_ok(
         &c,
         0,
-        "PATCH",
-        "/config",
         serde_json::json!({"slots": {"archiver": {"type": "physical"}}}),
     )
     .await;
-    assert_eq!(r.status, 200, "{}", r.body);
 
     // A member gone for good: its slot goes once its key has expired and
     // the grace (two ttls) has passed, so its WAL does not pile up.
