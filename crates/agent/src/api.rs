@@ -12,7 +12,7 @@
 //! | path | 200 when |
 //! | --- | --- |
 //! | `/`, `/primary`, `/master`, `/read-write`, `/leader` | this agent holds the leader lease and its PostgreSQL runs as primary |
-//! | `/replica` | PostgreSQL is `running` as a replica without the `noloadbalance` tag, and passes the `lag` and `tag_*` filters |
+//! | `/replica` | PostgreSQL is `running` as a replica without the `noloadbalance` tag, not fenced, and passes the `lag` and `tag_*` filters |
 //! | `/read-only` | `/primary` or `/replica` passes |
 //! | `/sync`, `/synchronous` | `/replica` passes, the member is listed in the `sync` key, and the DCS is reachable |
 //! | `/async`, `/asynchronous` | `/replica` passes, the member is not listed in the `sync` key, and the DCS is reachable |
