@@ -293,7 +293,9 @@ impl HaLoop {
                         }
                     }
                     Some(Command::Reload) => {
-                        let _ = self.pg.with(|i| i.reload()).await;
+                        if self.pg.with(|i| i.reload()).await.is_ok() {
+                            self.reloaded();
+                        }
                     }
                     Some(Command::Shutdown) => {
                         self.shutdown().await;
@@ -2127,6 +2129,9 @@ impl HaLoop {
                 tracing::error!(error = %first_line(&e), "cannot write the PostgreSQL parameters");
                 return false;
             }
+            if running {
+                self.reloaded();
+            }
             tracing::info!("parameters applied: {text}");
         }
         true
@@ -2281,7 +2286,11 @@ impl HaLoop {
     async fn restart(&mut self) {
         tracing::info!("restart requested through the API");
         let _ = self.pg.stop(StopMode::Fast).await;
-        self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "restart");
+        // With on_restart, as in Patroni, it alone says so.
+        let on_restart = self.cfg.callbacks.on_restart.clone();
+        if on_restart.is_none() {
+            self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "restart");
+        }
         match self
             .pg
             .start(self.timing.loop_wait)
@@ -2294,10 +2303,25 @@ impl HaLoop {
                 } else {
                     "primary"
                 };
-                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", role);
+                match on_restart {
+                    Some(cmd) => self.run_callback(Some(cmd), "on_restart", role),
+                    None => {
+                        self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", role)
+                    }
+                }
             }
             Err(e) => tracing::error!(error = %first_line(&e), "restart failed"),
         }
+    }
+
+    /// Runs `on_reload` after PostgreSQL was made to re-read its settings.
+    fn reloaded(&self) {
+        let role = if self.obs.pg.in_recovery {
+            "replica"
+        } else {
+            "primary"
+        };
+        self.run_callback(self.cfg.callbacks.on_reload.clone(), "on_reload", role);
     }
 
     async fn control_state(&self) -> Option<String> {

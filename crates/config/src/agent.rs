@@ -140,6 +140,12 @@ pub struct Callbacks {
     pub on_stop: Option<String>,
     /// After the node was promoted or demoted.
     pub on_role_change: Option<String>,
+    /// After a restart through the API, instead of `on_stop` and
+    /// `on_start`.
+    pub on_restart: Option<String>,
+    /// After the agent made PostgreSQL re-read its configuration (the API's
+    /// reload, changed parameters).
+    pub on_reload: Option<String>,
 }
 
 /// Whether and how the agent uses a Linux watchdog.
@@ -247,6 +253,8 @@ pub(crate) struct RawAgent {
     on_start: Option<NonEmpty>,
     on_stop: Option<NonEmpty>,
     on_role_change: Option<NonEmpty>,
+    on_restart: Option<NonEmpty>,
+    on_reload: Option<NonEmpty>,
     watchdog: Option<WatchdogMode>,
     watchdog_device: Option<NonEmpty>,
     api_username: Option<NonEmpty>,
@@ -537,6 +545,8 @@ pub(crate) fn agent(
             on_start: raw.on_start.map(|s| s.0),
             on_stop: raw.on_stop.map(|s| s.0),
             on_role_change: raw.on_role_change.map(|s| s.0),
+            on_restart: raw.on_restart.map(|s| s.0),
+            on_reload: raw.on_reload.map(|s| s.0),
         },
         watchdog: WatchdogConfig {
             mode: raw.watchdog.unwrap_or(d.mode),

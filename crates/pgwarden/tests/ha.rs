@@ -1017,7 +1017,14 @@ async fn the_rest_api_over_https_carries_failsafe_acknowledgements_and_ctl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
-    let c = cluster().nodes(2).start();
+    let events = tempfile::NamedTempFile::new().unwrap();
+    let path = events.path().display().to_string();
+    let c = cluster()
+        .nodes(2)
+        .agent_settings(&format!(
+            "on_stop = \"echo >> {path}\"\non_restart = \"echo >> {path}\"\non_reload = \"echo >> {path}\""
+        ))
+        .start();
     healthy(&c, 1, BOOTSTRAP).await;
     let write = |i: usize, method: &'static str, body: serde_json::Value| {
         let url = format!("{}/restart", c.node(i).api_url());
@@ -1111,6 +1118,20 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
         log.contains("restart scheduled") && log.contains("scheduled restart cancelled"),
         "{log}"
     );
+    // The restart ran on_restart (and not on_stop); a reload runs on_reload.
+    let cluster_name = c.cluster_name().to_string();
+    let r = api_call(&c, 1, "POST", "/reload", serde_json::json!({})).await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    eventually("the callbacks ran", Duration::from_secs(10), || async {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        (text.contains(&format!("on_restart replica {cluster_name}"))
+            && text.contains(&format!("on_reload replica {cluster_name}")))
+        .then_some(())
+        .ok_or(text)
+    })
+    .await;
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(!text.contains("on_stop"), "{text}");
 }
 
 /// Node `i`'s `GET /patroni`.
