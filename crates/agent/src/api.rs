@@ -166,11 +166,10 @@ pub async fn serve(
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     state: Arc<ApiState>,
-    tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    tls: Arc<arc_swap::ArcSwap<tokio_rustls::rustls::ServerConfig>>,
     writes_need_certificate: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let app = router(state);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -187,7 +186,10 @@ pub async fn serve_tls(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let (acceptor, app) = (acceptor.clone(), app.clone());
+        // The configuration in force now: a reload swaps in renewed
+        // certificates for the connections that follow.
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.load_full());
+        let app = app.clone();
         tokio::spawn(async move {
             // A client that never finishes its handshake holds nothing for
             // long.

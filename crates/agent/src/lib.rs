@@ -29,6 +29,7 @@ pub mod tls;
 pub mod watchdog;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -171,6 +172,7 @@ pub struct AgentHandle {
     pub failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
     /// The REST API's write credentials, replaced on a reload.
     pub api_credentials: Arc<api::Credentials>,
+    api_tls: ApiTlsFiles,
 }
 
 impl AgentHandle {
@@ -234,10 +236,19 @@ pub async fn start(
     let optional = cfg.api_verify_client == VerifyClient::Optional;
     let api_tls = match own {
         Some((cert, key)) => Some((
-            tls::server_config(cert, key, client_ca, optional).map_err(AgentError::ApiTls)?,
+            Arc::new(arc_swap::ArcSwap::new(
+                tls::server_config(cert, key, client_ca, optional).map_err(AgentError::ApiTls)?,
+            )),
             optional,
         )),
         None => None,
+    };
+    let api_tls_files = ApiTlsFiles {
+        cert_key: own.map(|(c, k)| (c.to_path_buf(), k.to_path_buf())),
+        ca: cfg.api_ca_file.clone(),
+        client_ca: client_ca.map(Path::to_path_buf),
+        optional,
+        server: api_tls.as_ref().map(|(t, _)| t.clone()),
     };
     let api_listener = tokio::net::TcpListener::bind(cfg.api)
         .await
@@ -364,7 +375,54 @@ pub async fn start(
         failed,
         failsafe_seen,
         api_credentials: credentials,
+        api_tls: api_tls_files,
     })
+}
+
+/// The REST API's TLS files as the agent started with them, read again on
+/// a reload.
+#[derive(Clone, Debug)]
+struct ApiTlsFiles {
+    /// The API's own certificate and key, which it also presents to the
+    /// members that ask for a client certificate.
+    cert_key: Option<(PathBuf, PathBuf)>,
+    /// What this agent trusts in the other members' certificates.
+    ca: Option<PathBuf>,
+    /// What clients' certificates must chain to, when asked for.
+    client_ca: Option<PathBuf>,
+    optional: bool,
+    /// The server configuration in force.
+    server: Option<Arc<arc_swap::ArcSwap<tokio_rustls::rustls::ServerConfig>>>,
+}
+
+impl AgentHandle {
+    /// Reads the REST API's certificate, key and CA files again (renewed
+    /// certificates), for the API's new connections and this agent's
+    /// calls to the other members. `Ok(false)`: the API has no TLS. On an
+    /// error nothing changes.
+    pub fn reload_api_tls(&self) -> Result<bool, String> {
+        let f = &self.api_tls;
+        let own = f.cert_key.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+        let server = match (own, &f.server) {
+            (Some((cert, key)), Some(_)) => Some(tls::server_config(
+                cert,
+                key,
+                f.client_ca.as_deref(),
+                f.optional,
+            )?),
+            _ => None,
+        };
+        if let Some(ca) = &f.ca {
+            http_client::trust_with(ca, own)?;
+        }
+        match (server, &f.server) {
+            (Some(new), Some(swap)) => {
+                swap.store(new);
+                Ok(true)
+            }
+            _ => Ok(f.ca.is_some()),
+        }
+    }
 }
 
 /// Runs futures concurrently, outputs in order.

@@ -112,7 +112,13 @@ impl Api {
             let _ = stopped.await;
         };
         match tls {
-            Some(tls) => tokio::spawn(api::serve_tls(listener, state, tls, true, stopped)),
+            Some(tls) => tokio::spawn(api::serve_tls(
+                listener,
+                state,
+                Arc::new(arc_swap::ArcSwap::new(tls)),
+                true,
+                stopped,
+            )),
             None => tokio::spawn(api::serve(listener, state, stopped)),
         };
         Api {
