@@ -1410,17 +1410,7 @@ async fn dynamic_timing_reaches_every_member_and_the_leader_lease() {
     // over.
     c.kill_node(p);
     let other = c.node(1 - p).name.clone();
-    eventually(
-        "the other member leads",
-        Duration::from_secs(40),
-        || async {
-            let l = read_cluster(&c).await.leader;
-            (l.as_ref().map(|l| &l.name) == Some(&other))
-                .then_some(())
-                .ok_or(format!("{l:?}"))
-        },
-    )
-    .await;
+    leads(&c, &other, Duration::from_secs(40)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1642,17 +1632,7 @@ async fn a_fenced_member_takes_no_reads_and_is_never_promoted() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    eventually(
-        "the unfenced member leads",
-        Duration::from_secs(30),
-        || async {
-            let l = read_cluster(&c).await.leader;
-            (l.as_ref().map(|l| &l.name) == Some(&replica))
-                .then_some(())
-                .ok_or(format!("{l:?}"))
-        },
-    )
-    .await;
+    leads(&c, &replica, Duration::from_secs(30)).await;
 }
 
 /// The replication slots of node `i`'s server, as `name:active`, sorted.
@@ -2804,6 +2784,17 @@ async fn cluster_dcs(c: &AgentCluster) -> pgwarden_dcs::EtcdDcs {
     )
     .await
     .unwrap()
+}
+
+/// Waits until the leader key names `member`.
+async fn leads(c: &AgentCluster, member: &str, within: Duration) {
+    eventually(&format!("{member} leads"), within, || async {
+        let l = read_cluster(c).await.leader;
+        (l.as_ref().map(|l| l.name.as_str()) == Some(member))
+            .then_some(())
+            .ok_or(format!("{l:?}"))
+    })
+    .await;
 }
 
 /// The cluster as stored in etcd right now.
