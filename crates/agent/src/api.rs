@@ -270,17 +270,20 @@ fn passes(
             .is_some_and(|c| sync_members(c).iter().any(|m| m == name))
     };
     Ok(match path {
-        "/" | "/primary" | "/master" | "/read-write" | "/leader" => st.is_leader,
-        // No standby clusters yet, so no member is ever a standby leader.
-        "/standby-leader" | "/standby_leader" => false,
-        "/replica" => replica(),
-        "/read-only" => st.is_leader || replica(),
+        "/" | "/primary" | "/master" | "/read-write" => st.is_leader,
+        // As in Patroni: whoever holds the leader key, primary or standby
+        // leader of a standby cluster.
+        "/leader" => st.is_leader || st.standby_leader,
+        "/standby-leader" | "/standby_leader" => st.standby_leader,
+        "/replica" => !st.standby_leader && replica(),
+        "/read-only" => st.is_leader || st.standby_leader || replica(),
         "/sync" | "/synchronous" => st.dcs_reachable && in_sync() && replica(),
         "/async" | "/asynchronous" => st.dcs_reachable && !in_sync() && replica(),
         "/health" => st.member.status == "running",
         "/liveness" => true,
         "/readiness" => {
             st.is_leader
+                || st.standby_leader
                 || (st.member.status == "running"
                     && st.member.state.role == MemberRole::Replica
                     && lag_within(&st.member, lag_limit.unwrap_or(default_lag)))
@@ -400,7 +403,11 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
     }
     json!({
         "name": state.name,
-        "role": m.state.role.to_string(),
+        "role": if st.standby_leader {
+            "standby_leader".to_string()
+        } else {
+            m.state.role.to_string()
+        },
         "state": m.status,
         "timeline": m.state.timeline,
         "received_lsn": m.state.received_lsn,
@@ -441,12 +448,17 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
     let sync = sync_members(snap);
     let fenced = record::fenced(snap);
     let quorum = record::sync_state(snap).and_then(|s| s.quorum);
+    let standby = record::standby_cluster(snap).is_some();
     let members: Vec<Value> = record::records(snap)
         .into_iter()
         .map(|r| {
             let name = r.state.name.clone();
             let role = if leader.as_deref() == Some(name.as_str()) {
-                "leader".to_string()
+                if standby {
+                    "standby_leader".to_string()
+                } else {
+                    "leader".to_string()
+                }
             } else if sync.contains(&name) && r.state.role == MemberRole::Replica {
                 // Patroni's names: every listed standby holds each commit,
                 // or under quorum commit some of them do.
@@ -459,7 +471,11 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 r.state.role.to_string()
             };
             let (host, port) = split_address(&r.pg_address);
-            let lag = if role == "leader" { None } else { r.lag_bytes };
+            let lag = if role.ends_with("leader") {
+                None
+            } else {
+                r.lag_bytes
+            };
             json!({
                 "name": name,
                 "role": role,
@@ -734,6 +750,9 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
     crate::slots::permanent(Some(&config)).map_err(ApiError::bad_request)?;
+    if let Some(v) = config.get("standby_cluster").filter(|v| !v.is_null()) {
+        pgwarden_ha::StandbyCluster::from_json(v).map_err(ApiError::bad_request)?;
+    }
     let fenced = record::fenced_in(Some(&config)).map_err(ApiError::bad_request)?;
     if let Some(l) = snap.leader.as_ref().filter(|l| fenced.contains(&l.name)) {
         return Err(ApiError::bad_request(format!(

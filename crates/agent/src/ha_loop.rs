@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use crate::cluster_settings::ClusterSettings;
 use crate::handover;
 use crate::postgres::{LocalPostgres, Observation};
-use crate::record::{cluster_view, records, unix_ms, MemberRecord};
+use crate::record::{self, cluster_view, records, unix_ms, MemberRecord};
 use crate::status::{AgentStatus, Command, StatusHandle};
 
 /// How long a peer's API may take to report its WAL position during an
@@ -362,11 +362,32 @@ impl HaLoop {
         }
         if self.snapshot.initialize.is_none() && fresh {
             let claim = pgwarden_ha::identity::claim(&self.cfg.name);
+            // A standby cluster is named in the dynamic configuration (set
+            // before any member started) or in the first member's file.
+            let standby = match record::standby_cluster(&self.snapshot) {
+                Some(Ok(s)) => Some(s),
+                Some(Err(e)) => {
+                    self.standby_cluster_unreadable(e);
+                    return Ok(false);
+                }
+                None => self.cfg.standby_cluster.clone(),
+            };
             if self.dcs.initialize_race(&claim).await? {
-                tracing::info!("won the initialize race: creating the cluster with initdb");
                 self.activity = Some("initializing");
                 self.publish_status();
-                let res = self.initialize(&claim).await;
+                let res = match &standby {
+                    None => {
+                        tracing::info!("won the initialize race: creating the cluster with initdb");
+                        self.initialize(&claim).await
+                    }
+                    Some(remote) => {
+                        tracing::info!(
+                            source = %remote.address(),
+                            "won the initialize race: creating a standby cluster by cloning its remote source"
+                        );
+                        self.initialize_standby(&claim, remote).await
+                    }
+                };
                 self.activity = None;
                 if let Err(e) = res {
                     // Withdraw the claim so that another member (or this one,
@@ -375,7 +396,12 @@ impl HaLoop {
                     let _ = self.dcs.cancel_initialize(&claim).await;
                     return Err(e);
                 }
-                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", "primary");
+                let role = if standby.is_some() {
+                    "standby_leader"
+                } else {
+                    "primary"
+                };
+                self.run_callback(self.cfg.callbacks.on_start.clone(), "on_start", role);
                 return Ok(true);
             }
             return Ok(false);
@@ -434,6 +460,69 @@ impl HaLoop {
         self.dcs.finish_initialize(claim, &sysid).await?;
         self.identity_known = true;
         self.former_primary = true;
+        Ok(())
+    }
+
+    /// Creates a standby cluster after winning the initialize race: clone
+    /// the remote source (through its slot, if one is named), start
+    /// streaming from it, take the leader key, record the system identifier
+    /// and make sure the dynamic configuration says this is a standby
+    /// cluster, so that no later leader promotes itself.
+    async fn initialize_standby(
+        &mut self,
+        claim: &str,
+        remote: &pgwarden_ha::StandbyCluster,
+    ) -> Result<(), AgentStepError> {
+        let user = self.pg.replication_user().to_string();
+        let hba = self.cfg.pg_hba.clone();
+        let (host, port, slot) = (
+            remote.host.clone(),
+            remote.port,
+            remote.primary_slot_name.clone(),
+        );
+        self.pg
+            .with(move |i| {
+                i.wipe()?;
+                i.set_primary_slot(slot)?;
+                i.basebackup(&host, port, &user)?;
+                append_hba(i.datadir(), &hba)
+            })
+            .await?;
+        self.pg
+            .start(Duration::from_secs(60))
+            .await
+            .or_else(still_starting)?;
+        if record::standby_cluster(&self.snapshot).is_none() {
+            let mut config = self
+                .snapshot
+                .config
+                .clone()
+                .filter(serde_json::Value::is_object)
+                .unwrap_or_else(|| serde_json::json!({}));
+            config["standby_cluster"] =
+                serde_json::to_value(remote).unwrap_or(serde_json::Value::Null);
+            if !self
+                .dcs
+                .compare_and_put_config(&config, self.snapshot.config_revision)
+                .await?
+            {
+                return Err(AgentStepError::Conflict(
+                    "the dynamic configuration changed while the standby cluster was created",
+                ));
+            }
+        }
+        let lease = self.ensure_lease().await?;
+        let t0 = Instant::now();
+        self.dcs.keep_alive_once(lease).await?;
+        if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
+            self.last_renewal = Some(t0);
+        }
+        let sysid = self
+            .controldata("Database system identifier")
+            .await
+            .unwrap_or_default();
+        self.dcs.finish_initialize(claim, &sysid).await?;
+        self.identity_known = true;
         Ok(())
     }
 
@@ -629,7 +718,9 @@ impl HaLoop {
             self.manage_sync().await;
         }
         if self.dcs_ok && self.obs.pg.running {
-            let leading = self.holds_leader_key() && !self.obs.pg.in_recovery;
+            // A standby leader keeps its members' slots as a primary does.
+            let leading = self.holds_leader_key()
+                && (!self.obs.pg.in_recovery || record::standby_cluster(&self.snapshot).is_some());
             self.manage_slots(leading).await;
         }
         if self.holds_leader_key() && decision.keeps_lease() {
@@ -783,6 +874,7 @@ impl HaLoop {
             }
             Decision::Demote { reason } => self.demote(reason).await,
             Decision::FollowLeader { leader } => self.follow(leader).await,
+            Decision::FollowRemote { .. } => self.follow_remote().await,
             Decision::StartPostgres { mode } => self.start(mode).await,
             Decision::ReleaseLeader { reason } => self.release(reason, view).await,
             Decision::CancelSwitchover { reason } => {
@@ -1075,7 +1167,9 @@ impl HaLoop {
                     AcquireReason::BestCandidate => "automatic failover: the leader key was free",
                     AcquireReason::FailoverRequested { .. } => "manual failover or switchover",
                 };
-                if self.obs.pg.running && self.obs.pg.in_recovery {
+                if record::standby_cluster(&self.snapshot).is_some() {
+                    self.follow_remote().await;
+                } else if self.obs.pg.running && self.obs.pg.in_recovery {
                     self.promote(why).await;
                 }
             }
@@ -1220,13 +1314,29 @@ impl HaLoop {
             StartMode::AsLeader {
                 failed_for,
                 timeout,
-            } => (
-                timeout
-                    .saturating_sub(*failed_for)
-                    .min(self.timing.loop_wait)
-                    .max(RETRY_PACE),
-                "primary",
-            ),
+            } => {
+                let role = match record::standby_cluster(&self.snapshot) {
+                    None => "primary",
+                    Some(Ok(remote)) => {
+                        if let Err(e) = self.point_at_remote(&remote).await {
+                            tracing::error!(error = %e, "cannot configure the standby leader");
+                            return;
+                        }
+                        "standby_leader"
+                    }
+                    Some(Err(e)) => {
+                        self.standby_cluster_unreadable(e);
+                        return;
+                    }
+                };
+                (
+                    timeout
+                        .saturating_sub(*failed_for)
+                        .min(self.timing.loop_wait)
+                        .max(RETRY_PACE),
+                    role,
+                )
+            }
             StartMode::ReplicaOf { leader } => {
                 let Some(addr) = self.member_address(leader) else {
                     return;
@@ -1238,9 +1348,13 @@ impl HaLoop {
                     }
                 }
                 let user = self.pg.replication_user().to_string();
+                let slot = self.member_slot();
                 let res = self
                     .pg
-                    .with(move |i| i.set_standby(Some((&addr.host, addr.port)), &user))
+                    .with(move |i| {
+                        i.set_primary_slot(slot)?;
+                        i.set_standby(Some((&addr.host, addr.port)), &user)
+                    })
                     .await;
                 if let Err(e) = res {
                     tracing::error!(error = %e, "cannot configure the replica");
@@ -1408,12 +1522,17 @@ impl HaLoop {
             .upstream_of(leader)
             .unwrap_or_else(|| (leader.to_string(), addr));
         let user = self.pg.replication_user().to_string();
+        let slot = self.member_slot();
         let res = self
             .pg
             .with(move |i| {
-                if i.upstream() == Some((addr.host.as_str(), addr.port)) {
+                if i.upstream() == Some((addr.host.as_str(), addr.port))
+                    && i.primary_slot() == slot.as_deref()
+                {
                     return Ok(false);
                 }
+                // A former standby leader streamed through the remote's slot.
+                i.set_primary_slot(slot)?;
                 i.set_standby(Some((&addr.host, addr.port)), &user)?;
                 // primary_conninfo is reloadable since PostgreSQL 13.
                 i.reload()?;
@@ -1432,6 +1551,104 @@ impl HaLoop {
             }
         }
         self.upstream = Some(source);
+    }
+
+    /// The slot this member streams through from another member.
+    fn member_slot(&self) -> Option<String> {
+        self.cfg
+            .use_slots
+            .then(|| crate::slots::slot_name(&self.cfg.name))
+    }
+
+    /// Writes the recovery settings that make this node stream from the
+    /// standby cluster's remote source; `Ok(true)` if anything changed.
+    async fn point_at_remote(
+        &self,
+        remote: &pgwarden_ha::StandbyCluster,
+    ) -> Result<bool, PgCtlError> {
+        let user = self.pg.replication_user().to_string();
+        let (host, port, slot) = (
+            remote.host.clone(),
+            remote.port,
+            remote.primary_slot_name.clone(),
+        );
+        self.pg
+            .with(move |i| {
+                if i.upstream() == Some((host.as_str(), port))
+                    && i.primary_slot() == slot.as_deref()
+                {
+                    return Ok(false);
+                }
+                i.set_primary_slot(slot)?;
+                i.set_standby(Some((&host, port)), &user)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    fn standby_cluster_unreadable(&mut self, e: String) {
+        let why = format!("{e}; the standby leader is left as it is");
+        if self.problem.as_deref() != Some(why.as_str()) {
+            tracing::error!("{why}");
+            self.problem = Some(why);
+        }
+    }
+
+    /// As the standby leader: stream from the remote source, turning a
+    /// primary into a standby of it when the cluster was just made a
+    /// standby cluster.
+    async fn follow_remote(&mut self) {
+        let remote = match record::standby_cluster(&self.snapshot) {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => return self.standby_cluster_unreadable(e),
+            None => return,
+        };
+        self.upstream = None;
+        if self.obs.pg.running && !self.obs.pg.in_recovery {
+            tracing::warn!(
+                source = %remote.address(),
+                "this primary leads a standby cluster now: restarting it as a standby of the remote source"
+            );
+            self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "primary");
+            if let Err(e) = self.pg.stop(StopMode::Fast).await {
+                tracing::error!(error = %e, "cannot stop the primary to make it a standby");
+                return;
+            }
+            if let Err(e) = self.point_at_remote(&remote).await {
+                tracing::error!(error = %e, "cannot configure the standby leader");
+                return;
+            }
+            match self.pg.start(self.timing.loop_wait).await {
+                Ok(()) => self.run_callback(
+                    self.cfg.callbacks.on_role_change.clone(),
+                    "on_role_change",
+                    "standby_leader",
+                ),
+                Err(e) => tracing::warn!(error = %first_line(&e), "PostgreSQL is not up yet"),
+            }
+            return;
+        }
+        match self.point_at_remote(&remote).await {
+            Ok(true) => {
+                // primary_conninfo and primary_slot_name are reloadable.
+                if let Err(e) = self.pg.with(|i| i.reload()).await {
+                    tracing::error!(error = %e, "cannot reload the standby leader's settings");
+                    return;
+                }
+                tracing::info!(source = %remote.address(), "standby leader: now streaming from the remote source");
+                if self
+                    .problem
+                    .as_deref()
+                    .is_some_and(|p| p.contains("standby_cluster"))
+                {
+                    self.problem = None;
+                }
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "cannot point the standby leader at the remote source")
+            }
+        }
     }
 
     /// Whom a replica streams from: the member its `replicatefrom` tag
@@ -2431,11 +2648,12 @@ impl HaLoop {
             self.last_role = Some(role);
         }
         let leader = self.snapshot.leader.as_ref();
+        let leads = self.holds_leader_key() && self.obs.pg.running && self.lease_fresh();
         let status = AgentStatus {
-            is_leader: self.holds_leader_key()
-                && self.obs.pg.running
-                && !self.obs.pg.in_recovery
-                && self.lease_fresh(),
+            is_leader: leads && !self.obs.pg.in_recovery,
+            standby_leader: leads
+                && self.obs.pg.in_recovery
+                && record::standby_cluster(&self.snapshot).is_some(),
             leader: leader.map(|l| l.name.clone()),
             leader_generation: leader.map_or(0, |l| l.generation),
             routing_ready: self.routing_ready,
@@ -2500,6 +2718,9 @@ pub(crate) enum AgentStepError {
     Dcs(#[from] pgwarden_dcs::DcsError),
     #[error(transparent)]
     Pg(#[from] PgCtlError),
+    /// Someone else changed what this step was about to write.
+    #[error("{0}")]
+    Conflict(&'static str),
 }
 
 /// A server that has not finished starting within the wait is not an

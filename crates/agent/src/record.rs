@@ -104,6 +104,21 @@ pub fn paused(snapshot: &ClusterSnapshot) -> bool {
         .unwrap_or(false)
 }
 
+/// The dynamic configuration's `standby_cluster`, when set (and not
+/// `null`): the remote source, or why it cannot be read. An unreadable one
+/// still makes the cluster a standby cluster, so that a typo never
+/// promotes the standby leader.
+pub fn standby_cluster(
+    snapshot: &ClusterSnapshot,
+) -> Option<Result<pgwarden_ha::StandbyCluster, String>> {
+    let v = snapshot
+        .config
+        .as_ref()?
+        .get("standby_cluster")
+        .filter(|v| !v.is_null())?;
+    Some(pgwarden_ha::StandbyCluster::from_json(v))
+}
+
 /// The members the dynamic configuration fences: `"fenced": {"n3": true}`
 /// (`pgwarden ctl fence n3`). A fenced member is never promoted nor made a
 /// synchronous standby, and takes no read traffic; an error names what is
@@ -188,6 +203,10 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
         sync_members: claim.members,
         sync_restricted: sync.as_ref().is_some_and(SyncState::restricts_promotion),
         sync_quorum: Some(claim.quorum),
+        standby_cluster: standby_cluster(snapshot).map(|s| match s {
+            Ok(s) => s.address(),
+            Err(_) => "(unreadable standby_cluster)".to_string(),
+        }),
     }
 }
 

@@ -22,6 +22,9 @@ pub struct AgentStatus {
     /// True while this agent's lease holds the leader key and its PostgreSQL
     /// runs as a primary: the one member that may take writes.
     pub is_leader: bool,
+    /// True while this agent's lease holds the leader key of a standby
+    /// cluster and its PostgreSQL streams from the remote source.
+    pub standby_leader: bool,
     /// The leader key's holder, as last read.
     pub leader: Option<String>,
     /// The leader key's create revision: a new number for every leadership.
@@ -63,6 +66,7 @@ impl AgentStatus {
         AgentStatus {
             member,
             is_leader: false,
+            standby_leader: false,
             leader: None,
             leader_generation: 0,
             routing_ready: false,

@@ -103,6 +103,11 @@ pub struct AgentConfig {
     /// What the read-write port does with new transactions while commits
     /// wait for a synchronous standby.
     pub on_sync_blocked: OnSyncBlocked,
+    /// `[agent.standby_cluster]`: make a new cluster a standby cluster of
+    /// this remote source. Read only by the member that creates the
+    /// cluster, which copies it into the dynamic configuration; from then on
+    /// the dynamic configuration's `standby_cluster` decides.
+    pub standby_cluster: Option<pgwarden_ha::StandbyCluster>,
 }
 
 /// `agent.api_verify_client`, with Patroni's names.
@@ -268,6 +273,7 @@ pub(crate) struct RawAgent {
     synchronous_node_count: Option<Spanned<u32>>,
     sync_method: Option<SyncMethod>,
     sync_degrade_timeout: Option<HaTimer>,
+    standby_cluster: Option<pgwarden_ha::StandbyCluster>,
 }
 
 #[derive(Deserialize)]
@@ -496,6 +502,10 @@ pub(crate) fn agent(
             "agent.api_password is set too; keep only one of them",
         ));
     }
+    if let Some(Err(e)) = raw.standby_cluster.as_ref().map(|s| s.check()) {
+        let (key, why) = e.split_once(": ").unwrap_or(("standby_cluster", &e));
+        return Err(src.invalid(None, format!("agent.{key}"), why.to_string()));
+    }
     let d = WatchdogConfig::default();
     let count = match raw.synchronous_node_count {
         None => 1,
@@ -562,6 +572,7 @@ pub(crate) fn agent(
         failsafe: raw.failsafe.unwrap_or(false),
         on_sync_blocked: raw.on_sync_blocked.unwrap_or_default(),
         sync,
+        standby_cluster: raw.standby_cluster,
     })
 }
 

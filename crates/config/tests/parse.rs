@@ -806,6 +806,42 @@ fn agent_replicatefrom_names_another_member() {
 }
 
 #[test]
+fn agent_standby_cluster_is_a_table_checked_like_the_dynamic_one() {
+    let with = |t: &str| {
+        AGENT_MINIMAL.replace(
+            "\n[etcd]",
+            &format!("\n[agent.standby_cluster]\n{t}\n\n[etcd]"),
+        )
+    };
+    let c = parse(
+        &with("host = \"10.0.0.5\"\nprimary_slot_name = \"dc2\""),
+        FILE,
+    )
+    .unwrap();
+    let s = c.agent.unwrap().standby_cluster.expect("standby_cluster");
+    assert_eq!((s.host.as_str(), s.port), ("10.0.0.5", 5432));
+    assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
+    assert!(parse(AGENT_MINIMAL, FILE)
+        .unwrap()
+        .agent
+        .unwrap()
+        .standby_cluster
+        .is_none());
+    for (bad, key) in [
+        ("host = \"\"", "agent.standby_cluster.host"),
+        (
+            "host = \"h\"\nprimary_slot_name = \"No\"",
+            "agent.standby_cluster.primary_slot_name",
+        ),
+        ("host = \"h\"\nrestore = \"x\"", "restore"),
+        ("port = 5432", "host"),
+    ] {
+        let e = parse(&with(bad), FILE).unwrap_err().to_string();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn agent_minimal_file() {
     let c = parse(AGENT_MINIMAL, FILE).unwrap();
     let a = c.agent.as_ref().expect("agent section");

@@ -44,6 +44,13 @@ pub enum Decision {
         /// The leader key's holder.
         leader: String,
     },
+    /// This node leads a standby cluster: it keeps the leader key and
+    /// streams from the remote source instead of taking writes (a primary
+    /// is turned into a standby of it).
+    FollowRemote {
+        /// The remote source's address.
+        source: String,
+    },
     /// Start the local PostgreSQL.
     StartPostgres {
         /// In which role.
@@ -82,7 +89,10 @@ impl Decision {
     /// restarting PostgreSQL would otherwise lose the key halfway.
     pub fn keeps_lease(&self) -> bool {
         match self {
-            Decision::RenewLease | Decision::Promote | Decision::CancelSwitchover { .. } => true,
+            Decision::RenewLease
+            | Decision::Promote
+            | Decision::FollowRemote { .. }
+            | Decision::CancelSwitchover { .. } => true,
             Decision::StartPostgres { mode } => matches!(mode, StartMode::AsLeader { .. }),
             Decision::Paused { renew_lease } => *renew_lease,
             _ => false,
@@ -100,6 +110,10 @@ impl fmt::Display for Decision {
             ),
             Decision::Demote { reason } => write!(f, "demoting: {reason}"),
             Decision::FollowLeader { leader } => write!(f, "following the leader {leader}"),
+            Decision::FollowRemote { source } => write!(
+                f,
+                "standby leader with the lock: streaming from the remote source {source}"
+            ),
             Decision::StartPostgres { mode } => write!(f, "starting PostgreSQL {mode}"),
             Decision::ReleaseLeader { reason } => {
                 write!(f, "releasing the leader key: {reason}")
@@ -464,7 +478,12 @@ fn as_leader(
             }
         };
     }
-    if pg.in_recovery {
+    if let (Some(source), None) = (&view.standby_cluster, &cancel) {
+        return Decision::FollowRemote {
+            source: source.clone(),
+        };
+    }
+    if pg.in_recovery && view.standby_cluster.is_none() {
         return Decision::Promote;
     }
     match cancel {
@@ -707,6 +726,69 @@ mod tests {
                        recovery",
             },
         ]);
+    }
+
+    #[test]
+    fn a_standby_cluster_s_leader_follows_the_remote_source_and_is_never_promoted() {
+        let remote = || Decision::FollowRemote {
+            source: "10.0.0.5:5432".into(),
+        };
+        let says = "standby leader with the lock: streaming from the remote source 10.0.0.5:5432";
+        check(vec![
+            Case {
+                name: "standby leader in recovery",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .standby_of("10.0.0.5:5432")
+                    .build(),
+                local: local("n1").holding_lease().build(),
+                want: remote(),
+                says,
+            },
+            Case {
+                name: "a primary in a cluster made a standby cluster is turned into a standby",
+                cluster: cluster().leader("n1").standby_of("10.0.0.5:5432").build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: remote(),
+                says,
+            },
+            Case {
+                name: "the standby leader's PostgreSQL is started in its role",
+                cluster: cluster().leader("n1").standby_of("10.0.0.5:5432").build(),
+                local: local("n1").stopped().holding_lease().build(),
+                want: Decision::StartPostgres {
+                    mode: StartMode::AsLeader {
+                        failed_for: Duration::ZERO,
+                        timeout: secs(25),
+                    },
+                },
+                says: "starting PostgreSQL as the leader (the leader key is released if it is \
+                       not up within 25 s)",
+            },
+            Case {
+                name: "the other members follow the standby leader",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .standby_of("10.0.0.5:5432")
+                    .build(),
+                local: local("n2").build(),
+                want: Decision::FollowLeader {
+                    leader: "n1".into(),
+                },
+                says: "following the leader n1",
+            },
+            Case {
+                name: "without standby_cluster the same leader is promoted",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").holding_lease().build(),
+                want: Decision::Promote,
+                says: "promoting PostgreSQL: this node holds the leader key but is still in \
+                       recovery",
+            },
+        ]);
+        assert!(remote().keeps_lease());
     }
 
     #[test]

@@ -49,6 +49,12 @@ impl ClusterBuilder {
         self
     }
 
+    /// A standby cluster following `source`.
+    pub(crate) fn standby_of(mut self, source: &str) -> Self {
+        self.view.standby_cluster = Some(source.to_string());
+        self
+    }
+
     /// A streaming replica `lag` bytes behind the leader.
     pub(crate) fn replica(mut self, name: &str, lag: u64) -> Self {
         self.view.members.push(member(name, lag));

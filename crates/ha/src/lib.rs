@@ -17,6 +17,7 @@
 //! * [`identity`]: whether a data directory holds the cluster's database.
 //! * [`protection`]: protection modes and the synchronous standby set.
 //! * [`schedule`]: when a scheduled switchover is due.
+//! * [`standby`]: standby clusters, which follow a PostgreSQL outside them.
 //! * [`timeline`]: whether a replica replayed WAL past the leader's fork.
 //! * [`decide`](mod@decide): the action for this loop iteration.
 //!
@@ -41,6 +42,7 @@ pub mod member;
 pub mod protection;
 pub mod rto;
 pub mod schedule;
+pub mod standby;
 pub mod timeline;
 pub mod view;
 
@@ -67,4 +69,5 @@ pub use rto::{
     TimingOverrides,
 };
 pub use schedule::{format_timestamp, overdue_after, parse_timestamp, Schedule, TimestampError};
+pub use standby::StandbyCluster;
 pub use view::{ClusterView, FailoverRequest, LeaderInfo, LocalPg, LocalView};

@@ -62,6 +62,9 @@ pub struct ClusterView {
     /// all of them (`FIRST`). Below that, the election must compare the
     /// positions of enough of them ([`crate::protection::Claim::needed`]).
     pub sync_quorum: Option<usize>,
+    /// In a standby cluster, the remote source's address: the leader
+    /// streams from it and is never promoted.
+    pub standby_cluster: Option<String>,
 }
 
 impl ClusterView {

@@ -290,6 +290,11 @@ impl Instance {
         self.write_settings()
     }
 
+    /// The slot this node streams through as a standby, if any.
+    pub fn primary_slot(&self) -> Option<&str> {
+        self.spec.primary_slot.as_deref()
+    }
+
     /// The upstream this standby was last pointed at.
     pub fn upstream(&self) -> Option<(&str, u16)> {
         self.upstream.as_ref().map(|(h, p)| (h.as_str(), *p))

@@ -172,10 +172,17 @@ pub async fn follow_leader(
                 .store(acked, std::sync::atomic::Ordering::SeqCst);
             let _ = agent.commands.try_send(pgwarden_agent::Command::Wake);
         }
+        // A standby cluster's leader streams from elsewhere and takes no
+        // writes.
+        let standby = st
+            .cluster
+            .as_ref()
+            .and_then(pgwarden_agent::record::standby_cluster)
+            .is_some();
         let leader: Option<HostAddr> = st
             .leader
             .as_ref()
-            .filter(|_| fresh && st.routing_ready)
+            .filter(|_| fresh && st.routing_ready && !standby)
             .and_then(|l| members.iter().find(|m| &m.state.name == l))
             .and_then(|m| m.pg_address.parse().ok());
         let new_gate = PrimaryGate::Leader(leader);
@@ -183,6 +190,9 @@ pub async fn follow_leader(
             match &new_gate {
                 PrimaryGate::Leader(Some(a)) => {
                     tracing::info!(leader = %a, "routing writes to the leader")
+                }
+                _ if standby => {
+                    tracing::info!("standby cluster: no writes are routed")
                 }
                 _ if !fresh => {
                     tracing::warn!("etcd silent for longer than the ttl: no writes are routed")

@@ -266,7 +266,7 @@ async fn fence(api: &Api, member: &str, on: bool) -> anyhow::Result<()> {
 async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
     let cluster = api.get("/cluster").await?;
     let mut members = cluster["members"].as_array().cloned().unwrap_or_default();
-    members.sort_by_key(|m| m["role"] == "leader");
+    members.sort_by_key(|m| m["role"] == "leader" || m["role"] == "standby_leader");
     let mut failed = 0;
     for m in &members {
         let name = m["name"].as_str().unwrap_or("?");
@@ -411,6 +411,7 @@ fn config_patch(settings: &[String]) -> anyhow::Result<Value> {
 fn role_title(role: &str) -> String {
     match role {
         "leader" => "Leader".into(),
+        "standby_leader" => "Standby Leader".into(),
         "sync_standby" => "Sync Standby".into(),
         "quorum_standby" => "Quorum Standby".into(),
         other => {
@@ -464,7 +465,7 @@ pub(crate) fn render_list(cluster: &Value) -> String {
         .map(|m| {
             let role = str_of(&m["role"]);
             let lag = match (&m["lag"], role.as_str()) {
-                (_, "leader") => String::new(),
+                (_, "leader" | "standby_leader") => String::new(),
                 (Value::Number(n), _) => {
                     let mb = n.as_f64().unwrap_or(0.0) / (1024.0 * 1024.0);
                     format!("{}", mb.round() as u64)

@@ -3118,3 +3118,190 @@ async fn quorum_commit_lists_every_standby_and_loses_no_acknowledged_write_on_fa
     )
     .await;
 }
+
+/// Waits until `q` gives `want` on every node in `nodes`.
+async fn reads_on(c: &AgentCluster, nodes: &[usize], q: &str, want: &str) {
+    for &i in nodes {
+        let conninfo = c.node(i).pg_conninfo();
+        eventually(
+            &format!("{q:?} gives {want} on node {i}"),
+            Duration::from_secs(40),
+            || async {
+                let v = one(&conninfo, q).await?;
+                (v == want).then_some(()).ok_or(v)
+            },
+        )
+        .await;
+    }
+}
+
+/// The port node `i`'s WAL receiver streams from.
+async fn streams_from_port(c: &AgentCluster, i: usize) -> Result<String, String> {
+    one(
+        &c.node(i).pg_conninfo(),
+        "SELECT sender_port FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
+    // The "other data centre": a primary no agent manages.
+    // Members clone the standby leader, a standby: PostgreSQL allows that
+    // only with full-page writes on the primary.
+    let remote = pgwarden_testkit::TestCluster::builder()
+        .setting("full_page_writes", "on")
+        .start();
+    let source = remote.conninfo(0);
+    query(
+        &source,
+        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let port = remote.port(0);
+    // Only the member that creates the cluster reads its file's
+    // standby_cluster; it puts it in the dynamic configuration.
+    let mut c = cluster()
+        .nodes(2)
+        .node_settings(
+            0,
+            &format!(
+                "standby_cluster = {{ host = \"127.0.0.1\", port = {port}, \
+                 primary_slot_name = \"dr_site\" }}"
+            ),
+        )
+        .start();
+    let remote_port = port.to_string();
+    let standby_leader = |c: &AgentCluster, i: usize| {
+        (
+            c.api_status(i, "/standby-leader"),
+            c.api_status(i, "/leader"),
+            c.api_status(i, "/primary"),
+            c.api_status(i, "/replica"),
+        )
+    };
+    eventually("n1 leads the standby cluster", BOOTSTRAP, || async {
+        let s = standby_leader(&c, 0);
+        (s == (Some(200), Some(200), Some(503), Some(503)))
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    let config = pgwarden_agent::http_client::get_json(
+        &format!("{}/config", c.node(0).api_url()),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        config["standby_cluster"],
+        serde_json::json!({"host": "127.0.0.1", "port": port, "primary_slot_name": "dr_site"})
+    );
+    // n1 streams from the remote through the named slot, n2 from n1
+    // through the slot n1 keeps for it; nobody takes writes.
+    eventually("the chain remote → n1 → n2", BOOTSTRAP, || async {
+        let (a, b) = (
+            streams_from_port(&c, 0).await?,
+            streams_from_port(&c, 1).await?,
+        );
+        (a == remote_port && b == c.node(0).pg_port.to_string())
+            .then_some(())
+            .ok_or(format!("n1 from {a}, n2 from {b}"))
+    })
+    .await;
+    assert_eq!(
+        one(
+            &source,
+            "SELECT string_agg(slot_name || ':' || active, ',') FROM pg_replication_slots"
+        )
+        .await
+        .unwrap(),
+        "dr_site:true"
+    );
+    let url = format!("{}/cluster", c.node(1).api_url());
+    eventually("ctl's roles", Duration::from_secs(20), || async {
+        let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+            .await
+            .map_err(|e| e.to_string())?;
+        let roles: Vec<String> = v["members"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|m| format!("{}:{}", m["name"], m["role"]))
+                    .collect()
+            })
+            .unwrap_or_default();
+        (roles == ["\"n1\":\"standby_leader\"", "\"n2\":\"replica\""])
+            .then_some(())
+            .ok_or(format!("{roles:?}"))
+    })
+    .await;
+    slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
+    query(&source, "INSERT INTO dr VALUES (2)").await.unwrap();
+    reads_on(&c, &[0, 1], "SELECT count(*) FROM dr", "2").await;
+    assert!(
+        writable(&c).await.is_empty(),
+        "a standby cluster takes no writes"
+    );
+    let refused = one(&c.node(0).rw_conninfo(), "INSERT INTO dr VALUES (0)").await;
+    assert!(
+        refused.is_err(),
+        "the read-write port took a write: {refused:?}"
+    );
+
+    // Losing the standby leader: n2 takes over and follows the remote,
+    // still without promoting.
+    c.kill_node(0);
+    eventually(
+        "n2 leads the standby cluster",
+        Duration::from_secs(60),
+        || async {
+            let s = standby_leader(&c, 1);
+            let from = streams_from_port(&c, 1).await.unwrap_or_default();
+            (s == (Some(200), Some(200), Some(503), Some(503)) && from == remote_port)
+                .then_some(())
+                .ok_or(format!("{s:?}, streaming from {from:?}"))
+        },
+    )
+    .await;
+    query(&source, "INSERT INTO dr VALUES (3)").await.unwrap();
+    reads_on(&c, &[1], "SELECT count(*) FROM dr", "3").await;
+    assert!(writable(&c).await.is_empty(), "nobody was promoted");
+
+    // Taking standby_cluster out of the configuration promotes it.
+    patch_config_ok(&c, 1, serde_json::json!({"standby_cluster": null})).await;
+    eventually("n2 is promoted", Duration::from_secs(40), || async {
+        let w = writable(&c).await;
+        (w == [1] && c.api_status(1, "/primary") == Some(200))
+            .then_some(())
+            .ok_or(format!("writable: {w:?}"))
+    })
+    .await;
+    query(&c.node(1).pg_conninfo(), "INSERT INTO dr VALUES (4)")
+        .await
+        .unwrap();
+    reads_on(&c, &[1], "SELECT count(*) FROM dr", "4").await;
+
+    // Made a standby cluster again, the primary stops taking writes and
+    // leads as a standby of the remote. (Its history has forked from the
+    // remote's, so it cannot stream until it is cloned afresh.)
+    patch_config_ok(
+        &c,
+        1,
+        serde_json::json!({"standby_cluster": {"host": "127.0.0.1", "port": port}}),
+    )
+    .await;
+    eventually(
+        "n2 is a standby leader again",
+        Duration::from_secs(40),
+        || async {
+            let w = writable(&c).await;
+            let s = c.api_status(1, "/standby-leader");
+            (w.is_empty() && s == Some(200))
+                .then_some(())
+                .ok_or(format!("writable: {w:?}, /standby-leader {s:?}"))
+        },
+    )
+    .await;
+}

@@ -315,7 +315,8 @@ impl AgentClusterBuilder {
         };
         c.launch(0, &tails[0]);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while c.api_status(0, "/primary") != Some(200) {
+        // `/leader`: the primary, or a standby cluster's standby leader.
+        while c.api_status(0, "/leader") != Some(200) {
             assert!(
                 std::time::Instant::now() < deadline,
                 "node n1 did not become leader\n{}",

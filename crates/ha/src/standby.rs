@@ -1,0 +1,126 @@
+//! Standby clusters: a whole cluster that replicates from a PostgreSQL
+//! outside it (another data centre's primary, typically), as Patroni's
+//! `standby_cluster` does.
+//!
+//! The member holding the leader key is the *standby leader*: it stays in
+//! recovery and streams from the remote source, and the other members
+//! stream from it. Elections, switchovers and failovers work as usual, but
+//! nobody is promoted; taking `standby_cluster` out of the dynamic
+//! configuration promotes the standby leader, which turns the standby
+//! cluster into an ordinary one.
+
+use serde::{Deserialize, Serialize};
+
+/// Where a standby cluster's leader streams from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandbyCluster {
+    /// Host name or address of the remote source.
+    pub host: String,
+    /// Its port.
+    #[serde(default = "default_port")]
+    pub port: u16,
+    /// A physical slot on the source for the standby leader to stream
+    /// through, created there by the first clone when missing. Without one
+    /// the source may recycle WAL the standby cluster still needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub primary_slot_name: Option<String>,
+}
+
+fn default_port() -> u16 {
+    5432
+}
+
+impl StandbyCluster {
+    /// Reads and checks the dynamic configuration's (or the node file's)
+    /// `standby_cluster`; the error names the field and what is wrong.
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, String> {
+        let s: StandbyCluster =
+            serde_json::from_value(value.clone()).map_err(|e| format!("standby_cluster: {e}"))?;
+        s.check()?;
+        Ok(s)
+    }
+
+    /// The rules serde cannot express: a host and a usable slot name.
+    pub fn check(&self) -> Result<(), String> {
+        if self.host.trim().is_empty() {
+            return Err("standby_cluster.host: is empty".into());
+        }
+        if self.host.contains(|c: char| c.is_whitespace() || c == '\'') {
+            return Err(format!(
+                "standby_cluster.host: {:?} holds a space or a quote",
+                self.host
+            ));
+        }
+        if self.port == 0 {
+            return Err("standby_cluster.port: must be 1 to 65535".into());
+        }
+        if let Some(slot) = &self.primary_slot_name {
+            if !valid_slot_name(slot) {
+                return Err(format!(
+                    "standby_cluster.primary_slot_name: {slot:?} is not a slot name \
+                     (1 to 63 lower-case letters, digits and '_')"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `host:port`, for logs and decisions.
+    pub fn address(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// PostgreSQL's rule for replication slot names.
+pub fn valid_slot_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn reads_patroni_s_form_with_a_default_port() {
+        let s = StandbyCluster::from_json(&json!({"host": "10.0.0.5"})).unwrap();
+        assert_eq!(s.port, 5432);
+        assert_eq!(s.address(), "10.0.0.5:5432");
+        let s = StandbyCluster::from_json(
+            &json!({"host": "db.dc1", "port": 6543, "primary_slot_name": "dc2"}),
+        )
+        .unwrap();
+        assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (v, want) in [
+            (json!({"port": 5432}), "missing field `host`"),
+            (json!({"host": ""}), "standby_cluster.host"),
+            (json!({"host": "a b"}), "standby_cluster.host"),
+            (json!({"host": "h", "port": 0}), "standby_cluster.port"),
+            (json!({"host": "h", "port": 70000}), "standby_cluster"),
+            (
+                json!({"host": "h", "primary_slot_name": "Bad-Slot"}),
+                "primary_slot_name",
+            ),
+            (
+                json!({"host": "h", "restore_command": "x"}),
+                "unknown field",
+            ),
+        ] {
+            let e = StandbyCluster::from_json(&v).unwrap_err();
+            assert!(e.contains(want), "{v}: {e}");
+        }
+    }
+}
