@@ -1724,7 +1724,8 @@ impl HaLoop {
                 let _ = self.pg.stop(StopMode::Immediate).await;
             }
         }
-        self.former_primary = true;
+        // A standby leader wrote no WAL of its own: nothing to rewind.
+        self.former_primary = !(self.obs.pg.running && self.obs.pg.in_recovery);
         self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "demoted");
         match self.dcs.release_leader(&self.cfg.name).await {
             Ok(_) => tracing::info!(member = %self.cfg.name, "released the leader key: {reason}"),

@@ -69,7 +69,9 @@ pub(crate) async fn resume_proxies(urls: &[String]) {
 
 /// Waits, at most `within`, until the leader key names a member other than
 /// `other_than` (any member when `None`) that reports itself a running
-/// primary, so resumed transactions find it ready.
+/// primary, so resumed transactions find it ready. In a standby cluster,
+/// where nobody takes writes, a running standby leader is as ready as it
+/// gets.
 pub(crate) async fn wait_for_writable_leader(
     dcs: &EtcdDcs,
     other_than: Option<&str>,
@@ -83,10 +85,12 @@ pub(crate) async fn wait_for_writable_leader(
                 .as_ref()
                 .map(|l| l.name.clone())
                 .filter(|l| Some(l.as_str()) != other_than);
+            let standby = record::standby_cluster(&snap).is_some();
             let ready = record::records(&snap).into_iter().any(|r| {
                 Some(&r.state.name) == leader.as_ref()
                     && r.state.running
-                    && r.state.role == MemberRole::Primary
+                    && (r.state.role == MemberRole::Primary
+                        || (standby && r.state.role == MemberRole::Replica))
             });
             if ready {
                 return;

@@ -3250,54 +3250,84 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
         "the read-write port took a write: {refused:?}"
     );
 
-    // Losing the standby leader: n2 takes over and follows the remote,
-    // still without promoting.
-    c.kill_node(0);
+    // A switchover moves the standby leadership to n2, which follows the
+    // remote; n1 then streams from n2, without a rewind.
+    let body = serde_json::json!({"leader": "n1", "candidate": "n2"});
+    let r = api_call(&c, 0, "POST", "/switchover", body).await;
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, "Successfully switched over to n2")
+    );
+    let n2_port = c.node(1).pg_port.to_string();
     eventually(
-        "n2 leads the standby cluster",
+        "the chain remote → n2 → n1",
         Duration::from_secs(60),
         || async {
             let s = standby_leader(&c, 1);
-            let from = streams_from_port(&c, 1).await.unwrap_or_default();
+            let a = streams_from_port(&c, 1).await.unwrap_or_default();
+            let b = streams_from_port(&c, 0).await.unwrap_or_default();
+            (s == (Some(200), Some(200), Some(503), Some(503)) && a == remote_port && b == n2_port)
+                .then_some(())
+                .ok_or(format!("n2: {s:?}, from {a:?}; n1 from {b:?}"))
+        },
+    )
+    .await;
+    assert!(
+        !c.node(0).agent_log().contains("rewound"),
+        "a standby leader has nothing to rewind"
+    );
+    query(&source, "INSERT INTO dr VALUES (3)").await.unwrap();
+    reads_on(&c, &[0, 1], "SELECT count(*) FROM dr", "3").await;
+    assert!(writable(&c).await.is_empty(), "nobody was promoted");
+
+    // Losing the standby leader: n1 takes over and follows the remote,
+    // still without promoting.
+    c.kill_node(1);
+    eventually(
+        "n1 leads the standby cluster",
+        Duration::from_secs(60),
+        || async {
+            let s = standby_leader(&c, 0);
+            let from = streams_from_port(&c, 0).await.unwrap_or_default();
             (s == (Some(200), Some(200), Some(503), Some(503)) && from == remote_port)
                 .then_some(())
                 .ok_or(format!("{s:?}, streaming from {from:?}"))
         },
     )
     .await;
-    query(&source, "INSERT INTO dr VALUES (3)").await.unwrap();
-    reads_on(&c, &[1], "SELECT count(*) FROM dr", "3").await;
+    query(&source, "INSERT INTO dr VALUES (4)").await.unwrap();
+    reads_on(&c, &[0], "SELECT count(*) FROM dr", "4").await;
     assert!(writable(&c).await.is_empty(), "nobody was promoted");
 
     // Taking standby_cluster out of the configuration promotes it.
-    patch_config_ok(&c, 1, serde_json::json!({"standby_cluster": null})).await;
-    eventually("n2 is promoted", Duration::from_secs(40), || async {
+    patch_config_ok(&c, 0, serde_json::json!({"standby_cluster": null})).await;
+    eventually("n1 is promoted", Duration::from_secs(40), || async {
         let w = writable(&c).await;
-        (w == [1] && c.api_status(1, "/primary") == Some(200))
+        (w == [0] && c.api_status(0, "/primary") == Some(200))
             .then_some(())
             .ok_or(format!("writable: {w:?}"))
     })
     .await;
-    query(&c.node(1).pg_conninfo(), "INSERT INTO dr VALUES (4)")
+    query(&c.node(0).pg_conninfo(), "INSERT INTO dr VALUES (5)")
         .await
         .unwrap();
-    reads_on(&c, &[1], "SELECT count(*) FROM dr", "4").await;
+    reads_on(&c, &[0], "SELECT count(*) FROM dr", "5").await;
 
     // Made a standby cluster again, the primary stops taking writes and
     // leads as a standby of the remote. (Its history has forked from the
     // remote's, so it cannot stream until it is cloned afresh.)
     patch_config_ok(
         &c,
-        1,
+        0,
         serde_json::json!({"standby_cluster": {"host": "127.0.0.1", "port": port}}),
     )
     .await;
     eventually(
-        "n2 is a standby leader again",
+        "n1 is a standby leader again",
         Duration::from_secs(40),
         || async {
             let w = writable(&c).await;
-            let s = c.api_status(1, "/standby-leader");
+            let s = c.api_status(0, "/standby-leader");
             (w.is_empty() && s == Some(200))
                 .then_some(())
                 .ok_or(format!("writable: {w:?}, /standby-leader {s:?}"))
