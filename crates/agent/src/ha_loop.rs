@@ -2411,6 +2411,61 @@ impl HaLoop {
                 Err(e) => tracing::error!(error = %e, "cannot change primary_slot_name"),
             }
         }
+        // Only a cluster being created reads it.
+        self.cfg.standby_cluster = new.standby_cluster;
+        if new.watchdog != self.cfg.watchdog {
+            match self.watchdog.reconfigure(&new.watchdog) {
+                Ok(()) => {
+                    tracing::info!(mode = ?new.watchdog.mode, device = %new.watchdog.device.display(), "watchdog reloaded");
+                    self.watchdog_problem = None;
+                    self.cfg.watchdog = new.watchdog;
+                }
+                Err(e) if self.watchdog.armed() => {
+                    tracing::error!(
+                        "the reloaded watchdog cannot be armed, the old one stays: {e}"
+                    );
+                }
+                Err(e) => {
+                    self.cfg.watchdog = new.watchdog;
+                    if self.watchdog.required() {
+                        tracing::error!(
+                            "watchdog required but unusable, this member will not lead: {e}"
+                        );
+                        self.watchdog_problem =
+                            Some(format!("watchdog required but unusable: {e}"));
+                    } else {
+                        tracing::warn!("no watchdog ({e}); leading without one");
+                        self.watchdog_problem = None;
+                    }
+                }
+            }
+        }
+        if new.replication_user != self.cfg.replication_user {
+            self.pg.set_replication_user(new.replication_user.clone());
+            // A streaming standby reconnects as the new user at once.
+            let user = new.replication_user.clone();
+            let running = self.obs.pg.running;
+            let res = self
+                .pg
+                .with(move |i| {
+                    let Some((h, p)) = i.upstream().map(|(h, p)| (h.to_string(), p)) else {
+                        return Ok(());
+                    };
+                    i.set_standby(Some((&h, p)), &user)?;
+                    if running {
+                        i.reload()?;
+                    }
+                    Ok(())
+                })
+                .await;
+            match res {
+                Ok(()) => tracing::info!(user = %new.replication_user, "replication user reloaded"),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot rewrite primary_conninfo for the new replication user")
+                }
+            }
+            self.cfg.replication_user = new.replication_user;
+        }
         if node_settings != ClusterSettings::of(&self.cfg) {
             tracing::info!("timings, protection and failsafe of the node file reloaded");
             self.cfg.rto = new.rto;

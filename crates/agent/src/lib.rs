@@ -45,8 +45,9 @@ pub use status::{AgentStatus, Command, StatusHandle};
 /// Whether going from the node file's `old` `[agent]` to `new` needs no
 /// restart of the agent: only tags, parameters, callbacks, the cluster
 /// settings (timings, lag limit, protection, failsafe), `use_slots`,
-/// `reclone_on_rewind_failure` and the API's credentials differ, which a
-/// running agent takes on `SIGHUP`.
+/// `reclone_on_rewind_failure`, the API's credentials, the watchdog, the
+/// replication user and `standby_cluster` (which only a new cluster reads)
+/// differ, which a running agent takes on `SIGHUP`.
 pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     let mut rest = new.clone();
     rest.tags = old.tags.clone();
@@ -62,6 +63,10 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.api_username = old.api_username.clone();
     rest.api_password = old.api_password.clone();
     rest.api_password_file = old.api_password_file.clone();
+    rest.watchdog = old.watchdog.clone();
+    rest.replication_user = old.replication_user.clone();
+    // Read only when the cluster is created.
+    rest.standby_cluster = old.standby_cluster.clone();
     rest == *old
 }
 
@@ -482,12 +487,15 @@ mod tests {
             "rto = \"fast\"\non_start = \"true\"",
             "rto = \"fast\"\nuse_slots = false\nreclone_on_rewind_failure = false",
             "rto = \"fast\"\napi_username = \"admin\"\napi_password = \"x\"",
+            "rto = \"fast\"\nwatchdog = \"automatic\"",
+            "rto = \"fast\"\nreplication_user = \"replicator\"",
+            "rto = \"fast\"\nstandby_cluster = { host = \"10.0.0.5\" }",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
         }
         for restart in [
-            "rto = \"fast\"\nwatchdog = \"automatic\"",
-            "rto = \"fast\"\nreplication_user = \"replicator\"",
+            "rto = \"fast\"\npg_connect_address = \"10.0.0.1:5432\"",
+            "rto = \"fast\"\nbin_dir = \"/opt/pg/bin\"",
         ] {
             assert!(!reloadable(&old, &agent(restart)), "{restart}");
         }

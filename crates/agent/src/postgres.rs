@@ -145,6 +145,12 @@ impl LocalPostgres {
         &self.replication_user
     }
 
+    /// Changes the replication role (a reloaded node file); the caller
+    /// rewrites a standby's `primary_conninfo`.
+    pub fn set_replication_user(&mut self, user: String) {
+        self.replication_user = user;
+    }
+
     /// The superuser the agent connects as.
     pub fn superuser(&self) -> &str {
         &self.superuser

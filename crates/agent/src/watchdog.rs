@@ -111,6 +111,35 @@ impl Watchdog {
         }
     }
 
+    /// Takes a reloaded `[agent]` watchdog setting. An armed watchdog stays
+    /// armed throughout: a new device is opened (and fed) before the old
+    /// one is closed with the magic close, and one that cannot be opened
+    /// leaves the old one in force (`Err`). A watchdog not armed is only
+    /// probed, as at start.
+    pub fn reconfigure(&mut self, config: &WatchdogConfig) -> Result<(), String> {
+        if config.mode == self.mode && config.device == self.device {
+            return Ok(());
+        }
+        if !self.armed() {
+            self.mode = config.mode;
+            self.device = config.device.clone();
+            return self.probe();
+        }
+        if config.mode == WatchdogMode::Off {
+            self.disarm();
+            self.mode = config.mode;
+            return Ok(());
+        }
+        if config.device != self.device {
+            let mut next = Watchdog::new(config, self.timeout);
+            next.arm()?;
+            self.disarm();
+            *self = next;
+        }
+        self.mode = config.mode;
+        Ok(())
+    }
+
     /// Postpones the reset.
     pub fn keepalive(&mut self) {
         if let Some(f) = &mut self.file {

@@ -150,7 +150,7 @@ pub async fn serve(
                                 Err(e) => tracing::error!("REST API certificates not reloaded, the old ones stay: {e}"),
                             }
                             if !pgwarden_agent::reloadable(old, fresh) || new.etcd != running.etcd {
-                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure and the API's credentials take effect at the next restart (the API's certificate files are read again, at the same paths)");
+                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure, the watchdog, the replication user and the API's credentials take effect at the next restart (the API's certificate files are read again, at the same paths)");
                             }
                             let _ = handle
                                 .commands

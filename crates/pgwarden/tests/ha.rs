@@ -1749,15 +1749,28 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
 async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let c = cluster().nodes(2).start();
     healthy(&c, 1, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE ROLE replicator REPLICATION LOGIN",
+    )
+    .await
+    .unwrap();
     let pid = c.node(1).postmaster_pid().unwrap();
     let file = c.node(1).config.clone();
     let text = std::fs::read_to_string(&file).unwrap();
+    let missing = c.dir().join("no-such-watchdog");
     let edited = text
         .replacen(
             "[agent]\n",
-            "[agent]\nnofailover = true\nuse_slots = false\nwatchdog_device = \"/dev/watchdog0\"\n",
+            &format!(
+                "[agent]\nnofailover = true\nuse_slots = false\nreplication_user = \"replicator\"\n\
+                 watchdog = \"required\"\nwatchdog_device = {:?}\n",
+                missing.display().to_string()
+            ),
             1,
         )
+        // Not reloadable: logged as waiting for a restart.
+        .replace("op_timeout = \"1s\"", "op_timeout = \"1500ms\"")
         .replace(
             "max_connections = 50 }",
             "max_connections = 50, work_mem = \"6MB\" }",
@@ -1857,6 +1870,35 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     assert_eq!(post("rotated").await, 202);
     let log = c.node(1).agent_log();
     assert!(log.contains("take effect at the next restart"), "{log}");
+    // n2 streams as the new replication user, without a restart; its new
+    // watchdog is required but missing, which it reports.
+    let leader = c.node(0).pg_conninfo();
+    eventually(
+        "n2 streams as replicator",
+        Duration::from_secs(20),
+        || async {
+            let v = one(
+                &leader,
+                "SELECT usename FROM pg_stat_replication WHERE application_name = 'n2' \
+                 AND state = 'streaming'",
+            )
+            .await?;
+            (v == "replicator").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    let problem = member_status(&c, 1).await.unwrap()["problem"].clone();
+    assert!(
+        problem
+            .as_str()
+            .is_some_and(|p| p.contains("watchdog required but unusable")),
+        "{problem}"
+    );
+    assert_eq!(
+        c.node(1).postmaster_pid(),
+        Some(pid),
+        "PostgreSQL restarted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2124,6 +2166,24 @@ async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_
         .node(1)
         .log_tail()
         .contains("watchdog required but unusable"));
+    // A new device in n3's file, reloaded: it is armed before the old one
+    // is let go with the magic close; n3 keeps leading.
+    std::fs::write(dev("wd3b"), b"").unwrap();
+    let file = c.node(2).config.clone();
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, text.replace(&setting("wd3"), &setting("wd3b"))).unwrap();
+    c.reload_agent(2);
+    eventually(
+        "n3 feeds its new watchdog",
+        Duration::from_secs(20),
+        fed("wd3b"),
+    )
+    .await;
+    assert!(
+        std::fs::read(dev("wd3")).unwrap().ends_with(b"V"),
+        "the old device was closed with the magic close"
+    );
+    assert_eq!(writable(&c).await, [2], "n3 still leads");
 }
 
 /// The `sync` key as the agents last wrote it.
