@@ -113,6 +113,14 @@ pub enum AgentError {
     },
 }
 
+/// Whether a running agent can take `new` in place of `old` by
+/// reconnecting ([`AgentHandle::reconnect_etcd`]): the endpoints, TLS files
+/// and credentials may change; the cluster's keys (`namespace`, `cluster`)
+/// and `op_timeout` need a restart.
+pub fn etcd_reloadable(old: &EtcdConfig, new: &EtcdConfig) -> bool {
+    old.namespace == new.namespace && old.cluster == new.cluster && old.op_timeout == new.op_timeout
+}
+
 /// What the agent shows etcd, read from the files `[etcd]` names (paths
 /// as given: the caller resolves relative ones).
 pub fn etcd_security(etcd: &EtcdConfig) -> Result<pgwarden_dcs::EtcdSecurity, AgentError> {
@@ -181,6 +189,27 @@ pub struct AgentHandle {
 }
 
 impl AgentHandle {
+    /// Connects to etcd anew with a reloaded `[etcd]` (its relative paths
+    /// already resolved): new endpoints, renewed certificates or a rotated
+    /// password. The old connection stays if the new one cannot read the
+    /// cluster's keys.
+    pub async fn reconnect_etcd(&self, etcd: &EtcdConfig) -> Result<(), String> {
+        let security = etcd_security(etcd).map_err(|e| e.to_string())?;
+        self.dcs
+            .reconnect(&etcd.endpoints, &security)
+            .await
+            .map_err(|e| {
+                let mut why = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    why.push_str(": ");
+                    why.push_str(&s.to_string());
+                    source = s.source();
+                }
+                why
+            })
+    }
+
     /// Waits until the agent gives up managing its node for good (its data
     /// directory holds another database than the cluster's), and says why.
     /// Never returns while the agent runs.

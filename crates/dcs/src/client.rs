@@ -39,7 +39,9 @@ type Keepers = HashMap<LeaseId, (LeaseKeeper, LeaseKeepAliveStream)>;
 /// compare-and-set whose outcome can be read back.
 #[derive(Clone)]
 pub struct EtcdDcs {
-    client: Client,
+    /// Shared by every clone, so that [`EtcdDcs::reconnect`] reaches the
+    /// API, the watches and the loop at once.
+    client: Arc<arc_swap::ArcSwap<Client>>,
     keys: KeyLayout,
     op_timeout: Duration,
     keepers: Arc<Mutex<Keepers>>,
@@ -115,43 +117,80 @@ impl EtcdDcs {
         security: &EtcdSecurity,
     ) -> Result<EtcdDcs> {
         let keys = KeyLayout::new(namespace, cluster)?;
-        if endpoints.is_empty() {
-            return Err(DcsError::NoEndpoints);
-        }
-        // No per-request timeout in the channel: it would also cut the
-        // long-lived watch stream. Each operation is bounded here instead.
-        let mut options = ConnectOptions::new()
-            .with_connect_timeout(op_timeout)
-            .with_keep_alive(PING_INTERVAL, op_timeout.max(Duration::from_secs(1)));
-        if let Some(ca) = &security.ca_pem {
-            let mut tls = etcd_client::TlsOptions::new()
-                .ca_certificate(etcd_client::Certificate::from_pem(ca));
-            if let Some((cert, key)) = &security.identity {
-                tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
-            }
-            options = options.with_tls(tls);
-        }
-        if let Some((user, password)) = &security.user {
-            // etcd's tokens expire (5 minutes by default): log in again
-            // rather than fail every request from then on.
-            options = options
-                .with_user(user.clone(), password.clone())
-                .with_auto_token_refresh(true);
-        }
-        let client = bound("connect", op_timeout, async {
-            Client::connect(endpoints, Some(options))
-                .await
-                .map_err(etcd("connect"))
-        })
-        .await?;
+        let client = new_client(endpoints, op_timeout, security).await?;
         Ok(EtcdDcs {
-            client,
+            client: Arc::new(arc_swap::ArcSwap::from_pointee(client)),
             keys,
             op_timeout,
             keepers: Arc::default(),
         })
     }
 
+    /// Connects anew, to `endpoints` with `security` (a reloaded `[etcd]`:
+    /// moved endpoints, renewed certificates, a rotated password), and
+    /// switches every clone of this handle over once the connection stands;
+    /// on error the old connection stays. Leases live in etcd, not in the
+    /// connection, so the leader key and the members' keys are unaffected;
+    /// a watch moves over when its stream next breaks.
+    pub async fn reconnect(&self, endpoints: &[String], security: &EtcdSecurity) -> Result<()> {
+        const OP: &str = "reconnect";
+        let client = new_client(endpoints, self.op_timeout, security).await?;
+        // A connection without a user is lazy: read one of the cluster's
+        // keys through it first, so that a mistyped endpoint or a
+        // certificate etcd refuses never replaces a working connection.
+        let mut kv = client.kv_client();
+        let key = self.keys.leader();
+        self.bounded(OP, async move {
+            kv.get(key, None).await.map_err(etcd(OP))?;
+            Ok(())
+        })
+        .await?;
+        self.client.store(Arc::new(client));
+        // Keep-alive streams belong to the old connection.
+        self.keepers.lock().await.clear();
+        Ok(())
+    }
+}
+
+/// A connected etcd client (lazy without a user, see
+/// [`EtcdDcs::connect_with`]).
+async fn new_client(
+    endpoints: &[String],
+    op_timeout: Duration,
+    security: &EtcdSecurity,
+) -> Result<Client> {
+    if endpoints.is_empty() {
+        return Err(DcsError::NoEndpoints);
+    }
+    // No per-request timeout in the channel: it would also cut the
+    // long-lived watch stream. Each operation is bounded here instead.
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(op_timeout)
+        .with_keep_alive(PING_INTERVAL, op_timeout.max(Duration::from_secs(1)));
+    if let Some(ca) = &security.ca_pem {
+        let mut tls =
+            etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(ca));
+        if let Some((cert, key)) = &security.identity {
+            tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        options = options.with_tls(tls);
+    }
+    if let Some((user, password)) = &security.user {
+        // etcd's tokens expire (5 minutes by default): log in again
+        // rather than fail every request from then on.
+        options = options
+            .with_user(user.clone(), password.clone())
+            .with_auto_token_refresh(true);
+    }
+    bound("connect", op_timeout, async {
+        Client::connect(endpoints, Some(options))
+            .await
+            .map_err(etcd("connect"))
+    })
+    .await
+}
+
+impl EtcdDcs {
     /// The keys of this cluster.
     pub fn keys(&self) -> &KeyLayout {
         &self.keys
@@ -205,7 +244,7 @@ impl EtcdDcs {
             .ok()
             .filter(|s| *s > 0)
             .ok_or(DcsError::InvalidTtl(ttl))?;
-        let mut client = self.client.clone();
+        let mut client = self.client();
         self.bounded("lease grant", async move {
             let resp = client
                 .lease_grant(secs, None)
@@ -231,7 +270,7 @@ impl EtcdDcs {
     /// is already gone succeeds.
     pub async fn revoke_lease(&self, lease: LeaseId) -> Result<()> {
         self.keepers.lock().await.remove(&lease);
-        let mut client = self.client.clone();
+        let mut client = self.client();
         self.bounded("lease revoke", async move {
             match client.lease_revoke(lease.0).await {
                 Ok(_) => Ok(()),
@@ -358,7 +397,7 @@ impl EtcdDcs {
         let leader = self.keys.leader();
         let failover = self.keys.failover();
         self.bounded("take over leader", async {
-            let mut kv = self.client.kv_client();
+            let mut kv = self.client().kv_client();
             let resp = kv
                 .get(failover.as_str(), None)
                 .await
@@ -424,7 +463,7 @@ impl EtcdDcs {
     /// [`ClusterSnapshot::malformed`] rather than failing the read.
     pub async fn read_cluster(&self) -> Result<ClusterSnapshot> {
         const OP: &str = "read cluster";
-        let mut client = self.client.clone();
+        let mut client = self.client();
         let prefix = self.keys.prefix().to_string();
         let keys = &self.keys;
         self.bounded(OP, async move {
@@ -505,7 +544,7 @@ impl EtcdDcs {
         const OP: &str = "append history";
         let key = self.keys.history();
         self.bounded(OP, async {
-            let mut kv = self.client.kv_client();
+            let mut kv = self.client().kv_client();
             for _ in 0..CAS_ATTEMPTS {
                 let resp = kv.get(key.as_str(), None).await.map_err(etcd(OP))?;
                 let (mut history, revision) = match resp.kvs().first() {
@@ -607,7 +646,7 @@ impl EtcdDcs {
         value: Vec<u8>,
         options: Option<PutOptions>,
     ) -> Result<()> {
-        let mut kv = self.client.kv_client();
+        let mut kv = self.client().kv_client();
         self.bounded(op, async move {
             kv.put(key, value, options).await.map_err(etcd(op))?;
             Ok(())
@@ -616,7 +655,7 @@ impl EtcdDcs {
     }
 
     async fn delete(&self, op: &'static str, key: String) -> Result<()> {
-        let mut kv = self.client.kv_client();
+        let mut kv = self.client().kv_client();
         self.bounded(op, async move {
             kv.delete(key, None).await.map_err(etcd(op))?;
             Ok(())
@@ -629,7 +668,7 @@ impl EtcdDcs {
     }
 
     async fn txn_inner(&self, op: &'static str, txn: Txn) -> Result<TxnResponse> {
-        self.client.kv_client().txn(txn).await.map_err(etcd(op))
+        self.client().kv_client().txn(txn).await.map_err(etcd(op))
     }
 
     /// One renewal, unbounded (callers bound it). The stream is taken out of
@@ -641,7 +680,7 @@ impl EtcdDcs {
         let cached = self.keepers.lock().await.remove(&lease);
         let (mut keeper, mut stream) = match cached {
             Some(pair) => pair,
-            None => match self.client.lease_client().keep_alive(lease.0).await {
+            None => match self.client().lease_client().keep_alive(lease.0).await {
                 Ok(pair) => pair,
                 Err(e) if is_lease_not_found(&e) => return Err(DcsError::LeaseNotFound(lease)),
                 Err(e) => return Err(etcd(OP)(e)),
@@ -671,8 +710,8 @@ impl EtcdDcs {
         bound(op, self.op_timeout, fut).await
     }
 
-    pub(crate) fn client(&self) -> &Client {
-        &self.client
+    pub(crate) fn client(&self) -> Client {
+        Client::clone(&self.client.load())
     }
 }
 

@@ -146,7 +146,7 @@ async fn follow<E: Clone + PartialEq>(
     last: &mut Option<E>,
 ) -> Result<()> {
     const OP: &str = "watch";
-    let mut client = dcs.client().clone();
+    let mut client = dcs.client();
     let (current, revision) = dcs
         .bounded(OP, async {
             let resp = client.get(key, None).await.map_err(etcd(OP))?;

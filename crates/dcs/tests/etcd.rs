@@ -559,3 +559,39 @@ async fn the_leader_key_moves_to_a_new_lease_without_being_released() {
     assert!(!a.rebind_leader("a", short, lb).await.unwrap());
     assert_eq!(b.read_cluster().await.unwrap().leader.unwrap().lease, long);
 }
+
+#[tokio::test]
+async fn a_reconnect_moves_every_clone_and_keeps_the_leader_key() {
+    let etcd = EtcdServer::start();
+    let relay =
+        pgwarden_testkit::Relay::start(etcd.endpoint().parse().expect("addr")).expect("relay");
+    let a = EtcdDcs::connect(&[relay.addr().to_string()], "pgwarden", "r", OP_TIMEOUT)
+        .await
+        .expect("connect");
+    let clone = a.clone();
+    let lease = a.grant_lease(Duration::from_secs(10)).await.unwrap();
+    assert!(a.acquire_leader("n1", lease).await.unwrap());
+
+    // Nobody listens there: refused, and the relay's connection stays.
+    let closed = format!("127.0.0.1:{}", pgwarden_testkit::free_port());
+    let e = a
+        .reconnect(&[closed], &Default::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, DcsError::Etcd { .. } | DcsError::Timeout { .. }),
+        "{e}"
+    );
+    assert!(clone.renew_leader("n1", lease).await.unwrap());
+
+    // etcd itself: afterwards every clone works with the relay cut, and the
+    // lease and the leader key are the same.
+    a.reconnect(&[etcd.endpoint()], &Default::default())
+        .await
+        .unwrap();
+    relay.set_blackhole(true);
+    assert!(clone.renew_leader("n1", lease).await.unwrap());
+    clone.keep_alive_once(lease).await.unwrap();
+    let snap = clone.read_cluster().await.unwrap();
+    assert_eq!(snap.leader.map(|l| l.name).as_deref(), Some("n1"));
+}

@@ -29,11 +29,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // Files named in [etcd] and [agent] are relative to the configuration
     // file.
     let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
+    etcd = etcd_files_resolved(&etcd, &args.config);
     for f in [
-        &mut etcd.ca_file,
-        &mut etcd.cert_file,
-        &mut etcd.key_file,
-        &mut etcd.password_file,
         &mut agent.api_cert_file,
         &mut agent.api_key_file,
         &mut agent.api_ca_file,
@@ -59,6 +56,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .await?;
         crate::run_cmd::serve(&args.config, config, false, Some(handle)).await
     })
+}
+
+/// `etcd` with the files it names resolved against the directory of the
+/// configuration file at `config_path`.
+pub(crate) fn etcd_files_resolved(
+    etcd: &pgwarden_config::EtcdConfig,
+    config_path: &std::path::Path,
+) -> pgwarden_config::EtcdConfig {
+    let dir = config_path.parent().unwrap_or(std::path::Path::new("."));
+    let mut etcd = etcd.clone();
+    for f in [
+        &mut etcd.ca_file,
+        &mut etcd.cert_file,
+        &mut etcd.key_file,
+        &mut etcd.password_file,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *f = dir.join(&*f);
+    }
+    etcd
 }
 
 /// With `on_sync_blocked = "reject"`: while the leader's commits wait for

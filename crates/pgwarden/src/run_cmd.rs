@@ -149,8 +149,21 @@ pub async fn serve(
                                 Ok(false) => {}
                                 Err(e) => tracing::error!("REST API certificates not reloaded, the old ones stay: {e}"),
                             }
-                            if !pgwarden_agent::reloadable(old, fresh) || new.etcd != running.etcd {
-                                tracing::warn!("[agent] and [etcd] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure, the watchdog, the replication user and the API's credentials take effect at the next restart (the API's certificate files are read again, at the same paths)");
+                            if !pgwarden_agent::reloadable(old, fresh) {
+                                tracing::warn!("[agent] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure, the watchdog, the replication user and the API's credentials take effect at the next restart (the API's certificate files are read again, at the same paths)");
+                            }
+                            if let (Some(old_etcd), Some(new_etcd)) = (&running.etcd, &new.etcd) {
+                                let files = new_etcd.ca_file.is_some() || new_etcd.password_file.is_some();
+                                if !pgwarden_agent::etcd_reloadable(old_etcd, new_etcd) {
+                                    tracing::warn!("etcd.namespace, etcd.cluster and etcd.op_timeout take effect at the next restart");
+                                } else if old_etcd != new_etcd || files {
+                                    // Also unchanged, for renewed certificate and password files.
+                                    let resolved = crate::agent_cmd::etcd_files_resolved(new_etcd, path);
+                                    match handle.reconnect_etcd(&resolved).await {
+                                        Ok(()) => tracing::info!(endpoints = ?resolved.endpoints, "etcd connection reloaded"),
+                                        Err(e) => tracing::error!("etcd settings not reloaded, the old connection stays: {e}"),
+                                    }
+                                }
                             }
                             let _ = handle
                                 .commands

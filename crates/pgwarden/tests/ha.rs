@@ -3395,3 +3395,53 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_etcd_section_moves_the_leader_to_new_endpoints_without_a_restart() {
+    let c = cluster().nodes(2).etcd_relays().start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    assert_eq!(p, 0, "node 0 bootstraps the cluster");
+    let relay = c.etcd_relay(0).addr().to_string();
+    let file = c.node(0).config.clone();
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains(&relay), "{text}");
+    let reloaded = |n: usize, what: &'static str| {
+        let node = c.node(0);
+        move || {
+            let seen = node.agent_log().matches(what).count();
+            async move { (seen >= n).then_some(()).ok_or(format!("{seen} times")) }
+        }
+    };
+
+    // An endpoint where nobody answers is refused; the old connection stays.
+    let closed = pgwarden_testkit::free_port();
+    std::fs::write(&file, text.replace(&relay, &format!("127.0.0.1:{closed}"))).unwrap();
+    c.reload_agent(0);
+    eventually(
+        "the bad endpoint is refused",
+        Duration::from_secs(20),
+        reloaded(1, "etcd settings not reloaded, the old connection stays"),
+    )
+    .await;
+
+    // etcd itself, without the relay: once reloaded, cutting the relay
+    // costs the leader nothing.
+    std::fs::write(&file, text.replace(&relay, &c.etcd_endpoint())).unwrap();
+    c.reload_agent(0);
+    eventually(
+        "the new endpoint is taken",
+        Duration::from_secs(20),
+        reloaded(1, "etcd connection reloaded"),
+    )
+    .await;
+    let leader = member_status(&c, 0).await.unwrap()["leader"].clone();
+    c.etcd_relay(0).set_blackhole(true);
+    // Past the point where a leader cut off from etcd demotes (loop_wait +
+    // retry_timeout = 3 s) and its lease runs out (ttl = 6 s).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(writable(&c).await, [0], "the leader kept leading");
+    let st = member_status(&c, 0).await.unwrap();
+    assert_eq!(st["dcs_reachable"], true, "{st}");
+    assert_eq!(st["leader"], leader);
+    assert!(!c.node(0).agent_log().contains("demoting"));
+}
