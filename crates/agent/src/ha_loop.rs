@@ -133,6 +133,9 @@ pub(crate) struct HaLoop {
     slot_error: Option<String>,
     /// The member PostgreSQL was last pointed at as its upstream.
     upstream: Option<String>,
+    /// Since when this standby leader has not streamed from the remote
+    /// source.
+    remote_silent_since: Option<Instant>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -214,6 +217,7 @@ impl HaLoop {
             slots_refused: None,
             slot_error: None,
             upstream: None,
+            remote_silent_since: None,
             failed,
             cfg,
         }
@@ -710,6 +714,12 @@ impl HaLoop {
             self.keep_member_alive().await;
         }
         self.execute(&decision, &view).await;
+        self.remote_silent_since = match (&decision, self.obs.streaming) {
+            (Decision::FollowRemote { .. }, false) => {
+                Some(self.remote_silent_since.unwrap_or_else(Instant::now))
+            }
+            _ => None,
+        };
         if matches!(decision, Decision::RenewLease)
             && self.holds_leader_key()
             && self.obs.pg.running
@@ -2650,7 +2660,8 @@ impl HaLoop {
             problem: self
                 .problem
                 .clone()
-                .or_else(|| self.watchdog_problem.clone()),
+                .or_else(|| self.watchdog_problem.clone())
+                .or_else(|| self.remote_problem()),
             routing_generation: self.routing_ack.load(std::sync::atomic::Ordering::SeqCst),
             lag_bytes: match (pg.in_recovery, last_leader_lsn, pg.replayed_lsn) {
                 (true, Some(l), Some(r)) => Some(l.saturating_sub(r)),
@@ -2671,6 +2682,25 @@ impl HaLoop {
                 .clone()
                 .filter(|_| pg.running),
         }
+    }
+
+    /// Why a standby leader that has not streamed from its source for a
+    /// ttl is of no use as one: a source that is down or refuses it, or a
+    /// history that forked off the source's.
+    fn remote_problem(&self) -> Option<String> {
+        let since = self.remote_silent_since?;
+        if since.elapsed() < self.timing.ttl {
+            return None;
+        }
+        let source = match record::standby_cluster(&self.snapshot)? {
+            Ok(s) => s.address(),
+            Err(_) => return None,
+        };
+        Some(format!(
+            "standby leader not streaming from the remote source {source} for {} s: see \
+             PostgreSQL's log (a history that forked off the source's needs a fresh clone)",
+            since.elapsed().as_secs()
+        ))
     }
 
     async fn publish_member(&mut self) {

@@ -3394,6 +3394,19 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
         },
     )
     .await;
+    // It says why it is of no use as a standby leader.
+    eventually(
+        "n1 reports its problem",
+        Duration::from_secs(40),
+        || async {
+            let p = member_status(&c, 0).await?["problem"].clone();
+            p.as_str()
+                .is_some_and(|p| p.contains("not streaming from the remote source"))
+                .then_some(())
+                .ok_or(p.to_string())
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
