@@ -533,9 +533,13 @@ impl HaLoop {
     async fn clone_from(&mut self, source: &HostAddr) -> Result<(), PgCtlError> {
         let user = self.pg.replication_user().to_string();
         let (h, p) = (source.host.clone(), source.port);
+        // A former standby leader's instance still names the remote
+        // source's slot; the clone must create this member's own.
+        let slot = self.member_slot();
         self.pg
             .with(move |i| {
                 i.wipe()?;
+                i.set_primary_slot(slot)?;
                 i.basebackup(&h, p, &user)
             })
             .await
