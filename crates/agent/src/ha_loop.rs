@@ -136,6 +136,9 @@ pub(crate) struct HaLoop {
     /// Since when this standby leader has not streamed from the remote
     /// source.
     remote_silent_since: Option<Instant>,
+    /// As the leader: how far each permanent logical slot's consumer has
+    /// confirmed, published with the lease for the replicas to follow.
+    logical_positions: std::collections::BTreeMap<String, u64>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -218,6 +221,7 @@ impl HaLoop {
             slot_error: None,
             upstream: None,
             remote_silent_since: None,
+            logical_positions: Default::default(),
             failed,
             cfg,
         }
@@ -736,6 +740,7 @@ impl HaLoop {
             let leading = self.holds_leader_key()
                 && (!self.obs.pg.in_recovery || record::standby_cluster(&self.snapshot).is_some());
             self.manage_slots(leading).await;
+            self.manage_logical_slots().await;
         }
         if self.holds_leader_key() && decision.keeps_lease() {
             if let Err(e) = self.watchdog.arm() {
@@ -953,7 +958,10 @@ impl HaLoop {
             Ok(Ok(true)) => {
                 self.last_renewal = Some(t0);
                 if let Some(lsn) = self.obs.pg.received_lsn {
-                    let status = serde_json::json!({ "lsn": lsn });
+                    let mut status = serde_json::json!({ "lsn": lsn });
+                    if !self.logical_positions.is_empty() {
+                        status["slots"] = serde_json::json!(self.logical_positions);
+                    }
                     let _ = tokio::time::timeout(
                         self.dcs_budget(),
                         self.dcs.put_status(&self.cfg.name, &status),
@@ -2264,6 +2272,188 @@ impl HaLoop {
         }
     }
 
+    /// Keeps the permanent logical slots: the leader creates them and
+    /// records how far their consumers have confirmed; a replica copies the
+    /// ones it lacks from the leader and advances its copies to the
+    /// published positions (see [`crate::slots`]).
+    async fn manage_logical_slots(&mut self) {
+        let Ok(wanted) = crate::slots::permanent_logical(self.snapshot.config.as_ref()) else {
+            // manage_slots has said why.
+            return;
+        };
+        if wanted.is_empty() {
+            self.logical_positions.clear();
+            return;
+        }
+        let rows = match self
+            .pg
+            .query(
+                "SELECT slot_name, database, plugin, confirmed_flush_lsn - '0/0' \
+                 FROM pg_replication_slots WHERE slot_type = 'logical'",
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the logical slots");
+                return;
+            }
+        };
+        // Ours: named in the configuration, with its database and plugin.
+        let mut local = std::collections::BTreeMap::new();
+        let mut foreign = Vec::new();
+        for r in rows {
+            let col = |i: usize| r.get(i).cloned().flatten();
+            let Some(name) = col(0) else { continue };
+            let Some(want) = wanted.get(&name) else {
+                continue;
+            };
+            if col(1).as_deref() == Some(want.database.as_str())
+                && col(2).as_deref() == Some(want.plugin.as_str())
+            {
+                local.insert(name, col(3).and_then(|v| v.parse::<u64>().ok()));
+            } else {
+                foreign.push(name);
+            }
+        }
+        for name in &foreign {
+            self.slot_failed(
+                name,
+                "a logical slot of this name has another database or plugin than the configuration's; left alone",
+                String::new(),
+            );
+        }
+        let leading = self.holds_leader_key() && self.obs.pg.running && !self.obs.pg.in_recovery;
+        if leading {
+            for (name, slot) in &wanted {
+                if local.contains_key(name) || foreign.contains(name) {
+                    continue;
+                }
+                let sql = format!(
+                    "SELECT pg_create_logical_replication_slot('{name}', '{}')",
+                    slot.plugin
+                );
+                match self
+                    .pg
+                    .query_in(None, &slot.database, &sql, Duration::from_secs(10))
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::info!(slot = %name, database = %slot.database, plugin = %slot.plugin, "logical replication slot created")
+                    }
+                    Err(e) => self.slot_failed(name, "cannot create a logical replication slot", e),
+                }
+            }
+            self.logical_positions = local
+                .into_iter()
+                .filter_map(|(n, at)| Some((n, at?)))
+                .collect();
+            return;
+        }
+        self.logical_positions.clear();
+        if !(self.obs.pg.running && self.obs.pg.in_recovery) {
+            return;
+        }
+        for name in &foreign {
+            local.remove(name);
+        }
+        let published = record::logical_positions(&self.snapshot);
+        let mut wanted = wanted;
+        wanted.retain(|n, _| !foreign.contains(n));
+        let plan =
+            crate::slots::logical_plan(&wanted, &local, &published, self.obs.pg.replayed_lsn);
+        for (name, database, at) in plan.advance {
+            let lsn = format!("{:X}/{:X}", at >> 32, at & 0xffff_ffff);
+            let sql = format!("SELECT pg_replication_slot_advance('{name}', '{lsn}')");
+            if let Err(e) = self
+                .pg
+                .query_in(None, &database, &sql, Duration::from_secs(10))
+                .await
+            {
+                self.slot_failed(&name, "cannot advance a copied logical slot", e);
+            }
+        }
+        if !plan.copy.is_empty() && self.obs.streaming {
+            self.copy_logical_slots(&plan.copy, &wanted).await;
+        }
+    }
+
+    /// Copies the state files of the logical slots `names` from the leader
+    /// into this replica's data directory and restarts PostgreSQL, which
+    /// loads slots only at start-up.
+    async fn copy_logical_slots(
+        &mut self,
+        names: &[String],
+        wanted: &std::collections::BTreeMap<String, crate::slots::LogicalSlot>,
+    ) {
+        let Some(leader) = self.leader_address() else {
+            return;
+        };
+        // Names come from the checked configuration: [a-z0-9_] only.
+        let list = names
+            .iter()
+            .map(|n| format!("'{n}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT slot_name, database, plugin, \
+             encode(pg_read_binary_file('pg_replslot/' || slot_name || '/state'), 'hex') \
+             FROM pg_replication_slots \
+             WHERE slot_type = 'logical' AND NOT pg_is_in_recovery() AND slot_name IN ({list})"
+        );
+        let rows = match self
+            .pg
+            .query_in(Some(&leader), "postgres", &sql, Duration::from_secs(5))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                self.slot_failed(&list, "cannot read logical slots from the leader", e);
+                return;
+            }
+        };
+        let states: Vec<(String, Vec<u8>)> = rows
+            .into_iter()
+            .filter_map(|r| {
+                let col = |i: usize| r.get(i).cloned().flatten();
+                let name = col(0)?;
+                let want = wanted.get(&name)?;
+                if col(1)? != want.database || col(2)? != want.plugin {
+                    return None;
+                }
+                Some((name, hex_bytes(&col(3)?)?))
+            })
+            .collect();
+        if states.is_empty() {
+            return;
+        }
+        let copied: Vec<&str> = states.iter().map(|(n, _)| n.as_str()).collect();
+        tracing::info!(
+            slots = ?copied,
+            "copying logical slots from the leader; PostgreSQL restarts to load them"
+        );
+        if let Err(e) = self.pg.stop(StopMode::Fast).await {
+            tracing::error!(error = %e, "cannot stop PostgreSQL to copy logical slots");
+            return;
+        }
+        let res = self
+            .pg
+            .with(move |i| {
+                for (name, state) in &states {
+                    i.install_slot_state(name, state)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = res {
+            tracing::error!(error = %e, "cannot write the copied logical slots");
+        }
+        if let Err(e) = self.pg.start(self.timing.loop_wait).await {
+            tracing::warn!(error = %first_line(&e), "PostgreSQL is not up yet");
+        }
+    }
+
     /// Logs a failed slot change, once while it keeps failing the same way
     /// (a full `max_replication_slots` would otherwise warn every loop).
     fn slot_failed(&mut self, slot: &str, what: &str, error: String) {
@@ -2320,6 +2510,16 @@ impl HaLoop {
             }
         };
         self.dynamic_refused = None;
+        let mut wanted = wanted;
+        // A replica's copy of a logical slot is of use after a failover only
+        // if the leader keeps the catalog rows it needs.
+        if crate::slots::permanent_logical(self.snapshot.config.as_ref())
+            .is_ok_and(|l| !l.is_empty())
+        {
+            wanted
+                .entry("hot_standby_feedback".to_string())
+                .or_insert_with(|| "on".to_string());
+        }
         let before = effective_parameters(&self.dynamic_applied, &self.cfg.parameters);
         let after = effective_parameters(&wanted, &self.cfg.parameters);
         if self.write_parameters(&before, &after).await {
@@ -2871,6 +3071,18 @@ const RETRY_GAP: Duration = Duration::from_millis(100);
 
 /// `X/Y` (hexadecimal halves, as PostgreSQL prints a WAL position) as a
 /// byte position.
+/// The bytes of a hex string as `encode(..., 'hex')` prints it.
+fn hex_bytes(text: &str) -> Option<Vec<u8>> {
+    let text = text.trim();
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 fn parse_lsn(text: &str) -> Option<u64> {
     let (hi, lo) = text.trim().split_once('/')?;
     Some((u64::from_str_radix(hi, 16).ok()? << 32) | u64::from_str_radix(lo, 16).ok()?)
@@ -2901,6 +3113,14 @@ fn effective_parameters(
 #[cfg(test)]
 mod tests {
     use super::parse_lsn;
+
+    #[test]
+    fn hex_as_postgresql_encodes_it() {
+        assert_eq!(super::hex_bytes("00a1FF"), Some(vec![0, 0xa1, 0xff]));
+        assert_eq!(super::hex_bytes(""), Some(vec![]));
+        assert_eq!(super::hex_bytes("abc"), None);
+        assert_eq!(super::hex_bytes("zz"), None);
+    }
 
     #[test]
     fn wal_positions_parse_as_postgresql_prints_them() {

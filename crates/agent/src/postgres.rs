@@ -263,6 +263,52 @@ impl LocalPostgres {
             .collect())
     }
 
+    /// Runs `sql` in database `dbname` over a connection of its own, on the
+    /// local server or, given `at`, on another member's: logical slots are
+    /// created and advanced from within their database.
+    pub async fn query_in(
+        &self,
+        at: Option<&HostAddr>,
+        dbname: &str,
+        sql: &str,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<Option<String>>>, String> {
+        let addr = at.unwrap_or(&self.addr);
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host(&addr.host)
+            .port(addr.port)
+            .user(&self.superuser)
+            .dbname(dbname)
+            .application_name("pgwarden-agent")
+            .connect_timeout(timeout);
+        if let Some(p) = &self.password {
+            cfg.password(p);
+        }
+        let work = async {
+            let (client, conn) = cfg.connect(NoTls).await.map_err(|e| e.to_string())?;
+            let conn = tokio::spawn(conn);
+            let msgs = client.simple_query(sql).await.map_err(|e| {
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_string())
+            });
+            drop(client);
+            let _ = conn.await;
+            msgs
+        };
+        let msgs = tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| "timed out".to_string())??;
+        Ok(msgs
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => {
+                    Some((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
     async fn connect(&self, timeout: Duration) -> Option<tokio_postgres::Client> {
         let mut cfg = tokio_postgres::Config::new();
         cfg.host(&self.addr.host)

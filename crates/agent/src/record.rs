@@ -104,6 +104,22 @@ pub fn paused(snapshot: &ClusterSnapshot) -> bool {
         .unwrap_or(false)
 }
 
+/// How far the consumers of the permanent logical slots have confirmed,
+/// as the leader last published it (`status.slots`).
+pub fn logical_positions(snapshot: &ClusterSnapshot) -> std::collections::BTreeMap<String, u64> {
+    snapshot
+        .status
+        .as_ref()
+        .and_then(|s| s.get("slots"))
+        .and_then(|v| v.as_object())
+        .map(|o| {
+            o.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_u64()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The dynamic configuration's `standby_cluster`, when set (and not
 /// `null`): the remote source, or why it cannot be read. An unreadable one
 /// still makes the cluster a standby cluster, so that a typo never

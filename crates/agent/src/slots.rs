@@ -1,4 +1,5 @@
-//! Physical replication slots for the members (`agent.use_slots`).
+//! Replication slots: the members' physical ones (`agent.use_slots`), and
+//! permanent slots for consumers outside the cluster, physical or logical.
 //!
 //! Every member keeps a slot for each member that streams from it (the
 //! leader for most, a replica for one that cascades from it with
@@ -14,8 +15,18 @@
 //! member needs, and that nothing streams from, is dropped once it has
 //! been so for a grace period: WAL kept for a member that will not come
 //! back would fill the leader's disk.
+//!
+//! Permanent logical slots (a CDC tool's) survive a failover: the leader
+//! creates them and publishes how far each consumer has confirmed; each
+//! replica gets a copy of the slot's state file from the leader (PostgreSQL
+//! 15 cannot create a logical slot on a standby, but loads one it finds at
+//! start-up), then moves it forward to the published position with
+//! `pg_replication_slot_advance`. `hot_standby_feedback` keeps the catalog
+//! rows the slot still needs on the leader. After a promotion the consumer
+//! continues from the copy, receiving again at most what it received since
+//! the last published position.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 /// The prefix of every slot pgwarden manages.
@@ -69,9 +80,8 @@ pub fn permanent(config: Option<&serde_json::Value>) -> Result<BTreeSet<String>,
         match spec.get("type").and_then(|t| t.as_str()) {
             None | Some("physical") if spec.is_object() || spec.is_null() => {}
             Some("logical") => {
-                return Err(format!(
-                    "slots.{name}: logical slots are not kept by pgwarden, only physical ones"
-                ))
+                logical_slot(name, spec)?;
+                continue;
             }
             _ => {
                 return Err(format!(
@@ -82,6 +92,103 @@ pub fn permanent(config: Option<&serde_json::Value>) -> Result<BTreeSet<String>,
         out.insert(name.clone());
     }
     Ok(out)
+}
+
+/// A permanent logical slot: the database it decodes and its output
+/// plugin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogicalSlot {
+    /// The database the slot belongs to.
+    pub database: String,
+    /// The output plugin (`pgoutput`, `wal2json`, `test_decoding`, ...).
+    pub plugin: String,
+}
+
+/// The permanent logical slots of the dynamic configuration, Patroni's
+/// form: `"slots": {"cdc": {"type": "logical", "database": "app",
+/// "plugin": "pgoutput"}}`. Physical ones are [`permanent`]'s.
+pub fn permanent_logical(
+    config: Option<&serde_json::Value>,
+) -> Result<BTreeMap<String, LogicalSlot>, String> {
+    permanent(config)?;
+    let mut out = BTreeMap::new();
+    if let Some(serde_json::Value::Object(slots)) = config.and_then(|c| c.get("slots")) {
+        for (name, spec) in slots {
+            if spec.get("type").and_then(|t| t.as_str()) == Some("logical") {
+                out.insert(name.clone(), logical_slot(name, spec)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn logical_slot(name: &str, spec: &serde_json::Value) -> Result<LogicalSlot, String> {
+    let field = |key: &str| {
+        spec.get(key)
+            .and_then(|v| v.as_str())
+            .filter(|v| !v.is_empty())
+            .map(str::to_string)
+            .ok_or_else(|| format!("slots.{name}.{key}: a logical slot needs one (a string)"))
+    };
+    let (database, plugin) = (field("database")?, field("plugin")?);
+    // Both go into SQL as literals and the plugin names a library.
+    if database.contains(['\'', '\0']) {
+        return Err(format!("slots.{name}.database: {database:?} holds a quote"));
+    }
+    if !plugin
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return Err(format!(
+            "slots.{name}.plugin: {plugin:?} is not a plugin name (letters, digits, _ and -)"
+        ));
+    }
+    if let Some(extra) = spec.as_object().and_then(|o| {
+        o.keys()
+            .find(|k| !["type", "database", "plugin"].contains(&k.as_str()))
+    }) {
+        return Err(format!("slots.{name}.{extra}: unknown key"));
+    }
+    Ok(LogicalSlot { database, plugin })
+}
+
+/// What a replica does about the permanent logical slots this loop.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LogicalPlan {
+    /// Slots to copy from the leader (missing here, published there).
+    pub copy: Vec<String>,
+    /// Slots to move forward: name, its database, and the position.
+    pub advance: Vec<(String, String, u64)>,
+}
+
+/// Compares the replica's `local` logical slots (name → confirmed
+/// position) with the `wanted` ones and the positions the leader
+/// `published`. A slot is copied only once the leader has published it
+/// (it exists there), and advanced no further than this replica has
+/// `replayed`, since a slot cannot point past the WAL it has.
+pub fn logical_plan(
+    wanted: &BTreeMap<String, LogicalSlot>,
+    local: &BTreeMap<String, Option<u64>>,
+    published: &BTreeMap<String, u64>,
+    replayed: Option<u64>,
+) -> LogicalPlan {
+    let mut out = LogicalPlan::default();
+    for (name, slot) in wanted {
+        let Some(&at) = published.get(name) else {
+            continue;
+        };
+        match local.get(name) {
+            None => out.copy.push(name.clone()),
+            Some(confirmed) => {
+                let target = replayed.map_or(at, |r| at.min(r));
+                if confirmed.is_none_or(|c| c < target) {
+                    out.advance
+                        .push((name.clone(), slot.database.clone(), target));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Whether `name` is a member's slot name as [`slot_name`] makes them: a
@@ -172,13 +279,96 @@ mod tests {
             (json!({"slots": ["a"]}), "slots:"),
             (json!({"slots": {"Archiver": {}}}), "slots.Archiver:"),
             (json!({"slots": {"pgwarden_n1": {}}}), "members' slots"),
-            (json!({"slots": {"l": {"type": "logical"}}}), "logical"),
+            (
+                json!({"slots": {"l": {"type": "logical"}}}),
+                "slots.l.database",
+            ),
             (json!({"slots": {"x": {"type": "other"}}}), "slots.x:"),
             (json!({"slots": {"x": 1}}), "slots.x:"),
         ] {
             let e = permanent(Some(&bad)).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn logical_slots_in_patronis_form() {
+        use serde_json::json;
+        let config = json!({"slots": {
+            "archiver": {"type": "physical"},
+            "cdc": {"type": "logical", "database": "app", "plugin": "pgoutput"},
+        }});
+        assert_eq!(
+            permanent(Some(&config))
+                .unwrap()
+                .into_iter()
+                .collect::<Vec<_>>(),
+            ["archiver"]
+        );
+        let l = permanent_logical(Some(&config)).unwrap();
+        assert_eq!(
+            l["cdc"],
+            LogicalSlot {
+                database: "app".into(),
+                plugin: "pgoutput".into()
+            }
+        );
+        for (bad, says) in [
+            (
+                json!({"type": "logical", "plugin": "p"}),
+                "slots.l.database",
+            ),
+            (
+                json!({"type": "logical", "database": "a"}),
+                "slots.l.plugin",
+            ),
+            (
+                json!({"type": "logical", "database": "a'b", "plugin": "p"}),
+                "quote",
+            ),
+            (
+                json!({"type": "logical", "database": "a", "plugin": "p; x"}),
+                "plugin name",
+            ),
+            (
+                json!({"type": "logical", "database": "a", "plugin": "p", "x": 1}),
+                "slots.l.x: unknown key",
+            ),
+        ] {
+            let e = permanent_logical(Some(&json!({"slots": {"l": bad}}))).unwrap_err();
+            assert!(e.contains(says), "{e}");
+            assert!(permanent(Some(&json!({"slots": {"l": bad}}))).is_err());
+        }
+    }
+
+    #[test]
+    fn replicas_copy_published_slots_and_advance_them_to_what_they_replayed() {
+        let slot = |db: &str| LogicalSlot {
+            database: db.into(),
+            plugin: "pgoutput".into(),
+        };
+        let wanted: BTreeMap<String, LogicalSlot> = [
+            ("a".to_string(), slot("app")),
+            ("b".to_string(), slot("app")),
+            ("c".to_string(), slot("crm")),
+            ("d".to_string(), slot("app")),
+        ]
+        .into();
+        let local: BTreeMap<String, Option<u64>> =
+            [("a".to_string(), Some(100)), ("c".to_string(), Some(500))].into();
+        // b exists on the leader only; d not even there yet.
+        let published: BTreeMap<String, u64> = [
+            ("a".to_string(), 300),
+            ("b".to_string(), 200),
+            ("c".to_string(), 400),
+        ]
+        .into();
+        let p = logical_plan(&wanted, &local, &published, Some(250));
+        assert_eq!(p.copy, ["b"]);
+        // a only as far as replayed; c is ahead already.
+        assert_eq!(p.advance, [("a".to_string(), "app".to_string(), 250)]);
+        let p = logical_plan(&wanted, &local, &published, None);
+        assert_eq!(p.advance, [("a".to_string(), "app".to_string(), 300)]);
     }
 
     #[test]

@@ -290,6 +290,49 @@ impl Instance {
         self.write_settings()
     }
 
+    /// Puts a replication slot's state file, as read from another server
+    /// (`pg_replslot/<name>/state`), into this stopped server's data
+    /// directory, where PostgreSQL loads it at its next start: the only way
+    /// a standby of PostgreSQL 15 gets a logical slot. Written to a
+    /// temporary directory, synced, then renamed into place, so a crash
+    /// leaves either no slot or a whole one.
+    pub fn install_slot_state(&mut self, name: &str, state: &[u8]) -> Result<()> {
+        use std::io::Write as _;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let slots = self.spec.datadir.join("pg_replslot");
+        let dir = slots.join(name);
+        let tmp = slots.join(format!("{name}.tmp"));
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+        }
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&tmp)
+            .map_err(io_err(&tmp))?;
+        self.run_as.own(&tmp)?;
+        let file = tmp.join("state");
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&file)
+            .map_err(io_err(&file))?;
+        f.write_all(state)
+            .and_then(|()| f.sync_all())
+            .map_err(io_err(&file))?;
+        self.run_as.own(&file)?;
+        fs::File::open(&tmp)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&tmp))?;
+        if dir.exists() {
+            fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+        }
+        fs::rename(&tmp, &dir).map_err(io_err(&dir))?;
+        fs::File::open(&slots)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&slots))
+    }
+
     /// The slot this node streams through as a standby, if any.
     pub fn primary_slot(&self) -> Option<&str> {
         self.spec.primary_slot.as_deref()

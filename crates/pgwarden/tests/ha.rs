@@ -3458,3 +3458,121 @@ async fn a_reloaded_etcd_section_moves_the_leader_to_new_endpoints_without_a_res
     assert_eq!(st["leader"], leader);
     assert!(!c.node(0).agent_log().contains("demoting"));
 }
+
+/// The changes a consumer of logical slot `slot` receives now on node
+/// `i` (test_decoding's lines for the inserts), consuming them.
+async fn consume(c: &AgentCluster, i: usize, slot: &str) -> Result<Vec<String>, String> {
+    query(
+        &c.node(i).pg_conninfo(),
+        &format!(
+            "SELECT data FROM pg_logical_slot_get_changes('{slot}', NULL, NULL) \
+             WHERE data LIKE 'table public.cdc_t: INSERT%'"
+        ),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_off() {
+    let mut c = cluster()
+        .nodes(2)
+        .pg_parameters("wal_level = \"logical\"")
+        .start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    assert_eq!(p, 0, "node 0 bootstraps the cluster");
+    patch_config_ok(
+        &c,
+        0,
+        serde_json::json!({"slots": {"cdc": {
+            "type": "logical", "database": "postgres", "plugin": "test_decoding"
+        }}}),
+    )
+    .await;
+    let logical = |i: usize| {
+        let conninfo = c.node(i).pg_conninfo();
+        async move {
+            one(
+                &conninfo,
+                "SELECT coalesce(string_agg(slot_name || ':' || plugin, ','), '') \
+                 FROM pg_replication_slots WHERE slot_type = 'logical'",
+            )
+            .await
+        }
+    };
+    eventually(
+        "the leader creates the slot",
+        Duration::from_secs(30),
+        || async {
+            let v = logical(0).await?;
+            (v == "cdc:test_decoding").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    everywhere(&c, "hot_standby_feedback", "on").await;
+    eventually(
+        "the replica has a copy",
+        Duration::from_secs(60),
+        || async {
+            let v = logical(1).await?;
+            (v == "cdc:test_decoding").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+
+    // The consumer reads the first row on the leader; the replica's copy
+    // follows the consumer's position.
+    let leader = c.node(0).pg_conninfo();
+    query(
+        &leader,
+        "CREATE TABLE cdc_t (x int); INSERT INTO cdc_t VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let got = consume(&c, 0, "cdc").await.unwrap();
+    assert_eq!(got, ["table public.cdc_t: INSERT: x[integer]:1"]);
+    let confirmed = one(
+        &leader,
+        "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 'cdc'",
+    )
+    .await
+    .unwrap();
+    let replica = c.node(1).pg_conninfo();
+    eventually(
+        "the replica's copy reaches the consumer's position",
+        Duration::from_secs(60),
+        || async {
+            let v = one(
+                &replica,
+                &format!(
+                    "SELECT coalesce(bool_or(confirmed_flush_lsn >= '{confirmed}'), false) \
+                     FROM pg_replication_slots WHERE slot_name = 'cdc'"
+                ),
+            )
+            .await?;
+            (v == "t").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+
+    // A row the consumer has not read yet, then the leader is lost.
+    query(&leader, "INSERT INTO cdc_t VALUES (2)")
+        .await
+        .unwrap();
+    replicated(&c, 0).await;
+    c.kill_node(0);
+    let np = new_primary(&c, 0, Duration::from_secs(60)).await;
+    assert_eq!(np, 1);
+    query(&replica, "INSERT INTO cdc_t VALUES (3)")
+        .await
+        .unwrap();
+    // The consumer continues on the new leader where it left off: row 2
+    // (never confirmed) and row 3, not row 1 again.
+    let got = consume(&c, 1, "cdc").await.unwrap();
+    assert_eq!(
+        got,
+        [
+            "table public.cdc_t: INSERT: x[integer]:2",
+            "table public.cdc_t: INSERT: x[integer]:3"
+        ]
+    );
+}

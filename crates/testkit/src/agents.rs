@@ -42,6 +42,8 @@ pub struct AgentNode {
     pub log: PathBuf,
     /// The REST API serves HTTPS.
     pub api_https: bool,
+    /// Settings added to the file's `parameters`.
+    pg_parameters: String,
     child: Option<Child>,
 }
 
@@ -122,6 +124,7 @@ pub struct AgentClusterBuilder {
     etcd_tls: Option<(EtcdTls, Option<(PathBuf, PathBuf)>)>,
     etcd_auth: Option<(String, String)>,
     api_tls: Option<ApiTls>,
+    pg_parameters: String,
 }
 
 /// The REST API over HTTPS: every node serves `cert_file` (which must name
@@ -156,6 +159,14 @@ impl AgentClusterBuilder {
     /// Extra `[agent]` keys for node `i` only, e.g. `"nofailover = true"`.
     pub fn node_settings(mut self, i: usize, toml: &str) -> Self {
         self.node_toml.push((i, toml.to_string()));
+        self
+    }
+
+    /// PostgreSQL settings for every node, added to the file's
+    /// `agent.parameters`, e.g. `wal_level = "logical"`.
+    pub fn pg_parameters(mut self, toml: &str) -> Self {
+        self.pg_parameters.push_str(", ");
+        self.pg_parameters.push_str(toml);
         self
     }
 
@@ -286,6 +297,7 @@ impl AgentClusterBuilder {
                 data_dir: dir.path().join(&name),
                 log: dir.path().join(format!("{name}-agent.log")),
                 api_https: self.api_tls.is_some(),
+                pg_parameters: self.pg_parameters.clone(),
                 name,
                 child: None,
             };
@@ -344,7 +356,7 @@ fn write_config(node: &AgentNode, tail: &str) {
          [engine]\nconnect_wait_timeout = \"3s\"\n\n\
          [agent]\nname = \"{name}\"\ndata_dir = \"{data}\"\npg_listen = \"127.0.0.1:{pg}\"\napi = \"127.0.0.1:{api}\"\n\
          api_password = \"secret\"\n\
-         parameters = {{ fsync = \"off\", full_page_writes = \"on\", shared_buffers = \"16MB\", max_connections = 50 }}\n{tail}",
+         parameters = {{ fsync = \"off\", full_page_writes = \"on\", shared_buffers = \"16MB\", max_connections = 50{params} }}\n{tail}",
         rw = node.rw_port,
         ro = node.ro_port,
         http = node.http_port,
@@ -352,6 +364,7 @@ fn write_config(node: &AgentNode, tail: &str) {
         data = node.data_dir.display(),
         pg = node.pg_port,
         api = node.api_port,
+        params = node.pg_parameters,
     );
     fs::write(&node.config, toml).expect("write node config");
 }
@@ -388,6 +401,7 @@ impl AgentCluster {
             etcd_tls: None,
             etcd_auth: None,
             api_tls: None,
+            pg_parameters: String::new(),
         }
     }
 
