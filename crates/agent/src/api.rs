@@ -568,7 +568,7 @@ async fn read(state: &ApiState) -> Result<ClusterSnapshot, ApiError> {
 // Control
 
 /// An error with its causes, for messages that must stand alone.
-fn chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {

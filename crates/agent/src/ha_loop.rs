@@ -139,6 +139,10 @@ pub(crate) struct HaLoop {
     /// As the leader: how far each permanent logical slot's consumer has
     /// confirmed, published with the lease for the replicas to follow.
     logical_positions: std::collections::BTreeMap<String, u64>,
+    /// As a replica: when each logical slot was last copied from the
+    /// leader, so that a copy PostgreSQL does not load costs one restart,
+    /// not one per loop.
+    logical_copied: std::collections::HashMap<String, Instant>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -222,6 +226,7 @@ impl HaLoop {
             upstream: None,
             remote_silent_since: None,
             logical_positions: Default::default(),
+            logical_copied: Default::default(),
             failed,
             cfg,
         }
@@ -455,18 +460,7 @@ impl HaLoop {
             self.sync_applied_at = None;
         }
         self.pg.start(Duration::from_secs(60)).await?;
-        let lease = self.ensure_lease().await?;
-        let t0 = Instant::now();
-        self.dcs.keep_alive_once(lease).await?;
-        if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
-            self.last_renewal = Some(t0);
-        }
-        let sysid = self
-            .controldata("Database system identifier")
-            .await
-            .unwrap_or_default();
-        self.dcs.finish_initialize(claim, &sysid).await?;
-        self.identity_known = true;
+        self.lead_new_cluster(claim).await?;
         self.former_primary = true;
         Ok(())
     }
@@ -519,6 +513,14 @@ impl HaLoop {
                 ));
             }
         }
+        self.lead_new_cluster(claim).await?;
+        Ok(())
+    }
+
+    /// The last steps of creating a cluster, once its first server runs:
+    /// take the leader key and swap the initialize claim for the system
+    /// identifier.
+    async fn lead_new_cluster(&mut self, claim: &str) -> Result<(), AgentStepError> {
         let lease = self.ensure_lease().await?;
         let t0 = Instant::now();
         self.dcs.keep_alive_once(lease).await?;
@@ -2374,8 +2376,20 @@ impl HaLoop {
                 self.slot_failed(&name, "cannot advance a copied logical slot", e);
             }
         }
-        if !plan.copy.is_empty() && self.obs.streaming {
-            self.copy_logical_slots(&plan.copy, &wanted).await;
+        let (recent, copy): (Vec<String>, Vec<String>) = plan.copy.into_iter().partition(|n| {
+            self.logical_copied
+                .get(n)
+                .is_some_and(|at| at.elapsed() < LOGICAL_RECOPY_AFTER)
+        });
+        for n in &recent {
+            self.slot_failed(
+                n,
+                "a logical slot copied from the leader was not loaded by PostgreSQL; see its log",
+                String::new(),
+            );
+        }
+        if !copy.is_empty() && self.obs.streaming {
+            self.copy_logical_slots(&copy, &wanted).await;
         }
     }
 
@@ -2429,6 +2443,9 @@ impl HaLoop {
             return;
         }
         let copied: Vec<&str> = states.iter().map(|(n, _)| n.as_str()).collect();
+        for n in &copied {
+            self.logical_copied.insert(n.to_string(), Instant::now());
+        }
         tracing::info!(
             slots = ?copied,
             "copying logical slots from the leader; PostgreSQL restarts to load them"
@@ -3071,6 +3088,10 @@ const RETRY_GAP: Duration = Duration::from_millis(100);
 
 /// `X/Y` (hexadecimal halves, as PostgreSQL prints a WAL position) as a
 /// byte position.
+/// How long a replica waits before copying a logical slot again that
+/// PostgreSQL did not load after the last copy and restart.
+const LOGICAL_RECOPY_AFTER: Duration = Duration::from_secs(600);
+
 /// The bytes of a hex string as `encode(..., 'hex')` prints it.
 fn hex_bytes(text: &str) -> Option<Vec<u8>> {
     let text = text.trim();

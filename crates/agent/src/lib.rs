@@ -198,16 +198,7 @@ impl AgentHandle {
         self.dcs
             .reconnect(&etcd.endpoints, &security)
             .await
-            .map_err(|e| {
-                let mut why = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(s) = source {
-                    why.push_str(": ");
-                    why.push_str(&s.to_string());
-                    source = s.source();
-                }
-                why
-            })
+            .map_err(|e| api::chain(&e))
     }
 
     /// Waits until the agent gives up managing its node for good (its data
@@ -331,13 +322,7 @@ pub async fn start(
             Err(e) => {
                 // The cause (a refused password, a certificate etcd does
                 // not trust) is in the source chain.
-                let mut why = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(s) = source {
-                    why.push_str(": ");
-                    why.push_str(&s.to_string());
-                    source = s.source();
-                }
+                let why = api::chain(&e);
                 tracing::warn!(error = %why, "cannot reach etcd yet; retrying");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }

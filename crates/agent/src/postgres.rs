@@ -252,15 +252,7 @@ impl LocalPostgres {
             .await
             .map_err(|_| "timed out".to_string())?
             .map_err(|e| e.to_string())?;
-        Ok(msgs
-            .into_iter()
-            .filter_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => {
-                    Some((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
-                }
-                _ => None,
-            })
-            .collect())
+        Ok(text_rows(msgs))
     }
 
     /// Runs `sql` in database `dbname` over a connection of its own, on the
@@ -298,15 +290,7 @@ impl LocalPostgres {
         let msgs = tokio::time::timeout(timeout, work)
             .await
             .map_err(|_| "timed out".to_string())??;
-        Ok(msgs
-            .into_iter()
-            .filter_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => {
-                    Some((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
-                }
-                _ => None,
-            })
-            .collect())
+        Ok(text_rows(msgs))
     }
 
     async fn connect(&self, timeout: Duration) -> Option<tokio_postgres::Client> {
@@ -346,4 +330,16 @@ impl LocalPostgres {
         }
         s
     }
+}
+
+/// The rows of a simple query, each column as text (`None` for NULL).
+fn text_rows(msgs: Vec<tokio_postgres::SimpleQueryMessage>) -> Vec<Vec<Option<String>>> {
+    msgs.into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => {
+                Some((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
+            }
+            _ => None,
+        })
+        .collect()
 }
