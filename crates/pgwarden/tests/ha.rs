@@ -3575,4 +3575,38 @@ async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_of
             "table public.cdc_t: INSERT: x[integer]:3"
         ]
     );
+
+    // The former leader rejoins: pg_rewind takes its own slot, from the
+    // history it left, and it copies the new leader's at the consumer's
+    // position.
+    let confirmed = one(
+        &replica,
+        "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 'cdc'",
+    )
+    .await
+    .unwrap();
+    c.start_agent(0);
+    let old = c.node(0).pg_conninfo();
+    eventually(
+        "the former leader holds a fresh copy",
+        Duration::from_secs(90),
+        || async {
+            let v = one(
+                &old,
+                &format!(
+                    "SELECT coalesce(bool_or(confirmed_flush_lsn >= '{confirmed}'), false) \
+                     FROM pg_replication_slots WHERE slot_name = 'cdc'"
+                ),
+            )
+            .await?;
+            (v == "t").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    assert!(
+        c.node(0)
+            .agent_log()
+            .contains("copying logical slots from the leader"),
+        "the former leader took a copy"
+    );
 }
