@@ -428,6 +428,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         "scheduled_restart": m.scheduled_restart,
         "postmaster_start_time": m.postmaster_start_time,
         "fenced": m.state.fenced,
+        "logical_slots": m.logical_slots,
         "settings": st.settings.to_json(),
         "patroni": {
             "version": env!("CARGO_PKG_VERSION"),

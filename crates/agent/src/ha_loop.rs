@@ -143,6 +143,10 @@ pub(crate) struct HaLoop {
     /// leader, so that a copy PostgreSQL does not load costs one restart,
     /// not one per loop.
     logical_copied: std::collections::HashMap<String, Instant>,
+    /// As a replica: per copy, the leader's `catalog_xmin` for that slot
+    /// when this replica's feedback first reached the leader, and whether
+    /// the copy is safe to decode from after a failover.
+    logical_ready: std::collections::BTreeMap<String, (Option<u32>, bool)>,
     /// The dynamic cluster settings last refused, so it is logged once.
     settings_refused: Option<String>,
     failed: watch::Sender<Option<String>>,
@@ -227,6 +231,7 @@ impl HaLoop {
             remote_silent_since: None,
             logical_positions: Default::default(),
             logical_copied: Default::default(),
+            logical_ready: Default::default(),
             failed,
             cfg,
         }
@@ -2285,12 +2290,13 @@ impl HaLoop {
         };
         if wanted.is_empty() {
             self.logical_positions.clear();
+            self.logical_ready.clear();
             return;
         }
         let rows = match self
             .pg
             .query(
-                "SELECT slot_name, database, plugin, confirmed_flush_lsn - '0/0' \
+                "SELECT slot_name, database, plugin, confirmed_flush_lsn - '0/0', catalog_xmin \
                  FROM pg_replication_slots WHERE slot_type = 'logical'",
                 Duration::from_secs(2),
             )
@@ -2304,6 +2310,7 @@ impl HaLoop {
         };
         // Ours: named in the configuration, with its database and plugin.
         let mut local = std::collections::BTreeMap::new();
+        let mut catalog_xmin = std::collections::BTreeMap::new();
         let mut foreign = Vec::new();
         for r in rows {
             let col = |i: usize| r.get(i).cloned().flatten();
@@ -2314,6 +2321,7 @@ impl HaLoop {
             if col(1).as_deref() == Some(want.database.as_str())
                 && col(2).as_deref() == Some(want.plugin.as_str())
             {
+                catalog_xmin.insert(name.clone(), col(4).and_then(|v| v.parse::<u32>().ok()));
                 local.insert(name, col(3).and_then(|v| v.parse::<u64>().ok()));
             } else {
                 foreign.push(name);
@@ -2351,6 +2359,7 @@ impl HaLoop {
                 .into_iter()
                 .filter_map(|(n, at)| Some((n, at?)))
                 .collect();
+            self.logical_ready.clear();
             return;
         }
         self.logical_positions.clear();
@@ -2388,8 +2397,77 @@ impl HaLoop {
                 String::new(),
             );
         }
+        self.logical_ready.retain(|n, _| local.contains_key(n));
+        if self.logical_ready.len() < local.len() || self.logical_ready.values().any(|r| !r.1) {
+            self.check_logical_copies(&catalog_xmin).await;
+        }
         if !copy.is_empty() && self.obs.streaming {
+            for n in &copy {
+                self.logical_ready.remove(n);
+            }
             self.copy_logical_slots(&copy, &wanted).await;
+        }
+    }
+
+    /// Asks the leader whether this replica's copies of logical slots are
+    /// safe to decode from after a failover (see
+    /// [`crate::slots::copy_ready`]); `copies` maps each copy to its own
+    /// `catalog_xmin`.
+    async fn check_logical_copies(
+        &mut self,
+        copies: &std::collections::BTreeMap<String, Option<u32>>,
+    ) {
+        let (Some(leader), true) = (self.leader_address(), self.cfg.use_slots) else {
+            // Without a slot of its own on the leader, no feedback shows.
+            for n in copies.keys() {
+                self.logical_ready.entry(n.clone()).or_insert((None, false));
+            }
+            return;
+        };
+        let mine = crate::slots::slot_name(&self.cfg.name);
+        let list = copies
+            .keys()
+            .chain(std::iter::once(&mine))
+            .map(|n| format!("'{n}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!(
+            "SELECT slot_name, catalog_xmin FROM pg_replication_slots \
+             WHERE NOT pg_is_in_recovery() AND slot_name IN ({list})"
+        );
+        let Ok(rows) = self
+            .pg
+            .query_in(Some(&leader), "postgres", &sql, Duration::from_secs(2))
+            .await
+        else {
+            return;
+        };
+        let on_leader: std::collections::BTreeMap<String, Option<u32>> = rows
+            .into_iter()
+            .filter_map(|r| {
+                let name = r.first().cloned().flatten()?;
+                let xmin = r.get(1).cloned().flatten().and_then(|v| v.parse().ok());
+                Some((name, xmin))
+            })
+            .collect();
+        let physical = on_leader.get(&mine).copied().flatten();
+        for (name, &copy) in copies {
+            let entry = self
+                .logical_ready
+                .entry(name.clone())
+                .or_insert((None, false));
+            if entry.1 {
+                continue;
+            }
+            if entry.0.is_none() && physical.is_some() {
+                entry.0 = on_leader.get(name).copied().flatten();
+            }
+            if let Some(then) = entry.0 {
+                entry.1 = crate::slots::copy_ready(then, physical, copy);
+                if entry.1 {
+                    tracing::info!(slot = %name, "the copied logical slot is safe to use after a failover");
+                }
+            }
         }
     }
 
@@ -2897,6 +2975,11 @@ impl HaLoop {
                 .use_slots
                 .then(|| crate::slots::slot_name(&self.cfg.name)),
             upstream: self.upstream.clone().filter(|_| pg.in_recovery),
+            logical_slots: self
+                .logical_ready
+                .iter()
+                .map(|(n, r)| (n.clone(), r.1))
+                .collect(),
             postmaster_start_time: self
                 .obs
                 .postmaster_start_time

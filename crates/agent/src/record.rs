@@ -50,6 +50,11 @@ pub struct MemberRecord {
     /// The member it streams from as a replica: the leader, or the one its
     /// `replicatefrom` tag names.
     pub upstream: Option<String>,
+    /// As a replica: its copies of the permanent logical slots, each with
+    /// whether it is safe to decode from after a failover
+    /// ([`crate::slots::copy_ready`]).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub logical_slots: std::collections::BTreeMap<String, bool>,
 }
 
 /// A restart asked for through the API (`POST /restart`): at once or at a

@@ -191,6 +191,26 @@ pub fn logical_plan(
     out
 }
 
+/// Whether transaction id `a` is `b` or older, wraparound included, as
+/// PostgreSQL compares them.
+fn xid_not_after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) <= 0
+}
+
+/// Whether a replica's copy of a logical slot is safe to decode from after
+/// a failover: the catalog rows it needs are kept on the leader. That holds
+/// once the leader's slot for this replica carries the replica's
+/// `catalog_xmin` (`hot_standby_feedback` arrived: `physical`), that value
+/// has overtaken what the leader's own slot needed when it first arrived
+/// (`leader_then`, remembered by the caller), and the copy needs nothing
+/// older than it (`copy`). Patroni checks the same.
+pub fn copy_ready(leader_then: u32, physical: Option<u32>, copy: Option<u32>) -> bool {
+    match (physical, copy) {
+        (Some(p), Some(c)) => xid_not_after(leader_then, p) && xid_not_after(p, c),
+        _ => false,
+    }
+}
+
 /// Whether `name` is a member's slot name as [`slot_name`] makes them: a
 /// name read from another member's record goes into SQL only then.
 pub fn is_member_slot(name: &str) -> bool {
@@ -369,6 +389,24 @@ mod tests {
         assert_eq!(p.advance, [("a".to_string(), "app".to_string(), 250)]);
         let p = logical_plan(&wanted, &local, &published, None);
         assert_eq!(p.advance, [("a".to_string(), "app".to_string(), 300)]);
+    }
+
+    #[test]
+    fn a_copy_is_ready_once_feedback_protects_what_it_needs() {
+        // No feedback yet, or the copy has no catalog_xmin: not ready.
+        assert!(!copy_ready(100, None, Some(120)));
+        assert!(!copy_ready(100, Some(110), None));
+        // Feedback holds rows from 110 on; the copy needs 120 on; the
+        // leader's slot needed 100 on when feedback arrived.
+        assert!(copy_ready(100, Some(110), Some(120)));
+        assert!(copy_ready(110, Some(110), Some(110)));
+        // Feedback behind what the leader's slot needed then, or ahead of
+        // what the copy needs: rows may be gone.
+        assert!(!copy_ready(115, Some(110), Some(120)));
+        assert!(!copy_ready(100, Some(130), Some(120)));
+        // Across wraparound.
+        assert!(copy_ready(u32::MAX - 5, Some(3), Some(10)));
+        assert!(!copy_ready(3, Some(u32::MAX - 5), Some(10)));
     }
 
     #[test]

@@ -3554,6 +3554,21 @@ async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_of
     )
     .await;
 
+    // The leader keeps the catalog rows the copy needs (hot_standby_feedback
+    // through the replica's physical slot): the replica says its copy is
+    // safe to use after a failover.
+    eventually(
+        "the replica's copy is safe after a failover",
+        Duration::from_secs(30),
+        || async {
+            let v = member_status(&c, 1).await?["logical_slots"].clone();
+            (v == serde_json::json!({"cdc": true}))
+                .then_some(())
+                .ok_or(v.to_string())
+        },
+    )
+    .await;
+
     // A row the consumer has not read yet, then the leader is lost.
     query(&leader, "INSERT INTO cdc_t VALUES (2)")
         .await
