@@ -3472,6 +3472,24 @@ async fn consume(c: &AgentCluster, i: usize, slot: &str) -> Result<Vec<String>, 
     .await
 }
 
+/// Waits until node `i` holds slot `cdc` at `confirmed` or further.
+async fn slot_reaches(c: &AgentCluster, i: usize, confirmed: &str, within: Duration) {
+    let conninfo = c.node(i).pg_conninfo();
+    let q = format!(
+        "SELECT coalesce(bool_or(confirmed_flush_lsn >= '{confirmed}'), false) \
+         FROM pg_replication_slots WHERE slot_name = 'cdc'"
+    );
+    eventually(
+        &format!("node {i}'s slot cdc reaches {confirmed}"),
+        within,
+        || async {
+            let v = one(&conninfo, &q).await?;
+            (v == "t").then_some(()).ok_or(v)
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_off() {
     let mut c = cluster()
@@ -3537,22 +3555,7 @@ async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_of
     .await
     .unwrap();
     let replica = c.node(1).pg_conninfo();
-    eventually(
-        "the replica's copy reaches the consumer's position",
-        Duration::from_secs(60),
-        || async {
-            let v = one(
-                &replica,
-                &format!(
-                    "SELECT coalesce(bool_or(confirmed_flush_lsn >= '{confirmed}'), false) \
-                     FROM pg_replication_slots WHERE slot_name = 'cdc'"
-                ),
-            )
-            .await?;
-            (v == "t").then_some(()).ok_or(v)
-        },
-    )
-    .await;
+    slot_reaches(&c, 1, &confirmed, Duration::from_secs(60)).await;
 
     // The leader keeps the catalog rows the copy needs (hot_standby_feedback
     // through the replica's physical slot): the replica says its copy is
@@ -3601,23 +3604,7 @@ async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_of
     .await
     .unwrap();
     c.start_agent(0);
-    let old = c.node(0).pg_conninfo();
-    eventually(
-        "the former leader holds a fresh copy",
-        Duration::from_secs(90),
-        || async {
-            let v = one(
-                &old,
-                &format!(
-                    "SELECT coalesce(bool_or(confirmed_flush_lsn >= '{confirmed}'), false) \
-                     FROM pg_replication_slots WHERE slot_name = 'cdc'"
-                ),
-            )
-            .await?;
-            (v == "t").then_some(()).ok_or(v)
-        },
-    )
-    .await;
+    slot_reaches(&c, 0, &confirmed, Duration::from_secs(90)).await;
     assert!(
         c.node(0)
             .agent_log()
