@@ -487,11 +487,13 @@ impl HaLoop {
             remote.port,
             remote.primary_slot_name.clone(),
         );
+        let recovery = remote.recovery_settings();
         self.pg
             .with(move |i| {
                 i.wipe()?;
                 i.set_primary_slot(slot)?;
                 i.basebackup(&host, port, &user)?;
+                i.set_source_settings(recovery)?;
                 append_hba(i.datadir(), &hba)
             })
             .await?;
@@ -1590,7 +1592,8 @@ impl HaLoop {
     }
 
     /// Writes the recovery settings that make this node stream from the
-    /// standby cluster's remote source; `Ok(true)` if anything changed.
+    /// standby cluster's remote source (and fetch its archive, when a
+    /// `restore_command` is given); `Ok(true)` if anything changed.
     async fn point_at_remote(
         &self,
         remote: &pgwarden_ha::StandbyCluster,
@@ -1601,15 +1604,18 @@ impl HaLoop {
             remote.port,
             remote.primary_slot_name.clone(),
         );
+        let recovery = remote.recovery_settings();
         self.pg
             .with(move |i| {
                 if i.upstream() == Some((host.as_str(), port))
                     && i.primary_slot() == slot.as_deref()
+                    && *i.source_settings() == recovery
                 {
                     return Ok(false);
                 }
                 i.set_primary_slot(slot)?;
                 i.set_standby(Some((&host, port)), &user)?;
+                i.set_source_settings(recovery)?;
                 Ok(true)
             })
             .await

@@ -821,6 +821,13 @@ fn agent_standby_cluster_is_a_table_checked_like_the_dynamic_one() {
     let s = c.agent.unwrap().standby_cluster.expect("standby_cluster");
     assert_eq!((s.host.as_str(), s.port), ("10.0.0.5", 5432));
     assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
+    let c = parse(
+        &with("host = \"h\"\nrestore_command = \"cp /a/%f %p\""),
+        FILE,
+    )
+    .unwrap();
+    let s = c.agent.unwrap().standby_cluster.expect("standby_cluster");
+    assert_eq!(s.restore_command.as_deref(), Some("cp /a/%f %p"));
     assert!(parse(AGENT_MINIMAL, FILE)
         .unwrap()
         .agent
@@ -834,6 +841,10 @@ fn agent_standby_cluster_is_a_table_checked_like_the_dynamic_one() {
             "agent.standby_cluster.primary_slot_name",
         ),
         ("host = \"h\"\nrestore = \"x\"", "restore"),
+        (
+            "host = \"h\"\nrestore_command = \" \"",
+            "agent.standby_cluster.restore_command",
+        ),
         ("port = 5432", "host"),
     ] {
         let e = parse(&with(bad), FILE).unwrap_err().to_string();

@@ -25,6 +25,17 @@ pub struct StandbyCluster {
     /// the source may recycle WAL the standby cluster still needs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub primary_slot_name: Option<String>,
+    /// The standby leader's `restore_command`: how it fetches the source's
+    /// archived WAL when streaming fails or falls behind what the source
+    /// still keeps. Only the standby leader uses it; replicas stream from
+    /// it, and a promoted standby leader drops it, so that no member ever
+    /// replays another cluster's archive after its own history forked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_command: Option<String>,
+    /// The standby leader's `archive_cleanup_command` (e.g.
+    /// `pg_archivecleanup`), run at every restart point.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive_cleanup_command: Option<String>,
 }
 
 fn default_port() -> u16 {
@@ -63,7 +74,33 @@ impl StandbyCluster {
                 ));
             }
         }
+        for (key, command) in [
+            ("restore_command", &self.restore_command),
+            ("archive_cleanup_command", &self.archive_cleanup_command),
+        ] {
+            let Some(command) = command else { continue };
+            if command.trim().is_empty() {
+                return Err(format!("standby_cluster.{key}: is empty"));
+            }
+            if command.contains(['\n', '\r', '\0']) {
+                return Err(format!(
+                    "standby_cluster.{key}: line breaks are not allowed"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The recovery settings that belong to following this source, beyond
+    /// `primary_conninfo` and `primary_slot_name`.
+    pub fn recovery_settings(&self) -> std::collections::BTreeMap<String, String> {
+        [
+            ("restore_command", &self.restore_command),
+            ("archive_cleanup_command", &self.archive_cleanup_command),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v.clone()?)))
+        .collect()
     }
 
     /// `host:port`, for logs and decisions.
@@ -100,6 +137,26 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
+        assert!(s.recovery_settings().is_empty());
+        let s = StandbyCluster::from_json(&json!({
+            "host": "db.dc1",
+            "restore_command": "cp /archive/%f %p",
+            "archive_cleanup_command": "pg_archivecleanup /archive %r",
+        }))
+        .unwrap();
+        assert_eq!(
+            s.recovery_settings().into_iter().collect::<Vec<_>>(),
+            [
+                (
+                    "archive_cleanup_command".to_string(),
+                    "pg_archivecleanup /archive %r".to_string()
+                ),
+                (
+                    "restore_command".to_string(),
+                    "cp /archive/%f %p".to_string()
+                ),
+            ]
+        );
     }
 
     #[test]
@@ -115,7 +172,15 @@ mod tests {
                 "primary_slot_name",
             ),
             (
-                json!({"host": "h", "restore_command": "x"}),
+                json!({"host": "h", "restore_command": ""}),
+                "restore_command",
+            ),
+            (
+                json!({"host": "h", "archive_cleanup_command": "a\nb"}),
+                "archive_cleanup_command: line breaks",
+            ),
+            (
+                json!({"host": "h", "recovery_target": "x"}),
                 "unknown field",
             ),
         ] {

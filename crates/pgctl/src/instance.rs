@@ -92,6 +92,11 @@ pub struct Instance {
     run_as: RunAs,
     child: Option<Child>,
     upstream: Option<(String, u16)>,
+    /// Recovery settings that come with the source being followed (a
+    /// standby cluster's archive commands). They win over `spec.settings`
+    /// while this instance follows that source, and go when it follows
+    /// another or stops following.
+    source_settings: BTreeMap<String, String>,
 }
 
 impl Instance {
@@ -103,6 +108,7 @@ impl Instance {
             run_as,
             child: None,
             upstream: None,
+            source_settings: BTreeMap::new(),
         }
     }
 
@@ -210,15 +216,37 @@ impl Instance {
                 }
             }
         }
-        self.upstream = Some((source_host.to_string(), source_port));
+        self.set_upstream(Some((source_host, source_port)));
         self.write_standby(user)
     }
 
     /// Points this standby at another upstream (takes effect on reload in
     /// PostgreSQL 13+).
     pub fn follow(&mut self, host: &str, port: u16, user: &str) -> Result<()> {
-        self.upstream = Some((host.to_string(), port));
+        self.set_upstream(Some((host, port)));
         self.write_standby(user)
+    }
+
+    /// Records the upstream; the source's own settings go with a change of
+    /// source.
+    fn set_upstream(&mut self, upstream: Option<(&str, u16)>) {
+        if self.upstream() != upstream {
+            self.source_settings.clear();
+        }
+        self.upstream = upstream.map(|(h, p)| (h.to_string(), p));
+    }
+
+    /// Sets the recovery settings that belong to the current upstream (see
+    /// `source_settings`), written at once; a running server needs a
+    /// reload.
+    pub fn set_source_settings(&mut self, settings: BTreeMap<String, String>) -> Result<()> {
+        self.source_settings = settings;
+        self.write_settings()
+    }
+
+    /// The recovery settings of the current upstream.
+    pub fn source_settings(&self) -> &BTreeMap<String, String> {
+        &self.source_settings
     }
 
     fn write_standby(&mut self, user: &str) -> Result<()> {
@@ -255,11 +283,11 @@ impl Instance {
     pub fn set_standby(&mut self, upstream: Option<(&str, u16)>, user: &str) -> Result<()> {
         match upstream {
             Some((h, p)) => {
-                self.upstream = Some((h.to_string(), p));
+                self.set_upstream(Some((h, p)));
                 self.write_standby(user)
             }
             None => {
-                self.upstream = None;
+                self.set_upstream(None);
                 self.spec.settings.remove("primary_conninfo");
                 self.spec.settings.remove("primary_slot_name");
                 let signal = self.spec.datadir.join("standby.signal");
@@ -347,7 +375,7 @@ impl Instance {
     pub fn clear_standby(&mut self) -> Result<()> {
         let signal = self.spec.datadir.join("standby.signal");
         let _ = fs::remove_file(signal);
-        self.upstream = None;
+        self.set_upstream(None);
         self.spec.settings.remove("primary_conninfo");
         self.spec.settings.remove("primary_slot_name");
         self.write_settings()
@@ -364,7 +392,7 @@ impl Instance {
         if dir.exists() {
             fs::remove_dir_all(dir).map_err(io_err(dir))?;
         }
-        self.upstream = None;
+        self.set_upstream(None);
         Ok(())
     }
 
@@ -442,7 +470,13 @@ impl Instance {
         // instance to a path of this machine.
         let _ = writeln!(text, "unix_socket_directories = ''");
         let _ = writeln!(text, "cluster_name = '{}'", self.spec.name);
-        for (k, v) in &self.spec.settings {
+        let source = self.source_settings.iter();
+        let own = self
+            .spec
+            .settings
+            .iter()
+            .filter(|(k, _)| !self.source_settings.contains_key(*k));
+        for (k, v) in own.chain(source) {
             let _ = writeln!(text, "{k} = '{}'", v.replace('\'', "''"));
         }
         let path = self.spec.datadir.join(SETTINGS_FILE);
@@ -609,7 +643,7 @@ impl Instance {
         let _ = fs::remove_file(signal);
         self.spec.settings.remove("primary_conninfo");
         self.spec.settings.remove("primary_slot_name");
-        self.upstream = None;
+        self.set_upstream(None);
         self.write_settings()
     }
 
@@ -722,4 +756,65 @@ fn tail(path: &Path, max: u64) -> String {
     let mut buf = Vec::new();
     let _ = f.read_to_end(&mut buf);
     String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings_lines(i: &Instance, key: &str) -> Vec<String> {
+        let text = fs::read_to_string(i.datadir().join(SETTINGS_FILE)).unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{key} = ")))
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn a_source_s_settings_win_while_it_is_followed_and_go_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = InstanceSpec::new("n1", dir.path(), 5432);
+        let mut i = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        i.set_setting("restore_command", "cp /own/%f %p").unwrap();
+        i.follow("10.0.0.5", 5432, "replicator").unwrap();
+        let remote = BTreeMap::from([
+            (
+                "restore_command".to_string(),
+                "cp /remote/%f %p".to_string(),
+            ),
+            ("archive_cleanup_command".to_string(), "true".to_string()),
+        ]);
+        i.set_source_settings(remote.clone()).unwrap();
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /remote/%f %p'"]
+        );
+        assert_eq!(
+            settings_lines(&i, "archive_cleanup_command"),
+            ["archive_cleanup_command = 'true'"]
+        );
+        // Following the same source again (a new replication user, say)
+        // keeps them.
+        i.follow("10.0.0.5", 5432, "other").unwrap();
+        assert_eq!(i.source_settings(), &remote);
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /remote/%f %p'"]
+        );
+        // Another source: the node's own setting is back.
+        i.follow("10.0.0.6", 5432, "replicator").unwrap();
+        assert!(i.source_settings().is_empty());
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /own/%f %p'"]
+        );
+        assert!(settings_lines(&i, "archive_cleanup_command").is_empty());
+        // Nor do they outlive the end of recovery.
+        i.set_source_settings(remote).unwrap();
+        i.clear_standby().unwrap();
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /own/%f %p'"]
+        );
+    }
 }

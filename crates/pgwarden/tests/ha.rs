@@ -3410,6 +3410,116 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_leader_replays_the_remote_archive_while_it_cannot_stream() {
+    // The remote archives its WAL into a directory both servers' user can
+    // reach, as a shared archive (or object storage) would be.
+    let archive = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        archive.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let dir = archive.path().display().to_string();
+    let remote = pgwarden_testkit::TestCluster::builder()
+        .setting("archive_mode", "on")
+        .setting("archive_command", &format!("cp %p {dir}/%f"))
+        .start();
+    let source = remote.conninfo(0);
+    query(&source, "CREATE TABLE dr (x int)").await.unwrap();
+    // Streaming goes through a relay, which the test then cuts.
+    let relay = pgwarden_testkit::Relay::start(remote.addr(0).parse().unwrap()).unwrap();
+    let relay_port = relay.addr().port();
+    let restore = format!("cp {dir}/%f %p");
+    let cleanup = format!("echo %r > {dir}/cleaned_up_to");
+    let c = cluster()
+        .nodes(1)
+        .node_settings(
+            0,
+            &format!(
+                "standby_cluster = {{ host = \"127.0.0.1\", port = {relay_port}, \
+                 restore_command = \"{restore}\", archive_cleanup_command = \"{cleanup}\" }}"
+            ),
+        )
+        .start();
+    let n1 = c.node(0).pg_conninfo();
+    eventually("n1 streams as standby leader", BOOTSTRAP, || async {
+        let from = streams_from_port(&c, 0).await?;
+        (from == relay_port.to_string() && c.api_status(0, "/standby-leader") == Some(200))
+            .then_some(())
+            .ok_or(from)
+    })
+    .await;
+    assert_eq!(one(&n1, "SHOW restore_command").await.unwrap(), restore);
+    assert_eq!(
+        one(&n1, "SHOW archive_cleanup_command").await.unwrap(),
+        cleanup
+    );
+
+    // No streaming from here on: rows written now reach n1 only through
+    // the archive.
+    relay.set_refuse(true);
+    relay.reset_all();
+    eventually("n1 no longer streams", Duration::from_secs(30), || async {
+        match streams_from_port(&c, 0).await {
+            Err(e) if e == "no row" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    query(
+        &source,
+        "INSERT INTO dr SELECT generate_series(1, 100); CHECKPOINT",
+    )
+    .await
+    .unwrap();
+    let segment = one(&source, "SELECT pg_walfile_name(pg_switch_wal())")
+        .await
+        .unwrap();
+    eventually(
+        "the remote archives its segment",
+        Duration::from_secs(30),
+        || async {
+            let archived = one(&source, "SELECT last_archived_wal FROM pg_stat_archiver").await?;
+            (archived >= segment).then_some(()).ok_or(archived)
+        },
+    )
+    .await;
+    reads_on(&c, &[0], "SELECT count(*) FROM dr", "100").await;
+    // A restart point on n1 (after the remote's checkpoint it replayed)
+    // runs the cleanup command with the oldest segment it still needs.
+    eventually(
+        "the archive cleanup runs",
+        Duration::from_secs(30),
+        || async {
+            query(&n1, "CHECKPOINT").await?;
+            let got = std::fs::read_to_string(archive.path().join("cleaned_up_to"))
+                .map_err(|e| e.to_string())?;
+            (got.trim().len() == 24).then_some(()).ok_or(got)
+        },
+    )
+    .await;
+
+    // Taking the commands out of the configuration takes them off n1.
+    patch_config_ok(
+        &c,
+        0,
+        serde_json::json!({"standby_cluster": {"restore_command": null, "archive_cleanup_command": null}}),
+    )
+    .await;
+    eventually(
+        "n1 without restore_command",
+        Duration::from_secs(30),
+        || async {
+            let v = one(&n1, "SHOW restore_command").await?;
+            v.is_empty().then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    assert_eq!(one(&n1, "SHOW archive_cleanup_command").await.unwrap(), "");
+    assert!(writable(&c).await.is_empty(), "n1 was not promoted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reloaded_etcd_section_moves_the_leader_to_new_endpoints_without_a_restart() {
     let c = cluster().nodes(2).etcd_relays().start();
     let p = healthy(&c, 1, BOOTSTRAP).await;
