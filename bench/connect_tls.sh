@@ -1,34 +1,43 @@
 #!/usr/bin/env bash
 # Connection set-up rate with SCRAM-SHA-256 over TLS: pgbench -C (a new
 # connection for every transaction) against one PostgreSQL 15 primary
-# directly, through `pgwarden run` in session mode, and through pgwarden with
-# [pool] mode = "transaction", all on 127.0.0.1.
+# directly, through PgBouncer in transaction mode, through `pgwarden run` in
+# session mode (with and without TLS to the server), and through pgwarden
+# with [pool] mode = "transaction", all on 127.0.0.1.
 #
 #   bench/connect_tls.sh                   (DUR=10 R=3)
 #   DUR=10 R=3 bench/connect_tls.sh
 #
 # Env: DUR   seconds per pgbench run (default 10)
 #      R     repetitions of the interleaved set; the table shows medians (default 3)
-#      POOL  server connections of the transaction pool (default 20)
+#      POOL  server connections of the transaction pools (default 20)
 #
 # Every run is `pgbench -n -S -C -c 16 -j 2 -T DUR` as the role `bench`
 # (SCRAM verifier, password in PGPASSWORD) with sslmode=require:
 #   direct    PostgreSQL terminates TLS (ssl = on, a self-signed RSA 2048
 #             certificate) and runs SCRAM (`host all bench 127.0.0.1/32
 #             scram-sha-256` first in its pg_hba.conf);
+#   pgbouncer PgBouncer (Debian's package) terminates TLS
+#             (client_tls_sslmode = require, same certificate) and runs SCRAM
+#             with bench's verifier copied from pg_authid into its auth_file,
+#             pool_mode = transaction, default_pool_size = POOL; it logs in
+#             to the server with SCRAM too (the verifiers are identical), over
+#             plain TCP;
 #   session   pgwarden terminates TLS ([tls] client_tls = "require", same
 #             certificate) and runs SCRAM itself ([auth], pg_hba.conf
 #             `hostssl all all 127.0.0.1/32 scram-sha-256`), then opens a
 #             server connection per client and logs in to it with SCRAM as
-#             `bench` (with the key the client proved; pgwarden has no TLS to
-#             servers yet, so that leg is plain TCP);
-#   pooled    the same with [pool] mode = "transaction": server connections
-#             are reused, so PostgreSQL forks no backend per client.
+#             `bench` (with the key the client proved) over plain TCP;
+#   session-tls  the same with server_tls = "require": the server leg is
+#             TLS as well, so PostgreSQL does the handshake it does direct;
+#   pooled    pgwarden as in `session` with [pool] mode = "transaction":
+#             server connections are reused, so PostgreSQL forks no backend
+#             per client; the fair comparison for PgBouncer.
 # The targets run one after the other and the set is repeated R times.
 #
 # TPS with -C is the connection rate (pgbench's "including reconnection
 # times" figure). CPU columns are ms per 1,000 connections, from /proc:
-# pgwarden's process (all threads); PostgreSQL's postmaster with its
+# the proxy's process (all threads); PostgreSQL's postmaster with its
 # children (live ones from /proc/PID/stat, exited backends through the
 # postmaster's cutime/cstime); pgbench itself (the shell's children times),
 # which pays for the client's PBKDF2 (4096 iterations) and TLS handshakes.
@@ -45,18 +54,18 @@ CLIENTS=16
 # shellcheck source=bench/lib.sh
 . bench/lib.sh
 
-bench_deps pgbench:postgresql-client-15 openssl:openssl
+bench_deps pgbench:postgresql-client-15 openssl:openssl pgbouncer:pgbouncer
 bench_build
 
 # --- temp dir, processes, cleanup -------------------------------------------
 bench_tmpdir connect-tls
-demo="" pgw_session="" pgw_pooled="" datadir=""
-CLEANUP_STOPS=(pgw_session:INT pgw_pooled:INT demo:INT)
-CLEANUP_LOGS=(demo.log pgwarden-session.log pgwarden-pooled.log)
+demo="" pgw_session="" pgw_stls="" pgw_pooled="" pgb="" datadir=""
+CLEANUP_STOPS=(pgw_session:INT pgw_stls:INT pgw_pooled:INT pgb:INT demo:INT)
+CLEANUP_LOGS=(demo.log pgwarden-session.log pgwarden-session-tls.log pgwarden-pooled.log pgb/pgbouncer.log)
 bench_traps
 
-read -r PG_PORT S_RW S_RO S_HTTP P_RW P_RO P_HTTP < <(free_ports 7)
-log "ports: postgres $PG_PORT, pgwarden session $S_RW, pgwarden pooled $P_RW"
+read -r PG_PORT S_RW S_RO S_HTTP T_RW T_RO T_HTTP P_RW P_RO P_HTTP PGB_PORT < <(free_ports 11)
+log "ports: postgres $PG_PORT, pgwarden session $S_RW, session with server TLS $T_RW, pooled $P_RW, pgbouncer $PGB_PORT"
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # A random password: it only has to be the same on both sides.
@@ -74,7 +83,7 @@ sql() { psql -h $HOST -p "$PG_PORT" -U postgres -d postgres -Atqc "$1"; }
 datadir=$(sql 'show data_directory')
 hba=$(sql 'show hba_file')
 # First line, so it wins over the demo's own lines; `host` (not `hostssl`)
-# so that pgwarden's plain-TCP server logins run SCRAM as well.
+# so that the proxies' plain-TCP server logins run SCRAM as well.
 { echo "host all bench 127.0.0.1/32 scram-sha-256"; cat "$hba"; } >"$tmp/hba.new"
 cat "$tmp/hba.new" >"$hba"
 sql "alter system set ssl_cert_file = '$tmp/pgb/server.crt'" >/dev/null
@@ -112,17 +121,54 @@ ${4:-}
 EOF
 }
 pgwarden_config "$S_RW" "$S_RO" "$S_HTTP" >"$tmp/session.toml"
+pgwarden_config "$T_RW" "$T_RO" "$T_HTTP" >"$tmp/session-tls.toml"
+# server_tls belongs to the [tls] table, which is not the file's last.
+sed -i 's/^client_tls = "require"$/client_tls = "require"\nserver_tls = "require"/' "$tmp/session-tls.toml"
+grep -q '^server_tls = "require"$' "$tmp/session-tls.toml" || { log "server_tls not set"; exit 1; }
 pgwarden_config "$P_RW" "$P_RO" "$P_HTTP" "$(printf '[pool]\nmode = "transaction"\nsize = %s' "$POOL")" >"$tmp/pooled.toml"
 # The auth user logs in through the demo's trust lines; the variable is set
 # anyway, as a deployment would.
 PGWARDEN_AUTH_PASSWORD=unused RUST_LOG=warn "$bin" run --config "$tmp/session.toml" >"$tmp/pgwarden-session.log" 2>&1 &
 pgw_session=$!
+PGWARDEN_AUTH_PASSWORD=unused RUST_LOG=warn "$bin" run --config "$tmp/session-tls.toml" >"$tmp/pgwarden-session-tls.log" 2>&1 &
+pgw_stls=$!
 PGWARDEN_AUTH_PASSWORD=unused RUST_LOG=warn "$bin" run --config "$tmp/pooled.toml" >"$tmp/pgwarden-pooled.log" 2>&1 &
 pgw_pooled=$!
 
-targets=(direct session pooled)
-declare -A port=([direct]=$PG_PORT [session]=$S_RW [pooled]=$P_RW)
-declare -A pid=([direct]="" [session]=$pgw_session [pooled]=$pgw_pooled)
+# --- PgBouncer: TLS to clients, SCRAM with the server's own verifier ---------------
+# Identical verifiers let PgBouncer log in to the server with the key the
+# client proved, as pgwarden does.
+secret=$(sql "select rolpassword from pg_authid where rolname = 'bench'")
+case $secret in SCRAM-SHA-256*) ;; *) log "bench has no SCRAM verifier"; exit 1 ;; esac
+printf '"bench" "%s"\n' "$secret" >"$tmp/pgb/userlist.txt"
+cat >"$tmp/pgb/pgbouncer.ini" <<EOF
+[databases]
+* = host=$HOST port=$PG_PORT
+[pgbouncer]
+listen_addr = $HOST
+listen_port = $PGB_PORT
+unix_socket_dir =
+auth_type = scram-sha-256
+auth_file = $tmp/pgb/userlist.txt
+client_tls_sslmode = require
+client_tls_cert_file = $tmp/pgb/server.crt
+client_tls_key_file = $tmp/pgb/server.key
+pool_mode = transaction
+default_pool_size = $POOL
+max_client_conn = 1000
+logfile = $tmp/pgb/pgbouncer.log
+pidfile = $tmp/pgb/pgbouncer.pid
+log_connections = 0
+log_disconnections = 0
+EOF
+chown -R postgres: "$tmp/pgb"
+# setpriv execs, so $! is PgBouncer's own PID.
+setpriv --reuid postgres --regid postgres --init-groups pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
+pgb=$!
+
+targets=(direct pgbouncer session session-tls pooled)
+declare -A port=([direct]=$PG_PORT [pgbouncer]=$PGB_PORT [session]=$S_RW [session-tls]=$T_RW [pooled]=$P_RW)
+declare -A pid=([direct]="" [pgbouncer]=$pgb [session]=$pgw_session [session-tls]=$pgw_stls [pooled]=$pgw_pooled)
 
 # --- sanity: every target insists on TLS and on the password ----------------------------
 conn() { # port sslmode
@@ -141,12 +187,11 @@ for t in "${targets[@]}"; do
     log "$t: a wrong password was accepted"
     exit 1
   fi
-  # Direct, the server's own TLS shows in pg_stat_ssl; through pgwarden the
-  # server leg is plain TCP, so check instead that pgwarden refuses a client
-  # without TLS.
-  if [ "$t" = direct ]; then
-    [ "$got" = t ] || { log "direct: not TLS"; exit 1; }
-  elif PGPASSWORD=$password psql "$(conn "$p" disable)" -Atqc 'select 1' >/dev/null 2>&1; then
+  # pg_stat_ssl shows the server leg: TLS direct and with server_tls, plain
+  # TCP behind the other proxies, which must refuse a client without TLS.
+  case $t in direct | session-tls) want=t ;; *) want=f ;; esac
+  [ "$got" = "$want" ] || { log "$t: server leg TLS is '$got', expected '$want'"; exit 1; }
+  if [ "$t" != direct ] && PGPASSWORD=$password psql "$(conn "$p" disable)" -Atqc 'select 1' >/dev/null 2>&1; then
     log "$t: a connection without TLS was accepted"
     exit 1
   fi
@@ -186,8 +231,8 @@ i=0
 for rep in $(seq 1 "$R"); do
   for t in "${targets[@]}"; do
     i=$((i + 1))
-    # Pooled server connections stay; the others are gone.
-    settle "$PG_PORT" $((POOL + 4))
+    # Pooled server connections stay (two pools); the others are gone.
+    settle "$PG_PORT" $((2 * POOL + 4))
     p=${pid[$t]}
     c0=""
     [ -n "$p" ] && { kill -0 "$p" || { log "$t died"; exit 1; }; c0=$(cpu "$p"); }
@@ -218,7 +263,7 @@ for rep in $(seq 1 "$R"); do
       extra="  FAILED rc=$rc"
       grep -iE 'error|fatal|abort' <<<"$out" | sed -E 's/client [0-9]+/client N/g' | sort | uniq -c | sort -rn | head -3 >&2 || true
     fi
-    log "[$i/$total] rep $rep  $t: conn/s=$tps lat=${lat}ms conns=$tx pgwarden=$pcpu server=$scpu pgbench=$bcpu (CPU ms/1k)$extra"
+    log "[$i/$total] rep $rep  $t: conn/s=$tps lat=${lat}ms conns=$tx proxy=$pcpu server=$scpu pgbench=$bcpu (CPU ms/1k)$extra"
   done
 done
 load_end=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -240,19 +285,25 @@ def med(v, k):
     xs = [x[k] for x in v if x["ok"] and x[k] is not None]
     return statistics.median(xs) if xs else None
 fmt = lambda x, s="{:.1f}": "—" if x is None else s.format(x)
-names = {"direct": "direct to PostgreSQL", "session": "pgwarden, session", "pooled": "pgwarden, transaction pool"}
+names = {"direct": "direct to PostgreSQL", "pgbouncer": "PgBouncer, transaction pool",
+         "session": "pgwarden, session", "session-tls": "pgwarden, session, TLS to the server",
+         "pooled": "pgwarden, transaction pool"}
 direct = med(data.get("direct", []), "tps")
-print("| target | connections/s (median) | per run | × direct | avg latency ms | pgwarden CPU ms / 1k conn | PostgreSQL CPU ms / 1k conn | pgbench CPU ms / 1k conn |")
+print("| target | connections/s (median) | per run | × direct | avg latency ms | proxy CPU ms / 1k conn | PostgreSQL CPU ms / 1k conn | pgbench CPU ms / 1k conn |")
 print("|---|---:|---|---:|---:|---:|---:|---:|")
-for t in ("direct", "session", "pooled"):
+for t in ("direct", "pgbouncer", "session", "session-tls", "pooled"):
     v = data.get(t, [])
     runs = " / ".join(f"{x['tps']:,.0f}" + ("" if x["ok"] else "✗") for x in v)
     tps = med(v, "tps")
     ratio = fmt(tps / direct, "{:.2f}×") if tps and direct else "—"
     print(f"| {names[t]} | {fmt(tps, '{:,.0f}')} | {runs} | {ratio} | {fmt(med(v, 'lat'), '{:.2f}')} "
           f"| {fmt(med(v, 'p'))} | {fmt(med(v, 's'))} | {fmt(med(v, 'b'))} |")
+pgb_tps = med(data.get("pgbouncer", []), "tps")
+pooled = med(data.get("pooled", []), "tps")
+if pgb_tps and pooled:
+    print(f"\npgwarden's transaction pool / PgBouncer: {pooled / pgb_tps:.2f}×")
 EOF
-for t in session pooled; do
+for t in session session-tls pooled; do
   if grep -qE 'WARN|ERROR' "$tmp/pgwarden-$t.log"; then
     echo
     echo "pgwarden ($t) log lines (RUST_LOG=warn), first 10:"
