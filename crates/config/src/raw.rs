@@ -254,6 +254,7 @@ pub(crate) struct RawPool {
     pub client_idle_timeout: Option<Dur>,
     pub idle_transaction_timeout: Option<Dur>,
     pub max_prepared_statements: Option<Spanned<u32>>,
+    pub stats_period: Option<PositiveDur>,
     pub reuse_session_servers: Option<bool>,
     pub admin_users: Option<Vec<String>>,
     #[serde(default)]

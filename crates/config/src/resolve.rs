@@ -391,6 +391,7 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
         max_prepared_statements: raw
             .max_prepared_statements
             .map_or(d.max_prepared_statements, Spanned::into_inner),
+        stats_period: raw.stats_period.map_or(d.stats_period, |v| v.0),
         reuse_session_servers: raw.reuse_session_servers.unwrap_or(d.reuse_session_servers),
         admin_users: raw.admin_users.unwrap_or(d.admin_users),
         databases,

@@ -336,6 +336,8 @@ pub struct PoolConfig {
     pub idle_transaction_timeout: Option<Duration>,
     /// Statements kept prepared per server connection; at least 1.
     pub max_prepared_statements: u32,
+    /// The period the admin console's averages cover; above zero.
+    pub stats_period: Duration,
     /// Session mode pools too: a client's server connection is reset with
     /// `DISCARD ALL` when it leaves and kept for the next client.
     pub reuse_session_servers: bool,
@@ -365,6 +367,7 @@ impl Default for PoolConfig {
             client_idle_timeout: None,
             idle_transaction_timeout: None,
             max_prepared_statements: 1000,
+            stats_period: Duration::from_secs(60),
             reuse_session_servers: false,
             admin_users: Vec::new(),
             databases: BTreeMap::new(),

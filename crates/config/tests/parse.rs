@@ -199,6 +199,7 @@ fn full_example_parses() {
     assert_eq!(c.pool.idle_transaction_timeout, None);
     assert_eq!(c.pool.reserve_size, 0);
     assert_eq!(c.pool.reserve_timeout, Duration::from_secs(5));
+    assert_eq!(c.pool.stats_period, Duration::from_secs(60));
     assert_eq!(c.pool.size_for("analytics", "app"), 5);
     assert_eq!(c.pool.size_for("other", "app"), 20);
     assert_eq!(
@@ -276,6 +277,12 @@ fn durations_everywhere() {
     assert_eq!(c.pool.reserve_size, 3);
     assert_eq!(c.pool.reserve_timeout, Duration::from_millis(250));
     assert!(!c.pool.reuse_session_servers, "off unless asked for");
+    let c = parse(
+        &format!("{}\n[pool]\nstats_period = \"15s\"\n", with("")),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.pool.stats_period, Duration::from_secs(15));
     let c = parse(
         &format!("{}\n[pool]\nreuse_session_servers = true\n", with("")),
         FILE,
@@ -628,6 +635,12 @@ fn pool_and_engine_checks() {
         6,
         "pool.databases.\"my.db\".size",
         "smaller than pool.min_size (3)",
+    );
+    fails(
+        &with("[pool]\nstats_period = \"0s\"\n"),
+        4,
+        "pool.stats_period",
+        "greater than zero",
     );
     fails(
         &with("[pool]\nmax_client_conn = 0\n"),

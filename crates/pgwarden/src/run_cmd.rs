@@ -287,6 +287,10 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         ),
         ("pool.client_idle_timeout", d(p.client_idle_timeout)),
         (
+            "pool.stats_period",
+            pgwarden_config::format_duration(p.stats_period),
+        ),
+        (
             "pool.idle_transaction_timeout",
             d(p.idle_transaction_timeout),
         ),
@@ -398,6 +402,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
             .effective_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),
         admin_users: p.admin_users.clone(),
         settings: settings_view(config),
+        stats_period: p.stats_period,
         auth_timeout: config
             .auth
             .as_ref()

@@ -865,6 +865,118 @@ async fn pools_count_queries_and_bytes() {
     assert!(seconds("pgwarden_pool_query_seconds_total") >= 0.3);
 }
 
+/// The admin console's averages (PgBouncer's `avg_*` columns, `SHOW
+/// STATS_AVERAGES`, the `avg_` rows of `SHOW TOTALS`) cover the last
+/// complete stats period (1 s here): rates while traffic flows, zero once a
+/// period passes without any, while the totals stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_console_averages_the_last_stats_period() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let app = client(&via(&p, "read_write")).await.unwrap();
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let admin = &admin;
+    let figures = |cmd: &'static str| async move {
+        let rows = admin.simple_query(cmd).await.map_err(|e| e.to_string())?;
+        let row = rows
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                _ => None,
+            })
+            .ok_or("no pool row")?;
+        Ok::<_, String>(
+            row.columns()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse::<u64>().ok()?)))
+                .collect::<std::collections::HashMap<String, u64>>(),
+        )
+    };
+
+    // One transaction that holds its server for 600 ms: the period it
+    // ends in averages 600 ms or more per transaction and per query.
+    app.batch_execute("BEGIN; SELECT pg_sleep(0.6); COMMIT")
+        .await
+        .unwrap();
+    pgwarden_testkit::eventually("a period with the slow transaction", WAIT, || async {
+        let a = figures("SHOW STATS_AVERAGES").await?;
+        (a["xact_time"] >= 600_000 && a["query_time"] >= 600_000)
+            .then_some(())
+            .ok_or(format!("{a:?}"))
+    })
+    .await;
+
+    // Steady traffic: rates per second.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                app.simple_query("SELECT 1").await.unwrap();
+            }
+        })
+    };
+    pgwarden_testkit::eventually("averages while traffic flows", WAIT, || async {
+        let s = figures("SHOW STATS").await?;
+        (s["avg_xact_count"] >= 20
+            && s["avg_query_count"] >= 20
+            && s["avg_recv"] > 0
+            && s["avg_sent"] > 0)
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+
+    // A quiet period: averages back to zero, totals kept, and SHOW TOTALS
+    // (the sum over pools, one pool here) agrees with SHOW STATS_TOTALS.
+    let totals = pgwarden_testkit::eventually("a quiet period", WAIT, || async {
+        let s = figures("SHOW STATS").await?;
+        let quiet = ["avg_xact_count", "avg_query_count", "avg_recv", "avg_sent"]
+            .iter()
+            .all(|k| s[*k] == 0);
+        if quiet && s["total_xact_count"] > 20 {
+            Ok(s)
+        } else {
+            Err(format!("{s:?}"))
+        }
+    })
+    .await;
+    let t = figures("SHOW STATS_TOTALS").await.unwrap();
+    assert_eq!(t["xact_count"], totals["total_xact_count"]);
+    assert_eq!(t["bytes_received"], totals["total_received"]);
+    let rows = admin.simple_query("SHOW TOTALS").await.unwrap();
+    let by_name: std::collections::HashMap<String, u64> = rows
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => {
+                Some((r.get("name")?.to_string(), r.get("value")?.parse().ok()?))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(by_name["total_xact_count"], t["xact_count"], "{by_name:?}");
+    assert_eq!(
+        by_name["total_client_bytes"], t["bytes_received"],
+        "{by_name:?}"
+    );
+    assert_eq!(by_name["avg_xact_count"], 0, "{by_name:?}");
+    let users = admin.simple_query("SHOW USERS").await.unwrap();
+    let names: Vec<(String, String)> = users
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => {
+                Some((r.get("name")?.to_string(), r.get("pool_mode")?.to_string()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(names, [("postgres".to_string(), String::new())]);
+}
+
 /// The first pool row of SHOW STATS once its `column` reads `want`.
 async fn stats_once(
     admin: &tokio_postgres::Client,

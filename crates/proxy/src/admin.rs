@@ -15,6 +15,7 @@ use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::proxy::{Kill, Shared};
+use crate::stats::{Averages, Totals};
 
 /// The database name that reaches the console instead of a server.
 pub const ADMIN_DATABASE: &str = "pgwarden";
@@ -341,7 +342,11 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
         ["SHOW", "POOLS"] => show_pools(shared, out),
         ["SHOW", "CLIENTS"] => show_clients(shared, out),
         ["SHOW", "SERVERS"] => show_servers(shared, out),
-        ["SHOW", "STATS"] => show_stats(shared, out),
+        ["SHOW", "STATS"] => show_stats(shared, out, StatsColumns::Both),
+        ["SHOW", "STATS_TOTALS"] => show_stats(shared, out, StatsColumns::Totals),
+        ["SHOW", "STATS_AVERAGES"] => show_stats(shared, out, StatsColumns::Averages),
+        ["SHOW", "TOTALS"] => show_totals(shared, out),
+        ["SHOW", "USERS"] => show_users(shared, out),
         ["SHOW", "VERSION"] => table(
             out,
             &["version"],
@@ -458,7 +463,7 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             Severity::Error,
             sqlstate::FEATURE_NOT_SUPPORTED.code(),
             &format!("unknown admin command: {text}"),
-            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], WAIT_CLOSE [database], KILL database, DISABLE database, ENABLE database, RELOAD, SHUTDOWN"),
+            Some("SHOW POOLS|CLIENTS|SERVERS|STATS|STATS_TOTALS|STATS_AVERAGES|TOTALS|USERS|CONFIG|DATABASES|LISTS|VERSION, PAUSE [service], RESUME [service], RECONNECT [database], WAIT_CLOSE [database], KILL database, DISABLE database, ENABLE database, RELOAD, SHUTDOWN"),
             None,
         ),
     }
@@ -721,34 +726,87 @@ fn show_servers(shared: &Shared, out: &mut BytesMut) {
     );
 }
 
-fn show_stats(shared: &Shared, out: &mut BytesMut) {
-    let o = Ordering::Relaxed;
-    let rows: Vec<Vec<String>> = shared
+/// Which of a pool's figures a `SHOW STATS` variant lists.
+#[derive(Clone, Copy, PartialEq)]
+enum StatsColumns {
+    /// `SHOW STATS`: totals, then averages, PgBouncer's `total_*` and
+    /// `avg_*` names.
+    Both,
+    /// `SHOW STATS_TOTALS`: the totals under plain names.
+    Totals,
+    /// `SHOW STATS_AVERAGES`: the averages under the same plain names.
+    Averages,
+}
+
+/// The counters' names in `SHOW STATS_TOTALS` and `SHOW STATS_AVERAGES`.
+const STATS_NAMES: [&str; 7] = [
+    "xact_count",
+    "query_count",
+    "bytes_received",
+    "bytes_sent",
+    "xact_time",
+    "query_time",
+    "wait_time",
+];
+
+fn totals_row(t: &Totals) -> [u64; 7] {
+    [
+        t.xact_count,
+        t.query_count,
+        t.received,
+        t.sent,
+        t.xact_us,
+        t.query_us,
+        t.wait_us,
+    ]
+}
+
+fn averages_row(a: &Averages) -> [u64; 7] {
+    [
+        a.xact_count,
+        a.query_count,
+        a.received,
+        a.sent,
+        a.xact_time,
+        a.query_time,
+        a.wait_time,
+    ]
+}
+
+/// One row per pool: its totals now and its averages over the last
+/// complete stats period, under PgBouncer's column names (with the pool's
+/// user and host besides the database).
+fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
+    let span = *shared.stats_span.lock().expect("poisoned");
+    let mut rows: Vec<Vec<String>> = shared
         .pools
         .lock()
         .expect("poisoned")
         .values()
         .map(|p| {
-            vec![
+            let mut row = vec![
                 p.key.database.clone(),
                 p.key.user.clone(),
                 p.key.host.to_string(),
-                p.stats.transactions.load(o).to_string(),
-                p.stats.queries.load(o).to_string(),
-                p.stats.received.load(o).to_string(),
-                p.stats.sent.load(o).to_string(),
-                p.stats.xact_us.load(o).to_string(),
-                p.stats.query_us.load(o).to_string(),
-                p.stats.wait_us.load(o).to_string(),
-            ]
+            ];
+            let [older, newer] = p.stats.last_period();
+            let figures: Vec<u64> = match columns {
+                StatsColumns::Both => totals_row(&p.stats.totals())
+                    .into_iter()
+                    .chain(averages_row(&newer.averages_since(&older, span)))
+                    .collect(),
+                StatsColumns::Totals => totals_row(&p.stats.totals()).to_vec(),
+                StatsColumns::Averages => {
+                    averages_row(&newer.averages_since(&older, span)).to_vec()
+                }
+            };
+            row.extend(figures.iter().map(u64::to_string));
+            row
         })
         .collect();
-    table(
-        out,
-        &[
-            "database",
-            "user",
-            "host",
+    rows.sort();
+    let names: Vec<&str> = match columns {
+        StatsColumns::Both => vec![
             "total_xact_count",
             "total_query_count",
             "total_received",
@@ -756,10 +814,77 @@ fn show_stats(shared: &Shared, out: &mut BytesMut) {
             "total_xact_time",
             "total_query_time",
             "total_wait_time",
+            "avg_xact_count",
+            "avg_query_count",
+            "avg_recv",
+            "avg_sent",
+            "avg_xact_time",
+            "avg_query_time",
+            "avg_wait_time",
         ],
-        &rows,
-        "SHOW",
-    );
+        StatsColumns::Totals | StatsColumns::Averages => STATS_NAMES.to_vec(),
+    };
+    let header: Vec<&str> = ["database", "user", "host"]
+        .into_iter()
+        .chain(names)
+        .collect();
+    table(out, &header, &rows, "SHOW");
+}
+
+/// `SHOW TOTALS`: every pool's figures summed, as name/value rows.
+fn show_totals(shared: &Shared, out: &mut BytesMut) {
+    let span = *shared.stats_span.lock().expect("poisoned");
+    let (mut now, mut older, mut newer) = (Totals::default(), Totals::default(), Totals::default());
+    for p in shared.pools.lock().expect("poisoned").values() {
+        now.add(&p.stats.totals());
+        let [o, n] = p.stats.last_period();
+        older.add(&o);
+        newer.add(&n);
+    }
+    // PgBouncer's names here, which differ from SHOW STATS's for bytes.
+    let names = [
+        "xact_count",
+        "query_count",
+        "client_bytes",
+        "server_bytes",
+        "xact_time",
+        "query_time",
+        "wait_time",
+    ];
+    let rows: Vec<Vec<String>> = names
+        .iter()
+        .zip(totals_row(&now))
+        .map(|(n, v)| vec![format!("total_{n}"), v.to_string()])
+        .chain(
+            names
+                .iter()
+                .zip(averages_row(&newer.averages_since(&older, span)))
+                .map(|(n, v)| vec![format!("avg_{n}"), v.to_string()]),
+        )
+        .collect();
+    table(out, &["name", "value"], &rows, "SHOW");
+}
+
+/// `SHOW USERS`: the users with a pool or a `[pool.users]` exception, and
+/// the pool mode an exception sets (empty: the service's).
+fn show_users(shared: &Shared, out: &mut BytesMut) {
+    let mut users: std::collections::BTreeMap<String, String> = shared
+        .pools
+        .lock()
+        .expect("poisoned")
+        .keys()
+        .map(|k| (k.user.clone(), String::new()))
+        .collect();
+    for (user, (transaction, _)) in &shared.pool_overrides.lock().expect("poisoned").users {
+        let mode = match transaction {
+            Some(true) => "transaction",
+            Some(false) => "session",
+            None => "",
+        };
+        users.insert(user.clone(), mode.to_string());
+    }
+    let rows: Vec<Vec<String>> = users.into_iter().map(|(u, m)| vec![u, m]).collect();
+    table(out, &["name", "pool_mode"], &rows, "SHOW");
 }
 
 /// RowDescription (all text), DataRows, CommandComplete.

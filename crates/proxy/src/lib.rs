@@ -22,6 +22,7 @@ mod proxy;
 mod relay;
 mod session;
 mod sock;
+mod stats;
 mod stream;
 mod timer;
 mod txn;

@@ -19,6 +19,7 @@ use pgwarden_wire::message::{self, backend};
 use pgwarden_wire::startup::StartupMessage;
 
 use crate::auth::Credential;
+use crate::stats::Totals;
 use crate::stream::{ServerStream, ServerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -553,6 +554,38 @@ pub struct PoolStats {
     /// Server connections moved to another worker thread's event loop
     /// because a client there borrowed them.
     pub moves: AtomicU64,
+    /// The totals at the last two ends of a stats period, older first:
+    /// the averages the admin console shows are between them.
+    period: Mutex<[Totals; 2]>,
+}
+
+impl PoolStats {
+    /// The counters now.
+    pub fn totals(&self) -> Totals {
+        let o = Ordering::Relaxed;
+        Totals {
+            xact_count: self.transactions.load(o),
+            query_count: self.queries.load(o),
+            received: self.received.load(o),
+            sent: self.sent.load(o),
+            xact_us: self.xact_us.load(o),
+            query_us: self.query_us.load(o),
+            wait_us: self.wait_us.load(o),
+        }
+    }
+
+    /// Ends a stats period: the one that ended becomes the period the
+    /// averages cover.
+    pub fn roll(&self) {
+        let now = self.totals();
+        let mut p = self.period.lock().expect("poisoned");
+        *p = [p[1], now];
+    }
+
+    /// The totals at the start and the end of the last complete period.
+    pub fn last_period(&self) -> [Totals; 2] {
+        *self.period.lock().expect("poisoned")
+    }
 }
 
 /// A pool of server connections.

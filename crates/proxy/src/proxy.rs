@@ -82,6 +82,8 @@ pub struct ProxySpec {
     /// session-mode clients authenticate with the server itself, pooled
     /// clients are trusted.
     pub auth: Option<crate::auth::AuthSpec>,
+    /// The period the admin console's averages (`avg_*`) cover.
+    pub stats_period: Duration,
 }
 
 /// Whether clients may or must use TLS.
@@ -401,6 +403,11 @@ pub(crate) struct Shared {
     pub workers: crate::workers::Workers,
     /// See [`ProxySpec::pool_affinity`].
     pub pool_affinity: bool,
+    /// See [`ProxySpec::stats_period`].
+    pub stats_period: Mutex<Duration>,
+    /// How long the last complete stats period lasted: what the pools'
+    /// [`crate::pool::PoolStats::last_period`] spans.
+    pub stats_span: Mutex<Duration>,
 }
 
 impl Shared {
@@ -572,6 +579,7 @@ pub struct Proxy {
     unix: HashMap<String, (std::path::PathBuf, JoinHandle<()>)>,
     http: Option<(SocketAddr, JoinHandle<()>)>,
     router: JoinHandle<()>,
+    stats_roller: JoinHandle<()>,
     shutdown_timeout: Duration,
     spec: Option<ProxySpec>,
 }
@@ -657,14 +665,18 @@ impl Proxy {
             workers: crate::workers::Workers::start(spec.worker_threads, spec.worker_fill)
                 .map_err(|source| ProxyError::Workers { source })?,
             pool_affinity: spec.pool_affinity,
+            stats_period: Mutex::new(spec.stats_period),
+            stats_span: Mutex::new(Duration::ZERO),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
+        let stats_roller = tokio::spawn(roll_stats(shared.clone()));
         let mut proxy = Proxy {
             shared,
             listeners: HashMap::new(),
             unix: HashMap::new(),
             http: None,
             router,
+            stats_roller,
             shutdown_timeout: spec.shutdown_timeout,
             spec: None,
         };
@@ -724,6 +736,7 @@ impl Proxy {
             .store(spec.max_client_conn as u64, Ordering::Relaxed);
         *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
+        *self.shared.stats_period.lock().expect("poisoned") = spec.stats_period;
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
         for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
             limit.set_max(self.shared.limit_of(*kind, name));
@@ -972,6 +985,7 @@ impl Proxy {
             crate::timer::sleep(Duration::from_millis(20)).await;
         }
         self.router.abort();
+        self.stats_roller.abort();
         if let Some((_, t)) = self.http.take() {
             t.abort();
         }
@@ -983,6 +997,7 @@ impl Drop for Proxy {
         self.stop_unix();
         self.shared.workers.stop();
         self.router.abort();
+        self.stats_roller.abort();
         for l in self.listeners.values() {
             l.task.stop();
         }
@@ -1212,6 +1227,22 @@ async fn accept_loop(
                 crate::timer::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Ends a stats period for every pool every `stats_period` (read anew
+/// each time, so a reload changes it from the next period on).
+async fn roll_stats(shared: Arc<Shared>) {
+    let mut last = std::time::Instant::now();
+    loop {
+        let period = *shared.stats_period.lock().expect("poisoned");
+        crate::timer::sleep(period).await;
+        let now = std::time::Instant::now();
+        for pool in shared.pools.lock().expect("poisoned").values() {
+            pool.stats.roll();
+        }
+        *shared.stats_span.lock().expect("poisoned") = now - last;
+        last = now;
     }
 }
 

@@ -146,6 +146,8 @@ pub async fn proxy_full(
         worker_fill: WORKER_FILL.with(|a| a.get()),
         admin_users: vec!["postgres".into()],
         settings: vec![("pool.size".into(), "test".into())],
+        // Short, so that tests see averages change.
+        stats_period: Duration::from_secs(1),
         pool_overrides,
         tls,
         auth: AUTH.with(|a| a.borrow().clone()),
