@@ -427,7 +427,8 @@ impl HaLoop {
         let Some(source) = self.leader_address() else {
             return Ok(false);
         };
-        tracing::info!(from = %source, "cloning the leader with pg_basebackup");
+        let methods: Vec<&str> = self.cfg.create_replica.iter().map(|m| m.name()).collect();
+        tracing::info!(from = %source, ?methods, "cloning the leader");
         self.activity = Some("cloning");
         self.publish_status();
         self.clone_from(&source).await?;
@@ -543,19 +544,78 @@ impl HaLoop {
         Ok(())
     }
 
+    /// Creates this replica's data from `source` with the configured
+    /// methods (`create_replica_methods`), in order, until one succeeds;
+    /// the last failure is returned if none does.
     async fn clone_from(&mut self, source: &HostAddr) -> Result<(), PgCtlError> {
+        let mut last = None;
+        for method in self.cfg.create_replica.clone() {
+            match self.clone_with(&method, source).await {
+                Ok(()) => {
+                    tracing::info!(method = method.name(), from = %source, "replica created");
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(method = method.name(), error = %first_line(&e), "creating the replica failed");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| PgCtlError::CommandFailed {
+            program: "create_replica_methods".into(),
+            status: String::new(),
+            output: "no method configured".into(),
+        }))
+    }
+
+    async fn clone_with(
+        &mut self,
+        method: &pgwarden_config::ReplicaMethod,
+        source: &HostAddr,
+    ) -> Result<(), PgCtlError> {
         let user = self.pg.replication_user().to_string();
         let (h, p) = (source.host.clone(), source.port);
         // A former standby leader's instance still names the remote
         // source's slot; the clone must create this member's own.
         let slot = self.member_slot();
-        self.pg
-            .with(move |i| {
-                i.wipe()?;
-                i.set_primary_slot(slot)?;
-                i.basebackup(&h, p, &user)
-            })
-            .await
+        match method.clone() {
+            pgwarden_config::ReplicaMethod::Basebackup => {
+                self.pg
+                    .with(move |i| {
+                        i.wipe()?;
+                        i.set_primary_slot(slot)?;
+                        i.basebackup(&h, p, &user)
+                    })
+                    .await
+            }
+            pgwarden_config::ReplicaMethod::Command {
+                name,
+                command,
+                keep_data,
+                no_params,
+            } => {
+                // Patroni's arguments, so that scripts written for it work.
+                let args = if no_params {
+                    Vec::new()
+                } else {
+                    vec![
+                        format!("--scope={}", self.etcd.cluster),
+                        format!("--datadir={}", self.cfg.data_dir.display()),
+                        "--role=replica".to_string(),
+                        format!("--connstring=host={h} port={p} user={user} dbname=postgres"),
+                    ]
+                };
+                self.pg
+                    .with(move |i| {
+                        if !keep_data {
+                            i.wipe()?;
+                        }
+                        i.set_primary_slot(slot)?;
+                        i.create_replica_with(&name, &command, &args, (&h, p), &user)
+                    })
+                    .await
+            }
+        }
     }
 
     /// The address of the leader's PostgreSQL, when the leader is known
@@ -2694,6 +2754,11 @@ impl HaLoop {
         // force where the dynamic configuration does not replace them,
         // moving the leader key to a lease of a new ttl as for a dynamic
         // change.
+        if new.create_replica != self.cfg.create_replica {
+            let names: Vec<&str> = new.create_replica.iter().map(|m| m.name()).collect();
+            tracing::info!(methods = ?names, "create_replica_methods reloaded");
+            self.cfg.create_replica = new.create_replica.clone();
+        }
         if new.reclone_on_rewind_failure != self.cfg.reclone_on_rewind_failure {
             tracing::info!(
                 reclone = new.reclone_on_rewind_failure,

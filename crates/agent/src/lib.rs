@@ -46,8 +46,9 @@ pub use status::{AgentStatus, Command, StatusHandle};
 /// restart of the agent: only tags, parameters, callbacks, the cluster
 /// settings (timings, lag limit, protection, failsafe), `use_slots`,
 /// `reclone_on_rewind_failure`, the API's credentials, the watchdog, the
-/// replication user and `standby_cluster` (which only a new cluster reads)
-/// differ, which a running agent takes on `SIGHUP`.
+/// replication user, the replica creation methods and `standby_cluster`
+/// (which only a new cluster reads) differ, which a running agent takes on
+/// `SIGHUP`.
 pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     let mut rest = new.clone();
     rest.tags = old.tags.clone();
@@ -65,6 +66,7 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.api_password_file = old.api_password_file.clone();
     rest.watchdog = old.watchdog.clone();
     rest.replication_user = old.replication_user.clone();
+    rest.create_replica = old.create_replica.clone();
     // Read only when the cluster is created.
     rest.standby_cluster = old.standby_cluster.clone();
     rest == *old
@@ -504,6 +506,7 @@ mod tests {
             "rto = \"fast\"\nwatchdog = \"automatic\"",
             "rto = \"fast\"\nreplication_user = \"replicator\"",
             "rto = \"fast\"\nstandby_cluster = { host = \"10.0.0.5\" }",
+            "rto = \"fast\"\ncreate_replica_methods = [\"r\"]\nreplica_methods = { r = { command = \"x\" } }",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
         }

@@ -108,6 +108,41 @@ pub struct AgentConfig {
     /// cluster, which copies it into the dynamic configuration; from then on
     /// the dynamic configuration's `standby_cluster` decides.
     pub standby_cluster: Option<pgwarden_ha::StandbyCluster>,
+    /// How this node gets its data when it joins as a replica or is
+    /// re-cloned: methods tried in order until one succeeds
+    /// (`create_replica_methods`, as Patroni names it).
+    pub create_replica: Vec<ReplicaMethod>,
+}
+
+/// One way to create a replica's data directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplicaMethod {
+    /// `pg_basebackup` from the leader.
+    Basebackup,
+    /// An operator's command (`[agent.replica_methods.NAME]`), e.g. a
+    /// restore from a backup tool.
+    Command {
+        /// The method's name in `create_replica_methods`.
+        name: String,
+        /// Run through `sh -c` as PostgreSQL's user.
+        command: String,
+        /// Leave the data directory as it is instead of emptying it first
+        /// (for tools that restore by difference).
+        keep_data: bool,
+        /// Append no `--scope`, `--datadir`, `--role` and `--connstring`
+        /// arguments.
+        no_params: bool,
+    },
+}
+
+impl ReplicaMethod {
+    /// The name it goes by in `create_replica_methods`.
+    pub fn name(&self) -> &str {
+        match self {
+            ReplicaMethod::Basebackup => "basebackup",
+            ReplicaMethod::Command { name, .. } => name,
+        }
+    }
 }
 
 /// `agent.api_verify_client`, with Patroni's names.
@@ -274,6 +309,19 @@ pub(crate) struct RawAgent {
     sync_method: Option<SyncMethod>,
     sync_degrade_timeout: Option<HaTimer>,
     standby_cluster: Option<pgwarden_ha::StandbyCluster>,
+    create_replica_methods: Option<Spanned<Vec<NonEmpty>>>,
+    #[serde(default)]
+    replica_methods: BTreeMap<String, RawReplicaMethod>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawReplicaMethod {
+    command: NonEmpty,
+    #[serde(default)]
+    keep_data: bool,
+    #[serde(default)]
+    no_params: bool,
 }
 
 #[derive(Deserialize)]
@@ -506,6 +554,7 @@ pub(crate) fn agent(
         let (key, why) = e.split_once(": ").unwrap_or(("standby_cluster", &e));
         return Err(src.invalid(None, format!("agent.{key}"), why.to_string()));
     }
+    let create_replica = replica_methods(raw.create_replica_methods, raw.replica_methods, src)?;
     let d = WatchdogConfig::default();
     let count = match raw.synchronous_node_count {
         None => 1,
@@ -573,7 +622,59 @@ pub(crate) fn agent(
         on_sync_blocked: raw.on_sync_blocked.unwrap_or_default(),
         sync,
         standby_cluster: raw.standby_cluster,
+        create_replica,
     })
+}
+
+/// `create_replica_methods` with the tables its names refer to; without
+/// it, `pg_basebackup` alone.
+fn replica_methods(
+    order: Option<Spanned<Vec<NonEmpty>>>,
+    mut tables: BTreeMap<String, RawReplicaMethod>,
+    src: &Source<'_>,
+) -> Result<Vec<ReplicaMethod>, ConfigError> {
+    if tables.contains_key("basebackup") {
+        return Err(src.invalid(
+            None,
+            "agent.replica_methods.basebackup",
+            "basebackup is built in and takes no table",
+        ));
+    }
+    let Some(order) = order else {
+        return Ok(vec![ReplicaMethod::Basebackup]);
+    };
+    let span = order.span();
+    let names = order.into_inner();
+    if names.is_empty() {
+        return Err(src.invalid(
+            Some(span),
+            "agent.create_replica_methods",
+            "names no method; leave it out for basebackup alone",
+        ));
+    }
+    let mut out = Vec::with_capacity(names.len());
+    for NonEmpty(name) in names {
+        if name == "basebackup" {
+            out.push(ReplicaMethod::Basebackup);
+            continue;
+        }
+        let Some(t) = tables.remove(&name) else {
+            return Err(src.invalid(
+                Some(span),
+                "agent.create_replica_methods",
+                format!(
+                    "{name:?} is neither basebackup nor a table [agent.replica_methods.{name}] (or is listed twice)"
+                ),
+            ));
+        };
+        out.push(ReplicaMethod::Command {
+            name,
+            command: t.command.0,
+            keep_data: t.keep_data,
+            no_params: t.no_params,
+        });
+    }
+    Ok(out)
 }
 
 pub(crate) fn etcd(raw: RawEtcd, src: &Source<'_>) -> Result<EtcdConfig, ConfigError> {

@@ -866,6 +866,62 @@ fn agent_standby_cluster_is_a_table_checked_like_the_dynamic_one() {
 }
 
 #[test]
+fn agent_replica_methods_are_tried_in_the_order_given() {
+    use pgwarden_config::ReplicaMethod;
+    let a = parse(AGENT_MINIMAL, FILE).unwrap().agent.unwrap();
+    assert_eq!(a.create_replica, [ReplicaMethod::Basebackup]);
+    let with = |t: &str| AGENT_MINIMAL.replace("\n[etcd]", &format!("\n{t}\n\n[etcd]"));
+    let c = parse(
+        &with(
+            "create_replica_methods = [\"pgbackrest\", \"basebackup\"]\n\
+             [agent.replica_methods.pgbackrest]\n\
+             command = \"pgbackrest --stanza=main --delta restore\"\n\
+             keep_data = true\n\
+             no_params = true",
+        ),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(
+        c.agent.unwrap().create_replica,
+        [
+            ReplicaMethod::Command {
+                name: "pgbackrest".into(),
+                command: "pgbackrest --stanza=main --delta restore".into(),
+                keep_data: true,
+                no_params: true,
+            },
+            ReplicaMethod::Basebackup,
+        ]
+    );
+    for (bad, key, why) in [
+        (
+            "create_replica_methods = [\"wal_g\"]",
+            "agent.create_replica_methods",
+            "[agent.replica_methods.wal_g]",
+        ),
+        (
+            "create_replica_methods = []",
+            "agent.create_replica_methods",
+            "names no method",
+        ),
+        (
+            "[agent.replica_methods.basebackup]\ncommand = \"x\"",
+            "agent.replica_methods.basebackup",
+            "built in",
+        ),
+        (
+            "create_replica_methods = [\"r\"]\n[agent.replica_methods.r]\ncomand = \"x\"",
+            "comand",
+            "unknown field",
+        ),
+    ] {
+        let e = parse(&with(bad), FILE).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(why), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn agent_minimal_file() {
     let c = parse(AGENT_MINIMAL, FILE).unwrap();
     let a = c.agent.as_ref().expect("agent section");

@@ -220,6 +220,48 @@ impl Instance {
         self.write_standby(user)
     }
 
+    /// Fills the data directory with an operator's command instead of
+    /// `pg_basebackup` (a restore from a backup tool, typically), run as the
+    /// server's user through `sh -c` with `args` appended, then configures
+    /// this instance as a standby of `source`. The command must leave a
+    /// data directory; settings pgwarden owns are included even if the
+    /// backup it restored came from elsewhere.
+    pub fn create_replica_with(
+        &mut self,
+        method: &str,
+        command: &str,
+        args: &[String],
+        source: (&str, u16),
+        user: &str,
+    ) -> Result<()> {
+        self.make_datadir()?;
+        let mut cmd = Command::new("/bin/sh");
+        // "$@" passes the arguments through unsplit; the method's name is
+        // the script's $0, which shows in its messages.
+        cmd.arg("-c")
+            .arg(format!("{command} \"$@\""))
+            .arg(method)
+            .args(args)
+            .env("LC_ALL", "C")
+            .env_remove("PGDATA");
+        self.run_as.apply(&mut cmd);
+        run(cmd, method)?;
+        if !self.has_data() {
+            return Err(PgCtlError::CommandFailed {
+                program: method.into(),
+                status: "exit status: 0".into(),
+                output: format!("left no data directory in {}", self.spec.datadir.display()),
+            });
+        }
+        let conf = self.spec.datadir.join("postgresql.conf");
+        let text = fs::read_to_string(&conf).map_err(io_err(&conf))?;
+        if !text.contains(SETTINGS_FILE) {
+            let text = format!("{text}\ninclude_if_exists = '{SETTINGS_FILE}'\n");
+            fs::write(&conf, text).map_err(io_err(&conf))?;
+        }
+        self.follow(source.0, source.1, user)
+    }
+
     /// Points this standby at another upstream (takes effect on reload in
     /// PostgreSQL 13+).
     pub fn follow(&mut self, host: &str, port: u16, user: &str) -> Result<()> {

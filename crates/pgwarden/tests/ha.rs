@@ -3722,3 +3722,92 @@ async fn a_permanent_logical_slot_survives_a_failover_where_its_consumer_left_of
         "the former leader took a copy"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_created_by_the_first_method_that_works() {
+    // A "backup tool" that clones with pg_basebackup by the connection
+    // string it is given, and records what it was called with and what it
+    // found in the data directory; and one that fails.
+    let tools = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        tools.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let dir = tools.path().display().to_string();
+    let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
+        .unwrap()
+        .path("pg_basebackup");
+    let script = tools.path().join("restore.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
+             echo \"$*\" > {dir}/restore.args\n\
+             ls -A \"$d\" | wc -l > {dir}/restore.found\n\
+             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
+            pg_basebackup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let c = cluster()
+        .nodes(2)
+        .node_settings(
+            1,
+            &format!(
+                "create_replica_methods = [\"broken\", \"restore\", \"basebackup\"]\n\
+                 replica_methods = {{ broken = {{ command = \"echo ran > {dir}/broken.ran; false\" }}, \
+                 restore = {{ command = \"{}\" }} }}",
+                script.display()
+            ),
+        )
+        .start();
+    eventually("n2 streams from n1", BOOTSTRAP, || async {
+        let from = streams_from_port(&c, 1).await?;
+        (from == c.node(0).pg_port.to_string())
+            .then_some(())
+            .ok_or(from)
+    })
+    .await;
+    // The failing method ran first, then the restore, into an empty data
+    // directory, with Patroni's arguments; basebackup was not needed.
+    assert_eq!(
+        std::fs::read_to_string(tools.path().join("broken.ran")).unwrap(),
+        "ran\n"
+    );
+    let args = std::fs::read_to_string(tools.path().join("restore.args")).unwrap();
+    let n1 = c.node(0);
+    assert_eq!(
+        args.trim(),
+        format!(
+            "--scope={} --datadir={} --role=replica --connstring=host=127.0.0.1 port={} user=postgres dbname=postgres",
+            c.cluster_name(),
+            c.node(1).data_dir.display(),
+            n1.pg_port
+        )
+    );
+    assert_eq!(
+        std::fs::read_to_string(tools.path().join("restore.found"))
+            .unwrap()
+            .trim(),
+        "0"
+    );
+    let log = c.node(1).agent_log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("replica created") && l.contains("restore")),
+        "{log}"
+    );
+    // A working replica: rows written on the leader arrive, through the
+    // slot the leader keeps for it.
+    query(
+        &n1.pg_conninfo(),
+        "CREATE TABLE restored (x int); INSERT INTO restored VALUES (1)",
+    )
+    .await
+    .unwrap();
+    reads_on(&c, &[1], "SELECT count(*) FROM restored", "1").await;
+    slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
+}
