@@ -394,10 +394,20 @@ impl HaLoop {
                 self.activity = Some("initializing");
                 self.publish_status();
                 let res = match &standby {
-                    None => {
-                        tracing::info!("won the initialize race: creating the cluster with initdb");
-                        self.initialize(&claim).await
-                    }
+                    None => match self.cfg.bootstrap.clone() {
+                        None => {
+                            tracing::info!(
+                                "won the initialize race: creating the cluster with initdb"
+                            );
+                            self.initialize(&claim).await
+                        }
+                        Some(b) => {
+                            tracing::info!(
+                                "won the initialize race: creating the cluster from a backup"
+                            );
+                            self.initialize_from_backup(&claim, b).await
+                        }
+                    },
                     Some(remote) => {
                         tracing::info!(
                             source = %remote.address(),
@@ -522,6 +532,74 @@ impl HaLoop {
             }
         }
         self.lead_new_cluster(claim).await?;
+        Ok(())
+    }
+
+    /// Creates the cluster from a backup after winning the initialize race:
+    /// the operator's command fills the data directory, PostgreSQL recovers
+    /// (from the archive, up to the target, with `bootstrap.recovery`) and
+    /// promotes itself at the end, then this member leads. Recovery may
+    /// take long; the member's `activity` says it is restoring meanwhile.
+    async fn initialize_from_backup(
+        &mut self,
+        claim: &str,
+        b: pgwarden_config::BootstrapMethod,
+    ) -> Result<(), AgentStepError> {
+        let hba = self.cfg.pg_hba.clone();
+        let args = if b.no_params {
+            Vec::new()
+        } else {
+            vec![
+                format!("--scope={}", self.etcd.cluster),
+                format!("--datadir={}", self.cfg.data_dir.display()),
+            ]
+        };
+        let mut recovery = b.recovery.clone();
+        recovery.insert("recovery_target_action".into(), "promote".into());
+        let keys: Vec<String> = recovery.keys().cloned().collect();
+        let command = b.command.clone();
+        self.pg
+            .with(move |i| {
+                i.wipe()?;
+                i.restore_with("bootstrap", &command, &args, &recovery)?;
+                append_hba(i.datadir(), &hba)
+            })
+            .await?;
+        self.activity = Some("restoring");
+        self.publish_status();
+        self.pg
+            .start(Duration::from_secs(60))
+            .await
+            .or_else(still_starting)?;
+        loop {
+            let seen = self.pg.observe(Duration::from_secs(2)).await;
+            if !seen.process {
+                let log = self.pg.with(|i| Ok(i.log_tail())).await.unwrap_or_default();
+                return Err(PgCtlError::CommandFailed {
+                    program: "postgres".into(),
+                    status: "stopped during recovery".into(),
+                    output: log,
+                }
+                .into());
+            }
+            if seen.pg.running && !seen.pg.in_recovery {
+                break;
+            }
+            tokio::time::sleep(RETRY_PACE).await;
+        }
+        tracing::info!("the restored server finished its recovery and promoted itself");
+        // The recovery settings belong to the restore; a later restart of
+        // this primary must not recover again.
+        self.pg
+            .with(move |i| {
+                for k in &keys {
+                    i.remove_setting(k)?;
+                }
+                i.reload()
+            })
+            .await?;
+        self.lead_new_cluster(claim).await?;
+        self.former_primary = true;
         Ok(())
     }
 

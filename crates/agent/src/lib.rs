@@ -46,9 +46,9 @@ pub use status::{AgentStatus, Command, StatusHandle};
 /// restart of the agent: only tags, parameters, callbacks, the cluster
 /// settings (timings, lag limit, protection, failsafe), `use_slots`,
 /// `reclone_on_rewind_failure`, the API's credentials, the watchdog, the
-/// replication user, the replica creation methods and `standby_cluster`
-/// (which only a new cluster reads) differ, which a running agent takes on
-/// `SIGHUP`.
+/// replication user, the replica creation methods, and `standby_cluster`
+/// and `bootstrap` (which only a new cluster reads) differ, which a running
+/// agent takes on `SIGHUP`.
 pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     let mut rest = new.clone();
     rest.tags = old.tags.clone();
@@ -69,6 +69,7 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.create_replica = old.create_replica.clone();
     // Read only when the cluster is created.
     rest.standby_cluster = old.standby_cluster.clone();
+    rest.bootstrap = old.bootstrap.clone();
     rest == *old
 }
 
@@ -507,6 +508,7 @@ mod tests {
             "rto = \"fast\"\nreplication_user = \"replicator\"",
             "rto = \"fast\"\nstandby_cluster = { host = \"10.0.0.5\" }",
             "rto = \"fast\"\ncreate_replica_methods = [\"r\"]\nreplica_methods = { r = { command = \"x\" } }",
+            "rto = \"fast\"\nbootstrap = { command = \"x\" }",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
         }

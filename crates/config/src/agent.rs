@@ -112,6 +112,24 @@ pub struct AgentConfig {
     /// re-cloned: methods tried in order until one succeeds
     /// (`create_replica_methods`, as Patroni names it).
     pub create_replica: Vec<ReplicaMethod>,
+    /// `[agent.bootstrap]`: create a new cluster from a backup instead of
+    /// with initdb. Read only by the member that creates the cluster.
+    pub bootstrap: Option<BootstrapMethod>,
+}
+
+/// A new cluster restored from a backup: the command fills the data
+/// directory, PostgreSQL recovers with `recovery` and promotes itself at
+/// the end of it (Patroni's custom bootstrap).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BootstrapMethod {
+    /// Run through `sh -c` as PostgreSQL's user; must leave a data
+    /// directory.
+    pub command: String,
+    /// Append no `--scope` and `--datadir` arguments.
+    pub no_params: bool,
+    /// Recovery settings in force until the end of recovery:
+    /// `restore_command`, `recovery_target_*`.
+    pub recovery: BTreeMap<String, String>,
 }
 
 /// One way to create a replica's data directory.
@@ -312,6 +330,17 @@ pub(crate) struct RawAgent {
     create_replica_methods: Option<Spanned<Vec<NonEmpty>>>,
     #[serde(default)]
     replica_methods: BTreeMap<String, RawReplicaMethod>,
+    bootstrap: Option<RawBootstrap>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawBootstrap {
+    command: NonEmpty,
+    #[serde(default)]
+    no_params: bool,
+    #[serde(default)]
+    recovery: BTreeMap<String, ParamValue>,
 }
 
 #[derive(Deserialize)]
@@ -555,6 +584,7 @@ pub(crate) fn agent(
         return Err(src.invalid(None, format!("agent.{key}"), why.to_string()));
     }
     let create_replica = replica_methods(raw.create_replica_methods, raw.replica_methods, src)?;
+    let bootstrap = raw.bootstrap.map(|b| bootstrap(b, src)).transpose()?;
     let d = WatchdogConfig::default();
     let count = match raw.synchronous_node_count {
         None => 1,
@@ -623,6 +653,38 @@ pub(crate) fn agent(
         sync,
         standby_cluster: raw.standby_cluster,
         create_replica,
+        bootstrap,
+    })
+}
+
+/// `[agent.bootstrap]`, checked: parameter names, one line each, and no
+/// recovery end other than promotion (the agent waits for a primary).
+fn bootstrap(raw: RawBootstrap, src: &Source<'_>) -> Result<BootstrapMethod, ConfigError> {
+    let mut recovery = BTreeMap::new();
+    for (k, ParamValue(v)) in raw.recovery {
+        let key = format!("agent.bootstrap.recovery.{k}");
+        let name_ok = k.bytes().next().is_some_and(|b| b.is_ascii_alphabetic())
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !name_ok {
+            return Err(src.invalid(None, key, "not a PostgreSQL parameter name"));
+        }
+        if v.contains(['\n', '\r', '\0']) {
+            return Err(src.invalid(None, key, "line breaks are not allowed"));
+        }
+        let k = k.to_ascii_lowercase();
+        if k == "recovery_target_action" && v != "promote" {
+            return Err(src.invalid(
+                None,
+                key,
+                format!("{v:?}: only \"promote\" (the new cluster's first member must end its recovery as a primary)"),
+            ));
+        }
+        recovery.insert(k, v);
+    }
+    Ok(BootstrapMethod {
+        command: raw.command.0,
+        no_params: raw.no_params,
+        recovery,
     })
 }
 

@@ -26,8 +26,8 @@ pub mod service;
 use std::path::Path;
 
 pub use agent::{
-    AgentConfig, Callbacks, EtcdConfig, HaTimer, OnSyncBlocked, ReplicaMethod, VerifyClient,
-    WatchdogConfig, WatchdogMode, DEFAULT_ETCD_NAMESPACE,
+    AgentConfig, BootstrapMethod, Callbacks, EtcdConfig, HaTimer, OnSyncBlocked, ReplicaMethod,
+    VerifyClient, WatchdogConfig, WatchdogMode, DEFAULT_ETCD_NAMESPACE,
 };
 pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::ConfigError;

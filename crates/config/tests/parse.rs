@@ -922,6 +922,71 @@ fn agent_replica_methods_are_tried_in_the_order_given() {
 }
 
 #[test]
+fn agent_bootstrap_from_a_backup() {
+    let with = |t: &str| AGENT_MINIMAL.replace("\n[etcd]", &format!("\n{t}\n\n[etcd]"));
+    assert!(parse(AGENT_MINIMAL, FILE)
+        .unwrap()
+        .agent
+        .unwrap()
+        .bootstrap
+        .is_none());
+    let c = parse(
+        &with(
+            "[agent.bootstrap]\n\
+             command = \"restore-latest\"\n\
+             [agent.bootstrap.recovery]\n\
+             restore_command = \"cp /archive/%f %p\"\n\
+             recovery_target_time = \"2026-12-05 12:00:00+00\"\n\
+             recovery_target_inclusive = false",
+        ),
+        FILE,
+    )
+    .unwrap();
+    let b = c.agent.unwrap().bootstrap.expect("bootstrap");
+    assert_eq!(b.command, "restore-latest");
+    assert!(!b.no_params);
+    assert_eq!(
+        b.recovery.into_iter().collect::<Vec<_>>(),
+        [
+            ("recovery_target_inclusive".to_string(), "off".to_string()),
+            (
+                "recovery_target_time".to_string(),
+                "2026-12-05 12:00:00+00".to_string()
+            ),
+            (
+                "restore_command".to_string(),
+                "cp /archive/%f %p".to_string()
+            ),
+        ]
+    );
+    for (bad, key, why) in [
+        (
+            "[agent.bootstrap]\ncommand = \"x\"\nrecovery = { recovery_target_action = \"pause\" }",
+            "agent.bootstrap.recovery.recovery_target_action",
+            "only \"promote\"",
+        ),
+        (
+            "[agent.bootstrap]\ncommand = \"x\"\nrecovery = { \"bad name\" = 1 }",
+            "agent.bootstrap.recovery.bad name",
+            "not a PostgreSQL parameter name",
+        ),
+        (
+            "[agent.bootstrap]\nno_params = true",
+            "command",
+            "missing field",
+        ),
+        (
+            "[agent.bootstrap]\ncommand = \"\"",
+            "agent.bootstrap.command",
+            "",
+        ),
+    ] {
+        let e = parse(&with(bad), FILE).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(why), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn agent_minimal_file() {
     let c = parse(AGENT_MINIMAL, FILE).unwrap();
     let a = c.agent.as_ref().expect("agent section");

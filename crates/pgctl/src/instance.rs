@@ -221,11 +221,8 @@ impl Instance {
     }
 
     /// Fills the data directory with an operator's command instead of
-    /// `pg_basebackup` (a restore from a backup tool, typically), run as the
-    /// server's user through `sh -c` with `args` appended, then configures
-    /// this instance as a standby of `source`. The command must leave a
-    /// data directory; settings pgwarden owns are included even if the
-    /// backup it restored came from elsewhere.
+    /// `pg_basebackup` (a restore from a backup tool, typically), then
+    /// configures this instance as a standby of `source`.
     pub fn create_replica_with(
         &mut self,
         method: &str,
@@ -234,6 +231,42 @@ impl Instance {
         source: (&str, u16),
         user: &str,
     ) -> Result<()> {
+        self.fill_with(method, command, args)?;
+        self.follow(source.0, source.1, user)
+    }
+
+    /// Fills the data directory with an operator's command (a restore from
+    /// a backup) and sets it up to recover with `recovery` (an archive's
+    /// `restore_command`, a recovery target) and end its recovery as a
+    /// primary: the start of a cluster from a backup. The caller removes
+    /// the recovery settings once the server is out of recovery.
+    pub fn restore_with(
+        &mut self,
+        method: &str,
+        command: &str,
+        args: &[String],
+        recovery: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        self.fill_with(method, command, args)?;
+        // A backup of a standby may bring its signal file along.
+        let _ = fs::remove_file(self.spec.datadir.join("standby.signal"));
+        self.set_upstream(None);
+        self.spec.settings.remove("primary_conninfo");
+        self.spec.settings.remove("primary_slot_name");
+        self.spec
+            .settings
+            .extend(recovery.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let signal = self.spec.datadir.join("recovery.signal");
+        fs::write(&signal, b"").map_err(io_err(&signal))?;
+        self.run_as.own(&signal)?;
+        self.write_settings()
+    }
+
+    /// Runs an operator's command that must fill the data directory, as
+    /// the server's user through `sh -c` with `args` appended; settings
+    /// pgwarden owns are included even if the backup it restored came from
+    /// elsewhere.
+    fn fill_with(&mut self, method: &str, command: &str, args: &[String]) -> Result<()> {
         self.make_datadir()?;
         let mut cmd = Command::new("/bin/sh");
         // "$@" passes the arguments through unsplit; the method's name is
@@ -259,7 +292,7 @@ impl Instance {
             let text = format!("{text}\ninclude_if_exists = '{SETTINGS_FILE}'\n");
             fs::write(&conf, text).map_err(io_err(&conf))?;
         }
-        self.follow(source.0, source.1, user)
+        Ok(())
     }
 
     /// Points this standby at another upstream (takes effect on reload in

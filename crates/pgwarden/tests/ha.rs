@@ -3811,3 +3811,146 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
     reads_on(&c, &[1], "SELECT count(*) FROM restored", "1").await;
     slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
+    // A database elsewhere, with a base backup and a WAL archive that goes
+    // on past it.
+    let tools = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        tools.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let dir = tools.path().display().to_string();
+    let archive = tools.path().join("archive");
+    std::fs::create_dir(&archive).unwrap();
+    std::fs::set_permissions(
+        &archive,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let remote = pgwarden_testkit::TestCluster::builder()
+        .setting("archive_mode", "on")
+        .setting("archive_command", &format!("cp %p {dir}/archive/%f"))
+        .start();
+    let source = remote.conninfo(0);
+    query(
+        &source,
+        "CREATE TABLE restored (x int); INSERT INTO restored VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let backup = tools.path().join("backup");
+    let bins = pgwarden_pgctl::PgBinaries::discover().unwrap();
+    let status = std::process::Command::new(bins.path("pg_basebackup"))
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &remote.port(0).to_string(),
+            "-U",
+            "postgres",
+        ])
+        .arg("-D")
+        .arg(&backup)
+        .args(["-X", "fetch", "-c", "fast", "--no-sync"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // The backup was taken as root; the restore runs as PostgreSQL's user.
+    assert!(std::process::Command::new("chmod")
+        .args(["-R", "a+rX"])
+        .arg(&backup)
+        .status()
+        .unwrap()
+        .success());
+    query(&source, "INSERT INTO restored VALUES (2), (3)")
+        .await
+        .unwrap();
+    let segment = one(&source, "SELECT pg_walfile_name(pg_switch_wal())")
+        .await
+        .unwrap();
+    eventually(
+        "the segment is archived",
+        Duration::from_secs(30),
+        || async {
+            let archived = one(&source, "SELECT last_archived_wal FROM pg_stat_archiver").await?;
+            (archived >= segment).then_some(()).ok_or(archived)
+        },
+    )
+    .await;
+    let sysid = one(&source, "SELECT system_identifier FROM pg_control_system()")
+        .await
+        .unwrap();
+    drop(remote);
+
+    let script = tools.path().join("restore.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; esac; done\n\
+             echo \"$*\" > {dir}/bootstrap.args\n\
+             cp -R {}/. \"$d\"/\n",
+            backup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let bootstrap = format!(
+        "bootstrap = {{ command = \"{}\", recovery = {{ restore_command = \"cp {dir}/archive/%f %p\" }} }}",
+        script.display()
+    );
+    // Every member has the section; whichever wins the race restores.
+    let c = cluster()
+        .nodes(2)
+        .node_settings(0, &bootstrap)
+        .node_settings(1, &bootstrap)
+        .start();
+    let leader = eventually("one writable member", BOOTSTRAP, || async {
+        let w = writable(&c).await;
+        (w.len() == 1).then(|| w[0]).ok_or(format!("{w:?}"))
+    })
+    .await;
+    let other = 1 - leader;
+    let at = c.node(leader).pg_conninfo();
+    // The rows written after the backup came from the archive; it is the
+    // same database, on a new timeline, and the recovery settings are gone.
+    assert_eq!(
+        one(&at, "SELECT count(*) FROM restored").await.unwrap(),
+        "3"
+    );
+    assert_eq!(
+        one(&at, "SELECT system_identifier FROM pg_control_system()")
+            .await
+            .unwrap(),
+        sysid
+    );
+    let wal = one(&at, "SELECT pg_walfile_name(pg_current_wal_lsn())")
+        .await
+        .unwrap();
+    assert_ne!(&wal[..8], "00000001", "promoted onto a new timeline");
+    eventually(
+        "restore_command removed",
+        Duration::from_secs(30),
+        || async {
+            let v = one(&at, "SHOW restore_command").await?;
+            v.is_empty().then_some(()).ok_or(v)
+        },
+    )
+    .await;
+    let args = std::fs::read_to_string(tools.path().join("bootstrap.args")).unwrap();
+    assert_eq!(
+        args.trim(),
+        format!(
+            "--scope={} --datadir={}",
+            c.cluster_name(),
+            c.node(leader).data_dir.display()
+        )
+    );
+    // The other member joins the restored cluster as usual.
+    reads_on(&c, &[other], "SELECT count(*) FROM restored", "3").await;
+    query(&at, "INSERT INTO restored VALUES (4)").await.unwrap();
+    reads_on(&c, &[other], "SELECT count(*) FROM restored", "4").await;
+}
