@@ -539,7 +539,7 @@ impl HaLoop {
     /// the operator's command fills the data directory, PostgreSQL recovers
     /// (from the archive, up to the target, with `bootstrap.recovery`) and
     /// promotes itself at the end, then this member leads. Recovery may
-    /// take long; the member's `activity` says it is restoring meanwhile.
+    /// take long; the member's status says `restoring` meanwhile.
     async fn initialize_from_backup(
         &mut self,
         claim: &str,
