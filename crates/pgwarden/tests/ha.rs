@@ -3409,21 +3409,50 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     .await;
 }
 
+/// A directory that PostgreSQL's user, and the commands the agents run as
+/// it, may write to: a shared WAL archive, a backup tool's files.
+fn shared_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    dir
+}
+
+/// A primary no agent manages that archives its WAL into `archive`.
+fn archiving_primary(archive: &str) -> pgwarden_testkit::TestCluster {
+    pgwarden_testkit::TestCluster::builder()
+        .setting("archive_mode", "on")
+        .setting("archive_command", &format!("cp %p {archive}/%f"))
+        .start()
+}
+
+/// Ends the current WAL segment of `source` and waits until it is
+/// archived.
+async fn archive_current_segment(source: &str) {
+    let segment = one(source, "SELECT pg_walfile_name(pg_switch_wal())")
+        .await
+        .unwrap();
+    eventually(
+        "the segment is archived",
+        Duration::from_secs(30),
+        || async {
+            let archived = one(source, "SELECT last_archived_wal FROM pg_stat_archiver").await?;
+            (archived >= segment).then_some(()).ok_or(archived)
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_leader_replays_the_remote_archive_while_it_cannot_stream() {
     // The remote archives its WAL into a directory both servers' user can
     // reach, as a shared archive (or object storage) would be.
-    let archive = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        archive.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let archive = shared_dir();
     let dir = archive.path().display().to_string();
-    let remote = pgwarden_testkit::TestCluster::builder()
-        .setting("archive_mode", "on")
-        .setting("archive_command", &format!("cp %p {dir}/%f"))
-        .start();
+    let remote = archiving_primary(&dir);
     let source = remote.conninfo(0);
     query(&source, "CREATE TABLE dr (x int)").await.unwrap();
     // Streaming goes through a relay, which the test then cuts.
@@ -3472,18 +3501,7 @@ async fn a_standby_leader_replays_the_remote_archive_while_it_cannot_stream() {
     )
     .await
     .unwrap();
-    let segment = one(&source, "SELECT pg_walfile_name(pg_switch_wal())")
-        .await
-        .unwrap();
-    eventually(
-        "the remote archives its segment",
-        Duration::from_secs(30),
-        || async {
-            let archived = one(&source, "SELECT last_archived_wal FROM pg_stat_archiver").await?;
-            (archived >= segment).then_some(()).ok_or(archived)
-        },
-    )
-    .await;
+    archive_current_segment(&source).await;
     reads_on(&c, &[0], "SELECT count(*) FROM dr", "100").await;
     // A restart point on n1 (after the remote's checkpoint it replayed)
     // runs the cleanup command with the oldest segment it still needs.
@@ -3728,12 +3746,7 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
     // A "backup tool" that clones with pg_basebackup by the connection
     // string it is given, and records what it was called with and what it
     // found in the data directory; and one that fails.
-    let tools = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        tools.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let tools = shared_dir();
     let dir = tools.path().display().to_string();
     let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
         .unwrap()
@@ -3816,24 +3829,11 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
 async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
     // A database elsewhere, with a base backup and a WAL archive that goes
     // on past it.
-    let tools = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        tools.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let tools = shared_dir();
+    let archive = shared_dir();
     let dir = tools.path().display().to_string();
-    let archive = tools.path().join("archive");
-    std::fs::create_dir(&archive).unwrap();
-    std::fs::set_permissions(
-        &archive,
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
-    let remote = pgwarden_testkit::TestCluster::builder()
-        .setting("archive_mode", "on")
-        .setting("archive_command", &format!("cp %p {dir}/archive/%f"))
-        .start();
+    let archive_dir = archive.path().display().to_string();
+    let remote = archiving_primary(&archive_dir);
     let source = remote.conninfo(0);
     query(
         &source,
@@ -3868,18 +3868,7 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
     query(&source, "INSERT INTO restored VALUES (2), (3)")
         .await
         .unwrap();
-    let segment = one(&source, "SELECT pg_walfile_name(pg_switch_wal())")
-        .await
-        .unwrap();
-    eventually(
-        "the segment is archived",
-        Duration::from_secs(30),
-        || async {
-            let archived = one(&source, "SELECT last_archived_wal FROM pg_stat_archiver").await?;
-            (archived >= segment).then_some(()).ok_or(archived)
-        },
-    )
-    .await;
+    archive_current_segment(&source).await;
     let sysid = one(&source, "SELECT system_identifier FROM pg_control_system()")
         .await
         .unwrap();
@@ -3899,7 +3888,7 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
     .unwrap();
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let bootstrap = format!(
-        "bootstrap = {{ command = \"{}\", recovery = {{ restore_command = \"cp {dir}/archive/%f %p\" }} }}",
+        "bootstrap = {{ command = \"{}\", recovery = {{ restore_command = \"cp {archive_dir}/%f %p\" }} }}",
         script.display()
     );
     // Every member has the section; whichever wins the race restores.
