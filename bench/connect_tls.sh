@@ -141,30 +141,13 @@ pgw_pooled=$!
 secret=$(sql "select rolpassword from pg_authid where rolname = 'bench'")
 case $secret in SCRAM-SHA-256*) ;; *) log "bench has no SCRAM verifier"; exit 1 ;; esac
 printf '"bench" "%s"\n' "$secret" >"$tmp/pgb/userlist.txt"
-cat >"$tmp/pgb/pgbouncer.ini" <<EOF
-[databases]
-* = host=$HOST port=$PG_PORT
-[pgbouncer]
-listen_addr = $HOST
-listen_port = $PGB_PORT
-unix_socket_dir =
-auth_type = scram-sha-256
-auth_file = $tmp/pgb/userlist.txt
+start_pgbouncer "$PGB_PORT" "auth_type = scram-sha-256
 client_tls_sslmode = require
 client_tls_cert_file = $tmp/pgb/server.crt
 client_tls_key_file = $tmp/pgb/server.key
 pool_mode = transaction
 default_pool_size = $POOL
-max_client_conn = 1000
-logfile = $tmp/pgb/pgbouncer.log
-pidfile = $tmp/pgb/pgbouncer.pid
-log_connections = 0
-log_disconnections = 0
-EOF
-chown -R postgres: "$tmp/pgb"
-# setpriv execs, so $! is PgBouncer's own PID.
-setpriv --reuid postgres --regid postgres --init-groups pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
-pgb=$!
+max_client_conn = 1000"
 
 targets=(direct pgbouncer session session-tls pooled)
 declare -A port=([direct]=$PG_PORT [pgbouncer]=$PGB_PORT [session]=$S_RW [session-tls]=$T_RW [pooled]=$P_RW)

@@ -171,6 +171,31 @@ cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # Resident set size in KiB.
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 
+# start_pgbouncer PORT LINES: PgBouncer (as the postgres user, no logging of
+# connections) on PORT in front of PostgreSQL on $PG_PORT, with LINES (its
+# pool mode, auth and limits) added to [pgbouncer]; the auth file
+# $tmp/pgb/userlist.txt must exist. Sets $pgb to its PID: setpriv execs, so
+# no subshell stands in between.
+start_pgbouncer() {
+  cat >"$tmp/pgb/pgbouncer.ini" <<EOF
+[databases]
+* = host=$HOST port=$PG_PORT
+[pgbouncer]
+listen_addr = $HOST
+listen_port = $1
+unix_socket_dir =
+auth_file = $tmp/pgb/userlist.txt
+logfile = $tmp/pgb/pgbouncer.log
+pidfile = $tmp/pgb/pgbouncer.pid
+log_connections = 0
+log_disconnections = 0
+$2
+EOF
+  chown -R postgres: "$tmp/pgb"
+  setpriv --reuid postgres --regid postgres --init-groups pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
+  pgb=$!
+}
+
 # settle PORT MAX: wait until PostgreSQL has at most MAX client backends
 # besides our own (the previous run's backends are gone).
 settle() {

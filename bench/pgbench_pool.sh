@@ -113,30 +113,12 @@ else
   pgb_prepared="; max_prepared_statements needs PgBouncer >= 1.21 (this is $pgb_version)"
 fi
 echo '"postgres" ""' >"$tmp/pgb/userlist.txt"
-cat >"$tmp/pgb/pgbouncer.ini" <<EOF
-[databases]
-* = host=$HOST port=$PG_PORT
-[pgbouncer]
-listen_addr = $HOST
-listen_port = $PGB_PORT
-unix_socket_dir =
-auth_type = trust
-auth_file = $tmp/pgb/userlist.txt
+start_pgbouncer "$PGB_PORT" "auth_type = trust
 admin_users = postgres
 pool_mode = transaction
 default_pool_size = $POOL
 max_client_conn = 20000
-$pgb_prepared
-logfile = $tmp/pgb/pgbouncer.log
-pidfile = $tmp/pgb/pgbouncer.pid
-log_connections = 0
-log_disconnections = 0
-EOF
-chown -R postgres: "$tmp/pgb"
-# setpriv execs (no fork), so $! is the proxy's own PID (not through the
-# as_postgres function, which would put a subshell in between).
-setpriv --reuid postgres --regid postgres --init-groups pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
-pgb=$!
+$pgb_prepared"
 
 wait_sql "$RW_PORT" pgwarden
 wait_sql "$PGB_PORT" PgBouncer
@@ -356,7 +338,9 @@ if [ -s "$tmp/warn-idle.txt" ] || [ -s "$tmp/warn-runs.txt" ]; then
   echo
   echo "pgwarden log lines (RUST_LOG=warn), first 30:"
   echo
-  cat "$tmp/warn-idle.txt" "$tmp/warn-runs.txt" 2>/dev/null | head -30 | sed -E 's/\x1b\[[0-9;]*m//g; s/^/    /'
+  # Either file may be missing (IDLE=0 skips the idle clients' run).
+  { cat "$tmp/warn-idle.txt" 2>/dev/null || true; cat "$tmp/warn-runs.txt" 2>/dev/null || true; } |
+    head -30 | sed -E 's/\x1b\[[0-9;]*m//g; s/^/    /'
 fi
 echo
 echo "pgwarden pool metrics at the end: $(pool_metrics)"

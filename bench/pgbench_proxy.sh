@@ -113,28 +113,11 @@ hap=$!
 
 # --- PgBouncer: session mode --------------------------------------------------
 echo '"postgres" ""' >"$tmp/pgb/userlist.txt"
-cat >"$tmp/pgb/pgbouncer.ini" <<EOF
-[databases]
-* = host=$HOST port=$PG_PORT
-[pgbouncer]
-listen_addr = $HOST
-listen_port = $PGB_PORT
-unix_socket_dir =
-auth_type = trust
-auth_file = $tmp/pgb/userlist.txt
+start_pgbouncer "$PGB_PORT" "auth_type = trust
 admin_users = postgres
 pool_mode = session
 default_pool_size = 100
-max_client_conn = 1000
-logfile = $tmp/pgb/pgbouncer.log
-pidfile = $tmp/pgb/pgbouncer.pid
-log_connections = 0
-log_disconnections = 0
-EOF
-chown -R postgres: "$tmp/pgb"
-setpriv --reuid postgres --regid postgres --init-groups \
-  pgbouncer "$tmp/pgb/pgbouncer.ini" >/dev/null 2>&1 &
-pgb=$!
+max_client_conn = 1000"
 
 wait_sql "$RW_PORT" pgwarden
 wait_sql "$PP_RW" pgwarden-pool

@@ -556,7 +556,6 @@ impl HaLoop {
         };
         let mut recovery = b.recovery.clone();
         recovery.insert("recovery_target_action".into(), "promote".into());
-        let keys: Vec<String> = recovery.keys().cloned().collect();
         let command = b.command.clone();
         self.pg
             .with(move |i| {
@@ -591,10 +590,8 @@ impl HaLoop {
         // The recovery settings belong to the restore; a later restart of
         // this primary must not recover again.
         self.pg
-            .with(move |i| {
-                for k in &keys {
-                    i.remove_setting(k)?;
-                }
+            .with(|i| {
+                i.set_source_settings(Default::default())?;
                 i.reload()
             })
             .await?;
@@ -634,7 +631,7 @@ impl HaLoop {
                     return Ok(());
                 }
                 Err(e) => {
-                    tracing::warn!(method = method.name(), error = %first_line(&e), "creating the replica failed");
+                    tracing::warn!(method = method.name(), error = %e, "creating the replica failed");
                     last = Some(e);
                 }
             }

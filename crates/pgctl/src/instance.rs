@@ -238,8 +238,10 @@ impl Instance {
     /// Fills the data directory with an operator's command (a restore from
     /// a backup) and sets it up to recover with `recovery` (an archive's
     /// `restore_command`, a recovery target) and end its recovery as a
-    /// primary: the start of a cluster from a backup. The caller removes
-    /// the recovery settings once the server is out of recovery.
+    /// primary: the start of a cluster from a backup. The recovery settings
+    /// are the source's (see `source_settings`), so that the caller can
+    /// drop them once the server is out of recovery and leave the node's
+    /// own settings of the same names as they were.
     pub fn restore_with(
         &mut self,
         method: &str,
@@ -253,9 +255,7 @@ impl Instance {
         self.set_upstream(None);
         self.spec.settings.remove("primary_conninfo");
         self.spec.settings.remove("primary_slot_name");
-        self.spec
-            .settings
-            .extend(recovery.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.source_settings = recovery.clone();
         let signal = self.spec.datadir.join("recovery.signal");
         fs::write(&signal, b"").map_err(io_err(&signal))?;
         self.run_as.own(&signal)?;
@@ -843,6 +843,60 @@ mod tests {
             .filter(|l| l.starts_with(&format!("{key} = ")))
             .map(str::to_string)
             .collect()
+    }
+
+    #[test]
+    fn a_restore_fills_the_directory_and_recovers_with_settings_it_can_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let spec = InstanceSpec::new("n1", &data, 5432);
+        let mut i = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        fs::create_dir(&data).unwrap();
+        i.set_setting("restore_command", "cp /own/%f %p").unwrap();
+        let recovery = BTreeMap::from([
+            (
+                "restore_command".to_string(),
+                "cp /backup/%f %p".to_string(),
+            ),
+            (
+                "recovery_target_time".to_string(),
+                "2026-12-05 12:00:00+00".to_string(),
+            ),
+        ]);
+        let args = [data.display().to_string()];
+        // A command that fails, and one that succeeds without leaving a
+        // data directory, are both errors.
+        let e = i
+            .restore_with("bootstrap", "false", &args, &recovery)
+            .unwrap_err();
+        assert!(e.to_string().contains("bootstrap"), "{e}");
+        let e = i
+            .restore_with("bootstrap", "true", &args, &recovery)
+            .unwrap_err();
+        assert!(e.to_string().contains("left no data directory"), "{e}");
+        // A "backup" of a standby: PG_VERSION, a postgresql.conf that does
+        // not include pgwarden's file, and a standby.signal.
+        let fake = "d=$1; echo 15 > $d/PG_VERSION; echo \"port = 1\" > $d/postgresql.conf; touch $d/standby.signal; true";
+        i.restore_with("bootstrap", fake, &args, &recovery).unwrap();
+        assert!(data.join("recovery.signal").exists());
+        assert!(!data.join("standby.signal").exists());
+        let conf = fs::read_to_string(data.join("postgresql.conf")).unwrap();
+        assert!(
+            conf.contains("include_if_exists = 'pgwarden.conf'"),
+            "{conf}"
+        );
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /backup/%f %p'"]
+        );
+        assert_eq!(settings_lines(&i, "recovery_target_time").len(), 1);
+        // Out of recovery: the node's own settings are back.
+        i.set_source_settings(BTreeMap::new()).unwrap();
+        assert_eq!(
+            settings_lines(&i, "restore_command"),
+            ["restore_command = 'cp /own/%f %p'"]
+        );
+        assert!(settings_lines(&i, "recovery_target_time").is_empty());
     }
 
     #[test]
