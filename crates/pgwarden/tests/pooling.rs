@@ -877,23 +877,7 @@ async fn the_admin_console_averages_the_last_stats_period() {
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let admin = client(&admin_info).await.unwrap();
     let admin = &admin;
-    let figures = |cmd: &'static str| async move {
-        let rows = admin.simple_query(cmd).await.map_err(|e| e.to_string())?;
-        let row = rows
-            .iter()
-            .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
-                _ => None,
-            })
-            .ok_or("no pool row")?;
-        Ok::<_, String>(
-            row.columns()
-                .iter()
-                .enumerate()
-                .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse::<u64>().ok()?)))
-                .collect::<std::collections::HashMap<String, u64>>(),
-        )
-    };
+    let figures = |cmd: &'static str| first_row_numbers(admin, cmd);
 
     // One transaction that holds its server for 600 ms: the period it
     // ends in averages 600 ms or more per transaction and per query.
@@ -984,29 +968,35 @@ async fn stats_once(
     want: u64,
 ) -> std::collections::HashMap<String, u64> {
     pgwarden_testkit::eventually(&format!("{column} = {want}"), WAIT, || async move {
-        let rows = admin
-            .simple_query("SHOW STATS")
-            .await
-            .map_err(|e| e.to_string())?;
-        let row = rows
-            .iter()
-            .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
-                _ => None,
-            })
-            .ok_or("no pool row")?;
-        let stats: std::collections::HashMap<String, u64> = row
-            .columns()
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse().ok()?)))
-            .collect();
+        let stats = first_row_numbers(admin, "SHOW STATS").await?;
         match stats.get(column) {
             Some(n) if *n == want => Ok(stats),
             _ => Err(format!("{stats:?}")),
         }
     })
     .await
+}
+
+/// The numeric columns of the first row an admin console command returns,
+/// by column name.
+async fn first_row_numbers(
+    admin: &tokio_postgres::Client,
+    cmd: &str,
+) -> Result<std::collections::HashMap<String, u64>, String> {
+    let rows = admin.simple_query(cmd).await.map_err(|e| e.to_string())?;
+    let row = rows
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+            _ => None,
+        })
+        .ok_or("no pool row")?;
+    Ok(row
+        .columns()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| Some((c.name().to_string(), row.get(i)?.parse().ok()?)))
+        .collect())
 }
 
 /// `/metrics` now, as a look-up of the first series of a name.
