@@ -865,6 +865,60 @@ async fn pools_count_queries_and_bytes() {
     assert!(seconds("pgwarden_pool_query_seconds_total") >= 0.3);
 }
 
+/// pgwarden keeps a read-write and a read-only pool where both services
+/// use the primary; the admin console still shows one `SHOW POOLS` row
+/// per (database, user), one `SHOW STATS` row per database and one `SHOW
+/// DATABASES` row per (database, server, user), as PgBouncer does, since
+/// monitoring tools key their series by those columns and refuse
+/// duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_rows_are_keyed_as_pgbouncer_keys_them() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let rw = client(&via(&p, "read_write")).await.unwrap();
+    let ro = client(&via(&p, "read_only")).await.unwrap();
+    assert_eq!(one(&rw, "SELECT 1").await, "1");
+    assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let rows = |cmd: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .simple_query(cmd)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    pgwarden_testkit::eventually("both transactions counted", WAIT, || async {
+        let stats = rows("SHOW STATS").await;
+        match stats.as_slice() {
+            [r] if r.get("database") == Some("postgres")
+                && r.get("total_xact_count") == Some("2") =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{} rows", other.len())),
+        }
+    })
+    .await;
+    let pools = rows("SHOW POOLS").await;
+    assert_eq!(pools.len(), 1, "one row per (database, user)");
+    assert_eq!(pools[0].get("user"), Some("postgres"));
+    assert_eq!(pools[0].get("sv_total"), Some("2"), "both pools' servers");
+    assert_eq!(pools[0].get("pool_mode"), Some("transaction"));
+    let databases = rows("SHOW DATABASES").await;
+    assert_eq!(databases.len(), 1, "one row per (database, server, user)");
+    assert_eq!(databases[0].get("pool_size"), Some("4"), "two pools of 2");
+    assert_eq!(databases[0].get("current_connections"), Some("2"));
+}
+
 /// The admin console's averages (PgBouncer's `avg_*` columns, `SHOW
 /// STATS_AVERAGES`, the `avg_` rows of `SHOW TOTALS`) cover the last
 /// complete stats period (1 s here): rates while traffic flows, zero once a

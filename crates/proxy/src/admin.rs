@@ -469,28 +469,54 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
     }
 }
 
+/// One row per (database, user), as PgBouncer has, summed over the pools
+/// that pgwarden keeps per server and per read-only or read-write use:
+/// monitoring tools key their series by these two columns and refuse
+/// duplicates. The longest wait is the longest of any of them; the mode
+/// is `mixed` where services pool the pair differently.
 fn show_pools(shared: &Shared, out: &mut BytesMut) {
     let o = Ordering::Relaxed;
-    let rows: Vec<Vec<String>> = shared
-        .pools
-        .lock()
-        .expect("poisoned")
-        .values()
-        .map(|p| {
-            let s = &p.stats;
-            let max_us = s.max_wait_us.load(o);
+    #[derive(Default)]
+    struct Row {
+        cl_active: usize,
+        cl_waiting: usize,
+        sv_idle: usize,
+        sv_total: usize,
+        max_us: u64,
+        mode: Option<&'static str>,
+    }
+    let mut by_pair: std::collections::BTreeMap<(String, String), Row> = Default::default();
+    for p in shared.pools.lock().expect("poisoned").values() {
+        let s = &p.stats;
+        let r = by_pair
+            .entry((p.key.database.clone(), p.key.user.clone()))
+            .or_default();
+        r.cl_active += s.active.load(o);
+        r.cl_waiting += s.waiting.load(o) + s.capped.load(o);
+        r.sv_idle += p.idle_count();
+        r.sv_total += s.total.load(o);
+        r.max_us = r.max_us.max(s.max_wait_us.load(o));
+        r.mode = match r.mode {
+            None => Some(pool_mode(p)),
+            Some(m) if m == pool_mode(p) => Some(m),
+            Some(_) => Some("mixed"),
+        };
+    }
+    let rows: Vec<Vec<String>> = by_pair
+        .into_iter()
+        .map(|((database, user), r)| {
             vec![
-                p.key.database.clone(),
-                p.key.user.clone(),
-                p.key.host.to_string(),
-                s.active.load(o).to_string(),
-                (s.waiting.load(o) + s.capped.load(o)).to_string(),
-                s.active.load(o).to_string(),
-                p.idle_count().to_string(),
-                s.total.load(o).to_string(),
-                (max_us / 1_000_000).to_string(),
-                (max_us % 1_000_000).to_string(),
-                pool_mode(p).into(),
+                database,
+                user,
+                r.cl_active.to_string(),
+                r.cl_waiting.to_string(),
+                // A lent server connection serves exactly one client.
+                r.cl_active.to_string(),
+                r.sv_idle.to_string(),
+                r.sv_total.to_string(),
+                (r.max_us / 1_000_000).to_string(),
+                (r.max_us % 1_000_000).to_string(),
+                r.mode.unwrap_or_default().into(),
             ]
         })
         .collect();
@@ -499,7 +525,6 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         &[
             "database",
             "user",
-            "host",
             "cl_active",
             "cl_waiting",
             "sv_active",
@@ -575,39 +600,73 @@ fn pool_mode(p: &crate::pool::Pool) -> &'static str {
 fn show_databases(shared: &Shared, out: &mut BytesMut) {
     let o = Ordering::Relaxed;
     let disabled = shared.disabled.lock().expect("poisoned").clone();
-    let mut rows: Vec<Vec<String>> = shared
-        .pools
-        .lock()
-        .expect("poisoned")
-        .values()
-        .map(|p| {
-            let settings = p.settings();
-            let db_limit = p
-                .limits()
-                .iter()
-                .find(|l| l.kind == crate::pool::LimitKind::Database);
-            vec![
+    // pgwarden keeps a read-only and a read-write pool where services use
+    // a server both ways; monitoring tools key rows by database, server
+    // and user, so those pools make one row, their sizes summed.
+    #[derive(Default)]
+    struct Row {
+        size: usize,
+        min_size: usize,
+        reserve: usize,
+        mode: Option<&'static str>,
+        db_max: usize,
+        current: usize,
+    }
+    let mut by_key: std::collections::BTreeMap<(String, String, u16, String), Row> =
+        Default::default();
+    for p in shared.pools.lock().expect("poisoned").values() {
+        let settings = p.settings();
+        let db_limit = p
+            .limits()
+            .iter()
+            .find(|l| l.kind == crate::pool::LimitKind::Database);
+        let r = by_key
+            .entry((
                 p.key.database.clone(),
                 p.key.host.host.clone(),
-                p.key.host.port.to_string(),
-                p.key.database.clone(),
+                p.key.host.port,
                 p.key.user.clone(),
-                settings.size.to_string(),
-                settings.min_size.to_string(),
-                settings.reserve_size.to_string(),
-                pool_mode(p).into(),
-                // PgBouncer's max_db_connections, and the connections
-                // counted against it (all of the database's pools).
-                db_limit.map_or(0, |l| l.max()).to_string(),
-                db_limit
-                    .map_or_else(|| p.stats.total.load(o), |l| l.open())
-                    .to_string(),
+            ))
+            .or_default();
+        r.size += settings.size;
+        r.min_size += settings.min_size;
+        r.reserve += settings.reserve_size;
+        r.mode = match r.mode {
+            None => Some(pool_mode(p)),
+            Some(m) if m == pool_mode(p) => Some(m),
+            Some(_) => Some("mixed"),
+        };
+        // PgBouncer's max_db_connections, and the connections counted
+        // against it (all of the database's pools on that server).
+        match db_limit {
+            Some(l) => {
+                r.db_max = l.max();
+                r.current = l.open();
+            }
+            None => r.current += p.stats.total.load(o),
+        }
+    }
+    let rows: Vec<Vec<String>> = by_key
+        .into_iter()
+        .map(|((database, host, port, user), r)| {
+            let off = u8::from(disabled.contains(&database));
+            vec![
+                database.clone(),
+                host,
+                port.to_string(),
+                database,
+                user,
+                r.size.to_string(),
+                r.min_size.to_string(),
+                r.reserve.to_string(),
+                r.mode.unwrap_or_default().into(),
+                r.db_max.to_string(),
+                r.current.to_string(),
                 "0".into(),
-                u8::from(disabled.contains(&p.key.database)).to_string(),
+                off.to_string(),
             ]
         })
         .collect();
-    rows.sort();
     table(
         out,
         &[
@@ -773,38 +832,36 @@ fn averages_row(a: &Averages) -> [u64; 7] {
     ]
 }
 
-/// One row per pool: its totals now and its averages over the last
-/// complete stats period, under PgBouncer's column names (with the pool's
-/// user and host besides the database).
+/// One row per database, as PgBouncer has (monitoring tools key their
+/// series by it): the totals now and the averages over the last complete
+/// stats period of all its pools, under PgBouncer's column names.
 fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
     let span = *shared.stats_span.lock().expect("poisoned");
-    let mut rows: Vec<Vec<String>> = shared
-        .pools
-        .lock()
-        .expect("poisoned")
-        .values()
-        .map(|p| {
-            let mut row = vec![
-                p.key.database.clone(),
-                p.key.user.clone(),
-                p.key.host.to_string(),
-            ];
-            let [older, newer] = p.stats.last_period();
+    let mut by_database: std::collections::BTreeMap<String, [Totals; 3]> = Default::default();
+    for p in shared.pools.lock().expect("poisoned").values() {
+        let [now, older, newer] = by_database.entry(p.key.database.clone()).or_default();
+        let [o, n] = p.stats.last_period();
+        now.add(&p.stats.totals());
+        older.add(&o);
+        newer.add(&n);
+    }
+    let rows: Vec<Vec<String>> = by_database
+        .into_iter()
+        .map(|(database, [now, older, newer])| {
+            let averages = newer.averages_since(&older, span);
             let figures: Vec<u64> = match columns {
-                StatsColumns::Both => totals_row(&p.stats.totals())
+                StatsColumns::Both => totals_row(&now)
                     .into_iter()
-                    .chain(averages_row(&newer.averages_since(&older, span)))
+                    .chain(averages_row(&averages))
                     .collect(),
-                StatsColumns::Totals => totals_row(&p.stats.totals()).to_vec(),
-                StatsColumns::Averages => {
-                    averages_row(&newer.averages_since(&older, span)).to_vec()
-                }
+                StatsColumns::Totals => totals_row(&now).to_vec(),
+                StatsColumns::Averages => averages_row(&averages).to_vec(),
             };
-            row.extend(figures.iter().map(u64::to_string));
-            row
+            std::iter::once(database)
+                .chain(figures.iter().map(u64::to_string))
+                .collect()
         })
         .collect();
-    rows.sort();
     let names: Vec<&str> = match columns {
         StatsColumns::Both => vec![
             "total_xact_count",
@@ -824,10 +881,7 @@ fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
         ],
         StatsColumns::Totals | StatsColumns::Averages => STATS_NAMES.to_vec(),
     };
-    let header: Vec<&str> = ["database", "user", "host"]
-        .into_iter()
-        .chain(names)
-        .collect();
+    let header: Vec<&str> = std::iter::once("database").chain(names).collect();
     table(out, &header, &rows, "SHOW");
 }
 
