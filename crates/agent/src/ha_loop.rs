@@ -493,21 +493,22 @@ impl HaLoop {
     ) -> Result<(), AgentStepError> {
         let user = self.pg.replication_user().to_string();
         let hba = self.cfg.pg_hba.clone();
-        let (host, port, slot) = (
-            remote.host.clone(),
-            remote.port,
-            remote.primary_slot_name.clone(),
-        );
-        let recovery = remote.recovery_settings();
-        self.pg
-            .with(move |i| {
-                i.wipe()?;
-                i.set_primary_slot(slot)?;
-                i.basebackup(&host, port, &user)?;
-                i.set_source_settings(recovery)?;
-                append_hba(i.datadir(), &hba)
-            })
-            .await?;
+        let (slot, recovery) = (remote.primary_slot_name.clone(), remote.recovery_settings());
+        match remote.upstream() {
+            Some((host, port)) => {
+                let host = host.to_string();
+                self.pg
+                    .with(move |i| {
+                        i.wipe()?;
+                        i.set_primary_slot(slot)?;
+                        i.basebackup(&host, port, &user)?;
+                        i.set_source_settings(recovery)?;
+                        append_hba(i.datadir(), &hba)
+                    })
+                    .await?;
+            }
+            None => self.restore_archive_standby(recovery, hba).await?,
+        }
         self.pg
             .start(Duration::from_secs(60))
             .await
@@ -533,6 +534,70 @@ impl HaLoop {
         }
         self.lead_new_cluster(claim).await?;
         Ok(())
+    }
+
+    /// The first member of a standby cluster that follows its source's WAL
+    /// archive alone: the data comes from a backup, by the first of
+    /// `create_replica_methods` (other than `basebackup`, which needs a
+    /// server to copy) that works, and recovery never ends.
+    async fn restore_archive_standby(
+        &mut self,
+        recovery: std::collections::BTreeMap<String, String>,
+        hba: Vec<String>,
+    ) -> Result<(), PgCtlError> {
+        let user = self.pg.replication_user().to_string();
+        let mut last = PgCtlError::CommandFailed {
+            program: "create_replica_methods".into(),
+            status: String::new(),
+            output: "a standby cluster without standby_cluster.host is restored from a backup: \
+                     it needs a method other than basebackup"
+                .into(),
+        };
+        for method in self.cfg.create_replica.clone() {
+            let pgwarden_config::ReplicaMethod::Command {
+                name,
+                command,
+                keep_data,
+                no_params,
+            } = method
+            else {
+                continue;
+            };
+            let args = if no_params {
+                Vec::new()
+            } else {
+                vec![
+                    format!("--scope={}", self.etcd.cluster),
+                    format!("--datadir={}", self.cfg.data_dir.display()),
+                    "--role=replica".to_string(),
+                ]
+            };
+            let (recovery, hba, user, label) =
+                (recovery.clone(), hba.clone(), user.clone(), name.clone());
+            let res = self
+                .pg
+                .with(move |i| {
+                    if !keep_data {
+                        i.wipe()?;
+                    }
+                    i.set_primary_slot(None)?;
+                    i.create_replica_with(&name, &command, &args, None, &user)?;
+                    i.set_source_settings(recovery)?;
+                    append_hba(i.datadir(), &hba)
+                })
+                .await;
+            match res {
+                Ok(()) => {
+                    tracing::info!(method = %label, "standby leader restored from a backup; it follows the source's archive");
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(method = %label, error = %e, "restoring the standby leader failed");
+                    last = e;
+                }
+            }
+        }
+        Err(last)
     }
 
     /// Creates the cluster from a backup after winning the initialize race:
@@ -686,7 +751,7 @@ impl HaLoop {
                             i.wipe()?;
                         }
                         i.set_primary_slot(slot)?;
-                        i.create_replica_with(&name, &command, &args, (&h, p), &user)
+                        i.create_replica_with(&name, &command, &args, Some((&h, p)), &user)
                     })
                     .await
             }
@@ -1734,22 +1799,20 @@ impl HaLoop {
         remote: &pgwarden_ha::StandbyCluster,
     ) -> Result<bool, PgCtlError> {
         let user = self.pg.replication_user().to_string();
-        let (host, port, slot) = (
-            remote.host.clone(),
-            remote.port,
-            remote.primary_slot_name.clone(),
-        );
+        let upstream = remote.upstream().map(|(h, p)| (h.to_string(), p));
+        let slot = remote.primary_slot_name.clone();
         let recovery = remote.recovery_settings();
         self.pg
             .with(move |i| {
-                if i.upstream() == Some((host.as_str(), port))
+                let upstream = upstream.as_ref().map(|(h, p)| (h.as_str(), *p));
+                if i.upstream() == upstream
                     && i.primary_slot() == slot.as_deref()
                     && *i.source_settings() == recovery
                 {
                     return Ok(false);
                 }
                 i.set_primary_slot(slot)?;
-                i.set_standby(Some((&host, port)), &user)?;
+                i.set_standby(upstream, &user)?;
                 i.set_source_settings(recovery)?;
                 Ok(true)
             })
@@ -3143,6 +3206,8 @@ impl HaLoop {
             return None;
         }
         let source = match record::standby_cluster(&self.snapshot)? {
+            // Following the archive alone, there is nothing to stream from.
+            Ok(s) if s.host.is_none() => return None,
             Ok(s) => s.address(),
             Err(_) => return None,
         };

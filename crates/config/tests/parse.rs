@@ -832,7 +832,7 @@ fn agent_standby_cluster_is_a_table_checked_like_the_dynamic_one() {
     )
     .unwrap();
     let s = c.agent.unwrap().standby_cluster.expect("standby_cluster");
-    assert_eq!((s.host.as_str(), s.port), ("10.0.0.5", 5432));
+    assert_eq!((s.host.as_deref(), s.port), (Some("10.0.0.5"), 5432));
     assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
     let c = parse(
         &with("host = \"h\"\nrestore_command = \"cp /a/%f %p\""),

@@ -11,12 +11,15 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Where a standby cluster's leader streams from.
+/// Where a standby cluster's leader streams from, or reads the archive of.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StandbyCluster {
-    /// Host name or address of the remote source.
-    pub host: String,
+    /// Host name or address of the remote source; `None` for a cluster
+    /// that follows the source's WAL archive alone (`restore_command`),
+    /// where the sites share no network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Its port.
     #[serde(default = "default_port")]
     pub port: u16,
@@ -52,16 +55,27 @@ impl StandbyCluster {
         Ok(s)
     }
 
-    /// The rules serde cannot express: a host and a usable slot name.
+    /// The rules serde cannot express: a source to follow, a usable host
+    /// and slot name.
     pub fn check(&self) -> Result<(), String> {
-        if self.host.trim().is_empty() {
-            return Err("standby_cluster.host: is empty".into());
-        }
-        if self.host.contains(|c: char| c.is_whitespace() || c == '\'') {
-            return Err(format!(
-                "standby_cluster.host: {:?} holds a space or a quote",
-                self.host
-            ));
+        match &self.host {
+            None if self.restore_command.is_none() => {
+                return Err(
+                    "standby_cluster: needs a host to stream from, or a restore_command \
+                            to read the source's archive with"
+                        .into(),
+                )
+            }
+            None => {}
+            Some(h) if h.trim().is_empty() => {
+                return Err("standby_cluster.host: is empty".into());
+            }
+            Some(h) if h.contains(|c: char| c.is_whitespace() || c == '\'') => {
+                return Err(format!(
+                    "standby_cluster.host: {h:?} holds a space or a quote"
+                ));
+            }
+            Some(_) => {}
         }
         if self.port == 0 {
             return Err("standby_cluster.port: must be 1 to 65535".into());
@@ -103,12 +117,18 @@ impl StandbyCluster {
         .collect()
     }
 
-    /// `host:port`, for logs and decisions.
+    /// The server to stream from, if any.
+    pub fn upstream(&self) -> Option<(&str, u16)> {
+        self.host.as_deref().map(|h| (h, self.port))
+    }
+
+    /// `host:port`, or what stands for the source without one, for logs
+    /// and decisions.
     pub fn address(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
+        match &self.host {
+            None => "(its WAL archive)".to_string(),
+            Some(h) if h.contains(':') => format!("[{h}]:{}", self.port),
+            Some(h) => format!("{h}:{}", self.port),
         }
     }
 }
@@ -138,6 +158,10 @@ mod tests {
         .unwrap();
         assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
         assert!(s.recovery_settings().is_empty());
+        // The archive alone.
+        let s = StandbyCluster::from_json(&json!({"restore_command": "cp /a/%f %p"})).unwrap();
+        assert_eq!(s.upstream(), None);
+        assert_eq!(s.address(), "(its WAL archive)");
         let s = StandbyCluster::from_json(&json!({
             "host": "db.dc1",
             "restore_command": "cp /archive/%f %p",
@@ -162,7 +186,10 @@ mod tests {
     #[test]
     fn bad_values_are_named() {
         for (v, want) in [
-            (json!({"port": 5432}), "missing field `host`"),
+            (
+                json!({"port": 5432}),
+                "needs a host to stream from, or a restore_command",
+            ),
             (json!({"host": ""}), "standby_cluster.host"),
             (json!({"host": "a b"}), "standby_cluster.host"),
             (json!({"host": "h", "port": 0}), "standby_cluster.port"),

@@ -222,17 +222,19 @@ impl Instance {
 
     /// Fills the data directory with an operator's command instead of
     /// `pg_basebackup` (a restore from a backup tool, typically), then
-    /// configures this instance as a standby of `source`.
+    /// configures this instance as a standby of `source`, or, without one,
+    /// as a standby that replays what its settings' `restore_command`
+    /// fetches.
     pub fn create_replica_with(
         &mut self,
         method: &str,
         command: &str,
         args: &[String],
-        source: (&str, u16),
+        source: Option<(&str, u16)>,
         user: &str,
     ) -> Result<()> {
         self.fill_with(method, command, args)?;
-        self.follow(source.0, source.1, user)
+        self.set_standby(source, user)
     }
 
     /// Fills the data directory with an operator's command (a restore from

@@ -3825,23 +3825,13 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
     slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
-    // A database elsewhere, with a base backup and a WAL archive that goes
-    // on past it.
-    let tools = shared_dir();
-    let archive = shared_dir();
-    let dir = tools.path().display().to_string();
-    let archive_dir = archive.path().display().to_string();
-    let remote = archiving_primary(&archive_dir);
-    let source = remote.conninfo(0);
-    query(
-        &source,
-        "CREATE TABLE restored (x int); INSERT INTO restored VALUES (1)",
-    )
-    .await
-    .unwrap();
-    let backup = tools.path().join("backup");
+/// A base backup of `remote`'s first node in `dir`, readable by
+/// PostgreSQL's user (it is taken as root).
+fn base_backup(
+    remote: &pgwarden_testkit::TestCluster,
+    dir: &std::path::Path,
+) -> std::path::PathBuf {
+    let backup = dir.join("backup");
     let bins = pgwarden_pgctl::PgBinaries::discover().unwrap();
     let status = std::process::Command::new(bins.path("pg_basebackup"))
         .args([
@@ -3858,13 +3848,56 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
         .status()
         .unwrap();
     assert!(status.success());
-    // The backup was taken as root; the restore runs as PostgreSQL's user.
     assert!(std::process::Command::new("chmod")
         .args(["-R", "a+rX"])
         .arg(&backup)
         .status()
         .unwrap()
         .success());
+    backup
+}
+
+/// A script standing in for a backup tool's restore: copies `backup` into
+/// the `--datadir` it is given and writes its arguments to `args_file` in
+/// `dir`.
+fn copy_script(
+    dir: &std::path::Path,
+    backup: &std::path::Path,
+    args_file: &str,
+) -> std::path::PathBuf {
+    let script = dir.join("restore.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; esac; done\n\
+             echo \"$*\" > {}/{args_file}\n\
+             cp -R {}/. \"$d\"/\n",
+            dir.display(),
+            backup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    script
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
+    // A database elsewhere, with a base backup and a WAL archive that goes
+    // on past it.
+    let tools = shared_dir();
+    let archive = shared_dir();
+    let archive_dir = archive.path().display().to_string();
+    let remote = archiving_primary(&archive_dir);
+    let source = remote.conninfo(0);
+    query(
+        &source,
+        "CREATE TABLE restored (x int); INSERT INTO restored VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let backup = base_backup(&remote, tools.path());
     query(&source, "INSERT INTO restored VALUES (2), (3)")
         .await
         .unwrap();
@@ -3874,19 +3907,7 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
         .unwrap();
     drop(remote);
 
-    let script = tools.path().join("restore.sh");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n\
-             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; esac; done\n\
-             echo \"$*\" > {dir}/bootstrap.args\n\
-             cp -R {}/. \"$d\"/\n",
-            backup.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let script = copy_script(tools.path(), &backup, "bootstrap.args");
     let bootstrap = format!(
         "bootstrap = {{ command = \"{}\", recovery = {{ restore_command = \"cp {archive_dir}/%f %p\" }} }}",
         script.display()
@@ -3942,4 +3963,75 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
     reads_on(&c, &[other], "SELECT count(*) FROM restored", "3").await;
     query(&at, "INSERT INTO restored VALUES (4)").await.unwrap();
     reads_on(&c, &[other], "SELECT count(*) FROM restored", "4").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_cluster_can_follow_its_source_through_the_archive_alone() {
+    // Sites that share no network, only an archive: the standby leader is
+    // restored from a backup and replays what the source archives.
+    let tools = shared_dir();
+    let archive = shared_dir();
+    let archive_dir = archive.path().display().to_string();
+    let remote = archiving_primary(&archive_dir);
+    let source = remote.conninfo(0);
+    query(
+        &source,
+        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let backup = base_backup(&remote, tools.path());
+    let script = copy_script(tools.path(), &backup, "restore.args");
+    let restore = format!("cp {archive_dir}/%f %p");
+    let c = cluster()
+        .nodes(1)
+        .node_settings(
+            0,
+            &format!(
+                "create_replica_methods = [\"restore\", \"basebackup\"]\n\
+                 replica_methods = {{ restore = {{ command = \"{}\" }} }}\n\
+                 standby_cluster = {{ restore_command = \"{restore}\" }}",
+                script.display()
+            ),
+        )
+        .start();
+    let n1 = c.node(0).pg_conninfo();
+    eventually("n1 leads the standby cluster", BOOTSTRAP, || async {
+        let s = (
+            c.api_status(0, "/standby-leader"),
+            c.api_status(0, "/primary"),
+        );
+        (s == (Some(200), Some(503)))
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    assert_eq!(one(&n1, "SHOW primary_conninfo").await.unwrap(), "");
+    assert_eq!(one(&n1, "SHOW restore_command").await.unwrap(), restore);
+    let args = std::fs::read_to_string(tools.path().join("restore.args")).unwrap();
+    assert!(
+        args.contains("--role=replica") && !args.contains("--connstring"),
+        "{args}"
+    );
+    // Rows written on the source after the backup arrive as the source
+    // archives them; nobody takes writes, and no problem is reported for
+    // a source that is never streamed from.
+    query(&source, "INSERT INTO dr VALUES (2), (3)")
+        .await
+        .unwrap();
+    archive_current_segment(&source).await;
+    reads_on(&c, &[0], "SELECT count(*) FROM dr", "3").await;
+    assert!(
+        writable(&c).await.is_empty(),
+        "a standby cluster takes no writes"
+    );
+    // A standby leader that streams nothing for a ttl (6 s here) reports
+    // it when it has a host to stream from; following the archive alone,
+    // it must not.
+    let watch_until = std::time::Instant::now() + Duration::from_secs(9);
+    while std::time::Instant::now() < watch_until {
+        let p = member_status(&c, 0).await.unwrap()["problem"].clone();
+        assert!(p.is_null(), "{p}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
