@@ -563,15 +563,7 @@ impl HaLoop {
             else {
                 continue;
             };
-            let args = if no_params {
-                Vec::new()
-            } else {
-                vec![
-                    format!("--scope={}", self.etcd.cluster),
-                    format!("--datadir={}", self.cfg.data_dir.display()),
-                    "--role=replica".to_string(),
-                ]
-            };
+            let args = self.method_args(no_params, Some("replica"), None);
             let (recovery, hba, user, label) =
                 (recovery.clone(), hba.clone(), user.clone(), name.clone());
             let res = self
@@ -600,6 +592,28 @@ impl HaLoop {
         Err(last)
     }
 
+    /// The arguments an operator's restore command gets, Patroni's, so that
+    /// scripts written for it work: the cluster and data directory, then
+    /// the role and the source to copy when there are any; none with
+    /// `no_params`.
+    fn method_args(
+        &self,
+        no_params: bool,
+        role: Option<&str>,
+        connstring: Option<String>,
+    ) -> Vec<String> {
+        if no_params {
+            return Vec::new();
+        }
+        let mut args = vec![
+            format!("--scope={}", self.etcd.cluster),
+            format!("--datadir={}", self.cfg.data_dir.display()),
+        ];
+        args.extend(role.map(|r| format!("--role={r}")));
+        args.extend(connstring.map(|c| format!("--connstring={c}")));
+        args
+    }
+
     /// Creates the cluster from a backup after winning the initialize race:
     /// the operator's command fills the data directory, PostgreSQL recovers
     /// (from the archive, up to the target, with `bootstrap.recovery`) and
@@ -611,14 +625,7 @@ impl HaLoop {
         b: pgwarden_config::BootstrapMethod,
     ) -> Result<(), AgentStepError> {
         let hba = self.cfg.pg_hba.clone();
-        let args = if b.no_params {
-            Vec::new()
-        } else {
-            vec![
-                format!("--scope={}", self.etcd.cluster),
-                format!("--datadir={}", self.cfg.data_dir.display()),
-            ]
-        };
+        let args = self.method_args(b.no_params, None, None);
         let mut recovery = b.recovery.clone();
         recovery.insert("recovery_target_action".into(), "promote".into());
         let command = b.command.clone();
@@ -734,17 +741,8 @@ impl HaLoop {
                 keep_data,
                 no_params,
             } => {
-                // Patroni's arguments, so that scripts written for it work.
-                let args = if no_params {
-                    Vec::new()
-                } else {
-                    vec![
-                        format!("--scope={}", self.etcd.cluster),
-                        format!("--datadir={}", self.cfg.data_dir.display()),
-                        "--role=replica".to_string(),
-                        format!("--connstring=host={h} port={p} user={user} dbname=postgres"),
-                    ]
-                };
+                let connstring = format!("host={h} port={p} user={user} dbname=postgres");
+                let args = self.method_args(no_params, Some("replica"), Some(connstring));
                 self.pg
                     .with(move |i| {
                         if !keep_data {

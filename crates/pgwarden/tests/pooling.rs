@@ -881,21 +881,7 @@ async fn admin_rows_are_keyed_as_pgbouncer_keys_them() {
     assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let admin = client(&admin_info).await.unwrap();
-    let rows = |cmd: &'static str| {
-        let admin = &admin;
-        async move {
-            admin
-                .simple_query(cmd)
-                .await
-                .unwrap()
-                .into_iter()
-                .filter_map(|m| match m {
-                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
-                    _ => None,
-                })
-                .collect::<Vec<_>>()
-        }
-    };
+    let rows = |cmd: &'static str| admin_rows(&admin, cmd);
     pgwarden_testkit::eventually("both transactions counted", WAIT, || async {
         let stats = rows("SHOW STATS").await;
         match stats.as_slice() {
@@ -986,15 +972,10 @@ async fn the_admin_console_averages_the_last_stats_period() {
     let t = figures("SHOW STATS_TOTALS").await.unwrap();
     assert_eq!(t["xact_count"], totals["total_xact_count"]);
     assert_eq!(t["bytes_received"], totals["total_received"]);
-    let rows = admin.simple_query("SHOW TOTALS").await.unwrap();
-    let by_name: std::collections::HashMap<String, u64> = rows
+    let by_name: std::collections::HashMap<String, u64> = admin_rows(admin, "SHOW TOTALS")
+        .await
         .iter()
-        .filter_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => {
-                Some((r.get("name")?.to_string(), r.get("value")?.parse().ok()?))
-            }
-            _ => None,
-        })
+        .filter_map(|r| Some((r.get("name")?.to_string(), r.get("value")?.parse().ok()?)))
         .collect();
     assert_eq!(by_name["total_xact_count"], t["xact_count"], "{by_name:?}");
     assert_eq!(
@@ -1002,15 +983,10 @@ async fn the_admin_console_averages_the_last_stats_period() {
         "{by_name:?}"
     );
     assert_eq!(by_name["avg_xact_count"], 0, "{by_name:?}");
-    let users = admin.simple_query("SHOW USERS").await.unwrap();
-    let names: Vec<(String, String)> = users
+    let names: Vec<(String, String)> = admin_rows(admin, "SHOW USERS")
+        .await
         .iter()
-        .filter_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => {
-                Some((r.get("name")?.to_string(), r.get("pool_mode")?.to_string()))
-            }
-            _ => None,
-        })
+        .filter_map(|r| Some((r.get("name")?.to_string(), r.get("pool_mode")?.to_string())))
         .collect();
     assert_eq!(names, [("postgres".to_string(), String::new())]);
 }
@@ -1029,6 +1005,23 @@ async fn stats_once(
         }
     })
     .await
+}
+
+/// The rows an admin console command returns.
+async fn admin_rows(
+    admin: &tokio_postgres::Client,
+    cmd: &str,
+) -> Vec<tokio_postgres::SimpleQueryRow> {
+    admin
+        .simple_query(cmd)
+        .await
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"))
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The numeric columns of the first row an admin console command returns,
