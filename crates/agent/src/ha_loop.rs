@@ -30,6 +30,11 @@ const PEER_TIMEOUT: Duration = Duration::from_secs(2);
 /// retry window.
 const RETRY_PACE: Duration = Duration::from_secs(1);
 
+/// How often a standby leader that does not stream compares its history
+/// with its remote source's: two connections to a source that may be
+/// slow to answer, so not at every round.
+const FORK_CHECK_PACE: Duration = Duration::from_secs(5);
+
 /// Pace while a new leadership waits for the connection managers'
 /// acknowledgements, so writes resume within a fraction of a second.
 const ACK_PACE: Duration = Duration::from_millis(200);
@@ -136,6 +141,13 @@ pub(crate) struct HaLoop {
     /// Since when this standby leader has not streamed from the remote
     /// source.
     remote_silent_since: Option<Instant>,
+    /// When this standby leader last compared its history with the remote
+    /// source's, so that a source that is slow to answer is not asked at
+    /// every round.
+    remote_fork_checked: Option<Instant>,
+    /// While a long step (a clone, a restore, a rewind) holds up the loop:
+    /// what keeps this member's record in etcd meanwhile.
+    presence: Option<Presence>,
     /// As the leader: how far each permanent logical slot's consumer has
     /// confirmed, published with the lease for the replicas to follow.
     logical_positions: std::collections::BTreeMap<String, u64>,
@@ -229,6 +241,8 @@ impl HaLoop {
             slot_error: None,
             upstream: None,
             remote_silent_since: None,
+            remote_fork_checked: None,
+            presence: None,
             logical_positions: Default::default(),
             logical_copied: Default::default(),
             logical_ready: Default::default(),
@@ -374,7 +388,14 @@ impl HaLoop {
         // A cluster with a leader or members has data even if etcd lost its
         // `initialize` key: clone the leader (or wait for one) rather than
         // create another database.
-        let fresh = self.snapshot.leader.is_none() && self.snapshot.members.is_empty();
+        // This member's own record (left by a clone that failed) does not
+        // count.
+        let fresh = self.snapshot.leader.is_none()
+            && self
+                .snapshot
+                .members
+                .iter()
+                .all(|(m, _)| *m == self.cfg.name);
         if self.snapshot.initialize.is_none() && self.snapshot.leader.is_none() && !fresh {
             tracing::debug!("the cluster has members but no initialize key: waiting for a leader");
         }
@@ -391,8 +412,7 @@ impl HaLoop {
                 None => self.cfg.standby_cluster.clone(),
             };
             if self.dcs.initialize_race(&claim).await? {
-                self.activity = Some("initializing");
-                self.publish_status();
+                self.busy("initializing").await;
                 let res = match &standby {
                     None => match self.cfg.bootstrap.clone() {
                         None => {
@@ -416,11 +436,14 @@ impl HaLoop {
                         self.initialize_standby(&claim, remote).await
                     }
                 };
-                self.activity = None;
+                self.idle();
                 if let Err(e) = res {
                     // Withdraw the claim so that another member (or this one,
-                    // after the data directory is wiped) can try again.
+                    // after the data directory is wiped) can try again; a
+                    // member listed without a leader or a claim would make
+                    // the others wait for a leader instead.
                     let _ = self.pg.stop(StopMode::Immediate).await;
+                    let _ = self.dcs.delete_member(&self.cfg.name).await;
                     let _ = self.dcs.cancel_initialize(&claim).await;
                     return Err(e);
                 }
@@ -439,10 +462,10 @@ impl HaLoop {
         };
         let methods: Vec<&str> = self.cfg.create_replica.iter().map(|m| m.name()).collect();
         tracing::info!(from = %source, ?methods, "cloning the leader");
-        self.activity = Some("cloning");
-        self.publish_status();
-        self.clone_from(&source).await?;
-        self.activity = None;
+        self.busy("cloning").await;
+        let cloned = self.clone_from(&source).await;
+        self.idle();
+        cloned?;
         self.pg
             .start(self.timing.loop_wait)
             .await
@@ -636,8 +659,7 @@ impl HaLoop {
                 append_hba(i.datadir(), &hba)
             })
             .await?;
-        self.activity = Some("restoring");
-        self.publish_status();
+        self.busy("restoring").await;
         self.pg
             .start(Duration::from_secs(60))
             .await
@@ -774,6 +796,40 @@ impl HaLoop {
         records(&self.snapshot)
             .into_iter()
             .find(|r| r.state.name == name)
+    }
+
+    /// Starts a long step that holds up the loop: shows `activity` in the
+    /// status and keeps this member listed in etcd with it until
+    /// [`Self::idle`], so that `ctl list` and the other members see a
+    /// member that is cloning or restoring rather than none.
+    async fn busy(&mut self, activity: &'static str) {
+        self.activity = Some(activity);
+        self.publish_status();
+        // The previous step's task, if any, stops first.
+        self.presence = None;
+        if !self.dcs_ok {
+            return;
+        }
+        let lease = match tokio::time::timeout(self.dcs_budget(), self.ensure_lease()).await {
+            Ok(Ok(l)) => l,
+            _ => return,
+        };
+        let Ok(record) = serde_json::to_value(self.record()) else {
+            return;
+        };
+        self.presence = Some(Presence::start(
+            self.dcs.clone(),
+            self.cfg.name.clone(),
+            record,
+            lease,
+            self.timing.ttl,
+        ));
+    }
+
+    /// Ends the step [`Self::busy`] started; the loop publishes again.
+    fn idle(&mut self) {
+        self.activity = None;
+        self.presence = None;
     }
 
     async fn ensure_lease(&mut self) -> Result<LeaseId, pgwarden_dcs::DcsError> {
@@ -1547,7 +1603,7 @@ impl HaLoop {
                 let role = match record::standby_cluster(&self.snapshot) {
                     None => "primary",
                     Some(Ok(remote)) => {
-                        if let Err(e) = self.point_at_remote(&remote).await {
+                        if let Err(e) = self.point_at_remote(&remote, false).await {
                             tracing::error!(error = %e, "cannot configure the standby leader");
                             return;
                         }
@@ -1571,7 +1627,7 @@ impl HaLoop {
                     return;
                 };
                 if self.former_primary {
-                    if let Err(e) = self.rejoin(&addr).await {
+                    if let Err(e) = self.rejoin(&addr, "the leader").await {
                         tracing::error!(error = %e, "cannot rejoin as a replica");
                         return;
                     }
@@ -1624,47 +1680,35 @@ impl HaLoop {
         let Some(replayed) = self.obs.pg.replayed_lsn else {
             return false;
         };
-        let local_tl = match self
-            .pg
-            .query(
-                "SELECT timeline_id FROM pg_control_checkpoint()",
-                Duration::from_secs(2),
-            )
-            .await
-        {
-            Ok(rows) => rows
-                .first()
-                .and_then(|r| r.first().cloned().flatten())
-                .and_then(|t| t.parse::<u32>().ok()),
-            Err(_) => None,
-        };
-        let Some(local_tl) = local_tl.filter(|t| *t < leader_tl) else {
+        let Some((local_tli, local_history)) = self.local_standing(replayed).await else {
             return false;
         };
-        let file = pgwarden_ha::timeline::history_file_name(leader_tl);
-        let history = async {
-            let (c, conn) =
-                tokio_postgres::connect(&self.pg.source_conninfo(leader), tokio_postgres::NoTls)
-                    .await
-                    .ok()?;
-            tokio::spawn(conn);
-            c.query_one("SELECT pg_read_file('pg_wal/' || $1)", &[&file])
-                .await
-                .ok()?
-                .get::<_, Option<String>>(0)
-        };
-        match tokio::time::timeout(Duration::from_secs(2), history).await {
-            Ok(Some(h)) => pgwarden_ha::timeline::replayed_past_fork(&h, local_tl, replayed),
-            _ => false,
+        // A leader's timeline in its record may trail its promotion: only a
+        // leader ahead of this replica can have left it behind.
+        if local_tli >= leader_tl {
+            return false;
         }
+        let leader_history = self.history(Some(leader), leader_tl).await;
+        pgwarden_ha::timeline::diverged_from_source(
+            pgwarden_ha::timeline::Standing {
+                tli: local_tli,
+                history: local_history.as_deref(),
+            },
+            replayed,
+            pgwarden_ha::timeline::Standing {
+                tli: leader_tl,
+                history: leader_history.as_deref(),
+            },
+        )
     }
 
-    /// Makes a former primary fit to follow `leader`: crash recovery if it
+    /// Makes a former primary, or a standby whose history forked, fit to
+    /// follow `leader` (a member, or a standby cluster's remote source,
+    /// named by `whom` in the problem it reports): crash recovery if it
     /// went down hard, then pg_rewind; a fresh clone when rewinding fails
     /// and that is allowed.
-    async fn rejoin(&mut self, leader: &HostAddr) -> Result<(), PgCtlError> {
-        self.activity = Some("rewinding");
-        self.publish_status();
+    async fn rejoin(&mut self, leader: &HostAddr, whom: &str) -> Result<(), PgCtlError> {
+        self.busy("rewinding").await;
         let _ = self.pg.stop(StopMode::Fast).await;
         // pg_rewind reads the source's timeline from its control file, which
         // a promotion updates only at its next checkpoint: without one it
@@ -1693,7 +1737,7 @@ impl HaLoop {
         // leader: that, not pg_rewind's exit code, proves the histories met.
         let res = match res {
             Ok(()) => {
-                tracing::info!(leader = %leader, "rewound the former primary");
+                tracing::info!(leader = %leader, "rewound onto the history of {whom}");
                 self.problem = None;
                 Ok(())
             }
@@ -1701,9 +1745,8 @@ impl HaLoop {
                 let why = format!("pg_rewind failed: {}", first_line(&e));
                 tracing::error!("{why}");
                 if self.cfg.reclone_on_rewind_failure {
-                    self.problem = Some(format!("{why}; re-cloned from the leader"));
-                    self.activity = Some("cloning");
-                    self.publish_status();
+                    self.problem = Some(format!("{why}; re-cloned from {whom}"));
+                    self.busy("cloning").await;
                     self.clone_from(leader).await
                 } else {
                     self.problem = Some(format!(
@@ -1713,7 +1756,7 @@ impl HaLoop {
                 }
             }
         };
-        self.activity = None;
+        self.idle();
         res
     }
 
@@ -1739,7 +1782,7 @@ impl HaLoop {
             && (leader_tl > self.obs.pg.timeline || diverged)
         {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
-            if self.rejoin(&addr).await.is_ok() {
+            if self.rejoin(&addr, "the leader").await.is_ok() {
                 self.start(&StartMode::ReplicaOf {
                     leader: leader.to_string(),
                 })
@@ -1791,10 +1834,13 @@ impl HaLoop {
 
     /// Writes the recovery settings that make this node stream from the
     /// standby cluster's remote source (and fetch its archive, when a
-    /// `restore_command` is given); `Ok(true)` if anything changed.
+    /// `restore_command` is given); `Ok(true)` if anything changed. `force`
+    /// writes them even when they look unchanged, as after pg_rewind, which
+    /// replaces the data directory's files with the source's.
     async fn point_at_remote(
         &self,
         remote: &pgwarden_ha::StandbyCluster,
+        force: bool,
     ) -> Result<bool, PgCtlError> {
         let user = self.pg.replication_user().to_string();
         let upstream = remote.upstream().map(|(h, p)| (h.to_string(), p));
@@ -1803,7 +1849,8 @@ impl HaLoop {
         self.pg
             .with(move |i| {
                 let upstream = upstream.as_ref().map(|(h, p)| (h.as_str(), *p));
-                if i.upstream() == upstream
+                if !force
+                    && i.upstream() == upstream
                     && i.primary_slot() == slot.as_deref()
                     && *i.source_settings() == recovery
                 {
@@ -1815,6 +1862,130 @@ impl HaLoop {
                 Ok(true)
             })
             .await
+    }
+
+    /// Whether this standby leader, in recovery but not streaming from
+    /// `source` for a round, has a history that parted from the source's
+    /// (the source failed over after this one replayed past its fork, or
+    /// this one was a primary of its own): then no reconnecting helps,
+    /// only a rewind. Asked at most every [`FORK_CHECK_PACE`]; whatever
+    /// cannot be read answers no.
+    async fn must_rewind_onto_remote(&mut self, source: &HostAddr) -> bool {
+        let pg = &self.obs.pg;
+        if !(pg.running && pg.in_recovery)
+            || self.obs.streaming
+            || self.remote_silent_since.is_none()
+            || self
+                .remote_fork_checked
+                .is_some_and(|t| t.elapsed() < FORK_CHECK_PACE)
+        {
+            return false;
+        }
+        let Some(replayed) = pg.replayed_lsn else {
+            return false;
+        };
+        self.remote_fork_checked = Some(Instant::now());
+        let (Some((local_tli, local_history)), Some((source_tli, source_history))) = (
+            self.local_standing(replayed).await,
+            self.source_standing(source).await,
+        ) else {
+            return false;
+        };
+        use pgwarden_ha::timeline::{diverged_from_source, Standing};
+        diverged_from_source(
+            Standing {
+                tli: local_tli,
+                history: local_history.as_deref(),
+            },
+            replayed,
+            Standing {
+                tli: source_tli,
+                history: source_history.as_deref(),
+            },
+        )
+    }
+
+    /// The timeline this standby replays, and its history file. Its last
+    /// restart point may predate a timeline switch it followed, so the
+    /// WAL segments it holds from its replay position on count too: they
+    /// are named after the timeline they were received or recycled on.
+    async fn local_standing(&self, replayed: u64) -> Option<(u32, Option<String>)> {
+        const WAIT: Duration = Duration::from_secs(2);
+        let rows = self
+            .pg
+            .query(
+                "SELECT (SELECT timeline_id FROM pg_control_checkpoint()), \
+                 (SELECT setting FROM pg_settings WHERE name = 'wal_segment_size')",
+                WAIT,
+            )
+            .await
+            .ok()?;
+        let row = rows.first()?;
+        let checkpoint_tli: u32 = row.first()?.as_deref()?.parse().ok()?;
+        let segment_size: u64 = row.get(1)?.as_deref()?.parse().ok()?;
+        let from = pgwarden_ha::timeline::segment_name_suffix(replayed, segment_size);
+        let segments = self
+            .pg
+            .query(
+                &format!(
+                    "SELECT name FROM pg_ls_waldir() WHERE length(name) = 24 AND substr(name, 9) >= '{from}'"
+                ),
+                WAIT,
+            )
+            .await
+            .ok()?;
+        let tli = segments
+            .iter()
+            .filter_map(|r| {
+                r.first()?
+                    .as_deref()
+                    .and_then(pgwarden_ha::timeline::segment_timeline)
+            })
+            .chain([checkpoint_tli])
+            .max()?;
+        let history = self.history(None, tli).await;
+        Some((tli, history))
+    }
+
+    /// The timeline of the server at `source` (the one it writes, if it is
+    /// a primary: its control file learns of a promotion only at the next
+    /// checkpoint), and its history file.
+    async fn source_standing(&self, source: &HostAddr) -> Option<(u32, Option<String>)> {
+        let rows = self
+            .pg
+            .query_in(
+                Some(source),
+                "postgres",
+                "SELECT CASE WHEN pg_is_in_recovery() \
+                 THEN (SELECT timeline_id FROM pg_control_checkpoint()) \
+                 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
+                Duration::from_secs(2),
+            )
+            .await
+            .ok()?;
+        let tli: u32 = rows.first()?.first()?.as_deref()?.parse().ok()?;
+        let history = self.history(Some(source), tli).await;
+        Some((tli, history))
+    }
+
+    /// The text of timeline `tli`'s history file on the local server or,
+    /// given `at`, on another; `None` for timeline 1, which has none, or
+    /// when it cannot be read.
+    async fn history(&self, at: Option<&HostAddr>, tli: u32) -> Option<String> {
+        if tli <= 1 {
+            return None;
+        }
+        let sql = format!(
+            "SELECT pg_read_file('pg_wal/{}', 0, 1048576, true)",
+            pgwarden_ha::timeline::history_file_name(tli)
+        );
+        let wait = Duration::from_secs(2);
+        let rows = match at {
+            None => self.pg.query(&sql, wait).await,
+            Some(a) => self.pg.query_in(Some(a), "postgres", &sql, wait).await,
+        }
+        .ok()?;
+        rows.into_iter().next()?.into_iter().next()?
     }
 
     fn standby_cluster_unreadable(&mut self, e: String) {
@@ -1845,7 +2016,7 @@ impl HaLoop {
                 tracing::error!(error = %e, "cannot stop the primary to make it a standby");
                 return;
             }
-            if let Err(e) = self.point_at_remote(&remote).await {
+            if let Err(e) = self.point_at_remote(&remote, false).await {
                 tracing::error!(error = %e, "cannot configure the standby leader");
                 return;
             }
@@ -1859,7 +2030,27 @@ impl HaLoop {
             }
             return;
         }
-        match self.point_at_remote(&remote).await {
+        if let Some((host, port)) = remote.upstream() {
+            let addr = HostAddr::new(host, port);
+            if self.must_rewind_onto_remote(&addr).await {
+                tracing::warn!(
+                    source = %remote.address(),
+                    "this standby leader replayed WAL that its source's history does not have; it must rewind"
+                );
+                if self.rejoin(&addr, "the remote source").await.is_err() {
+                    return;
+                }
+                if let Err(e) = self.point_at_remote(&remote, true).await {
+                    tracing::error!(error = %e, "cannot configure the standby leader");
+                    return;
+                }
+                if let Err(e) = self.pg.start(self.timing.loop_wait).await {
+                    tracing::warn!(error = %first_line(&e), "PostgreSQL is not up yet");
+                }
+                return;
+            }
+        }
+        match self.point_at_remote(&remote, false).await {
             Ok(true) => {
                 // primary_conninfo and primary_slot_name are reloadable.
                 if let Err(e) = self.pg.with(|i| i.reload()).await {
@@ -3015,8 +3206,7 @@ impl HaLoop {
             return;
         };
         tracing::info!(from = %source, "reinitializing: wiping the data directory and cloning the leader");
-        self.activity = Some("reinitializing");
-        self.publish_status();
+        self.busy("reinitializing").await;
         let _ = self.pg.stop(StopMode::Fast).await;
         self.run_callback(
             self.cfg.callbacks.on_stop.clone(),
@@ -3024,7 +3214,7 @@ impl HaLoop {
             "reinitialize",
         );
         let cloned = self.clone_from(&source).await;
-        self.activity = None;
+        self.idle();
         match cloned {
             Ok(()) => {
                 self.former_primary = false;
@@ -3211,7 +3401,8 @@ impl HaLoop {
         };
         Some(format!(
             "standby leader not streaming from the remote source {source} for {} s: see \
-             PostgreSQL's log (a history that forked off the source's needs a fresh clone)",
+             PostgreSQL's log (a history that forked off the source's is rewound when the \
+             source answers)",
             since.elapsed().as_secs()
         ))
     }
@@ -3324,6 +3515,42 @@ pub(crate) enum AgentStepError {
 
 /// A server that has not finished starting within the wait is not an
 /// error: the loop observes it until it is up.
+/// Keeps a member's record in etcd while its loop is held up by a long
+/// step: the record as it was when the step began, published again with
+/// a fresh `updated_ms` every third of a ttl, on a lease kept alive as
+/// often. Dropped, it stops.
+struct Presence(tokio::task::JoinHandle<()>);
+
+impl Presence {
+    fn start(
+        dcs: EtcdDcs,
+        name: String,
+        mut record: serde_json::Value,
+        lease: LeaseId,
+        ttl: Duration,
+    ) -> Self {
+        let pace = ttl / 3;
+        Presence(tokio::spawn(async move {
+            loop {
+                record["updated_ms"] = unix_ms().into();
+                if let Err(e) = dcs.publish_member(&name, &record, lease).await {
+                    tracing::debug!(error = %e, "publishing the member state failed");
+                }
+                tokio::time::sleep(pace).await;
+                if let Err(e) = dcs.keep_alive_once(lease).await {
+                    tracing::debug!(error = %e, "member lease keep-alive failed");
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for Presence {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn still_starting(e: PgCtlError) -> Result<(), PgCtlError> {
     match e {
         PgCtlError::Timeout { .. } => Ok(()),

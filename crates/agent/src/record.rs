@@ -19,7 +19,8 @@ pub struct MemberRecord {
     /// Where clients and other members reach its PostgreSQL (`host:port`).
     pub pg_address: String,
     /// What the agent is doing with PostgreSQL: `running`, `starting`,
-    /// `start failed`, `stopped`, `rewinding`, `cloning`, `initializing`.
+    /// `start failed`, `stopped`, `rewinding`, `cloning`, `initializing`,
+    /// `restoring`, `reinitializing`.
     pub status: String,
     /// Wall-clock time of publication, Unix milliseconds; the age of a
     /// record is what makes a silent member ineligible.

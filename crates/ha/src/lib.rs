@@ -18,7 +18,7 @@
 //! * [`protection`]: protection modes and the synchronous standby set.
 //! * [`schedule`]: when a scheduled switchover is due.
 //! * [`standby`]: standby clusters, which follow a PostgreSQL outside them.
-//! * [`timeline`]: whether a replica replayed WAL past the leader's fork.
+//! * [`timeline`]: whether a standby's history forked off its source's.
 //! * [`decide`](mod@decide): the action for this loop iteration.
 //!
 //! # Timing presets

@@ -1,5 +1,6 @@
-//! Timeline history: whether a replica replayed WAL that the leader's
-//! timeline does not contain.
+//! Timeline history: whether a standby's history parted from its
+//! source's (a leader, or a standby cluster's remote primary), so that
+//! only pg_rewind lets it follow again.
 //!
 //! When a replica is promoted, the WAL the old primary had sent to other
 //! replicas but not to it is gone from the new timeline. A replica that
@@ -7,7 +8,11 @@
 //! "new timeline N forked off current database system timeline M before
 //! current recovery point") and needs pg_rewind, however often its WAL
 //! receiver reconnects. The leader's `NNNNNNNN.history` file says where
-//! each earlier timeline ended.
+//! each earlier timeline ended. The standby's own timeline is read from
+//! the names of its WAL segment files as well as from its control file,
+//! whose checkpoint may predate a timeline switch it followed; believing
+//! the control file alone would rewind a standby that is fine, and
+//! pg_rewind then fails on it.
 
 /// Parses an LSN written as PostgreSQL prints it (`16/B374D848`).
 pub fn parse_lsn(text: &str) -> Option<u64> {
@@ -38,11 +43,83 @@ pub fn switchpoint(history: &str, tli: u32) -> Option<u64> {
     })
 }
 
-/// Whether a replica that replayed WAL up to `replayed` on timeline `tli`
-/// went past the point where the timeline of `history` forked off `tli`.
-/// A history that does not go through `tli` says nothing: `false`.
-pub fn replayed_past_fork(history: &str, tli: u32, replayed: u64) -> bool {
-    switchpoint(history, tli).is_some_and(|fork| replayed > fork)
+/// The part of a WAL segment file's name after its timeline (16 upper-case
+/// hex digits) for the segment holding `lsn`, with segments of
+/// `segment_size` bytes. Names compare as the positions they hold.
+pub fn segment_name_suffix(lsn: u64, segment_size: u64) -> String {
+    let segment = lsn / segment_size.max(1);
+    let per_id = (1u64 << 32) / segment_size.clamp(1, 1 << 32);
+    format!("{:08X}{:08X}", segment / per_id, segment % per_id)
+}
+
+/// The timeline in a WAL segment file's name, if it is one.
+pub fn segment_timeline(name: &str) -> Option<u32> {
+    if name.len() != 24 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(&name[..8], 16).ok()
+}
+
+/// The `(parent timeline, switch point)` entries of a history file, in
+/// order; lines that are not entries (comments, blanks) are skipped.
+fn entries(history: &str) -> Vec<(u32, u64)> {
+    history
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let parent: u32 = fields.next()?.parse().ok()?;
+            Some((parent, parse_lsn(fields.next()?)?))
+        })
+        .collect()
+}
+
+/// Where a server stands in its history: its timeline, and the text of
+/// that timeline's history file when it has one and it could be read
+/// (timeline 1 has none).
+#[derive(Debug, Clone, Copy)]
+pub struct Standing<'a> {
+    /// The timeline the server is on.
+    pub tli: u32,
+    /// The text of its `NNNNNNNN.history` file.
+    pub history: Option<&'a str>,
+}
+
+/// Whether a standby at `local`, having replayed up to `replayed`, can no
+/// longer stream from a source at `source` without a rewind, because the
+/// two histories went different ways.
+///
+/// - A standby on a later timeline than its source's has a history the
+///   source never had: PostgreSQL does not stream from a source on a
+///   lower timeline.
+/// - The standby's history must be the start of the source's; two
+///   timelines of the same number born at different points are two
+///   histories.
+/// - On an earlier timeline, the standby must not have replayed past the
+///   point where the source's history left that timeline.
+///
+/// What cannot be read says nothing: a missing history file never makes
+/// the answer `true` by itself.
+pub fn diverged_from_source(local: Standing<'_>, replayed: u64, source: Standing<'_>) -> bool {
+    if local.tli > source.tli {
+        return true;
+    }
+    if let (Some(l), Some(s)) = (local.history, source.history) {
+        let (l, s) = (entries(l), entries(s));
+        if !s.starts_with(&l) {
+            return true;
+        }
+    }
+    if local.tli == source.tli {
+        return false;
+    }
+    match source.history {
+        Some(h) => match switchpoint(h, local.tli) {
+            Some(fork) => replayed > fork,
+            // The source's history never went through this timeline.
+            None => true,
+        },
+        None => false,
+    }
 }
 
 #[cfg(test)]
@@ -80,11 +157,110 @@ mod tests {
     #[test]
     fn only_wal_past_the_fork_needs_a_rewind() {
         // The case seen: the old primary sent a record to one replica only.
-        assert!(replayed_past_fork(HISTORY, 1, 0x501A948));
+        assert!(diverged_from_source(
+            at(1, None),
+            0x501A948,
+            at(2, Some(HISTORY))
+        ));
         // Up to the fork is shared history.
-        assert!(!replayed_past_fork(HISTORY, 1, 0x501A8E0));
-        assert!(!replayed_past_fork(HISTORY, 1, 0x5000000));
-        // A replica already on the leader's timeline, or an unknown one.
-        assert!(!replayed_past_fork(HISTORY, 3, u64::MAX));
+        assert!(!diverged_from_source(
+            at(1, None),
+            0x501A8E0,
+            at(2, Some(HISTORY))
+        ));
+        assert!(!diverged_from_source(
+            at(1, None),
+            0x5000000,
+            at(2, Some(HISTORY))
+        ));
+    }
+
+    #[test]
+    fn segment_names_as_postgresql_writes_them() {
+        const MB16: u64 = 16 << 20;
+        // pg_walfile_name('0/501A8E0') on timeline 1 = 000000010000000000000005
+        assert_eq!(segment_name_suffix(0x501A8E0, MB16), "0000000000000005");
+        assert_eq!(
+            segment_name_suffix((0x16 << 32) | 0xB374D848, MB16),
+            "00000016000000B3"
+        );
+        assert_eq!(
+            segment_name_suffix(0x1_0000_0000, 1 << 30),
+            "0000000100000000"
+        );
+        assert_eq!(segment_timeline("000000020000000000000005"), Some(2));
+        assert_eq!(segment_timeline("0000000A0000000100000005"), Some(10));
+        for not_a_segment in [
+            "00000002.history",
+            "000000020000000000000005.partial",
+            "archive_status",
+            "",
+        ] {
+            assert_eq!(segment_timeline(not_a_segment), None, "{not_a_segment}");
+        }
+    }
+
+    fn at(tli: u32, history: Option<&str>) -> Standing<'_> {
+        Standing { tli, history }
+    }
+
+    #[test]
+    fn a_standby_diverged_from_its_source_when_their_histories_part() {
+        const ONE: &str = "1\t0/501A8E0\tno recovery target specified\n";
+        // Same timeline, same history: nothing to do, however far it got.
+        assert!(!diverged_from_source(at(1, None), u64::MAX, at(1, None)));
+        assert!(!diverged_from_source(
+            at(2, Some(ONE)),
+            u64::MAX,
+            at(2, Some(ONE))
+        ));
+        // The source failed over: only WAL past its fork needs a rewind.
+        assert!(diverged_from_source(
+            at(1, None),
+            0x501A948,
+            at(3, Some(HISTORY))
+        ));
+        assert!(!diverged_from_source(
+            at(1, None),
+            0x501A8E0,
+            at(3, Some(HISTORY))
+        ));
+        assert!(!diverged_from_source(
+            at(2, Some(ONE)),
+            0x7000148,
+            at(3, Some(HISTORY))
+        ));
+        assert!(diverged_from_source(
+            at(2, Some(ONE)),
+            0x7000149,
+            at(3, Some(HISTORY))
+        ));
+        // The standby was promoted itself: a timeline the source never had.
+        assert!(diverged_from_source(at(2, Some(ONE)), 0, at(1, None)));
+        // Timeline 2 born elsewhere on each side.
+        let other_two = "1\t0/6000000\tno recovery target specified\n";
+        assert!(diverged_from_source(
+            at(2, Some(other_two)),
+            0,
+            at(2, Some(ONE))
+        ));
+        assert!(diverged_from_source(
+            at(2, Some(other_two)),
+            0,
+            at(3, Some(HISTORY))
+        ));
+        // A source history that never went through the standby's timeline.
+        assert!(diverged_from_source(
+            at(2, None),
+            0,
+            at(3, Some("1\t0/10\tx\n"))
+        ));
+        // Unreadable files say nothing.
+        assert!(!diverged_from_source(at(1, None), u64::MAX, at(3, None)));
+        assert!(!diverged_from_source(
+            at(2, None),
+            u64::MAX,
+            at(2, Some(ONE))
+        ));
     }
 }

@@ -626,9 +626,41 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
         vec![np],
         "the old primary came back as a replica"
     );
+    let r = (0..3).find(|&i| i != np && i != 0).unwrap();
+    // The other replica followed the new timeline by streaming, so its
+    // control file may still name the old one. Cut off from the leader's
+    // WAL while the leader answers, it is left as it is: nothing to rewind.
+    let leader = c.node(np).pg_conninfo();
+    let hba_path = c.node(np).data_dir.join("pg_hba.conf");
+    let hba = std::fs::read_to_string(&hba_path).unwrap();
+    std::fs::write(
+        &hba_path,
+        format!("host replication all 127.0.0.1/32 reject\n{hba}"),
+    )
+    .unwrap();
+    query(
+        &leader,
+        "SELECT pg_reload_conf(); SELECT pg_terminate_backend(pid) FROM pg_stat_replication",
+    )
+    .await
+    .unwrap();
+    eventually(
+        "nobody streams from the leader",
+        Duration::from_secs(20),
+        || async {
+            let n = one(&leader, "SELECT count(*) FROM pg_stat_replication").await?;
+            (n == "0").then_some(()).ok_or(n)
+        },
+    )
+    .await;
+    rounds_since(&c, r, pgwarden_agent::record::unix_ms(), 3).await;
+    std::fs::write(&hba_path, &hba).unwrap();
+    query(&leader, "SELECT pg_reload_conf()").await.unwrap();
+    healthy(&c, 2, Duration::from_secs(30)).await;
+    let log = c.node(r).agent_log();
+    assert!(!log.contains("it must rewind"), "{log}");
     // A replica's agent restarted over its data directory keeps it: no
     // clone, still a streaming replica.
-    let r = (0..3).find(|&i| i != np && i != 0).unwrap();
     c.kill_agent(r);
     c.start_agent(r);
     eventually(
@@ -649,7 +681,32 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
         1
     );
     let log = c.node(0).log_tail();
-    assert!(log.contains("rewound the former primary"), "{log}");
+    assert!(
+        log.contains("rewound onto the history of the leader"),
+        "{log}"
+    );
+}
+
+/// Waits until node `i`'s agent has published its record at least `n`
+/// loop waits (1 s here) after `since_ms`: rounds of its loop ran in
+/// between.
+async fn rounds_since(c: &AgentCluster, i: usize, since_ms: u64, n: u64) {
+    let name = c.node(i).name.clone();
+    eventually(
+        &format!("{name} runs {n} more rounds"),
+        Duration::from_secs(n * 5 + 10),
+        || async {
+            let snapshot = read_cluster(c).await;
+            let updated = pgwarden_agent::record::records(&snapshot)
+                .into_iter()
+                .find(|m| m.state.name == name)
+                .map_or(0, |m| m.updated_ms);
+            (updated >= since_ms + n * 1000)
+                .then_some(())
+                .ok_or(format!("last published at {updated}"))
+        },
+    )
+    .await;
 }
 
 /// The system identifier of the database in `data_dir`, from
@@ -3374,8 +3431,9 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     reads_on(&c, &[0], "SELECT count(*) FROM dr", "5").await;
 
     // Made a standby cluster again, the primary stops taking writes and
-    // leads as a standby of the remote. (Its history has forked from the
-    // remote's, so it cannot stream until it is cloned afresh.)
+    // leads as a standby of the remote. Its history forked from the
+    // remote's when it was promoted, so it is rewound onto the remote's,
+    // losing the row written meanwhile, and streams again.
     patch_config_ok(
         &c,
         0,
@@ -3383,20 +3441,115 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     )
     .await;
     eventually(
-        "n1 is a standby leader again",
-        Duration::from_secs(40),
+        "n1 is a standby leader that streams from the remote again",
+        Duration::from_secs(60),
         || async {
             let w = writable(&c).await;
             let s = c.api_status(0, "/standby-leader");
-            (w.is_empty() && s == Some(200))
+            let from = streams_from_port(&c, 0).await.unwrap_or_default();
+            (w.is_empty() && s == Some(200) && from == remote_port)
                 .then_some(())
-                .ok_or(format!("writable: {w:?}, /standby-leader {s:?}"))
+                .ok_or(format!(
+                    "writable: {w:?}, /standby-leader {s:?}, from {from:?}"
+                ))
         },
     )
     .await;
-    // It says why it is of no use as a standby leader.
+    assert!(c
+        .node(0)
+        .agent_log()
+        .contains("its source's history does not have; it must rewind"));
+    query(&source, "INSERT INTO dr VALUES (6)").await.unwrap();
+    reads_on(
+        &c,
+        &[0],
+        "SELECT string_agg(x::text, ',' ORDER BY x) FROM dr",
+        "1,2,3,4,6",
+    )
+    .await;
+    let p = member_status(&c, 0).await.unwrap()["problem"].clone();
+    assert!(p.is_null(), "problem after the rewind: {p}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_leader_rewinds_onto_its_source_only_when_their_histories_forked() {
+    use nix::sys::signal::Signal;
+    use pgwarden_pgctl::StopMode;
+    // The other site: a primary and two replicas that no agent manages.
+    let mut remote = pgwarden_testkit::TestCluster::builder()
+        .replicas(2)
+        .setting("full_page_writes", "on")
+        .start();
+    let sources: Vec<String> = (0..3).map(|i| remote.conninfo(i)).collect();
+    query(
+        &sources[0],
+        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let port = remote.port(0);
+    let c = cluster()
+        .nodes(1)
+        .node_settings(
+            0,
+            &format!("standby_cluster = {{ host = \"127.0.0.1\", port = {port} }}"),
+        )
+        .start();
+    let rows = "SELECT string_agg(x::text, ',' ORDER BY x) FROM dr";
+    reads_on(&c, &[0], rows, "1").await;
+    let ports: Vec<u16> = (0..3).map(|i| remote.port(i)).collect();
+    let streams_from = |i: usize| {
+        let want = ports[i].to_string();
+        let c = &c;
+        async move {
+            eventually(
+                &format!("n1 streams from remote node {i}"),
+                Duration::from_secs(40),
+                || async {
+                    let from = streams_from_port(c, 0).await?;
+                    (from == want).then_some(()).ok_or(from)
+                },
+            )
+            .await
+        }
+    };
+    streams_from(0).await;
+    let rewinds = |c: &AgentCluster| {
+        c.node(0)
+            .agent_log()
+            .matches("its source's history does not have; it must rewind")
+            .count()
+    };
+
+    // A clean switchover at the remote site: its primary stops after
+    // sending all its WAL, replica 1 is promoted. n1 follows the new
+    // timeline as it is, without a rewind.
+    remote.node(0).stop(StopMode::Fast).unwrap();
+    remote.node(1).promote().unwrap();
+    query(&sources[1], "INSERT INTO dr VALUES (2)")
+        .await
+        .unwrap();
+    let to =
+        |i: usize| serde_json::json!({"standby_cluster": {"host": "127.0.0.1", "port": ports[i]}});
+    patch_config_ok(&c, 0, to(1)).await;
+    streams_from(1).await;
+    reads_on(&c, &[0], rows, "1,2").await;
+    // Cut off from the source's WAL while the source still answers, it
+    // compares histories, finds them one, and leaves its data alone.
+    let hba_path = remote.node(1).datadir().join("pg_hba.conf");
+    let hba = std::fs::read_to_string(&hba_path).unwrap();
+    remote.set_hba(
+        1,
+        &format!("host replication all 127.0.0.1/32 reject\n{hba}"),
+    );
+    query(
+        &sources[1],
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_replication",
+    )
+    .await
+    .unwrap();
     eventually(
-        "n1 reports its problem",
+        "n1 reports that it does not stream",
         Duration::from_secs(40),
         || async {
             let p = member_status(&c, 0).await?["problem"].clone();
@@ -3407,6 +3560,66 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
         },
     )
     .await;
+    assert_eq!(
+        rewinds(&c),
+        0,
+        "a standby leader on its source's history was rewound"
+    );
+    remote.set_hba(1, &hba);
+    streams_from(1).await;
+
+    // Replica 2 follows the new primary; its WAL receiver stops, so the
+    // standby leader gets a row that replica 2 never will.
+    let new_primary = remote.port(1);
+    let replica = remote.node(2);
+    replica
+        .follow("127.0.0.1", new_primary, "postgres")
+        .unwrap();
+    replica.reload().unwrap();
+    eventually(
+        "replica 2 streams from the new primary",
+        Duration::from_secs(30),
+        || async {
+            let s = one(&sources[2], "SELECT status FROM pg_stat_wal_receiver").await?;
+            (s == "streaming").then_some(()).ok_or(s)
+        },
+    )
+    .await;
+    let receiver: i32 = one(&sources[2], "SELECT pid FROM pg_stat_wal_receiver")
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    signal(receiver, Signal::SIGSTOP);
+    query(&sources[1], "INSERT INTO dr VALUES (3)")
+        .await
+        .unwrap();
+    reads_on(&c, &[0], rows, "1,2,3").await;
+    // The remote site fails over to replica 2, losing that row.
+    remote.node(1).stop(StopMode::Immediate).unwrap();
+    signal(receiver, Signal::SIGKILL);
+    eventually(
+        "replica 2 is back after its receiver's crash",
+        Duration::from_secs(30),
+        || async { one(&sources[2], "SELECT pg_is_in_recovery()").await },
+    )
+    .await;
+    remote.node(2).promote().unwrap();
+    query(&sources[2], "INSERT INTO dr VALUES (4)")
+        .await
+        .unwrap();
+    assert_eq!(one(&sources[2], rows).await.unwrap(), "1,2,4");
+    // Pointed at the new remote primary, the standby leader cannot stream
+    // from it until it is rewound onto the new timeline.
+    patch_config_ok(&c, 0, to(2)).await;
+    reads_on(&c, &[0], rows, "1,2,4").await;
+    streams_from(2).await;
+    assert_eq!(rewinds(&c), 1);
+    assert!(writable(&c).await.is_empty(), "nobody was promoted");
+    query(&sources[2], "INSERT INTO dr VALUES (5)")
+        .await
+        .unwrap();
+    reads_on(&c, &[0], rows, "1,2,4,5").await;
 }
 
 /// A directory that PostgreSQL's user, and the commands the agents run as
@@ -3759,24 +3972,85 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
              for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
              echo \"$*\" > {dir}/restore.args\n\
              ls -A \"$d\" | wc -l > {dir}/restore.found\n\
+             i=0; while [ ! -e {dir}/gate ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n\
              exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
             pg_basebackup.display()
         ),
     )
     .unwrap();
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // A tool that refreshes an existing copy (as a delta restore does),
+    // so it fails on an empty data directory; `keep_data` hands it the
+    // old one.
+    let delta = tools.path().join("delta.sh");
+    std::fs::write(
+        &delta,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
+             n=$(ls -A \"$d\" | wc -l)\n\
+             [ \"$n\" -gt 0 ] || exit 1\n\
+             test -f \"$d/PG_VERSION\" && echo \"$n\" > {dir}/delta.found\n\
+             find \"$d\" -mindepth 1 -delete\n\
+             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
+            pg_basebackup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&delta, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let c = cluster()
         .nodes(2)
         .node_settings(
             1,
             &format!(
-                "create_replica_methods = [\"broken\", \"restore\", \"basebackup\"]\n\
+                "create_replica_methods = [\"delta\", \"broken\", \"restore\", \"basebackup\"]\n\
                  replica_methods = {{ broken = {{ command = \"echo ran > {dir}/broken.ran; false\" }}, \
-                 restore = {{ command = \"{}\" }} }}",
-                script.display()
+                 restore = {{ command = \"{}\" }}, delta = {{ command = \"{}\", keep_data = true }} }}",
+                script.display(),
+                delta.display()
             ),
         )
         .start();
+    // A restore takes long: the member is listed as cloning meanwhile,
+    // for longer than a ttl (6 s), and the leader keeps its slot ready.
+    let n2_record = || async {
+        let snapshot = read_cluster(&c).await;
+        pgwarden_agent::record::records(&snapshot)
+            .into_iter()
+            .find(|m| m.state.name == "n2")
+    };
+    let first = eventually("n2 is listed as cloning", BOOTSTRAP, || async {
+        match n2_record().await {
+            Some(r) if r.status == "cloning" => Ok(r.updated_ms),
+            r => Err(format!("{r:?}")),
+        }
+    })
+    .await;
+    eventually(
+        "n2 stays listed as cloning over a ttl",
+        Duration::from_secs(20),
+        || async {
+            match n2_record().await {
+                Some(r) if r.status == "cloning" && r.updated_ms > first + 7_000 => Ok(()),
+                r => Err(format!("{r:?}")),
+            }
+        },
+    )
+    .await;
+    let listed = pgwarden_agent::http_client::get_json(
+        &format!("{}/cluster", c.node(0).api_url()),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let states: Vec<String> = listed["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| format!("{}:{}", m["name"], m["state"]))
+        .collect();
+    assert_eq!(states, ["\"n1\":\"running\"", "\"n2\":\"cloning\""]);
+    std::fs::write(tools.path().join("gate"), "").unwrap();
     eventually("n2 streams from n1", BOOTSTRAP, || async {
         let from = streams_from_port(&c, 1).await?;
         (from == c.node(0).pg_port.to_string())
@@ -3823,6 +4097,34 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
     .unwrap();
     reads_on(&c, &[1], "SELECT count(*) FROM restored", "1").await;
     slots_are(&c, 0, vec!["pgwarden_n2:true".into()]).await;
+    assert!(!tools.path().join("delta.found").exists());
+
+    // Reinitialized, the replica keeps its data directory for the method
+    // that asks for it, which now works first.
+    let r = api_call(&c, 1, "POST", "/reinitialize", serde_json::json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let found = tools.path().join("delta.found");
+    eventually(
+        "the delta method refreshed n2's old copy",
+        Duration::from_secs(60),
+        || async {
+            let n = std::fs::read_to_string(&found).map_err(|e| e.to_string())?;
+            (n.trim().parse::<u32>().unwrap_or(0) > 10)
+                .then_some(())
+                .ok_or(n)
+        },
+    )
+    .await;
+    query(&n1.pg_conninfo(), "INSERT INTO restored VALUES (2)")
+        .await
+        .unwrap();
+    reads_on(&c, &[1], "SELECT count(*) FROM restored", "2").await;
+    let log = c.node(1).agent_log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("replica created") && l.contains("delta")),
+        "{log}"
+    );
 }
 
 /// A base backup of `remote`'s first node in `dir`, readable by
