@@ -514,24 +514,7 @@ impl HaLoop {
         claim: &str,
         remote: &pgwarden_ha::StandbyCluster,
     ) -> Result<(), AgentStepError> {
-        let user = self.pg.replication_user().to_string();
-        let hba = self.cfg.pg_hba.clone();
-        let (slot, recovery) = (remote.primary_slot_name.clone(), remote.recovery_settings());
-        match remote.upstream() {
-            Some((host, port)) => {
-                let host = host.to_string();
-                self.pg
-                    .with(move |i| {
-                        i.wipe()?;
-                        i.set_primary_slot(slot)?;
-                        i.basebackup(&host, port, &user)?;
-                        i.set_source_settings(recovery)?;
-                        append_hba(i.datadir(), &hba)
-                    })
-                    .await?;
-            }
-            None => self.restore_archive_standby(recovery, hba).await?,
-        }
+        self.create_standby_leader(remote).await?;
         self.pg
             .start(Duration::from_secs(60))
             .await
@@ -559,60 +542,150 @@ impl HaLoop {
         Ok(())
     }
 
-    /// The first member of a standby cluster that follows its source's WAL
-    /// archive alone: the data comes from a backup, by the first of
-    /// `create_replica_methods` (other than `basebackup`, which needs a
-    /// server to copy) that works, and recovery never ends.
-    async fn restore_archive_standby(
+    /// The methods that create a standby leader's data from `remote`: the
+    /// standby cluster's own list, else a base backup of the source, or, for
+    /// a source followed through its archive alone, this member's methods
+    /// other than `basebackup` (which needs a server to copy). A name this
+    /// member has no table for is skipped and logged: the list may come from
+    /// the dynamic configuration, written with other members in mind.
+    fn standby_methods(
+        &self,
+        remote: &pgwarden_ha::StandbyCluster,
+    ) -> Vec<pgwarden_config::ReplicaMethod> {
+        use pgwarden_config::ReplicaMethod;
+        match &remote.create_replica_methods {
+            Some(names) => names
+                .iter()
+                .filter_map(|n| {
+                    if n == "basebackup" {
+                        return Some(ReplicaMethod::Basebackup);
+                    }
+                    let m = self.cfg.replica_methods.get(n).cloned();
+                    if m.is_none() {
+                        tracing::error!(
+                            method = %n,
+                            "standby_cluster.create_replica_methods names a method without an [agent.replica_methods.NAME] table on this member"
+                        );
+                    }
+                    m
+                })
+                .collect(),
+            None if remote.host.is_some() => vec![ReplicaMethod::Basebackup],
+            None => self
+                .cfg
+                .create_replica
+                .iter()
+                .filter(|m| !matches!(m, ReplicaMethod::Basebackup))
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// Fills the data directory of a standby leader of `remote`, by the
+    /// first of [`Self::standby_methods`] that works, and sets it up to
+    /// follow the source (its slot, its recovery settings).
+    async fn create_standby_leader(
         &mut self,
-        recovery: std::collections::BTreeMap<String, String>,
-        hba: Vec<String>,
+        remote: &pgwarden_ha::StandbyCluster,
     ) -> Result<(), PgCtlError> {
+        use pgwarden_config::ReplicaMethod;
         let user = self.pg.replication_user().to_string();
+        let hba = self.cfg.pg_hba.clone();
+        let slot = remote.primary_slot_name.clone();
+        let recovery = remote.recovery_settings();
+        let upstream = remote.upstream().map(|(h, p)| (h.to_string(), p));
         let mut last = PgCtlError::CommandFailed {
-            program: "create_replica_methods".into(),
+            program: "standby_cluster.create_replica_methods".into(),
             status: String::new(),
-            output: "a standby cluster without standby_cluster.host is restored from a backup: \
-                     it needs a method other than basebackup"
+            output: "no method to create the standby leader with (a standby cluster without \
+                     standby_cluster.host is restored from a backup: it needs a method other \
+                     than basebackup)"
                 .into(),
         };
-        for method in self.cfg.create_replica.clone() {
-            let pgwarden_config::ReplicaMethod::Command {
-                name,
-                command,
-                keep_data,
-                no_params,
-            } = method
-            else {
-                continue;
-            };
-            let args = self.method_args(no_params, Some("replica"), None);
-            let (recovery, hba, user, label) =
-                (recovery.clone(), hba.clone(), user.clone(), name.clone());
-            let res = self
-                .pg
-                .with(move |i| {
-                    if !keep_data {
-                        i.wipe()?;
+        for method in self.standby_methods(remote) {
+            let label = method.name().to_string();
+            let (slot, recovery, hba, user, upstream) = (
+                slot.clone(),
+                recovery.clone(),
+                hba.clone(),
+                user.clone(),
+                upstream.clone(),
+            );
+            let res = match method {
+                ReplicaMethod::Basebackup => {
+                    let Some((host, port)) = upstream else {
+                        continue;
+                    };
+                    self.pg
+                        .with(move |i| {
+                            i.wipe()?;
+                            // pg_basebackup creates the slot when missing.
+                            i.set_primary_slot(slot)?;
+                            i.basebackup(&host, port, &user)?;
+                            i.set_source_settings(recovery)?;
+                            append_hba(i.datadir(), &hba)
+                        })
+                        .await
+                }
+                ReplicaMethod::Command {
+                    name,
+                    command,
+                    keep_data,
+                    no_params,
+                } => {
+                    if let (Some(slot), Some((h, p))) = (&slot, &upstream) {
+                        self.ensure_remote_slot(&HostAddr::new(h.as_str(), *p), slot)
+                            .await;
                     }
-                    i.set_primary_slot(None)?;
-                    i.create_replica_with(&name, &command, &args, None, &user)?;
-                    i.set_source_settings(recovery)?;
-                    append_hba(i.datadir(), &hba)
-                })
-                .await;
+                    let connstring = upstream
+                        .as_ref()
+                        .map(|(h, p)| format!("host={h} port={p} user={user} dbname=postgres"));
+                    let args = self.method_args(no_params, Some("replica"), connstring);
+                    self.pg
+                        .with(move |i| {
+                            if !keep_data {
+                                i.wipe()?;
+                            }
+                            i.set_primary_slot(slot)?;
+                            let source = upstream.as_ref().map(|(h, p)| (h.as_str(), *p));
+                            i.create_replica_with(&name, &command, &args, source, &user)?;
+                            i.set_source_settings(recovery)?;
+                            append_hba(i.datadir(), &hba)
+                        })
+                        .await
+                }
+            };
             match res {
                 Ok(()) => {
-                    tracing::info!(method = %label, "standby leader restored from a backup; it follows the source's archive");
+                    tracing::info!(method = %label, source = %remote.address(), "standby leader created from the remote source");
                     return Ok(());
                 }
                 Err(e) => {
-                    tracing::warn!(method = %label, error = %e, "restoring the standby leader failed");
+                    tracing::warn!(method = %label, error = %e, "creating the standby leader failed");
                     last = e;
                 }
             }
         }
         Err(last)
+    }
+
+    /// Creates the standby leader's slot on the source before a backup
+    /// tool's restore (a base backup creates it itself), so that the source
+    /// keeps the WAL the restored copy will stream. A source that refuses is
+    /// logged; streaming then tells.
+    async fn ensure_remote_slot(&self, source: &HostAddr, slot: &str) {
+        // The name passed valid_slot_name: lower-case letters, digits, '_'.
+        let sql = format!(
+            "SELECT pg_create_physical_replication_slot('{slot}', true) \
+             WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = '{slot}')"
+        );
+        if let Err(e) = self
+            .pg
+            .query_in(Some(source), "postgres", &sql, Duration::from_secs(5))
+            .await
+        {
+            tracing::warn!(%source, slot, error = %e, "cannot create the standby leader's slot on the source");
+        }
     }
 
     /// The arguments an operator's restore command gets, Patroni's, so that
@@ -1627,7 +1700,7 @@ impl HaLoop {
                     return;
                 };
                 if self.former_primary {
-                    if let Err(e) = self.rejoin(&addr, "the leader").await {
+                    if let Err(e) = self.rejoin(&addr, None).await {
                         tracing::error!(error = %e, "cannot rejoin as a replica");
                         return;
                     }
@@ -1703,11 +1776,20 @@ impl HaLoop {
     }
 
     /// Makes a former primary, or a standby whose history forked, fit to
-    /// follow `leader` (a member, or a standby cluster's remote source,
-    /// named by `whom` in the problem it reports): crash recovery if it
-    /// went down hard, then pg_rewind; a fresh clone when rewinding fails
-    /// and that is allowed.
-    async fn rejoin(&mut self, leader: &HostAddr, whom: &str) -> Result<(), PgCtlError> {
+    /// follow `leader`, a member or, given `remote`, a standby cluster's
+    /// source: crash recovery if it went down hard, then pg_rewind; a fresh
+    /// clone (by the standby cluster's methods, for its source) when
+    /// rewinding fails and that is allowed.
+    async fn rejoin(
+        &mut self,
+        leader: &HostAddr,
+        remote: Option<&pgwarden_ha::StandbyCluster>,
+    ) -> Result<(), PgCtlError> {
+        let whom = if remote.is_some() {
+            "the remote source"
+        } else {
+            "the leader"
+        };
         self.busy("rewinding").await;
         let _ = self.pg.stop(StopMode::Fast).await;
         // pg_rewind reads the source's timeline from its control file, which
@@ -1747,7 +1829,10 @@ impl HaLoop {
                 if self.cfg.reclone_on_rewind_failure {
                     self.problem = Some(format!("{why}; re-cloned from {whom}"));
                     self.busy("cloning").await;
-                    self.clone_from(leader).await
+                    match remote {
+                        Some(r) => self.create_standby_leader(r).await,
+                        None => self.clone_from(leader).await,
+                    }
                 } else {
                     self.problem = Some(format!(
                         "{why}; left stopped (reclone_on_rewind_failure = false)"
@@ -1782,7 +1867,7 @@ impl HaLoop {
             && (leader_tl > self.obs.pg.timeline || diverged)
         {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
-            if self.rejoin(&addr, "the leader").await.is_ok() {
+            if self.rejoin(&addr, None).await.is_ok() {
                 self.start(&StartMode::ReplicaOf {
                     leader: leader.to_string(),
                 })
@@ -2037,7 +2122,7 @@ impl HaLoop {
                     source = %remote.address(),
                     "this standby leader replayed WAL that its source's history does not have; it must rewind"
                 );
-                if self.rejoin(&addr, "the remote source").await.is_err() {
+                if self.rejoin(&addr, Some(&remote)).await.is_err() {
                     return;
                 }
                 if let Err(e) = self.point_at_remote(&remote, true).await {
@@ -3085,6 +3170,10 @@ impl HaLoop {
             let names: Vec<&str> = new.create_replica.iter().map(|m| m.name()).collect();
             tracing::info!(methods = ?names, "create_replica_methods reloaded");
             self.cfg.create_replica = new.create_replica.clone();
+        }
+        if new.replica_methods != self.cfg.replica_methods {
+            tracing::info!("replica_methods reloaded");
+            self.cfg.replica_methods = new.replica_methods.clone();
         }
         if new.reclone_on_rewind_failure != self.cfg.reclone_on_rewind_failure {
             tracing::info!(

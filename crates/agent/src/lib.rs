@@ -67,6 +67,7 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest.watchdog = old.watchdog.clone();
     rest.replication_user = old.replication_user.clone();
     rest.create_replica = old.create_replica.clone();
+    rest.replica_methods = old.replica_methods.clone();
     // Read only when the cluster is created.
     rest.standby_cluster = old.standby_cluster.clone();
     rest.bootstrap = old.bootstrap.clone();

@@ -112,6 +112,10 @@ pub struct AgentConfig {
     /// re-cloned: methods tried in order until one succeeds
     /// (`create_replica_methods`, as Patroni names it).
     pub create_replica: Vec<ReplicaMethod>,
+    /// Every `[agent.replica_methods.NAME]`, listed in
+    /// `create_replica_methods` or not: a standby cluster's own
+    /// `create_replica_methods` may name them too.
+    pub replica_methods: BTreeMap<String, ReplicaMethod>,
     /// `[agent.bootstrap]`: create a new cluster from a backup instead of
     /// with initdb. Read only by the member that creates the cluster.
     pub bootstrap: Option<BootstrapMethod>,
@@ -583,7 +587,26 @@ pub(crate) fn agent(
         let (key, why) = e.split_once(": ").unwrap_or(("standby_cluster", &e));
         return Err(src.invalid(None, format!("agent.{key}"), why.to_string()));
     }
-    let create_replica = replica_methods(raw.create_replica_methods, raw.replica_methods, src)?;
+    let (create_replica, all_methods) =
+        replica_methods(raw.create_replica_methods, raw.replica_methods, src)?;
+    if let Some(names) = raw
+        .standby_cluster
+        .as_ref()
+        .and_then(|s| s.create_replica_methods.as_ref())
+    {
+        if let Some(name) = names
+            .iter()
+            .find(|n| *n != "basebackup" && !all_methods.contains_key(*n))
+        {
+            return Err(src.invalid(
+                None,
+                "agent.standby_cluster.create_replica_methods",
+                format!(
+                    "{name:?} is neither basebackup nor a table [agent.replica_methods.{name}]"
+                ),
+            ));
+        }
+    }
     let bootstrap = raw.bootstrap.map(|b| bootstrap(b, src)).transpose()?;
     let d = WatchdogConfig::default();
     let count = match raw.synchronous_node_count {
@@ -653,6 +676,7 @@ pub(crate) fn agent(
         sync,
         standby_cluster: raw.standby_cluster,
         create_replica,
+        replica_methods: all_methods,
         bootstrap,
     })
 }
@@ -688,13 +712,15 @@ fn bootstrap(raw: RawBootstrap, src: &Source<'_>) -> Result<BootstrapMethod, Con
     })
 }
 
-/// `create_replica_methods` with the tables its names refer to; without
-/// it, `pg_basebackup` alone.
+/// `create_replica_methods` with the tables its names refer to (without
+/// it, `pg_basebackup` alone), and every table by its name.
+type Methods = (Vec<ReplicaMethod>, BTreeMap<String, ReplicaMethod>);
+
 fn replica_methods(
     order: Option<Spanned<Vec<NonEmpty>>>,
-    mut tables: BTreeMap<String, RawReplicaMethod>,
+    tables: BTreeMap<String, RawReplicaMethod>,
     src: &Source<'_>,
-) -> Result<Vec<ReplicaMethod>, ConfigError> {
+) -> Result<Methods, ConfigError> {
     if tables.contains_key("basebackup") {
         return Err(src.invalid(
             None,
@@ -702,8 +728,21 @@ fn replica_methods(
             "basebackup is built in and takes no table",
         ));
     }
+    let mut tables: BTreeMap<String, ReplicaMethod> = tables
+        .into_iter()
+        .map(|(name, t)| {
+            let method = ReplicaMethod::Command {
+                name: name.clone(),
+                command: t.command.0,
+                keep_data: t.keep_data,
+                no_params: t.no_params,
+            };
+            (name, method)
+        })
+        .collect();
+    let all = tables.clone();
     let Some(order) = order else {
-        return Ok(vec![ReplicaMethod::Basebackup]);
+        return Ok((vec![ReplicaMethod::Basebackup], all));
     };
     let span = order.span();
     let names = order.into_inner();
@@ -720,7 +759,7 @@ fn replica_methods(
             out.push(ReplicaMethod::Basebackup);
             continue;
         }
-        let Some(t) = tables.remove(&name) else {
+        let Some(method) = tables.remove(&name) else {
             return Err(src.invalid(
                 Some(span),
                 "agent.create_replica_methods",
@@ -729,14 +768,9 @@ fn replica_methods(
                 ),
             ));
         };
-        out.push(ReplicaMethod::Command {
-            name,
-            command: t.command.0,
-            keep_data: t.keep_data,
-            no_params: t.no_params,
-        });
+        out.push(method);
     }
-    Ok(out)
+    Ok((out, all))
 }
 
 pub(crate) fn etcd(raw: RawEtcd, src: &Source<'_>) -> Result<EtcdConfig, ConfigError> {

@@ -894,6 +894,30 @@ fn agent_replica_methods_are_tried_in_the_order_given() {
             ReplicaMethod::Basebackup,
         ]
     );
+    // A standby cluster's own list may name a method the members' list
+    // leaves out.
+    let a = parse(
+        &with(
+            "standby_cluster = { host = \"dc1\", create_replica_methods = [\"wal_g\", \"basebackup\"] }\n\
+             [agent.replica_methods.wal_g]\n\
+             command = \"wal-g backup-fetch\"",
+        ),
+        FILE,
+    )
+    .unwrap()
+    .agent
+    .unwrap();
+    assert_eq!(a.create_replica, [ReplicaMethod::Basebackup]);
+    assert_eq!(
+        a.replica_methods.keys().collect::<Vec<_>>(),
+        ["wal_g"],
+        "{:?}",
+        a.replica_methods
+    );
+    assert_eq!(
+        a.standby_cluster.unwrap().create_replica_methods.unwrap(),
+        ["wal_g", "basebackup"]
+    );
     for (bad, key, why) in [
         (
             "create_replica_methods = [\"wal_g\"]",
@@ -914,6 +938,16 @@ fn agent_replica_methods_are_tried_in_the_order_given() {
             "create_replica_methods = [\"r\"]\n[agent.replica_methods.r]\ncomand = \"x\"",
             "comand",
             "unknown field",
+        ),
+        (
+            "standby_cluster = { host = \"h\", create_replica_methods = [\"wal_g\"] }",
+            "agent.standby_cluster.create_replica_methods",
+            "[agent.replica_methods.wal_g]",
+        ),
+        (
+            "standby_cluster = { host = \"h\", create_replica_methods = [] }",
+            "agent.standby_cluster.create_replica_methods",
+            "names no method",
         ),
     ] {
         let e = parse(&with(bad), FILE).unwrap_err().to_string();

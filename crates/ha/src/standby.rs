@@ -39,6 +39,15 @@ pub struct StandbyCluster {
     /// `pg_archivecleanup`), run at every restart point.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub archive_cleanup_command: Option<String>,
+    /// How the standby leader gets its data from the source, tried in order
+    /// (Patroni's key of the same name): `basebackup`, or the names of the
+    /// members' `replica_methods` (a backup tool's restore, which spares a
+    /// base backup over the link between sites). By default `basebackup`
+    /// with a `host`, else the member's own methods other than it. The
+    /// cluster's other members clone the standby leader with their own
+    /// `create_replica_methods`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_replica_methods: Option<Vec<String>>,
 }
 
 fn default_port() -> u16 {
@@ -86,6 +95,30 @@ impl StandbyCluster {
                     "standby_cluster.primary_slot_name: {slot:?} is not a slot name \
                      (1 to 63 lower-case letters, digits and '_')"
                 ));
+            }
+        }
+        if let Some(methods) = &self.create_replica_methods {
+            if methods.is_empty() {
+                return Err(
+                    "standby_cluster.create_replica_methods: names no method; leave it out for the default"
+                        .into(),
+                );
+            }
+            for (i, m) in methods.iter().enumerate() {
+                if m.trim().is_empty() {
+                    return Err("standby_cluster.create_replica_methods: a name is empty".into());
+                }
+                if methods[..i].contains(m) {
+                    return Err(format!(
+                        "standby_cluster.create_replica_methods: {m:?} is listed twice"
+                    ));
+                }
+                if m == "basebackup" && self.host.is_none() {
+                    return Err(
+                        "standby_cluster.create_replica_methods: basebackup needs a host to copy"
+                            .into(),
+                    );
+                }
             }
         }
         for (key, command) in [
@@ -158,6 +191,15 @@ mod tests {
         .unwrap();
         assert_eq!(s.primary_slot_name.as_deref(), Some("dc2"));
         assert!(s.recovery_settings().is_empty());
+        assert_eq!(s.create_replica_methods, None);
+        let s = StandbyCluster::from_json(
+            &json!({"host": "db.dc1", "create_replica_methods": ["pgbackrest", "basebackup"]}),
+        )
+        .unwrap();
+        assert_eq!(
+            s.create_replica_methods.as_deref(),
+            Some(&["pgbackrest".to_string(), "basebackup".to_string()][..])
+        );
         // The archive alone.
         let s = StandbyCluster::from_json(&json!({"restore_command": "cp /a/%f %p"})).unwrap();
         assert_eq!(s.upstream(), None);
@@ -209,6 +251,18 @@ mod tests {
             (
                 json!({"host": "h", "recovery_target": "x"}),
                 "unknown field",
+            ),
+            (
+                json!({"host": "h", "create_replica_methods": []}),
+                "create_replica_methods: names no method",
+            ),
+            (
+                json!({"host": "h", "create_replica_methods": ["a", "a"]}),
+                "\"a\" is listed twice",
+            ),
+            (
+                json!({"restore_command": "x", "create_replica_methods": ["basebackup"]}),
+                "basebackup needs a host",
             ),
         ] {
             let e = StandbyCluster::from_json(&v).unwrap_err();

@@ -3577,11 +3577,14 @@ async fn a_standby_leader_rewinds_onto_its_source_only_when_their_histories_fork
         .unwrap();
     replica.reload().unwrap();
     eventually(
-        "replica 2 streams from the new primary",
+        "replica 2 streams from the new primary and has its rows",
         Duration::from_secs(30),
         || async {
             let s = one(&sources[2], "SELECT status FROM pg_stat_wal_receiver").await?;
-            (s == "streaming").then_some(()).ok_or(s)
+            let r = one(&sources[2], rows).await?;
+            (s == "streaming" && r == "1,2")
+                .then_some(())
+                .ok_or(format!("{s}, rows {r}"))
         },
     )
     .await;
@@ -4336,4 +4339,94 @@ async fn a_standby_cluster_can_follow_its_source_through_the_archive_alone() {
         assert!(p.is_null(), "{p}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_leader_is_created_by_its_own_methods_then_streams_from_its_source() {
+    // A large database is restored from the other site's backups rather
+    // than copied over the link; the standby leader then streams.
+    let remote = pgwarden_testkit::TestCluster::builder()
+        .setting("full_page_writes", "on")
+        .start();
+    let source = remote.conninfo(0);
+    query(
+        &source,
+        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
+    )
+    .await
+    .unwrap();
+    let tools = shared_dir();
+    let backup = base_backup(&remote, tools.path());
+    let script = copy_script(tools.path(), &backup, "restore.args");
+    query(&source, "INSERT INTO dr VALUES (2)").await.unwrap();
+    let port = remote.port(0);
+    // The method is the standby cluster's own; the members' list stays
+    // pg_basebackup alone, which n2 uses to clone n1.
+    let c = cluster()
+        .nodes(2)
+        .node_settings(
+            0,
+            &format!(
+                "replica_methods = {{ restore = {{ command = \"{}\" }} }}\n\
+                 standby_cluster = {{ host = \"127.0.0.1\", port = {port}, \
+                 primary_slot_name = \"dr_site\", create_replica_methods = [\"restore\", \"basebackup\"] }}",
+                script.display()
+            ),
+        )
+        .start();
+    let remote_port = port.to_string();
+    eventually("the chain remote → n1 → n2", BOOTSTRAP, || async {
+        let (a, b) = (
+            streams_from_port(&c, 0).await?,
+            streams_from_port(&c, 1).await?,
+        );
+        (a == remote_port && b == c.node(0).pg_port.to_string())
+            .then_some(())
+            .ok_or(format!("n1 from {a}, n2 from {b}"))
+    })
+    .await;
+    let args = std::fs::read_to_string(tools.path().join("restore.args")).unwrap();
+    assert_eq!(
+        args.trim(),
+        format!(
+            "--scope={} --datadir={} --role=replica --connstring=host=127.0.0.1 port={port} user=postgres dbname=postgres",
+            c.cluster_name(),
+            c.node(0).data_dir.display(),
+        )
+    );
+    let log = c.node(0).agent_log();
+    assert!(
+        log.lines().any(
+            |l| l.contains("standby leader created from the remote source")
+                && l.contains("restore")
+        ),
+        "{log}"
+    );
+    // Through the slot made for it before the restore; a row written after
+    // the backup, and one written now, reach both members.
+    assert_eq!(
+        one(
+            &source,
+            "SELECT string_agg(slot_name || ':' || active, ',') FROM pg_replication_slots"
+        )
+        .await
+        .unwrap(),
+        "dr_site:true"
+    );
+    query(&source, "INSERT INTO dr VALUES (3)").await.unwrap();
+    reads_on(&c, &[0, 1], "SELECT count(*) FROM dr", "3").await;
+    assert!(
+        writable(&c).await.is_empty(),
+        "a standby cluster takes no writes"
+    );
+    let config = pgwarden_agent::http_client::get_json(
+        &format!("{}/config", c.node(1).api_url()),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        config["standby_cluster"]["create_replica_methods"],
+        serde_json::json!(["restore", "basebackup"])
+    );
 }
