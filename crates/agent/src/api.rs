@@ -409,6 +409,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
             m.state.role.to_string()
         },
         "state": m.status,
+        "replication_state": m.replication_state,
         "timeline": m.state.timeline,
         "received_lsn": m.state.received_lsn,
         "replayed_lsn": m.state.replayed_lsn,
@@ -480,7 +481,7 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
             json!({
                 "name": name,
                 "role": role,
-                "state": r.status,
+                "state": r.shown_state(),
                 "host": host,
                 "port": port,
                 "pg_address": r.pg_address,
@@ -1382,6 +1383,17 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         i64::from(st.dcs_reachable),
     );
     gauge("paused", "1 in maintenance mode", i64::from(st.paused));
+    let replication = st.member.replication_state.as_deref();
+    gauge(
+        "streaming",
+        "1 while this standby's WAL receiver streams",
+        i64::from(replication == Some("streaming")),
+    );
+    gauge(
+        "in_archive_recovery",
+        "1 while this standby replays without streaming (from the archive or its own WAL)",
+        i64::from(replication == Some("in archive recovery")),
+    );
     gauge(
         "timeline",
         "PostgreSQL timeline",

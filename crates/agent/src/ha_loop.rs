@@ -3461,6 +3461,14 @@ impl HaLoop {
                 .use_slots
                 .then(|| crate::slots::slot_name(&self.cfg.name)),
             upstream: self.upstream.clone().filter(|_| pg.in_recovery),
+            replication_state: (pg.running && pg.in_recovery).then(|| {
+                if self.obs.streaming {
+                    "streaming"
+                } else {
+                    "in archive recovery"
+                }
+                .to_string()
+            }),
             logical_slots: self
                 .logical_ready
                 .iter()

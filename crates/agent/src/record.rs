@@ -56,6 +56,22 @@ pub struct MemberRecord {
     /// ([`crate::slots::copy_ready`]).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub logical_slots: std::collections::BTreeMap<String, bool>,
+    /// As a running standby, as Patroni reports it: `streaming` while its
+    /// WAL receiver streams, else `in archive recovery` (replaying what the
+    /// archive or its own `pg_wal` holds, or waiting for a source).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replication_state: Option<String>,
+}
+
+impl MemberRecord {
+    /// The state `/cluster` and `ctl list` show, as Patroni does: a running
+    /// standby's replication state, else what the agent is doing.
+    pub fn shown_state(&self) -> &str {
+        match (&self.replication_state, self.status.as_str()) {
+            (Some(r), "running") => r,
+            (_, s) => s,
+        }
+    }
 }
 
 /// A restart asked for through the API (`POST /restart`): at once or at a
@@ -251,6 +267,23 @@ mod tests {
     use pgwarden_dcs::{LeaderKey, LeaseId};
     use pgwarden_ha::MemberRole;
     use serde_json::json;
+
+    #[test]
+    fn a_running_standby_shows_its_replication_state() {
+        let mut r = MemberRecord {
+            status: "running".into(),
+            ..MemberRecord::default()
+        };
+        assert_eq!(r.shown_state(), "running");
+        r.replication_state = Some("streaming".into());
+        assert_eq!(r.shown_state(), "streaming");
+        // What the agent is doing comes first.
+        r.status = "rewinding".into();
+        assert_eq!(r.shown_state(), "rewinding");
+        // Left out of the record when there is none, as before.
+        let v = serde_json::to_value(MemberRecord::default()).unwrap();
+        assert!(v.get("replication_state").is_none(), "{v}");
+    }
 
     #[test]
     fn fenced_members_come_from_the_dynamic_configuration() {

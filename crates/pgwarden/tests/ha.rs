@@ -2475,16 +2475,7 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
         list.contains("Writes blocked: no synchronous standby"),
         "{list}"
     );
-    let metrics = pgwarden_agent::http_client::request(
-        "GET",
-        &format!("{}/metrics", c.node(0).api_url()),
-        None,
-        None,
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap()
-    .body;
+    let metrics = api_get_text(&c, 0, "/metrics").await;
     assert!(
         metrics.contains("pgwarden_ha_sync_blocked_seconds"),
         "{metrics}"
@@ -3252,6 +3243,85 @@ async fn reads_on(c: &AgentCluster, nodes: &[usize], q: &str, want: &str) {
     }
 }
 
+/// The "other data centre" of a standby cluster: a primary and
+/// `replicas` replicas that no agent manages, with a table `dr` holding
+/// one row. Members clone the standby leader, a standby: PostgreSQL allows
+/// that only with full-page writes on the primary.
+async fn remote_site(replicas: usize) -> pgwarden_testkit::TestCluster {
+    let remote = pgwarden_testkit::TestCluster::builder()
+        .replicas(replicas)
+        .setting("full_page_writes", "on")
+        .start();
+    query(
+        &remote.conninfo(0),
+        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
+    )
+    .await
+    .unwrap();
+    remote
+}
+
+/// Waits until n1 streams from the remote source at `remote_port` and
+/// n2 from n1.
+async fn chain_from_remote(c: &AgentCluster, remote_port: &str) {
+    eventually("the chain remote → n1 → n2", BOOTSTRAP, || async {
+        let (a, b) = (
+            streams_from_port(c, 0).await?,
+            streams_from_port(c, 1).await?,
+        );
+        (a == remote_port && b == c.node(0).pg_port.to_string())
+            .then_some(())
+            .ok_or(format!("n1 from {a}, n2 from {b}"))
+    })
+    .await;
+}
+
+/// The replication slots of the server at `conninfo`, `name:active`.
+async fn slots_on(conninfo: &str) -> String {
+    one(
+        conninfo,
+        "SELECT string_agg(slot_name || ':' || active, ',') FROM pg_replication_slots",
+    )
+    .await
+    .unwrap()
+}
+
+/// Each member in node `i`'s `GET /cluster`, as `name:` followed by the
+/// given fields joined by `:`.
+async fn cluster_members(
+    c: &AgentCluster,
+    i: usize,
+    fields: &[&str],
+) -> Result<Vec<String>, String> {
+    let url = format!("{}/cluster", c.node(i).api_url());
+    let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+        .await
+        .map_err(|e| e.to_string())?;
+    let text = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
+    Ok(v["members"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|m| {
+                    let mut parts = vec![text(&m["name"])];
+                    parts.extend(fields.iter().map(|f| text(&m[*f])));
+                    parts.join(":")
+                })
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// The body of a `GET` of `path` on node `i`'s API.
+async fn api_get_text(c: &AgentCluster, i: usize, path: &str) -> String {
+    let url = format!("{}{path}", c.node(i).api_url());
+    let r = pgwarden_agent::http_client::request("GET", &url, None, None, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    assert_eq!(r.status, 200, "{path}: {}", r.body);
+    r.body
+}
+
 /// The port node `i`'s WAL receiver streams from.
 async fn streams_from_port(c: &AgentCluster, i: usize) -> Result<String, String> {
     one(
@@ -3263,19 +3333,8 @@ async fn streams_from_port(c: &AgentCluster, i: usize) -> Result<String, String>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
-    // The "other data centre": a primary no agent manages.
-    // Members clone the standby leader, a standby: PostgreSQL allows that
-    // only with full-page writes on the primary.
-    let remote = pgwarden_testkit::TestCluster::builder()
-        .setting("full_page_writes", "on")
-        .start();
+    let remote = remote_site(0).await;
     let source = remote.conninfo(0);
-    query(
-        &source,
-        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
-    )
-    .await
-    .unwrap();
     let port = remote.port(0);
     // Only the member that creates the cluster reads its file's
     // standby_cluster; it puts it in the dynamic configuration.
@@ -3317,39 +3376,12 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     );
     // n1 streams from the remote through the named slot, n2 from n1
     // through the slot n1 keeps for it; nobody takes writes.
-    eventually("the chain remote → n1 → n2", BOOTSTRAP, || async {
-        let (a, b) = (
-            streams_from_port(&c, 0).await?,
-            streams_from_port(&c, 1).await?,
-        );
-        (a == remote_port && b == c.node(0).pg_port.to_string())
-            .then_some(())
-            .ok_or(format!("n1 from {a}, n2 from {b}"))
-    })
-    .await;
-    assert_eq!(
-        one(
-            &source,
-            "SELECT string_agg(slot_name || ':' || active, ',') FROM pg_replication_slots"
-        )
-        .await
-        .unwrap(),
-        "dr_site:true"
-    );
-    let url = format!("{}/cluster", c.node(1).api_url());
+    chain_from_remote(&c, &remote_port).await;
+    assert_eq!(slots_on(&source).await, "dr_site:true");
+    // Both stream, which ctl shows as their state, as Patroni 3 does.
     eventually("ctl's roles", Duration::from_secs(20), || async {
-        let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-            .await
-            .map_err(|e| e.to_string())?;
-        let roles: Vec<String> = v["members"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|m| format!("{}:{}", m["name"], m["role"]))
-                    .collect()
-            })
-            .unwrap_or_default();
-        (roles == ["\"n1\":\"standby_leader\"", "\"n2\":\"replica\""])
+        let roles = cluster_members(&c, 1, &["role", "state"]).await?;
+        (roles == ["n1:standby_leader:streaming", "n2:replica:streaming"])
             .then_some(())
             .ok_or(format!("{roles:?}"))
     })
@@ -3475,18 +3507,9 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
 async fn a_standby_leader_rewinds_onto_its_source_only_when_their_histories_forked() {
     use nix::sys::signal::Signal;
     use pgwarden_pgctl::StopMode;
-    // The other site: a primary and two replicas that no agent manages.
-    let mut remote = pgwarden_testkit::TestCluster::builder()
-        .replicas(2)
-        .setting("full_page_writes", "on")
-        .start();
+    // The other site: a primary and two replicas.
+    let mut remote = remote_site(2).await;
     let sources: Vec<String> = (0..3).map(|i| remote.conninfo(i)).collect();
-    query(
-        &sources[0],
-        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
-    )
-    .await
-    .unwrap();
     let port = remote.port(0);
     let c = cluster()
         .nodes(1)
@@ -4040,19 +4063,10 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
         },
     )
     .await;
-    let listed = pgwarden_agent::http_client::get_json(
-        &format!("{}/cluster", c.node(0).api_url()),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
-    let states: Vec<String> = listed["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| format!("{}:{}", m["name"], m["state"]))
-        .collect();
-    assert_eq!(states, ["\"n1\":\"running\"", "\"n2\":\"cloning\""]);
+    assert_eq!(
+        cluster_members(&c, 0, &["state"]).await.unwrap(),
+        ["n1:running", "n2:cloning"]
+    );
     std::fs::write(tools.path().join("gate"), "").unwrap();
     eventually("n2 streams from n1", BOOTSTRAP, || async {
         let from = streams_from_port(&c, 1).await?;
@@ -4312,6 +4326,15 @@ async fn a_standby_cluster_can_follow_its_source_through_the_archive_alone() {
     })
     .await;
     assert_eq!(one(&n1, "SHOW primary_conninfo").await.unwrap(), "");
+    // Replaying the archive, not streaming: Patroni's word for it.
+    let status = member_status(&c, 0).await.unwrap();
+    assert_eq!(status["replication_state"], "in archive recovery");
+    let metrics = api_get_text(&c, 0, "/metrics").await;
+    assert!(
+        metrics.contains("pgwarden_ha_in_archive_recovery 1")
+            && metrics.contains("pgwarden_ha_streaming 0"),
+        "{metrics}"
+    );
     assert_eq!(one(&n1, "SHOW restore_command").await.unwrap(), restore);
     let args = std::fs::read_to_string(tools.path().join("restore.args")).unwrap();
     assert!(
@@ -4345,16 +4368,8 @@ async fn a_standby_cluster_can_follow_its_source_through_the_archive_alone() {
 async fn a_standby_leader_is_created_by_its_own_methods_then_streams_from_its_source() {
     // A large database is restored from the other site's backups rather
     // than copied over the link; the standby leader then streams.
-    let remote = pgwarden_testkit::TestCluster::builder()
-        .setting("full_page_writes", "on")
-        .start();
+    let remote = remote_site(0).await;
     let source = remote.conninfo(0);
-    query(
-        &source,
-        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
-    )
-    .await
-    .unwrap();
     let tools = shared_dir();
     let backup = base_backup(&remote, tools.path());
     let script = copy_script(tools.path(), &backup, "restore.args");
@@ -4375,16 +4390,7 @@ async fn a_standby_leader_is_created_by_its_own_methods_then_streams_from_its_so
         )
         .start();
     let remote_port = port.to_string();
-    eventually("the chain remote → n1 → n2", BOOTSTRAP, || async {
-        let (a, b) = (
-            streams_from_port(&c, 0).await?,
-            streams_from_port(&c, 1).await?,
-        );
-        (a == remote_port && b == c.node(0).pg_port.to_string())
-            .then_some(())
-            .ok_or(format!("n1 from {a}, n2 from {b}"))
-    })
-    .await;
+    chain_from_remote(&c, &remote_port).await;
     let args = std::fs::read_to_string(tools.path().join("restore.args")).unwrap();
     assert_eq!(
         args.trim(),
@@ -4404,15 +4410,7 @@ async fn a_standby_leader_is_created_by_its_own_methods_then_streams_from_its_so
     );
     // Through the slot made for it before the restore; a row written after
     // the backup, and one written now, reach both members.
-    assert_eq!(
-        one(
-            &source,
-            "SELECT string_agg(slot_name || ':' || active, ',') FROM pg_replication_slots"
-        )
-        .await
-        .unwrap(),
-        "dr_site:true"
-    );
+    assert_eq!(slots_on(&source).await, "dr_site:true");
     query(&source, "INSERT INTO dr VALUES (3)").await.unwrap();
     reads_on(&c, &[0, 1], "SELECT count(*) FROM dr", "3").await;
     assert!(
