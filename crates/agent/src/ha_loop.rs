@@ -1794,8 +1794,10 @@ impl HaLoop {
         let _ = self.pg.stop(StopMode::Fast).await;
         // pg_rewind reads the source's timeline from its control file, which
         // a promotion updates only at its next checkpoint: without one it
-        // may see no fork and rewind nothing.
-        if let Err(e) = self.checkpoint(leader).await {
+        // may see no fork and rewind nothing. A source whose control file is
+        // current (a standby cluster's source that never failed over, say,
+        // the primary of another site) is spared the I/O of one.
+        if let Err(e) = self.checkpoint_if_behind(leader).await {
             tracing::warn!(error = %e, leader = %leader, "CHECKPOINT on the leader before pg_rewind failed");
         }
         let state = self.control_state().await;
@@ -2442,6 +2444,30 @@ impl HaLoop {
             tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
         tokio::spawn(conn);
         c.batch_execute("CHECKPOINT").await
+    }
+
+    /// Runs `CHECKPOINT` on the primary at `addr` if its control file
+    /// still names an earlier timeline than the one it writes (it was
+    /// promoted since its last checkpoint).
+    async fn checkpoint_if_behind(&self, addr: &HostAddr) -> Result<(), tokio_postgres::Error> {
+        let (c, conn) =
+            tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
+        tokio::spawn(conn);
+        let behind: bool = c
+            .query_one(
+                // CASE, not AND: pg_walfile_name fails during recovery.
+                "SELECT CASE WHEN pg_is_in_recovery() THEN false \
+                 ELSE (SELECT timeline_id FROM pg_control_checkpoint()) \
+                 <> ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
+                &[],
+            )
+            .await?
+            .get(0);
+        if behind {
+            tracing::info!(source = %addr, "CHECKPOINT on the source: its control file predates its promotion");
+            c.batch_execute("CHECKPOINT").await?;
+        }
+        Ok(())
     }
 
     /// How long the members have to acknowledge this leader.

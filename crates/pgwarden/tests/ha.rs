@@ -3466,6 +3466,8 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     // leads as a standby of the remote. Its history forked from the
     // remote's when it was promoted, so it is rewound onto the remote's,
     // losing the row written meanwhile, and streams again.
+    let checkpoints = "SELECT checkpoints_req FROM pg_stat_bgwriter";
+    let requested = one(&source, checkpoints).await.unwrap();
     patch_config_ok(
         &c,
         0,
@@ -3501,6 +3503,8 @@ async fn a_standby_cluster_follows_its_remote_primary_until_it_is_promoted() {
     .await;
     let p = member_status(&c, 0).await.unwrap()["problem"].clone();
     assert!(p.is_null(), "problem after the rewind: {p}");
+    // The remote, whose control file was current, was spared a CHECKPOINT.
+    assert_eq!(one(&source, checkpoints).await.unwrap(), requested);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
