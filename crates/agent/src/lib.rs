@@ -125,6 +125,30 @@ pub fn etcd_reloadable(old: &EtcdConfig, new: &EtcdConfig) -> bool {
     old.namespace == new.namespace && old.cluster == new.cluster && old.op_timeout == new.op_timeout
 }
 
+/// Loads the files the agent's configuration names (etcd's CA,
+/// certificate, key and password file; the API's certificate, key and CA)
+/// as starting would, without connecting to anything: `pgwarden agent
+/// --check`. Relative paths must already be resolved.
+pub fn check_files(cfg: &AgentConfig, etcd: &EtcdConfig) -> Result<(), AgentError> {
+    etcd_security(etcd)?;
+    let own = cfg
+        .api_cert_file
+        .as_deref()
+        .zip(cfg.api_key_file.as_deref());
+    if let Some(ca) = &cfg.api_ca_file {
+        tls::client_config(ca, own).map_err(AgentError::ApiTls)?;
+    }
+    if let Some((cert, key)) = own {
+        let client_ca = cfg
+            .api_ca_file
+            .as_deref()
+            .filter(|_| cfg.api_verify_client != pgwarden_config::VerifyClient::None);
+        let optional = cfg.api_verify_client == pgwarden_config::VerifyClient::Optional;
+        tls::server_config(cert, key, client_ca, optional).map_err(AgentError::ApiTls)?;
+    }
+    Ok(())
+}
+
 /// What the agent shows etcd, read from the files `[etcd]` names (paths
 /// as given: the caller resolves relative ones).
 pub fn etcd_security(etcd: &EtcdConfig) -> Result<pgwarden_dcs::EtcdSecurity, AgentError> {

@@ -16,6 +16,11 @@ pub struct Args {
     /// The node's configuration file (TOML) with `[agent]` and `[etcd]`.
     #[arg(long, short, value_name = "FILE")]
     config: PathBuf,
+    /// Check the file and every file it names (etcd's and the API's TLS
+    /// files, passwords, the connection manager's), print what it sets up
+    /// and exit, starting nothing: before a start or a SIGHUP.
+    #[arg(long)]
+    check: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -39,6 +44,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     .flatten()
     {
         *f = dir.join(&*f);
+    }
+    if args.check {
+        pgwarden_agent::check_files(&agent, &etcd)
+            .with_context(|| format!("{}", args.config.display()))?;
+        api_credentials(&agent, &args.config)?;
+        crate::run_cmd::check(&args.config, &config)?;
+        println!(
+            "{}: member {} of cluster {} ({} etcd endpoint(s)), data directory {}",
+            args.config.display(),
+            agent.name,
+            etcd.cluster,
+            etcd.endpoints.len(),
+            agent.data_dir.display()
+        );
+        return Ok(());
     }
     let runtime = crate::run_cmd::runtime(&config)?;
     runtime.block_on(async {

@@ -21,11 +21,41 @@ pub struct Args {
     /// The configuration file (TOML).
     #[arg(long, short, value_name = "FILE")]
     config: PathBuf,
+    /// Check the file and every file it names (password, TLS, hba, auth),
+    /// print what it sets up and exit, starting nothing: before a start
+    /// or a SIGHUP.
+    #[arg(long)]
+    check: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
+    if args.check {
+        check(&args.config, &config)?;
+        return Ok(());
+    }
     runtime(&config)?.block_on(serve(&args.config, config, false, None))
+}
+
+/// `--check`: loads what starting would load from files, binds and
+/// connects to nothing, and prints a summary on success.
+pub fn check(path: &Path, config: &Config) -> anyhow::Result<()> {
+    probe_config(config)?;
+    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path)))
+        .with_context(|| format!("{}", path.display()))?;
+    let services: Vec<String> = config
+        .services()
+        .iter()
+        .map(|s| format!("{} on {}", s.name, s.listen))
+        .collect();
+    println!(
+        "{}: configuration OK: {} host(s); {}; HTTP on {}",
+        path.display(),
+        config.cluster.hosts.len(),
+        services.join(", "),
+        config.listen.http
+    );
+    Ok(())
 }
 
 /// The control runtime: the topology engine, the listeners, the HTTP

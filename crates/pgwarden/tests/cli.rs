@@ -131,3 +131,120 @@ fn bad_arguments_are_clear_errors() {
     assert!(!ok);
     assert!(stderr.contains("leader"), "{stderr}");
 }
+
+/// `pgwarden run --check` / `agent --check` on `config` written to a file
+/// in `dir`: success, stdout, stderr.
+fn check(dir: &std::path::Path, command: &str, config: &str) -> (bool, String, String) {
+    let path = dir.join("pgwarden.toml");
+    std::fs::write(&path, config).unwrap();
+    pgwarden(&[command, "--config", path.to_str().unwrap(), "--check"])
+}
+
+#[test]
+fn check_loads_the_file_and_every_file_it_names_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".into()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    std::fs::write(dir.path().join("server.crt"), cert.pem()).unwrap();
+    std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();
+    std::fs::write(
+        dir.path().join("hba.conf"),
+        "host all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .unwrap();
+    let rw = free_port();
+    let standalone = format!(
+        "[cluster]\n\
+         hosts = [\"127.0.0.1:5432\", \"127.0.0.1:5433\", \"127.0.0.1:5434\"]\n\
+         user = \"postgres\"\n\
+         [listen]\n\
+         read_write = \"127.0.0.1:{rw}\"\n\
+         read_only = \"127.0.0.1:{}\"\n\
+         http = \"127.0.0.1:{}\"\n\
+         [tls]\n\
+         cert = \"server.crt\"\n\
+         key = \"server.key\"\n\
+         [auth]\n\
+         hba_file = \"hba.conf\"\n\
+         auth_user = \"pgwarden_auth\"\n",
+        free_port(),
+        free_port()
+    );
+    let (ok, out, err) = check(dir.path(), "run", &standalone);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("configuration OK: 3 host(s)")
+            && out.contains(&format!("read_write on 127.0.0.1:{rw}")),
+        "{out}"
+    );
+    // Nothing was started: the read-write port is free.
+    std::net::TcpListener::bind(("127.0.0.1", rw)).expect("the port is free");
+
+    // Each file it names is loaded, and what is wrong is named.
+    for (bad, names) in [
+        (
+            standalone.replace("server.key", "missing.key"),
+            vec!["missing.key"],
+        ),
+        (standalone.replace("server.crt", "hba.conf"), vec!["TLS"]),
+        (
+            standalone.replace("hba.conf", "nowhere.conf"),
+            vec!["nowhere.conf"],
+        ),
+        (
+            standalone.replace("user = \"postgres\"", "user = \"postgres\"\nhostz = 1"),
+            vec!["pgwarden.toml", "line 4", "hostz"],
+        ),
+    ] {
+        let (ok, out, err) = check(dir.path(), "run", &bad);
+        assert!(!ok, "{bad}: {out}");
+        for n in names {
+            assert!(err.contains(n), "{n} not in: {err}");
+        }
+    }
+    std::fs::write(
+        dir.path().join("hba.conf"),
+        "host all all 127.0.0.1/32 scram-sha-256\nhost all all 127.0.0.1/32 krb5\n",
+    )
+    .unwrap();
+    let (ok, _, err) = check(dir.path(), "run", &standalone);
+    assert!(!ok);
+    assert!(err.contains("hba.conf:2:"), "{err}");
+
+    // An agent's file: etcd's and the API's files too.
+    let agent = format!(
+        "[agent]\n\
+         name = \"n1\"\n\
+         data_dir = \"{}\"\n\
+         pg_listen = \"127.0.0.1:{}\"\n\
+         api = \"127.0.0.1:{}\"\n\
+         [etcd]\n\
+         endpoints = [\"127.0.0.1:{}\"]\n\
+         cluster = \"demo\"\n\
+         ca_file = \"etcd-ca.pem\"\n\
+         [listen]\n\
+         read_write = \"127.0.0.1:{rw}\"\n\
+         read_only = \"127.0.0.1:{}\"\n\
+         http = \"127.0.0.1:{}\"\n",
+        dir.path().join("data").display(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port()
+    );
+    let (ok, _, err) = check(dir.path(), "agent", &agent);
+    assert!(!ok);
+    assert!(err.contains("etcd-ca.pem"), "{err}");
+    std::fs::write(dir.path().join("etcd-ca.pem"), cert.pem()).unwrap();
+    let (ok, out, err) = check(dir.path(), "agent", &agent);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("member n1 of cluster demo (1 etcd endpoint(s))"),
+        "{out}"
+    );
+    assert!(!dir.path().join("data").exists(), "nothing was created");
+}

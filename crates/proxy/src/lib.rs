@@ -33,7 +33,8 @@ pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{
-    ClientTlsMode, ConnLimits, PoolOverrides, Proxy, ProxySpec, RefusalSwitch, ServiceSpec, TlsSpec,
+    check_spec, ClientTlsMode, ConnLimits, PoolOverrides, Proxy, ProxySpec, RefusalSwitch,
+    ServiceSpec, TlsSpec,
 };
 pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};
 

@@ -624,6 +624,27 @@ pub enum ProxyError {
     },
 }
 
+/// Loads what `spec` names from files (the TLS certificate, key and CAs,
+/// the hba file, the auth file) as starting with it would, without binding
+/// or serving anything: `pgwarden run --check`, before a start or a
+/// `SIGHUP`.
+pub fn check_spec(spec: &ProxySpec) -> Result<(), ProxyError> {
+    if let Some(t) = &spec.tls {
+        crate::stream::tls_acceptor(&t.cert, &t.key, t.client_ca.as_deref())
+            .map_err(ProxyError::Tls)?;
+    }
+    crate::stream::ServerTls::new(spec.server_tls, spec.server_ca.as_deref())
+        .map_err(ProxyError::Tls)?;
+    if let Some(a) = &spec.auth {
+        crate::auth::Authenticator::new(
+            a.clone(),
+            spec.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+        )
+        .map_err(ProxyError::Auth)?;
+    }
+    Ok(())
+}
+
 impl Proxy {
     /// Binds every listener and starts serving, routing by the snapshots
     /// of a topology engine (`snapshot`, `changes` from
