@@ -139,14 +139,21 @@ pub fn check_files(cfg: &AgentConfig, etcd: &EtcdConfig) -> Result<(), AgentErro
         tls::client_config(ca, own).map_err(AgentError::ApiTls)?;
     }
     if let Some((cert, key)) = own {
-        let client_ca = cfg
-            .api_ca_file
-            .as_deref()
-            .filter(|_| cfg.api_verify_client != pgwarden_config::VerifyClient::None);
-        let optional = cfg.api_verify_client == pgwarden_config::VerifyClient::Optional;
+        let (client_ca, optional) = api_client_verification(cfg);
         tls::server_config(cert, key, client_ca, optional).map_err(AgentError::ApiTls)?;
     }
     Ok(())
+}
+
+/// Whom the API asks for a client certificate: the CA it must chain to
+/// (none: nobody is asked), and whether one may be left out.
+fn api_client_verification(cfg: &AgentConfig) -> (Option<&Path>, bool) {
+    use pgwarden_config::VerifyClient;
+    let client_ca = cfg
+        .api_ca_file
+        .as_deref()
+        .filter(|_| cfg.api_verify_client != VerifyClient::None);
+    (client_ca, cfg.api_verify_client == VerifyClient::Optional)
 }
 
 /// What the agent shows etcd, read from the files `[etcd]` names (paths
@@ -281,12 +288,7 @@ pub async fn start(
     if let Some(ca) = &cfg.api_ca_file {
         http_client::trust_with(ca, own).map_err(AgentError::ApiTls)?;
     }
-    use pgwarden_config::VerifyClient;
-    let client_ca = cfg
-        .api_ca_file
-        .as_deref()
-        .filter(|_| cfg.api_verify_client != VerifyClient::None);
-    let optional = cfg.api_verify_client == VerifyClient::Optional;
+    let (client_ca, optional) = api_client_verification(&cfg);
     let api_tls = match own {
         Some((cert, key)) => Some((
             Arc::new(arc_swap::ArcSwap::new(
