@@ -491,6 +491,7 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 "tags": r.state.tags,
                 "problem": r.problem,
                 "decision": r.decision,
+                "upstream": r.upstream,
                 "pending_restart": r.pending_restart,
                 "scheduled_restart": r.scheduled_restart,
                 "fenced": fenced.contains(&name),

@@ -67,6 +67,8 @@ pub struct Args {
 enum Command {
     /// Show the members, their roles, states and lag.
     List,
+    /// As `list`, with each replica under the member it streams from.
+    Topology,
     /// Move leadership from the healthy leader to another member.
     Switchover {
         /// The member to become leader.
@@ -163,6 +165,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Command::List => {
             let cluster = api.get("/cluster").await?;
             print!("{}", render_list(&cluster));
+        }
+        Command::Topology => {
+            let cluster = api.get("/cluster").await?;
+            print!("{}", render_topology(&cluster));
         }
         Command::Switchover {
             candidate,
@@ -456,6 +462,69 @@ fn table(header: &[&str], right: &[bool], rows: &[Vec<String>]) -> String {
     out + &rule
 }
 
+/// `pgwarden ctl topology`: the list with each member under the one it
+/// streams from (`upstream`), as Patroni's does: `+ ` before a replica's
+/// name, two spaces more per level. Members whose upstream is not listed
+/// (the leader, a stopped member, a standby leader fed from elsewhere)
+/// stand at the top, in the list's order.
+pub(crate) fn render_topology(cluster: &Value) -> String {
+    let members = cluster["members"].as_array().cloned().unwrap_or_default();
+    let name = |m: &Value| m["name"].as_str().unwrap_or_default().to_string();
+    let names: Vec<String> = members.iter().map(name).collect();
+    let upstream = |m: &Value| {
+        m["upstream"]
+            .as_str()
+            .filter(|u| *u != name(m) && names.iter().any(|n| n == u))
+            .map(str::to_string)
+    };
+    let mut ordered = Vec::with_capacity(members.len());
+    let mut placed = vec![false; members.len()];
+    // Depth first from each top-level member; `placed` also stops a
+    // cycle (two members naming each other, a moment after a change).
+    fn place(
+        members: &[Value],
+        at: usize,
+        depth: usize,
+        placed: &mut [bool],
+        ordered: &mut Vec<Value>,
+        children: &dyn Fn(&str) -> Vec<usize>,
+    ) {
+        if placed[at] {
+            return;
+        }
+        placed[at] = true;
+        let mut m = members[at].clone();
+        let own = m["name"].as_str().unwrap_or_default().to_string();
+        if depth > 0 {
+            m["display"] = format!("{}+ {own}", "  ".repeat(depth - 1)).into();
+        }
+        ordered.push(m);
+        for c in children(&own) {
+            place(members, c, depth + 1, placed, ordered, children);
+        }
+    }
+    let children = |of: &str| -> Vec<usize> {
+        members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| upstream(m).as_deref() == Some(of))
+            .map(|(i, _)| i)
+            .collect()
+    };
+    for (i, m) in members.iter().enumerate() {
+        if upstream(m).is_none() {
+            place(&members, i, 0, &mut placed, &mut ordered, &children);
+        }
+    }
+    // Whatever a cycle left out, at the top.
+    for i in 0..members.len() {
+        place(&members, i, 0, &mut placed, &mut ordered, &children);
+    }
+    let mut shown = cluster.clone();
+    shown["members"] = Value::Array(ordered);
+    render_list(&shown)
+}
+
 /// `pgwarden ctl list`, from the JSON of `GET /cluster`.
 pub(crate) fn render_list(cluster: &Value) -> String {
     let str_of = |v: &Value| v.as_str().unwrap_or_default().to_string();
@@ -473,7 +542,10 @@ pub(crate) fn render_list(cluster: &Value) -> String {
                 _ => "unknown".into(),
             };
             vec![
-                str_of(&m["name"]),
+                // `topology` shows a member's place in the tree.
+                m["display"]
+                    .as_str()
+                    .map_or_else(|| str_of(&m["name"]), str::to_string),
                 str_of(&m["pg_address"]),
                 role_title(&role),
                 str_of(&m["state"]),
@@ -669,6 +741,49 @@ Restart of n2 scheduled at 2030-01-01T01:00:00Z
 Problem on n3: rewind failed
 ";
         assert_eq!(out, want, "\n{out}");
+    }
+
+    #[test]
+    fn topology_puts_each_replica_under_its_upstream() {
+        let member = |name: &str, role: &str, upstream: Option<&str>| {
+            json!({"name": name, "role": role, "state": "streaming", "pg_address": format!("h:{}", &name[1..]),
+                   "timeline": 1, "lag": 0, "upstream": upstream})
+        };
+        let cluster = json!({
+            "scope": "c",
+            "leader": "n1",
+            "members": [
+                // In name order, as /cluster lists them.
+                member("n1", "leader", None),
+                member("n2", "replica", Some("n1")),
+                member("n3", "replica", Some("n4")),
+                member("n4", "replica", Some("n2")),
+                // Gone from the list: shown at the top.
+                member("n5", "replica", Some("n9")),
+                // Two that name each other are still shown, once each.
+                member("n6", "replica", Some("n7")),
+                member("n7", "replica", Some("n6")),
+            ],
+        });
+        let out = render_topology(&cluster);
+        let names: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| Member"))
+            .map(|l| l.split('|').nth(1).unwrap().trim_end())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                " n1",
+                " + n2",
+                "   + n4",
+                "     + n3",
+                " n5",
+                " n6",
+                " + n7",
+            ],
+            "\n{out}"
+        );
     }
 
     #[test]

@@ -1602,6 +1602,19 @@ async fn a_replica_tagged_replicatefrom_cascades_and_falls_back_to_the_leader() 
         (v == "1").then_some(()).ok_or(v)
     })
     .await;
+    // ctl topology shows the chain.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "topology"])
+        .output()
+        .unwrap();
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let names: Vec<&str> = tree
+        .lines()
+        .filter_map(|l| l.strip_prefix("| "))
+        .filter_map(|l| l.split(" |").next())
+        .map(str::trim_end)
+        .collect();
+    assert_eq!(names, ["Member", "n1", "+ n2", "  + n3"], "{tree}");
 
     // n2 is gone: n3 streams from the leader, which keeps its slot.
     c.kill_node(1);
