@@ -401,7 +401,7 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
         // Patroni's primaries report a single `location`.
         xlog["location"] = json!(m.state.received_lsn);
     }
-    json!({
+    let mut v = json!({
         "name": state.name,
         "role": if st.standby_leader {
             "standby_leader".to_string()
@@ -436,7 +436,12 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
             "scope": scope(&state.dcs),
             "name": state.name,
         },
-    })
+    });
+    // Patroni lists the standbys on the primary only.
+    if !st.replication.is_empty() {
+        v["replication"] = json!(st.replication);
+    }
+    v
 }
 
 async fn patroni(State(state): State<Arc<ApiState>>) -> Response {

@@ -148,6 +148,8 @@ pub(crate) struct HaLoop {
     /// While a long step (a clone, a restore, a rewind) holds up the loop:
     /// what keeps this member's record in etcd meanwhile.
     presence: Option<Presence>,
+    /// As the leader: the standbys connected to it, as last read.
+    replication: Vec<crate::status::ReplicationConnection>,
     /// As the leader: how far each permanent logical slot's consumer has
     /// confirmed, published with the lease for the replicas to follow.
     logical_positions: std::collections::BTreeMap<String, u64>,
@@ -243,6 +245,7 @@ impl HaLoop {
             remote_silent_since: None,
             remote_fork_checked: None,
             presence: None,
+            replication: Vec::new(),
             logical_positions: Default::default(),
             logical_copied: Default::default(),
             logical_ready: Default::default(),
@@ -2267,10 +2270,11 @@ impl HaLoop {
             .query(
                 "SELECT application_name, state, coalesce(sync_state, ''), \
                  pg_wal_lsn_diff(coalesce(flush_lsn, '0/0'), '0/0')::int8, \
-                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8 \
+                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8, \
+                 usename, host(client_addr), sync_priority \
                  FROM pg_stat_replication \
                  UNION ALL SELECT NULL, NULL, NULL, NULL, \
-                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8",
+                 pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8, NULL, NULL, NULL",
                 Duration::from_secs(2),
             )
             .await
@@ -2294,6 +2298,17 @@ impl HaLoop {
         let rows: Vec<&Vec<Option<String>>> = rows
             .iter()
             .filter(|r| r.first().is_some_and(Option::is_some))
+            .collect();
+        self.replication = rows
+            .iter()
+            .map(|r| crate::status::ReplicationConnection {
+                usename: col(r, 5),
+                application_name: col(r, 0),
+                client_addr: r.get(6).cloned().flatten(),
+                state: col(r, 1),
+                sync_state: col(r, 2),
+                sync_priority: col(r, 7).parse().unwrap_or(0),
+            })
             .collect();
         let mut streaming: Vec<(String, u64)> = rows
             .iter()
@@ -3581,6 +3596,11 @@ impl HaLoop {
             settings: self.cluster_settings(),
             node_settings: ClusterSettings::of(&self.cfg),
             cluster: Some(self.snapshot.clone()),
+            replication: if leads && !self.obs.pg.in_recovery {
+                self.replication.clone()
+            } else {
+                Vec::new()
+            },
             member: rec,
         };
         self.status.store(Arc::new(status));

@@ -51,6 +51,26 @@ pub struct AgentStatus {
     /// The cluster as last read from the DCS.
     #[serde(skip)]
     pub cluster: Option<ClusterSnapshot>,
+    /// As the leader: the standbys connected to it, from
+    /// `pg_stat_replication`, as Patroni's `/patroni` lists them.
+    pub replication: Vec<ReplicationConnection>,
+}
+
+/// One row of the leader's `pg_stat_replication`, with Patroni's names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReplicationConnection {
+    /// The role it logged in as.
+    pub usename: String,
+    /// The standby's `application_name` (a member's name).
+    pub application_name: String,
+    /// Its address, when it came over TCP.
+    pub client_addr: Option<String>,
+    /// `startup`, `catchup`, `streaming`, ...
+    pub state: String,
+    /// `async`, `potential`, `sync` or `quorum`.
+    pub sync_state: String,
+    /// Its place in `synchronous_standby_names` (0: not listed).
+    pub sync_priority: i64,
 }
 
 impl AgentStatus {
@@ -77,6 +97,7 @@ impl AgentStatus {
             settings: defaults,
             node_settings: defaults,
             cluster: None,
+            replication: Vec::new(),
         }
     }
 }

@@ -3211,6 +3211,43 @@ async fn quorum_commit_lists_every_standby_and_loses_no_acknowledged_write_on_fa
             && list.contains("Synchronous standbys: n2, n3 (each commit on any 1)"),
         "{list}"
     );
+    // The leader's /patroni lists its standbys as Patroni's does.
+    eventually(
+        "the leader lists its quorum standbys",
+        Duration::from_secs(20),
+        || async {
+            let v = member_status(&c, 0).await?;
+            let rows: Vec<String> = v["replication"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|r| {
+                            format!(
+                                "{} {} {} {} {}",
+                                r["application_name"].as_str().unwrap_or("?"),
+                                r["usename"].as_str().unwrap_or("?"),
+                                r["client_addr"].as_str().unwrap_or("?"),
+                                r["state"].as_str().unwrap_or("?"),
+                                r["sync_state"].as_str().unwrap_or("?"),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let mut rows = rows;
+            rows.sort();
+            (rows
+                == [
+                    "n2 postgres 127.0.0.1 streaming quorum",
+                    "n3 postgres 127.0.0.1 streaming quorum",
+                ])
+            .then_some(())
+            .ok_or(format!("{rows:?}"))
+        },
+    )
+    .await;
+    let replica = member_status(&c, 1).await.unwrap();
+    assert!(replica.get("replication").is_none(), "{replica}");
     query(&c.node(0).pg_conninfo(), "CREATE TABLE acked (id int8)")
         .await
         .unwrap();
