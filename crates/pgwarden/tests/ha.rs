@@ -4255,10 +4255,19 @@ fn copy_script(
     script
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
-    // A database elsewhere, with a base backup and a WAL archive that goes
-    // on past it.
+/// A database elsewhere whose primary archives its WAL to a shared
+/// directory, with a table holding one row and a base backup taken after
+/// it. The directories live as long as the value.
+struct ArchivedSite {
+    tools: tempfile::TempDir,
+    _archive: tempfile::TempDir,
+    archive_dir: String,
+    remote: pgwarden_testkit::TestCluster,
+    source: String,
+    backup: std::path::PathBuf,
+}
+
+async fn archived_site(table: &str) -> ArchivedSite {
     let tools = shared_dir();
     let archive = shared_dir();
     let archive_dir = archive.path().display().to_string();
@@ -4266,11 +4275,33 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
     let source = remote.conninfo(0);
     query(
         &source,
-        "CREATE TABLE restored (x int); INSERT INTO restored VALUES (1)",
+        &format!("CREATE TABLE {table} (x int); INSERT INTO {table} VALUES (1)"),
     )
     .await
     .unwrap();
     let backup = base_backup(&remote, tools.path());
+    ArchivedSite {
+        tools,
+        _archive: archive,
+        archive_dir,
+        remote,
+        source,
+        backup,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
+    // A database elsewhere, with a base backup and a WAL archive that goes
+    // on past it.
+    let ArchivedSite {
+        tools,
+        _archive,
+        archive_dir,
+        remote,
+        source,
+        backup,
+    } = archived_site("restored").await;
     query(&source, "INSERT INTO restored VALUES (2), (3)")
         .await
         .unwrap();
@@ -4342,18 +4373,14 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
 async fn a_standby_cluster_can_follow_its_source_through_the_archive_alone() {
     // Sites that share no network, only an archive: the standby leader is
     // restored from a backup and replays what the source archives.
-    let tools = shared_dir();
-    let archive = shared_dir();
-    let archive_dir = archive.path().display().to_string();
-    let remote = archiving_primary(&archive_dir);
-    let source = remote.conninfo(0);
-    query(
-        &source,
-        "CREATE TABLE dr (x int); INSERT INTO dr VALUES (1)",
-    )
-    .await
-    .unwrap();
-    let backup = base_backup(&remote, tools.path());
+    let ArchivedSite {
+        tools,
+        _archive,
+        archive_dir,
+        remote: _remote,
+        source,
+        backup,
+    } = archived_site("dr").await;
     let script = copy_script(tools.path(), &backup, "restore.args");
     let restore = format!("cp {archive_dir}/%f %p");
     let c = cluster()
