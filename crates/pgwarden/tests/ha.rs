@@ -644,13 +644,11 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     )
     .await
     .unwrap();
-    eventually(
-        "nobody streams from the leader",
+    gives(
+        &leader,
+        "SELECT count(*) FROM pg_stat_replication",
+        "0",
         Duration::from_secs(20),
-        || async {
-            let n = one(&leader, "SELECT count(*) FROM pg_stat_replication").await?;
-            (n == "0").then_some(()).ok_or(n)
-        },
     )
     .await;
     rounds_since(&c, r, pgwarden_agent::record::unix_ms(), 3).await;
@@ -1597,10 +1595,12 @@ async fn a_replica_tagged_replicatefrom_cascades_and_falls_back_to_the_leader() 
     .await
     .unwrap();
     let n3 = c.node(2).pg_conninfo();
-    eventually("the row reaches n3", Duration::from_secs(20), || async {
-        let v = one(&n3, "SELECT count(*) FROM cascade_t").await?;
-        (v == "1").then_some(()).ok_or(v)
-    })
+    gives(
+        &n3,
+        "SELECT count(*) FROM cascade_t",
+        "1",
+        Duration::from_secs(20),
+    )
     .await;
     // ctl topology shows the chain.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
@@ -1672,13 +1672,11 @@ async fn a_fenced_member_takes_no_reads_and_is_never_promoted() {
     // The read-only port no longer reaches it: reads fall back to the
     // primary.
     let ro = c.node(p).ro_conninfo();
-    eventually(
-        "reads go to the primary",
+    gives(
+        &ro,
+        "SELECT pg_is_in_recovery()",
+        "f",
         Duration::from_secs(20),
-        || async {
-            let v = one(&ro, "SELECT pg_is_in_recovery()").await?;
-            (v == "f").then_some(()).ok_or(v)
-        },
     )
     .await;
     // The leader dies: the fenced replica does not take over.
@@ -1872,15 +1870,7 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     )
     .await;
     let conninfo = c.node(1).pg_conninfo();
-    eventually(
-        "work_mem reloaded on n2",
-        Duration::from_secs(20),
-        || async {
-            let v = one(&conninfo, "SHOW work_mem").await?;
-            (v == "6MB").then_some(()).ok_or(v)
-        },
-    )
-    .await;
+    gives(&conninfo, "SHOW work_mem", "6MB", Duration::from_secs(20)).await;
     assert_eq!(
         c.node(1).postmaster_pid(),
         Some(pid),
@@ -1909,13 +1899,11 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     );
     // n2 now streams without a slot, and the leader drops the one it kept
     // for it once the grace has passed.
-    eventually(
-        "n2 streams without a slot",
+    gives(
+        &conninfo,
+        "SHOW primary_slot_name",
+        "",
         Duration::from_secs(20),
-        || async {
-            let v = one(&conninfo, "SHOW primary_slot_name").await?;
-            v.is_empty().then_some(()).ok_or(v)
-        },
     )
     .await;
     slots_are(&c, 0, vec![]).await;
@@ -3280,17 +3268,17 @@ async fn quorum_commit_lists_every_standby_and_loses_no_acknowledged_write_on_fa
 /// Waits until `q` gives `want` on every node in `nodes`.
 async fn reads_on(c: &AgentCluster, nodes: &[usize], q: &str, want: &str) {
     for &i in nodes {
-        let conninfo = c.node(i).pg_conninfo();
-        eventually(
-            &format!("{q:?} gives {want} on node {i}"),
-            Duration::from_secs(40),
-            || async {
-                let v = one(&conninfo, q).await?;
-                (v == want).then_some(()).ok_or(v)
-            },
-        )
-        .await;
+        gives(&c.node(i).pg_conninfo(), q, want, Duration::from_secs(40)).await;
     }
+}
+
+/// Waits up to `within` until `q` at `conninfo` answers `want`.
+async fn gives(conninfo: &str, q: &str, want: &str, within: Duration) {
+    eventually(&format!("{q:?} gives {want:?}"), within, || async {
+        let v = one(conninfo, q).await?;
+        (v == want).then_some(()).ok_or(v)
+    })
+    .await;
 }
 
 /// The "other data centre" of a standby cluster: a primary and
@@ -3817,15 +3805,7 @@ async fn a_standby_leader_replays_the_remote_archive_while_it_cannot_stream() {
         serde_json::json!({"standby_cluster": {"restore_command": null, "archive_cleanup_command": null}}),
     )
     .await;
-    eventually(
-        "n1 without restore_command",
-        Duration::from_secs(30),
-        || async {
-            let v = one(&n1, "SHOW restore_command").await?;
-            v.is_empty().then_some(()).ok_or(v)
-        },
-    )
-    .await;
+    gives(&n1, "SHOW restore_command", "", Duration::from_secs(30)).await;
     assert_eq!(one(&n1, "SHOW archive_cleanup_command").await.unwrap(), "");
     assert!(writable(&c).await.is_empty(), "n1 was not promoted");
 }
@@ -4345,15 +4325,7 @@ async fn a_new_cluster_is_restored_from_a_backup_and_its_archive() {
         .await
         .unwrap();
     assert_ne!(&wal[..8], "00000001", "promoted onto a new timeline");
-    eventually(
-        "restore_command removed",
-        Duration::from_secs(30),
-        || async {
-            let v = one(&at, "SHOW restore_command").await?;
-            v.is_empty().then_some(()).ok_or(v)
-        },
-    )
-    .await;
+    gives(&at, "SHOW restore_command", "", Duration::from_secs(30)).await;
     let args = std::fs::read_to_string(tools.path().join("bootstrap.args")).unwrap();
     assert_eq!(
         args.trim(),
