@@ -264,6 +264,9 @@ impl Drop for TestCluster {
 /// Removes directories left by test processes that no longer exist (a run
 /// killed by a time-out cannot clean up after itself).
 pub(crate) fn sweep_leftovers() {
+    if let Ok(run_as) = RunAs::unprivileged() {
+        remove_orphaned_shm(run_as.uid());
+    }
     let tmp = std::env::temp_dir();
     let Ok(entries) = std::fs::read_dir(&tmp) else {
         return;
@@ -285,5 +288,76 @@ pub(crate) fn sweep_leftovers() {
             }
             let _ = std::fs::remove_dir_all(e.path());
         }
+    }
+}
+
+/// Removes the System V shared memory segments of dead servers.
+///
+/// Each PostgreSQL server keeps a small System V segment and removes it at
+/// a clean shutdown only. The servers the tests kill leave theirs behind,
+/// with their data directories gone, and over many runs the kernel's table
+/// (`kernel.shmmni`, 4,096 by default) fills until initdb fails with "could
+/// not create shared memory segment: No space left on device". A segment
+/// owned by `uid` (the servers' user), attached by no process, small (the
+/// server's header; PostgreSQL's own memory is not System V) and whose
+/// creator has exited is such a leftover: a server attaches its segment for
+/// its whole life, and checking the creator spares one that a server is
+/// attaching this instant.
+fn remove_orphaned_shm(uid: u32) {
+    let Ok(table) = std::fs::read_to_string("/proc/sysvipc/shm") else {
+        return;
+    };
+    let orphans = orphaned_shm(&table, uid, |pid| {
+        PathBuf::from(format!("/proc/{pid}")).exists()
+    });
+    if orphans.is_empty() {
+        return;
+    }
+    let mut cmd = std::process::Command::new("ipcrm");
+    for id in &orphans {
+        cmd.arg("-m").arg(id.to_string());
+    }
+    let _ = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// The ids of the leftover segments in `table` (the text of
+/// `/proc/sysvipc/shm`), see [`remove_orphaned_shm`].
+fn orphaned_shm(table: &str, uid: u32, alive: impl Fn(u32) -> bool) -> Vec<u64> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            // key shmid perms size cpid lpid nattch uid ...
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+            let orphan = num(3)? <= 4096
+                && num(6)? == 0
+                && num(7)? == u64::from(uid)
+                && !alive(u32::try_from(num(4)?).ok()?);
+            orphan.then_some(num(1)?)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_small_unattached_segments_of_dead_servers_of_the_user_are_leftovers() {
+        let table =
+            "       key      shmid perms  size  cpid  lpid nattch   uid   gid  cuid  cgid\n\
+                     10046320 851968 600 56 30791 30804 0 101 104 101 104\n\
+                     10046321 851969 600 56 30792 30804 1 101 104 101 104\n\
+                     10046322 851970 600 56 30793 30804 0 0 0 0 0\n\
+                     10046323 851971 600 1048576 30794 30804 0 101 104 101 104\n\
+                     10046324 851972 600 56 30795 0 0 101 104 101 104\n";
+        // 30795 is still running: a server attaching its segment.
+        let alive = |pid: u32| pid == 30795;
+        assert_eq!(orphaned_shm(table, 101, alive), [851968]);
+        assert!(orphaned_shm("", 101, alive).is_empty());
     }
 }
