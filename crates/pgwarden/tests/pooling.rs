@@ -1944,6 +1944,11 @@ impl RawClient {
 
     /// Messages up to and including the next ReadyForQuery.
     fn until_ready(&mut self) -> Vec<(u8, Vec<u8>)> {
+        self.until(b'Z')
+    }
+
+    /// Messages up to and including the next one of type `tag`.
+    fn until(&mut self, tag: u8) -> Vec<(u8, Vec<u8>)> {
         use std::io::Read;
         let mut out = Vec::new();
         loop {
@@ -1953,7 +1958,7 @@ impl RawClient {
             let mut body = vec![0u8; len - 4];
             self.0.read_exact(&mut body).unwrap();
             out.push((head[0], body));
-            if head[0] == b'Z' {
+            if head[0] == tag {
                 return out;
             }
         }
@@ -1961,19 +1966,7 @@ impl RawClient {
 
     /// Messages up to and including the next ErrorResponse.
     fn until_error(&mut self) -> Vec<(u8, Vec<u8>)> {
-        use std::io::Read;
-        let mut out = Vec::new();
-        loop {
-            let mut head = [0u8; 5];
-            self.0.read_exact(&mut head).unwrap();
-            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-            let mut body = vec![0u8; len - 4];
-            self.0.read_exact(&mut body).unwrap();
-            out.push((head[0], body));
-            if head[0] == b'E' {
-                return out;
-            }
-        }
+        self.until(b'E')
     }
 
     fn send(&mut self, bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
@@ -3115,4 +3108,289 @@ async fn large_results_stream_through_the_pool_while_others_are_served() {
     })
     .await
     .expect("the big result and the other client's queries finish");
+}
+
+/// The first column of every row among `replies`, in order.
+fn values(replies: &[(u8, Vec<u8>)]) -> Vec<String> {
+    replies
+        .iter()
+        .filter(|(t, _)| *t == b'D')
+        .map(|(_, row)| {
+            let len = i32::from_be_bytes(row[2..6].try_into().unwrap());
+            String::from_utf8_lossy(&row[6..6 + len as usize]).into_owned()
+        })
+        .collect()
+}
+
+/// The message of the first ErrorResponse among `replies`.
+fn error_message(replies: &[(u8, Vec<u8>)]) -> Option<String> {
+    let (_, body) = replies.iter().find(|(t, _)| *t == b'E')?;
+    body.split(|b| *b == 0)
+        .find(|f| f.first() == Some(&b'M'))
+        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+}
+
+/// Bind of statement `name` and Execute, then Sync.
+fn msg_run(name: &[u8]) -> Vec<u8> {
+    let mut m = msg_bind_execute(name);
+    m.extend_from_slice(MSG_SYNC);
+    m
+}
+
+/// A client that did not ask for a DateStyle or TimeZone has the server's
+/// defaults, not the values the last client of its server connection set:
+/// with a DateStyle of `DMY` left behind, '03/04/2026' would be read as
+/// the 3rd of April. In the transaction pool, and with session pooling,
+/// where server connections used to start with the first client's own
+/// start-up values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gets_the_servers_defaults_not_the_last_clients_settings() {
+    let c = TestCluster::builder().replicas(0).start();
+    let direct = format!("host=127.0.0.1 port={} user=postgres", c.port(0));
+    let zone = sql_value(&direct, "SHOW TimeZone").await.unwrap();
+    assert_ne!(zone, "Pacific/Kiritimati");
+    let check = |r: &[(u8, Vec<u8>)], what: &str| {
+        assert_eq!(
+            values(r),
+            ["2026-03-04", "ISO, MDY", zone.as_str()],
+            "{what}: {r:?}"
+        );
+    };
+    let query = b"SELECT '03/04/2026'::date::text UNION ALL SELECT current_setting('DateStyle') \
+                  UNION ALL SELECT current_setting('TimeZone')" as &[u8];
+    for session_pooling in [false, true] {
+        let (_e, p) = if session_pooling {
+            session_pooling_proxy(
+                &c,
+                PoolSettings {
+                    size: 1,
+                    query_wait_timeout: WAIT,
+                    ..PoolSettings::default()
+                },
+            )
+            .await
+        } else {
+            pooled(&c, 1).await
+        };
+        let rw = p.service_addrs()["read_write"];
+        // One server connection: every client lands on it.
+        let mut a = RawClient::connect_with(
+            rw,
+            &[
+                ("user", "postgres"),
+                ("database", "postgres"),
+                ("DateStyle", "German"),
+                ("TimeZone", "Asia/Tokyo"),
+            ],
+        );
+        let r = a.simple(b"SET DateStyle = 'ISO, DMY'; SET TimeZone = 'Pacific/Kiritimati'");
+        assert_eq!(error_code(&r), None, "{r:?}");
+        drop(a);
+        let mut b = RawClient::connect(rw, "UTF8");
+        check(&b.simple(query), "a new client");
+        // A DISCARD ALL (RESET ALL) returns to the same defaults.
+        let r = b.simple(b"SET DateStyle = 'ISO, DMY'");
+        assert_eq!(error_code(&r), None, "{r:?}");
+        let r = b.simple(b"DISCARD ALL");
+        assert_eq!(error_code(&r), None, "{r:?}");
+        check(&b.simple(query), "after DISCARD ALL");
+    }
+}
+
+/// The unnamed statement is the client's own: one parsed in an earlier
+/// transaction is still there when bound later, whichever server the
+/// Bind lands on, and a client that parsed none gets 26000, never
+/// another client's statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unnamed_statement_never_crosses_clients() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let (mut a, mut b, mut other) = (
+        RawClient::connect(rw, "UTF8"),
+        RawClient::connect(rw, "UTF8"),
+        RawClient::connect(rw, "UTF8"),
+    );
+    let mut parse = msg_parse(b"", b"SELECT 'a-secret'");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    // The one server's unnamed statement is now this client's.
+    let mut parse = msg_parse(b"", b"SELECT 'other'");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&other.send(&parse)), None);
+    assert_eq!(values(&a.send(&msg_run(b""))), ["a-secret"]);
+    let r = b.send(&msg_run(b""));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    assert_eq!(values(&other.send(&msg_run(b""))), ["other"]);
+    // Described, too.
+    let mut describe = vec![b'D', 0, 0, 0, 6, b'S', 0];
+    describe.extend_from_slice(MSG_SYNC);
+    let r = b.send(&describe);
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    let r = a.send(&describe);
+    assert_eq!(error_code(&r), None, "{r:?}");
+    // A failed unnamed Parse leaves the client none, as on PostgreSQL.
+    let mut bad = msg_parse(b"", b"SELEC 1");
+    bad.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&bad)).as_deref(), Some("42601"));
+    let r = a.send(&msg_run(b""));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+}
+
+/// Named statements answer as PostgreSQL does: a name in use is refused
+/// (42P05) and keeps its statement; a statement whose Parse failed does
+/// not exist (26000, under the client's name); a Close that an earlier
+/// error made the server skip leaves the statement in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_names_are_refused_and_kept_as_postgres_does() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 2).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(value(&a.extended(b"s1", b"SELECT 1")), "1");
+    for elsewhere in [false, true] {
+        if elsewhere {
+            // s1 is not prepared on the other server yet.
+            holder.batch_execute("BEGIN").await.unwrap();
+            one(&holder, "SELECT 1").await;
+        }
+        let mut again = msg_parse(b"s1", b"SELECT 2");
+        again.extend_from_slice(MSG_SYNC);
+        let r = a.send(&again);
+        assert_eq!(error_code(&r).as_deref(), Some("42P05"), "{r:?}");
+        assert_eq!(
+            error_message(&r).as_deref(),
+            Some("prepared statement \"s1\" already exists")
+        );
+        assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+        if elsewhere {
+            holder.batch_execute("COMMIT").await.unwrap();
+        }
+    }
+    let mut bad = msg_parse(b"s3", b"SELEC 3");
+    bad.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&bad)).as_deref(), Some("42601"));
+    let r = a.send(&msg_run(b"s3"));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    assert_eq!(
+        error_message(&r).as_deref(),
+        Some("prepared statement \"s3\" does not exist")
+    );
+    // An error first: the server skips the Close of s1.
+    let mut batch = msg_parse(b"", b"SELECT 1/0");
+    batch.extend(msg_bind_execute(b""));
+    batch.extend_from_slice(&[b'C', 0, 0, 0, 8, b'S', b's', b'1', 0]);
+    batch.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&batch)).as_deref(), Some("22012"));
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+    // And a Close that runs closes it.
+    let r = a.send(&[b'C', 0, 0, 0, 8, b'S', b's', b'1', 0, b'S', 0, 0, 0, 4]);
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let r = a.send(&msg_run(b"s1"));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+}
+
+/// `COPY ... FROM STDIN` through the extended protocol, as libpq's
+/// PQexecParams sends it: PostgreSQL ignores the Sync after the Execute
+/// and answers only the one after CopyDone. The server goes back to the
+/// pool when the COPY's transaction ends, with the rows committed: on a
+/// pool of one, the next client is served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extended_protocol_copy_gives_its_server_back() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        pool(1, Duration::from_secs(5)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let other = client(&via(&p, "read_write")).await.unwrap();
+    other
+        .batch_execute("CREATE TABLE copied (x int, y text)")
+        .await
+        .unwrap();
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    for round in 0..3 {
+        let mut start = msg_parse(b"", b"COPY copied FROM STDIN");
+        start.extend(msg_bind_execute(b""));
+        start.extend_from_slice(MSG_SYNC);
+        std::io::Write::write_all(&mut a.0, &start).unwrap();
+        let r = a.until(b'G');
+        assert_eq!(error_code(&r), None, "{r:?}");
+        let mut data = Vec::new();
+        for row in [b"1\tx\n" as &[u8], b"2\ty\n"] {
+            data.push(b'd');
+            data.extend_from_slice(&((4 + row.len()) as u32).to_be_bytes());
+            data.extend_from_slice(row);
+        }
+        if round == 2 {
+            // Rows that fail: the COPY ends with an error, its Sync is
+            // answered and nothing of it stays.
+            data.extend_from_slice(&[b'd', 0, 0, 0, 8, b'n', b'o', b'\t', b'\n']);
+        }
+        data.extend_from_slice(&[b'c', 0, 0, 0, 4]);
+        data.extend_from_slice(MSG_SYNC);
+        let r = a.send(&data);
+        if round == 2 {
+            assert_eq!(error_code(&r).as_deref(), Some("22P02"), "{r:?}");
+        } else {
+            assert_eq!(error_code(&r), None, "{r:?}");
+        }
+        assert_eq!(
+            one(&other, "SELECT count(*) FROM copied").await,
+            if round == 0 { "2" } else { "4" },
+            "round {round}"
+        );
+    }
+    assert_eq!(values(&a.simple(b"SELECT count(*) FROM copied")), ["4"]);
+}
+
+/// A message type PostgreSQL does not know ends the client's session with
+/// 08P01, as PostgreSQL does, and never reaches a server: forwarded, it
+/// would end that server's session, and the pool would lend the dead
+/// connection to the next client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_message_type_ends_only_its_own_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    for round in 0..5 {
+        let mut a = RawClient::connect(rw, "UTF8");
+        assert_eq!(values(&a.simple(b"SELECT 1")), ["1"]);
+        std::io::Write::write_all(&mut a.0, &[b'y', 0, 0, 0, 4]).unwrap();
+        let r = a.until_error();
+        assert_eq!(error_code(&r).as_deref(), Some("08P01"), "{r:?}");
+        assert_eq!(
+            error_message(&r).as_deref(),
+            Some("invalid frontend message type 121")
+        );
+        // Closed after the error.
+        let mut rest = Vec::new();
+        let n = std::io::Read::read_to_end(&mut a.0, &mut rest).unwrap();
+        assert_eq!(n, 0, "{rest:?}");
+        assert_eq!(one(&b, "SELECT 2").await, "2", "round {round}");
+    }
+}
+
+/// `UPDATE pg_settings` is a session-level SET: the client keeps its
+/// server, and the next client does not inherit the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_of_pg_settings_pins_the_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (_e, p) = pooled(&c, 2).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    a.batch_execute("UPDATE pg_settings SET setting = '50' WHERE name = 'statement_timeout'")
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let b = client(&via(&p, "read_write")).await.unwrap();
+        assert_eq!(one(&b, "SHOW statement_timeout").await, "0");
+    }
+    assert_eq!(one(&a, "SHOW statement_timeout").await, "50ms");
 }

@@ -187,14 +187,6 @@ impl Tracked {
         }
     }
 
-    /// Whether every value this knows is the one `other` has.
-    pub fn agrees_with(&self, other: &Tracked) -> bool {
-        self.0
-            .iter()
-            .zip(other.0.iter())
-            .all(|(mine, theirs)| mine.is_none() || mine == theirs)
-    }
-
     /// The known (name, value) pairs.
     pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> {
         TRACKED
@@ -629,6 +621,14 @@ pub struct Pool {
     /// Caps shared with other pools of the same server: its database's
     /// and its user's.
     limits: Vec<Arc<ConnLimit>>,
+    /// The tracked parameters as a server session of this database and
+    /// role starts without any client's start-up values: what a client
+    /// that asked for none of them has, whatever the connection it lands
+    /// on was last set to.
+    baseline: Mutex<Tracked>,
+    /// Whether `baseline` knows `application_name`: until then
+    /// connections open without the client's, to learn the server's own.
+    baseline_app: AtomicBool,
 }
 
 /// One more in a count of waiting clients while it lives: counted down
@@ -952,6 +952,8 @@ impl Pool {
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
             credential: Mutex::new(Credential::None),
+            baseline: Mutex::new(Tracked::default()),
+            baseline_app: AtomicBool::new(false),
         });
         for l in &pool.limits {
             l.join(&pool);
@@ -1079,6 +1081,29 @@ impl Pool {
                 }
             });
         }
+    }
+
+    /// Records what a freshly opened connection reported for the tracked
+    /// parameters it was not given (`with_app`: it was given
+    /// `application_name`).
+    fn learn_baseline(&self, c: &ServerConn, with_app: bool) {
+        let mut base = self.baseline.lock().expect("poisoned");
+        for (name, value) in c.tracked.iter() {
+            if name == "application_name" && with_app {
+                continue;
+            }
+            base.set(name, value);
+        }
+        if base.get("application_name").is_some() {
+            self.baseline_app.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Fills the tracked parameters `params` lacks with the pool's
+    /// baseline: a client that did not ask for a `DateStyle` gets the
+    /// server's default, not the one another client left behind.
+    pub(crate) fn adopt_baseline(&self, params: &mut Tracked) {
+        params.adopt_missing(&self.baseline.lock().expect("poisoned"));
     }
 
     /// Remembers how to log in as the pool's role.
@@ -1252,12 +1277,20 @@ impl Pool {
                     .max(Duration::from_secs(1));
                 // Boxed: logging in is rare and its state large, and
                 // without it every wait for a server would carry it.
+                let with_app = self.baseline_app.load(Ordering::Relaxed);
                 let c = crate::timer::timeout(
                     remaining,
-                    Box::pin(connect(&self.key, startup, &cred, &self.server_tls.load())),
+                    Box::pin(connect(
+                        &self.key,
+                        startup,
+                        &cred,
+                        &self.server_tls.load(),
+                        with_app,
+                    )),
                 )
                 .await
                 .map_err(|_| ServerError::Timeout)??;
+                self.learn_baseline(&c, with_app);
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
                 let mut c = Box::new(c);
                 c.slots = slots;
@@ -1343,19 +1376,13 @@ impl Checkout {
     }
 }
 
-/// Session defaults every client of a pool shares, which a new server
-/// connection takes from the start-up parameters of the client it opens
-/// for.
-const SERVER_DEFAULTS: [&str; 5] = [
-    // Most clients of a pool are one application: with its name as the
-    // server's default, neither a new client nor a reset (DISCARD ALL
-    // returns to the default) needs a SET.
-    "application_name",
-    "client_encoding",
-    "DateStyle",
-    "TimeZone",
-    "IntervalStyle",
-];
+/// The start-up parameter a new server connection takes from the client
+/// it opens for. Most clients of a pool are one application: with its
+/// name as the server's default, neither a new client nor a reset
+/// (DISCARD ALL returns to the default) needs a SET. The other tracked
+/// parameters are left to the server, so that what RESET returns to on a
+/// server is the pool's baseline, never one client's choice.
+const SERVER_DEFAULTS: [&str; 1] = ["application_name"];
 
 /// The part of a client's start-up message that opening a server
 /// connection for it reads ([`SERVER_DEFAULTS`]). Kept in place, not
@@ -1377,6 +1404,7 @@ async fn connect(
     client_startup: &StartupMessage,
     cred: &Credential,
     server_tls: &ServerTls,
+    with_app: bool,
 ) -> Result<ServerConn, ServerError> {
     let fail = |e: std::io::Error| ServerError::Failed(format!("{}: {e}", key.host));
     let tcp = TcpStream::connect((key.host.host.as_str(), key.host.port))
@@ -1391,9 +1419,11 @@ async fn connect(
         ("user".into(), key.user.clone()),
         ("database".into(), key.database.clone()),
     ]);
-    for (name, v) in &client_startup.params {
-        if SERVER_DEFAULTS.contains(&name.as_str()) {
-            startup.set(name, v);
+    if with_app {
+        for (name, v) in &client_startup.params {
+            if SERVER_DEFAULTS.contains(&name.as_str()) {
+                startup.set(name, v);
+            }
         }
     }
     if key.read_only {

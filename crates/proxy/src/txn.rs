@@ -68,11 +68,8 @@ struct Replies {
     /// Parse messages sent and not yet answered, with the batch they
     /// belong to, so those skipped after an error are dropped at its Sync.
     parses: VecDeque<SentParse>,
-    /// Close messages sent and not yet answered, tagged likewise: `Some`
-    /// = a statement pgwarden closed to keep the server's cache bounded
-    /// (swallow its CloseComplete; if the server skipped it, the
-    /// statement is still there).
-    closes: VecDeque<(Option<String>, u64)>,
+    /// Close messages sent and not yet answered, tagged likewise.
+    closes: VecDeque<SentClose>,
     /// Batches sent / completed (a batch ends with Query or Sync).
     sent: u64,
     done: u64,
@@ -83,6 +80,18 @@ struct Replies {
     /// `DEALLOCATE name` sent and not yet answered (see
     /// [`Session::deallocate`]).
     deallocs: Vec<SentDealloc>,
+    /// The server sent a FATAL or PANIC error: its session is over, and
+    /// the connection must never go back to the pool.
+    fatal: bool,
+    /// What each pending Query/Sync is, oldest in the lowest bit: 1 for a
+    /// Query or FunctionCall, 0 for a Sync (past 64 pending, Syncs).
+    kinds: u64,
+    /// The server is taking COPY data (CopyInResponse came; the client
+    /// has not ended the COPY). PostgreSQL ignores Syncs until then.
+    copy_in: bool,
+    /// The client ended a COPY (CopyDone/CopyFail) since the last
+    /// ReadyForQuery, before the server said it was taking data.
+    copy_ended: bool,
 }
 
 /// A client's `DEALLOCATE name`, as sent: the statement is forgotten only
@@ -106,12 +115,64 @@ struct SentParse {
     /// The server-side name of a statement pgwarden follows; should the
     /// server skip the Parse, the statement is not there after all.
     name: Option<Arc<str>>,
+    /// The client's own new statement: should the Parse fail or be
+    /// skipped, the client has no such statement, as with PostgreSQL.
+    forget: bool,
+    /// For the unnamed statement, which of the client's unnamed Parses.
+    unnamed_seq: u64,
+    batch: u64,
+}
+
+/// A client's statement as pgwarden follows it: its name on servers, the
+/// Parse body after the name (kept to prepare it on other servers) and
+/// whether running it drops every statement ([`drops_statements`]).
+type Statement = (Arc<str>, Bytes, bool);
+
+/// A Close sent to the attached server.
+struct SentClose {
+    /// A statement pgwarden closed to keep the server's cache bounded
+    /// (or the unnamed one, `""`): its CloseComplete is swallowed; if the
+    /// server skipped the Close, the statement is still there.
+    own: Option<String>,
+    /// The client's statement it closes, with whether it was prepared on
+    /// this server: back in place should the server skip the Close.
+    restore: Option<(String, Statement, bool)>,
     batch: u64,
 }
 
 impl Replies {
     fn idle(&self) -> bool {
-        self.pending == 0 && !self.open_batch && self.status == Some(TxStatus::Idle)
+        self.pending == 0
+            && !self.open_batch
+            && !self.copy_in
+            && self.status == Some(TxStatus::Idle)
+    }
+
+    /// The server answered a COPY FROM STDIN with CopyInResponse.
+    ///
+    /// While it takes data, PostgreSQL ignores Sync messages (libpq sends
+    /// one after the Execute of every extended-protocol statement, COPY
+    /// included, and another after CopyDone), so the Syncs sent since
+    /// the COPY began will get no ReadyForQuery. An extended-protocol COPY
+    /// stays an open batch until the Sync after its CopyDone.
+    fn copy_in_started(&mut self) {
+        if self.copy_ended {
+            // The client sent its data and CopyDone without waiting for
+            // the server (no driver does): which Syncs were ignored is
+            // not known, so none is forgotten. The server then stays with
+            // the client, which is safe, instead of going back to the
+            // pool with a ReadyForQuery still to come.
+            return;
+        }
+        let query = self.pending > 0 && self.kinds & 1 == 1;
+        // Their batches are over as far as Parse and Close replies go.
+        self.done += (self.pending - usize::from(query)) as u64;
+        self.pending = usize::from(query);
+        self.kinds = u64::from(query);
+        if !query {
+            self.open_batch = true;
+        }
+        self.copy_in = true;
     }
 }
 
@@ -228,6 +289,13 @@ pub(crate) async fn run(
                     }
                     if let ToClient::Prefix(n) = out {
                         sbuf.advance(n);
+                    }
+                    if session.replies.fatal {
+                        // The client has the server's own reason; its
+                        // session ends with the server's, as it would
+                        // without pgwarden.
+                        session.detach(false);
+                        return Ok(());
                     }
                     if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 {
                         session.detach(true);
@@ -355,14 +423,19 @@ async fn greet(
 /// What a client gets on login: the server's parameters (the client's
 /// own where it set them), its cancel key, ReadyForQuery.
 fn hello(session: &mut Session, first: &mut Checkout, key: (i32, i32)) -> BytesMut {
-    if session.params.agrees_with(&first.conn.tracked) {
+    // What the client did not ask for is what a new session of its
+    // database and role starts with, not what the last client of this
+    // server set (a DateStyle that swaps days and months, say). The
+    // server's own values only where the pool has yet to learn them.
+    first.pool.adopt_baseline(&mut session.params);
+    session.params.adopt_missing(&first.conn.tracked);
+    if session.params == first.conn.tracked {
         // The usual case: the client asked for nothing the server does
         // not already have, and the server's greeting is cached.
         let block = first.conn.status_block();
         let mut hello = BytesMut::with_capacity(block.len() + 64);
         encode::authentication_ok(&mut hello);
         hello.extend_from_slice(block);
-        session.params.adopt_missing(&first.conn.tracked);
         encode::backend_key_data(&mut hello, key.0, key.1);
         encode::ready_for_query(&mut hello, TxStatus::Idle);
         return hello;
@@ -383,7 +456,6 @@ fn hello(session: &mut Session, first: &mut Checkout, key: (i32, i32)) -> BytesM
     }
     // Only the tracked parameters are the client's; the rest belong to
     // the server and cost memory per idle client if copied.
-    session.params.adopt_missing(&first.conn.tracked);
     encode::backend_key_data(&mut hello, key.0, key.1);
     encode::ready_for_query(&mut hello, TxStatus::Idle);
     hello
@@ -454,12 +526,21 @@ struct Session {
     replies: Replies,
     /// The client's view of the tracked session parameters.
     params: Tracked,
-    /// The client's named statements: name → its name on servers, the
-    /// Parse body after the name (kept to prepare it on other servers) and
-    /// whether running it drops every statement ([`drops_statements`]).
-    statements: HashMap<String, (Arc<str>, Bytes, bool)>,
+    /// The client's named statements, by name.
+    statements: HashMap<String, Statement>,
     /// The unnamed statement drops every statement when run.
     unnamed_drops: bool,
+    /// The client's unnamed statement (the Parse body after the name),
+    /// when it has one: bound in a later transaction, it is prepared
+    /// again on whatever server that lands on. The buffer is reused.
+    unnamed: Vec<u8>,
+    unnamed_set: bool,
+    /// The attached server's unnamed statement is the client's (or both
+    /// have none): set by the client's unnamed Parse or Close in this
+    /// loan, or by pgwarden preparing it again.
+    unnamed_here: bool,
+    /// Unnamed Parses so far.
+    unnamed_seq: u64,
     /// The client used session state (LISTEN, session advisory locks,
     /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
     /// keeps its server connection until it disconnects.
@@ -543,6 +624,10 @@ impl Session {
             params,
             statements: HashMap::new(),
             unnamed_drops: false,
+            unnamed: Vec::new(),
+            unnamed_set: false,
+            unnamed_here: false,
+            unnamed_seq: 0,
             pinned: false,
             cancel_target: Arc::default(),
             skip: 0,
@@ -881,6 +966,8 @@ impl Session {
             ..Replies::default()
         };
         self.skip = 0;
+        // Another client's unnamed statement may be there.
+        self.unnamed_here = false;
         self.attached = Some(c);
     }
 
@@ -997,11 +1084,20 @@ impl Session {
                     ))
                 }
             };
+            let tag = buf[0];
+            if !frontend_message(tag) {
+                // As PostgreSQL answers it, and at once: forwarded, it
+                // would end the server's session, which the pool would
+                // then lend to the next client.
+                return Err(Fatal::new(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    format!("invalid frontend message type {tag}"),
+                ));
+            }
             if buf.len() < total {
                 buf.reserve(total - buf.len());
                 break;
             }
-            let tag = buf[0];
             if tag == frontend::TERMINATE {
                 self.flush(out).await?;
                 return Ok(true);
@@ -1009,7 +1105,14 @@ impl Session {
             // pgwarden passes replies on as they come, so a Flush between
             // transactions has nothing to push; libpq's pipeline mode
             // sends one after each Sync, and it must not take a server.
-            if tag == frontend::FLUSH && self.attached.is_none() {
+            // COPY data after the server gave up on the COPY (an error,
+            // the transaction over): PostgreSQL ignores it outside a COPY,
+            // and it must not take a server either.
+            if matches!(
+                tag,
+                frontend::FLUSH | frontend::COPY_DATA | frontend::COPY_DONE | frontend::COPY_FAIL
+            ) && self.attached.is_none()
+            {
                 buf.advance(total);
                 continue;
             }
@@ -1071,7 +1174,11 @@ impl Session {
         if tag == frontend::CLOSE {
             // Every Close is answered by a CloseComplete, in order with
             // those of pgwarden's own.
-            self.replies.closes.push_back((None, self.replies.sent));
+            self.replies.closes.push_back(SentClose {
+                own: None,
+                restore: None,
+                batch: self.replies.sent,
+            });
         }
         match tag {
             frontend::QUERY => {
@@ -1109,9 +1216,28 @@ impl Session {
                     // A name that is not UTF-8 is passed on as it is, not
                     // followed from server to server.
                     let named = std::str::from_utf8(p.name).ok().filter(|n| !n.is_empty());
+                    let rest = &body[p.name.len() + 1..];
                     if let Some(name) = named {
+                        if self.statements.contains_key(name) {
+                            // PostgreSQL refuses a name already in use
+                            // (42P05) and keeps the statement it has: the
+                            // Parse goes out under that statement's server
+                            // name, prepared here first if need be, for
+                            // the server to refuse it likewise.
+                            let (sname, _) = self.ensure(name, out);
+                            self.replies.parses.push_back(SentParse {
+                                injected: false,
+                                name: None,
+                                forget: false,
+                                unnamed_seq: 0,
+                                batch: self.replies.sent,
+                            });
+                            self.replies.open_batch = true;
+                            put_parse(out, &sname, rest);
+                            return Ok(());
+                        }
                         let name = name.to_string();
-                        let rest = Bytes::copy_from_slice(&body[p.name.len() + 1..]);
+                        let rest = Bytes::copy_from_slice(rest);
                         let sname: Arc<str> = Arc::from(self.server_name(&name));
                         self.statements
                             .insert(name, (sname.clone(), rest.clone(), drops));
@@ -1121,6 +1247,8 @@ impl Session {
                         self.replies.parses.push_back(SentParse {
                             injected: false,
                             name: Some(sname.clone()),
+                            forget: true,
+                            unnamed_seq: 0,
                             batch: self.replies.sent,
                         });
                         self.replies.open_batch = true;
@@ -1129,9 +1257,19 @@ impl Session {
                         return Ok(());
                     }
                     self.unnamed_drops = drops;
+                    // (A name that is not UTF-8 passes as it is.)
+                    if p.name.is_empty() {
+                        self.unnamed.clear();
+                        self.unnamed.extend_from_slice(rest);
+                        self.unnamed_set = true;
+                        self.unnamed_here = true;
+                        self.unnamed_seq += 1;
+                    }
                     self.replies.parses.push_back(SentParse {
                         injected: false,
                         name: None,
+                        forget: p.name.is_empty(),
+                        unnamed_seq: self.unnamed_seq,
                         batch: self.replies.sent,
                     });
                 }
@@ -1162,28 +1300,44 @@ impl Session {
                         self.replies.open_batch = true;
                         return Ok(());
                     }
-                    if stmt.is_empty() && self.unnamed_drops {
+                    self.ensure_unnamed(out);
+                    if self.unnamed_drops {
                         self.forget_statements();
                     }
                 }
             }
             frontend::DESCRIBE | frontend::CLOSE => {
                 if let Ok((b'S', name)) = message::describe_target(body) {
-                    if !name.is_empty() {
+                    if name.is_empty() {
+                        if tag == frontend::DESCRIBE {
+                            self.ensure_unnamed(out);
+                        } else {
+                            // The server's unnamed statement goes, and
+                            // the client has none.
+                            self.unnamed_set = false;
+                            self.unnamed_here = true;
+                        }
+                    } else {
                         let name = name.to_string();
                         let sname = if tag == frontend::DESCRIBE {
                             self.ensure(&name, out).0
                         } else {
                             // A name the client never prepared here gets
                             // one no statement has: closing it is no error.
-                            let s = match self.statements.remove(&name) {
-                                Some((s, ..)) => s,
+                            match self.statements.remove(&name) {
+                                Some(st) => {
+                                    let s = st.0.clone();
+                                    let here = self
+                                        .attached
+                                        .as_mut()
+                                        .is_some_and(|c| c.conn.prepared.remove(&s));
+                                    if let Some(close) = self.replies.closes.back_mut() {
+                                        close.restore = Some((name, st, here));
+                                    }
+                                    s
+                                }
                                 None => Arc::from(self.untracked_name(&name)),
-                            };
-                            if let Some(c) = self.attached.as_mut() {
-                                c.conn.prepared.remove(&s);
                             }
-                            s
                         };
                         out.put_u8(tag);
                         out.put_u32((4 + 1 + sname.len() + 1) as u32);
@@ -1204,7 +1358,12 @@ impl Session {
 
     fn note_sent(&mut self, tag: u8) {
         match tag {
+            // PostgreSQL ignores it: no ReadyForQuery will come.
+            frontend::SYNC if self.replies.copy_in => {}
             frontend::QUERY | frontend::SYNC | frontend::FUNCTION_CALL => {
+                if tag != frontend::SYNC && self.replies.pending < 64 {
+                    self.replies.kinds |= 1 << self.replies.pending;
+                }
                 self.replies.pending += 1;
                 self.replies.sent += 1;
                 if tag == frontend::SYNC {
@@ -1219,6 +1378,12 @@ impl Session {
             | frontend::EXECUTE
             | frontend::CLOSE => {
                 self.replies.open_batch = true;
+            }
+            frontend::COPY_DONE | frontend::COPY_FAIL => {
+                if !self.replies.copy_in {
+                    self.replies.copy_ended = true;
+                }
+                self.replies.copy_in = false;
             }
             _ => {}
         }
@@ -1240,12 +1405,44 @@ impl Session {
                 self.replies.parses.push_back(SentParse {
                     injected: true,
                     name: Some(sname.clone()),
+                    forget: false,
+                    unnamed_seq: 0,
                     batch: self.replies.sent,
                 });
                 self.bound_statements(&sname, out);
             }
         }
         (sname, drops)
+    }
+
+    /// Before a Bind or Describe of the unnamed statement: makes the
+    /// attached server's unnamed statement the client's. The client's is
+    /// prepared again when it was parsed in an earlier transaction; when
+    /// the client has none, the server's (another client's) is closed, so
+    /// that the server answers as PostgreSQL would (26000).
+    fn ensure_unnamed(&mut self, out: &mut BytesMut) {
+        if self.unnamed_here {
+            return;
+        }
+        self.unnamed_here = true;
+        if self.unnamed_set {
+            put_parse(out, "", &self.unnamed);
+            self.replies.parses.push_back(SentParse {
+                injected: true,
+                name: None,
+                forget: false,
+                unnamed_seq: self.unnamed_seq,
+                batch: self.replies.sent,
+            });
+        } else {
+            put_close(out, "");
+            self.replies.closes.push_back(SentClose {
+                own: Some(String::new()),
+                restore: None,
+                batch: self.replies.sent,
+            });
+        }
+        self.replies.open_batch = true;
     }
 
     /// Closes the least recently used statements of the attached server
@@ -1260,9 +1457,11 @@ impl Session {
         }
         for victim in c.conn.prepared.evict(bound, keep) {
             put_close(out, &victim);
-            self.replies
-                .closes
-                .push_back((Some(victim), self.replies.sent));
+            self.replies.closes.push_back(SentClose {
+                own: Some(victim),
+                restore: None,
+                batch: self.replies.sent,
+            });
         }
     }
 
@@ -1362,7 +1561,8 @@ impl Session {
                     | backend::CLOSE_COMPLETE
                     | backend::READY_FOR_QUERY
                     | backend::PARAMETER_STATUS
-            ) || (self.discarding && h.tag == backend::ERROR_RESPONSE)
+                    | backend::COPY_IN_RESPONSE
+            ) || h.tag == backend::ERROR_RESPONSE
                 || (h.tag == backend::COMMAND_COMPLETE && !self.replies.deallocs.is_empty());
             if !interesting {
                 let n = total.min(avail);
@@ -1388,7 +1588,7 @@ impl Session {
                 }
                 backend::CLOSE_COMPLETE => {
                     self.drop_stale_closes();
-                    if let Some((Some(_), _)) = self.replies.closes.front() {
+                    if let Some(SentClose { own: Some(_), .. }) = self.replies.closes.front() {
                         self.replies.closes.pop_front();
                         drop_message(&mut out, buf, &mut pos, total);
                         continue;
@@ -1418,9 +1618,25 @@ impl Session {
                     if self.discarding {
                         self.discard_failed = true;
                     }
+                    if ends_session(body) {
+                        self.replies.fatal = true;
+                    }
+                    // A COPY that failed takes no more data; the Sync
+                    // that follows (extended protocol) is answered.
+                    self.replies.copy_in = false;
+                    if let Some(renamed) = client_names(body, self.client_id) {
+                        drop_message(&mut out, buf, &mut pos, total);
+                        if let Some(o) = out.as_mut() {
+                            o.extend_from_slice(&renamed);
+                        }
+                        continue;
+                    }
                 }
+                backend::COPY_IN_RESPONSE => self.replies.copy_in_started(),
                 backend::READY_FOR_QUERY => {
                     self.replies.pending = self.replies.pending.saturating_sub(1);
+                    self.replies.kinds >>= 1;
+                    self.replies.copy_ended = false;
                     self.replies.done += 1;
                     if let Some(c) = self.attached.as_mut() {
                         c.traffic
@@ -1479,36 +1695,157 @@ impl Session {
     /// Closes of a completed batch were skipped (an error came first):
     /// the statements pgwarden meant to close are still on the server.
     fn drop_stale_closes(&mut self) {
-        while let Some((_, batch)) = self.replies.closes.front() {
-            if *batch >= self.replies.done {
+        while let Some(close) = self.replies.closes.front() {
+            if close.batch >= self.replies.done {
                 break;
             }
-            if let (Some((Some(name), _)), Some(c)) =
-                (self.replies.closes.pop_front(), self.attached.as_mut())
-            {
-                c.conn.prepared.insert(&name);
+            let Some(close) = self.replies.closes.pop_front() else {
+                break;
+            };
+            match close {
+                SentClose {
+                    own: Some(name), ..
+                } if !name.is_empty() => {
+                    if let Some(c) = self.attached.as_mut() {
+                        c.conn.prepared.insert(&name);
+                    }
+                }
+                SentClose {
+                    restore: Some((name, st, here)),
+                    ..
+                } => {
+                    // The client's statement is still there, as it is on
+                    // PostgreSQL when an error skips a Close.
+                    if here {
+                        if let Some(c) = self.attached.as_mut() {
+                            c.conn.prepared.insert(&st.0);
+                        }
+                    }
+                    self.statements.entry(name).or_insert(st);
+                }
+                _ => {}
             }
         }
     }
 
     fn drop_stale_parses(&mut self) {
         // Parses of a batch that has completed can no longer be answered
-        // (an error made the server skip them).
+        // (they failed, or an error made the server skip them).
         while let Some(p) = self.replies.parses.front() {
             if p.batch >= self.replies.done {
                 break;
             }
-            if let (
-                Some(SentParse {
-                    name: Some(name), ..
-                }),
-                Some(c),
-            ) = (self.replies.parses.pop_front(), self.attached.as_mut())
-            {
-                c.conn.prepared.remove(&name);
+            let Some(p) = self.replies.parses.pop_front() else {
+                break;
+            };
+            match &p.name {
+                Some(sname) => {
+                    if let Some(c) = self.attached.as_mut() {
+                        c.conn.prepared.remove(sname);
+                    }
+                    if p.forget {
+                        // The client has no such statement, as it would
+                        // not on PostgreSQL.
+                        self.statements.retain(|_, st| st.0 != *sname);
+                    }
+                }
+                // The unnamed statement, unless parsed again since.
+                None if p.unnamed_seq == self.unnamed_seq && p.unnamed_seq > 0 => {
+                    if p.forget {
+                        // A failed unnamed Parse leaves none, as it drops
+                        // the previous one first.
+                        self.unnamed_set = false;
+                    } else {
+                        self.unnamed_here = false;
+                    }
+                }
+                None => {}
             }
         }
     }
+}
+
+/// The ErrorResponse `body` with the server-side names of client
+/// `client`'s statements ([`Session::server_name`],
+/// [`Session::untracked_name`]) put back to the names the client knows
+/// them by (`prepared statement "s1" already exists`); `None` when it
+/// names none.
+fn client_names(body: &[u8], client: u64) -> Option<BytesMut> {
+    let prefix = format!("pgw{client}");
+    memchr::memmem::find(body, prefix.as_bytes())?;
+    let strip = |text: &str| -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(at) = rest.find(&prefix) {
+            let after = &rest[at + prefix.len()..];
+            // `pgw{client}u_{name}` or `pgw{client}_{n}_{name}`.
+            let skip = if let Some(n) = after.strip_prefix("u_") {
+                Some(after.len() - n.len())
+            } else if let Some(n) = after.strip_prefix('_') {
+                let digits = n.bytes().take_while(u8::is_ascii_digit).count();
+                (digits > 0 && n[digits..].starts_with('_')).then_some(1 + digits + 1)
+            } else {
+                None
+            };
+            match skip {
+                Some(k) => {
+                    out.push_str(&rest[..at]);
+                    rest = &after[k..];
+                }
+                None => {
+                    out.push_str(&rest[..at + prefix.len()]);
+                    rest = after;
+                }
+            }
+        }
+        out.push_str(rest);
+        out
+    };
+    let fields = message::error_fields(body).ok()?;
+    let mut msg = BytesMut::with_capacity(body.len() + 5);
+    msg.put_u8(backend::ERROR_RESPONSE);
+    msg.put_u32(0);
+    for (ty, text) in fields {
+        msg.put_u8(ty);
+        msg.put_slice(strip(text).as_bytes());
+        msg.put_u8(0);
+    }
+    msg.put_u8(0);
+    let len = (msg.len() - 1) as u32;
+    msg[1..5].copy_from_slice(&len.to_be_bytes());
+    Some(msg)
+}
+
+/// Whether `tag` is a message a client may send once logged in; anything
+/// else PostgreSQL answers with a FATAL error.
+fn frontend_message(tag: u8) -> bool {
+    matches!(
+        tag,
+        frontend::QUERY
+            | frontend::PARSE
+            | frontend::BIND
+            | frontend::EXECUTE
+            | frontend::DESCRIBE
+            | frontend::CLOSE
+            | frontend::SYNC
+            | frontend::FLUSH
+            | frontend::FUNCTION_CALL
+            | frontend::TERMINATE
+            | frontend::COPY_DATA
+            | frontend::COPY_DONE
+            | frontend::COPY_FAIL
+    )
+}
+
+/// Whether the ErrorResponse `body` ends the server's session (severity
+/// FATAL or PANIC).
+fn ends_session(body: &[u8]) -> bool {
+    // 'V' is the severity never translated; servers before 9.6 send 'S'
+    // only.
+    let fields = message::error_fields(body).unwrap_or_default();
+    let severity =
+        message::find_field(&fields, b'V').or_else(|| message::find_field(&fields, b'S'));
+    matches!(severity, Some("FATAL" | "PANIC"))
 }
 
 /// Sets session parameters on a freshly borrowed server before the client's
@@ -1909,10 +2246,17 @@ fn pins_statement<'a>(
         }
     }
     let mut prev: &[u8] = b"";
+    let mut updates = false;
     for w in std::iter::once(first).chain(words) {
         let hit = match w.len() {
             4 => (is(w, "TEMP") && makes_temp(prev)) || (is(w, "HOLD") && is(prev, "WITH")),
-            6 => is(w, "LISTEN"),
+            6 => {
+                is(w, "LISTEN") || {
+                    // `UPDATE pg_settings SET setting = ...` is a session SET.
+                    updates |= is(w, "UPDATE");
+                    false
+                }
+            }
             9 => is(w, "TEMPORARY") && makes_temp(prev),
             // A session-level set_config is a SET; PostgREST and row-level
             // security set theirs with is_local = true, which ends with
@@ -1923,6 +2267,7 @@ fn pins_statement<'a>(
                     !set_config_is_local(&sql[at..])
                 }
             }
+            11 => updates && is(w, "PG_SETTINGS"),
             13 => is(w, "AUTHORIZATION") && is(prev, "SESSION"),
             16 => is(w, "PG_ADVISORY_LOCK"),
             20 => is(w, "PG_TRY_ADVISORY_LOCK"),
@@ -2148,6 +2493,84 @@ mod tests {
     }
 
     #[test]
+    fn errors_name_statements_as_the_client_does() {
+        let error = |m: &str| {
+            let mut b = Vec::new();
+            for (t, v) in [(b'S', "ERROR"), (b'C', "42P05"), (b'M', m)] {
+                b.push(t);
+                b.extend_from_slice(v.as_bytes());
+                b.push(0);
+            }
+            b.push(0);
+            b
+        };
+        use super::message;
+        let renamed = |m: &str, client: u64| {
+            super::client_names(&error(m), client).map(|msg| {
+                let fields = message::error_fields(&msg[5..]).unwrap();
+                assert_eq!(
+                    msg.len() - 1,
+                    u32::from_be_bytes(msg[1..5].try_into().unwrap()) as usize
+                );
+                message::find_field(&fields, b'M').unwrap().to_string()
+            })
+        };
+        assert_eq!(
+            renamed("prepared statement \"pgw7_12_s1\" already exists", 7).as_deref(),
+            Some("prepared statement \"s1\" already exists")
+        );
+        assert_eq!(
+            renamed("prepared statement \"pgw7u_nope\" does not exist", 7).as_deref(),
+            Some("prepared statement \"nope\" does not exist")
+        );
+        // Names with underscores and digits of their own stay whole.
+        assert_eq!(
+            renamed("\"pgw7_3___asyncpg_stmt_2__\" and \"pgw7_4_a_1_b\"", 7).as_deref(),
+            Some("\"__asyncpg_stmt_2__\" and \"a_1_b\"")
+        );
+        // Another client's, or no such name: left alone.
+        assert_eq!(
+            renamed("prepared statement \"pgw71_2_x\"", 7).as_deref(),
+            Some("prepared statement \"pgw71_2_x\"")
+        );
+        assert_eq!(renamed("relation \"t\" does not exist", 7), None);
+    }
+
+    #[test]
+    fn syncs_ignored_during_copy_in_are_not_waited_for() {
+        use super::{Replies, TxStatus};
+        // Extended protocol, as libpq sends it: Parse/Bind/Execute/Sync,
+        // the server takes data, then CopyDone and Sync.
+        let mut r = Replies {
+            status: Some(TxStatus::Idle),
+            ..Replies::default()
+        };
+        r.pending = 1;
+        r.sent = 1;
+        r.copy_in_started();
+        assert!(!r.idle(), "the COPY is still running");
+        assert_eq!((r.pending, r.done), (0, 1));
+        assert!(r.open_batch);
+        // A simple-protocol COPY keeps its Query pending.
+        let mut q = Replies {
+            status: Some(TxStatus::Idle),
+            kinds: 1,
+            pending: 1,
+            ..Replies::default()
+        };
+        q.copy_in_started();
+        assert_eq!((q.pending, q.open_batch, q.copy_in), (1, false, true));
+        // Data sent before the server asked for it: nothing is forgotten.
+        let mut early = Replies {
+            pending: 2,
+            copy_ended: true,
+            ..Replies::default()
+        };
+        early.copy_in_started();
+        assert_eq!((early.pending, early.copy_in), (2, false));
+    }
+
+    #[test]
     fn session_state_pins_and_transaction_state_does_not() {
         for s in [
             "LISTEN ch",
@@ -2200,9 +2623,13 @@ mod tests {
             "SELECT 1; RESET ALL",
             "SELECT ''''; SET search_path TO x",
             "SELECT $1; SET search_path TO x",
+            "UPDATE pg_settings SET setting = '50' WHERE name = 'statement_timeout'",
+            "update pg_catalog.pg_settings set setting = 'x' where name = 'search_path'",
+            "WITH s AS (UPDATE pg_settings SET setting = '1' RETURNING 1) SELECT 1",
         ] {
             assert!(pins_session(s.as_bytes()), "{s}");
         }
+        assert!(!pins_session(b"SELECT setting FROM pg_settings"));
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
         assert!(super::drops_statements(b"deallocate prepare all"));
@@ -2308,6 +2735,7 @@ mod tests {
             | "PG_ADVISORY_LOCK_SHARED"
             | "PG_TRY_ADVISORY_LOCK"
             | "PG_TRY_ADVISORY_LOCK_SHARED" => true,
+            "PG_SETTINGS" => names[..i].contains(&"UPDATE"),
             "SET_CONFIG" => !skip_comments(&sql[at + w.len()..])
                 .to_ascii_lowercase()
                 .starts_with("('a','b',true)"),
@@ -2352,6 +2780,8 @@ mod tests {
             "listen",
             "pg_advisory_lock",
             "pg_try_advisory_lock_shared",
+            "update",
+            "pg_settings",
             "select",
             "1",
             "é",
