@@ -22,12 +22,13 @@ pub(crate) const SWITCHOVER_DRAIN: Duration = Duration::from_secs(5);
 /// leader to report itself a running primary.
 pub(crate) const WRITABLE_WAIT: Duration = Duration::from_secs(10);
 
-/// Pauses the read-write service of every connection manager that answers;
+/// Pauses the services that write to the primary (`read_write` and the
+/// named services selecting it) of every connection manager that answers;
 /// returns those paused.
 pub(crate) async fn pause_proxies(urls: &[String]) -> Vec<String> {
     let calls = urls.iter().map(|u| async move {
         let url = format!(
-            "{u}/pause?service=read_write&wait_ms={}",
+            "{u}/pause?service=%2Awriters&wait_ms={}",
             SWITCHOVER_DRAIN.as_millis()
         );
         match crate::http_client::request(
@@ -54,10 +55,10 @@ pub(crate) async fn pause_proxies(urls: &[String]) -> Vec<String> {
     crate::join_all(calls).await.into_iter().flatten().collect()
 }
 
-/// Resumes the read-write service of the connection managers paused.
+/// Resumes the services paused by [`pause_proxies`].
 pub(crate) async fn resume_proxies(urls: &[String]) {
     let calls = urls.iter().map(|u| async move {
-        let url = format!("{u}/resume?service=read_write");
+        let url = format!("{u}/resume?service=%2Awriters");
         if let Err(e) =
             crate::http_client::request("POST", &url, None, None, Duration::from_secs(5)).await
         {

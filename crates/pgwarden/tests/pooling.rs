@@ -666,6 +666,28 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
             .unwrap(),
         "3"
     );
+    // `*writers` (what a switchover pauses) is every service that writes
+    // to the primary, and only those.
+    let writer = client(&via(&p, "read_write")).await.unwrap();
+    let reader = client(&via(&p, "read_only")).await.unwrap();
+    let r = tokio::task::spawn_blocking(move || post("/pause?service=%2Awriters"))
+        .await
+        .unwrap();
+    assert!(r.contains(" 200 "), "{r}");
+    assert_eq!(one(&reader, "SELECT 4").await, "4");
+    let waiting = tokio::spawn(async move { one(&writer, "SELECT 5").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "ran while paused");
+    tokio::task::spawn_blocking(move || post("/resume?service=%2Awriters"))
+        .await
+        .unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap(),
+        "5"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -631,3 +631,53 @@ async fn relayed_connections_have_tcp_keepalive() {
     let pg_port = c.addr(0).rsplit(':').next().unwrap().parse().unwrap();
     assert!(keepalive_timer(server_port, pg_port), "server leg");
 }
+
+/// A read-write session never starts on a standby. During a switchover
+/// the old primary comes back as a standby a moment before the topology
+/// shows it; a session that reached it then would fail every write. The
+/// server says what it is at login (`in_hot_standby`), and the client is
+/// refused with 57P03 ("reconnect") instead; a pooled client waits for a
+/// primary instead of getting a standby's connection. Here the host's
+/// address starts leading to a replica while the probe's connection still
+/// reaches the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_write_session_never_starts_on_a_standby() {
+    let c = TestCluster::builder().replicas(1).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    for pooled in [false, true] {
+        relay.set_target(c.addr(0).parse().unwrap());
+        let settings = pooled.then(|| pgwarden_proxy::PoolSettings {
+            size: 1,
+            query_wait_timeout: Duration::from_secs(2),
+            ..pgwarden_proxy::PoolSettings::default()
+        });
+        let (e, p) = common::proxy_with(
+            &[relay.addr().to_string()],
+            Duration::from_secs(2),
+            settings,
+            10_000,
+        )
+        .await;
+        ready(&e, 1).await;
+        relay.set_target(c.addr(1).parse().unwrap());
+        let err = match client(&via(&p, "read_write")).await {
+            Ok(cl) => match cl.simple_query("SELECT pg_is_in_recovery()").await {
+                Ok(r) => panic!("pooled {pooled}: a session on the standby: {r:?}"),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        let code = sqlstate(&err);
+        let want = if pooled { "08006" } else { "57P03" };
+        assert_eq!(code.as_deref(), Some(want), "pooled {pooled}: {err}");
+        let message = err.as_db_error().map(|d| d.message().to_string());
+        assert!(
+            message
+                .as_deref()
+                .is_some_and(|m| m.contains("is a standby, not the primary")),
+            "pooled {pooled}: {message:?}"
+        );
+        // The probe still sees the primary it reached before.
+        assert!(e.snapshot().topology.primary().is_some());
+    }
+}

@@ -34,7 +34,7 @@ pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{
     check_spec, ClientTlsMode, ConnLimits, PoolOverrides, Proxy, ProxySpec, RefusalSwitch,
-    ServiceSpec, TlsSpec,
+    ServiceSpec, TlsSpec, WRITERS,
 };
 pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};
 

@@ -464,6 +464,14 @@ impl StatementCache {
 }
 
 impl ServerConn {
+    /// Whether the server said at login that it is a hot standby
+    /// (PostgreSQL 14 and later report `in_hot_standby`).
+    pub fn in_hot_standby(&self) -> bool {
+        self.params
+            .get("in_hot_standby")
+            .is_some_and(|v| v.eq_ignore_ascii_case("on"))
+    }
+
     /// Records a ParameterStatus the server sent.
     pub fn set_param(&mut self, name: &str, value: &str) {
         self.tracked.set(name, value);
@@ -1290,6 +1298,15 @@ impl Pool {
                 )
                 .await
                 .map_err(|_| ServerError::Timeout)??;
+                if self.settings.wants_primary && c.in_hot_standby() {
+                    // The old primary of a switchover, back as a standby
+                    // before the topology shows it: the client waits for
+                    // the new one instead.
+                    return Err(ServerError::Failed(format!(
+                        "{} is a standby, not the primary",
+                        self.key.host
+                    )));
+                }
                 self.learn_baseline(&c, with_app);
                 self.stats.total.fetch_add(1, Ordering::Relaxed);
                 let mut c = Box::new(c);

@@ -17,6 +17,11 @@ use crate::cancel::CancelRegistry;
 use crate::metrics::Metrics;
 use crate::pool::{ConnLimit, LimitKind, Pool, PoolKey, PoolSettings};
 
+/// What `POST /pause?service=` and `/resume` take for every service that
+/// writes to the primary: `read_write` and the named services that select
+/// it. A switchover pauses them all.
+pub const WRITERS: &str = "*writers";
+
 /// One service: where it listens and how it picks hosts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceSpec {
@@ -467,6 +472,23 @@ impl Shared {
 
     /// Pauses or resumes a service; false if there is no such service.
     pub fn set_paused(&self, service: &str, on: bool) -> bool {
+        if service == WRITERS {
+            let writers: Vec<String> = self
+                .services
+                .lock()
+                .expect("poisoned")
+                .iter()
+                .filter(|(_, s)| {
+                    let s = s.load();
+                    s.spec.want == Want::Primary && !s.spec.read_only
+                })
+                .map(|(n, _)| n.clone())
+                .collect();
+            for name in writers {
+                self.set_paused(&name, on);
+            }
+            return true;
+        }
         if !self
             .services
             .lock()

@@ -22,6 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::bufcache;
 use crate::stream::taken;
+use pgwarden_wire::sqlstate::SqlState;
 
 /// Read buffer size per direction.
 const CHUNK: usize = bufcache::SIZE;
@@ -135,8 +136,8 @@ pub enum Verdict {
     Keep,
     /// Forward these bytes instead.
     Replace(BytesMut),
-    /// Forward nothing more: the session ends for this reason.
-    Stop(String),
+    /// Forward nothing more: the session ends with this error.
+    Stop(SqlState, String),
 }
 
 /// Where one scan of the buffer got to.
@@ -150,7 +151,10 @@ enum Step {
         with: BytesMut,
     },
     /// Forward `buf[..start]` and stop.
-    Stop { start: usize, reason: String },
+    Stop {
+        start: usize,
+        reason: (SqlState, String),
+    },
 }
 
 /// How a pump ended.
@@ -158,8 +162,8 @@ enum Step {
 pub enum End {
     /// The reading side closed the connection.
     Eof,
-    /// An inspected message ended the session.
-    Stopped(String),
+    /// An inspected message ended the session, with this error.
+    Stopped(SqlState, String),
     /// The byte stream is not the PostgreSQL protocol.
     Protocol(String),
     /// A socket error.
@@ -224,7 +228,12 @@ impl Framing {
                             with,
                         })
                     }
-                    Verdict::Stop(reason) => return Ok(Step::Stop { start: pos, reason }),
+                    Verdict::Stop(code, why) => {
+                        return Ok(Step::Stop {
+                            start: pos,
+                            reason: (code, why),
+                        })
+                    }
                 }
             } else if avail >= total {
                 pos += total;
@@ -333,7 +342,7 @@ where
                     framing.writing = false;
                     framing.pending = 0;
                     return match r {
-                        Ok(()) => End::Stopped(reason),
+                        Ok(()) => End::Stopped(reason.0, reason.1),
                         Err(e) => End::Io(e),
                     };
                 }

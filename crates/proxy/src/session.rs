@@ -692,6 +692,16 @@ async fn relay(
     let (mut server, logged_in) = match credential {
         None => (server, None),
         Some(cred) => match crate::pool::login(server, &startup, &cred).await {
+            Ok(conn) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
+                let out = encode::fatal(
+                    sqlstate::CANNOT_CONNECT_NOW.code(),
+                    &format!(
+                        "{host} is a standby, not the primary (the primary is changing); reconnect"
+                    ),
+                );
+                let _ = client.write_all(&out).await;
+                return;
+            }
             Ok(conn) => {
                 let key = (conn.backend_key, conn.params);
                 (conn.stream, Some(key))
@@ -891,6 +901,10 @@ impl Io<'_> {
     {
         let mut cancel_key: Option<(i32, i32)> = None;
         let read_only = self.spec.read_only;
+        // A read-write session must not start on a standby: during a
+        // switchover the old primary comes back as one before every
+        // connection manager has seen it go.
+        let wants_primary = self.spec.want == pgwarden_topology::Want::Primary;
         let name = self.spec.name.clone();
         let mut c2s = Framing::default();
         let mut s2c = Framing::default();
@@ -916,7 +930,10 @@ impl Io<'_> {
                 cw,
                 &mut s2c,
                 self.to_client,
-                |t| t == backend::BACKEND_KEY_DATA || (read_only && t == backend::PARAMETER_STATUS),
+                |t| {
+                    t == backend::BACKEND_KEY_DATA
+                        || ((read_only || wants_primary) && t == backend::PARAMETER_STATUS)
+                },
                 |tag, msg| {
                     if tag == backend::BACKEND_KEY_DATA {
                         if let (Ok((pid, secret)), Some(server)) = (
@@ -936,10 +953,18 @@ impl Io<'_> {
                     }
                     match pgwarden_wire::message::parameter_status(&msg[5..]) {
                         Ok(("default_transaction_read_only", v))
-                            if !v.eq_ignore_ascii_case("on") =>
+                            if read_only && !v.eq_ignore_ascii_case("on") =>
                         {
                             Verdict::Stop(
+                                sqlstate::READ_ONLY_SQL_TRANSACTION,
                                 "the session was made read-write on a read-only service".into(),
+                            )
+                        }
+                        // Sent at login since PostgreSQL 14.
+                        Ok(("in_hot_standby", v)) if wants_primary && v.eq_ignore_ascii_case("on") => {
+                            Verdict::Stop(
+                                sqlstate::CANNOT_CONNECT_NOW,
+                                format!("{} is a standby, not the primary (the primary is changing); reconnect", self.host),
                             )
                         }
                         _ => Verdict::Keep,
@@ -967,7 +992,7 @@ impl Io<'_> {
         Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {} is down", self.host))),
         Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
         Ended::Killed(Some(Kill::Admin)) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: administrator command".to_string())),
-        Ended::Downstream(End::Stopped(why)) => Some((sqlstate::READ_ONLY_SQL_TRANSACTION, format!("terminating connection: {why}"))),
+        Ended::Downstream(End::Stopped(code, why)) => Some((*code, format!("terminating connection: {why}"))),
         Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
         _ => None,
     };
