@@ -1293,9 +1293,10 @@ async fn failover(
             )));
         }
         if !force {
-            return Err(ApiError::precondition(
-                "failover is possible only to a cluster without a leader; use switchover",
-            ));
+            return Err(ApiError::precondition(format!(
+                "failover is possible only to a cluster without a leader, and {} holds the leader key: use switchover, or failover --force if that leader is known to be dead",
+                l.name
+            )));
         }
     }
     if force {

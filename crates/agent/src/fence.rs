@@ -52,13 +52,25 @@ impl Fence {
     }
 }
 
-/// The start time of a process (field 22 of `/proc/PID/stat`), which tells
-/// a live agent from another process that got its pid.
+/// The start time of a live process (field 22 of `/proc/PID/stat`), which
+/// tells the agent from another process that got its pid; `None` once it
+/// is gone.
 fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    live_start_time(&stat)
+}
+
+/// [`start_time`] from the text of `/proc/PID/stat`. A killed agent whose
+/// parent has not reaped it yet (a supervisor that waits late, or never)
+/// stays listed as a zombie (`Z`, then `X`) with its start time: it is
+/// dead all the same, and its PostgreSQL must stop.
+fn live_start_time(stat: &str) -> Option<u64> {
     // The command name may contain spaces; fields resume after its ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// The fence's main loop (`pgwarden fence`): waits for the agent `agent_pid`
@@ -86,4 +98,20 @@ fn postmaster_pid(data_dir: &Path) -> Option<i32> {
     let text = std::fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
     let pid: i32 = text.lines().next()?.trim().parse().ok()?;
     kill(Pid::from_raw(pid), None).ok().map(|_| pid)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_zombie_is_dead() {
+        let stat = |state: &str| {
+            format!("4242 (pgwarden (x)) {state} 1 4242 4242 0 -1 4194560 1 0 0 0 5 3 0 0 20 0 9 0 123456 0 0")
+        };
+        assert_eq!(super::live_start_time(&stat("S")), Some(123456));
+        assert_eq!(super::live_start_time(&stat("R")), Some(123456));
+        assert_eq!(super::live_start_time(&stat("Z")), None);
+        assert_eq!(super::live_start_time(&stat("X")), None);
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert!(super::live_start_time(&own).is_some());
+    }
 }

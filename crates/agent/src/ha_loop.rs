@@ -81,6 +81,8 @@ pub(crate) struct HaLoop {
     /// This data directory has run as a primary since it last streamed from
     /// a leader, so its history may have forked: rewind before following.
     former_primary: bool,
+    /// Why a former primary last waited to rejoin, logged once.
+    rejoin_wait: Option<String>,
     start_failed_since: Option<Instant>,
     /// What the agent itself is doing, when that says more than the
     /// server's state (`rewinding`, `cloning`).
@@ -208,6 +210,7 @@ impl HaLoop {
             last_dcs_ok: Instant::now(),
             snapshot: ClusterSnapshot::default(),
             former_primary: false,
+            rejoin_wait: None,
             start_failed_since: None,
             activity: None,
             problem: None,
@@ -976,6 +979,16 @@ impl HaLoop {
                 // Streaming from the leader proves the histories agree.
                 self.former_primary = false;
             }
+            // A failed rewind, followed by a clone, is history once the
+            // member runs as a primary or streams.
+            if (self.obs.streaming || !self.obs.pg.in_recovery)
+                && self
+                    .problem
+                    .as_deref()
+                    .is_some_and(|p| p.starts_with("pg_rewind failed"))
+            {
+                self.problem = None;
+            }
         }
         let budget = self.retry_budget();
         let read = if budget.is_zero() {
@@ -1658,10 +1671,15 @@ impl HaLoop {
                 .await;
         }
         self.former_primary = true;
+        self.last_renewal = None;
+        // Health checks and routing learn it now, not at the end of a
+        // round that may wait out etcd's time-outs.
+        self.obs.pg.running = false;
+        self.obs.process = false;
+        self.publish_status();
         if self.holds_leader_key() && self.dcs_ok {
             let _ = self.dcs.release_leader(&self.cfg.name).await;
         }
-        self.last_renewal = None;
         self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "demoted");
         self.run_callback(
             self.cfg.callbacks.on_role_change.clone(),
@@ -1703,9 +1721,14 @@ impl HaLoop {
                     return;
                 };
                 if self.former_primary {
-                    if let Err(e) = self.rejoin(&addr, None).await {
-                        tracing::error!(error = %e, "cannot rejoin as a replica");
-                        return;
+                    match self.rejoin(&addr, None).await {
+                        Ok(true) => {}
+                        // The leader is not ready yet: the next round.
+                        Ok(false) => return,
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot rejoin as a replica");
+                            return;
+                        }
                     }
                 }
                 let user = self.pg.replication_user().to_string();
@@ -1782,33 +1805,86 @@ impl HaLoop {
     /// follow `leader`, a member or, given `remote`, a standby cluster's
     /// source: crash recovery if it went down hard, then pg_rewind; a fresh
     /// clone (by the standby cluster's methods, for its source) when
-    /// rewinding fails and that is allowed.
+    /// rewinding fails and that is allowed. A former primary that shut
+    /// down cleanly after the leader received all its WAL (a switchover)
+    /// needs none of it. `Ok(false)`: the leader is not ready to be
+    /// followed yet (still promoting, or out of reach); nothing was done.
     async fn rejoin(
         &mut self,
         leader: &HostAddr,
         remote: Option<&pgwarden_ha::StandbyCluster>,
-    ) -> Result<(), PgCtlError> {
+    ) -> Result<bool, PgCtlError> {
         let whom = if remote.is_some() {
             "the remote source"
         } else {
             "the leader"
         };
-        self.busy("rewinding").await;
-        let _ = self.pg.stop(StopMode::Fast).await;
         // pg_rewind reads the source's timeline from its control file, which
         // a promotion updates only at its next checkpoint: without one it
-        // may see no fork and rewind nothing. A source whose control file is
-        // current (a standby cluster's source that never failed over, say,
-        // the primary of another site) is spared the I/O of one.
-        if let Err(e) = self.checkpoint_if_behind(leader).await {
-            tracing::warn!(error = %e, leader = %leader, "CHECKPOINT on the leader before pg_rewind failed");
-        }
+        // may see no fork and rewind nothing, or a fork at the wrong place.
+        // A member leader still in recovery has not even chosen its new
+        // timeline: rewinding onto it ruins the data directory. A source
+        // whose control file is current (a standby cluster's source that
+        // never failed over, say, the primary of another site) is spared
+        // the I/O of a checkpoint.
+        let source_tli = match self.prepare_source(leader, remote.is_none()).await {
+            Ok(Some(tli)) => {
+                self.rejoin_wait = None;
+                tli
+            }
+            Ok(None) => {
+                self.note_rejoin_wait(format!("{whom} is still promoting"));
+                return Ok(false);
+            }
+            Err(e) if remote.is_none() => {
+                self.note_rejoin_wait(format!("{whom} cannot be reached ({e})"));
+                return Ok(false);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, source = %leader, "CHECKPOINT on the source before pg_rewind failed");
+                0
+            }
+        };
+        self.busy("rewinding").await;
+        let _ = self.pg.stop(StopMode::Fast).await;
         let state = self.control_state().await;
         let source = self.pg.source_conninfo(leader);
         let crashed = !matches!(
             state.as_deref(),
             Some("shut down" | "shut down in recovery")
         );
+        // Only a primary's own clean shutdown: a standby's last checkpoint
+        // is a restart point, which says nothing of what it replayed.
+        if remote.is_none() && state.as_deref() == Some("shut down") && source_tli > 1 {
+            let local_tli = self
+                .controldata("Latest checkpoint's TimeLineID")
+                .await
+                .and_then(|v| v.trim().parse::<u32>().ok());
+            let checkpoint = self
+                .controldata("Latest checkpoint location")
+                .await
+                .and_then(|v| parse_lsn(&v));
+            let history = self.history(Some(leader), source_tli).await;
+            if let (Some(local_tli), Some(checkpoint), Some(history)) =
+                (local_tli, checkpoint, history.as_deref())
+            {
+                let source = pgwarden_ha::timeline::Standing {
+                    tli: source_tli,
+                    history: Some(history),
+                };
+                if !pgwarden_ha::timeline::needs_rewind_after_clean_shutdown(
+                    local_tli, checkpoint, source,
+                ) {
+                    tracing::info!(
+                        leader = %leader,
+                        "no rewind needed: the leader's timeline forked after this server's last WAL"
+                    );
+                    self.problem = None;
+                    self.idle();
+                    return Ok(true);
+                }
+            }
+        }
         let res = self
             .pg
             .with(move |i| {
@@ -1826,10 +1902,10 @@ impl HaLoop {
             Ok(()) => {
                 tracing::info!(leader = %leader, "rewound onto the history of {whom}");
                 self.problem = None;
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
-                let why = format!("pg_rewind failed: {}", first_line(&e));
+                let why = format!("pg_rewind failed: {}", telling_line(&e));
                 tracing::error!("{why}");
                 if self.cfg.reclone_on_rewind_failure {
                     self.problem = Some(format!("{why}; re-cloned from {whom}"));
@@ -1838,6 +1914,7 @@ impl HaLoop {
                         Some(r) => self.create_standby_leader(r).await,
                         None => self.clone_from(leader).await,
                     }
+                    .map(|()| true)
                 } else {
                     self.problem = Some(format!(
                         "{why}; left stopped (reclone_on_rewind_failure = false)"
@@ -1872,7 +1949,7 @@ impl HaLoop {
             && (leader_tl > self.obs.pg.timeline || diverged)
         {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
-            if self.rejoin(&addr, None).await.is_ok() {
+            if let Ok(true) = self.rejoin(&addr, None).await {
                 self.start(&StartMode::ReplicaOf {
                     leader: leader.to_string(),
                 })
@@ -2127,7 +2204,7 @@ impl HaLoop {
                     source = %remote.address(),
                     "this standby leader replayed WAL that its source's history does not have; it must rewind"
                 );
-                if self.rejoin(&addr, Some(&remote)).await.is_err() {
+                if !matches!(self.rejoin(&addr, Some(&remote)).await, Ok(true)) {
                     return;
                 }
                 if let Err(e) = self.point_at_remote(&remote, true).await {
@@ -2464,25 +2541,45 @@ impl HaLoop {
     /// Runs `CHECKPOINT` on the primary at `addr` if its control file
     /// still names an earlier timeline than the one it writes (it was
     /// promoted since its last checkpoint).
-    async fn checkpoint_if_behind(&self, addr: &HostAddr) -> Result<(), tokio_postgres::Error> {
+    /// Readies the source of a rewind at `addr`: `CHECKPOINT` when its
+    /// control file still names an earlier timeline than the one it
+    /// writes. Returns the timeline it is on, or `None` when `must_lead`
+    /// and it is still in recovery (a leader finishing its promotion).
+    async fn prepare_source(
+        &self,
+        addr: &HostAddr,
+        must_lead: bool,
+    ) -> Result<Option<u32>, tokio_postgres::Error> {
         let (c, conn) =
             tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
         tokio::spawn(conn);
-        let behind: bool = c
+        let row = c
             .query_one(
-                // CASE, not AND: pg_walfile_name fails during recovery.
-                "SELECT CASE WHEN pg_is_in_recovery() THEN false \
-                 ELSE (SELECT timeline_id FROM pg_control_checkpoint()) \
-                 <> ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
+                // CASE: pg_walfile_name fails during recovery.
+                "SELECT pg_is_in_recovery(), (SELECT timeline_id FROM pg_control_checkpoint()), \
+                 CASE WHEN pg_is_in_recovery() THEN 0 \
+                 ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
                 &[],
             )
-            .await?
-            .get(0);
-        if behind {
+            .await?;
+        let (in_recovery, control_tli, writing_tli): (bool, i32, i32) =
+            (row.get(0), row.get(1), row.get(2));
+        if in_recovery {
+            return Ok((!must_lead).then_some(control_tli as u32));
+        }
+        if control_tli != writing_tli {
             tracing::info!(source = %addr, "CHECKPOINT on the source: its control file predates its promotion");
             c.batch_execute("CHECKPOINT").await?;
         }
-        Ok(())
+        Ok(Some(writing_tli as u32))
+    }
+
+    /// Logs once why a former primary waits before rejoining.
+    fn note_rejoin_wait(&mut self, why: String) {
+        if self.rejoin_wait.as_deref() != Some(why.as_str()) {
+            tracing::info!("waiting to rejoin: {why}");
+            self.rejoin_wait = Some(why);
+        }
     }
 
     /// How long the members have to acknowledge this leader.
@@ -3705,6 +3802,21 @@ fn first_line(e: &dyn std::fmt::Display) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
+/// The line of a tool's output that says what went wrong: the last one
+/// reporting an error (pg_rewind prints what it found before it fails,
+/// `servers diverged at ...`, then `error: ...`), else the first.
+fn telling_line(e: &dyn std::fmt::Display) -> String {
+    let text = e.to_string();
+    let head = text.lines().next().unwrap_or_default();
+    let telling = text.lines().rev().find(|l| {
+        l.contains("error:") || l.contains("FATAL") || l.contains("PANIC") || l.contains("ERROR")
+    });
+    match telling {
+        Some(l) if l != head => format!("{head} ... {}", l.trim()),
+        _ => head.to_string(),
+    }
+}
+
 fn append_hba(datadir: &std::path::Path, lines: &[String]) -> Result<(), PgCtlError> {
     if lines.is_empty() {
         return Ok(());
@@ -3795,6 +3907,18 @@ fn effective_parameters(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_tools_error_line_is_the_one_kept() {
+        let e = "pg_rewind failed (exit status: 1): pg_rewind: servers diverged at WAL location 0/A01A228 on timeline 5\n\
+                 pg_rewind: rewinding from last common checkpoint at 0/9000060 on timeline 5\n\
+                 pg_rewind: error: could not open file \"x\": No such file or directory\n";
+        assert_eq!(
+            super::telling_line(&e),
+            "pg_rewind failed (exit status: 1): pg_rewind: servers diverged at WAL location 0/A01A228 on timeline 5 ... pg_rewind: error: could not open file \"x\": No such file or directory"
+        );
+        assert_eq!(super::telling_line(&"just this\nand that"), "just this");
+    }
+
     use super::parse_lsn;
 
     #[test]

@@ -74,6 +74,47 @@ pub fn reloadable(old: &AgentConfig, new: &AgentConfig) -> bool {
     rest == *old
 }
 
+/// The `[agent]` keys that differ between `old` and `new` and take effect
+/// only when the agent restarts (empty when [`reloadable`]), for the
+/// warning a reload logs.
+pub fn restart_needed(old: &AgentConfig, new: &AgentConfig) -> Vec<&'static str> {
+    let mut keys = Vec::new();
+    let mut differs = |changed: bool, key: &'static str| {
+        if changed {
+            keys.push(key);
+        }
+    };
+    differs(old.name != new.name, "agent.name");
+    differs(old.data_dir != new.data_dir, "agent.data_dir");
+    differs(old.pg_listen != new.pg_listen, "agent.pg_listen");
+    differs(
+        old.pg_connect_address != new.pg_connect_address,
+        "agent.pg_connect_address",
+    );
+    differs(old.api != new.api, "agent.api");
+    differs(old.api_url != new.api_url, "agent.api_url");
+    differs(
+        old.api_cert_file != new.api_cert_file || old.api_key_file != new.api_key_file,
+        "agent.api_cert_file/api_key_file",
+    );
+    differs(old.api_ca_file != new.api_ca_file, "agent.api_ca_file");
+    differs(
+        old.api_verify_client != new.api_verify_client,
+        "agent.api_verify_client",
+    );
+    differs(old.run_as != new.run_as, "agent.run_as");
+    differs(old.bin_dir != new.bin_dir, "agent.bin_dir");
+    differs(old.pg_hba != new.pg_hba, "agent.pg_hba");
+    differs(
+        old.on_sync_blocked != new.on_sync_blocked,
+        "agent.on_sync_blocked",
+    );
+    if keys.is_empty() && !reloadable(old, new) {
+        keys.push("agent");
+    }
+    keys
+}
+
 /// Settings the agent always gives its PostgreSQL, before the operator's
 /// `agent.parameters`: enough WAL kept for a demoted primary to rejoin
 /// without a fresh clone, and hot standbys that answer the probes.
@@ -538,12 +579,21 @@ mod tests {
             "rto = \"fast\"\nbootstrap = { command = \"x\" }",
         ] {
             assert!(reloadable(&old, &agent(same)), "{same}");
+            assert!(restart_needed(&old, &agent(same)).is_empty(), "{same}");
         }
-        for restart in [
-            "rto = \"fast\"\npg_connect_address = \"10.0.0.1:5432\"",
-            "rto = \"fast\"\nbin_dir = \"/opt/pg/bin\"",
+        for (restart, keys) in [
+            (
+                "rto = \"fast\"\npg_connect_address = \"10.0.0.1:5432\"",
+                vec!["agent.pg_connect_address"],
+            ),
+            ("rto = \"fast\"\nbin_dir = \"/opt/pg/bin\"", vec!["agent.bin_dir"]),
+            (
+                "rto = \"fast\"\nbin_dir = \"/opt/pg/bin\"\npg_hba = [\"host all all 10.0.0.0/8 trust\"]",
+                vec!["agent.bin_dir", "agent.pg_hba"],
+            ),
         ] {
             assert!(!reloadable(&old, &agent(restart)), "{restart}");
+            assert_eq!(restart_needed(&old, &agent(restart)), keys, "{restart}");
         }
     }
 }

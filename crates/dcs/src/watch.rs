@@ -122,10 +122,18 @@ where
     let (tx, rx) = mpsc::channel(16);
     let task = tokio::spawn(async move {
         let mut last = None;
+        // While etcd is out of reach every retry fails the same way: the
+        // first failure is a warning, the rest wait for the one that
+        // works (the HA loop reports the outage itself).
+        let mut failing = false;
         loop {
-            match follow(&dcs, &key, decode, &tx, &mut last).await {
+            match follow(&dcs, &key, decode, &tx, &mut last, &mut failing).await {
                 Ok(()) => return,
-                Err(e) => tracing::warn!(key = %key, error = %e, "watch broken; re-establishing"),
+                Err(e) if !failing => {
+                    tracing::warn!(key = %key, error = %e, "watch broken; re-establishing");
+                    failing = true;
+                }
+                Err(e) => tracing::debug!(key = %key, error = %e, "watch still broken"),
             }
             tokio::select! {
                 _ = tokio::time::sleep(RETRY_DELAY) => {}
@@ -137,13 +145,15 @@ where
 }
 
 /// Reads the key, then watches it from just after that read so no change
-/// falls between the two. `Ok` when the receiver has gone away.
+/// falls between the two (clearing `failing` once it watches). `Ok` when
+/// the receiver has gone away.
 async fn follow<E: Clone + PartialEq>(
     dcs: &EtcdDcs,
     key: &str,
     decode: Decode<E>,
     tx: &mpsc::Sender<E>,
     last: &mut Option<E>,
+    failing: &mut bool,
 ) -> Result<()> {
     const OP: &str = "watch";
     let mut client = dcs.client();
@@ -163,6 +173,9 @@ async fn follow<E: Clone + PartialEq>(
             client.watch(key, Some(options)).await.map_err(etcd(OP))
         })
         .await?;
+    if std::mem::take(failing) {
+        tracing::info!(key = %key, "watch re-established");
+    }
     loop {
         let msg = tokio::select! {
             msg = stream.message() => msg.map_err(etcd(OP))?,

@@ -167,8 +167,9 @@ pub enum DemoteReason {
         /// [`Timing::demote_after`]: `loop_wait + retry_timeout`.
         limit: Duration,
     },
-    /// The DCS is unreachable and no renewal was ever recorded, so the lease
-    /// cannot be shown to be alive.
+    /// The DCS is unreachable and no renewal is on record (none since the
+    /// agent started, or since it last demoted), so the lease cannot be
+    /// shown to be alive.
     LeaseUnconfirmed,
     /// Another member holds the leader key.
     OtherLeader {
@@ -192,7 +193,7 @@ impl fmt::Display for DemoteReason {
                 Secs(*limit)
             ),
             DemoteReason::LeaseUnconfirmed => f.write_str(
-                "the DCS is unreachable and no renewal of the leader lease was ever recorded",
+                "the DCS is unreachable and the leader lease was not renewed since this member started or last demoted",
             ),
             DemoteReason::OtherLeader { leader } => write!(f, "{leader} holds the leader key"),
             DemoteReason::NoLeaderKey { because } => {
@@ -831,8 +832,8 @@ mod tests {
                 want: Decision::Demote {
                     reason: DemoteReason::LeaseUnconfirmed,
                 },
-                says: "demoting: the DCS is unreachable and no renewal of the leader lease \
-                       was ever recorded",
+                says: "demoting: the DCS is unreachable and the leader lease was not renewed \
+                       since this member started or last demoted",
             },
             Case {
                 name: "demotion wins over restarting a crashed primary",

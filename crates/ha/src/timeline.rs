@@ -122,9 +122,64 @@ pub fn diverged_from_source(local: Standing<'_>, replayed: u64, source: Standing
     }
 }
 
+/// Whether a server shut down cleanly on timeline `local_tli`, its last
+/// checkpoint (the shutdown checkpoint, its last WAL record) at
+/// `checkpoint`, must be rewound to follow a source at `source`; `false`
+/// means it can start as the source's standby as it is.
+///
+/// The record's end is not in the control file, but no timeline forks
+/// inside a record: the source's history left the local timeline either
+/// at or before the record's start (it lacks the record) or at or after
+/// its end (it has it).
+pub fn needs_rewind_after_clean_shutdown(
+    local_tli: u32,
+    checkpoint: u64,
+    source: Standing<'_>,
+) -> bool {
+    diverged_from_source(
+        Standing {
+            tli: local_tli,
+            history: None,
+        },
+        checkpoint.saturating_add(1),
+        source,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clean_shutdown_the_source_received_needs_no_rewind() {
+        let source = |history| Standing {
+            tli: 3,
+            history: Some(history),
+        };
+        let h = "1\t0/501A8E0\tno recovery target specified\n\
+                 2\t0/7000148\tno recovery target specified\n";
+        // The shutdown checkpoint at 0/70000C0 ends before the fork.
+        assert!(!needs_rewind_after_clean_shutdown(2, 0x70000C0, source(h)));
+        // The source forked before the record or at its start: it lacks it.
+        assert!(needs_rewind_after_clean_shutdown(2, 0x7000148, source(h)));
+        assert!(needs_rewind_after_clean_shutdown(2, 0x7000200, source(h)));
+        // Earlier timelines: against their own switch points.
+        assert!(!needs_rewind_after_clean_shutdown(1, 0x5000000, source(h)));
+        assert!(needs_rewind_after_clean_shutdown(1, 0x6000000, source(h)));
+        // On the source's own timeline, or ahead of it.
+        assert!(!needs_rewind_after_clean_shutdown(3, 0x9000000, source(h)));
+        assert!(needs_rewind_after_clean_shutdown(4, 0x9000000, source(h)));
+        // A history that does not go through the local timeline.
+        let other = "1\t0/501A8E0\tno recovery target specified\n";
+        assert!(needs_rewind_after_clean_shutdown(
+            5,
+            0x1000,
+            Standing {
+                tli: 6,
+                history: Some(other)
+            }
+        ));
+    }
 
     const HISTORY: &str = "1\t0/501A8E0\tno recovery target specified\n\n\
                            2\t0/7000148\tno recovery target specified\n";

@@ -253,6 +253,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 /// `fence` and `unfence`: one entry of the dynamic configuration's
 /// `fenced` object.
 async fn fence(api: &Api, member: &str, on: bool) -> anyhow::Result<()> {
+    // A member that is down has no record: fencing it keeps it from
+    // leading when it comes back, so the name is taken, with a word in
+    // case it is a typo.
+    if on {
+        let known = api.get("/cluster").await.ok().is_some_and(|c| {
+            c["members"]
+                .as_array()
+                .is_some_and(|ms| ms.iter().any(|m| m["name"] == member))
+        });
+        if !known {
+            eprintln!("warning: {member} is not a member of the cluster now; fenced all the same");
+        }
+    }
     let mut fenced = serde_json::Map::new();
     fenced.insert(
         member.to_string(),

@@ -179,8 +179,9 @@ pub async fn serve(
                                 Ok(false) => {}
                                 Err(e) => tracing::error!("REST API certificates not reloaded, the old ones stay: {e}"),
                             }
-                            if !pgwarden_agent::reloadable(old, fresh) {
-                                tracing::warn!("[agent] settings other than tags, parameters, callbacks, timings, protection, failsafe, use_slots, reclone_on_rewind_failure, the watchdog, the replication user and the API's credentials take effect at the next restart (the API's certificate files are read again, at the same paths)");
+                            let pending = pgwarden_agent::restart_needed(old, fresh);
+                            if !pending.is_empty() {
+                                tracing::warn!(keys = %pending.join(", "), "changed settings that take effect at the next restart of the agent (the others are reloaded; the API's certificate files are read again, at the same paths)");
                             }
                             if let (Some(old_etcd), Some(new_etcd)) = (&running.etcd, &new.etcd) {
                                 let files = new_etcd.ca_file.is_some() || new_etcd.password_file.is_some();

@@ -2570,6 +2570,40 @@ async fn a_switchover_is_invisible_to_transaction_pooled_clients() {
     assert_eq!(writable(&c).await, vec![1], "n2 leads after the switchover");
     // The old leader rejoins as a replica.
     healthy(&c, 2, Duration::from_secs(60)).await;
+    // And back, twice more. The candidate received each old leader's
+    // shutdown checkpoint, so the old leader follows the new timeline as
+    // it is: it is never rewound onto a leader still promoting (which
+    // ruins its data directory), nor cloned again.
+    for (from, to) in [(1usize, 0usize), (0, 2)] {
+        let r = pgwarden_agent::http_client::request(
+            "POST",
+            &format!("{}/switchover", c.node(from).api_url()),
+            Some(&serde_json::json!({
+                "leader": format!("n{}", from + 1),
+                "candidate": format!("n{}", to + 1)
+            })),
+            Some(("pgwarden", "secret")),
+            Duration::from_secs(40),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        healthy(&c, 2, Duration::from_secs(60)).await;
+        assert_eq!(writable(&c).await, vec![to]);
+    }
+    for i in 0..3 {
+        let log = c.node(i).agent_log();
+        assert!(!log.contains("pg_rewind failed"), "n{}: {log}", i + 1);
+        assert!(
+            log.matches("cloning the leader").count() <= 1,
+            "n{}: {log}",
+            i + 1
+        );
+    }
+    for i in [0, 1] {
+        let log = c.node(i).agent_log();
+        assert!(log.contains("no rewind needed"), "n{}: {log}", i + 1);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2577,7 +2611,9 @@ async fn a_leader_whose_agent_dies_stops_taking_writes_before_anyone_is_promoted
     let mut c = cluster().start();
     let checker = healthy_and_checked(&c).await;
     // Only the agent dies; its PostgreSQL would keep running on its own.
-    c.kill_agent(0);
+    // Left unreaped, it is a zombie with its pid and start time: dead all
+    // the same.
+    c.kill_agent_unreaped(0);
     let orphan = c.node(0).pg_conninfo();
     eventually(
         "the orphaned primary stops taking writes",
@@ -2613,6 +2649,19 @@ async fn without_failsafe_losing_etcd_demotes_the_leader() {
             .then_some(())
             .ok_or("still writable".to_string())
     })
+    .await;
+    // Its health checks say so at once, not after the round's etcd
+    // time-outs.
+    eventually(
+        "the demoted leader's health checks fail",
+        Duration::from_secs(3),
+        || async {
+            let s = (c.api_status(0, "/primary"), c.api_status(0, "/health"));
+            (s == (Some(503), Some(503)))
+                .then_some(())
+                .ok_or(format!("{s:?}"))
+        },
+    )
     .await;
     assert_eq!(writable(&c).await, Vec::<usize>::new());
 }

@@ -323,6 +323,7 @@ impl AgentClusterBuilder {
             etcd,
             tails: tails.clone(),
             api_tls: self.api_tls,
+            zombies: Vec::new(),
             dir,
         };
         c.launch(0, &tails[0]);
@@ -381,6 +382,8 @@ pub struct AgentCluster {
     tails: Vec<String>,
     /// With the API on HTTPS, its certificates.
     api_tls: Option<ApiTls>,
+    /// Agents killed and not yet reaped ([`AgentCluster::kill_agent_unreaped`]).
+    zombies: Vec<std::process::Child>,
     // Dropped last: the directories outlive every process using them.
     dir: tempfile::TempDir,
 }
@@ -576,6 +579,16 @@ impl AgentCluster {
         }
     }
 
+    /// Kills node `i`'s agent with SIGKILL and does not reap it until the
+    /// cluster is dropped: it stays a zombie, as under a supervisor that
+    /// waits for its children late.
+    pub fn kill_agent_unreaped(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].child.take() {
+            let _ = c.kill();
+            self.zombies.push(c);
+        }
+    }
+
     /// Kills node `i`'s postmaster and its children with SIGKILL.
     pub fn kill_postgres(&mut self, i: usize) {
         kill_postmaster(&self.nodes[i].data_dir);
@@ -601,6 +614,9 @@ impl Drop for AgentCluster {
     fn drop(&mut self) {
         for i in 0..self.nodes.len() {
             self.kill_agent(i);
+        }
+        for mut z in self.zombies.drain(..) {
+            let _ = z.wait();
         }
         for n in &self.nodes {
             kill_postmaster(&n.data_dir);
