@@ -1237,7 +1237,8 @@ impl HaLoop {
 
     async fn execute(&mut self, decision: &Decision, view: &ClusterView) {
         match decision {
-            Decision::RenewLease | Decision::Paused { .. } | Decision::WaitForLeader { .. } => {}
+            Decision::RenewLease | Decision::WaitForLeader { .. } => {}
+            Decision::Paused { .. } => self.follow_paused().await,
             Decision::AcquireLeader { reason } => self.acquire(reason, view).await,
             Decision::Promote => {
                 self.promote("the leader key holder was still in recovery")
@@ -1957,6 +1958,34 @@ impl HaLoop {
             }
             return;
         }
+        self.repoint(leader, addr).await;
+    }
+
+    /// In maintenance mode the operator owns PostgreSQL, but a running
+    /// replica still follows a leader that changed by hand (a switchover
+    /// or failover the operator asked for), as Patroni's do: its
+    /// `primary_conninfo` is rewritten and reloaded. Nothing is stopped,
+    /// started or rewound.
+    async fn follow_paused(&mut self) {
+        let Some(leader) = self.snapshot.leader.as_ref().map(|l| l.name.clone()) else {
+            return;
+        };
+        if leader == self.cfg.name
+            || !self.obs.pg.running
+            || !self.obs.pg.in_recovery
+            || record::standby_cluster(&self.snapshot).is_some()
+        {
+            return;
+        }
+        let Some(addr) = self.member_address(&leader) else {
+            return;
+        };
+        self.repoint(&leader, addr).await;
+    }
+
+    /// Points the local replica at `leader` (at `addr`), or at the member
+    /// its `replicatefrom` names, reloading if that changes anything.
+    async fn repoint(&mut self, leader: &str, addr: HostAddr) {
         let (source, addr) = self
             .upstream_of(leader)
             .unwrap_or_else(|| (leader.to_string(), addr));

@@ -23,8 +23,10 @@ pub struct Args {
     /// Number of streaming replicas.
     #[arg(long, default_value_t = 2)]
     replicas: usize,
-    /// Port of the primary; replicas take the next ones (default: free
-    /// ports chosen by the OS).
+    /// Port of the first PostgreSQL; the others take the next ones. The
+    /// connection manager's ports follow from it (PORT+1000, +1001, +1002;
+    /// with agents, node i's at PORT+1000+3i..), and the agents' APIs take
+    /// Patroni's 8008, 8009, 8010. Default: free ports chosen by the OS.
     #[arg(long)]
     port: Option<u16>,
     /// Start the cluster and wait for Ctrl-C without printing the topology.

@@ -573,6 +573,27 @@ async fn maintenance_mode_suppresses_failover_until_resumed() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The operator fails over by hand, still paused: the other running
+    // replica follows the new leader (its primary_conninfo is rewritten
+    // and reloaded), as Patroni's replicas do in maintenance mode.
+    let r = pgwarden_agent::http_client::request(
+        "POST",
+        &format!("{}/failover", c.node(1).api_url()),
+        Some(&serde_json::json!({"candidate": "n2"})),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(40),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    gives(
+        &c.node(1).pg_conninfo(),
+        "SELECT string_agg(application_name, ',') FROM pg_stat_replication WHERE state = 'streaming'",
+        "n3",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(writable(&c).await, vec![1]);
     assert_eq!(api_post(&c, 1, "/resume").await, 200);
     new_primary(&c, 0, Duration::from_secs(30)).await;
 }
