@@ -272,8 +272,8 @@ fn passes(
     Ok(match path {
         "/" | "/primary" | "/master" | "/read-write" => st.is_leader,
         // As in Patroni: whoever holds the leader key, primary or standby
-        // leader of a standby cluster.
-        "/leader" => st.is_leader || st.standby_leader,
+        // leader of a standby cluster, whether PostgreSQL runs or not.
+        "/leader" => st.holds_leader_key,
         "/standby-leader" | "/standby_leader" => st.standby_leader,
         "/replica" => !st.standby_leader && replica(),
         "/read-only" => st.is_leader || st.standby_leader || replica(),

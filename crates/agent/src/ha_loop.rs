@@ -3708,6 +3708,7 @@ impl HaLoop {
             standby_leader: leads
                 && self.obs.pg.in_recovery
                 && record::standby_cluster(&self.snapshot).is_some(),
+            holds_leader_key: self.holds_leader_key() && self.lease_fresh(),
             leader: leader.map(|l| l.name.clone()),
             leader_generation: leader.map_or(0, |l| l.generation),
             routing_ready: self.routing_ready,

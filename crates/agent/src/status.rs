@@ -25,6 +25,9 @@ pub struct AgentStatus {
     /// True while this agent's lease holds the leader key of a standby
     /// cluster and its PostgreSQL streams from the remote source.
     pub standby_leader: bool,
+    /// True while this agent's lease holds the leader key, whether its
+    /// PostgreSQL runs or not (stopped in maintenance mode, say).
+    pub holds_leader_key: bool,
     /// The leader key's holder, as last read.
     pub leader: Option<String>,
     /// The leader key's create revision: a new number for every leadership.
@@ -87,6 +90,7 @@ impl AgentStatus {
             member,
             is_leader: false,
             standby_leader: false,
+            holds_leader_key: false,
             leader: None,
             leader_generation: 0,
             routing_ready: false,

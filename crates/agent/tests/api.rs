@@ -48,6 +48,7 @@ fn member(name: &str, role: MemberRole, lag: Option<u64>) -> MemberRecord {
 fn status_of(rec: MemberRecord, is_leader: bool) -> AgentStatus {
     let mut st = AgentStatus::initial(rec, Timing::default());
     st.is_leader = is_leader;
+    st.holds_leader_key = is_leader;
     st.dcs_reachable = true;
     st.leader = Some("n1".into());
     st
@@ -268,6 +269,21 @@ async fn health_checks_answer_for_the_local_role() {
     }
     assert_eq!(api.code("GET", "/replica?lag=ten").await, 400);
     assert_eq!(api.code("HEAD", "/replica?lag=16kB").await, 200);
+
+    // The key holder with PostgreSQL stopped (maintenance mode): still the
+    // leader for `/leader`, as in Patroni, but not a primary.
+    let mut st = status_of(member("n1", MemberRole::Stopped, None), false);
+    st.member.status = "stopped".into();
+    st.holds_leader_key = true;
+    api.set(st);
+    assert_eq!(api.code("GET", "/leader").await, 200);
+    for path in ["/primary", "/health", "/read-only"] {
+        assert_eq!(
+            api.code("GET", path).await,
+            503,
+            "stopped key holder {path}"
+        );
+    }
 
     // Listed as a synchronous standby.
     let mut st = status_of(member("n1", MemberRole::Replica, Some(0)), false);
