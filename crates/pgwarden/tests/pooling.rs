@@ -624,12 +624,8 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
     )
     .await;
     ready(&e, 1).await;
-    let inflight = client(&via(&p, "read_write")).await.unwrap();
-    let later = client(&via(&p, "read_write")).await.unwrap();
-    inflight.batch_execute("BEGIN").await.unwrap();
-    one(&inflight, "SELECT 1").await;
     let http = p.http_addr().unwrap();
-    let post = move |path: &'static str| {
+    let post = move |path: String| {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(http).unwrap();
         write!(
@@ -641,53 +637,41 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
         s.read_to_string(&mut out).unwrap();
         out
     };
-    let r = tokio::task::spawn_blocking(move || post("/pause?service=read_write"))
-        .await
-        .unwrap();
-    assert!(
-        r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200"),
-        "{r}"
-    );
-    // The transaction in flight finishes.
-    assert_eq!(one(&inflight, "SELECT 2").await, "2");
-    inflight.batch_execute("COMMIT").await.unwrap();
-    // A new one waits while paused...
-    let waiting = tokio::spawn(async move { one(&later, "SELECT 3").await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiting.is_finished(), "ran while paused");
-    // ...and runs on resume.
-    tokio::task::spawn_blocking(move || post("/resume?service=read_write"))
-        .await
-        .unwrap();
-    assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), waiting)
+    // `read_write` by name, then `*writers` (what a switchover pauses):
+    // every service that writes to the primary, and only those.
+    for service in ["read_write", "%2Awriters"] {
+        let inflight = client(&via(&p, "read_write")).await.unwrap();
+        let later = client(&via(&p, "read_write")).await.unwrap();
+        let reader = client(&via(&p, "read_only")).await.unwrap();
+        inflight.batch_execute("BEGIN").await.unwrap();
+        one(&inflight, "SELECT 1").await;
+        let r = tokio::task::spawn_blocking(move || post(format!("/pause?service={service}")))
             .await
-            .unwrap()
-            .unwrap(),
-        "3"
-    );
-    // `*writers` (what a switchover pauses) is every service that writes
-    // to the primary, and only those.
-    let writer = client(&via(&p, "read_write")).await.unwrap();
-    let reader = client(&via(&p, "read_only")).await.unwrap();
-    let r = tokio::task::spawn_blocking(move || post("/pause?service=%2Awriters"))
-        .await
-        .unwrap();
-    assert!(r.contains(" 200 "), "{r}");
-    assert_eq!(one(&reader, "SELECT 4").await, "4");
-    let waiting = tokio::spawn(async move { one(&writer, "SELECT 5").await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiting.is_finished(), "ran while paused");
-    tokio::task::spawn_blocking(move || post("/resume?service=%2Awriters"))
-        .await
-        .unwrap();
-    assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .unwrap();
+        assert!(
+            r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200"),
+            "{r}"
+        );
+        // The transaction in flight finishes; the read-only service goes on.
+        assert_eq!(one(&inflight, "SELECT 2").await, "2");
+        inflight.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(one(&reader, "SELECT 4").await, "4");
+        // A new one waits while paused...
+        let waiting = tokio::spawn(async move { one(&later, "SELECT 3").await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "{service}: ran while paused");
+        // ...and runs on resume.
+        tokio::task::spawn_blocking(move || post(format!("/resume?service={service}")))
             .await
-            .unwrap()
-            .unwrap(),
-        "5"
-    );
+            .unwrap();
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(5), waiting)
+                .await
+                .unwrap()
+                .unwrap(),
+            "3"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
