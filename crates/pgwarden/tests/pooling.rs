@@ -24,7 +24,16 @@ fn pool(size: usize, wait: Duration) -> Option<PoolSettings> {
 /// `size` server connections and `WAIT` as its query_wait_timeout, once
 /// the topology engine has seen the node.
 async fn pooled(c: &TestCluster, size: usize) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(size, WAIT), 10_000).await;
+    pooled_for(c, size, WAIT).await
+}
+
+/// [`pooled`] with `wait` as the query_wait_timeout.
+async fn pooled_for(
+    c: &TestCluster,
+    size: usize,
+    wait: Duration,
+) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(size, wait), 10_000).await;
     ready(&e, 1).await;
     (e, p)
 }
@@ -60,14 +69,7 @@ fn pgbench(port: u16, args: &[&str]) -> (bool, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_share_few_servers_in_every_protocol_mode() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(2, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
     let (ok, out) = pgbench(c.port(0), &["-i", "-s", "1", "-q"]);
     assert!(ok, "{out}");
     let port = p.service_addrs()["read_write"].port();
@@ -112,14 +114,7 @@ async fn prepared_statements_follow_the_client_across_servers() {
     // transaction takes the server a used last and a must move. (With
     // several workers a would keep to the server on its own worker.)
     WORKERS.with(|w| w.set(1));
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(2, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
     let a = client(&via(&p, "read_write")).await.unwrap();
     let b = client(&via(&p, "read_write")).await.unwrap();
     // tokio-postgres prepares named statements (Parse) once and binds them later.
@@ -381,14 +376,7 @@ async fn each_server_keeps_a_bounded_number_of_prepared_statements() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_state_pins_the_client_to_its_server() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(3, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 3, Duration::from_secs(30)).await;
     let a = client(&via(&p, "read_write")).await.unwrap();
     let pid = one(&a, "SELECT pg_backend_pid()").await;
     // A temporary table lives in one backend: the client keeps it.
@@ -437,14 +425,7 @@ async fn session_changes_that_do_not_start_with_set_do_not_leak() {
     sql_value(&c.conninfo(0), "CREATE SCHEMA app; SELECT 1")
         .await
         .unwrap();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(1, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(30)).await;
     let url = via(&p, "read_write");
     let default_path = {
         let probe = client(&url).await.unwrap();
@@ -536,14 +517,7 @@ async fn primary_change_is_invisible_between_transactions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn query_wait_timeout_errors_only_the_waiting_client() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(1, Duration::from_millis(700)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 1, Duration::from_millis(700)).await;
     let holder = client(&via(&p, "read_write")).await.unwrap();
     let waiter = client(&via(&p, "read_write")).await.unwrap();
     holder.batch_execute("BEGIN").await.unwrap();
@@ -616,14 +590,7 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(2, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
     let http = p.http_addr().unwrap();
     let post = move |path: String| {
         use std::io::{Read, Write};
@@ -701,14 +668,7 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_shows_pools_and_pauses() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(2, Duration::from_secs(30)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
     let app = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&app, "SELECT 1").await, "1");
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
@@ -2414,14 +2374,7 @@ const MSG_FLUSH: &[u8] = &[b'H', 0, 0, 0, 4];
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_between_transactions_does_not_hold_a_server() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(1, Duration::from_secs(5)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(5)).await;
     let b = client(&via(&p, "read_write")).await.unwrap();
     let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
     // A pipeline whose second statement fails, as psycopg sends it.
@@ -3305,14 +3258,7 @@ async fn statement_names_are_refused_and_kept_as_postgres_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_extended_protocol_copy_gives_its_server_back() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        pool(1, Duration::from_secs(5)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(5)).await;
     let other = client(&via(&p, "read_write")).await.unwrap();
     other
         .batch_execute("CREATE TABLE copied (x int, y text)")
