@@ -3346,3 +3346,57 @@ async fn update_of_pg_settings_pins_the_client() {
     }
     assert_eq!(one(&a, "SHOW statement_timeout").await, "50ms");
 }
+
+/// Without `[auth]`, pgwarden checks no password itself, so an admin
+/// user proves who they are to the primary before the console serves
+/// them: the server's authentication exchange is relayed, and its refusal
+/// reaches the client. A console that anyone could `SHUTDOWN` would be a
+/// hole in a setup that trusts PostgreSQL's pg_hba.conf.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &format!("host=127.0.0.1 port={} user=postgres", c.port(0)),
+        "ALTER ROLE postgres PASSWORD 'console-pw'",
+    )
+    .await;
+    // The probe and ordinary sessions stay trusted; the console's database
+    // name needs the password.
+    c.set_hba(
+        0,
+        "local all all trust\n\
+         host pgwarden postgres 127.0.0.1/32 scram-sha-256\n\
+         host all all 127.0.0.1/32 trust\n",
+    );
+    let (e, p) = common::proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let console = |password: Option<&str>| {
+        let mut conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres dbname=pgwarden",
+            p.service_addrs()["read_write"].port()
+        );
+        if let Some(pw) = password {
+            conninfo.push_str(&format!(" password={pw}"));
+        }
+        async move { client(&conninfo).await }
+    };
+    assert!(console(None).await.is_err(), "no password");
+    let Err(wrong) = console(Some("nope")).await else {
+        panic!("a wrong password was taken");
+    };
+    assert_eq!(sqlstate(&wrong).as_deref(), Some("28P01"), "{wrong}");
+    let Ok(admin) = console(Some("console-pw")).await else {
+        panic!("the right password was refused");
+    };
+    let rows = admin.simple_query("SHOW VERSION").await.unwrap();
+    assert!(
+        rows.iter()
+            .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_))),
+        "{rows:?}"
+    );
+    // Ordinary sessions are untouched.
+    assert_eq!(
+        one(&client(&via(&p, "read_write")).await.unwrap(), "SELECT 1").await,
+        "1"
+    );
+}

@@ -21,16 +21,22 @@ use crate::stats::{Averages, Totals};
 pub const ADMIN_DATABASE: &str = "pgwarden";
 
 /// Serves one admin session until the client leaves.
+/// Whether `user` is one of `pool.admin_users`.
+pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
+    user.is_some_and(|user| {
+        shared
+            .admin_users
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .any(|u| u == user)
+    })
+}
+
 pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup: &StartupMessage) {
     let user = startup.user().unwrap_or_default();
     let mut out = BytesMut::new();
-    if !shared
-        .admin_users
-        .lock()
-        .expect("poisoned")
-        .iter()
-        .any(|u| u == user)
-    {
+    if !is_admin_user(shared, Some(user)) {
         encode::error_response(
             &mut out,
             Severity::Fatal,

@@ -525,7 +525,7 @@ fn subtle_eq(a: &[u8], b: &[u8]) -> bool {
 /// Sends an authentication request and returns the body of the client's
 /// PasswordMessage-type reply (`p`); `None` if the client answers with
 /// anything else or goes away.
-async fn exchange(client: &mut ClientStream, request: &[u8]) -> Option<BytesMut> {
+pub(crate) async fn exchange(client: &mut ClientStream, request: &[u8]) -> Option<BytesMut> {
     client.write_all(request).await.ok()?;
     let mut buf = BytesMut::with_capacity(512);
     loop {

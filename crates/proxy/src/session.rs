@@ -355,6 +355,26 @@ async fn serve(
         },
     };
     if admin {
+        // Without [auth] pgwarden checks no password itself; an admin
+        // user then proves who they are to the primary, as a relayed
+        // session would, before it may pause or shut anything down.
+        if credential.is_none() && crate::admin::is_admin_user(shared, startup.user()) {
+            match deadline
+                .run(Box::pin(server_vouches(shared, service, client, &startup)))
+                .await
+            {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => return Ok(None),
+                Ok(Err(r)) => return Err(r),
+                Err(_) => {
+                    return Err(Refusal::new(
+                        sqlstate::PROTOCOL_VIOLATION,
+                        "auth_timeout",
+                        "authentication timed out (auth_timeout)",
+                    ))
+                }
+            }
+        }
         Box::pin(crate::admin::run(shared, client, &startup)).await;
         return Ok(None);
     }
@@ -389,6 +409,83 @@ async fn serve(
         Ok(None)
     })
     .await
+}
+
+/// Has the service's server authenticate the client: the client's start-up
+/// goes to it and the authentication exchange is relayed, up to the
+/// server's AuthenticationOk (true; the server connection is then closed)
+/// or its refusal, which the client gets (false).
+async fn server_vouches(
+    shared: &Shared,
+    service: &Service,
+    client: &mut ClientStream,
+    startup: &StartupMessage,
+) -> Result<bool, Refusal> {
+    let (mut server, host) = connect_server(shared, service).await?;
+    let failed = |e: String| {
+        Refusal::new(
+            sqlstate::CONNECTION_FAILURE,
+            "server_connect",
+            format!("could not authenticate with {host}: {e}"),
+        )
+    };
+    server
+        .write_all(&startup.encode())
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let mut buf = BytesMut::with_capacity(1024);
+    loop {
+        let (tag, msg) = match pgwarden_wire::message::split_message(&mut buf, 64 * 1024) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                match server.read_buf(&mut buf).await {
+                    Ok(0) => return Err(failed("the server closed the connection".into())),
+                    Err(e) => return Err(failed(e.to_string())),
+                    Ok(_) => {}
+                }
+                continue;
+            }
+            Err(e) => return Err(failed(e.to_string())),
+        };
+        match tag {
+            backend::AUTHENTICATION_REQUEST => {
+                let code = msg
+                    .get(5..9)
+                    .map_or(-1, |b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                match code {
+                    0 => return Ok(true),
+                    // SASL's final message asks for no answer.
+                    12 => {
+                        client
+                            .write_all(&msg)
+                            .await
+                            .map_err(|e| failed(e.to_string()))?;
+                    }
+                    _ => {
+                        let Some(answer) = crate::auth::exchange(client, &msg).await else {
+                            return Ok(false);
+                        };
+                        use bytes::BufMut;
+                        let mut reply = BytesMut::with_capacity(answer.len() + 5);
+                        reply.put_u8(frontend::PASSWORD_MESSAGE);
+                        reply.put_u32(answer.len() as u32 + 4);
+                        reply.put_slice(&answer);
+                        server
+                            .write_all(&reply)
+                            .await
+                            .map_err(|e| failed(e.to_string()))?;
+                    }
+                }
+            }
+            backend::ERROR_RESPONSE => {
+                let _ = client.write_all(&msg).await;
+                return Ok(false);
+            }
+            // A newer protocol version or options the server declines.
+            backend::NEGOTIATE_PROTOCOL_VERSION => {}
+            other => return Err(failed(format!("unexpected message type {other}"))),
+        }
+    }
 }
 
 /// Reads until a StartupMessage; answers SSL and GSS encryption requests
