@@ -294,6 +294,8 @@ async fn read_only_sessions_cannot_be_made_read_write() {
         "SELECT 1; SET default_transaction_read_only = off",
         "DO $$BEGIN EXECUTE 'SET default_transaction_read_only = off'; END$$",
         "DO $$BEGIN PERFORM set_config('default_transaction_read_only', 'off', false); END$$",
+        "SET U&\"default!005ftransaction!005fread!005fonly\" UESCAPE $$!$$ = off",
+        "SET U&\"default!005ftransaction!005fread!005fonly\" UESCAPE E'!' = off; COMMIT",
     ];
     // Also when the read-only service has fallen back to the primary.
     for phase in ["replica", "primary fallback"] {

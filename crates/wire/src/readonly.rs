@@ -849,10 +849,22 @@ impl<'a> Lexer<'a> {
         let i = self.skip_blank(end);
         let word_end = self.span(i, is_ident_cont);
         if self.src[i.min(word_end)..word_end].eq_ignore_ascii_case(b"uescape") {
-            let j = self.skip_blank(word_end);
-            if let Some([b'\'', c, b'\'']) = self.src.get(j..j + 3) {
-                escape = *c;
-                end_after = j + 3;
+            // Any string constant may follow, as PostgreSQL's parser takes
+            // it: '!', E'!', $$!$$, after comments. Read past it with a
+            // lexer of its own; a constant that is not one character is an
+            // error for the server, so nothing runs then.
+            let mut after = Lexer {
+                src: self.src,
+                pos: word_end,
+                standard_strings: self.standard_strings,
+                saw_backslash: false,
+                truncated: false,
+            };
+            if let Some(tok) = after.next_token() {
+                if tok.kind == Kind::Str && tok.text.len() == 1 && !after.truncated {
+                    escape = tok.text[0];
+                    end_after = after.pos;
+                }
             }
         }
         (kind, decode_unicode(text, escape), end_after)
@@ -1168,6 +1180,17 @@ mod tests {
             refused(r#"SET U&"transaction!005fread_only" UESCAPE '!' = off"#),
             TRO
         );
+        // The escape character may come in any string constant.
+        for clause in [
+            "UESCAPE $$!$$",
+            "UESCAPE $q$!$q$",
+            "UESCAPE E'!'",
+            "UESCAPE /* c */ '!'",
+            "uescape\n-- c\n'!'",
+        ] {
+            let sql = format!(r#"SET U&"default!005ftransaction!005fread!005fonly" {clause} = off; COMMIT"#);
+            assert_eq!(refused(&sql), DTRO, "{sql}");
+        }
         assert_eq!(
             refused("SET default_transaction_read_only = on").to_string(),
             "SET default_transaction_read_only"
