@@ -331,6 +331,17 @@ impl Hba {
         &self.rules
     }
 
+    /// Whether a rule names `samehost` or `samenet`, whose matching needs
+    /// the server's own addresses ([`HbaContext::local_addrs`]).
+    pub fn needs_local_addrs(&self) -> bool {
+        self.rules.iter().any(|r| {
+            matches!(
+                r.address,
+                Some(AddressSpec::SameHost | AddressSpec::SameNet)
+            )
+        })
+    }
+
     /// The first rule matching `ctx`, as PostgreSQL's `check_hba` picks it.
     /// `None` means the connection is refused with [`no_match_message`].
     pub fn find(&self, ctx: &HbaContext<'_>) -> Option<&HbaRule> {

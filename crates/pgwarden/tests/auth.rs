@@ -29,6 +29,8 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     )
     .await;
     sql(&admin, "CREATE ROLE mallory LOGIN PASSWORD 'x'").await;
+    sql(&admin, "CREATE ROLE sam LOGIN PASSWORD 'sam-secret'").await;
+    sql(&admin, "CREATE ROLE nat LOGIN PASSWORD 'nat-secret'").await;
     sql(
         &admin,
         "CREATE ROLE readers; CREATE ROLE erin LOGIN PASSWORD 'erin-secret' IN ROLE readers; CREATE ROLE frank LOGIN PASSWORD 'frank-secret'",
@@ -49,6 +51,8 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all carol 127.0.0.1/32 md5\n\
          host all dave 127.0.0.1/32 password\n\
          host all mallory 127.0.0.1/32 reject\n\
+         host all sam samehost reject\n\
+         host all nat samenet reject\n\
          host template1 +readers 127.0.0.1/32 scram-sha-256\n\
          host all postgres 127.0.0.1/32 trust\n\
          host postgres all 127.0.0.1/32 scram-sha-256\n",
@@ -148,9 +152,20 @@ async fn check_methods(s: &Setup) {
         "password authentication failed for user \"nobody\""
     );
     // reject, and no matching line.
-    let rejected = login(&s.p, "mallory", "x").await.unwrap_err();
-    assert_eq!(rejected.0.as_deref(), Some("28000"), "{rejected:?}");
-    assert!(rejected.1.contains("rejects connection"), "{rejected:?}");
+    // 127.0.0.1 is one of this host's addresses, on its loopback network:
+    // `samehost` and `samenet` match it, as in PostgreSQL.
+    for (user, password) in [
+        ("mallory", "x"),
+        ("sam", "sam-secret"),
+        ("nat", "nat-secret"),
+    ] {
+        let rejected = login(&s.p, user, password).await.unwrap_err();
+        assert_eq!(rejected.0.as_deref(), Some("28000"), "{user}: {rejected:?}");
+        assert!(
+            rejected.1.contains("rejects connection"),
+            "{user}: {rejected:?}"
+        );
+    }
     let Err(unmatched) = common::client(&format!(
         "{} dbname=template1",
         ci(&s.p, "nobody", "x").replace("dbname=postgres", "")
@@ -183,7 +198,7 @@ async fn session_mode_methods_failures_and_server_login() {
         "{body}"
     );
     assert!(
-        body.contains("pgwarden_auth_failures_total{reason=\"hba_reject\"} 1"),
+        body.contains("pgwarden_auth_failures_total{reason=\"hba_reject\"} 3"),
         "{body}"
     );
     let _ = &s.e;

@@ -260,6 +260,11 @@ impl Authenticator {
         };
         // The hba decision is made before any await: the context borrows a
         // callback that is not Send.
+        let locals = if self.hba.needs_local_addrs() {
+            local_addrs()
+        } else {
+            Vec::new()
+        };
         let (method, client_cert, line, reject) = {
             let no_roles = |_: &str| roles.clone();
             let mut ctx = if client.is_local() {
@@ -275,6 +280,7 @@ impl Authenticator {
                 )
             };
             ctx.roles_of_user = &no_roles;
+            ctx.local_addrs = &locals;
             match self.hba.find(&ctx) {
                 Some(rule) => (
                     rule.method,
@@ -515,6 +521,36 @@ fn password_matches(verifier: &str, user: &str, password: &str) -> bool {
         },
         Err(_) => false,
     }
+}
+
+/// This machine's interface addresses with their network prefix lengths,
+/// for `samehost` and `samenet`, read when a login needs them (interfaces
+/// come and go).
+fn local_addrs() -> Vec<(std::net::IpAddr, u8)> {
+    let Ok(ifaces) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    ifaces
+        .filter_map(|i| {
+            let addr = i.address?;
+            let mask = i.netmask;
+            if let (Some(a), m) = (
+                addr.as_sockaddr_in(),
+                mask.as_ref().and_then(|m| m.as_sockaddr_in()),
+            ) {
+                let prefix = m.map_or(32, |m| u32::from(m.ip()).count_ones() as u8);
+                return Some((std::net::IpAddr::V4(a.ip()), prefix));
+            }
+            if let (Some(a), m) = (
+                addr.as_sockaddr_in6(),
+                mask.as_ref().and_then(|m| m.as_sockaddr_in6()),
+            ) {
+                let prefix = m.map_or(128, |m| u128::from(m.ip()).count_ones() as u8);
+                return Some((std::net::IpAddr::V6(a.ip()), prefix));
+            }
+            None
+        })
+        .collect()
 }
 
 /// Constant-time comparison (length is not secret).

@@ -1188,7 +1188,9 @@ mod tests {
             "UESCAPE /* c */ '!'",
             "uescape\n-- c\n'!'",
         ] {
-            let sql = format!(r#"SET U&"default!005ftransaction!005fread!005fonly" {clause} = off; COMMIT"#);
+            let sql = format!(
+                r#"SET U&"default!005ftransaction!005fread!005fonly" {clause} = off; COMMIT"#
+            );
             assert_eq!(refused(&sql), DTRO, "{sql}");
         }
         assert_eq!(
