@@ -601,6 +601,21 @@ async fn sqlstates_and_transaction_pooling() {
             "\"trust\" authentication failed for user \"frank\"".into()
         )
     );
+    // bob proves himself with his certificate, but the servers want a
+    // password from him, which pgwarden does not have: a refused login,
+    // at once, not a wait for a server until query_wait_timeout.
+    let no_credential = tokio::time::timeout(
+        Duration::from_secs(10),
+        rust_login(rw, "bob", None, &ca, Some(&bob)),
+    )
+    .await
+    .expect("refused at once");
+    let (code, message) = refused(no_credential);
+    assert_eq!(code.as_deref(), Some("08006"), "{message}");
+    assert!(
+        message.contains("pgwarden has no credential for role \"bob\""),
+        "{message}"
+    );
     let foreign = refused(rust_login(rw, "alice", None, &ca, Some(&alice_other)).await);
     assert_eq!(foreign.0, None, "refused in the handshake: {foreign:?}");
     let client = rust_login(rw, "carol", Some("carol-secret"), &ca, Some(&carol))

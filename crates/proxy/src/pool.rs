@@ -1468,8 +1468,15 @@ pub(crate) async fn login(
     let mut tracked = Tracked::default();
     let mut backend_key = (0, 0);
     let mut scram: Option<ScramClient> = None;
+    // Not worth retrying: the next attempt would find no credential either.
+    // The client hears it at once, as a refused login.
     let need = |what: &str| {
-        ServerError::Failed(format!("{peer} asks for {what} authentication and pgwarden has no credential for role \"{user}\" that fits"))
+        let why = format!("{peer} asks for {what} authentication and pgwarden has no credential for role \"{user}\" that fits");
+        tracing::warn!("{why}");
+        ServerError::Refused(pgwarden_wire::encode::fatal(
+            pgwarden_wire::sqlstate::CONNECTION_FAILURE.code(),
+            &why,
+        ))
     };
     loop {
         let (tag, msg) = loop {
