@@ -38,6 +38,23 @@ async fn pooled_for(
     (e, p)
 }
 
+/// `(state, server)` of every row of the admin console's SHOW CLIENTS.
+async fn client_states(admin: &tokio_postgres::Client) -> Vec<(String, String)> {
+    admin
+        .simple_query("SHOW CLIENTS")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some((
+                r.get("state").unwrap_or_default().to_string(),
+                r.get("server").unwrap_or_default().to_string(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Client backends on `conninfo`'s server other than probes and ourselves.
 async fn server_connections(conninfo: &str) -> usize {
     sql_value(
@@ -742,10 +759,26 @@ async fn admin_console_shows_pools_and_pauses() {
         .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
         .count();
     assert!(n >= 1, "SHOW CLIENTS lists the application client");
+    // A pooled client is active, with its server, while it holds one, and
+    // waiting while it waits for one.
+    let busy = client(&via(&p, "read_write")).await.unwrap();
+    busy.batch_execute("BEGIN").await.unwrap();
+    one(&busy, "SELECT 1").await;
+    let seen = client_states(&admin).await;
+    assert!(
+        seen.contains(&("active".into(), format!("127.0.0.1:{}", c.port(0)))),
+        "{seen:?}"
+    );
+    busy.batch_execute("COMMIT").await.unwrap();
     admin.simple_query("PAUSE read_write").await.unwrap();
     let waiting = tokio::spawn(async move { one(&app, "SELECT 5").await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "ran while paused");
+    let seen = client_states(&admin).await;
+    assert!(
+        seen.contains(&("waiting".into(), String::new())),
+        "{seen:?}"
+    );
     admin.simple_query("RESUME read_write").await.unwrap();
     assert_eq!(
         tokio::time::timeout(Duration::from_secs(5), waiting)
@@ -2026,6 +2059,22 @@ async fn latin1_clients_get_the_read_only_and_pinning_rules_too() {
         assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
         let r = s.extended(b"", b"CREATE TABLE latin1_\xe9 (x int)");
         assert_eq!(error_code(&r).as_deref(), Some("25006"), "{pooled}: {r:?}");
+        // The two switches are counted, relayed or pooled; a writable
+        // service has no such series.
+        let http = p.http_addr().unwrap();
+        let refused = common::metric_sample(
+            http,
+            "pgwarden_read_only_refusals_total{service=\"read_only\"}",
+        )
+        .await;
+        assert_eq!(refused, 2.0, "{pooled}");
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+            .await
+            .unwrap();
+        assert!(
+            !body.contains("pgwarden_read_only_refusals_total{service=\"read_write\"}"),
+            "{pooled}"
+        );
         // Plain reads with LATIN1 text work.
         let r = s.simple(b"SELECT 'caf\xe9'");
         assert_eq!(error_code(&r), None, "{pooled}: {r:?}");

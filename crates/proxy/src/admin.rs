@@ -736,15 +736,25 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
         .expect("poisoned")
         .values()
         .map(|e| {
+            // A pooled client is active while it holds a server.
+            let (lent, waiting) = e.pooled.as_ref().map_or((None, false), |s| s.state());
+            let server = match (&e.host, &lent) {
+                (Some(h), _) => h.to_string(),
+                (None, Some(b)) => b.server.to_string(),
+                (None, None) => String::new(),
+            };
+            let state = if !server.is_empty() {
+                "active"
+            } else if waiting {
+                "waiting"
+            } else {
+                "idle"
+            };
             vec![
                 "C".into(),
                 e.user.to_string(),
                 e.database.to_string(),
-                if e.host.is_some() {
-                    "active".into()
-                } else {
-                    "idle".into()
-                },
+                state.into(),
                 if e.client == crate::session::LOCAL_PEER {
                     "unix".to_string()
                 } else {
@@ -752,7 +762,7 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
                 },
                 e.client.port().to_string(),
                 e.service.to_string(),
-                e.host.as_ref().map(|h| h.to_string()).unwrap_or_default(),
+                server,
             ]
         })
         .collect();

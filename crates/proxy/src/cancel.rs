@@ -114,6 +114,13 @@ impl CancelSlot {
         .await
     }
 
+    /// The backend the client uses now, and whether it waits for one (for
+    /// the admin console's `SHOW CLIENTS`).
+    pub fn state(&self) -> (Option<BackendKey>, bool) {
+        let s = self.lock();
+        (s.backend, s.waiting)
+    }
+
     /// The client now uses `backend`.
     pub fn attach(&self, backend: BackendKey) {
         let mut s = self.lock();

@@ -329,6 +329,9 @@ pub(crate) struct SessionEntry {
     /// The host a session is bound to; `None` for pooled clients, whose
     /// server connections are governed by their pools.
     pub host: Option<HostAddr>,
+    /// A pooled client's server of the moment (and whether it waits for
+    /// one), as its cancel requests find it.
+    pub pooled: Option<Arc<crate::cancel::CancelSlot>>,
     /// Read by the session.
     pub killed: Arc<KillState>,
     /// The client's socket (see [`SessionGuard`] for why it is valid).

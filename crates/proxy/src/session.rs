@@ -840,6 +840,7 @@ async fn relay(
             client: peer,
             want: spec.want.clone(),
             host: Some(host.clone()),
+            pooled: None,
             killed: killed.clone(),
             client_fd: client.raw_fd(),
         },
@@ -851,11 +852,17 @@ async fn relay(
         service.handles.bytes_from_clients.clone(),
         service.handles.bytes_to_clients.clone(),
     );
-    let refusals = shared
-        .metrics
-        .read_only_refusals
-        .get_or_create(&label)
-        .clone();
+    // Only read-only services have the series: a writable one refuses
+    // nothing.
+    let refusals = if spec.read_only {
+        shared
+            .metrics
+            .read_only_refusals
+            .get_or_create(&label)
+            .clone()
+    } else {
+        Default::default()
+    };
     let mut registered_key = None;
     let result = async {
         match &logged_in {

@@ -209,6 +209,7 @@ pub(crate) async fn run(
             client: peer,
             want: spec.want.clone(),
             host: None,
+            pooled: Some(session.cancel_target.clone()),
             killed: killed.clone(),
             client_fd: client.raw_fd(),
         },
@@ -1160,6 +1161,13 @@ impl Session {
             if let Some(replacement) =
                 crate::session::guard_message(&self.service.spec.name, tag, msg)
             {
+                self.shared
+                    .metrics
+                    .read_only_refusals
+                    .get_or_create(&crate::metrics::ServiceLabel {
+                        service: self.service.spec.name.clone(),
+                    })
+                    .inc();
                 // The refusal goes through the same bookkeeping as the
                 // message it replaces (a named Parse keeps its name; a
                 // function call becomes a Query, answered alike).
