@@ -322,3 +322,47 @@ async fn psycopg_run(extra: &str) {
     lands_on("read-only port on the replica", ro, "t").await;
     common::python_client("psycopg_ops.py", vec![rw.to_string(), ro.to_string()]).await;
 }
+
+/// When the auth query fails, the client gets "authentication is
+/// unavailable" and the log says why in the server's words (a missing
+/// relation here), not tokio-postgres's bare "db error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_auth_query_is_logged_with_the_servers_reason() {
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    write(
+        &dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
+    );
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "[cluster]\nhosts = [\"{}\"]\n\n\
+             [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
+             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n\
+             auth_query = \"SELECT usename, passwd FROM no_such_verifiers WHERE usename = $1\"\n",
+            c.addr(0)
+        ),
+    );
+    let pg = Running::start(&config, dir.path());
+    let refused = eventually("pgwarden answers", WAIT, || async {
+        match client(&format!(
+            "host=127.0.0.1 port={rw} user=alice password=x dbname=postgres"
+        ))
+        .await
+        {
+            Ok(_) => Err("logged in".to_string()),
+            Err(e) if e.as_db_error().is_some() => Ok(e),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    assert_eq!(sqlstate(&refused).as_deref(), Some("08006"), "{refused}");
+    let log = pg.log();
+    assert!(
+        log.contains("relation \"no_such_verifiers\" does not exist (42P01)"),
+        "{log}"
+    );
+}

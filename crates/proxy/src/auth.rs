@@ -129,7 +129,7 @@ impl Authenticator {
         .map_err(|_| "auth query timed out".to_string())?
         .map_err(|e| {
             *guard = None;
-            format!("auth query failed: {e}")
+            format!("auth query failed: {}", pg_error(&e))
         });
         let rows = rows?;
         let v: Option<String> = rows
@@ -181,7 +181,7 @@ impl Authenticator {
             }
             Ok(Err(e)) => {
                 *guard = None;
-                return Err(format!("role lookup failed: {e}"));
+                return Err(format!("role lookup failed: {}", pg_error(&e)));
             }
             Err(_) => return Err("role lookup timed out".into()),
         };
@@ -224,7 +224,7 @@ impl Authenticator {
             let stream = server_tls.start(tcp, &primary.host).await?;
             cfg.connect_raw(stream, tokio_postgres::NoTls)
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(|e| pg_error(&e))
         };
         let (client, conn) = crate::timer::timeout(Duration::from_secs(5), attempt)
             .await
@@ -520,6 +520,19 @@ fn password_matches(verifier: &str, user: &str, password: &str) -> bool {
             Err(_) => false,
         },
         Err(_) => false,
+    }
+}
+
+/// A tokio-postgres error with what the server said (its `Display` is
+/// only "db error" for a server's ErrorResponse): the reason an operator
+/// needs, a wrong password or a missing function.
+fn pg_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({}): {}", db.message(), db.code().code(), e),
+        None => match std::error::Error::source(e) {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        },
     }
 }
 
