@@ -677,6 +677,19 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
         panic!("a fourth client was accepted");
     };
     assert_eq!(sqlstate(&err).as_deref(), Some("53300"), "{err}");
+    // libpq's default sslmode=prefer asks for SSL first: it is declined,
+    // and psql shows the reason rather than a broken SSL exchange.
+    let out = tokio::process::Command::new("psql")
+        .arg(format!("{} sslmode=prefer", via(&p, "read_write")))
+        .args(["-c", "SELECT 1"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no more connections allowed (max_client_conn)"),
+        "{stderr}"
+    );
     for h in &held {
         assert_eq!(one(h, "SELECT 1").await, "1");
     }

@@ -41,14 +41,39 @@ impl Refusal {
     }
 }
 
-/// Turns a client away when `max_client_conn` is reached, before reading
-/// anything from it; existing clients are not affected.
-pub(crate) async fn refuse_busy<S: tokio::io::AsyncWrite + Unpin>(mut client: S) {
+/// Turns a client away when `max_client_conn` is reached; existing clients
+/// are not affected. Its SSLRequest (libpq's default `sslmode=prefer`
+/// sends one first) is declined first, so that the client reads the error
+/// as the answer to its start-up rather than as a broken SSL exchange;
+/// all of it within a second.
+pub(crate) async fn refuse_busy<S>(mut client: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let out = encode::fatal(
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
     );
-    let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+    let _ = crate::timer::timeout(Duration::from_secs(1), async {
+        let mut head = [0u8; 8];
+        if client.read_exact(&mut head).await.is_ok() {
+            let code = i32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+            if code == pgwarden_wire::startup::CANCEL_REQUEST {
+                return;
+            }
+            if code == pgwarden_wire::startup::SSL_REQUEST
+                || code == pgwarden_wire::startup::GSSENC_REQUEST
+            {
+                if client.write_all(b"N").await.is_err() {
+                    return;
+                }
+                // The start-up packet that follows goes unread.
+                let _ = client.read(&mut head).await;
+            }
+        }
+        let _ = client.write_all(&out).await;
+    })
+    .await;
     let _ = client.shutdown().await;
 }
 
