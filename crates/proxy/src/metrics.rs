@@ -34,12 +34,17 @@ struct WaitCounts {
     sum_ns: AtomicU64,
 }
 
+/// The wait histogram's finite bucket bounds (seconds): 10 µs times powers
+/// of 3, rounded to the nanosecond so that their labels read `0.00003`
+/// rather than `0.000030000000000000005`.
+fn wait_bounds() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.000_01, 3.0, 13).map(|b| (b * 1e9).round() / 1e9)
+}
+
 impl WaitHistogram {
     /// Buckets from 10 µs to about 5 s.
     pub fn new() -> WaitHistogram {
-        let bounds: Vec<f64> = exponential_buckets(0.000_01, 3.0, 13)
-            .chain(std::iter::once(f64::MAX))
-            .collect();
+        let bounds: Vec<f64> = wait_bounds().chain(std::iter::once(f64::MAX)).collect();
         WaitHistogram(Arc::new(WaitCounts {
             counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
             bounds,
@@ -480,7 +485,7 @@ mod tests {
             r.register("wait", "waits", h);
         });
         let theirs = text(&|r| {
-            let h = Histogram::new(exponential_buckets(0.000_01, 3.0, 13));
+            let h = Histogram::new(wait_bounds());
             for w in waits {
                 h.observe(Duration::from_nanos(w).as_secs_f64());
             }
@@ -488,5 +493,8 @@ mod tests {
         });
         assert_eq!(ours, theirs);
         assert!(ours.contains("wait_count 8"), "{ours}");
+        // Bounds read as written.
+        assert!(ours.contains("le=\"0.00003\""), "{ours}");
+        assert!(ours.contains("le=\"0.00243\""), "{ours}");
     }
 }
