@@ -683,3 +683,40 @@ async fn a_read_write_session_never_starts_on_a_standby() {
         assert!(e.snapshot().topology.primary().is_some());
     }
 }
+
+/// Pausing a service that relays sessions (no pooling) holds new sessions
+/// until it resumes, as it holds a pooled client's transactions; sessions
+/// already open go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_relay_service_holds_new_sessions_until_resumed() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(10)).await;
+    ready(&e, 1).await;
+    let open = client(&via(&p, "read_write")).await.unwrap();
+    let http = p.http_addr().unwrap();
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/pause?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(one(&open, "SELECT 1").await, "1");
+    let conninfo = via(&p, "read_write");
+    let waiting = tokio::spawn(async move {
+        let c = client(&conninfo).await.unwrap();
+        one(&c, "SELECT 2").await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a session started while paused");
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap(),
+        "2"
+    );
+}

@@ -418,6 +418,21 @@ async fn serve(
     // a pooled client's start-up future would otherwise carry (and copy)
     // them too.
     Box::pin(async move {
+        // A paused service holds new sessions until it resumes, as it
+        // holds a pooled client's new transactions.
+        let mut paused = service.handles.paused.clone();
+        if *paused.borrow() {
+            tokio::select! {
+                _ = paused.wait_for(|p| !*p) => {}
+                _ = crate::timer::sleep(spec.connect_wait_timeout) => {
+                    return Err(Refusal::new(
+                        sqlstate::CANNOT_CONNECT_NOW,
+                        "paused",
+                        format!("service \"{}\" is paused and did not resume within connect_wait_timeout", spec.name),
+                    ));
+                }
+            }
+        }
         let (server, host) = connect_server(shared, service).await?;
         shared
             .metrics

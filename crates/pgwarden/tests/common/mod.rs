@@ -201,9 +201,22 @@ pub async fn worker_clients(http: std::net::SocketAddr) -> (f64, f64) {
 }
 
 pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    http_request(addr, "GET", path)
+}
+
+/// `POST path` (no body) to an HTTP port: status and body.
+pub fn http_post(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    http_request(addr, "POST", path)
+}
+
+fn http_request(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect HTTP");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let status = out
