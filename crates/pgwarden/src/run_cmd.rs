@@ -291,7 +291,7 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
             "cluster.rtt_threshold_enabled",
             c.rtt_threshold_enabled.to_string(),
         ),
-        ("pool.mode", format!("{:?}", p.mode).to_lowercase()),
+        ("pool.mode", p.mode.to_string()),
         ("pool.size", p.size.to_string()),
         ("pool.max_client_conn", p.max_client_conn.to_string()),
         (
@@ -334,16 +334,28 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
             pgwarden_config::format_duration(config.engine.shutdown_timeout),
         ),
     ];
+    let path = |p: &Option<std::path::PathBuf>| {
+        p.as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    v.push(("tls.cert", path(&config.tls.cert)));
+    v.push(("tls.client_ca", path(&config.tls.client_ca)));
+    if let Some(a) = &config.auth {
+        v.push(("auth.hba_file", a.hba_file.display().to_string()));
+        v.push(("auth.auth_user", a.auth_user.clone()));
+    }
+    let mut v: Vec<(String, String)> = v.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     for s in config.services() {
         v.push((
-            "service",
+            format!("services.{}", s.name),
             format!(
-                "{} {} {} read_only={} pool={:?}",
-                s.name, s.listen, s.kind, s.read_only, s.pool_mode
+                "listen={} select={} read_only={} pool_mode={}",
+                s.listen, s.kind, s.read_only, s.pool_mode
             ),
         ));
     }
-    v.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    v
 }
 
 /// Probe settings from the `[cluster]` section; the password from the

@@ -264,11 +264,22 @@ async fn admin_console_disable_enable_and_shutdown() {
     let mut shown = std::collections::HashMap::new();
     for m in console.simple_query("SHOW CONFIG").await.unwrap() {
         if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
-            shown.insert(r.get(0).unwrap().to_string(), r.get(1).unwrap().to_string());
+            shown.insert(
+                r.get(0).unwrap().to_string(),
+                (r.get(1).unwrap().to_string(), r.get(2).unwrap().to_string()),
+            );
         }
     }
-    assert_eq!(shown["pool.max_db_connections"], "2");
-    assert_eq!(shown["pool.max_user_connections"], "4");
+    assert_eq!(shown["pool.max_db_connections"].0, "2");
+    assert_eq!(shown["pool.max_user_connections"].0, "4");
+    assert_eq!(shown["pool.mode"].0, "transaction");
+    // What a RELOAD changes, and what needs a restart.
+    assert_eq!(shown["pool.size"].1, "yes");
+    assert_eq!(shown["cluster.probe_interval"].1, "no");
+    assert_eq!(
+        shown["services.read_write"].0,
+        format!("listen=127.0.0.1:{rw} select=primary read_only=false pool_mode=transaction")
+    );
 
     let connected = client(&conninfo(rw)).await.unwrap();
     console.batch_execute("DISABLE postgres").await.unwrap();

@@ -21,6 +21,10 @@ use crate::stats::{Averages, Totals};
 pub const ADMIN_DATABASE: &str = "pgwarden";
 
 /// Serves one admin session until the client leaves.
+/// The `SHOW CONFIG` keys a `RELOAD` does not change (the probe's
+/// settings): `changeable` says `no` for them.
+const RESTART_ONLY: [&str; 2] = ["cluster.user", "cluster.probe_interval"];
+
 /// Whether `user` is one of `pool.admin_users`.
 pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
     user.is_some_and(|user| {
@@ -367,7 +371,14 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
                 .lock()
                 .expect("poisoned")
                 .iter()
-                .map(|(k, v)| vec![k.clone(), v.clone(), "yes".into()])
+                .map(|(k, v)| {
+                    let changeable = if RESTART_ONLY.contains(&k.as_str()) {
+                        "no"
+                    } else {
+                        "yes"
+                    };
+                    vec![k.clone(), v.clone(), changeable.into()]
+                })
                 .collect();
             table(out, &["key", "value", "changeable"], &rows, "SHOW");
         }
