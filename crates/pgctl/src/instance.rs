@@ -18,6 +18,10 @@ const SETTINGS_FILE: &str = "pgwarden.conf";
 /// How long start-up, shutdown and promotion may take before we give up.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
 
+/// How long an immediate stop waits for the postmaster before killing it
+/// and its children (SIGKILL).
+pub const IMMEDIATE_DEADLINE: Duration = Duration::from_secs(5);
+
 /// PostgreSQL's shutdown modes (`pg_ctl stop -m`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopMode {
@@ -665,11 +669,22 @@ impl Instance {
     }
 
     /// Stops the server and waits for the postmaster to exit.
+    ///
+    /// An immediate stop is what an HA agent uses when the server must stop
+    /// taking writes now; a postmaster that has not exited within
+    /// [`IMMEDIATE_DEADLINE`] (frozen, say, by SIGSTOP or a stuck disk) is
+    /// killed with its children, so the stop is certain and bounded.
     pub fn stop(&mut self, mode: StopMode) -> Result<()> {
         let Some(pid) = self.postmaster_pid() else {
             return Ok(());
         };
         let _ = kill(Pid::from_raw(pid), mode.signal());
+        if mode == StopMode::Immediate {
+            if !self.wait_exit(pid, IMMEDIATE_DEADLINE) {
+                self.kill9();
+            }
+            return Ok(());
+        }
         if self.wait_exit(pid, DEFAULT_DEADLINE) {
             Ok(())
         } else {
