@@ -213,6 +213,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         Command::EditConfig { set } => {
             let patch = config_patch(&set)?;
+            for (key, hint) in unread_keys(&patch) {
+                match hint {
+                    Some(h) => eprintln!("warning: pgwarden reads no dynamic setting \"{key}\" (did you mean \"{h}\"?); it is stored all the same"),
+                    None => eprintln!("warning: pgwarden reads no dynamic setting \"{key}\"; it is stored all the same"),
+                }
+            }
             let config = api.write("PATCH", "/config", Some(patch), TIMEOUT).await?;
             // The API answers with the whole new config; pretty-print it.
             match serde_json::from_str::<Value>(&config) {
@@ -397,6 +403,50 @@ impl Api {
 }
 
 /// The JSON merge patch for `KEY=VALUE` settings.
+/// The dynamic configuration's keys that the agents act on: the cluster
+/// settings, Patroni's synchronous-mode keys, `postgresql.parameters`,
+/// permanent slots, standby clusters, maintenance mode and fencing.
+const DYNAMIC_KEYS: &[&str] = &[
+    "ttl",
+    "loop_wait",
+    "retry_timeout",
+    "primary_start_timeout",
+    "safety_margin",
+    "maximum_lag_on_failover",
+    "protection",
+    "synchronous_mode",
+    "synchronous_mode_strict",
+    "synchronous_node_count",
+    "sync_method",
+    "sync_degrade_timeout",
+    "failsafe_mode",
+    "postgresql",
+    "slots",
+    "standby_cluster",
+    "pause",
+    "fenced",
+];
+
+/// The top-level keys of `patch` no agent reads, each with a known key
+/// it may be a slip for (a file key under its dynamic name, a typo).
+/// Patroni keeps unknown keys silently; they are kept here too (a
+/// configuration carried over from Patroni may hold some), but named.
+fn unread_keys(patch: &Value) -> Vec<(String, Option<&'static str>)> {
+    let Some(map) = patch.as_object() else {
+        return Vec::new();
+    };
+    map.keys()
+        .filter(|k| !DYNAMIC_KEYS.contains(&k.as_str()))
+        .map(|k| {
+            let hint = DYNAMIC_KEYS
+                .iter()
+                .find(|known| known.starts_with(k.as_str()) || k.starts_with(**known))
+                .copied();
+            (k.clone(), hint)
+        })
+        .collect()
+}
+
 fn config_patch(settings: &[String]) -> anyhow::Result<Value> {
     let mut patch = Map::new();
     for s in settings {
@@ -695,6 +745,26 @@ fn utc_timestamp(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_no_agent_reads_are_named_with_a_likely_meaning() {
+        let p = config_patch(&[
+            "failsafe=true".into(),
+            "ttl=20".into(),
+            "postgresql.parameters.work_mem=4MB".into(),
+            "check_timeline=true".into(),
+        ])
+        .unwrap();
+        let mut unread = unread_keys(&p);
+        unread.sort();
+        assert_eq!(
+            unread,
+            vec![
+                ("check_timeline".to_string(), None),
+                ("failsafe".to_string(), Some("failsafe_mode")),
+            ]
+        );
+    }
 
     #[test]
     fn settings_become_a_nested_merge_patch() {
