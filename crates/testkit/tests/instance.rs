@@ -10,9 +10,7 @@ use pgwarden_testkit::{StopMode, TestCluster};
 fn an_immediate_stop_kills_a_frozen_server() {
     let mut c = TestCluster::builder().replicas(0).start();
     let pid = c.node(0).postmaster_pid().expect("running");
-    c.node(0)
-        .signal(nix::sys::signal::Signal::SIGSTOP)
-        .unwrap();
+    c.node(0).signal(nix::sys::signal::Signal::SIGSTOP).unwrap();
     let t0 = std::time::Instant::now();
     c.node(0).stop(StopMode::Immediate).unwrap();
     assert!(
