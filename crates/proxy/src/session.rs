@@ -371,11 +371,7 @@ async fn serve(
                         reason: "auth_timeout".into(),
                     })
                     .inc();
-                return Err(Refusal::new(
-                    sqlstate::PROTOCOL_VIOLATION,
-                    "auth_timeout",
-                    "authentication timed out (auth_timeout)",
-                ));
+                return Err(auth_timed_out());
             }
         },
     };
@@ -391,13 +387,7 @@ async fn serve(
                 Ok(Ok(true)) => {}
                 Ok(Ok(false)) => return Ok(None),
                 Ok(Err(r)) => return Err(r),
-                Err(_) => {
-                    return Err(Refusal::new(
-                        sqlstate::PROTOCOL_VIOLATION,
-                        "auth_timeout",
-                        "authentication timed out (auth_timeout)",
-                    ))
-                }
+                Err(_) => return Err(auth_timed_out()),
             }
         }
         Box::pin(crate::admin::run(shared, client, &startup)).await;
@@ -449,6 +439,16 @@ async fn serve(
         Ok(None)
     })
     .await
+}
+
+/// The refusal of a client that did not finish authenticating within
+/// `auth_timeout`.
+fn auth_timed_out() -> Refusal {
+    Refusal::new(
+        sqlstate::PROTOCOL_VIOLATION,
+        "auth_timeout",
+        "authentication timed out (auth_timeout)",
+    )
 }
 
 /// Has the service's server authenticate the client: the client's start-up
