@@ -209,10 +209,15 @@ pub fn rank_candidates(view: &ClusterView, settings: &ElectionSettings) -> Ranki
             None => eligible.push(m),
         }
     }
+    // At an equal position a running primary comes first: a leader whose
+    // key lapsed while it kept writing (failsafe through an etcd outage)
+    // takes it back rather than hand its role to a replica that streamed
+    // all of it and demote for nothing.
     eligible.sort_by_key(|m| {
         (
             Reverse(m.tags.failover_priority),
             Reverse(m.wal_position()),
+            m.role != MemberRole::Primary,
             m.name.as_str(),
         )
     });
@@ -523,6 +528,24 @@ mod tests {
             .replica("n4", 10)
             .build();
         assert_eq!(rank(&v).eligible, ["n3", "n2", "n4", "n5"]);
+    }
+
+    #[test]
+    fn a_running_primary_wins_a_tie_in_position() {
+        let v = cluster()
+            .replica("n1", 0)
+            .replica("n3", 0)
+            .with("n3", |m| m.role = MemberRole::Primary)
+            .replica("n2", 10)
+            .build();
+        assert_eq!(rank(&v).eligible, ["n3", "n1", "n2"]);
+        // Position still comes first.
+        let v = cluster()
+            .replica("n1", 0)
+            .replica("n3", 10)
+            .with("n3", |m| m.role = MemberRole::Primary)
+            .build();
+        assert_eq!(rank(&v).eligible, ["n1", "n3"]);
     }
 
     #[test]
