@@ -82,7 +82,7 @@ use serde_json::{json, Map, Value};
 
 use crate::handover;
 use crate::record::{self, MemberRecord, RestartOrder};
-use crate::status::{AgentStatus, Command, StatusHandle};
+use crate::status::{AgentStatus, Command, Reply, StatusHandle};
 
 /// How long a switchover or failover request waits for the leader to
 /// change before answering "status unknown", unless configured otherwise.
@@ -758,6 +758,14 @@ async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Val
     merge_patch(&mut config, patch);
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
     crate::slots::permanent(Some(&config)).map_err(ApiError::bad_request)?;
+    // Read as "not paused" otherwise: an operator would believe automatic
+    // failover off while it is on.
+    if config
+        .get("pause")
+        .is_some_and(|v| !v.is_null() && !v.is_boolean())
+    {
+        return Err(ApiError::bad_request("pause: must be true or false"));
+    }
     if let Some(v) = config.get("standby_cluster").filter(|v| !v.is_null()) {
         pgwarden_ha::StandbyCluster::from_json(v).map_err(ApiError::bad_request)?;
     }
@@ -855,6 +863,11 @@ async fn send_command(state: &ApiState, cmd: Command) -> Result<(), ApiError> {
     }
 }
 
+/// How long a restart order waits for the HA loop to check a condition
+/// the published status cannot settle: a loop iteration, the settings'
+/// reload and a read of `pg_settings`.
+const RESTART_CHECK_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Requests a restart of PostgreSQL in its current role, at once or at
 /// `schedule`, and only if `role` and `restart_pending` (when given) hold
 /// then. Answers once the HA loop has the request, not when the restart
@@ -870,15 +883,43 @@ async fn restart(
     let st = state.status.load_full();
     match order.at_ms {
         None => {
-            if let Some(why) = order.unmet(st.member.state.role, st.member.pending_restart) {
-                return Err(ApiError::unavailable(format!(
-                    "restart conditions are not satisfied: {why}"
-                )));
+            let role = st.member.state.role;
+            if role == MemberRole::Stopped {
+                return Err(ApiError::unavailable(
+                    "restart conditions are not satisfied: PostgreSQL is not running here; the HA loop starts it in the role the cluster gives it",
+                ));
             }
-            send_command(&state, Command::Restart(order)).await?;
+            if let Some(why) = order.unmet(role, st.member.pending_restart) {
+                // Settings changed a moment ago may not be applied or seen
+                // yet: then the loop applies them and checks again.
+                if order.unmet(role, true).is_some() {
+                    return Err(ApiError::unavailable(format!(
+                        "restart conditions are not satisfied: {why}"
+                    )));
+                }
+                let (reply, answer) = Reply::new();
+                send_command(&state, Command::Restart(order, reply)).await?;
+                // Dropped on time-out, the answer tells the loop not to
+                // restart behind the caller's back.
+                return match tokio::time::timeout(RESTART_CHECK_TIMEOUT, answer).await {
+                    Ok(Ok(Ok(()))) => Ok(text(StatusCode::OK, "restart requested")),
+                    Ok(Ok(Err(why))) => Err(ApiError::unavailable(format!(
+                        "restart conditions are not satisfied: {why}"
+                    ))),
+                    _ => Err(ApiError::unavailable(
+                        "the HA loop did not check the restart conditions in time; not restarted",
+                    )),
+                };
+            }
+            send_command(&state, Command::Restart(order, Reply::default())).await?;
             Ok(text(StatusCode::OK, "restart requested"))
         }
         Some(_) => {
+            if st.paused {
+                return Err(ApiError::bad_request(
+                    "Can't schedule restart in the paused state",
+                ));
+            }
             if let Some(earlier) = &st.member.scheduled_restart {
                 return Err(ApiError::new(
                     StatusCode::CONFLICT,
@@ -889,7 +930,7 @@ async fn restart(
                 ));
             }
             let at = order.schedule.clone().unwrap_or_default();
-            send_command(&state, Command::Restart(order)).await?;
+            send_command(&state, Command::Restart(order, Reply::default())).await?;
             Ok(text(
                 StatusCode::ACCEPTED,
                 &format!("restart scheduled at {at}"),
@@ -900,6 +941,26 @@ async fn restart(
 
 /// The restart a `POST /restart` body asks for.
 fn restart_order(body: &Map<String, Value>) -> Result<RestartOrder, ApiError> {
+    // A mistyped condition must not turn into an unconditional restart.
+    if let Some(key) = body.keys().find(|k| {
+        ![
+            "schedule",
+            "role",
+            "restart_pending",
+            "postgres_version",
+            "timeout",
+        ]
+        .contains(&k.as_str())
+    }) {
+        return Err(ApiError::bad_request(format!(
+            "Unknown filter for the scheduled restart: {key}"
+        )));
+    }
+    if body.get("timeout").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request(
+            "the timeout of a restart is not supported: the HA loop waits primary_start_timeout for a leader's PostgreSQL to start",
+        ));
+    }
     if body.get("postgres_version").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request(
             "the postgres_version condition is not supported",
@@ -1209,6 +1270,13 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
             check_candidate(&st, &snap, c, scheduled_at.is_none(), true)?;
             Goal::Leader(c)
         }
+        None if record::paused(&snap) => {
+            // In maintenance mode the operator names the member, as in
+            // Patroni: the automation picks no one.
+            return Err(ApiError::bad_request(
+                "Switchover is possible only to a specific candidate in a paused state",
+            ));
+        }
         None => {
             // Without a candidate the best-ranked other member is named, so
             // the request is one the HA loops act on.
@@ -1273,7 +1341,12 @@ async fn failover(
     if body.get("scheduled_at").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad_request("Failover can't be scheduled"));
     }
-    let Some(candidate) = str_field(&body, "candidate")? else {
+    // Patroni takes `member` for the candidate too.
+    let candidate = match str_field(&body, "candidate")? {
+        Some(c) => Some(c),
+        None => str_field(&body, "member")?,
+    };
+    let Some(candidate) = candidate else {
         return Err(ApiError::bad_request("a failover needs a candidate"));
     };
     let force = match body.get("force") {
@@ -1308,6 +1381,13 @@ async fn failover(
         {
             return Err(ApiError::precondition(format!(
                 "candidate {candidate} is not a member of the cluster"
+            )));
+        }
+        // Fencing is the operator's own word that the member must not
+        // lead; force overrides health checks, not that.
+        if record::fenced(&snap).contains(&candidate) {
+            return Err(ApiError::precondition(format!(
+                "candidate {candidate} is fenced; unfence it first"
             )));
         }
     } else {

@@ -20,7 +20,7 @@ use crate::cluster_settings::ClusterSettings;
 use crate::handover;
 use crate::postgres::{LocalPostgres, Observation};
 use crate::record::{self, cluster_view, records, unix_ms, MemberRecord};
-use crate::status::{AgentStatus, Command, StatusHandle};
+use crate::status::{AgentStatus, Command, Reply, StatusHandle};
 
 /// How long a peer's API may take to report its WAL position during an
 /// election before it is left out of the comparison.
@@ -116,6 +116,11 @@ pub(crate) struct HaLoop {
     /// When (Unix ms) a failsafe round last succeeded, or this member last
     /// acknowledged a leader's.
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// The leader (name, API URL) this member acknowledged through an
+    /// etcd outage, while etcd has no leader key since: its lease ran out
+    /// while it kept leading on the members' word, so it may still be the
+    /// primary with the newest writes.
+    failsafe_leader: Option<(String, String)>,
     /// The revision of the scheduled switchover request last logged.
     scheduled_seen: Option<i64>,
     /// The data directory is known to hold the cluster's database (or its
@@ -128,6 +133,8 @@ pub(crate) struct HaLoop {
     scheduled_restart: Option<crate::record::RestartOrder>,
     /// The dynamic configuration's PostgreSQL parameters as last written.
     dynamic_applied: std::collections::BTreeMap<String, String>,
+    /// When settings were last written and PostgreSQL told to reload.
+    reloaded_at: Option<Instant>,
     /// The dynamic parameters last refused, so it is logged once.
     dynamic_refused: Option<String>,
     /// Since when each of our replication slots has been unneeded.
@@ -233,11 +240,13 @@ impl HaLoop {
             proxy_url,
             fence: None,
             failsafe_seen,
+            failsafe_leader: None,
             scheduled_seen: None,
             identity_known: false,
             fatal: None,
             scheduled_restart: None,
             dynamic_applied: Default::default(),
+            reloaded_at: None,
             dynamic_refused: None,
             settings_refused: None,
             slots_unwanted: Default::default(),
@@ -281,7 +290,7 @@ impl HaLoop {
             }
             if self.until_restart() == Some(Duration::ZERO) {
                 if let Some(order) = self.scheduled_restart.take() {
-                    self.restart_if(order).await;
+                    self.restart_if(order, Reply::default()).await;
                 }
             }
             // A leader key whose lease has run out is deleted by etcd within
@@ -316,12 +325,12 @@ impl HaLoop {
                 }
                 _ = crashes.notified() => {}
                 cmd = self.commands.recv() => match cmd {
-                    Some(Command::Restart(order)) if order.at_ms.is_some() => {
+                    Some(Command::Restart(order, _)) if order.at_ms.is_some() => {
                         tracing::info!(at = order.schedule.as_deref().unwrap_or_default(), "restart scheduled");
                         self.scheduled_restart = Some(order);
                         self.publish_status();
                     }
-                    Some(Command::Restart(order)) => self.restart_if(order).await,
+                    Some(Command::Restart(order, reply)) => self.restart_if(order, reply).await,
                     Some(Command::Reconfigure(new)) => self.reconfigure(*new).await,
                     Some(Command::Reinitialize) => self.reinitialize().await,
                     Some(Command::CancelRestart) => {
@@ -1000,11 +1009,22 @@ impl HaLoop {
         };
         match read {
             Some(Ok(snap)) => {
+                self.note_failsafe_leader(&snap);
                 self.snapshot = snap;
                 self.dcs_ok = true;
                 self.last_dcs_ok = Instant::now();
                 if let Err(e) = self.ensure_lease().await {
                     tracing::warn!(error = %e, "cannot grant a lease");
+                }
+                if self.identity_known
+                    && self.obs.pg.running
+                    && !self
+                        .snapshot
+                        .members
+                        .iter()
+                        .any(|(n, _)| *n == self.cfg.name)
+                {
+                    self.reappear().await;
                 }
             }
             Some(Err(e)) => {
@@ -1359,6 +1379,77 @@ impl HaLoop {
         }
     }
 
+    /// Publishes this member's record again when etcd lost it (its lease
+    /// ran out while etcd was out of reach), and reads the cluster back,
+    /// before deciding: a member missing from its own view stands aside,
+    /// and a primary standing aside demotes.
+    async fn reappear(&mut self) {
+        if let Some(lease) = self.lease {
+            if let Err(pgwarden_dcs::DcsError::LeaseNotFound(_)) =
+                self.dcs.keep_alive_once(lease).await
+            {
+                self.lease = None;
+            }
+        }
+        if let Err(e) = self.ensure_lease().await {
+            tracing::warn!(error = %e, "cannot grant a lease");
+            return;
+        }
+        self.publish_member().await;
+        if let Ok(snap) = self.dcs.read_cluster().await {
+            self.note_failsafe_leader(&snap);
+            self.snapshot = snap;
+        }
+    }
+
+    /// Keeps track of the leader this member acknowledged in failsafe
+    /// rounds, from the last snapshot read before etcd answered again.
+    fn note_failsafe_leader(&mut self, fresh: &ClusterSnapshot) {
+        if fresh.leader.is_some() {
+            self.failsafe_leader = None;
+            return;
+        }
+        let acked = self.failsafe_seen.load(std::sync::atomic::Ordering::SeqCst);
+        let ttl_ms = self.timing.ttl.as_millis() as u64;
+        if !self.failsafe || unix_ms().saturating_sub(acked) > 2 * ttl_ms {
+            return;
+        }
+        let Some(leader) = self.snapshot.leader.as_ref() else {
+            return;
+        };
+        if leader.name == self.cfg.name {
+            return;
+        }
+        if let Some(r) = records(&self.snapshot)
+            .into_iter()
+            .find(|r| r.state.name == leader.name && !r.state.api_url.is_empty())
+        {
+            self.failsafe_leader = Some((leader.name.clone(), r.state.api_url));
+        }
+    }
+
+    /// Whether the leader this member acknowledged through an etcd outage
+    /// has stopped running as primary (or cannot be asked): until then its
+    /// writes since the outage began may exist nowhere else, and it takes
+    /// its key back itself.
+    async fn failsafe_leader_gone(&mut self) -> bool {
+        let Some((name, url)) = self.failsafe_leader.clone() else {
+            return true;
+        };
+        let answer = crate::http_client::get_json(&format!("{url}/patroni"), PEER_TIMEOUT)
+            .await
+            .ok();
+        if answer.is_some_and(|v| v["role"] == "primary") {
+            tracing::info!(
+                leader = %name,
+                "not taking the leader key: the leader acknowledged while etcd was out of reach still runs as primary"
+            );
+            return false;
+        }
+        self.failsafe_leader = None;
+        true
+    }
+
     /// Before taking the key, asks the other members for their current
     /// positions, since the published ones are up to a loop old: a replica
     /// that received more WAL since must win instead, and under quorum
@@ -1475,7 +1566,9 @@ impl HaLoop {
             .as_ref()
             .is_some_and(|r| r.from_leader.is_some());
         let checked = match reason {
-            AcquireReason::BestCandidate => self.fresh_check(view, true).await,
+            AcquireReason::BestCandidate => {
+                self.failsafe_leader_gone().await && self.fresh_check(view, true).await
+            }
             // A failover the operator named still may not lose a commit
             // under quorum commit; a switchover's candidate catches up with
             // the stopped leader instead.
@@ -3499,17 +3592,76 @@ impl HaLoop {
         self.publish_status();
     }
 
+    /// An order to restart only with settings pending can come right after
+    /// the settings changed (`ctl edit-config`, then `ctl restart --all
+    /// --pending`), before this member's loop applied them; skipped, a
+    /// replica would then stay on a lower `max_connections` than its
+    /// restarted primary, and PostgreSQL pauses its replay. So the order
+    /// applies the dynamic settings first and lets the server read them.
+    async fn catch_up_settings(&mut self) {
+        let op = self.etcd.op_timeout;
+        let Ok(Ok(snap)) = tokio::time::timeout(op, self.dcs.read_cluster()).await else {
+            return;
+        };
+        self.snapshot.config = snap.config;
+        self.snapshot.config_revision = snap.config_revision;
+        self.apply_dynamic_parameters().await;
+        // A reload reaches the server's backends a moment later; one older
+        // than this has been observed since.
+        let recent = Duration::from_secs(3) + self.timing.loop_wait;
+        if self.reloaded_at.is_none_or(|t| t.elapsed() > recent) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            self.obs = self.pg.observe(Duration::from_secs(1)).await;
+            if self.obs.pending_restart {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// How long until the scheduled restart is due; zero once it is.
     fn until_restart(&self) -> Option<Duration> {
         let at = self.scheduled_restart.as_ref()?.at_ms?;
         Some(Duration::from_millis(at.saturating_sub(unix_ms())))
     }
 
+    /// Why an ordered restart must not happen whatever its conditions: it
+    /// starts the server in the role its data directory has, so a stopped
+    /// server (a demoted leader, a member the loop has not started) would
+    /// come back as it last ran, perhaps a primary beside the leader.
+    fn restart_refusal(&self) -> Option<String> {
+        if !self.obs.pg.running {
+            return Some(
+                "PostgreSQL is not running here; the HA loop starts it in the role the cluster gives it"
+                    .into(),
+            );
+        }
+        let paused = record::paused(&self.snapshot);
+        if !self.obs.pg.in_recovery && !self.holds_leader_key() && !paused {
+            return Some("this primary does not hold the leader key; it is being demoted".into());
+        }
+        None
+    }
+
     /// Restarts PostgreSQL if `order`'s conditions hold now.
-    async fn restart_if(&mut self, order: crate::record::RestartOrder) {
+    async fn restart_if(&mut self, order: crate::record::RestartOrder, reply: Reply) {
+        if order.restart_pending && !self.obs.pending_restart {
+            self.catch_up_settings().await;
+        }
         let role = self.record().state.role;
-        if let Some(why) = order.unmet(role, self.obs.pending_restart) {
+        let refused = self
+            .restart_refusal()
+            .or_else(|| order.unmet(role, self.obs.pending_restart));
+        if let Some(why) = refused {
             tracing::info!("restart not carried out: {why}");
+            reply.send(Err(why));
+            return;
+        }
+        if !reply.send(Ok(())) {
+            tracing::info!("restart not carried out: the request gave up waiting");
             return;
         }
         self.restart().await;
@@ -3520,6 +3672,10 @@ impl HaLoop {
     /// iteration, and a leader keeps renewing its lease meanwhile.
     async fn restart(&mut self) {
         tracing::info!("restart requested through the API");
+        // Health checks and routing read the published status: they must
+        // not report a primary while its server is down.
+        self.obs.pg.running = false;
+        self.publish_status();
         let _ = self.pg.stop(StopMode::Fast).await;
         // With on_restart, as in Patroni, it alone says so.
         let on_restart = self.cfg.callbacks.on_restart.clone();
@@ -3550,7 +3706,8 @@ impl HaLoop {
     }
 
     /// Runs `on_reload` after PostgreSQL was made to re-read its settings.
-    fn reloaded(&self) {
+    fn reloaded(&mut self) {
+        self.reloaded_at = Some(Instant::now());
         let role = if self.obs.pg.in_recovery {
             "replica"
         } else {

@@ -40,7 +40,7 @@ use pgwarden_pgctl::{Instance, InstanceSpec, PgBinaries, RunAs};
 use tokio::sync::{mpsc, watch};
 
 pub use record::MemberRecord;
-pub use status::{AgentStatus, Command, StatusHandle};
+pub use status::{AgentStatus, Command, Reply, StatusHandle};
 
 /// Whether going from the node file's `old` `[agent]` to `new` needs no
 /// restart of the agent: only tags, parameters, callbacks, the cluster

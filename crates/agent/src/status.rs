@@ -109,14 +109,50 @@ impl AgentStatus {
 /// Shared, lock-free access to the latest [`AgentStatus`].
 pub type StatusHandle = Arc<ArcSwap<AgentStatus>>;
 
+/// Where the HA loop answers an order: `Ok` when it carries it out, or
+/// why not. Empty (the default), nobody waits. Every reply compares equal,
+/// so commands still compare by what they ask.
+#[derive(Clone, Debug, Default)]
+pub struct Reply(Option<Arc<std::sync::Mutex<Option<ReplySender>>>>);
+
+type ReplySender = tokio::sync::oneshot::Sender<Result<(), String>>;
+
+impl Reply {
+    /// A reply and where its answer arrives.
+    pub fn new() -> (Reply, tokio::sync::oneshot::Receiver<Result<(), String>>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (Reply(Some(Arc::new(std::sync::Mutex::new(Some(tx))))), rx)
+    }
+
+    /// Answers; `false` if the one who asked stopped waiting, so the order
+    /// is not carried out behind the back of a caller told it failed.
+    pub fn send(&self, answer: Result<(), String>) -> bool {
+        let Some(slot) = &self.0 else {
+            return true;
+        };
+        let tx = slot.lock().ok().and_then(|mut s| s.take());
+        tx.is_some_and(|tx| tx.send(answer).is_ok())
+    }
+}
+
+impl PartialEq for Reply {
+    fn eq(&self, _: &Reply) -> bool {
+        true
+    }
+}
+
+impl Eq for Reply {}
+
 /// Requests to the HA loop from the API.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
     /// Run an iteration now (something changed in the DCS).
     Wake,
     /// Restart the local PostgreSQL in its current role: at once, or keep
-    /// the order until its time (replacing one kept before).
-    Restart(crate::record::RestartOrder),
+    /// the order until its time (replacing one kept before). An order
+    /// given at once is answered through its [`Reply`] once its conditions
+    /// are checked.
+    Restart(crate::record::RestartOrder, Reply),
     /// Forget the scheduled restart.
     CancelRestart,
     /// Throw the replica's data away and clone the leader again.

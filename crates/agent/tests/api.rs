@@ -8,7 +8,7 @@ use arc_swap::ArcSwap;
 use pgwarden_agent::api::{self, ApiState};
 use pgwarden_agent::http_client::{get_json, request, Response};
 use pgwarden_agent::record::{unix_ms, RestartOrder};
-use pgwarden_agent::{AgentStatus, Command, MemberRecord, StatusHandle};
+use pgwarden_agent::{AgentStatus, Command, MemberRecord, Reply, StatusHandle};
 use pgwarden_dcs::{EtcdDcs, HistoryEntry, LeaseId};
 use pgwarden_ha::{MemberRole, MemberState, Timing};
 use pgwarden_testkit::etcd::EtcdServer;
@@ -524,6 +524,16 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
         assert!(r.body.contains(says), "{bad}: {}", r.body);
     }
+    // Maintenance mode is on or off: anything else would read as off.
+    for bad in [json!({"pause": "yes"}), json!({"pause": 1})] {
+        let r = api.write("PATCH", "/config", Some(bad.clone())).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert!(
+            r.body.contains("pause: must be true or false"),
+            "{}",
+            r.body
+        );
+    }
     assert_eq!(config().await, Some(want), "bad patches change nothing");
 }
 
@@ -540,15 +550,45 @@ async fn restart_and_reload_reach_the_ha_loop() {
     assert_eq!(api.write("POST", "/reload", None).await.status, 202);
     assert_eq!(
         api.drain(),
-        [Command::Restart(RestartOrder::default()), Command::Reload]
+        [
+            Command::Restart(RestartOrder::default(), Reply::default()),
+            Command::Reload
+        ]
     );
 
     // Conditions are checked against what the member is now.
     let r = post_restart(&api, json!({"role": "replica"})).await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(r.body.contains("is primary, not replica"), "{}", r.body);
-    let r = post_restart(&api, json!({"restart_pending": true})).await;
+    // Whether settings wait for a restart, the loop settles: it may not
+    // have applied or seen a change made a moment ago.
+    let url = format!("{}/restart", api.url);
+    let asked = tokio::spawn(async move {
+        request(
+            "POST",
+            &url,
+            Some(&json!({"restart_pending": true})),
+            Some((USER, PASSWORD)),
+            T,
+        )
+        .await
+        .unwrap()
+    });
+    let reply = loop {
+        if let Some(Command::Restart(order, reply)) = api.drain().pop() {
+            assert!(order.restart_pending);
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(reply.send(Err("no setting is waiting for a restart".into())));
+    let r = asked.await.unwrap();
     assert_eq!(r.status, 503, "{}", r.body);
+    assert!(
+        r.body.contains("no setting is waiting for a restart"),
+        "{}",
+        r.body
+    );
     assert_eq!(
         post_restart(&api, json!({"role": "master"})).await.status,
         200
@@ -562,13 +602,16 @@ async fn restart_and_reload_reach_the_ha_loop() {
         json!({"role": "leader"}),
         json!({"restart_pending": "yes"}),
         json!({"postgres_version": "15.4"}),
+        // A mistyped condition, and one pgwarden does not take.
+        json!({"restart_pendin": true}),
+        json!({"timeout": "30s"}),
     ] {
         let r = post_restart(&api, bad.clone()).await;
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
     }
     let mut drained = api.drain();
     assert_eq!(drained.len(), 1, "{drained:?}");
-    let Command::Restart(order) = drained.remove(0) else {
+    let Command::Restart(order, _) = drained.remove(0) else {
         panic!("not a restart")
     };
     assert_eq!(order.role.as_deref(), Some("primary"));
@@ -582,7 +625,7 @@ async fn restart_and_reload_reach_the_ha_loop() {
     assert_eq!(r.status, 202, "{}", r.body);
     assert!(r.body.contains("2030-01-01T01:00:00Z"), "{}", r.body);
     let order = match api.drain().as_slice() {
-        [Command::Restart(o)] => o.clone(),
+        [Command::Restart(o, _)] => o.clone(),
         other => panic!("{other:?}"),
     };
     assert_eq!(order.at_ms, Some(1_893_459_600_000));
@@ -598,6 +641,18 @@ async fn restart_and_reload_reach_the_ha_loop() {
     assert_eq!(v["scheduled_restart"]["restart_pending"], true);
     assert_eq!(api.write("DELETE", "/restart", None).await.status, 200);
     assert_eq!(api.drain(), [Command::CancelRestart]);
+    // Nor in maintenance mode, as in Patroni; and a stopped server is not
+    // started by an order to restart it.
+    let mut paused = st.clone();
+    paused.paused = true;
+    api.set(paused);
+    let r = post_restart(&api, json!({"schedule": "2031-01-01T00:00:00Z"})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("paused state"), "{}", r.body);
+    api.set(status_of(member("n1", MemberRole::Stopped, None), false));
+    let r = post_restart(&api, json!({})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("not running"), "{}", r.body);
     api.set(st);
     assert_eq!(api.write("DELETE", "/restart", None).await.status, 404);
     assert!(api.drain().is_empty());
@@ -674,6 +729,18 @@ async fn switchover_requests_are_checked_written_and_awaited() {
     )
     .await;
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    // In maintenance mode the operator names the candidate.
+    d.put_config(&json!({"pause": true})).await.unwrap();
+    let r = quick
+        .write("POST", "/switchover", Some(json!({"leader": "n1"})))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("only to a specific candidate"),
+        "{}",
+        r.body
+    );
+    d.put_config(&json!({})).await.unwrap();
     assert!(
         d.read_cluster().await.unwrap().failover.is_none(),
         "refused requests write nothing"
@@ -826,6 +893,22 @@ async fn failover_needs_a_leaderless_cluster_unless_forced() {
         Some(json!({"candidate": "n2", "forced": true}))
     );
     d.delete_failover().await.unwrap();
+    // `member` names the candidate too, as in Patroni; and force does not
+    // override fencing, the operator's own word.
+    d.put_config(&json!({"fenced": {"n2": true}}))
+        .await
+        .unwrap();
+    let r = quick
+        .write(
+            "POST",
+            "/failover",
+            Some(json!({"member": "n2", "force": true})),
+        )
+        .await;
+    assert_eq!(r.status, 412, "{}", r.body);
+    assert!(r.body.contains("n2 is fenced"), "{}", r.body);
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+    d.put_config(&json!({})).await.unwrap();
 
     // The leader is gone: a plain failover is accepted and awaited.
     assert!(d.release_leader("n1").await.unwrap());

@@ -13,6 +13,9 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on a switchover or failover, which the API answers only once the
 /// leader has moved (or after its own wait of 30 s).
 const MOVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A restart order may wait for the member's HA loop to apply settings
+/// changed a moment ago before it is answered.
+const RESTART_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Options of `pgwarden ctl`.
 #[derive(Debug, clap::Args)]
@@ -238,7 +241,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 println!(
                     "{}",
-                    api.write("POST", "/restart", Some(body), TIMEOUT).await?
+                    api.write("POST", "/restart", Some(body), RESTART_TIMEOUT)
+                        .await?
                 );
             }
         }
@@ -286,18 +290,30 @@ async fn fence(api: &Api, member: &str, on: bool) -> anyhow::Result<()> {
 /// `restart --all`: restarts every member in turn, replicas before the
 /// leader, waiting for each to be back (its postmaster start time changed)
 /// before the next, so the cluster never has more than one member down. A
-/// member whose conditions do not hold is reported and skipped; any other
-/// failure fails the command once every member was asked.
+/// member whose conditions do not hold is reported and skipped. Any other
+/// failure (a member that cannot be asked, or does not come back) stops
+/// the command there: going on could take a second member down, and a
+/// setting that keeps one from starting would keep them all down.
 async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
     let cluster = api.get("/cluster").await?;
     let mut members = cluster["members"].as_array().cloned().unwrap_or_default();
     members.sort_by_key(|m| m["role"] == "leader" || m["role"] == "standby_leader");
-    let mut failed = 0;
-    for m in &members {
-        let name = m["name"].as_str().unwrap_or("?");
+    let names: Vec<&str> = members
+        .iter()
+        .map(|m| m["name"].as_str().unwrap_or("?"))
+        .collect();
+    for (i, m) in members.iter().enumerate() {
+        let name = names[i];
+        let stop = |why: String| {
+            let rest = &names[i + 1..];
+            if rest.is_empty() {
+                anyhow::anyhow!("{name}: {why}")
+            } else {
+                anyhow::anyhow!("{name}: {why}; stopped, not restarted: {}", rest.join(", "))
+            }
+        };
         let Some(url) = m["api_url"].as_str().filter(|u| !u.is_empty()) else {
-            println!("{name}: no API URL published; skipped");
-            continue;
+            return Err(stop("no API URL published".into()));
         };
         let member = Api {
             base: url.trim_end_matches('/').to_string(),
@@ -306,7 +322,13 @@ async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
         let started = |v: &Value| v["postmaster_start_time"].as_str().map(str::to_string);
         let before = member.get("/patroni").await.ok().and_then(|v| started(&v));
         match member
-            .send("POST", "/restart", Some(body.clone()), true, TIMEOUT)
+            .send(
+                "POST",
+                "/restart",
+                Some(body.clone()),
+                true,
+                RESTART_TIMEOUT,
+            )
             .await
         {
             Ok(r) if r.status == 200 => {
@@ -321,28 +343,22 @@ async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
                         break;
                     }
                     if tokio::time::Instant::now() >= deadline {
-                        println!("{name}: not back within {MOVE_TIMEOUT:?}");
-                        failed += 1;
-                        break;
+                        let problem = now
+                            .as_ref()
+                            .and_then(|v| v["problem"].as_str())
+                            .map(|p| format!(" ({p})"))
+                            .unwrap_or_default();
+                        return Err(stop(format!("not back within {MOVE_TIMEOUT:?}{problem}")));
                     }
                     tokio::time::sleep(Duration::from_millis(300)).await;
                 }
             }
-            Ok(r) => println!("{name}: {}", r.body.trim()),
+            Ok(r) => return Err(stop(r.body.trim().to_string())),
             Err(e) if format!("{e:#}").contains("restart conditions are not satisfied") => {
                 println!("{name}: skipped, {e:#}");
             }
-            Err(e) => {
-                println!("{name}: {e:#}");
-                failed += 1;
-            }
+            Err(e) => return Err(stop(format!("{e:#}"))),
         }
-    }
-    if failed > 0 {
-        bail!(
-            "{failed} of {} members could not be asked to restart",
-            members.len()
-        );
     }
     Ok(())
 }

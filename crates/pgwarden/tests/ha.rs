@@ -598,6 +598,63 @@ async fn maintenance_mode_suppresses_failover_until_resumed() {
     new_primary(&c, 0, Duration::from_secs(30)).await;
 }
 
+/// An ordered restart restarts a server that runs, in its role: it never
+/// starts one that is stopped, such as a leader a switchover stopped in
+/// maintenance mode, which would come back as a second primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_order_never_starts_a_stopped_member() {
+    let c = cluster().start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    assert_eq!(api_post(&c, 1, "/pause").await, 200);
+    eventually(
+        "every agent sees the pause",
+        Duration::from_secs(10),
+        || async {
+            let logs: Vec<String> = (0..3).map(|i| c.node(i).log_tail()).collect();
+            logs.iter()
+                .all(|l| l.contains("paused:"))
+                .then_some(())
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+    let switchover = format!("{}/switchover", c.node(0).api_url());
+    eventually("a switchover to n2", Duration::from_secs(60), || async {
+        let r = pgwarden_agent::http_client::request(
+            "POST",
+            &switchover,
+            Some(&serde_json::json!({"leader": "n1", "candidate": "n2"})),
+            Some(("pgwarden", "secret")),
+            Duration::from_secs(40),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        (r.status == 200).then_some(()).ok_or(r.body)
+    })
+    .await;
+    eventually(
+        "n1 stopped, n2 the only primary",
+        Duration::from_secs(30),
+        || async {
+            let w = writable(&c).await;
+            let stopped = one(&c.node(0).pg_conninfo(), "SELECT 1").await.is_err();
+            (w == vec![1] && stopped)
+                .then_some(())
+                .ok_or(format!("writable {w:?}, n1 stopped: {stopped}"))
+        },
+    )
+    .await;
+    // The published state may be a loop old: the API or the loop refuses.
+    let r = api_call(&c, 0, "POST", "/restart", serde_json::json!({})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("not running"), "{}", r.body);
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < quiet {
+        assert_eq!(writable(&c).await, vec![1], "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     let mut c = cluster().start();
@@ -1369,6 +1426,28 @@ async fn dynamic_parameters_reach_every_member() {
     for i in 0..2 {
         assert_eq!(patroni(i).await.unwrap()["pending_restart"], false);
     }
+    // Straight after the change, before any member's loop has applied
+    // it: every member still restarts, or a replica would stay below its
+    // primary's value and PostgreSQL would pause its replay.
+    patch_config_ok(
+        &c,
+        0,
+        params(serde_json::json!({"max_prepared_transactions": 7})),
+    )
+    .await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .args(["restart", "--all", "--pending"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("n2: restarted") && text.contains("n1: restarted"),
+        "{text}"
+    );
+    everywhere(&c, "max_prepared_transactions", "7").await;
 
     // Removed: back to the default.
     patch_config_ok(&c, 1, params(serde_json::json!({"work_mem": null}))).await;
@@ -2744,6 +2823,148 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
         .node(0)
         .log_tail()
         .contains("not every member acknowledges"));
+}
+
+/// The lease of a leader that stood through an etcd outage on its
+/// members' word has run out when etcd answers again, and its key is gone:
+/// it is still the best candidate and takes the key back, without a
+/// demotion or a new timeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_failsafe_the_leader_takes_its_key_back_when_etcd_returns() {
+    let mut c = cluster().agent_settings("failsafe = true").start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    // n3 leads: every replica's name sorts before the leader's, so a tie
+    // in position broken by name alone would crown one of them.
+    let switchover = format!("{}/switchover", c.node(0).api_url());
+    eventually("a switchover to n3", Duration::from_secs(60), || async {
+        // Refused (412) until n3's published state shows it running.
+        let r = pgwarden_agent::http_client::request(
+            "POST",
+            &switchover,
+            Some(&serde_json::json!({"leader": "n1", "candidate": "n3"})),
+            Some(("pgwarden", "secret")),
+            Duration::from_secs(40),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        (r.status == 200).then_some(()).ok_or(r.body)
+    })
+    .await;
+    assert_eq!(healthy(&c, 2, Duration::from_secs(60)).await, 2);
+    let url = format!("{}/cluster", c.node(2).api_url());
+    eventually(
+        "the leader knows all three members",
+        Duration::from_secs(10),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let n = v["members"].as_array().map_or(0, Vec::len);
+            (n == 3).then_some(()).ok_or(format!("{n} members"))
+        },
+    )
+    .await;
+    let timeline = one(
+        &c.node(2).pg_conninfo(),
+        "SELECT timeline_id FROM pg_control_checkpoint()",
+    )
+    .await
+    .unwrap();
+    // Frozen, etcd lets every lease run out the moment it wakes: what a
+    // partition that heals looks like from etcd's side.
+    c.etcd().freeze(0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 2).await,
+            "the leader demoted\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    c.etcd().thaw(0);
+    let mut holds_key = false;
+    let until = tokio::time::Instant::now() + Duration::from_secs(20);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 2).await,
+            "the leader demoted after etcd came back\n{}",
+            c.logs()
+        );
+        if c.api_status(2, "/leader") == Some(200) {
+            holds_key = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        holds_key,
+        "the leader never took its key back\n{}",
+        c.logs()
+    );
+    assert_eq!(healthy(&c, 2, Duration::from_secs(30)).await, 2);
+    let after = one(
+        &c.node(2).pg_conninfo(),
+        "SELECT timeline_id FROM pg_control_checkpoint()",
+    )
+    .await
+    .unwrap();
+    assert_eq!(after, timeline, "a new timeline: someone was promoted");
+    assert!(!c.node(2).agent_log().contains("demoting"), "{}", c.logs());
+}
+
+/// etcd comes back for the replicas first: they find no leader key, but
+/// the leader they vouched for still runs as primary until it learns they
+/// no longer vouch for it, so they wait for it to demote instead of
+/// promoting beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_failsafe_the_replicas_wait_for_the_leader_they_vouched_for() {
+    let c = cluster()
+        .agent_settings("failsafe = true")
+        .etcd_relays()
+        .start();
+    let checker = healthy_and_checked(&c).await;
+    let url = format!("{}/cluster", c.node(0).api_url());
+    eventually(
+        "the leader knows all three members",
+        Duration::from_secs(10),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let n = v["members"].as_array().map_or(0, Vec::len);
+            (n == 3).then_some(()).ok_or(format!("{n} members"))
+        },
+    )
+    .await;
+    for i in 0..3 {
+        c.etcd_relay(i).set_blackhole(true);
+    }
+    // Past the lease (6 s): etcd deletes the leader key, the leader stands.
+    let until = tokio::time::Instant::now() + Duration::from_secs(9);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            takes_writes(&c, 0).await,
+            "the leader demoted\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for i in [1, 2] {
+        c.etcd_relay(i).set_blackhole(false);
+        c.etcd_relay(i).reset_all();
+    }
+    let np = new_primary(&c, 0, Duration::from_secs(30)).await;
+    c.etcd_relay(0).set_blackhole(false);
+    c.etcd_relay(0).reset_all();
+    assert_eq!(healthy(&c, 2, Duration::from_secs(60)).await, np);
+    checker.finish().await;
+    assert!(
+        c.logs()
+            .contains("the leader acknowledged while etcd was out of reach still runs as primary"),
+        "{}",
+        c.logs()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
