@@ -889,30 +889,26 @@ async fn restart(
                     "restart conditions are not satisfied: PostgreSQL is not running here; the HA loop starts it in the role the cluster gives it",
                 ));
             }
-            if let Some(why) = order.unmet(role, st.member.pending_restart) {
-                // Settings changed a moment ago may not be applied or seen
-                // yet: then the loop applies them and checks again.
-                if order.unmet(role, true).is_some() {
-                    return Err(ApiError::unavailable(format!(
-                        "restart conditions are not satisfied: {why}"
-                    )));
-                }
-                let (reply, answer) = Reply::new();
-                send_command(&state, Command::Restart(order, reply)).await?;
-                // Dropped on time-out, the answer tells the loop not to
-                // restart behind the caller's back.
-                return match tokio::time::timeout(RESTART_CHECK_TIMEOUT, answer).await {
-                    Ok(Ok(Ok(()))) => Ok(text(StatusCode::OK, "restart requested")),
-                    Ok(Ok(Err(why))) => Err(ApiError::unavailable(format!(
-                        "restart conditions are not satisfied: {why}"
-                    ))),
-                    _ => Err(ApiError::unavailable(
-                        "the HA loop did not check the restart conditions in time; not restarted",
-                    )),
-                };
+            // Settings changed a moment ago may not be applied or seen yet,
+            // so only the role is judged here; the loop settles the rest.
+            if let Some(why) = order.unmet(role, true) {
+                return Err(ApiError::unavailable(format!(
+                    "restart conditions are not satisfied: {why}"
+                )));
             }
-            send_command(&state, Command::Restart(order, Reply::default())).await?;
-            Ok(text(StatusCode::OK, "restart requested"))
+            let (reply, answer) = Reply::new();
+            send_command(&state, Command::Restart(order, reply)).await?;
+            // Dropped on time-out, the answer tells the loop not to restart
+            // behind the caller's back.
+            match tokio::time::timeout(RESTART_CHECK_TIMEOUT, answer).await {
+                Ok(Ok(Ok(()))) => Ok(text(StatusCode::OK, "restart requested")),
+                Ok(Ok(Err(why))) => Err(ApiError::unavailable(format!(
+                    "restart conditions are not satisfied: {why}"
+                ))),
+                _ => Err(ApiError::unavailable(
+                    "the HA loop did not check the restart conditions in time; not restarted",
+                )),
+            }
         }
         Some(_) => {
             if st.paused {

@@ -100,6 +100,10 @@ pub(crate) struct HaLoop {
     /// Why a required watchdog cannot be used; such a member stays out of
     /// elections.
     watchdog_problem: Option<String>,
+    /// What PostgreSQL reports wrong in its configuration files (a value
+    /// it refuses, from the dynamic configuration or the node's file): the
+    /// server keeps its old settings, and would not start again.
+    config_problem: Option<String>,
     /// What `synchronous_standby_names` makes PostgreSQL wait for, as this
     /// agent last set it.
     sync_applied: SyncConfig,
@@ -233,6 +237,7 @@ impl HaLoop {
                 timing.ttl.saturating_sub(timing.safety_margin),
             ),
             watchdog_problem: None,
+            config_problem: None,
             sync_applied: SyncConfig::none(),
             sync_applied_at: None,
             sync_blocked_since: None,
@@ -3398,8 +3403,39 @@ impl HaLoop {
                 self.reloaded();
             }
             tracing::info!("parameters applied: {text}");
+            self.check_config_files().await;
         }
         true
+    }
+
+    /// Has PostgreSQL read its configuration files as a start would, and
+    /// keeps what it refuses as this member's problem until it is fixed: a
+    /// reload only logs a bad value and keeps the old one.
+    async fn check_config_files(&mut self) {
+        let problem = match self.pg.with(|i| i.check_config()).await {
+            Ok(()) => None,
+            Err(e) => {
+                let text = match &e {
+                    PgCtlError::CommandFailed { output, .. } => output
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                    other => first_line(other),
+                };
+                Some(format!(
+                    "PostgreSQL refuses its configuration ({text}); it keeps its previous settings and would not start again"
+                ))
+            }
+        };
+        if problem != self.config_problem {
+            match &problem {
+                Some(p) => tracing::error!("{p}"),
+                None => tracing::info!("PostgreSQL accepts its configuration again"),
+            }
+            self.config_problem = problem;
+        }
     }
 
     /// Takes the reloadable settings of a reloaded node file: tags (in the
@@ -3633,6 +3669,9 @@ impl HaLoop {
     /// server (a demoted leader, a member the loop has not started) would
     /// come back as it last ran, perhaps a primary beside the leader.
     fn restart_refusal(&self) -> Option<String> {
+        if let Some(p) = &self.config_problem {
+            return Some(format!("{p}; fix the setting first"));
+        }
         if !self.obs.pg.running {
             return Some(
                 "PostgreSQL is not running here; the HA loop starts it in the role the cluster gives it"
@@ -3770,6 +3809,7 @@ impl HaLoop {
                 .problem
                 .clone()
                 .or_else(|| self.watchdog_problem.clone())
+                .or_else(|| self.config_problem.clone())
                 .or_else(|| self.remote_problem()),
             routing_generation: self.routing_ack.load(std::sync::atomic::Ordering::SeqCst),
             lag_bytes: match (pg.in_recovery, last_leader_lsn, pg.replayed_lsn) {

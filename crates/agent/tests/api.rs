@@ -541,58 +541,73 @@ async fn post_restart(api: &Api, body: Value) -> Response {
     api.write("POST", "/restart", Some(body)).await
 }
 
+/// Posts a restart order to be carried out now and plays the HA loop: the
+/// order it receives is answered with `answer`. Returns the order and the
+/// API's response.
+async fn restart_answered(
+    api: &mut Api,
+    body: Value,
+    answer: Result<(), String>,
+) -> (RestartOrder, Response) {
+    let url = format!("{}/restart", api.url);
+    let asked = tokio::spawn(async move {
+        request("POST", &url, Some(&body), Some((USER, PASSWORD)), T)
+            .await
+            .unwrap()
+    });
+    let (order, reply) = loop {
+        if let Some(Command::Restart(order, reply)) = api.drain().pop() {
+            break (order, reply);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(reply.send(answer), "the API stopped waiting");
+    (order, asked.await.unwrap())
+}
+
 #[tokio::test]
 async fn restart_and_reload_reach_the_ha_loop() {
     let etcd = EtcdServer::start();
     let st = status_of(member("n1", MemberRole::Primary, None), true);
     let mut api = Api::start(dcs(&etcd).await, st.clone(), Some((USER, PASSWORD)), T).await;
-    assert_eq!(api.write("POST", "/restart", None).await.status, 200);
+    // An order for now is answered once the loop has checked it.
+    let (order, r) = restart_answered(&mut api, json!({}), Ok(())).await;
+    assert_eq!((r.status, r.body.trim()), (200, "restart requested"));
+    assert_eq!(order, RestartOrder::default());
     assert_eq!(api.write("POST", "/reload", None).await.status, 202);
-    assert_eq!(
-        api.drain(),
-        [
-            Command::Restart(RestartOrder::default(), Reply::default()),
-            Command::Reload
-        ]
-    );
+    assert_eq!(api.drain(), [Command::Reload]);
+    let (_, r) = restart_answered(
+        &mut api,
+        json!({}),
+        Err("PostgreSQL refuses its configuration".into()),
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("refuses its configuration"), "{}", r.body);
 
-    // Conditions are checked against what the member is now.
+    // The role is checked against what the member is now.
     let r = post_restart(&api, json!({"role": "replica"})).await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(r.body.contains("is primary, not replica"), "{}", r.body);
+    assert!(api.drain().is_empty());
     // Whether settings wait for a restart, the loop settles: it may not
     // have applied or seen a change made a moment ago.
-    let url = format!("{}/restart", api.url);
-    let asked = tokio::spawn(async move {
-        request(
-            "POST",
-            &url,
-            Some(&json!({"restart_pending": true})),
-            Some((USER, PASSWORD)),
-            T,
-        )
-        .await
-        .unwrap()
-    });
-    let reply = loop {
-        if let Some(Command::Restart(order, reply)) = api.drain().pop() {
-            assert!(order.restart_pending);
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert!(reply.send(Err("no setting is waiting for a restart".into())));
-    let r = asked.await.unwrap();
+    let (order, r) = restart_answered(
+        &mut api,
+        json!({"restart_pending": true}),
+        Err("no setting is waiting for a restart".into()),
+    )
+    .await;
+    assert!(order.restart_pending);
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(
         r.body.contains("no setting is waiting for a restart"),
         "{}",
         r.body
     );
-    assert_eq!(
-        post_restart(&api, json!({"role": "master"})).await.status,
-        200
-    );
+    let (order, r) = restart_answered(&mut api, json!({"role": "master"}), Ok(())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(order.role.as_deref(), Some("primary"));
     // Refused outright: a time in the past or without an offset, an
     // unknown role, a condition pgwarden does not check.
     for bad in [
@@ -609,12 +624,7 @@ async fn restart_and_reload_reach_the_ha_loop() {
         let r = post_restart(&api, bad.clone()).await;
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
     }
-    let mut drained = api.drain();
-    assert_eq!(drained.len(), 1, "{drained:?}");
-    let Command::Restart(order, _) = drained.remove(0) else {
-        panic!("not a restart")
-    };
-    assert_eq!(order.role.as_deref(), Some("primary"));
+    assert!(api.drain().is_empty());
 
     // A scheduled one goes to the loop with its time, in UTC.
     let r = post_restart(

@@ -500,6 +500,19 @@ impl Instance {
             .collect())
     }
 
+    /// Reads the configuration files as a server start would and fails
+    /// with PostgreSQL's own message when it refuses them: a value a reload
+    /// only logs (and keeps the old one for) would stop a restart. Safe
+    /// while the server runs.
+    pub fn check_config(&self) -> Result<()> {
+        let mut cmd = self.command("postgres");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .args(["-C", "data_directory"])
+            .stdin(Stdio::null());
+        run(cmd, "postgres -C")
+    }
+
     /// Finishes crash recovery without accepting connections (single-user
     /// mode), leaving a cleanly shut down data directory, which `pg_rewind`
     /// requires.

@@ -1449,6 +1449,53 @@ async fn dynamic_parameters_reach_every_member() {
     );
     everywhere(&c, "max_prepared_transactions", "7").await;
 
+    // A value PostgreSQL refuses: each member says so, keeps its settings,
+    // and refuses an ordered restart, which would not start again.
+    patch_config_ok(
+        &c,
+        0,
+        params(serde_json::json!({"max_prepared_transactions": "banana"})),
+    )
+    .await;
+    for i in 0..2 {
+        eventually(
+            "the refused value is reported",
+            Duration::from_secs(20),
+            || async {
+                let v = patroni(i).await?;
+                let p = v["problem"].as_str().unwrap_or_default().to_string();
+                (p.contains("refuses its configuration") && p.contains("max_prepared_transactions"))
+                    .then_some(())
+                    .ok_or(v.to_string())
+            },
+        )
+        .await;
+    }
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .args(["restart", "--all"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!text.contains("restarted"), "{text}");
+    assert!(text.contains("fix the setting first"), "{text}");
+    assert_eq!(writable(&c).await, vec![0]);
+    everywhere(&c, "max_prepared_transactions", "7").await;
+    patch_config_ok(
+        &c,
+        0,
+        params(serde_json::json!({"max_prepared_transactions": 7})),
+    )
+    .await;
+    for i in 0..2 {
+        eventually("the problem is gone", Duration::from_secs(20), || async {
+            let v = patroni(i).await?;
+            v["problem"].is_null().then_some(()).ok_or(v.to_string())
+        })
+        .await;
+    }
+
     // Removed: back to the default.
     patch_config_ok(&c, 1, params(serde_json::json!({"work_mem": null}))).await;
     everywhere(&c, "work_mem", "4MB").await;
