@@ -8,7 +8,7 @@ use arc_swap::ArcSwap;
 use pgwarden_agent::api::{self, ApiState};
 use pgwarden_agent::http_client::{get_json, request, Response};
 use pgwarden_agent::record::{unix_ms, RestartOrder};
-use pgwarden_agent::{AgentStatus, Command, MemberRecord, Reply, StatusHandle};
+use pgwarden_agent::{AgentStatus, Command, MemberRecord, StatusHandle};
 use pgwarden_dcs::{EtcdDcs, HistoryEntry, LeaseId};
 use pgwarden_ha::{MemberRole, MemberState, Timing};
 use pgwarden_testkit::etcd::EtcdServer;
