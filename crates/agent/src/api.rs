@@ -657,6 +657,11 @@ impl Credentials {
         )))
     }
 
+    /// The user and password now in force.
+    pub fn get(&self) -> Option<(String, String)> {
+        self.0.load_full().map(|c| (*c).clone())
+    }
+
     /// Replaces them; whether they changed.
     pub fn set(&self, credentials: Option<(String, String)>) -> bool {
         let old = self.0.swap(credentials.clone().map(Arc::new));
@@ -1314,12 +1319,12 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
         .into_iter()
         .filter_map(|r| r.proxy_url)
         .collect();
-    let paused = handover::pause_proxies(&proxies).await;
+    let paused = handover::pause_proxies(&proxies, &state.credentials).await;
     let result = request_and_wait(state, request, goal, "switchover").await;
     if result.is_ok() {
         handover::wait_for_writable_leader(&state.dcs, None, handover::WRITABLE_WAIT).await;
     }
-    handover::resume_proxies(&paused).await;
+    handover::resume_proxies(&paused, &state.credentials).await;
     result
 }
 

@@ -47,6 +47,9 @@ pub(crate) struct LoopLinks {
     pub(crate) routing_ack: Arc<std::sync::atomic::AtomicI64>,
     pub(crate) stopped: Arc<tokio::sync::Notify>,
     pub(crate) failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// The REST API's credentials, which the connection managers' pause
+    /// and resume also take.
+    pub(crate) credentials: Arc<crate::api::Credentials>,
     /// Set, once, to why the agent gave up.
     pub(crate) failed: watch::Sender<Option<String>>,
 }
@@ -120,6 +123,7 @@ pub(crate) struct HaLoop {
     /// When (Unix ms) a failsafe round last succeeded, or this member last
     /// acknowledged a leader's.
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    credentials: Arc<crate::api::Credentials>,
     /// The leader (name, API URL) this member acknowledged through an
     /// etcd outage, while etcd has no leader key since: its lease ran out
     /// while it kept leading on the members' word, so it may still be the
@@ -195,6 +199,7 @@ impl HaLoop {
             routing_ack,
             stopped,
             failsafe_seen,
+            credentials,
             failed,
         } = links;
         let timing = cfg.timing;
@@ -245,6 +250,7 @@ impl HaLoop {
             proxy_url,
             fence: None,
             failsafe_seen,
+            credentials,
             failsafe_leader: None,
             scheduled_seen: None,
             identity_known: false,
@@ -2410,12 +2416,12 @@ impl HaLoop {
                         .into_iter()
                         .filter_map(|r| r.proxy_url)
                         .collect();
-                    paused = handover::pause_proxies(&proxies).await;
+                    paused = handover::pause_proxies(&proxies, &self.credentials).await;
                     // The drain may have taken a while: stop only with a
                     // lease that certainly still stands.
                     if !self.renew().await {
                         tracing::warn!("not switching over: the leader lease could not be renewed");
-                        handover::resume_proxies(&paused).await;
+                        handover::resume_proxies(&paused, &self.credentials).await;
                         return;
                     }
                 }
@@ -2457,10 +2463,11 @@ impl HaLoop {
         if !paused.is_empty() {
             let dcs = self.dcs.clone();
             let me = self.cfg.name.clone();
+            let credentials = self.credentials.clone();
             tokio::spawn(async move {
                 let wait = crate::api::DEFAULT_SWITCHOVER_WAIT + handover::WRITABLE_WAIT;
                 handover::wait_for_writable_leader(&dcs, Some(&me), wait).await;
-                handover::resume_proxies(&paused).await;
+                handover::resume_proxies(&paused, &credentials).await;
             });
         }
     }

@@ -25,7 +25,15 @@ pub(crate) const WRITABLE_WAIT: Duration = Duration::from_secs(10);
 /// Pauses the services that write to the primary (`read_write` and the
 /// named services selecting it) of every connection manager that answers;
 /// returns those paused.
-pub(crate) async fn pause_proxies(urls: &[String]) -> Vec<String> {
+pub(crate) async fn pause_proxies(
+    urls: &[String],
+    credentials: &crate::api::Credentials,
+) -> Vec<String> {
+    // The connection managers take this agent's API credentials: they are
+    // the cluster's, and their HTTP ports refuse pauses from elsewhere
+    // without them.
+    let auth = credentials.get();
+    let auth = auth.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
     let calls = urls.iter().map(|u| async move {
         let url = format!(
             "{u}/pause?service=%2Awriters&wait_ms={}",
@@ -35,7 +43,7 @@ pub(crate) async fn pause_proxies(urls: &[String]) -> Vec<String> {
             "POST",
             &url,
             None,
-            None,
+            auth,
             SWITCHOVER_DRAIN + Duration::from_secs(2),
         )
         .await
@@ -56,13 +64,20 @@ pub(crate) async fn pause_proxies(urls: &[String]) -> Vec<String> {
 }
 
 /// Resumes the services paused by [`pause_proxies`].
-pub(crate) async fn resume_proxies(urls: &[String]) {
+pub(crate) async fn resume_proxies(urls: &[String], credentials: &crate::api::Credentials) {
+    let auth = credentials.get();
+    let auth = auth.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
     let calls = urls.iter().map(|u| async move {
         let url = format!("{u}/resume?service=%2Awriters");
-        if let Err(e) =
-            crate::http_client::request("POST", &url, None, None, Duration::from_secs(5)).await
+        match crate::http_client::request("POST", &url, None, auth, Duration::from_secs(5)).await
         {
-            tracing::error!(proxy = %u, error = %e, "cannot resume a connection manager after switchover");
+            Ok(r) if r.status == 200 => {}
+            Ok(r) => {
+                tracing::error!(proxy = %u, status = r.status, body = %r.body.trim(), "cannot resume a connection manager after switchover")
+            }
+            Err(e) => {
+                tracing::error!(proxy = %u, error = %e, "cannot resume a connection manager after switchover")
+            }
         }
     });
     crate::join_all(calls).await;

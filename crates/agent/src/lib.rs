@@ -451,6 +451,7 @@ pub async fn start(
             routing_ack: routing_ack.clone(),
             stopped: stopped.clone(),
             failsafe_seen: failsafe_seen.clone(),
+            credentials: credentials.clone(),
             failed: failed_tx,
         },
     );

@@ -128,6 +128,12 @@ pub async fn serve(
         engine.changes(),
     )
     .await?;
+    if let Some(agent) = &agent {
+        // Other members' agents pause this node's pools around a
+        // switchover with the API credentials; anyone else needs them too.
+        let credentials = agent.api_credentials.clone();
+        proxy.set_http_credentials(Arc::new(move || credentials.get()));
+    }
     if let (Some(agent), Some(a)) = (&agent, &config.agent) {
         if a.on_sync_blocked == pgwarden_config::OnSyncBlocked::Reject {
             tokio::spawn(crate::agent_cmd::refuse_writes_while_blocked(

@@ -605,6 +605,35 @@ async fn maintenance_mode_suppresses_failover_until_resumed() {
 async fn a_restart_order_never_starts_a_stopped_member() {
     let c = cluster().start();
     healthy(&c, 2, BOOTSTRAP).await;
+    // Pausing a connection manager's services takes the API's credentials
+    // in agent mode (switchovers send them), from this machine too.
+    let pause = format!(
+        "http://127.0.0.1:{}/pause?service=read_write",
+        c.node(1).http_port
+    );
+    let post = |auth| {
+        let pause = pause.clone();
+        async move {
+            pgwarden_agent::http_client::request("POST", &pause, None, auth, Duration::from_secs(5))
+                .await
+                .unwrap()
+                .status
+        }
+    };
+    assert_eq!(post(None).await, 401);
+    assert_eq!(post(Some(("pgwarden", "wrong"))).await, 401);
+    assert_eq!(post(Some(("pgwarden", "secret"))).await, 200);
+    let resume = pause.replace("/pause", "/resume");
+    let r = pgwarden_agent::http_client::request(
+        "POST",
+        &resume,
+        None,
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(api_post(&c, 1, "/pause").await, 200);
     eventually(
         "every agent sees the pause",

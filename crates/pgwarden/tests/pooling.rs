@@ -643,6 +643,30 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
             "3"
         );
     }
+    // A web page cannot have a browser on this machine stop the writes.
+    let refused = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(http).unwrap();
+        write!(
+            s,
+            "POST /pause?service=read_write HTTP/1.0\r\nHost: x\r\n\
+             Origin: http://example.com\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    })
+    .await
+    .unwrap();
+    assert!(refused.starts_with("HTTP/1.0 403"), "{refused}");
+    let after = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), one(&after, "SELECT 5"))
+            .await
+            .expect("paused by a web page"),
+        "5"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -92,10 +92,82 @@ struct ServiceQuery {
     wait_ms: Option<u64>,
 }
 
+/// Whether a request may pause or resume services, which stops traffic.
+fn may_switch(
+    shared: &Shared,
+    peer: std::net::SocketAddr,
+    headers: &axum::http::HeaderMap,
+) -> Result<(), (StatusCode, String)> {
+    use axum::http::header;
+    let source = shared.http_credentials.lock().expect("poisoned").clone();
+    switch_allowed(
+        source.and_then(|s| s()),
+        peer,
+        headers.contains_key(header::ORIGIN),
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+    )
+}
+
+/// The rule behind [`may_switch`]. With `credentials` (in agent mode, the
+/// REST API's), the request must carry them; without, it must come from
+/// this machine. One a web page makes (it carries `Origin`) never may: a
+/// page could otherwise have the browser of someone on this machine stop
+/// the cluster's writes.
+fn switch_allowed(
+    credentials: Option<(String, String)>,
+    peer: std::net::SocketAddr,
+    from_web_page: bool,
+    authorization: Option<&str>,
+) -> Result<(), (StatusCode, String)> {
+    if from_web_page {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "requests from web pages are refused\n".into(),
+        ));
+    }
+    match credentials {
+        Some((user, password)) => {
+            use base64::Engine as _;
+            let given = authorization
+                .and_then(|v| {
+                    let (scheme, token) = v.split_once(' ')?;
+                    scheme.eq_ignore_ascii_case("basic").then_some(token.trim())
+                })
+                .and_then(|t| base64::engine::general_purpose::STANDARD.decode(t).ok());
+            let expected = format!("{user}:{password}");
+            if given.is_some_and(|g| same_secret(&g, expected.as_bytes())) {
+                Ok(())
+            } else {
+                Err((
+                    StatusCode::UNAUTHORIZED,
+                    "authentication required (the agent's REST API credentials)\n".into(),
+                ))
+            }
+        }
+        None if peer.ip().is_loopback() => Ok(()),
+        None => Err((
+            StatusCode::FORBIDDEN,
+            "pause and resume are taken from this machine only (or, in agent mode, with the REST API's credentials); the admin console's PAUSE and RESUME work from anywhere\n".into(),
+        )),
+    }
+}
+
+/// Compares without an early exit, so timing tells nothing of the secret.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 async fn pause(
     State(shared): State<Arc<Shared>>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
+    headers: axum::http::HeaderMap,
     axum::extract::Query(q): axum::extract::Query<ServiceQuery>,
 ) -> impl IntoResponse {
+    if let Err(refused) = may_switch(&shared, peer, &headers) {
+        return refused;
+    }
     let (code, text) = switch(&shared, &q.service, true);
     let Some(wait) = q.wait_ms.filter(|_| code == StatusCode::OK) else {
         return (code, text);
@@ -134,8 +206,13 @@ async fn pause(
 
 async fn resume(
     State(shared): State<Arc<Shared>>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
+    headers: axum::http::HeaderMap,
     axum::extract::Query(q): axum::extract::Query<ServiceQuery>,
 ) -> impl IntoResponse {
+    if let Err(refused) = may_switch(&shared, peer, &headers) {
+        return refused;
+    }
     switch(&shared, &q.service, false)
 }
 
@@ -181,4 +258,61 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
                 .collect::<Vec<_>>(),
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_and_resume_need_this_machine_or_the_credentials() {
+        let local: std::net::SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let remote: std::net::SocketAddr = "10.1.2.3:5000".parse().unwrap();
+        let local6: std::net::SocketAddr = "[::1]:5000".parse().unwrap();
+        let code = |r: Result<(), (StatusCode, String)>| r.err().map(|(c, _)| c);
+        // No credentials: this machine only, and never a web page.
+        assert_eq!(code(switch_allowed(None, local, false, None)), None);
+        assert_eq!(code(switch_allowed(None, local6, false, None)), None);
+        assert_eq!(
+            code(switch_allowed(None, remote, false, None)),
+            Some(StatusCode::FORBIDDEN)
+        );
+        assert_eq!(
+            code(switch_allowed(None, local, true, None)),
+            Some(StatusCode::FORBIDDEN)
+        );
+        // Credentials: required from everyone, this machine included.
+        let creds = || Some(("pgwarden".to_string(), "s3cret".to_string()));
+        // base64("pgwarden:s3cret")
+        let good = "Basic cGd3YXJkZW46czNjcmV0";
+        assert_eq!(
+            code(switch_allowed(creds(), remote, false, Some(good))),
+            None
+        );
+        assert_eq!(
+            code(switch_allowed(
+                creds(),
+                local,
+                false,
+                Some("basic cGd3YXJkZW46czNjcmV0")
+            )),
+            None
+        );
+        for bad in [
+            None,
+            Some("Basic cGd3YXJkZW46d3Jvbmc="),
+            Some("Bearer x"),
+            Some("Basic !!"),
+        ] {
+            assert_eq!(
+                code(switch_allowed(creds(), local, false, bad)),
+                Some(StatusCode::UNAUTHORIZED),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            code(switch_allowed(creds(), remote, true, Some(good))),
+            Some(StatusCode::FORBIDDEN)
+        );
+    }
 }

@@ -43,6 +43,9 @@ pub struct ServiceSpec {
     pub pool: Option<Arc<crate::pool::PoolSettings>>,
 }
 
+/// Gives the user and password a request must carry, as they are now.
+pub type CredentialSource = Arc<dyn Fn() -> Option<(String, String)> + Send + Sync>;
+
 /// Everything the connection manager serves.
 #[derive(Debug, Clone)]
 pub struct ProxySpec {
@@ -394,6 +397,9 @@ pub(crate) struct Shared {
     pub clients: AtomicU64,
     pub max_client_conn: AtomicU64,
     pub admin_users: Mutex<Vec<String>>,
+    /// Where the HTTP port's pause and resume find the credentials they
+    /// require; without, they are taken from this machine only.
+    pub http_credentials: Mutex<Option<CredentialSource>>,
     pub settings_view: Mutex<Vec<(String, String)>>,
     /// Signalled by the admin console's RELOAD; whoever owns the
     /// configuration file reloads it.
@@ -697,6 +703,7 @@ impl Proxy {
             clients: AtomicU64::new(0),
             max_client_conn: AtomicU64::new(spec.max_client_conn as u64),
             admin_users: Mutex::new(Vec::new()),
+            http_credentials: Mutex::new(None),
             settings_view: Mutex::new(Vec::new()),
             reload: Arc::new(tokio::sync::Notify::new()),
             shutdown: Arc::new(tokio::sync::Notify::new()),
@@ -746,6 +753,14 @@ impl Proxy {
     /// The HTTP port's address.
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http.as_ref().map(|(a, _)| *a)
+    }
+
+    /// Makes the HTTP port's `POST /pause` and `/resume` require the
+    /// user and password `source` gives at each request (in agent mode,
+    /// the REST API's, which a reload may change); `source` giving `None`
+    /// leaves them to clients on this machine.
+    pub fn set_http_credentials(&self, source: CredentialSource) {
+        *self.shared.http_credentials.lock().expect("poisoned") = Some(source);
     }
 
     /// A switch to make services refuse new transactions.
@@ -918,7 +933,8 @@ impl Proxy {
             (_, Some(want)) => match TcpListener::bind(want).await {
                 Ok(listener) => {
                     let addr = listener.local_addr().unwrap_or(want);
-                    let app = crate::http::router(self.shared.clone());
+                    let app = crate::http::router(self.shared.clone())
+                        .into_make_service_with_connect_info::<SocketAddr>();
                     let task = tokio::spawn(async move {
                         if let Err(e) = axum::serve(listener, app).await {
                             tracing::error!(error = %e, "HTTP server failed");
