@@ -1129,6 +1129,12 @@ async fn request_and_wait(
     goal: Goal<'_>,
     what: &str,
 ) -> Result<Response, ApiError> {
+    let leader_before = state
+        .dcs
+        .read_cluster()
+        .await
+        .ok()
+        .and_then(|s| s.leader.map(|l| l.name));
     state.dcs.put_failover(&request).await.map_err(|e| {
         ApiError::unavailable(format!(
             "cannot write the {what} request to the DCS: {}",
@@ -1166,6 +1172,13 @@ async fn request_and_wait(
         if snap.failover.is_some() {
             withdrawn_since = None;
         } else if withdrawn_since.get_or_insert_with(Instant::now).elapsed() >= WITHDRAWN_GRACE {
+            // Another request, carried out meanwhile, replaced this one.
+            if let Some(now) = holder.filter(|h| Some(*h) != leader_before.as_deref()) {
+                return Err(ApiError::unavailable(format!(
+                    "{what} not carried out as requested: {now} leads now; \
+                     another request replaced this one"
+                )));
+            }
             return Err(ApiError::unavailable(format!(
                 "{what} status unknown: the request was withdrawn (cancelled, or refused \
                  by the cluster) and the leader did not change"

@@ -861,6 +861,33 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         (r.status, r.body.trim()),
         (200, "Successfully switched over to n2")
     );
+
+    // Another request is carried out instead: the answer says who leads.
+    let url = format!("{}/switchover", patient.url);
+    let waiting = tokio::spawn(async move {
+        request(
+            "POST",
+            &url,
+            Some(&json!({"candidate": "n1"})),
+            Some((USER, PASSWORD)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+    });
+    eventually("the failover key", T, || async {
+        match d.read_cluster().await.map(|s| s.failover) {
+            Ok(Some(_)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(d.release_leader("n2").await.unwrap());
+    assert!(d.acquire_leader("n3", lease2).await.unwrap());
+    d.delete_failover().await.unwrap();
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("n3 leads now"), "{}", r.body);
     let _ = lease1;
 }
 
