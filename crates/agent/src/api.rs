@@ -118,6 +118,9 @@ pub struct ApiState {
     pub switchover_wait: Duration,
     /// When (Unix ms) this member last acknowledged a failsafe request.
     pub failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// Set from a reinitialize request until the HA loop has carried it
+    /// out, so a second one is refused rather than cloning twice.
+    pub reinitializing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The API's routes over `state`.
@@ -1027,7 +1030,18 @@ async fn reinitialize(
             "there is no leader to clone; can not reinitialize",
         ));
     }
-    send_command(&state, Command::Reinitialize).await?;
+    use std::sync::atomic::Ordering;
+    if state
+        .reinitializing
+        .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Err(ApiError::unavailable("reinitialize already in progress"));
+    }
+    if let Err(e) = send_command(&state, Command::Reinitialize).await {
+        state.reinitializing.store(false, Ordering::SeqCst);
+        return Err(e);
+    }
     Ok(text(StatusCode::OK, "reinitialize started"))
 }
 

@@ -50,6 +50,8 @@ pub(crate) struct LoopLinks {
     /// The REST API's credentials, which the connection managers' pause
     /// and resume also take.
     pub(crate) credentials: Arc<crate::api::Credentials>,
+    /// Cleared once a reinitialize the API passed on is done.
+    pub(crate) reinitializing: Arc<std::sync::atomic::AtomicBool>,
     /// Set, once, to why the agent gave up.
     pub(crate) failed: watch::Sender<Option<String>>,
 }
@@ -124,6 +126,7 @@ pub(crate) struct HaLoop {
     /// acknowledged a leader's.
     failsafe_seen: Arc<std::sync::atomic::AtomicU64>,
     credentials: Arc<crate::api::Credentials>,
+    reinitializing: Arc<std::sync::atomic::AtomicBool>,
     /// The leader (name, API URL) this member acknowledged through an
     /// etcd outage, while etcd has no leader key since: its lease ran out
     /// while it kept leading on the members' word, so it may still be the
@@ -200,6 +203,7 @@ impl HaLoop {
             stopped,
             failsafe_seen,
             credentials,
+            reinitializing,
             failed,
         } = links;
         let timing = cfg.timing;
@@ -251,6 +255,7 @@ impl HaLoop {
             fence: None,
             failsafe_seen,
             credentials,
+            reinitializing,
             failsafe_leader: None,
             scheduled_seen: None,
             identity_known: false,
@@ -343,7 +348,11 @@ impl HaLoop {
                     }
                     Some(Command::Restart(order, reply)) => self.restart_if(order, reply).await,
                     Some(Command::Reconfigure(new)) => self.reconfigure(*new).await,
-                    Some(Command::Reinitialize) => self.reinitialize().await,
+                    Some(Command::Reinitialize) => {
+                        self.reinitialize().await;
+                        self.reinitializing
+                            .store(false, std::sync::atomic::Ordering::SeqCst);
+                    }
                     Some(Command::CancelRestart) => {
                         if self.scheduled_restart.take().is_some() {
                             tracing::info!("scheduled restart cancelled");

@@ -407,6 +407,7 @@ pub async fn start(
     let (changes_tx, changes) = watch::channel(0);
     let (commands, commands_rx) = mpsc::channel(16);
     let failsafe_seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reinitializing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let credentials = api::Credentials::new(api_credentials);
     let api_state = Arc::new(api::ApiState {
         name: cfg.name.clone(),
@@ -416,6 +417,7 @@ pub async fn start(
         credentials: credentials.clone(),
         switchover_wait: api::DEFAULT_SWITCHOVER_WAIT,
         failsafe_seen: failsafe_seen.clone(),
+        reinitializing: reinitializing.clone(),
     });
     tokio::spawn(async move {
         let served = match api_tls {
@@ -452,6 +454,7 @@ pub async fn start(
             stopped: stopped.clone(),
             failsafe_seen: failsafe_seen.clone(),
             credentials: credentials.clone(),
+            reinitializing,
             failed: failed_tx,
         },
     );

@@ -104,6 +104,7 @@ impl Api {
             ),
             switchover_wait,
             failsafe_seen: Default::default(),
+            reinitializing: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let scheme = if tls.is_some() { "https" } else { "http" };
@@ -668,6 +669,19 @@ async fn restart_and_reload_reach_the_ha_loop() {
     assert!(api.drain().is_empty());
     // Not without credentials.
     assert_eq!(api.code("DELETE", "/restart").await, 401);
+}
+
+#[tokio::test]
+async fn a_reinitialize_in_progress_refuses_a_second_one() {
+    let etcd = EtcdServer::start();
+    let st = status_of(member("n2", MemberRole::Replica, Some(0)), false);
+    let mut api = Api::start(dcs(&etcd).await, st, Some((USER, PASSWORD)), T).await;
+    let r = api.write("POST", "/reinitialize", None).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = api.write("POST", "/reinitialize", None).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("already in progress"), "{}", r.body);
+    assert_eq!(api.drain(), [Command::Reinitialize]);
 }
 
 #[tokio::test]
