@@ -76,6 +76,7 @@ async fn ctl_lists_pauses_edits_and_reports_api_errors() {
         credentials: pgwarden_agent::api::Credentials::new(Some(("pgwarden".into(), "pw".into()))),
         switchover_wait: Duration::from_millis(500),
         failsafe_seen: Default::default(),
+        reinitializing: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());

@@ -1313,9 +1313,13 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
     eventually("n2 restarted", Duration::from_secs(30), || async {
         let v = patroni(1).await?;
         let restarted = c.node(1).postmaster_pid().is_some_and(|p| p != pid);
-        (restarted && v["pending_restart"] == false && v["scheduled_restart"].is_null())
-            .then_some(())
-            .ok_or(v.to_string())
+        // While its server is down the member says so ("stopped").
+        (restarted
+            && v["state"] == "running"
+            && v["pending_restart"] == false
+            && v["scheduled_restart"].is_null())
+        .then_some(())
+        .ok_or(v.to_string())
     })
     .await;
     assert!(pgwarden_agent::record::unix_ms() >= due_ms);
