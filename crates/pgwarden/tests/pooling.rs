@@ -431,6 +431,41 @@ async fn session_state_pins_the_client_to_its_server() {
     }
 }
 
+/// Temporary objects however they are spelled (a comment before TEMP, the
+/// `pg_temp` schema named outright), holdable cursors and loaded modules
+/// live in one backend: the client that made them keeps its server, and
+/// no other client of a pool of one ever lands on that backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn temporary_objects_in_any_spelling_stay_with_their_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(30)).await;
+    let url = via(&p, "read_write");
+    // What a backend holds that the session before it left behind.
+    let leftovers = "SELECT (SELECT count(*) FROM pg_class \
+                     WHERE relnamespace = pg_my_temp_schema()) \
+         + (SELECT count(*) FROM pg_proc WHERE pronamespace = pg_my_temp_schema()) \
+         + (SELECT count(*) FROM pg_cursors) \
+         + (SELECT count(*) FROM pg_settings WHERE name LIKE 'auto_explain.%')";
+    for make in [
+        "CREATE TABLE pg_temp.tt3(x int)",
+        "CREATE /*x*/ TEMP TABLE tt2(x int)",
+        "CREATE -- x\n TEMPORARY TABLE tt2(x int)",
+        "CREATE TABLE \"pg_temp\".t (x int)",
+        "CREATE TABLE pg_temp . t (x int)",
+        "CREATE VIEW pg_temp.v AS SELECT 1 AS x",
+        "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "DECLARE c CURSOR WITH /*x*/ HOLD FOR SELECT 1",
+        "LOAD 'auto_explain'",
+    ] {
+        let a = client(&url).await.unwrap();
+        a.batch_execute(make).await.unwrap();
+        assert_ne!(one(&a, leftovers).await, "0", "{make}");
+        drop(a);
+        let b = client(&url).await.unwrap();
+        assert_eq!(one(&b, leftovers).await, "0", "after {make}");
+    }
+}
+
 /// Session-level changes that do not start with SET pin too, so their
 /// server never goes back to the pool to surprise another client:
 /// `set_config(..., false)`, a SET after another statement of the same
