@@ -1317,6 +1317,63 @@ async fn clients_on_a_unix_socket() {
     assert_eq!(one(&again, "SELECT 5").await, "5");
 }
 
+/// `spec` with every pooled service's size set to `size`.
+fn sized(mut spec: pgwarden_proxy::ProxySpec, size: usize) -> pgwarden_proxy::ProxySpec {
+    for svc in &mut spec.services {
+        if let Some(p) = &svc.pool {
+            svc.pool = Some(std::sync::Arc::new(PoolSettings {
+                size,
+                ..(**p).clone()
+            }));
+        }
+    }
+    spec
+}
+
+/// A reload resizes the pools that exist: a larger size serves a client
+/// that would otherwise wait, a smaller one lets every transaction in
+/// flight finish and closes the connections above it as they come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_resizes_existing_pools() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, mut p) = pooled_for(&c, 1, Duration::from_secs(2)).await;
+    let url = via(&p, "read_write");
+    let a = client(&url).await.unwrap();
+    a.batch_execute("BEGIN").await.unwrap();
+    one(&a, "SELECT 1").await;
+    // The pool exists with its one server lent: a second client would wait
+    // out query_wait_timeout, but the reload makes room for it.
+    p.apply(sized(p.spec().clone(), 3)).await.unwrap();
+    let b = client(&url).await.unwrap();
+    let d = client(&url).await.unwrap();
+    for x in [&b, &d] {
+        x.batch_execute("BEGIN").await.unwrap();
+        one(x, "SELECT 1").await;
+    }
+    assert_eq!(server_connections(&c.conninfo(0)).await, 3);
+    // Smaller again while all three are lent: nobody's transaction ends.
+    p.apply(sized(p.spec().clone(), 1)).await.unwrap();
+    for x in [&a, &b, &d] {
+        one(x, "SELECT 2").await;
+        x.batch_execute("COMMIT").await.unwrap();
+    }
+    let conninfo = c.conninfo(0);
+    pgwarden_testkit::eventually("the pool down to one server", WAIT, || {
+        let conninfo = conninfo.clone();
+        async move {
+            let n = server_connections(&conninfo).await;
+            (n == 1).then_some(()).ok_or(n.to_string())
+        }
+    })
+    .await;
+    // And one it is: a client in a transaction holds it, the next waits.
+    a.batch_execute("BEGIN").await.unwrap();
+    let err = b.batch_execute("SELECT 1").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err:?}");
+    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(one(&d, "SELECT 3").await, "3");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.

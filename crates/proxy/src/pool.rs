@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bytes::BytesMut;
 use pgwarden_auth::ScramClient;
 use pgwarden_topology::HostAddr;
@@ -593,14 +594,20 @@ impl PoolStats {
 pub struct Pool {
     /// Its identity.
     pub key: PoolKey,
-    /// Fixed at creation: a reload's new values reach new pools.
-    settings: PoolSettings,
+    /// Swapped whole by a reload ([`Pool::update`]); read without a lock.
+    settings: ArcSwap<PoolSettings>,
+    /// The service whose settings the pool took: a reload resolves them
+    /// anew from that service's.
+    pub(crate) service: std::sync::OnceLock<Arc<str>>,
+    /// One permit per connection the pool may lend: `size` of them.
     permits: Arc<Semaphore>,
-    /// The reserve ([`PoolSettings::reserve_size`]) and how long a client
-    /// waits before it may use it; fixed at creation, like the size, so
-    /// that a wait reads them without a lock.
+    /// The reserve ([`PoolSettings::reserve_size`]).
     reserve: Arc<Semaphore>,
-    reserve_after: Option<Duration>,
+    /// Permits of `permits` and `reserve` that a reload took away while
+    /// they were lent: each is forgotten, not given back, when its loan
+    /// ends, so a smaller size takes effect without ending anyone's
+    /// transaction.
+    owed: [AtomicUsize; 2],
     // Boxed: a connection changes hands twice per transaction, and a
     // pointer moves cheaper than the few hundred bytes of its state.
     #[allow(clippy::vec_box)]
@@ -950,8 +957,9 @@ impl Pool {
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
             reserve: Arc::new(Semaphore::new(settings.reserve_size)),
-            reserve_after: (settings.reserve_size > 0).then_some(settings.reserve_timeout),
-            settings,
+            owed: Default::default(),
+            settings: ArcSwap::from_pointee(settings),
+            service: std::sync::OnceLock::new(),
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
@@ -1060,7 +1068,7 @@ impl Pool {
 
     /// Opens connections until `min_size` exist, in the background.
     pub fn warm(self: &Arc<Self>) {
-        let min = self.settings.min_size;
+        let min = self.settings.load().min_size;
         // Connections being opened count too, or every topology change
         // would start another batch before the last one logged in.
         let have = self.stats.total.load(Ordering::Relaxed) + self.warming.load(Ordering::Relaxed);
@@ -1122,8 +1130,33 @@ impl Pool {
     }
 
     /// The pool's settings.
-    pub fn settings(&self) -> &PoolSettings {
-        &self.settings
+    pub fn settings(&self) -> Arc<PoolSettings> {
+        self.settings.load_full()
+    }
+
+    /// Applies new settings (a reload) to the pool in place. A larger size
+    /// or reserve serves waiting clients at once; a smaller one closes
+    /// idle connections above it now and lent ones as they come back,
+    /// so no transaction is cut short. A new `server_idle_timeout` and
+    /// `min_size` apply at once, a new `server_lifetime` as connections
+    /// are given back.
+    pub fn update(self: &Arc<Self>, new: &PoolSettings) {
+        let old = self.settings.swap(Arc::new(new.clone()));
+        if self.is_retired() {
+            return;
+        }
+        resize(&self.permits, &self.owed[0], old.size, new.size);
+        resize(
+            &self.reserve,
+            &self.owed[1],
+            old.reserve_size,
+            new.reserve_size,
+        );
+        while self.stats.total.load(Ordering::Relaxed) > new.size + new.reserve_size
+            && self.close_idle()
+        {}
+        self.prune();
+        self.warm();
     }
 
     /// Idle connections now.
@@ -1133,7 +1166,7 @@ impl Pool {
 
     /// Closes idle connections past `server_idle_timeout`.
     pub fn prune(&self) {
-        let Some(limit) = self.settings.server_idle_timeout else {
+        let Some(limit) = self.settings.load().server_idle_timeout else {
             return;
         };
         let (now, limit) = (now_ns(), nanos(limit));
@@ -1213,9 +1246,12 @@ impl Pool {
         self: &Arc<Self>,
         started: Instant,
     ) -> Result<OwnedSemaphorePermit, ServerError> {
-        let Some(wait) = self.reserve_after else {
+        let settings = self.settings.load();
+        if settings.reserve_size == 0 {
             return std::future::pending().await;
-        };
+        }
+        let wait = settings.reserve_timeout;
+        drop(settings);
         crate::timer::sleep_until((started + wait).into()).await;
         let p = self.reserve.clone().acquire_owned().await;
         p.map_err(|_| ServerError::Retired)
@@ -1273,7 +1309,7 @@ impl Pool {
             None => {
                 let stored = self.credential.lock().expect("poisoned").clone();
                 let cred = match stored {
-                    Credential::None => match self.settings.server_password.clone() {
+                    Credential::None => match self.settings.load().server_password.clone() {
                         Some(p) => Credential::Password(p),
                         None => Credential::None,
                     },
@@ -1298,7 +1334,7 @@ impl Pool {
                 )
                 .await
                 .map_err(|_| ServerError::Timeout)??;
-                if self.settings.wants_primary && c.in_hot_standby() {
+                if self.settings.load().wants_primary && c.in_hot_standby() {
                     // The old primary of a switchover, back as a standby
                     // before the topology shows it: the client waits for
                     // the new one instead.
@@ -1329,6 +1365,26 @@ impl Pool {
             _permit: permit,
         };
         Ok((checkout, Duration::from_micros(waited)))
+    }
+}
+
+/// Changes the permits of `sem` from `from` to `to`: added at once, or
+/// taken away at once where free and otherwise owed, to be forgotten as
+/// their loans end.
+fn resize(sem: &Semaphore, owed: &AtomicUsize, from: usize, to: usize) {
+    if to >= from {
+        let grow = to - from;
+        // What is still owed is simply no longer owed.
+        let mut cancelled = 0;
+        let _ = owed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            cancelled = n.min(grow);
+            Some(n - cancelled)
+        });
+        sem.add_permits(grow - cancelled);
+    } else {
+        let shrink = from - to;
+        let now = sem.forget_permits(shrink);
+        owed.fetch_add(shrink - now, Ordering::SeqCst);
     }
 }
 
@@ -1367,15 +1423,30 @@ impl Checkout {
                 .query_us
                 .fetch_add(traffic.query_us, Ordering::Relaxed);
         }
-        let lifetime = pool.settings.server_lifetime;
+        let settings = pool.settings.load();
+        // A permit a reload took away ends with this loan.
+        let which = usize::from(!Arc::ptr_eq(_permit.semaphore(), &pool.permits));
+        if pool.owed[which].load(Ordering::Relaxed) > 0
+            && pool.owed[which]
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            _permit.forget();
+        }
+        let lifetime = settings.server_lifetime;
         let renewed = conn.created < pool.renew_before.load(Ordering::Relaxed);
         if renewed {
             let _ = pool
                 .stale
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
-        let expired =
-            lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l)) || renewed;
+        // Above a size a reload lowered, connections close as they come
+        // back (steadily there are never more than size and reserve).
+        let excess =
+            pool.stats.total.load(Ordering::Relaxed) > settings.size + settings.reserve_size;
+        let expired = lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l))
+            || renewed
+            || excess;
         if reusable && !expired && !pool.is_retired() {
             conn.last_used = ended;
             pool.idle.lock().expect("poisoned").push(conn);

@@ -424,8 +424,9 @@ impl Shared {
         *self.client_tls.lock().expect("poisoned")
     }
 
-    /// The pool for `key`, created on first use.
-    pub fn pool(&self, key: PoolKey, settings: &PoolSettings) -> Arc<Pool> {
+    /// The pool for `key`, created on first use with the settings
+    /// `service` resolved for it.
+    pub fn pool(&self, key: PoolKey, service: &Arc<str>, settings: &PoolSettings) -> Arc<Pool> {
         let mut pools = self.pools.lock().expect("poisoned");
         pools
             .entry(key)
@@ -436,6 +437,7 @@ impl Shared {
                 ];
                 let pool =
                     Pool::limited(k.clone(), settings.clone(), self.server_tls.clone(), limits);
+                let _ = pool.service.set(service.clone());
                 pool.warm();
                 pool
             })
@@ -784,6 +786,22 @@ impl Proxy {
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         *self.shared.stats_period.lock().expect("poisoned") = spec.stats_period;
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
+        // Pools that exist take the new settings too: resolved as for a
+        // client of the service that made them. One whose service is gone,
+        // or no longer pools, keeps its settings for the clients it has.
+        for pool in self.shared.pools.lock().expect("poisoned").values() {
+            let svc = pool
+                .service
+                .get()
+                .and_then(|name| spec.services.iter().find(|s| *s.name == **name));
+            let resolved = svc.and_then(|svc| {
+                spec.pool_overrides
+                    .resolve(svc, &pool.key.database, &pool.key.user)
+            });
+            if let Some(settings) = resolved {
+                pool.update(&settings);
+            }
+        }
         for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
             limit.set_max(self.shared.limit_of(*kind, name));
         }

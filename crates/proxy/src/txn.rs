@@ -784,6 +784,7 @@ impl Session {
                             user: self.user.to_string(),
                             read_only: spec.read_only,
                         },
+                        &self.service.name,
                         &settings,
                     );
                     self.service.recent_pool.store(Some(pool.clone()));
