@@ -1097,6 +1097,54 @@ async fn metrics_of(http: std::net::SocketAddr) -> impl Fn(&str) -> f64 {
     }
 }
 
+/// How many pools `/metrics` shows series for.
+async fn pool_series(http: std::net::SocketAddr) -> usize {
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("pgwarden_pool_servers_total{"))
+        .count()
+}
+
+/// Logins the server refuses (a user that does not exist) leave no pool
+/// behind, and a pool that has had neither a server connection nor a
+/// client for a server_idle_timeout goes, with its metric series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_logins_and_unused_pools_leave_nothing_behind() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 2,
+        query_wait_timeout: WAIT,
+        server_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let url = via(&p, "read_write");
+    for i in 0..20 {
+        let bogus = url.replace("user=postgres", &format!("user=nobody{i}"));
+        let err = client(&bogus).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err:?}");
+    }
+    assert_eq!(pool_series(http).await, 0);
+    let a = client(&url).await.unwrap();
+    one(&a, "SELECT 1").await;
+    assert_eq!(pool_series(http).await, 1);
+    drop(a);
+    // Its server closes after a second idle, the pool a second later.
+    pgwarden_testkit::eventually("the unused pool removed", WAIT, || async move {
+        let n = pool_series(http).await;
+        (n == 0).then_some(()).ok_or(format!("{n} pools"))
+    })
+    .await;
+    // The next client makes it again.
+    let b = client(&url).await.unwrap();
+    assert_eq!(one(&b, "SELECT 2").await, "2");
+    assert_eq!(pool_series(http).await, 1);
+}
+
 /// RECONNECT in the admin console replaces the pool's server connections
 /// without an error for anyone: an idle one at once, one lent to a client
 /// mid-transaction only once that transaction is over, which WAIT_CLOSE

@@ -628,6 +628,11 @@ pub struct Pool {
     stale: AtomicUsize,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
+    /// Connections being opened for clients now.
+    opening: AtomicUsize,
+    /// Since when ([`now_ns`]) the pool has been seen unused, and its
+    /// query count then ([`Pool::unused_for`]).
+    unused_since: Mutex<Option<(u64, u64)>>,
     /// What the last authenticated client proved, to open new connections
     /// as its role (the pool is per role).
     credential: Mutex<Credential>,
@@ -753,6 +758,18 @@ impl ConnLimit {
             self.name,
             self.host
         )
+    }
+
+    /// Whether no pool and no connection is under the cap any more.
+    pub fn unused(&self) -> bool {
+        self.open.load(Ordering::SeqCst) == 0
+            && self.waiting.load(Ordering::SeqCst) == 0
+            && self
+                .members
+                .lock()
+                .expect("poisoned")
+                .iter()
+                .all(|p| p.strong_count() == 0)
     }
 
     fn join(&self, pool: &Arc<Pool>) {
@@ -967,6 +984,8 @@ impl Pool {
             renew_before: AtomicU64::new(0),
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
+            opening: AtomicUsize::new(0),
+            unused_since: Mutex::new(None),
             credential: Mutex::new(Credential::None),
             baseline: Mutex::new(Tracked::default()),
             baseline_app: AtomicBool::new(false),
@@ -1064,6 +1083,43 @@ impl Pool {
     /// Whether the pool was retired.
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::SeqCst)
+    }
+
+    /// Whether anything has to do with the pool now: a server connection
+    /// open or being opened, a client holding one or waiting for one.
+    pub fn in_use(&self) -> bool {
+        let s = &self.stats;
+        [
+            &s.total,
+            &s.active,
+            &s.waiting,
+            &s.capped,
+            &self.warming,
+            &self.opening,
+            &self.stale,
+        ]
+        .iter()
+        .any(|n| n.load(Ordering::SeqCst) > 0)
+    }
+
+    /// Whether the pool has been unused ([`Pool::in_use`]), with no query
+    /// run, for `quiet` or longer, as far as calls of this, made from time
+    /// to time, have seen.
+    pub fn unused_for(&self, quiet: Duration) -> bool {
+        let queries = self.stats.queries.load(Ordering::Relaxed);
+        let mut since = self.unused_since.lock().expect("poisoned");
+        if self.in_use() {
+            *since = None;
+            return false;
+        }
+        let now = now_ns();
+        match *since {
+            Some((at, q)) if q == queries => now.saturating_sub(at) >= nanos(quiet),
+            _ => {
+                *since = Some((now, queries));
+                false
+            }
+        }
     }
 
     /// Opens connections until `min_size` exist, in the background.
@@ -1322,6 +1378,9 @@ impl Pool {
                 // Boxed: logging in is rare and its state large, and
                 // without it every wait for a server would carry it.
                 let with_app = self.baseline_app.load(Ordering::Relaxed);
+                // The pool is in use while it opens one, though nothing
+                // else counts it yet.
+                let _opening = Counted::new(&self.opening, Ordering::SeqCst);
                 let c = crate::timer::timeout(
                     remaining,
                     Box::pin(connect(

@@ -444,6 +444,18 @@ impl Shared {
             .clone()
     }
 
+    /// Removes `pool` if nothing has to do with it (a login the server
+    /// refused, say), so that logins naming databases or users that do not
+    /// exist leave no pool and no metric series behind.
+    pub fn forget_if_unused(&self, pool: &Arc<Pool>) {
+        let mut pools = self.pools.lock().expect("poisoned");
+        if pools.get(&pool.key).is_some_and(|p| Arc::ptr_eq(p, pool)) && !pool.in_use() {
+            // Retired: a client that still holds it picks the pool again.
+            pool.retire();
+            pools.remove(&pool.key);
+        }
+    }
+
     /// The cap of `kind` on `name`'s connections to `host`, created on
     /// first use with the configured value.
     fn limit(&self, host: &HostAddr, kind: LimitKind, name: &str) -> Arc<ConnLimit> {
@@ -1310,6 +1322,10 @@ async fn roll_stats(shared: Arc<Shared>) {
     }
 }
 
+/// How long a pool without `server_idle_timeout` may stay unused before it
+/// is removed.
+const UNUSED_POOL_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Off the traffic path: on every topology change, end the sessions whose
 /// host is no longer right for them.
 async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
@@ -1336,9 +1352,30 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 if !keep {
                     tracing::info!(host = %key.host, database = %key.database, user = %key.user, "retiring pool");
                     pool.retire();
+                    return false;
                 }
-                keep
+                // A pool that has had no server connection and no client
+                // for a server_idle_timeout goes, with its metric series;
+                // its next client makes it again.
+                let quiet = pool
+                    .settings()
+                    .server_idle_timeout
+                    .unwrap_or(UNUSED_POOL_TIMEOUT);
+                if pool.unused_for(quiet) {
+                    tracing::debug!(host = %key.host, database = %key.database, user = %key.user, "removing an unused pool");
+                    pool.retire();
+                    return false;
+                }
+                true
             });
+            // Caps with no pool left under them go too (a new pool makes
+            // its caps again, with the configured values). Under the pools'
+            // lock, as pools are made.
+            shared
+                .limits
+                .lock()
+                .expect("poisoned")
+                .retain(|_, l| !l.unused());
         }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {

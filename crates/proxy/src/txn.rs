@@ -820,6 +820,7 @@ impl Session {
                     ));
                 }
                 Err(ServerError::Refused(raw)) => {
+                    self.shared.forget_if_unused(&pool);
                     return Err(Fatal {
                         code: sqlstate::CONNECTION_FAILURE,
                         message: String::new(),
@@ -828,6 +829,7 @@ impl Session {
                 }
                 Err(ServerError::Failed(e)) => {
                     tracing::warn!(host = %host, error = %e, "pooled server connection failed");
+                    self.shared.forget_if_unused(&pool);
                     tokio::select! {
                         _ = changes.changed() => {}
                         _ = crate::timer::sleep_until(deadline) => {
