@@ -1145,6 +1145,40 @@ async fn refused_logins_and_unused_pools_leave_nothing_behind() {
     assert_eq!(pool_series(http).await, 1);
 }
 
+/// `pgwarden_server_connections` counts the pools' server connections as
+/// they open and close, not only relayed sessions'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_server_connections_count_as_open_server_connections() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 2,
+        query_wait_timeout: WAIT,
+        server_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let url = via(&p, "read_write");
+    let (a, b) = (client(&url).await.unwrap(), client(&url).await.unwrap());
+    for x in [&a, &b] {
+        x.batch_execute("BEGIN").await.unwrap();
+        one(x, "SELECT 1").await;
+    }
+    let open = || common::metric_sample(http, "pgwarden_server_connections{");
+    assert_eq!(open().await, 2.0);
+    for x in [&a, &b] {
+        x.batch_execute("COMMIT").await.unwrap();
+    }
+    // Idle, they stay open; past server_idle_timeout they close.
+    assert_eq!(open().await, 2.0);
+    pgwarden_testkit::eventually("idle server connections closed", WAIT, || async {
+        let n = open().await;
+        (n == 0.0).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+}
+
 /// RECONNECT in the admin console replaces the pool's server connections
 /// without an error for anyone: an idle one at once, one lent to a client
 /// mid-transaction only once that transaction is over, which WAIT_CLOSE

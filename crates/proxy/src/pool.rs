@@ -599,6 +599,10 @@ pub struct Pool {
     /// The service whose settings the pool took: a reload resolves them
     /// anew from that service's.
     pub(crate) service: std::sync::OnceLock<Arc<str>>,
+    /// The proxy's count of open server connections to the pool's host
+    /// (`pgwarden_server_connections`), which the pool's connections are
+    /// part of.
+    pub(crate) server_gauge: std::sync::OnceLock<prometheus_client::metrics::gauge::Gauge>,
     /// One permit per connection the pool may lend: `size` of them.
     permits: Arc<Semaphore>,
     /// The reserve ([`PoolSettings::reserve_size`]).
@@ -977,6 +981,7 @@ impl Pool {
             owed: Default::default(),
             settings: ArcSwap::from_pointee(settings),
             service: std::sync::OnceLock::new(),
+            server_gauge: std::sync::OnceLock::new(),
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
@@ -996,6 +1001,22 @@ impl Pool {
         pool
     }
 
+    /// Counts a connection the pool opened.
+    fn opened(&self) {
+        self.stats.total.fetch_add(1, Ordering::Relaxed);
+        if let Some(g) = self.server_gauge.get() {
+            g.inc();
+        }
+    }
+
+    /// Counts `n` connections the pool closed.
+    fn closed(&self, n: usize) {
+        self.stats.total.fetch_sub(n, Ordering::Relaxed);
+        if let Some(g) = self.server_gauge.get() {
+            g.dec_by(n as i64);
+        }
+    }
+
     /// The shared caps this pool is under.
     pub fn limits(&self) -> &[Arc<ConnLimit>] {
         &self.limits
@@ -1010,7 +1031,7 @@ impl Pool {
         };
         // Closed outside the lock: its slots wake a waiting pool.
         let Some(conn) = oldest else { return false };
-        self.stats.total.fetch_sub(1, Ordering::Relaxed);
+        self.closed(1);
         drop(conn);
         true
     }
@@ -1057,7 +1078,7 @@ impl Pool {
         self.retired_signal.notify_waiters();
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
-        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+        self.closed(drained.len());
     }
 
     /// Replaces every server connection gracefully (the admin console's
@@ -1071,7 +1092,7 @@ impl Pool {
             .store(self.stats.active.load(Ordering::SeqCst), Ordering::SeqCst);
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
-        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+        self.closed(drained.len());
     }
 
     /// Lent connections that close when given back (after a RECONNECT);
@@ -1229,9 +1250,7 @@ impl Pool {
         let mut idle = self.idle.lock().expect("poisoned");
         let before = idle.len();
         idle.retain(|c| now.saturating_sub(c.last_used) < limit);
-        self.stats
-            .total
-            .fetch_sub(before - idle.len(), Ordering::Relaxed);
+        self.closed(before - idle.len());
     }
 
     /// An idle connection at once, or `None` (no permit free, or nothing
@@ -1263,7 +1282,7 @@ impl Pool {
                 return Some(conn);
             }
             tracing::debug!(host = %self.key.host, "an idle server connection was closed by the server");
-            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+            self.closed(1);
         }
     }
 
@@ -1279,7 +1298,7 @@ impl Pool {
             }
             Err(e) => {
                 tracing::warn!(host = %self.key.host, error = %e, "moving a server connection between workers failed; it is closed");
-                self.stats.total.fetch_sub(1, Ordering::Relaxed);
+                self.closed(1);
                 None
             }
         }
@@ -1403,7 +1422,7 @@ impl Pool {
                     )));
                 }
                 self.learn_baseline(&c, with_app);
-                self.stats.total.fetch_add(1, Ordering::Relaxed);
+                self.opened();
                 let mut c = Box::new(c);
                 c.slots = slots;
                 c
@@ -1412,7 +1431,7 @@ impl Pool {
         // Retired while the connection was being found or opened (a
         // failover): it would reach a host that no longer serves the pool.
         if self.is_retired() {
-            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+            self.closed(1);
             return Err(ServerError::Retired);
         }
         self.stats.active.fetch_add(1, Ordering::Relaxed);
@@ -1518,7 +1537,7 @@ impl Checkout {
                 pool.close_idle();
             }
         } else {
-            pool.stats.total.fetch_sub(1, Ordering::Relaxed);
+            pool.closed(1);
         }
     }
 }

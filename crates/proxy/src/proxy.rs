@@ -438,6 +438,14 @@ impl Shared {
                 let pool =
                     Pool::limited(k.clone(), settings.clone(), self.server_tls.clone(), limits);
                 let _ = pool.service.set(service.clone());
+                let gauge = self
+                    .metrics
+                    .server_connections
+                    .get_or_create(&crate::metrics::HostLabel {
+                        host: k.host.to_string(),
+                    })
+                    .clone();
+                let _ = pool.server_gauge.set(gauge);
                 pool.warm();
                 pool
             })
