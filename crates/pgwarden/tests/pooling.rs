@@ -1179,6 +1179,37 @@ async fn pooled_server_connections_count_as_open_server_connections() {
     .await;
 }
 
+/// A client pinned to its server (a session-level SET) and idle between
+/// transactions is disconnected by client_idle_timeout like any other, and
+/// its server, which carries its SET, is closed rather than handed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_idle_timeout_ends_pinned_clients_too() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 1,
+        query_wait_timeout: WAIT,
+        client_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let (a, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    a.batch_execute("SET work_mem = '8MB'").await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the idle pinned client is disconnected")
+        .unwrap();
+    let err = ended.expect_err("ends with an error");
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P05"), "{err:?}");
+    // The pool's one server was not handed on with the SET.
+    let b = client(&url).await.unwrap();
+    assert_ne!(one(&b, "SHOW work_mem").await, "8MB");
+}
+
 /// RECONNECT in the admin console replaces the pool's server connections
 /// without an error for anyone: an idle one at once, one lent to a client
 /// mid-transaction only once that transaction is over, which WAIT_CLOSE

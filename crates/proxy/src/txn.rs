@@ -248,8 +248,11 @@ pub(crate) async fn run(
             // Only a client between transactions can be idle; one that
             // holds a server inside a transaction, with every reply in, is
             // idle in transaction (and keeps that server from the others).
+            // A pinned client holds its server between transactions too,
+            // and is as idle as any other there.
             let between = session.attached.is_none()
-                || (session.settings.hold_session && session.replies.idle());
+                || ((session.settings.hold_session || session.pinned)
+                    && session.replies.idle());
             let (idle_limit, in_transaction) = if between {
                 (session.settings.client_idle_timeout, false)
             } else if session.attached.is_some()
