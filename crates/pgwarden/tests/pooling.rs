@@ -639,6 +639,17 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
     holder.batch_execute("COMMIT").await.unwrap();
 }
 
+/// `pgwarden_pool_clients_waiting` summed over every pool.
+async fn clients_waiting(http: std::net::SocketAddr) -> f64 {
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("pgwarden_pool_clients_waiting{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();
@@ -662,9 +673,13 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
         assert_eq!(one(&inflight, "SELECT 2").await, "2");
         inflight.batch_execute("COMMIT").await.unwrap();
         assert_eq!(one(&reader, "SELECT 4").await, "4");
-        // A new one waits while paused...
+        // A new one waits while paused, and counts as waiting...
         let waiting = tokio::spawn(async move { one(&later, "SELECT 3").await });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        pgwarden_testkit::eventually("a client counted as waiting", WAIT, || async move {
+            let n = clients_waiting(http).await;
+            (n == 1.0).then_some(()).ok_or(n.to_string())
+        })
+        .await;
         assert!(!waiting.is_finished(), "{service}: ran while paused");
         // ...and runs on resume.
         tokio::task::spawn_blocking(move || post(format!("/resume?service={service}")))

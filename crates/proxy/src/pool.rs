@@ -1106,6 +1106,13 @@ impl Pool {
         self.retired.load(Ordering::SeqCst)
     }
 
+    /// Counts a client as waiting for one of the pool's connections while
+    /// the guard lives, for a wait outside [`Pool::checkout`] (a paused
+    /// service).
+    pub(crate) fn count_waiting(&self) -> impl Drop + '_ {
+        Counted::new(&self.stats.waiting, Ordering::Relaxed)
+    }
+
     /// Whether anything has to do with the pool now: a server connection
     /// open or being opened, a client holding one or waiting for one.
     pub fn in_use(&self) -> bool {

@@ -744,14 +744,6 @@ impl Session {
                     format!("service \"{}\": {reason}", spec.name),
                 ));
             }
-            if *paused.borrow() {
-                tokio::select! {
-                    _ = paused.wait_for(|p| !*p) => continue,
-                    _ = crate::timer::sleep_until(deadline) => {
-                        return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
-                    }
-                }
-            }
             let snap = self.shared.snapshot.load_full();
             let pick = self
                 .service
@@ -794,6 +786,18 @@ impl Session {
                     pool
                 }
             };
+            if *paused.borrow() {
+                // Waiting for a server like any client the pool cannot
+                // serve yet, and counted so (cl_waiting, the metric).
+                let _waiting = pool.count_waiting();
+                tokio::select! {
+                    // The host is picked again once resumed.
+                    _ = paused.wait_for(|p| !*p) => continue,
+                    _ = crate::timer::sleep_until(deadline) => {
+                        return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
+                    }
+                }
+            }
             let host = &pool.key.host;
             pool.set_credential(&self.credential);
             match pool
