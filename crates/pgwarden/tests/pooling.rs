@@ -2502,6 +2502,35 @@ async fn admin_console_answers_like_postgres_in_both_protocols() {
         error_code(&s.simple(b"SET default_pool_size = 5")).as_deref(),
         Some("0A000")
     );
+    // Several commands in one query are refused, not cut to the first.
+    for several in [
+        &b"set application_name='x'; show version"[..],
+        b"SHOW VERSION; SHOW LISTS",
+    ] {
+        let r = s.simple(several);
+        assert_eq!(tags(&r), "EZ", "{r:?}");
+        assert_eq!(error_code(&r).as_deref(), Some("0A000"));
+    }
+    assert_eq!(tags(&s.simple(b"SHOW VERSION;")), "TDCZ");
+    // A function call is answered with an error, then ReadyForQuery.
+    let r = s.send(&function_call(1, &[]));
+    assert_eq!(tags(&r), "EZ", "{r:?}");
+    // A row limit the result fits in is no limit; one it does not fit in
+    // is refused rather than ignored.
+    let execute = |max_rows: i32| {
+        let mut m = msg_parse(b"", b"SHOW LISTS");
+        m.extend_from_slice(&[b'B', 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 0]);
+        m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0]);
+        m.extend_from_slice(&max_rows.to_be_bytes());
+        m.extend_from_slice(MSG_SYNC);
+        m
+    };
+    let r = s.send(&execute(1000));
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert!(tags(&r).ends_with("DCZ"), "{r:?}");
+    let r = s.send(&execute(1));
+    assert_eq!(tags(&r), "12EZ", "{r:?}");
+    assert_eq!(error_code(&r).as_deref(), Some("0A000"));
     // tokio-postgres: every query is prepared (Parse, Describe statement).
     let url = format!(
         "host={} port={} user=postgres dbname=pgwarden",
