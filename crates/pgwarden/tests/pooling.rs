@@ -431,6 +431,41 @@ async fn session_state_pins_the_client_to_its_server() {
     }
 }
 
+/// Temporary objects however they are spelled (a comment before TEMP, the
+/// `pg_temp` schema named outright), holdable cursors and loaded modules
+/// live in one backend: the client that made them keeps its server, and
+/// no other client of a pool of one ever lands on that backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn temporary_objects_in_any_spelling_stay_with_their_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(30)).await;
+    let url = via(&p, "read_write");
+    // What a backend holds that the session before it left behind.
+    let leftovers = "SELECT (SELECT count(*) FROM pg_class \
+                     WHERE relnamespace = pg_my_temp_schema()) \
+         + (SELECT count(*) FROM pg_proc WHERE pronamespace = pg_my_temp_schema()) \
+         + (SELECT count(*) FROM pg_cursors) \
+         + (SELECT count(*) FROM pg_settings WHERE name LIKE 'auto_explain.%')";
+    for make in [
+        "CREATE TABLE pg_temp.tt3(x int)",
+        "CREATE /*x*/ TEMP TABLE tt2(x int)",
+        "CREATE -- x\n TEMPORARY TABLE tt2(x int)",
+        "CREATE TABLE \"pg_temp\".t (x int)",
+        "CREATE TABLE pg_temp . t (x int)",
+        "CREATE VIEW pg_temp.v AS SELECT 1 AS x",
+        "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "DECLARE c CURSOR WITH /*x*/ HOLD FOR SELECT 1",
+        "LOAD 'auto_explain'",
+    ] {
+        let a = client(&url).await.unwrap();
+        a.batch_execute(make).await.unwrap();
+        assert_ne!(one(&a, leftovers).await, "0", "{make}");
+        drop(a);
+        let b = client(&url).await.unwrap();
+        assert_eq!(one(&b, leftovers).await, "0", "after {make}");
+    }
+}
+
 /// Session-level changes that do not start with SET pin too, so their
 /// server never goes back to the pool to surprise another client:
 /// `set_config(..., false)`, a SET after another statement of the same
@@ -604,6 +639,17 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
     holder.batch_execute("COMMIT").await.unwrap();
 }
 
+/// `pgwarden_pool_clients_waiting` summed over every pool.
+async fn clients_waiting(http: std::net::SocketAddr) -> f64 {
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("pgwarden_pool_clients_waiting{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();
@@ -627,9 +673,13 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
         assert_eq!(one(&inflight, "SELECT 2").await, "2");
         inflight.batch_execute("COMMIT").await.unwrap();
         assert_eq!(one(&reader, "SELECT 4").await, "4");
-        // A new one waits while paused...
+        // A new one waits while paused, and counts as waiting...
         let waiting = tokio::spawn(async move { one(&later, "SELECT 3").await });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        pgwarden_testkit::eventually("a client counted as waiting", WAIT, || async move {
+            let n = clients_waiting(http).await;
+            (n == 1.0).then_some(()).ok_or(n.to_string())
+        })
+        .await;
         assert!(!waiting.is_finished(), "{service}: ran while paused");
         // ...and runs on resume.
         tokio::task::spawn_blocking(move || post(format!("/resume?service={service}")))
@@ -1086,6 +1136,119 @@ async fn metrics_of(http: std::net::SocketAddr) -> impl Fn(&str) -> f64 {
     }
 }
 
+/// How many pools `/metrics` shows series for.
+async fn pool_series(http: std::net::SocketAddr) -> usize {
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("pgwarden_pool_servers_total{"))
+        .count()
+}
+
+/// Logins the server refuses (a user that does not exist) leave no pool
+/// behind, and a pool that has had neither a server connection nor a
+/// client for a server_idle_timeout goes, with its metric series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_logins_and_unused_pools_leave_nothing_behind() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 2,
+        query_wait_timeout: WAIT,
+        server_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let url = via(&p, "read_write");
+    for i in 0..20 {
+        let bogus = url.replace("user=postgres", &format!("user=nobody{i}"));
+        let err = client(&bogus).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err:?}");
+    }
+    assert_eq!(pool_series(http).await, 0);
+    let a = client(&url).await.unwrap();
+    one(&a, "SELECT 1").await;
+    assert_eq!(pool_series(http).await, 1);
+    drop(a);
+    // Its server closes after a second idle, the pool a second later.
+    pgwarden_testkit::eventually("the unused pool removed", WAIT, || async move {
+        let n = pool_series(http).await;
+        (n == 0).then_some(()).ok_or(format!("{n} pools"))
+    })
+    .await;
+    // The next client makes it again.
+    let b = client(&url).await.unwrap();
+    assert_eq!(one(&b, "SELECT 2").await, "2");
+    assert_eq!(pool_series(http).await, 1);
+}
+
+/// `pgwarden_server_connections` counts the pools' server connections as
+/// they open and close, not only relayed sessions'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_server_connections_count_as_open_server_connections() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 2,
+        query_wait_timeout: WAIT,
+        server_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let url = via(&p, "read_write");
+    let (a, b) = (client(&url).await.unwrap(), client(&url).await.unwrap());
+    for x in [&a, &b] {
+        x.batch_execute("BEGIN").await.unwrap();
+        one(x, "SELECT 1").await;
+    }
+    let open = || common::metric_sample(http, "pgwarden_server_connections{");
+    assert_eq!(open().await, 2.0);
+    for x in [&a, &b] {
+        x.batch_execute("COMMIT").await.unwrap();
+    }
+    // Idle, they stay open; past server_idle_timeout they close.
+    assert_eq!(open().await, 2.0);
+    pgwarden_testkit::eventually("idle server connections closed", WAIT, || async {
+        let n = open().await;
+        (n == 0.0).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+}
+
+/// A client pinned to its server (a session-level SET) and idle between
+/// transactions is disconnected by client_idle_timeout like any other, and
+/// its server, which carries its SET, is closed rather than handed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_idle_timeout_ends_pinned_clients_too() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 1,
+        query_wait_timeout: WAIT,
+        client_idle_timeout: Some(Duration::from_secs(1)),
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    let (a, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    a.batch_execute("SET work_mem = '8MB'").await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the idle pinned client is disconnected")
+        .unwrap();
+    let err = ended.expect_err("ends with an error");
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P05"), "{err:?}");
+    // The pool's one server was not handed on with the SET.
+    let b = client(&url).await.unwrap();
+    assert_ne!(one(&b, "SHOW work_mem").await, "8MB");
+}
+
 /// RECONNECT in the admin console replaces the pool's server connections
 /// without an error for anyone: an idle one at once, one lent to a client
 /// mid-transaction only once that transaction is over, which WAIT_CLOSE
@@ -1304,6 +1467,63 @@ async fn clients_on_a_unix_socket() {
     .await
     .unwrap();
     assert_eq!(one(&again, "SELECT 5").await, "5");
+}
+
+/// `spec` with every pooled service's size set to `size`.
+fn sized(mut spec: pgwarden_proxy::ProxySpec, size: usize) -> pgwarden_proxy::ProxySpec {
+    for svc in &mut spec.services {
+        if let Some(p) = &svc.pool {
+            svc.pool = Some(std::sync::Arc::new(PoolSettings {
+                size,
+                ..(**p).clone()
+            }));
+        }
+    }
+    spec
+}
+
+/// A reload resizes the pools that exist: a larger size serves a client
+/// that would otherwise wait, a smaller one lets every transaction in
+/// flight finish and closes the connections above it as they come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_resizes_existing_pools() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, mut p) = pooled_for(&c, 1, Duration::from_secs(2)).await;
+    let url = via(&p, "read_write");
+    let a = client(&url).await.unwrap();
+    a.batch_execute("BEGIN").await.unwrap();
+    one(&a, "SELECT 1").await;
+    // The pool exists with its one server lent: a second client would wait
+    // out query_wait_timeout, but the reload makes room for it.
+    p.apply(sized(p.spec().clone(), 3)).await.unwrap();
+    let b = client(&url).await.unwrap();
+    let d = client(&url).await.unwrap();
+    for x in [&b, &d] {
+        x.batch_execute("BEGIN").await.unwrap();
+        one(x, "SELECT 1").await;
+    }
+    assert_eq!(server_connections(&c.conninfo(0)).await, 3);
+    // Smaller again while all three are lent: nobody's transaction ends.
+    p.apply(sized(p.spec().clone(), 1)).await.unwrap();
+    for x in [&a, &b, &d] {
+        one(x, "SELECT 2").await;
+        x.batch_execute("COMMIT").await.unwrap();
+    }
+    let conninfo = c.conninfo(0);
+    pgwarden_testkit::eventually("the pool down to one server", WAIT, || {
+        let conninfo = conninfo.clone();
+        async move {
+            let n = server_connections(&conninfo).await;
+            (n == 1).then_some(()).ok_or(n.to_string())
+        }
+    })
+    .await;
+    // And one it is: a client in a transaction holds it, the next waits.
+    a.batch_execute("BEGIN").await.unwrap();
+    let err = b.batch_execute("SELECT 1").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err:?}");
+    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(one(&d, "SELECT 3").await, "3");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2306,6 +2526,35 @@ async fn admin_console_answers_like_postgres_in_both_protocols() {
         error_code(&s.simple(b"SET default_pool_size = 5")).as_deref(),
         Some("0A000")
     );
+    // Several commands in one query are refused, not cut to the first.
+    for several in [
+        &b"set application_name='x'; show version"[..],
+        b"SHOW VERSION; SHOW LISTS",
+    ] {
+        let r = s.simple(several);
+        assert_eq!(tags(&r), "EZ", "{r:?}");
+        assert_eq!(error_code(&r).as_deref(), Some("0A000"));
+    }
+    assert_eq!(tags(&s.simple(b"SHOW VERSION;")), "TDCZ");
+    // A function call is answered with an error, then ReadyForQuery.
+    let r = s.send(&function_call(1, &[]));
+    assert_eq!(tags(&r), "EZ", "{r:?}");
+    // A row limit the result fits in is no limit; one it does not fit in
+    // is refused rather than ignored.
+    let execute = |max_rows: i32| {
+        let mut m = msg_parse(b"", b"SHOW LISTS");
+        m.extend_from_slice(&[b'B', 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 0]);
+        m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0]);
+        m.extend_from_slice(&max_rows.to_be_bytes());
+        m.extend_from_slice(MSG_SYNC);
+        m
+    };
+    let r = s.send(&execute(1000));
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert!(tags(&r).ends_with("DCZ"), "{r:?}");
+    let r = s.send(&execute(1));
+    assert_eq!(tags(&r), "12EZ", "{r:?}");
+    assert_eq!(error_code(&r).as_deref(), Some("0A000"));
     // tokio-postgres: every query is prepared (Parse, Describe statement).
     let url = format!(
         "host={} port={} user=postgres dbname=pgwarden",

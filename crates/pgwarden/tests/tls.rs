@@ -268,3 +268,56 @@ async fn tls_sessions_told_to_end_get_the_reason() {
         );
     }
 }
+
+/// A cancel request sent over TLS, as libpq 17 and later send it on a TLS
+/// connection, is answered as PostgreSQL answers it: the connection ends
+/// with TLS close_notify, not a bare close, which libpq reports as
+/// "SSL error: unexpected eof" although the request was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_request_over_tls_ends_with_close_notify() {
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certs(dir.path(), "a");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
+    let port = p.service_addrs()["read_write"].port();
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    // SSLRequest.
+    tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+        .await
+        .unwrap();
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer[0], b'S');
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    // CancelRequest (code 80877102) for a key nobody has: ignored, and the
+    // connection closed.
+    let mut cancel = vec![0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+    cancel.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 2]);
+    tls.write_all(&cancel).await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(WAIT, tls.read_to_end(&mut rest))
+        .await
+        .expect("the connection closes");
+    // rustls reports a close without close_notify as UnexpectedEof.
+    assert_eq!(read.map_err(|e| e.to_string()).ok(), Some(0), "{rest:?}");
+}

@@ -113,6 +113,19 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
             }
             frontend::FLUSH => {}
             _ if skipping => {}
+            frontend::FUNCTION_CALL => {
+                // A cycle of its own, like a Query: the client waits for
+                // ReadyForQuery after the error.
+                encode::error_response(
+                    &mut out,
+                    Severity::Error,
+                    sqlstate::FEATURE_NOT_SUPPORTED.code(),
+                    "the admin console has no functions to call",
+                    None,
+                    None,
+                );
+                encode::ready_for_query(&mut out, TxStatus::Idle);
+            }
             _ => {
                 if tag == frontend::EXECUTE {
                     let portal = msg[5..].split(|b| *b == 0).next().unwrap_or_default();
@@ -241,6 +254,9 @@ fn extended(
         }
         frontend::EXECUTE => {
             let portal = body.split(|b| *b == 0).next().unwrap_or_default();
+            let max_rows = body
+                .get(portal.len() + 1..portal.len() + 5)
+                .map_or(0, |b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
             let portal = String::from_utf8_lossy(portal);
             let Some(text) = portals.get(portal.as_ref()) else {
                 return fail(
@@ -261,6 +277,23 @@ fn extended(
                 let _ = result.split_to(1 + len as usize);
             }
             let failed = result.first() == Some(&b'E');
+            // A result is made whole, not kept to be fetched in parts: a
+            // row limit it fits in is PostgreSQL's answer too, one it
+            // does not is refused rather than ignored.
+            let rows = data_rows(&result);
+            if max_rows > 0 && rows > max_rows as usize {
+                encode::error_response(
+                    out,
+                    Severity::Error,
+                    sqlstate::FEATURE_NOT_SUPPORTED.code(),
+                    &format!(
+                        "the admin console returns all rows at once: Execute asked for at most {max_rows} of {rows} rows"
+                    ),
+                    None,
+                    Some("Execute with no row limit (JDBC: a fetch size of 0)."),
+                );
+                return false;
+            }
             out.put_slice(&result);
             return !failed;
         }
@@ -284,6 +317,35 @@ fn extended(
         }
     }
     true
+}
+
+/// The DataRows in the messages `result`.
+fn data_rows(mut result: &[u8]) -> usize {
+    let mut rows = 0;
+    while result.len() >= 5 {
+        let len = u32::from_be_bytes([result[1], result[2], result[3], result[4]]) as usize;
+        rows += usize::from(result[0] == b'D');
+        result = result.get(1 + len..).unwrap_or_default();
+    }
+    rows
+}
+
+/// Whether `text` holds more than one statement: a semicolon outside
+/// quotes with more than blanks after it.
+fn several_statements(text: &str) -> bool {
+    let mut quote = None;
+    for (i, c) in text.char_indices() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, ';') if !text[i + 1..].trim().trim_matches(';').trim().is_empty() => {
+                return true;
+            }
+            _ => {}
+        }
+    }
+    false
 }
 
 fn is_show(text: &str) -> bool {
@@ -326,6 +388,17 @@ fn setting_name(words: &[&str]) -> Option<String> {
 }
 
 fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
+    if several_statements(text) {
+        encode::error_response(
+            out,
+            Severity::Error,
+            sqlstate::FEATURE_NOT_SUPPORTED.code(),
+            &format!("the admin console runs one command per query: {text}"),
+            None,
+            Some("Send the commands one by one."),
+        );
+        return;
+    }
     let words: Vec<String> = text
         .trim()
         .trim_end_matches(';')

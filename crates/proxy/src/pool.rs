@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bytes::BytesMut;
 use pgwarden_auth::ScramClient;
 use pgwarden_topology::HostAddr;
@@ -593,14 +594,24 @@ impl PoolStats {
 pub struct Pool {
     /// Its identity.
     pub key: PoolKey,
-    /// Fixed at creation: a reload's new values reach new pools.
-    settings: PoolSettings,
+    /// Swapped whole by a reload ([`Pool::update`]); read without a lock.
+    settings: ArcSwap<PoolSettings>,
+    /// The service whose settings the pool took: a reload resolves them
+    /// anew from that service's.
+    pub(crate) service: std::sync::OnceLock<Arc<str>>,
+    /// The proxy's count of open server connections to the pool's host
+    /// (`pgwarden_server_connections`), which the pool's connections are
+    /// part of.
+    pub(crate) server_gauge: std::sync::OnceLock<prometheus_client::metrics::gauge::Gauge>,
+    /// One permit per connection the pool may lend: `size` of them.
     permits: Arc<Semaphore>,
-    /// The reserve ([`PoolSettings::reserve_size`]) and how long a client
-    /// waits before it may use it; fixed at creation, like the size, so
-    /// that a wait reads them without a lock.
+    /// The reserve ([`PoolSettings::reserve_size`]).
     reserve: Arc<Semaphore>,
-    reserve_after: Option<Duration>,
+    /// Permits of `permits` and `reserve` that a reload took away while
+    /// they were lent: each is forgotten, not given back, when its loan
+    /// ends, so a smaller size takes effect without ending anyone's
+    /// transaction.
+    owed: [AtomicUsize; 2],
     // Boxed: a connection changes hands twice per transaction, and a
     // pointer moves cheaper than the few hundred bytes of its state.
     #[allow(clippy::vec_box)]
@@ -621,6 +632,11 @@ pub struct Pool {
     stale: AtomicUsize,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
+    /// Connections being opened for clients now.
+    opening: AtomicUsize,
+    /// Since when ([`now_ns`]) the pool has been seen unused, and its
+    /// query count then ([`Pool::unused_for`]).
+    unused_since: Mutex<Option<(u64, u64)>>,
     /// What the last authenticated client proved, to open new connections
     /// as its role (the pool is per role).
     credential: Mutex<Credential>,
@@ -746,6 +762,18 @@ impl ConnLimit {
             self.name,
             self.host
         )
+    }
+
+    /// Whether no pool and no connection is under the cap any more.
+    pub fn unused(&self) -> bool {
+        self.open.load(Ordering::SeqCst) == 0
+            && self.waiting.load(Ordering::SeqCst) == 0
+            && self
+                .members
+                .lock()
+                .expect("poisoned")
+                .iter()
+                .all(|p| p.strong_count() == 0)
     }
 
     fn join(&self, pool: &Arc<Pool>) {
@@ -950,8 +978,10 @@ impl Pool {
             key,
             permits: Arc::new(Semaphore::new(settings.size)),
             reserve: Arc::new(Semaphore::new(settings.reserve_size)),
-            reserve_after: (settings.reserve_size > 0).then_some(settings.reserve_timeout),
-            settings,
+            owed: Default::default(),
+            settings: ArcSwap::from_pointee(settings),
+            service: std::sync::OnceLock::new(),
+            server_gauge: std::sync::OnceLock::new(),
             idle: Mutex::new(Vec::new()),
             stats: PoolStats::default(),
             retired: AtomicBool::new(false),
@@ -959,6 +989,8 @@ impl Pool {
             renew_before: AtomicU64::new(0),
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
+            opening: AtomicUsize::new(0),
+            unused_since: Mutex::new(None),
             credential: Mutex::new(Credential::None),
             baseline: Mutex::new(Tracked::default()),
             baseline_app: AtomicBool::new(false),
@@ -967,6 +999,22 @@ impl Pool {
             l.join(&pool);
         }
         pool
+    }
+
+    /// Counts a connection the pool opened.
+    fn opened(&self) {
+        self.stats.total.fetch_add(1, Ordering::Relaxed);
+        if let Some(g) = self.server_gauge.get() {
+            g.inc();
+        }
+    }
+
+    /// Counts `n` connections the pool closed.
+    fn closed(&self, n: usize) {
+        self.stats.total.fetch_sub(n, Ordering::Relaxed);
+        if let Some(g) = self.server_gauge.get() {
+            g.dec_by(n as i64);
+        }
     }
 
     /// The shared caps this pool is under.
@@ -983,7 +1031,7 @@ impl Pool {
         };
         // Closed outside the lock: its slots wake a waiting pool.
         let Some(conn) = oldest else { return false };
-        self.stats.total.fetch_sub(1, Ordering::Relaxed);
+        self.closed(1);
         drop(conn);
         true
     }
@@ -1030,7 +1078,7 @@ impl Pool {
         self.retired_signal.notify_waiters();
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
-        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+        self.closed(drained.len());
     }
 
     /// Replaces every server connection gracefully (the admin console's
@@ -1044,7 +1092,7 @@ impl Pool {
             .store(self.stats.active.load(Ordering::SeqCst), Ordering::SeqCst);
         let drained: Vec<Box<ServerConn>> =
             std::mem::take(&mut *self.idle.lock().expect("poisoned"));
-        self.stats.total.fetch_sub(drained.len(), Ordering::Relaxed);
+        self.closed(drained.len());
     }
 
     /// Lent connections that close when given back (after a RECONNECT);
@@ -1058,9 +1106,53 @@ impl Pool {
         self.retired.load(Ordering::SeqCst)
     }
 
+    /// Counts a client as waiting for one of the pool's connections while
+    /// the guard lives, for a wait outside [`Pool::checkout`] (a paused
+    /// service).
+    pub(crate) fn count_waiting(&self) -> impl Drop + '_ {
+        Counted::new(&self.stats.waiting, Ordering::Relaxed)
+    }
+
+    /// Whether anything has to do with the pool now: a server connection
+    /// open or being opened, a client holding one or waiting for one.
+    pub fn in_use(&self) -> bool {
+        let s = &self.stats;
+        [
+            &s.total,
+            &s.active,
+            &s.waiting,
+            &s.capped,
+            &self.warming,
+            &self.opening,
+            &self.stale,
+        ]
+        .iter()
+        .any(|n| n.load(Ordering::SeqCst) > 0)
+    }
+
+    /// Whether the pool has been unused ([`Pool::in_use`]), with no query
+    /// run, for `quiet` or longer, as far as calls of this, made from time
+    /// to time, have seen.
+    pub fn unused_for(&self, quiet: Duration) -> bool {
+        let queries = self.stats.queries.load(Ordering::Relaxed);
+        let mut since = self.unused_since.lock().expect("poisoned");
+        if self.in_use() {
+            *since = None;
+            return false;
+        }
+        let now = now_ns();
+        match *since {
+            Some((at, q)) if q == queries => now.saturating_sub(at) >= nanos(quiet),
+            _ => {
+                *since = Some((now, queries));
+                false
+            }
+        }
+    }
+
     /// Opens connections until `min_size` exist, in the background.
     pub fn warm(self: &Arc<Self>) {
-        let min = self.settings.min_size;
+        let min = self.settings.load().min_size;
         // Connections being opened count too, or every topology change
         // would start another batch before the last one logged in.
         let have = self.stats.total.load(Ordering::Relaxed) + self.warming.load(Ordering::Relaxed);
@@ -1122,8 +1214,33 @@ impl Pool {
     }
 
     /// The pool's settings.
-    pub fn settings(&self) -> &PoolSettings {
-        &self.settings
+    pub fn settings(&self) -> Arc<PoolSettings> {
+        self.settings.load_full()
+    }
+
+    /// Applies new settings (a reload) to the pool in place. A larger size
+    /// or reserve serves waiting clients at once; a smaller one closes
+    /// idle connections above it now and lent ones as they come back,
+    /// so no transaction is cut short. A new `server_idle_timeout` and
+    /// `min_size` apply at once, a new `server_lifetime` as connections
+    /// are given back.
+    pub fn update(self: &Arc<Self>, new: &PoolSettings) {
+        let old = self.settings.swap(Arc::new(new.clone()));
+        if self.is_retired() {
+            return;
+        }
+        resize(&self.permits, &self.owed[0], old.size, new.size);
+        resize(
+            &self.reserve,
+            &self.owed[1],
+            old.reserve_size,
+            new.reserve_size,
+        );
+        while self.stats.total.load(Ordering::Relaxed) > new.size + new.reserve_size
+            && self.close_idle()
+        {}
+        self.prune();
+        self.warm();
     }
 
     /// Idle connections now.
@@ -1133,16 +1250,14 @@ impl Pool {
 
     /// Closes idle connections past `server_idle_timeout`.
     pub fn prune(&self) {
-        let Some(limit) = self.settings.server_idle_timeout else {
+        let Some(limit) = self.settings.load().server_idle_timeout else {
             return;
         };
         let (now, limit) = (now_ns(), nanos(limit));
         let mut idle = self.idle.lock().expect("poisoned");
         let before = idle.len();
         idle.retain(|c| now.saturating_sub(c.last_used) < limit);
-        self.stats
-            .total
-            .fetch_sub(before - idle.len(), Ordering::Relaxed);
+        self.closed(before - idle.len());
     }
 
     /// An idle connection at once, or `None` (no permit free, or nothing
@@ -1174,7 +1289,7 @@ impl Pool {
                 return Some(conn);
             }
             tracing::debug!(host = %self.key.host, "an idle server connection was closed by the server");
-            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+            self.closed(1);
         }
     }
 
@@ -1190,7 +1305,7 @@ impl Pool {
             }
             Err(e) => {
                 tracing::warn!(host = %self.key.host, error = %e, "moving a server connection between workers failed; it is closed");
-                self.stats.total.fetch_sub(1, Ordering::Relaxed);
+                self.closed(1);
                 None
             }
         }
@@ -1213,9 +1328,12 @@ impl Pool {
         self: &Arc<Self>,
         started: Instant,
     ) -> Result<OwnedSemaphorePermit, ServerError> {
-        let Some(wait) = self.reserve_after else {
+        let settings = self.settings.load();
+        if settings.reserve_size == 0 {
             return std::future::pending().await;
-        };
+        }
+        let wait = settings.reserve_timeout;
+        drop(settings);
         crate::timer::sleep_until((started + wait).into()).await;
         let p = self.reserve.clone().acquire_owned().await;
         p.map_err(|_| ServerError::Retired)
@@ -1273,7 +1391,7 @@ impl Pool {
             None => {
                 let stored = self.credential.lock().expect("poisoned").clone();
                 let cred = match stored {
-                    Credential::None => match self.settings.server_password.clone() {
+                    Credential::None => match self.settings.load().server_password.clone() {
                         Some(p) => Credential::Password(p),
                         None => Credential::None,
                     },
@@ -1286,6 +1404,9 @@ impl Pool {
                 // Boxed: logging in is rare and its state large, and
                 // without it every wait for a server would carry it.
                 let with_app = self.baseline_app.load(Ordering::Relaxed);
+                // The pool is in use while it opens one, though nothing
+                // else counts it yet.
+                let _opening = Counted::new(&self.opening, Ordering::SeqCst);
                 let c = crate::timer::timeout(
                     remaining,
                     Box::pin(connect(
@@ -1298,7 +1419,7 @@ impl Pool {
                 )
                 .await
                 .map_err(|_| ServerError::Timeout)??;
-                if self.settings.wants_primary && c.in_hot_standby() {
+                if self.settings.load().wants_primary && c.in_hot_standby() {
                     // The old primary of a switchover, back as a standby
                     // before the topology shows it: the client waits for
                     // the new one instead.
@@ -1308,7 +1429,7 @@ impl Pool {
                     )));
                 }
                 self.learn_baseline(&c, with_app);
-                self.stats.total.fetch_add(1, Ordering::Relaxed);
+                self.opened();
                 let mut c = Box::new(c);
                 c.slots = slots;
                 c
@@ -1317,7 +1438,7 @@ impl Pool {
         // Retired while the connection was being found or opened (a
         // failover): it would reach a host that no longer serves the pool.
         if self.is_retired() {
-            self.stats.total.fetch_sub(1, Ordering::Relaxed);
+            self.closed(1);
             return Err(ServerError::Retired);
         }
         self.stats.active.fetch_add(1, Ordering::Relaxed);
@@ -1329,6 +1450,26 @@ impl Pool {
             _permit: permit,
         };
         Ok((checkout, Duration::from_micros(waited)))
+    }
+}
+
+/// Changes the permits of `sem` from `from` to `to`: added at once, or
+/// taken away at once where free and otherwise owed, to be forgotten as
+/// their loans end.
+fn resize(sem: &Semaphore, owed: &AtomicUsize, from: usize, to: usize) {
+    if to >= from {
+        let grow = to - from;
+        // What is still owed is simply no longer owed.
+        let mut cancelled = 0;
+        let _ = owed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            cancelled = n.min(grow);
+            Some(n - cancelled)
+        });
+        sem.add_permits(grow - cancelled);
+    } else {
+        let shrink = from - to;
+        let now = sem.forget_permits(shrink);
+        owed.fetch_add(shrink - now, Ordering::SeqCst);
     }
 }
 
@@ -1367,15 +1508,30 @@ impl Checkout {
                 .query_us
                 .fetch_add(traffic.query_us, Ordering::Relaxed);
         }
-        let lifetime = pool.settings.server_lifetime;
+        let settings = pool.settings.load();
+        // A permit a reload took away ends with this loan.
+        let which = usize::from(!Arc::ptr_eq(_permit.semaphore(), &pool.permits));
+        if pool.owed[which].load(Ordering::Relaxed) > 0
+            && pool.owed[which]
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            _permit.forget();
+        }
+        let lifetime = settings.server_lifetime;
         let renewed = conn.created < pool.renew_before.load(Ordering::Relaxed);
         if renewed {
             let _ = pool
                 .stale
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
-        let expired =
-            lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l)) || renewed;
+        // Above a size a reload lowered, connections close as they come
+        // back (steadily there are never more than size and reserve).
+        let excess =
+            pool.stats.total.load(Ordering::Relaxed) > settings.size + settings.reserve_size;
+        let expired = lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l))
+            || renewed
+            || excess;
         if reusable && !expired && !pool.is_retired() {
             conn.last_used = ended;
             pool.idle.lock().expect("poisoned").push(conn);
@@ -1388,7 +1544,7 @@ impl Checkout {
                 pool.close_idle();
             }
         } else {
-            pool.stats.total.fetch_sub(1, Ordering::Relaxed);
+            pool.closed(1);
         }
     }
 }

@@ -430,8 +430,9 @@ impl Shared {
         *self.client_tls.lock().expect("poisoned")
     }
 
-    /// The pool for `key`, created on first use.
-    pub fn pool(&self, key: PoolKey, settings: &PoolSettings) -> Arc<Pool> {
+    /// The pool for `key`, created on first use with the settings
+    /// `service` resolved for it.
+    pub fn pool(&self, key: PoolKey, service: &Arc<str>, settings: &PoolSettings) -> Arc<Pool> {
         let mut pools = self.pools.lock().expect("poisoned");
         pools
             .entry(key)
@@ -442,10 +443,31 @@ impl Shared {
                 ];
                 let pool =
                     Pool::limited(k.clone(), settings.clone(), self.server_tls.clone(), limits);
+                let _ = pool.service.set(service.clone());
+                let gauge = self
+                    .metrics
+                    .server_connections
+                    .get_or_create(&crate::metrics::HostLabel {
+                        host: k.host.to_string(),
+                    })
+                    .clone();
+                let _ = pool.server_gauge.set(gauge);
                 pool.warm();
                 pool
             })
             .clone()
+    }
+
+    /// Removes `pool` if nothing has to do with it (a login the server
+    /// refused, say), so that logins naming databases or users that do not
+    /// exist leave no pool and no metric series behind.
+    pub fn forget_if_unused(&self, pool: &Arc<Pool>) {
+        let mut pools = self.pools.lock().expect("poisoned");
+        if pools.get(&pool.key).is_some_and(|p| Arc::ptr_eq(p, pool)) && !pool.in_use() {
+            // Retired: a client that still holds it picks the pool again.
+            pool.retire();
+            pools.remove(&pool.key);
+        }
     }
 
     /// The cap of `kind` on `name`'s connections to `host`, created on
@@ -799,6 +821,22 @@ impl Proxy {
         *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
         *self.shared.stats_period.lock().expect("poisoned") = spec.stats_period;
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
+        // Pools that exist take the new settings too: resolved as for a
+        // client of the service that made them. One whose service is gone,
+        // or no longer pools, keeps its settings for the clients it has.
+        for pool in self.shared.pools.lock().expect("poisoned").values() {
+            let svc = pool
+                .service
+                .get()
+                .and_then(|name| spec.services.iter().find(|s| *s.name == **name));
+            let resolved = svc.and_then(|svc| {
+                spec.pool_overrides
+                    .resolve(svc, &pool.key.database, &pool.key.user)
+            });
+            if let Some(settings) = resolved {
+                pool.update(&settings);
+            }
+        }
         for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
             limit.set_max(self.shared.limit_of(*kind, name));
         }
@@ -1308,6 +1346,10 @@ async fn roll_stats(shared: Arc<Shared>) {
     }
 }
 
+/// How long a pool without `server_idle_timeout` may stay unused before it
+/// is removed.
+const UNUSED_POOL_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Off the traffic path: on every topology change, end the sessions whose
 /// host is no longer right for them.
 async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
@@ -1334,9 +1376,30 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 if !keep {
                     tracing::info!(host = %key.host, database = %key.database, user = %key.user, "retiring pool");
                     pool.retire();
+                    return false;
                 }
-                keep
+                // A pool that has had no server connection and no client
+                // for a server_idle_timeout goes, with its metric series;
+                // its next client makes it again.
+                let quiet = pool
+                    .settings()
+                    .server_idle_timeout
+                    .unwrap_or(UNUSED_POOL_TIMEOUT);
+                if pool.unused_for(quiet) {
+                    tracing::debug!(host = %key.host, database = %key.database, user = %key.user, "removing an unused pool");
+                    pool.retire();
+                    return false;
+                }
+                true
             });
+            // Caps with no pool left under them go too (a new pool makes
+            // its caps again, with the configured values). Under the pools'
+            // lock, as pools are made.
+            shared
+                .limits
+                .lock()
+                .expect("poisoned")
+                .retain(|_, l| !l.unused());
         }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {

@@ -603,6 +603,12 @@ async fn read_startup(
             }
             Ok(Some(StartupFrame::Cancel { pid, secret })) => {
                 Box::pin(forward_cancel(shared, pid, secret)).await;
+                // PostgreSQL ends a cancel connection over TLS with
+                // close_notify; libpq 17 and later report a close without
+                // it as a failed cancel ("SSL error: unexpected eof").
+                if client.is_tls() {
+                    let _ = client.shutdown().await;
+                }
                 return Ok(None);
             }
             Ok(Some(StartupFrame::Startup(m))) => return Ok(Some(m)),

@@ -248,8 +248,11 @@ pub(crate) async fn run(
             // Only a client between transactions can be idle; one that
             // holds a server inside a transaction, with every reply in, is
             // idle in transaction (and keeps that server from the others).
+            // A pinned client holds its server between transactions too,
+            // and is as idle as any other there.
             let between = session.attached.is_none()
-                || (session.settings.hold_session && session.replies.idle());
+                || ((session.settings.hold_session || session.pinned)
+                    && session.replies.idle());
             let (idle_limit, in_transaction) = if between {
                 (session.settings.client_idle_timeout, false)
             } else if session.attached.is_some()
@@ -741,14 +744,6 @@ impl Session {
                     format!("service \"{}\": {reason}", spec.name),
                 ));
             }
-            if *paused.borrow() {
-                tokio::select! {
-                    _ = paused.wait_for(|p| !*p) => continue,
-                    _ = crate::timer::sleep_until(deadline) => {
-                        return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
-                    }
-                }
-            }
             let snap = self.shared.snapshot.load_full();
             let pick = self
                 .service
@@ -784,12 +779,25 @@ impl Session {
                             user: self.user.to_string(),
                             read_only: spec.read_only,
                         },
+                        &self.service.name,
                         &settings,
                     );
                     self.service.recent_pool.store(Some(pool.clone()));
                     pool
                 }
             };
+            if *paused.borrow() {
+                // Waiting for a server like any client the pool cannot
+                // serve yet, and counted so (cl_waiting, the metric).
+                let _waiting = pool.count_waiting();
+                tokio::select! {
+                    // The host is picked again once resumed.
+                    _ = paused.wait_for(|p| !*p) => continue,
+                    _ = crate::timer::sleep_until(deadline) => {
+                        return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
+                    }
+                }
+            }
             let host = &pool.key.host;
             pool.set_credential(&self.credential);
             match pool
@@ -819,6 +827,7 @@ impl Session {
                     ));
                 }
                 Err(ServerError::Refused(raw)) => {
+                    self.shared.forget_if_unused(&pool);
                     return Err(Fatal {
                         code: sqlstate::CONNECTION_FAILURE,
                         message: String::new(),
@@ -827,6 +836,7 @@ impl Session {
                 }
                 Err(ServerError::Failed(e)) => {
                     tracing::warn!(host = %host, error = %e, "pooled server connection failed");
+                    self.shared.forget_if_unused(&pool);
                     tokio::select! {
                         _ = changes.changed() => {}
                         _ = crate::timer::sleep_until(deadline) => {
@@ -2164,6 +2174,16 @@ impl Effects {
 
     fn of_statement(sql: &[u8]) -> Effects {
         let sql = after_comments(sql);
+        // A comment between two words would stand between the words the
+        // rules look at as pairs (`CREATE /* x */ TEMP`) and lend its own
+        // words to them: such statements are read with their comments
+        // blanked out by the lexer that knows where they are. Most have
+        // none, and keep the word scan in place.
+        let blanked = (memchr::memmem::find(sql, b"--").is_some()
+            || memchr::memmem::find(sql, b"/*").is_some())
+        .then(|| pgwarden_wire::blank_comments(sql))
+        .flatten();
+        let sql = blanked.as_deref().unwrap_or(sql);
         let mut words = words(sql);
         let Some(first) = words.next() else {
             return Effects::default();
@@ -2233,8 +2253,9 @@ fn pins_statement<'a>(
     // upper-cased copy, no list of words) and compares a word only with
     // the keywords of its length.
     let is = |w: &[u8], k: &str| w.eq_ignore_ascii_case(k.as_bytes());
-    // SQL-level PREPARE (protocol-level statements follow the client).
-    if is(first, "PREPARE") {
+    // SQL-level PREPARE (protocol-level statements follow the client);
+    // a module LOADed stays loaded in the server process.
+    if is(first, "PREPARE") || is(first, "LOAD") {
         return true;
     }
     // A session-level SET outlives the transaction, and so does a RESET
@@ -2283,12 +2304,39 @@ fn pins_statement<'a>(
             27 => is(w, "PG_TRY_ADVISORY_LOCK_SHARED"),
             _ => false,
         };
-        if hit {
+        if hit || temp_schema(sql, w) {
             return true;
         }
         prev = w;
     }
     false
+}
+
+/// Whether the word `w` of `sql` names the session's temporary schema
+/// (`pg_temp`, or its real name `pg_temp_N`) as the schema of an object:
+/// `CREATE TABLE pg_temp.t`, `CREATE FUNCTION "pg_temp" . f()` make
+/// temporary objects as `TEMP` does. Quoted or not, whatever the case: a
+/// quoted `"PG_TEMP"` is another schema, but pinning for it costs only
+/// pooling.
+#[inline(always)]
+fn temp_schema(sql: &[u8], w: &[u8]) -> bool {
+    let Some(head) = w.get(..7) else {
+        return false;
+    };
+    if !head.eq_ignore_ascii_case(b"PG_TEMP") {
+        return false;
+    }
+    let number = &w[7..];
+    if let Some(digits) = number.strip_prefix(b"_") {
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+            return false;
+        }
+    } else if !number.is_empty() {
+        return false;
+    }
+    let after = &sql[w.as_ptr() as usize - sql.as_ptr() as usize + w.len()..];
+    let after = after.strip_prefix(b"\"").unwrap_or(after);
+    after.trim_ascii_start().starts_with(b".")
 }
 
 /// Whether `TEMP`/`TEMPORARY` after this word makes a temporary object:
@@ -2588,6 +2636,21 @@ mod tests {
             "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
             "SET search_path TO x",
             "PREPARE p AS SELECT 1",
+            // Temporary objects, however the statement spells them.
+            "CREATE TABLE pg_temp.tt3(x int)",
+            "CREATE /*x*/ TEMP TABLE tt2(x int)",
+            "CREATE -- c\nTEMPORARY TABLE t (x int)",
+            "create /* a /* nested */ one */ local temp table t (x int)",
+            "CREATE TABLE \"pg_temp\".t (x int)",
+            "CREATE TABLE pg_temp . t (x int)",
+            "create table PG_TEMP_3.t (x int)",
+            "CREATE SEQUENCE pg_temp /* x */ . s",
+            "CREATE VIEW pg_temp.v AS SELECT 1",
+            "CREATE FUNCTION pg_temp.f() RETURNS int AS 'select 1' LANGUAGE sql",
+            "DECLARE c CURSOR WITH /*x*/ HOLD FOR SELECT 1",
+            "SET /* LOCAL */ search_path TO x",
+            "LOAD 'auto_explain'",
+            "/* a */ load 'auto_explain'",
         ] {
             assert!(pins_session(s.as_bytes()), "{s}");
         }
@@ -2609,6 +2672,12 @@ mod tests {
             "SELECT ';SET search_path TO x'",
             "SELECT 1 -- ; SET search_path TO x",
             "SELECT $q$ ; SET search_path TO x $q$",
+            // Words in comments are not the statement's.
+            "SELECT 1 /* CREATE TEMP TABLE t */",
+            "SELECT 1 -- LISTEN x",
+            "SELECT '--', 1",
+            "SELECT pg_temporary.x FROM pg_temp_x.t",
+            "SELECT 'pg_temp'",
         ] {
             assert!(!pins_session(s.as_bytes()), "{s}");
         }
@@ -2663,24 +2732,47 @@ mod tests {
     /// first words.
     fn reference(sql: &str) -> bool {
         let mut statements = vec![String::new()];
-        let (mut quote, mut line_comment) = (None, false);
-        for c in sql.chars() {
+        let (mut quote, mut line_comment, mut depth) = (None, false, 0);
+        let chars: Vec<char> = sql.chars().collect();
+        let mut i = 0;
+        while i < chars.len() {
+            let (c, next) = (chars[i], chars.get(i + 1).copied());
             let cur = statements.last_mut().unwrap();
+            i += 1;
+            // Comments become spaces.
             if line_comment {
                 line_comment = c != '\n';
-            } else if let Some(q) = quote {
+                cur.push(if line_comment { ' ' } else { c });
+                continue;
+            }
+            if depth > 0 || (quote.is_none() && c == '/' && next == Some('*')) {
+                match (c, next) {
+                    ('/', Some('*')) => depth += 1,
+                    ('*', Some('/')) => depth -= 1,
+                    _ => {
+                        cur.push(' ');
+                        continue;
+                    }
+                }
+                i += 1;
+                cur.push_str("  ");
+                continue;
+            }
+            if let Some(q) = quote {
                 if c == q {
                     quote = None;
                 }
             } else if c == '\'' || c == '"' {
                 quote = Some(c);
-            } else if c == '-' && cur.ends_with('-') && !cur.ends_with("--") {
+            } else if c == '-' && next == Some('-') {
                 line_comment = true;
+                cur.push(' ');
+                continue;
             } else if c == ';' {
                 statements.push(String::new());
                 continue;
             }
-            statements.last_mut().unwrap().push(c);
+            cur.push(c);
         }
         statements.iter().any(|s| reference_statement(s))
     }
@@ -2699,6 +2791,27 @@ mod tests {
     fn reference_statement(sql: &str) -> bool {
         let sql = skip_comments(sql);
         let upper = sql.to_ascii_uppercase();
+        // `pg_temp` (or `pg_temp_N`) as a schema: before a dot, perhaps
+        // quoted, spaces between.
+        let temp_schema = upper.match_indices("PG_TEMP").any(|(at, _)| {
+            let word_start = at == 0 || {
+                let b = upper.as_bytes()[at - 1];
+                !(b.is_ascii_alphanumeric() || b == b'_')
+            };
+            let mut rest = &upper[at + 7..];
+            if let Some(n) = rest.strip_prefix('_') {
+                let digits = n.bytes().take_while(u8::is_ascii_digit).count();
+                if digits == 0 {
+                    return false;
+                }
+                rest = &n[digits..];
+            }
+            let rest = rest.strip_prefix('"').unwrap_or(rest);
+            word_start && rest.trim_start().starts_with('.')
+        });
+        if temp_schema {
+            return true;
+        }
         let mut words: Vec<(usize, &str)> = Vec::new();
         let mut start = None;
         for (i, c) in upper.char_indices().chain([(upper.len(), ' ')]) {
@@ -2747,7 +2860,7 @@ mod tests {
             "SET_CONFIG" => !skip_comments(&sql[at + w.len()..])
                 .to_ascii_lowercase()
                 .starts_with("('a','b',true)"),
-            "PREPARE" => i == 0,
+            "PREPARE" | "LOAD" => i == 0,
             "SET" => {
                 let name = match names.get(1) {
                     Some(&"SESSION") => names.get(2),
@@ -2806,6 +2919,13 @@ mod tests {
             "set_config('a','b',true)",
             "SET_CONFIG('a','b',false)",
             "set_config($1,$2,$3)",
+            "pg_temp",
+            "PG_TEMP_7",
+            "\"pg_temp\"",
+            ".",
+            "load",
+            "/*",
+            "*/",
         ];
         // A small deterministic generator (xorshift): no test dependency.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;

@@ -24,6 +24,6 @@ pub mod startup;
 
 pub use encode::Severity;
 pub use message::{peek_header, split_message, BodyError, FrameError, Header, TxStatus};
-pub use readonly::{check_read_only, options_set_read_only_guc, ReadOnlyViolation};
+pub use readonly::{blank_comments, check_read_only, options_set_read_only_guc, ReadOnlyViolation};
 pub use sqlstate::SqlState;
 pub use startup::{parse_startup, StartupError, StartupFrame, StartupMessage};

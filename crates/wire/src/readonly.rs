@@ -187,6 +187,56 @@ pub fn check_read_only_bytes(sql: &[u8]) -> Result<(), ReadOnlyViolation> {
     check(sql, 0).map_err(|kind| ReadOnlyViolation { kind })
 }
 
+/// `sql` with its comments (`--` to the end of the line, nested `/* */`)
+/// overwritten with spaces, or `None` when it has none. Other bytes keep
+/// their places, so positions in the result are positions in `sql`.
+///
+/// For checks that look at the words of a statement and must not be misled
+/// by comments between them (`CREATE /* x */ TEMP TABLE`), nor mistake a
+/// `--` or `/*` inside a string constant or quoted identifier for one. A
+/// byte counts as comment only if it lexes as one with
+/// `standard_conforming_strings` on and off alike, so whatever the
+/// session's setting the server sees no code where the result has blanks.
+/// From an unterminated constant or identifier on, the text is kept as it
+/// is (the server refuses such a query).
+pub fn blank_comments(sql: &[u8]) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    let mut lexer = Lexer::new(sql, true);
+    mark_comments(&mut lexer, &mut out);
+    let out = out?;
+    if !lexer.saw_backslash {
+        return Some(out);
+    }
+    // The other lexing may see code where the first saw a comment: keep
+    // the bytes that either one takes for code.
+    let mut other = None;
+    mark_comments(&mut Lexer::new(sql, false), &mut other);
+    let other = other?;
+    let both: Vec<u8> = sql
+        .iter()
+        .zip(out.iter().zip(&other))
+        .map(|(&b, (&x, &y))| if x != b && y != b { b' ' } else { b })
+        .collect();
+    (both != sql).then_some(both)
+}
+
+/// Blanks, in a copy of the lexer's input made on the first one, the
+/// comments the lexer skips between tokens.
+fn mark_comments(lexer: &mut Lexer<'_>, out: &mut Option<Vec<u8>>) {
+    loop {
+        let from = lexer.pos;
+        let to = lexer.skip_blank(from).min(lexer.src.len());
+        for i in from..to {
+            if !is_space(lexer.src[i]) {
+                out.get_or_insert_with(|| lexer.src.to_vec())[i] = b' ';
+            }
+        }
+        if lexer.next_token().is_none() || lexer.truncated {
+            return;
+        }
+    }
+}
+
 /// Levels of string constants inside string constants that are followed.
 /// Legitimate SQL rarely needs more than two or three, and each level may
 /// double the work when both string-lexing modes have to be tried.
@@ -1141,6 +1191,29 @@ mod tests {
 
     const DTRO: Violation = Violation::SetParameter(GuardedParameter::DefaultTransactionReadOnly);
     const TRO: Violation = Violation::SetParameter(GuardedParameter::TransactionReadOnly);
+
+    #[test]
+    fn comments_are_blanked_and_nothing_else() {
+        let blank = |s: &str| blank_comments(s.as_bytes()).map(|b| String::from_utf8(b).unwrap());
+        assert_eq!(blank("SELECT 1").as_deref(), None);
+        assert_eq!(
+            blank("CREATE /*x*/ TEMP").as_deref(),
+            Some("CREATE       TEMP")
+        );
+        assert_eq!(
+            blank("a /* b /* c */ d */ e -- f\ng").as_deref(),
+            Some("a                   e     \ng")
+        );
+        // Not comments: inside constants, quoted identifiers, dollar quotes.
+        assert_eq!(blank("SELECT '--', \"/*\", $$ -- $$").as_deref(), None);
+        // A backslash: with standard_conforming_strings off the constant
+        // ends later and the comment is inside it, so it stays.
+        assert_eq!(blank("SELECT 'a\\' /* ', 1").as_deref(), None);
+        assert_eq!(
+            blank("SELECT E'a\\'' /* x */").as_deref(),
+            Some("SELECT E'a\\''        ")
+        );
+    }
 
     #[test]
     fn set_of_guarded_parameters_in_every_spelling() {
