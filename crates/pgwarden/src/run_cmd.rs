@@ -143,19 +143,22 @@ pub async fn serve(
         }
     }
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
-    let admin_reload = proxy.reload_requests();
+    let mut admin_reload = proxy
+        .reload_requests()
+        .expect("the reload requests are taken once, here");
     let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
     let mut failure = None;
     loop {
         tokio::select! {
-            _ = async {
+            reply = async {
                 tokio::select! {
-                    _ = hangup.recv() => {}
-                    _ = admin_reload.notified() => {}
+                    _ = hangup.recv() => None,
+                    r = admin_reload.recv() => r,
                 }
             } => {
-                match pgwarden_config::load(path) {
+                // What the admin console's RELOAD answers.
+                let outcome: Result<(), String> = match pgwarden_config::load(path) {
                     Ok(new) => {
                         if new.cluster.probe_interval != running.cluster.probe_interval
                             || new.cluster.connect_timeout != running.cluster.connect_timeout
@@ -215,13 +218,26 @@ pub async fn serve(
                         }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        match proxy.apply(proxy_spec(&new, config_dir(path))).await {
-                            Ok(()) => tracing::info!(file = %path.display(), "configuration reloaded"),
-                            Err(e) => tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address"),
-                        }
+                        let applied = match proxy.apply(proxy_spec(&new, config_dir(path))).await {
+                            Ok(()) => {
+                                tracing::info!(file = %path.display(), "configuration reloaded");
+                                Ok(())
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address");
+                                Err(format!("configuration reloaded, but a listener could not be bound (it keeps its old address): {e}"))
+                            }
+                        };
                         running = new;
+                        applied
                     }
-                    Err(e) => tracing::error!("reload rejected, the running configuration stays: {e}"),
+                    Err(e) => {
+                        tracing::error!("reload rejected, the running configuration stays: {e}");
+                        Err(format!("configuration not reloaded, the running one stays: {e}"))
+                    }
+                };
+                if let Some(reply) = reply {
+                    let _ = reply.send(outcome);
                 }
             }
             why = async {

@@ -197,6 +197,67 @@ select = "standby"
         "old config stays"
     );
 
+    // In one reload a service may take an address another gives up: a
+    // rename on the same port, then two services swapping ports. No port
+    // is left without a listener.
+    write(
+        &config,
+        &format!("{base}{shutdown}\n[services.renamed]\nlisten = \"127.0.0.1:{extra2}\"\nselect = \"replica\"\n"),
+    );
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("the renamed service listens", WAIT, || {
+        let log = pg.log();
+        async move {
+            log.contains("renamed")
+                .then_some(())
+                .ok_or("not yet".to_string())
+        }
+    })
+    .await;
+    assert_eq!(select_one(conninfo(extra2)).await.unwrap(), "t");
+    let swapped = base.replace(
+        &format!("listen = \"127.0.0.1:{standby}\""),
+        &format!("listen = \"127.0.0.1:{extra2}\""),
+    );
+    write(
+        &config,
+        &format!("{swapped}{shutdown}\n[services.renamed]\nlisten = \"127.0.0.1:{standby}\"\nselect = \"replica\"\n"),
+    );
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    // The standby service (no synchronous standby: the primary) now on
+    // the renamed one's port, and the other way round.
+    lands_on("standby service on its new port", extra2, "f").await;
+    lands_on("renamed service on its new port", standby, "t").await;
+    assert!(!pg.log().contains("could not be bound"), "{}", pg.log());
+
+    // A host taken out of the file: its sessions end, saying so (not that
+    // the server is down).
+    let reader = client(&conninfo(ro)).await.unwrap();
+    let port = common::one(&reader, "SELECT inet_server_port()").await;
+    let gone = [c.addr(1), c.addr(2)]
+        .into_iter()
+        .find(|a| a.ends_with(&format!(":{port}")))
+        .expect("the read-only session is on a replica");
+    let fewer = swapped.replace(&format!(", \"{gone}\""), "");
+    assert_ne!(fewer, swapped);
+    write(
+        &config,
+        &format!("{fewer}{shutdown}\n[services.renamed]\nlisten = \"127.0.0.1:{standby}\"\nselect = \"replica\"\n"),
+    );
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("the session on the removed host ends", WAIT, || async {
+        match reader.simple_query("SELECT 1").await {
+            Ok(_) => Err("still open".to_string()),
+            Err(_) => Ok(()),
+        }
+    })
+    .await;
+    let log = pg.log();
+    assert!(
+        log.contains("HostRemoved") && !log.contains("HostDown"),
+        "{log}"
+    );
+
     // SIGTERM: no new connections; the idle session is ended with 57P01
     // after shutdown_timeout, and the process exits.
     let mut pg = pg;
@@ -299,6 +360,21 @@ async fn admin_console_disable_enable_and_shutdown() {
     assert_eq!(common::one(&again, "SELECT 8").await, "8");
     let err = console.batch_execute("SUSPEND").await.unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("0A000"), "{err}");
+
+    // RELOAD answers how the reload went: a broken file is refused with
+    // its error, and the running configuration stays.
+    let good = std::fs::read_to_string(&config).unwrap();
+    write(&config, &format!("{good}\n[pool]\nsize = \"lots\"\n"));
+    let err = console.batch_execute("RELOAD").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("F0000"), "{err}");
+    let msg = err.as_db_error().unwrap().message().to_string();
+    assert!(
+        msg.contains("not reloaded") && msg.contains("pgwarden.toml"),
+        "{msg}"
+    );
+    write(&config, &good);
+    console.batch_execute("RELOAD").await.unwrap();
+    assert_eq!(common::one(&again, "SELECT 9").await, "9");
 
     console.batch_execute("SHUTDOWN").await.unwrap();
     let status = eventually("process exit", WAIT, || {

@@ -102,8 +102,8 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 if text.trim().trim_matches(';').trim().is_empty() {
                     encode::empty_query_response(&mut out);
                 } else {
-                    wait_close(shared, text).await;
-                    command(shared, text, &mut out);
+                    let reloaded = before_command(shared, text).await;
+                    command(shared, text, reloaded, &mut out);
                 }
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
@@ -127,16 +127,18 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
             _ => {
+                let mut reloaded = None;
                 if tag == frontend::EXECUTE {
                     let portal = msg[5..].split(|b| *b == 0).next().unwrap_or_default();
                     if let Some(text) = portals.get(String::from_utf8_lossy(portal).as_ref()) {
-                        wait_close(shared, text).await;
+                        reloaded = before_command(shared, text).await;
                     }
                 }
                 let ok = extended(
                     shared,
                     tag,
                     &msg[5..],
+                    reloaded,
                     &mut statements,
                     &mut portals,
                     &mut out,
@@ -156,6 +158,7 @@ fn extended(
     shared: &Arc<Shared>,
     tag: u8,
     body: &[u8],
+    reloaded: Option<Result<(), String>>,
     statements: &mut HashMap<String, String>,
     portals: &mut HashMap<String, String>,
     out: &mut BytesMut,
@@ -238,7 +241,7 @@ fn extended(
             // changes nothing.
             let mut result = BytesMut::new();
             if is_show(text) {
-                command(shared, text, &mut result);
+                command(shared, text, None, &mut result);
             }
             match result.first() {
                 Some(b'T') => {
@@ -270,7 +273,7 @@ fn extended(
                 return true;
             }
             let mut result = BytesMut::new();
-            command(shared, text, &mut result);
+            command(shared, text, reloaded, &mut result);
             // Execute sends no RowDescription (Describe does).
             if result.first() == Some(&b'T') {
                 let len = u32::from_be_bytes([result[1], result[2], result[3], result[4]]);
@@ -387,7 +390,14 @@ fn setting_name(words: &[&str]) -> Option<String> {
     Some(name.to_ascii_lowercase())
 }
 
-fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
+/// `reloaded`: how the reload a RELOAD asked for went (see
+/// [`before_command`]).
+fn command(
+    shared: &Arc<Shared>,
+    text: &str,
+    reloaded: Option<Result<(), String>>,
+    out: &mut BytesMut,
+) {
     if several_statements(text) {
         encode::error_response(
             out,
@@ -508,10 +518,25 @@ fn command(shared: &Arc<Shared>, text: &str, out: &mut BytesMut) {
             tracing::info!(database, "admin console: KILL");
             encode::command_complete(out, "KILL");
         }
-        ["RELOAD"] => {
-            shared.reload.notify_one();
-            encode::command_complete(out, "RELOAD");
-        }
+        ["RELOAD"] => match reloaded {
+            Some(Ok(())) => encode::command_complete(out, "RELOAD"),
+            Some(Err(why)) => encode::error_response(
+                out,
+                Severity::Error,
+                sqlstate::CONFIG_FILE_ERROR.code(),
+                &why,
+                None,
+                None,
+            ),
+            None => encode::error_response(
+                out,
+                Severity::Error,
+                sqlstate::FEATURE_NOT_SUPPORTED.code(),
+                "this pgwarden has no configuration file to reload",
+                None,
+                None,
+            ),
+        },
         // The wait itself happened before (`wait_close`).
         ["WAIT_CLOSE"] | ["WAIT_CLOSE", _] => match argument(text) {
             Some(d) if !shared.pools.lock().expect("poisoned").values().any(|p| p.key.database == d) => {
@@ -627,6 +652,20 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         &rows,
         "SHOW",
     );
+}
+
+/// The waiting a command does before it answers: WAIT_CLOSE's (see
+/// [`wait_close`]), and RELOAD's, which asks whoever owns the configuration
+/// file to reload it and returns how that went (`None`: nobody to ask).
+async fn before_command(shared: &Shared, text: &str) -> Option<Result<(), String>> {
+    wait_close(shared, text).await;
+    let first = text.split_whitespace().next()?;
+    if !first.trim_end_matches(';').eq_ignore_ascii_case("RELOAD") {
+        return None;
+    }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    shared.reload.send(reply).await.ok()?;
+    answer.await.ok()
 }
 
 /// The word after the command (a service or database name), as typed.

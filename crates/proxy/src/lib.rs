@@ -34,7 +34,7 @@ pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{
     check_spec, ClientTlsMode, ConnLimits, CredentialSource, PoolOverrides, Proxy, ProxySpec,
-    RefusalSwitch, ServiceSpec, TlsSpec, WRITERS,
+    RefusalSwitch, ReloadReply, ServiceSpec, TlsSpec, WRITERS,
 };
 pub use stream::{tls_acceptor, ServerStream, ServerTls, ServerTlsMode};
 

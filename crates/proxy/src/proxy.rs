@@ -43,6 +43,9 @@ pub struct ServiceSpec {
     pub pool: Option<Arc<crate::pool::PoolSettings>>,
 }
 
+/// Where a reload's outcome goes: `Err` carries what the client is told.
+pub type ReloadReply = tokio::sync::oneshot::Sender<Result<(), String>>;
+
 /// Gives the user and password a request must carry, as they are now.
 pub type CredentialSource = Arc<dyn Fn() -> Option<(String, String)> + Send + Sync>;
 
@@ -256,6 +259,8 @@ pub(crate) enum Kill {
     Shutdown,
     /// An administrator ended it (the admin console's KILL).
     Admin,
+    /// Its host was taken out of the configuration by a reload.
+    HostRemoved,
 }
 
 impl Kill {
@@ -265,6 +270,7 @@ impl Kill {
             Kill::HostDown => 2,
             Kill::Shutdown => 3,
             Kill::Admin => 4,
+            Kill::HostRemoved => 5,
         }
     }
 
@@ -274,6 +280,7 @@ impl Kill {
             2 => Some(Kill::HostDown),
             3 => Some(Kill::Shutdown),
             4 => Some(Kill::Admin),
+            5 => Some(Kill::HostRemoved),
             _ => None,
         }
     }
@@ -401,9 +408,10 @@ pub(crate) struct Shared {
     /// require; without, they are taken from this machine only.
     pub http_credentials: Mutex<Option<CredentialSource>>,
     pub settings_view: Mutex<Vec<(String, String)>>,
-    /// Signalled by the admin console's RELOAD; whoever owns the
-    /// configuration file reloads it.
-    pub reload: Arc<tokio::sync::Notify>,
+    /// The admin console's RELOAD requests, each with where to answer:
+    /// whoever owns the configuration file reloads it and says how it went.
+    pub reload: tokio::sync::mpsc::Sender<ReloadReply>,
+    reload_rx: Mutex<Option<tokio::sync::mpsc::Receiver<ReloadReply>>>,
     pub pool_overrides: Mutex<PoolOverrides>,
     pub tls: arc_swap::ArcSwapOption<tokio_rustls::TlsAcceptor>,
     pub client_tls: Mutex<ClientTlsMode>,
@@ -707,6 +715,7 @@ impl Proxy {
         snapshot: Arc<ArcSwap<Snapshot>>,
         changes: watch::Receiver<u64>,
     ) -> Result<Proxy, ProxyError> {
+        let (reload_tx, reload_rx) = tokio::sync::mpsc::channel(4);
         let shared = Arc::new(Shared {
             snapshot,
             changes: changes.clone(),
@@ -727,7 +736,8 @@ impl Proxy {
             admin_users: Mutex::new(Vec::new()),
             http_credentials: Mutex::new(None),
             settings_view: Mutex::new(Vec::new()),
-            reload: Arc::new(tokio::sync::Notify::new()),
+            reload: reload_tx,
+            reload_rx: Mutex::new(Some(reload_rx)),
             shutdown: Arc::new(tokio::sync::Notify::new()),
             disabled: Mutex::new(Default::default()),
             any_disabled: AtomicBool::new(false),
@@ -790,9 +800,11 @@ impl Proxy {
         RefusalSwitch(self.shared.clone())
     }
 
-    /// Notified when the admin console asks for a configuration reload.
-    pub fn reload_requests(&self) -> Arc<tokio::sync::Notify> {
-        self.shared.reload.clone()
+    /// The admin console's requests for a configuration reload, each to be
+    /// answered with the reload's outcome (the error a client is shown).
+    /// There is one receiver: later calls get `None`.
+    pub fn reload_requests(&self) -> Option<tokio::sync::mpsc::Receiver<ReloadReply>> {
+        self.shared.reload_rx.lock().expect("poisoned").take()
     }
 
     /// Notified when the admin console asks pgwarden to shut down.
@@ -890,6 +902,46 @@ impl Proxy {
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
         let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
+        // Listeners that go or move are closed before any is bound: in one
+        // reload a service may take the address another gives up (a rename,
+        // two services swapping ports, a service moving onto the HTTP port).
+        let stays = |name: &str, addr: SocketAddr| {
+            spec.services.iter().any(|s| {
+                s.name == name
+                    && (addr == s.listen || (s.listen.port() == 0 && addr.ip() == s.listen.ip()))
+            })
+        };
+        let moving: Vec<String> = self
+            .listeners
+            .iter()
+            .filter(|(name, l)| !stays(name, l.addr))
+            .map(|(name, _)| name.clone())
+            .collect();
+        let mut given_up: HashMap<String, SocketAddr> = HashMap::new();
+        for name in moving {
+            if let Some(l) = self.listeners.remove(&name) {
+                l.task.stop();
+                if wanted.contains(&name) {
+                    given_up.insert(name, l.addr);
+                } else {
+                    self.shared.services.lock().expect("poisoned").remove(&name);
+                    tracing::info!(service = %name, "service removed; its sessions continue");
+                }
+            }
+        }
+        let http_moves = match (&self.http, spec.http) {
+            (Some((addr, _)), Some(want)) => *addr != want && want.port() != 0,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        let old_http = if http_moves {
+            self.http.take().map(|(addr, t)| {
+                t.abort();
+                addr
+            })
+        } else {
+            None
+        };
         for svc in spec.services {
             let name = svc.name.clone();
             let service = Service {
@@ -909,7 +961,26 @@ impl Proxy {
                     service.home_hint.store(hint, Ordering::Relaxed);
                     l.service.store(Arc::new(service));
                 }
-                _ => match bind_for_worker(svc.listen).await {
+                _ => match bind_for_worker(svc.listen)
+                    .await
+                    .or_else(|e| match given_up.get(&name) {
+                        // Not left without a listener: back to the address
+                        // it had, and the error is reported.
+                        Some(old) => {
+                            tracing::error!(service = %name, addr = %svc.listen, error = %e, "cannot listen; keeping the old address");
+                            first_err.get_or_insert(ProxyError::Bind {
+                                service: name.clone(),
+                                addr: svc.listen,
+                                source: e,
+                            });
+                            std::net::TcpListener::bind(*old)
+                                .and_then(|l| {
+                                    l.set_nonblocking(true)?;
+                                    Ok((l, *old))
+                                })
+                        }
+                        None => Err(e),
+                    }) {
                     Ok((listener, addr)) => {
                         let handle = Arc::new(ArcSwap::from_pointee(service));
                         // Accepting on a worker rather than here saves a
@@ -945,31 +1016,18 @@ impl Proxy {
                 },
             }
         }
-        let removed: Vec<String> = self
-            .listeners
-            .keys()
-            .filter(|n| !wanted.contains(n))
-            .cloned()
-            .collect();
-        for name in removed {
-            if let Some(l) = self.listeners.remove(&name) {
-                l.task.stop();
-                self.shared.services.lock().expect("poisoned").remove(&name);
-                tracing::info!(service = %name, "service removed; its sessions continue");
-            }
-        }
         if let Err(e) = self.apply_unix(spec.unix_socket_dir.as_deref()) {
             first_err.get_or_insert(e);
         }
         match (&self.http, spec.http) {
             (Some((addr, _)), Some(want)) if *addr == want || want.port() == 0 => {}
-            (_, None) => {
-                if let Some((_, t)) = self.http.take() {
-                    t.abort();
-                }
-            }
-            (_, Some(want)) => match TcpListener::bind(want).await {
-                Ok(listener) => {
+            (_, None) => {}
+            (_, Some(want)) => {
+                let (listener, failed) = match bind_http(want, old_http).await {
+                    Ok(l) => (Some(l), None),
+                    Err((e, back)) => (back, Some(e)),
+                };
+                if let Some(listener) = listener {
                     let addr = listener.local_addr().unwrap_or(want);
                     let app = crate::http::router(self.shared.clone())
                         .into_make_service_with_connect_info::<SocketAddr>();
@@ -983,14 +1041,14 @@ impl Proxy {
                     }
                     tracing::info!(%addr, "HTTP listening");
                 }
-                Err(source) => {
+                if let Some(source) = failed {
                     first_err.get_or_insert(ProxyError::Bind {
                         service: "http".into(),
                         addr: want,
                         source,
                     });
                 }
-            },
+            }
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -1199,8 +1257,42 @@ async fn unix_accept_loop(
 
 /// Binds `addr` here, so that errors are reported to the caller, and hands
 /// the socket over for a worker's event loop to register.
+/// Binds the HTTP port at `want`, or, failing, back at `old` (where it
+/// was before this reload) so that it is not left without one; the error
+/// is returned either way.
+async fn bind_http(
+    want: SocketAddr,
+    old: Option<SocketAddr>,
+) -> Result<TcpListener, (std::io::Error, Option<TcpListener>)> {
+    match bind_retrying(want).await {
+        Ok(l) => Ok(l),
+        Err(e) => {
+            let back = match old {
+                Some(old) => bind_retrying(old).await.ok(),
+                None => None,
+            };
+            Err((e, back))
+        }
+    }
+}
+
+/// Binds `addr`, waiting a moment for a listener this process just closed
+/// there (on another thread) to let go of it.
+async fn bind_retrying(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let mut tries = 0;
+    loop {
+        match TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
+                tries += 1;
+                crate::timer::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 async fn bind_for_worker(addr: SocketAddr) -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
-    let listener = TcpListener::bind(addr).await?;
+    let listener = bind_retrying(addr).await?;
     let local = listener.local_addr().unwrap_or(addr);
     if let Err(e) = defer_accept(&listener) {
         tracing::debug!(error = %e, "TCP_DEFER_ACCEPT not set");
@@ -1409,7 +1501,9 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
             let Some(host) = &e.host else { continue };
             let idx = index.get(host).copied();
             let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
-            let kill = if !alive {
+            let kill = if idx.is_none() {
+                Some(Kill::HostRemoved)
+            } else if !alive {
                 Some(Kill::HostDown)
             } else if e.want == Want::Primary && topo.primary() != idx {
                 Some(Kill::NotPrimary)

@@ -1140,6 +1140,7 @@ impl Io<'_> {
         let notice = match &ended {
         Ended::Killed(Some(Kill::NotPrimary)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {} is no longer the primary; reconnect to reach the new one", self.host))),
         Ended::Killed(Some(Kill::HostDown)) => Some((sqlstate::CONNECTION_FAILURE, format!("terminating connection: server {} is down", self.host))),
+        Ended::Killed(Some(Kill::HostRemoved)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: server {} was removed from pgwarden's configuration", self.host))),
         Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
         Ended::Killed(Some(Kill::Admin)) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: administrator command".to_string())),
         Ended::Downstream(End::Stopped(code, why)) => Some((*code, format!("terminating connection: {why}"))),

@@ -233,6 +233,7 @@ pub(crate) async fn run(
                 let why = match k {
                     Kill::Shutdown => "pgwarden is shutting down",
                     Kill::Admin => "administrator command",
+                    Kill::HostRemoved => "its server was removed from pgwarden's configuration",
                     _ => "the server went away",
                 };
                 Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))

@@ -68,6 +68,8 @@ pub const CHARACTER_NOT_IN_REPERTOIRE: SqlState = SqlState("22021");
 /// The object is not in a state that allows this, such as a database
 /// that does not accept connections.
 pub const OBJECT_NOT_IN_PREREQUISITE_STATE: SqlState = SqlState("55000");
+/// A configuration file could not be used.
+pub const CONFIG_FILE_ERROR: SqlState = SqlState("F0000");
 
 #[cfg(test)]
 mod tests {
@@ -98,6 +100,7 @@ mod tests {
             INVALID_CURSOR_NAME,
             CHARACTER_NOT_IN_REPERTOIRE,
             OBJECT_NOT_IN_PREREQUISITE_STATE,
+            CONFIG_FILE_ERROR,
         ];
         for s in all {
             assert_eq!(s.code().len(), 5);
