@@ -5,6 +5,7 @@
 //! standbys, lag exclusion) after each, returning only what changed so
 //! that callers can log transitions instead of every probe.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,15 @@ pub struct HostState {
     /// Whether any probe result has been applied yet.
     probed: bool,
     observation: Option<Observation>,
+    /// WAL positions the host reported as a primary, oldest first, each with
+    /// when it was first seen. Replica lag is measured against the position
+    /// the primary had when the replica was observed, not its newest one.
+    wal_history: VecDeque<(Instant, u64)>,
 }
+
+/// Distinct primary positions kept per host: minutes of history at usual
+/// probe intervals, small enough to copy with every published snapshot.
+const WAL_HISTORY_LEN: usize = 512;
 
 impl HostState {
     fn new(config: HostConfig) -> Self {
@@ -72,7 +81,34 @@ impl HostState {
             under_limit_since: None,
             probed: false,
             observation: None,
+            wal_history: VecDeque::new(),
         }
+    }
+
+    /// Records the WAL position a primary reported at `at`. Only the first
+    /// sighting of each position is kept: that is when the WAL up to it is
+    /// known to have existed.
+    fn record_wal(&mut self, at: Instant, lsn: u64) {
+        match self.wal_history.back() {
+            Some(&(_, last)) if last == lsn => return,
+            // Going backwards is another server (or a restored one) at this
+            // address: its old positions say nothing about the new one.
+            Some(&(_, last)) if lsn < last => self.wal_history.clear(),
+            _ => {}
+        }
+        if self.wal_history.len() == WAL_HISTORY_LEN {
+            self.wal_history.pop_front();
+        }
+        self.wal_history.push_back((at, lsn));
+    }
+
+    /// The primary's WAL position as last seen at or before `at`.
+    fn wal_at(&self, at: Instant) -> Option<u64> {
+        self.wal_history
+            .iter()
+            .rev()
+            .find(|(seen, _)| *seen <= at)
+            .map(|&(_, lsn)| lsn)
     }
 
     /// The host's address.
@@ -391,6 +427,10 @@ impl Topology {
                 h.delayed = !obs.min_apply_delay.is_zero();
                 h.error = None;
                 h.last_ok = Some(now);
+                match obs.current_lsn {
+                    Some(lsn) if !obs.in_recovery => h.record_wal(now, lsn),
+                    _ => h.wal_history.clear(),
+                }
                 h.observation = Some(obs);
             }
             ProbeResult::Err(error) => {
@@ -552,11 +592,19 @@ impl Topology {
     }
 
     fn compute_lag(&mut self) {
-        let primary_lsn = self
-            .primary
-            .and_then(|p| self.hosts[p].observation.as_ref())
-            .and_then(|o| o.current_lsn);
-        for h in &mut self.hosts {
+        // Compared with the primary's newest position, a replica probed a
+        // moment earlier would look behind by all the WAL written in
+        // between; only a position the primary had reached by the time the
+        // replica answered is fair.
+        let primary_at_seen: Vec<Option<u64>> = self
+            .hosts
+            .iter()
+            .map(|h| {
+                let p = &self.hosts[self.primary?];
+                p.wal_at(h.last_ok?)
+            })
+            .collect();
+        for (h, primary_lsn) in self.hosts.iter_mut().zip(primary_at_seen) {
             if h.is_live_replica() {
                 let obs = h.observation.as_ref();
                 let replay = obs.and_then(|o| o.replay_lsn);
@@ -1101,7 +1149,8 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let mut t = lag_topo(Duration::ZERO);
         t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0);
-        // The primary moving ahead is enough to exclude the replica.
+        // A primary position seen no later than the replica's own reading
+        // is enough to exclude the replica.
         let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, 2000)), t0);
         assert!(ev
             .iter()
@@ -1119,6 +1168,52 @@ pub(crate) mod tests {
         let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 0, 1)), t0);
         assert!(!t.hosts()[1].lag_excluded);
         assert!(ev.contains(&TopologyEvent::LagReadmitted { host: addr("r") }));
+    }
+
+    #[test]
+    fn steady_writes_do_not_make_replicas_look_behind() {
+        // 500 ms probes, 1.75 MB of WAL per interval, replicas truly 100 kB
+        // behind and probed a few milliseconds after the primary: the
+        // primary's next position must not be held against their last one.
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut t = Topology::new(
+            vec![cfg("p"), cfg("r1"), cfg("r2")],
+            TopologyConfig {
+                max_replica_lag: Some(LagLimit {
+                    bytes: Some(600_000),
+                    time: None,
+                }),
+                lag_hold: Duration::from_secs(3),
+            },
+        );
+        let per_round = 1_750_000u64;
+        for k in 1..40u64 {
+            let round = t0 + ms(500 * k);
+            let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, k * per_round)), round);
+            assert!(
+                !ev.iter()
+                    .any(|e| matches!(e, TopologyEvent::LagExcluded { .. })),
+                "round {k}: {ev:?}"
+            );
+            for (i, name) in [(1, "r1"), (2, "r2")] {
+                let replay = k * per_round - 100_000;
+                let at = round + ms(3 * i as u64);
+                t.apply(i, ProbeResult::Ok(replica_obs(name, replay, 1)), at);
+                assert_eq!(t.hosts()[i].lag_bytes, Some(100_000), "round {k}");
+            }
+            assert!(t.hosts().iter().all(|h| !h.lag_excluded), "round {k}");
+        }
+        // A replica that answered before the primary's first reading has no
+        // fair comparison yet: unknown, not the whole WAL.
+        let mut t = lag_topo(Duration::ZERO);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0 + ms(1));
+        assert_eq!(t.hosts()[1].lag_bytes, None);
+        assert!(!t.hosts()[1].lag_excluded);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0 + ms(2));
+        assert_eq!(t.hosts()[1].lag_bytes, Some(4990));
+        assert!(t.hosts()[1].lag_excluded);
     }
 
     #[test]
