@@ -580,6 +580,14 @@ fn cluster_cross_checks() {
         "cluster.hosts",
         "application_name \"n\" of b:1 is already used by a:1",
     );
+    // The primary's rows are matched without regard to case, so a name
+    // differing only in case is the same name.
+    fails(
+        "[cluster]\nhosts = [\n  { addr = \"a:1\", application_name = \"Node\" },\n  { addr = \"b:1\", application_name = \"nODE\" },\n]\n",
+        4,
+        "cluster.hosts",
+        "application_name \"nODE\" of b:1 is already used by a:1",
+    );
     fails(
         &with("password = \"x\"\npassword_file = \"/p\"\n"),
         4,

@@ -515,3 +515,101 @@ async fn delayed_replica_is_flagged_and_kept_out_of_replica_reads() {
     .await;
     assert_ne!(snap.topology.hosts()[2].replay_delay, Some(Duration::ZERO));
 }
+
+/// Points replica `i`'s WAL receiver at the primary under `conninfo_extra`
+/// (e.g. an `application_name`) and reloads it.
+fn restream(c: &mut TestCluster, i: usize, conninfo_extra: &str) {
+    let port = c.port(0);
+    let node = c.node(i);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=127.0.0.1 port={port} user=postgres {conninfo_extra}"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+}
+
+/// The primary's `pg_stat_replication` as `name:sync_state:slot` lines, sorted.
+async fn replication_rows(c: &TestCluster) -> String {
+    sql_value(
+        &c.conninfo(0),
+        "SELECT coalesce(string_agg(r.application_name || ':' || r.sync_state || ':' \
+         || coalesce(s.slot_name::text, ''), ',' ORDER BY r.sync_state, s.slot_name), '') \
+         FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid",
+    )
+    .await
+    .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standbys_sharing_a_name_are_told_apart_by_slot_or_not_at_all() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    for i in [1, 2] {
+        restream(&mut c, i, "application_name=twin");
+    }
+    c.set_sync_standby_names("FIRST 1 (twin)");
+    let primary = c.conninfo(0);
+    let rows = |want: &'static str| {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            (got == want).then_some(()).ok_or(got)
+        }
+    };
+    pgwarden_testkit::eventually("one twin sync, one potential", WAIT, || {
+        rows("twin:potential:,twin:sync:")
+    })
+    .await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let sync_states = |s: &pgwarden_probe::Snapshot| -> Vec<Option<SyncState>> {
+        s.topology.hosts().iter().map(|h| h.sync_state).collect()
+    };
+    let snap = until(&e, "both twins probed", WAIT, |s| {
+        let h = s.topology.hosts();
+        let named = h[1..]
+            .iter()
+            .all(|h| h.alive && h.replication_name() == Some("twin"));
+        let rows = h[0].observation().map_or(0, |o| o.replication.len());
+        (named && rows == 2)
+            .then_some(())
+            .ok_or(format!("{:?}", sync_states(s)))
+    })
+    .await;
+    // PostgreSQL calls one of them sync, and nothing it reports says which.
+    assert_eq!(sync_states(&snap), [None, None, None]);
+    let sel = Selector::default();
+    assert_eq!(sel.eligible(&snap.topology, &Want::SyncStandby), [0]);
+
+    // With a slot each, the rows can be told apart.
+    sql(
+        &primary,
+        "SELECT pg_create_physical_replication_slot('slot_a'), \
+         pg_create_physical_replication_slot('slot_b')",
+    )
+    .await;
+    for (i, slot) in [(1, "slot_a"), (2, "slot_b")] {
+        let node = c.node(i);
+        node.set_setting("primary_slot_name", slot).unwrap();
+        node.reload().unwrap();
+    }
+    let pg_sync = pgwarden_testkit::eventually("both twins on their slots", WAIT, || {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            match got.as_str() {
+                "twin:potential:slot_b,twin:sync:slot_a" => Ok(1),
+                "twin:potential:slot_a,twin:sync:slot_b" => Ok(2),
+                _ => Err(got),
+            }
+        }
+    })
+    .await;
+    let snap = until(&e, "the twins attributed by slot", WAIT, |s| {
+        let st = sync_states(s);
+        let mut want = vec![None, Some(SyncState::Potential), Some(SyncState::Potential)];
+        want[pg_sync] = Some(SyncState::Sync);
+        (st == want).then_some(()).ok_or(format!("{st:?}"))
+    })
+    .await;
+    assert_eq!(sel.eligible(&snap.topology, &Want::SyncStandby), [pg_sync]);
+}

@@ -316,6 +316,7 @@ fn log_event(e: &TopologyEvent) {
         TopologyEvent::HostDown { .. }
         | TopologyEvent::PrimaryConflict { .. }
         | TopologyEvent::SyncConfigInvalid { .. }
+        | TopologyEvent::SyncAmbiguous { .. }
         | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),

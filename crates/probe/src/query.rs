@@ -28,16 +28,21 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
  current_setting('cluster_name'), \
  (SELECT conninfo FROM pg_stat_wal_receiver), \
  CASE WHEN NOT pg_is_in_recovery() THEN (SELECT string_agg(concat_ws(E'\\t', \
-   coalesce(application_name, ''), coalesce(state, ''), coalesce(sync_state, ''), \
-   coalesce(replay_lsn::text, '')), E'\\n') FROM pg_stat_replication) END";
+   coalesce(r.application_name, ''), coalesce(r.state, ''), coalesce(r.sync_state, ''), \
+   coalesce(r.replay_lsn::text, ''), coalesce(s.slot_name::text, '')), E'\\n') \
+   FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid) END, \
+ (SELECT slot_name FROM pg_stat_wal_receiver)";
+
+/// Number of columns of [`PROBE_QUERY`].
+const COLUMNS: usize = 12;
 
 /// Builds an [`Observation`] from the text columns of the probe query's
 /// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
 /// errors: a monitoring probe must not fail a host over a surprise format.
 pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Observation, String> {
-    if cols.len() < 11 {
+    if cols.len() < COLUMNS {
         return Err(format!(
-            "probe query returned {} columns, expected 11",
+            "probe query returned {} columns, expected {COLUMNS}",
             cols.len()
         ));
     }
@@ -70,6 +75,7 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
         replay_delay,
         min_apply_delay,
         wal_receiver_name,
+        wal_receiver_slot: cols[11].filter(|s| !s.is_empty()).map(str::to_string),
         synchronous_standby_names: if in_recovery {
             None
         } else {
@@ -121,6 +127,7 @@ fn parse_replication_line(line: &str) -> Option<ReplicationRow> {
         state: f.next().unwrap_or_default().to_string(),
         sync_state: f.next().unwrap_or_default().to_string(),
         replay_lsn: f.next().and_then(parse_lsn),
+        slot_name: f.next().filter(|s| !s.is_empty()).map(str::to_string),
     })
 }
 
@@ -145,7 +152,8 @@ mod tests {
             Some("ANY 1 (node2, node3)"),
             Some("node1"),
             None,
-            Some("node2\tstreaming\tquorum\t0/3000148\nnode3\tcatchup\tquorum\t"),
+            Some("node2\tstreaming\tquorum\t0/3000148\tslot2\nnode3\tcatchup\tquorum\t\t"),
+            None,
         ]);
         let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
         assert!(!o.in_recovery);
@@ -158,6 +166,8 @@ mod tests {
         assert_eq!(o.replication.len(), 2);
         assert_eq!(o.replication[1].state, "catchup");
         assert_eq!(o.replication[1].replay_lsn, None);
+        assert_eq!(o.replication[0].slot_name.as_deref(), Some("slot2"));
+        assert_eq!(o.replication[1].slot_name, None);
         assert_eq!(o.wal_receiver_name, None);
     }
 
@@ -175,6 +185,7 @@ mod tests {
             Some("node2"),
             Some("user=postgres host=127.0.0.1 port=5432 application_name=fast_one"),
             None,
+            Some("node2_slot"),
         ]);
         let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
         assert!(o.in_recovery);
@@ -182,6 +193,7 @@ mod tests {
         assert_eq!(o.replay_delay, Some(Duration::from_millis(1500)));
         assert_eq!(o.min_apply_delay, Duration::from_secs(60));
         assert_eq!(o.wal_receiver_name.as_deref(), Some("fast_one"));
+        assert_eq!(o.wal_receiver_slot.as_deref(), Some("node2_slot"));
         assert_eq!(o.synchronous_standby_names, None);
     }
 
@@ -205,7 +217,7 @@ mod tests {
     #[test]
     fn bad_rows_are_errors_not_panics() {
         assert!(parse_observation_row(&[], Duration::ZERO).is_err());
-        let mut cols = vec![None; 11];
+        let mut cols = vec![None; COLUMNS];
         assert!(parse_observation_row(&cols, Duration::ZERO).is_err());
         cols[0] = Some("t");
         cols[4] = Some("garbage");

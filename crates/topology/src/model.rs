@@ -197,6 +197,10 @@ pub struct ReplicationRow {
     pub sync_state: String,
     /// The standby's replay position, if reported.
     pub replay_lsn: Option<u64>,
+    /// The replication slot the standby streams through, if any. Slot
+    /// names are unique on a server, so unlike `application_name` this
+    /// ties the row to one standby.
+    pub slot_name: Option<String>,
 }
 
 /// Everything one successful probe of one server returned.
@@ -223,6 +227,10 @@ pub struct Observation {
     /// Replica only: the `application_name` its WAL receiver presents upstream,
     /// i.e. the name it has in the primary's `pg_stat_replication`.
     pub wal_receiver_name: Option<String>,
+    /// Replica only: the replication slot its WAL receiver streams through
+    /// (`primary_slot_name`), matched against the slots of the primary's
+    /// `pg_stat_replication` rows.
+    pub wal_receiver_slot: Option<String>,
     /// Primary only: raw `synchronous_standby_names` text.
     pub synchronous_standby_names: Option<String>,
     /// Primary only: the rows of `pg_stat_replication`.

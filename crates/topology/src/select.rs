@@ -685,6 +685,7 @@ mod tests {
                     state: "streaming".into(),
                     sync_state: "quorum".into(),
                     replay_lsn: None,
+                    slot_name: None,
                 })
                 .collect();
         }

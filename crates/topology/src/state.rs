@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::ewma::Ewma;
 use crate::model::{
-    HostAddr, HostConfig, Observation, ProbeResult, Role, SyncState, TopologyConfig,
+    HostAddr, HostConfig, Observation, ProbeResult, ReplicationRow, Role, SyncState, TopologyConfig,
 };
 use crate::ssn::{self, SyncMethod, SyncStandbyNames};
 
@@ -200,6 +200,14 @@ pub enum TopologyEvent {
         /// The claimant.
         host: HostAddr,
     },
+    /// Several replicas go by the same replication name and the primary's
+    /// rows for it disagree, so none of them gets a sync state.
+    SyncAmbiguous {
+        /// The shared `application_name`.
+        name: String,
+        /// The replicas that bear it.
+        hosts: Vec<HostAddr>,
+    },
     /// The primary's `synchronous_standby_names` could not be parsed.
     SyncConfigInvalid {
         /// The raw setting.
@@ -275,6 +283,11 @@ impl fmt::Display for TopologyEvent {
                 f,
                 "host {host} claims to be primary but does not hold the leader key; it gets no traffic"
             ),
+            TopologyEvent::SyncAmbiguous { name, hosts } => write!(
+                f,
+                "replicas {} all stream as application_name {name:?} and the primary reports them differently; none is treated as synchronous (give each a distinct application_name or replication slot)",
+                addr_list(hosts)
+            ),
             TopologyEvent::SyncConfigInvalid { value, error } => write!(
                 f,
                 "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
@@ -315,6 +328,8 @@ pub struct Topology {
     ssn_reported: Option<(String, String)>,
     sync_set: Vec<usize>,
     quorum: bool,
+    /// Shared replication names already reported, so each is logged once.
+    ambiguous_reported: Vec<(String, Vec<HostAddr>)>,
 }
 
 impl Topology {
@@ -332,6 +347,7 @@ impl Topology {
             ssn_reported: None,
             sync_set: Vec::new(),
             quorum: false,
+            ambiguous_reported: Vec::new(),
         }
     }
 
@@ -651,32 +667,40 @@ impl Topology {
 
         let rows = primary_obs.as_ref().map_or(&[][..], |o| &o.replication[..]);
         let sync_configured = self.ssn.is_some();
+        let (attributed, ambiguous) = attribute_rows(&self.hosts, rows);
         self.sync_set.clear();
-        for i in 0..self.hosts.len() {
-            let h = &self.hosts[i];
-            let state = if h.is_live_replica() {
-                h.replication_name()
-                    .and_then(|name| {
-                        rows.iter()
-                            .find(|r| r.application_name.eq_ignore_ascii_case(name))
-                    })
-                    .and_then(|row| {
-                        // The server's own verdict is authoritative, except
-                        // that nothing can be synchronous without a setting.
-                        if sync_configured {
-                            SyncState::parse(&row.sync_state)
-                        } else {
-                            Some(SyncState::Async)
-                        }
-                    })
-            } else {
-                None
-            };
+        for (i, row_state) in attributed.into_iter().enumerate() {
+            // The server's own verdict is authoritative, except that nothing
+            // can be synchronous without a setting.
+            let state = row_state.and_then(|s| {
+                if sync_configured {
+                    SyncState::parse(s)
+                } else {
+                    Some(SyncState::Async)
+                }
+            });
             if matches!(state, Some(SyncState::Sync | SyncState::Quorum)) {
                 self.sync_set.push(i);
             }
             self.hosts[i].sync_state = state;
         }
+        for (name, idx) in &ambiguous {
+            let hosts = self.addrs(idx);
+            let report = (name.clone(), hosts.clone());
+            if !self.ambiguous_reported.contains(&report) {
+                events.push(TopologyEvent::SyncAmbiguous {
+                    name: name.clone(),
+                    hosts,
+                });
+            }
+        }
+        self.ambiguous_reported = ambiguous
+            .into_iter()
+            .map(|(name, idx)| {
+                let hosts = self.addrs(&idx);
+                (name, hosts)
+            })
+            .collect();
     }
 
     fn update_lag_exclusion(&mut self, now: Instant, events: &mut Vec<TopologyEvent>) {
@@ -725,6 +749,90 @@ impl Topology {
     }
 }
 
+/// A replication name borne by several replicas (their indices) whose rows
+/// cannot be told apart.
+type SharedName = (String, Vec<usize>);
+
+/// The `sync_state` text of the primary's `pg_stat_replication` row of each
+/// host (`None`: not a live replica, not streaming from the primary, or not
+/// attributable), and the names that could not be attributed, with the
+/// hosts that share them.
+///
+/// A slot ties a row to one standby, so it is matched first. A name ties a
+/// row to a host only when exactly one row and one live replica carry it:
+/// standbys often share a name (`walreceiver` is the default), and the
+/// first row of a name says nothing about which of its bearers is
+/// synchronous. A shared name still yields a state when every row of that
+/// name reports the same one and no bearer can be left without a row.
+fn attribute_rows<'r>(
+    hosts: &[HostState],
+    rows: &'r [ReplicationRow],
+) -> (Vec<Option<&'r str>>, Vec<SharedName>) {
+    let mut out: Vec<Option<&str>> = vec![None; hosts.len()];
+    let mut row_taken = vec![false; rows.len()];
+    let mut host_done = vec![false; hosts.len()];
+    for (i, h) in hosts.iter().enumerate() {
+        if !h.is_live_replica() {
+            host_done[i] = true;
+            continue;
+        }
+        let slot = h
+            .observation
+            .as_ref()
+            .and_then(|o| o.wal_receiver_slot.as_deref());
+        let Some(slot) = slot else { continue };
+        if let Some(r) = rows
+            .iter()
+            .position(|r| r.slot_name.as_deref() == Some(slot))
+        {
+            out[i] = Some(rows[r].sync_state.as_str());
+            row_taken[r] = true;
+            host_done[i] = true;
+        }
+    }
+    let mut ambiguous = Vec::new();
+    for i in 0..hosts.len() {
+        if host_done[i] {
+            continue;
+        }
+        let Some(name) = hosts[i].replication_name() else {
+            host_done[i] = true;
+            continue;
+        };
+        let bearers: Vec<usize> = (i..hosts.len())
+            .filter(|&j| {
+                !host_done[j]
+                    && hosts[j]
+                        .replication_name()
+                        .is_some_and(|n| n.eq_ignore_ascii_case(name))
+            })
+            .collect();
+        let named: Vec<&ReplicationRow> = rows
+            .iter()
+            .zip(&row_taken)
+            .filter(|(r, taken)| !**taken && r.application_name.eq_ignore_ascii_case(name))
+            .map(|(r, _)| r)
+            .collect();
+        for &j in &bearers {
+            host_done[j] = true;
+        }
+        match (named.as_slice(), bearers.as_slice()) {
+            ([], _) => {}
+            ([row], [only]) => out[*only] = Some(row.sync_state.as_str()),
+            ([first, rest @ ..], _)
+                if named.len() >= bearers.len()
+                    && rest.iter().all(|r| r.sync_state == first.sync_state) =>
+            {
+                for &j in &bearers {
+                    out[j] = Some(first.sync_state.as_str());
+                }
+            }
+            _ => ambiguous.push((name.to_string(), bearers)),
+        }
+    }
+    (out, ambiguous)
+}
+
 /// Derived facts before a change, by address so that they survive a host
 /// list reload that renumbers hosts.
 struct Snapshot {
@@ -737,7 +845,7 @@ struct Snapshot {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::model::{LagLimit, ReplicationRow};
+    use crate::model::LagLimit;
 
     pub(crate) fn cfg(name: &str) -> HostConfig {
         HostConfig::new(HostAddr::new(name, 5432))
@@ -776,6 +884,7 @@ pub(crate) mod tests {
             state: "streaming".to_string(),
             sync_state: sync.to_string(),
             replay_lsn: None,
+            slot_name: None,
         }
     }
 
@@ -1060,6 +1169,91 @@ pub(crate) mod tests {
         assert!(!ev
             .iter()
             .any(|e| matches!(e, TopologyEvent::SyncSetChanged { .. })));
+    }
+
+    /// A primary "p" and replicas "a", "b", "c", all reporting `name`.
+    fn twins(
+        rows: Vec<ReplicationRow>,
+        slots: [Option<&str>; 3],
+    ) -> (Topology, Vec<TopologyEvent>) {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "a", "b", "c"]);
+        for (i, slot) in slots.into_iter().enumerate() {
+            let mut o = replica_obs("walreceiver", 1, 1);
+            o.wal_receiver_slot = slot.map(str::to_string);
+            t.apply(i + 1, ProbeResult::Ok(o), t0);
+        }
+        let mut p = primary_obs(1, 1);
+        p.synchronous_standby_names = Some("FIRST 1 (walreceiver)".into());
+        p.replication = rows;
+        let ev = t.apply(0, ProbeResult::Ok(p), t0);
+        (t, ev)
+    }
+
+    fn slotted(name: &str, sync: &str, slot: &str) -> ReplicationRow {
+        ReplicationRow {
+            slot_name: Some(slot.to_string()),
+            ..row(name, sync)
+        }
+    }
+
+    #[test]
+    fn shared_replication_names_are_not_guessed() {
+        use SyncState::*;
+        // Three standbys named alike, one sync: PostgreSQL's rows cannot say
+        // which, so nobody is sync, and that is reported once.
+        let rows = vec![
+            row("walreceiver", "sync"),
+            row("WalReceiver", "potential"),
+            row("walreceiver", "potential"),
+        ];
+        let (mut t, ev) = twins(rows.clone(), [None; 3]);
+        assert_eq!(states(&t), [None, None, None, None]);
+        assert!(t.sync_set().is_empty());
+        assert!(ev.contains(&TopologyEvent::SyncAmbiguous {
+            name: "walreceiver".into(),
+            hosts: vec![addr("a"), addr("b"), addr("c")],
+        }));
+        let mut p = t.host(0).unwrap().observation().unwrap().clone();
+        let ev = t.apply(0, ProbeResult::Ok(p.clone()), Instant::now());
+        assert!(ev.is_empty(), "{ev:?}");
+        assert!(TopologyEvent::SyncAmbiguous {
+            name: "walreceiver".into(),
+            hosts: vec![addr("a")],
+        }
+        .to_string()
+        .contains("walreceiver"));
+
+        // All rows agree: the state holds whichever row is whose.
+        p.replication = vec![
+            row("walreceiver", "async"),
+            row("walreceiver", "async"),
+            row("walreceiver", "async"),
+        ];
+        t.apply(0, ProbeResult::Ok(p.clone()), Instant::now());
+        assert_eq!(states(&t), [None, Some(Async), Some(Async), Some(Async)]);
+        // ... unless a bearer may have no row at all.
+        p.replication.pop();
+        t.apply(0, ProbeResult::Ok(p), Instant::now());
+        assert_eq!(states(&t), [None, None, None, None]);
+
+        // Slots tie rows to standbys, whatever the names.
+        let (t, ev) = twins(
+            vec![
+                slotted("walreceiver", "potential", "sa"),
+                slotted("walreceiver", "sync", "sb"),
+                row("walreceiver", "potential"),
+            ],
+            [Some("sa"), Some("sb"), None],
+        );
+        assert_eq!(
+            states(&t),
+            [None, Some(Potential), Some(Sync), Some(Potential)]
+        );
+        assert_eq!(t.sync_set(), &[2]);
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SyncAmbiguous { .. })));
     }
 
     #[test]
