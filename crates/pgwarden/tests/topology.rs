@@ -613,3 +613,41 @@ async fn standbys_sharing_a_name_are_told_apart_by_slot_or_not_at_all() {
     .await;
     assert_eq!(sel.eligible(&snap.topology, &Want::SyncStandby), [pg_sync]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_left_on_the_old_timeline_gets_no_reads() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    // node2 is promoted while node1 keeps running as a primary, and node3
+    // keeps streaming from node1 on timeline 1.
+    c.node(1).promote().unwrap();
+    sql(&c.conninfo(1), "CREATE TABLE only_on_new (x int)").await;
+    sql(&c.conninfo(0), "CREATE TABLE only_on_old AS SELECT 1 AS x").await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "node3 flagged as off the primary", WAIT, |s| {
+        let h = s.topology.hosts();
+        (s.topology.primary() == Some(1) && h[2].alive && h[2].off_primary.is_some())
+            .then_some(())
+            .ok_or(format!(
+                "primary {:?}, node3 {:?} tl {:?}",
+                s.topology.primary(),
+                h[2].off_primary,
+                h[2].timeline
+            ))
+    })
+    .await;
+    let h = &snap.topology.hosts()[2];
+    assert_eq!(h.timeline, Some(1));
+    assert!(
+        h.off_primary.as_deref().unwrap().contains("timeline 1"),
+        "{:?}",
+        h.off_primary
+    );
+    assert_eq!(h.lag_bytes, None);
+    // Reads go to the new primary, not to the replica that lacks its data.
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 4)
+        .iter()
+        .all(|&i| i == 1));
+    let view = pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round);
+    assert!(view.hosts[2].off_primary.is_some());
+}

@@ -317,6 +317,7 @@ fn log_event(e: &TopologyEvent) {
         | TopologyEvent::PrimaryConflict { .. }
         | TopologyEvent::SyncConfigInvalid { .. }
         | TopologyEvent::SyncAmbiguous { .. }
+        | TopologyEvent::OffPrimary { .. }
         | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),

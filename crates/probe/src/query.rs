@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use pgwarden_topology::{parse_lsn, Observation, ReplicationRow};
+use pgwarden_topology::{parse_lsn, HostAddr, Observation, ReplicationRow};
 
 /// The statement whose round trip is the host's RTT sample: as close to
 /// nothing as SQL gets, so the sample measures the path, not the server.
@@ -31,10 +31,12 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
    coalesce(r.application_name, ''), coalesce(r.state, ''), coalesce(r.sync_state, ''), \
    coalesce(r.replay_lsn::text, ''), coalesce(s.slot_name::text, '')), E'\\n') \
    FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid) END, \
- (SELECT slot_name FROM pg_stat_wal_receiver)";
+ (SELECT slot_name FROM pg_stat_wal_receiver), \
+ (SELECT sender_host FROM pg_stat_wal_receiver), \
+ (SELECT sender_port FROM pg_stat_wal_receiver)";
 
 /// Number of columns of [`PROBE_QUERY`].
-const COLUMNS: usize = 12;
+const COLUMNS: usize = 14;
 
 /// Builds an [`Observation`] from the text columns of the probe query's
 /// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
@@ -76,6 +78,10 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
         min_apply_delay,
         wal_receiver_name,
         wal_receiver_slot: cols[11].filter(|s| !s.is_empty()).map(str::to_string),
+        upstream: cols[12]
+            .filter(|h| !h.is_empty())
+            .zip(cols[13].and_then(|p| p.parse::<u16>().ok()))
+            .map(|(h, p)| HostAddr::new(h, p)),
         synchronous_standby_names: if in_recovery {
             None
         } else {
@@ -154,6 +160,8 @@ mod tests {
             None,
             Some("node2\tstreaming\tquorum\t0/3000148\tslot2\nnode3\tcatchup\tquorum\t\t"),
             None,
+            None,
+            None,
         ]);
         let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
         assert!(!o.in_recovery);
@@ -186,6 +194,8 @@ mod tests {
             Some("user=postgres host=127.0.0.1 port=5432 application_name=fast_one"),
             None,
             Some("node2_slot"),
+            Some("127.0.0.1"),
+            Some("5432"),
         ]);
         let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
         assert!(o.in_recovery);
@@ -194,6 +204,7 @@ mod tests {
         assert_eq!(o.min_apply_delay, Duration::from_secs(60));
         assert_eq!(o.wal_receiver_name.as_deref(), Some("fast_one"));
         assert_eq!(o.wal_receiver_slot.as_deref(), Some("node2_slot"));
+        assert_eq!(o.upstream, Some(HostAddr::new("127.0.0.1", 5432)));
         assert_eq!(o.synchronous_standby_names, None);
     }
 

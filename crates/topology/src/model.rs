@@ -231,6 +231,10 @@ pub struct Observation {
     /// (`primary_slot_name`), matched against the slots of the primary's
     /// `pg_stat_replication` rows.
     pub wal_receiver_slot: Option<String>,
+    /// Replica only: the server its WAL receiver is connected to
+    /// (`pg_stat_wal_receiver.sender_host` and `sender_port`), as that
+    /// replica names it.
+    pub upstream: Option<HostAddr>,
     /// Primary only: raw `synchronous_standby_names` text.
     pub synchronous_standby_names: Option<String>,
     /// Primary only: the rows of `pg_stat_replication`.
@@ -238,6 +242,9 @@ pub struct Observation {
 }
 
 /// Outcome of probing one server.
+// One result per probe, moved once into the topology: boxing the large
+// variant would add an allocation per probe and save nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum ProbeResult {
     /// The server answered.

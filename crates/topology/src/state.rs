@@ -48,6 +48,10 @@ pub struct HostState {
     pub last_ok: Option<Instant>,
     /// Excluded from read traffic for lagging too far behind.
     pub lag_excluded: bool,
+    /// Why this live replica is not following the current primary (it is
+    /// on an older timeline, or streams from a server that claims to be
+    /// primary but is not the chosen one); such a replica takes no reads.
+    pub off_primary: Option<String>,
     /// Since when an excluded replica has been continuously within the limit.
     under_limit_since: Option<Instant>,
     /// Whether any probe result has been applied yet.
@@ -78,6 +82,7 @@ impl HostState {
             error: None,
             last_ok: None,
             lag_excluded: false,
+            off_primary: None,
             under_limit_since: None,
             probed: false,
             observation: None,
@@ -208,6 +213,19 @@ pub enum TopologyEvent {
         /// The replicas that bear it.
         hosts: Vec<HostAddr>,
     },
+    /// A replica does not follow the current primary, so its data may miss
+    /// what was written there; it takes no read traffic.
+    OffPrimary {
+        /// The replica.
+        host: HostAddr,
+        /// Why, for the operator.
+        reason: String,
+    },
+    /// A replica that did not follow the primary does again.
+    OnPrimary {
+        /// The replica.
+        host: HostAddr,
+    },
     /// The primary's `synchronous_standby_names` could not be parsed.
     SyncConfigInvalid {
         /// The raw setting.
@@ -288,6 +306,13 @@ impl fmt::Display for TopologyEvent {
                 "replicas {} all stream as application_name {name:?} and the primary reports them differently; none is treated as synchronous (give each a distinct application_name or replication slot)",
                 addr_list(hosts)
             ),
+            TopologyEvent::OffPrimary { host, reason } => write!(
+                f,
+                "replica {host} does not follow the primary ({reason}); it gets no read traffic"
+            ),
+            TopologyEvent::OnPrimary { host } => {
+                write!(f, "replica {host} follows the primary again")
+            }
             TopologyEvent::SyncConfigInvalid { value, error } => write!(
                 f,
                 "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
@@ -552,6 +577,7 @@ impl Topology {
             });
         }
 
+        self.compute_upstream(events);
         self.compute_lag();
         self.compute_sync(events);
         let sync = self.addrs(&self.sync_set);
@@ -607,6 +633,69 @@ impl Topology {
         }
     }
 
+    /// Flags live replicas that cannot be following the resolved primary.
+    ///
+    /// After a promotion the old primary may keep running, and replicas
+    /// still streaming from it stay on the old timeline: their WAL
+    /// positions look current, yet they lack what the new primary wrote.
+    fn compute_upstream(&mut self, events: &mut Vec<TopologyEvent>) {
+        let primary = self.primary.map(|p| {
+            let h = &self.hosts[p];
+            (h.config.addr.clone(), h.timeline)
+        });
+        let reasons: Vec<Option<String>> =
+            self.hosts
+                .iter()
+                .map(|h| {
+                    let (paddr, ptl) = primary.as_ref()?;
+                    if !h.is_live_replica() {
+                        return None;
+                    }
+                    if let (Some(tl), Some(ptl)) = (h.timeline, *ptl) {
+                        if tl < ptl {
+                            return Some(format!(
+                                "on timeline {tl}, the primary {paddr} is on timeline {ptl}"
+                            ));
+                        }
+                    }
+                    let upstream = h.observation.as_ref()?.upstream.as_ref()?;
+                    let source = self.hosts.iter().find(|o| {
+                        o.config.addr.port == upstream.port
+                            && o.config.addr.host.eq_ignore_ascii_case(&upstream.host)
+                    })?;
+                    (source.alive && source.role == Role::Primary && source.config.addr != *paddr)
+                        .then(|| {
+                            format!(
+                                "streams from {}, which is not the primary {paddr}",
+                                source.config.addr
+                            )
+                        })
+                })
+                .collect();
+        for (h, reason) in self.hosts.iter_mut().zip(reasons) {
+            if !h.alive {
+                // Kept while down: being down proves nothing either way.
+                continue;
+            }
+            if reason == h.off_primary {
+                continue;
+            }
+            match &reason {
+                Some(r) => events.push(TopologyEvent::OffPrimary {
+                    host: h.config.addr.clone(),
+                    reason: r.clone(),
+                }),
+                None if h.role == Role::Replica && primary.is_some() => {
+                    events.push(TopologyEvent::OnPrimary {
+                        host: h.config.addr.clone(),
+                    })
+                }
+                None => {}
+            }
+            h.off_primary = reason;
+        }
+    }
+
     fn compute_lag(&mut self) {
         // Compared with the primary's newest position, a replica probed a
         // moment earlier would look behind by all the WAL written in
@@ -621,7 +710,8 @@ impl Topology {
             })
             .collect();
         for (h, primary_lsn) in self.hosts.iter_mut().zip(primary_at_seen) {
-            if h.is_live_replica() {
+            // Positions on another timeline are not comparable.
+            if h.is_live_replica() && h.off_primary.is_none() {
                 let obs = h.observation.as_ref();
                 let replay = obs.and_then(|o| o.replay_lsn);
                 h.lag_bytes = match (primary_lsn, replay) {
@@ -1408,6 +1498,50 @@ pub(crate) mod tests {
         t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0 + ms(2));
         assert_eq!(t.hosts()[1].lag_bytes, Some(4990));
         assert!(t.hosts()[1].lag_excluded);
+    }
+
+    #[test]
+    fn replicas_not_following_the_primary_are_flagged() {
+        let t0 = Instant::now();
+        let mut t = topo(&["old", "new", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(primary_obs(2, 3000)), t0);
+        // Still streaming from the old primary, ahead of the new one.
+        let mut o = replica_obs("r", 4000, 1);
+        o.upstream = Some(HostAddr::new("OLD", 5432));
+        let ev = t.apply(2, ProbeResult::Ok(o.clone()), t0);
+        assert_eq!(t.primary(), Some(1));
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(reason.contains("timeline 1"), "{reason}");
+        assert!(ev.contains(&TopologyEvent::OffPrimary {
+            host: addr("r"),
+            reason: reason.clone()
+        }));
+        // Its positions are not comparable with the new primary's.
+        assert_eq!(t.hosts()[2].lag_bytes, None);
+        let sel = crate::Selector::default();
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [1]);
+        // Reported once.
+        assert!(t.apply(2, ProbeResult::Ok(o.clone()), t0).is_empty());
+
+        // On the new timeline but fed by the old primary: still flagged.
+        o.timeline = Some(2);
+        t.apply(2, ProbeResult::Ok(o.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(reason.contains("streams from old:5432"), "{reason}");
+
+        // Following the new primary: back in.
+        o.upstream = Some(HostAddr::new("new", 5432));
+        let ev = t.apply(2, ProbeResult::Ok(o), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        assert!(ev.contains(&TopologyEvent::OnPrimary { host: addr("r") }));
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [2]);
+        assert!(TopologyEvent::OffPrimary {
+            host: addr("r"),
+            reason: "x".into()
+        }
+        .to_string()
+        .contains("no read traffic"));
     }
 
     #[test]

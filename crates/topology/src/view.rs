@@ -33,6 +33,10 @@ pub struct HostView {
     pub timeline: Option<u32>,
     /// Whether replica selection skips the host for exceeding `max_replica_lag`.
     pub lag_excluded: bool,
+    /// Why the replica is not following the primary (an older timeline, or
+    /// streaming from a server that is not the primary); null when it is.
+    /// Such a replica takes no reads.
+    pub off_primary: Option<String>,
     /// Tags from the configuration.
     pub tags: Vec<String>,
     /// The last probe error, while the host is dead.
@@ -75,6 +79,7 @@ impl TopologyView {
                 rtt_ms: h.rtt.get().map(|ms| (ms * 1000.0).round() / 1000.0),
                 timeline: h.timeline,
                 lag_excluded: h.lag_excluded,
+                off_primary: h.off_primary.clone(),
                 tags: h.config.tags.clone(),
                 error: h.error.clone(),
             })
