@@ -651,3 +651,68 @@ async fn replica_left_on_the_old_timeline_gets_no_reads() {
     let view = pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round);
     assert!(view.hosts[2].off_primary.is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_that_receives_nothing_falls_behind_in_time() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let e = engine(
+        &c.addrs(),
+        TopologyConfig {
+            max_replica_lag: Some(LagLimit {
+                bytes: None,
+                time: Some(Duration::from_secs(2)),
+            }),
+            lag_hold: Duration::from_millis(500),
+        },
+    );
+    all_alive(&e).await;
+    // Its WAL receiver now knocks at a port nobody listens on.
+    let dead = pgwarden_testkit::free_port();
+    let node = c.node(1);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=127.0.0.1 port={dead} user=postgres"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+    pgwarden_testkit::eventually("the WAL receiver gone", WAIT, || {
+        let ci = c.conninfo(1);
+        async move {
+            match sql_value(
+                &ci,
+                "SELECT count(*) FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+            )
+            .await
+            {
+                Some(v) if v == "0" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let writer = c.conninfo(0);
+    let write = tokio::spawn(async move {
+        for i in 0..40 {
+            sql(
+                &writer,
+                &format!("CREATE TABLE w{i} AS SELECT generate_series(1, 1000) x"),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let snap = until(&e, "the starved replica excluded for time lag", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.lag_excluded && h.replay_delay.is_some_and(|d| d > Duration::from_secs(2)))
+            .then_some(())
+            .ok_or(format!("delay {:?} lag {:?}", h.replay_delay, h.lag_bytes))
+    })
+    .await;
+    let h = &snap.topology.hosts()[1];
+    assert!(h.alive);
+    // The replica itself sees nothing to replay.
+    let own = h.observation().unwrap();
+    assert_eq!(own.receive_lsn, own.replay_lsn);
+    assert!(h.lag_bytes.is_some_and(|b| b > 0));
+    write.abort();
+}

@@ -220,7 +220,12 @@ pub struct Observation {
     pub receive_lsn: Option<u64>,
     /// Replica only: last WAL position replayed.
     pub replay_lsn: Option<u64>,
-    /// Replica only: how far replay is behind in time.
+    /// Replica only: the replica's own estimate of its replay delay (the
+    /// time since its last replayed commit while replay trails receipt).
+    /// For display by callers that want it; the topology measures delay
+    /// against the primary's positions instead, because this estimate is
+    /// zero for a replica that receives nothing and grows with the time
+    /// an idle primary wrote nothing.
     pub replay_delay: Option<Duration>,
     /// Replica only: `recovery_min_apply_delay`; non-zero marks a deliberately delayed replica.
     pub min_apply_delay: Duration,

@@ -38,7 +38,8 @@ pub struct HostState {
     pub sync_state: Option<SyncState>,
     /// WAL distance behind the primary, when both positions are known.
     pub lag_bytes: Option<u64>,
-    /// Replay delay reported by the replica.
+    /// How long the primary had been past the replica's replay position
+    /// when the replica was probed: the age of the oldest change it lacks.
     pub replay_delay: Option<Duration>,
     /// The replica applies WAL with a deliberate delay (`recovery_min_apply_delay`).
     pub delayed: bool,
@@ -105,15 +106,6 @@ impl HostState {
             self.wal_history.pop_front();
         }
         self.wal_history.push_back((at, lsn));
-    }
-
-    /// The primary's WAL position as last seen at or before `at`.
-    fn wal_at(&self, at: Instant) -> Option<u64> {
-        self.wal_history
-            .iter()
-            .rev()
-            .find(|(seen, _)| *seen <= at)
-            .map(|&(_, lsn)| lsn)
     }
 
     /// The host's address.
@@ -697,28 +689,19 @@ impl Topology {
     }
 
     fn compute_lag(&mut self) {
-        // Compared with the primary's newest position, a replica probed a
-        // moment earlier would look behind by all the WAL written in
-        // between; only a position the primary had reached by the time the
-        // replica answered is fair.
-        let primary_at_seen: Vec<Option<u64>> = self
+        let lags: Vec<Option<Lag>> = self
             .hosts
             .iter()
             .map(|h| {
                 let p = &self.hosts[self.primary?];
-                p.wal_at(h.last_ok?)
+                let replay = h.observation.as_ref()?.replay_lsn?;
+                Some(lag_against(&p.wal_history, h.last_ok?, replay))
             })
             .collect();
-        for (h, primary_lsn) in self.hosts.iter_mut().zip(primary_at_seen) {
+        for (h, lag) in self.hosts.iter_mut().zip(lags) {
             // Positions on another timeline are not comparable.
             if h.is_live_replica() && h.off_primary.is_none() {
-                let obs = h.observation.as_ref();
-                let replay = obs.and_then(|o| o.replay_lsn);
-                h.lag_bytes = match (primary_lsn, replay) {
-                    (Some(p), Some(r)) => Some(p.saturating_sub(r)),
-                    _ => None,
-                };
-                h.replay_delay = obs.and_then(|o| o.replay_delay);
+                (h.lag_bytes, h.replay_delay) = lag.unwrap_or((None, None));
             } else {
                 h.lag_bytes = None;
                 h.replay_delay = None;
@@ -837,6 +820,45 @@ impl Topology {
             }
         }
     }
+}
+
+/// Bytes and time a replica is behind; `None` where unknown.
+type Lag = (Option<u64>, Option<Duration>);
+
+/// How far behind a replica was when, at `seen`, it had replayed up to
+/// `replay`, given the positions its primary reported (`history`, oldest
+/// first, each with when it was first seen).
+///
+/// Only primary readings taken no later than the replica's count: compared
+/// with a newer one, the replica would look behind by the WAL written in
+/// between. The bytes are what the primary had written by then beyond the
+/// replica. The time is how long the primary had been past the replica's
+/// position: the age of the oldest change the replica lacks, as far as the
+/// probes can tell (a lower bound, to within one probe interval and at most
+/// the span of the history). It does not depend on when the replica last
+/// replayed a commit, which an idle primary makes arbitrarily old and a
+/// replica that receives nothing never updates.
+///
+/// Before any earlier primary reading the lag is known only if the replica
+/// had already replayed what the primary reported next: then it is zero.
+fn lag_against(history: &VecDeque<(Instant, u64)>, seen: Instant, replay: u64) -> Lag {
+    let mut earlier = history.iter().take_while(|(at, _)| *at <= seen).peekable();
+    if earlier.peek().is_none() {
+        return match history.front() {
+            Some(&(_, lsn)) if lsn <= replay => (Some(0), Some(Duration::ZERO)),
+            _ => (None, None),
+        };
+    }
+    let mut ahead_since = None;
+    let mut last = 0;
+    for &(at, lsn) in earlier {
+        if lsn > replay && ahead_since.is_none() {
+            ahead_since = Some(at);
+        }
+        last = lsn;
+    }
+    let delay = ahead_since.map_or(Duration::ZERO, |at| seen.saturating_duration_since(at));
+    (Some(last.saturating_sub(replay)), Some(delay))
 }
 
 /// A replication name borne by several replicas (their indices) whose rows
@@ -1169,9 +1191,10 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let mut t = topo(&["p", "r1", "r2"]);
         t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        // The replica's own estimate is not what counts.
         let mut o = replica_obs("r1", 400, 1);
-        o.replay_delay = Some(Duration::from_millis(1500));
-        t.apply(1, ProbeResult::Ok(o), t0);
+        o.replay_delay = Some(Duration::from_secs(99));
+        t.apply(1, ProbeResult::Ok(o), t0 + Duration::from_millis(1500));
         let mut o = replica_obs("r2", 0, 1);
         o.replay_lsn = None;
         o.min_apply_delay = Duration::from_secs(3600);
@@ -1185,6 +1208,7 @@ pub(crate) mod tests {
         // A replica ahead of a stale primary reading is not negative.
         t.apply(1, ProbeResult::Ok(replica_obs("r1", 5000, 1)), t0);
         assert_eq!(t.hosts()[1].lag_bytes, Some(0));
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
         // Without a primary the lag is unknown.
         t.apply(0, ProbeResult::Err("down".into()), t0);
         assert_eq!(t.hosts()[1].lag_bytes, None);
@@ -1542,6 +1566,77 @@ pub(crate) mod tests {
         }
         .to_string()
         .contains("no read traffic"));
+    }
+
+    #[test]
+    fn time_lag_is_the_age_of_what_the_replica_lacks() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let limit = TopologyConfig {
+            max_replica_lag: Some(LagLimit {
+                bytes: None,
+                time: Some(s(5)),
+            }),
+            lag_hold: Duration::ZERO,
+        };
+        // A replica whose WAL receiver is gone replays nothing and reports
+        // no replay backlog of its own, while the primary keeps writing.
+        let mut t = Topology::new(vec![cfg("p"), cfg("r")], limit.clone());
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0);
+        for sec in 1..=17u64 {
+            t.apply(
+                0,
+                ProbeResult::Ok(primary_obs(1, 1000 + sec * 225_000)),
+                t0 + s(sec),
+            );
+            t.apply(
+                1,
+                ProbeResult::Ok(replica_obs("r", 1000, 1)),
+                t0 + s(sec) + Duration::from_millis(10),
+            );
+        }
+        let h = &t.hosts()[1];
+        assert_eq!(h.replay_delay, Some(s(16) + Duration::from_millis(10)));
+        assert_eq!(h.lag_bytes, Some(17 * 225_000));
+        assert!(h.lag_excluded);
+
+        // An idle primary, then one large write the replicas replay within
+        // a second: their last replayed commit is old, their data is not.
+        let mut t = Topology::new(vec![cfg("p"), cfg("r")], limit);
+        for sec in 0..25u64 {
+            t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0 + s(sec));
+            t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0 + s(sec));
+        }
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 9_000_000)), t0 + s(25));
+        let mut o = replica_obs("r", 4_000_000, 1);
+        o.receive_lsn = Some(9_000_000);
+        o.replay_delay = Some(s(25));
+        t.apply(
+            1,
+            ProbeResult::Ok(o),
+            t0 + s(25) + Duration::from_millis(400),
+        );
+        let h = &t.hosts()[1];
+        assert_eq!(h.replay_delay, Some(Duration::from_millis(400)));
+        assert!(!h.lag_excluded);
+        t.apply(
+            1,
+            ProbeResult::Ok(replica_obs("r", 9_000_000, 1)),
+            t0 + s(26),
+        );
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
+
+        // A replica probed before the primary's first reading: zero if it
+        // already had what the primary then reported, else unknown.
+        let mut t = topo(&["p", "r1", "r2"]);
+        t.apply(1, ProbeResult::Ok(replica_obs("r1", 700, 1)), t0);
+        t.apply(2, ProbeResult::Ok(replica_obs("r2", 699, 1)), t0);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 700)), t0 + s(1));
+        assert_eq!(t.hosts()[1].lag_bytes, Some(0));
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
+        assert_eq!(t.hosts()[2].lag_bytes, None);
+        assert_eq!(t.hosts()[2].replay_delay, None);
     }
 
     #[test]

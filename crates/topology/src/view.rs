@@ -23,7 +23,9 @@ pub struct HostView {
     /// Bytes of WAL the replica has yet to replay, relative to the
     /// primary's current position.
     pub lag_bytes: Option<u64>,
-    /// How far the replica's replay is behind in time, in milliseconds.
+    /// Time lag in milliseconds: how long the primary had been past the
+    /// replica's replay position, i.e. the age of the oldest change the
+    /// replica lacks.
     pub replay_delay_ms: Option<u64>,
     /// Whether the replica applies WAL with a configured delay.
     pub delayed: bool,
