@@ -716,3 +716,32 @@ async fn replica_that_receives_nothing_falls_behind_in_time() {
     assert!(h.lag_bytes.is_some_and(|b| b > 0));
     write.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_name_with_a_space_is_matched() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    restream(&mut c, 1, "application_name='node 3'");
+    c.set_sync_standby_names(r#"FIRST 1 ("node 3")"#);
+    pgwarden_testkit::eventually("PostgreSQL sees the name", WAIT, || {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            (got == "node 3:sync:").then_some(()).ok_or(got)
+        }
+    })
+    .await;
+    let shown = sql_value(&c.conninfo(1), "SELECT conninfo FROM pg_stat_wal_receiver").await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "the replica known as sync", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.sync_state == Some(SyncState::Sync))
+            .then_some(())
+            .ok_or(format!(
+                "{:?} {:?} from {shown:?}",
+                h.replication_name(),
+                h.sync_state
+            ))
+    })
+    .await;
+    assert_eq!(snap.topology.hosts()[1].replication_name(), Some("node 3"));
+}

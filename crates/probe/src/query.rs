@@ -96,14 +96,74 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
 /// `walreceiver` (PostgreSQL's own fallback order).
 fn walreceiver_name(conninfo: Option<&str>, cluster_name: Option<&str>) -> String {
     conninfo
-        .and_then(|ci| {
-            ci.split_whitespace()
-                .find_map(|kv| kv.strip_prefix("application_name="))
-                .map(|v| v.trim_matches('\'').to_string())
-        })
+        .and_then(|ci| conninfo_value(ci, "application_name"))
         .filter(|s| !s.is_empty())
         .or_else(|| cluster_name.filter(|s| !s.is_empty()).map(str::to_string))
         .unwrap_or_else(|| "walreceiver".to_string())
+}
+
+/// The value of `key` in a connection string as `pg_stat_wal_receiver`
+/// shows it.
+///
+/// PostgreSQL renders that column as `key=value` pairs joined by spaces
+/// without quoting the values, so `application_name='node 3'` comes back
+/// as `application_name=node 3 fallback_application_name=...`. A value
+/// therefore runs up to the next space followed by a keyword and `=`. A
+/// value that does start with a quote is read as libpq reads a quoted one
+/// (`\'` and `\\` escapes), so a conninfo in libpq's own syntax works as
+/// well. (tokio-postgres parses libpq syntax, but refuses keywords it does
+/// not know and cannot read the unquoted form.)
+fn conninfo_value(conninfo: &str, key: &str) -> Option<String> {
+    let mut rest = conninfo.trim_start();
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let (kw, after) = (rest[..eq].trim_end(), rest[eq + 1..].trim_start());
+        let (value, next) = if let Some(quoted) = after.strip_prefix('\'') {
+            let mut value = String::new();
+            let mut chars = quoted.char_indices();
+            let mut end = quoted.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                    '\'' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => value.push(c),
+                }
+            }
+            (value, &quoted[end..])
+        } else {
+            let end = next_keyword(after).unwrap_or(after.len());
+            (after[..end].trim_end().to_string(), &after[end..])
+        };
+        if kw == key {
+            return Some(value);
+        }
+        rest = next.trim_start();
+    }
+    None
+}
+
+/// Where, in an unquoted value, the next `keyword=` starts: after
+/// whitespace, a run of letters and `_` followed by `=` (libpq allows
+/// spaces around it).
+fn next_keyword(s: &str) -> Option<usize> {
+    let bytes = s.as_bytes();
+    (1..bytes.len()).find(|&i| {
+        if !bytes[i - 1].is_ascii_whitespace() || bytes[i].is_ascii_whitespace() {
+            return false;
+        }
+        let word = bytes[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphabetic() || **b == b'_')
+            .count();
+        let gap = bytes[i + word..]
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count();
+        word > 0 && bytes.get(i + word + gap) == Some(&b'=')
+    })
 }
 
 /// Parses a time setting as `current_setting()` shows it: a number with
@@ -217,6 +277,38 @@ mod tests {
         assert_eq!(parse_pg_duration("1d"), Some(Duration::from_secs(86_400)));
         assert_eq!(parse_pg_duration("5 parsecs"), None);
         assert_eq!(parse_pg_duration(""), None);
+    }
+
+    #[test]
+    fn walreceiver_name_with_spaces_and_quotes() {
+        // As PostgreSQL shows it: values unquoted.
+        let shown = "user=postgres passfile=/tmp/.pgpass dbname=replication host=127.0.0.1 \
+                     port=5432 application_name=node 3 fallback_application_name=node2 \
+                     sslmode=prefer";
+        assert_eq!(walreceiver_name(Some(shown), Some("c")), "node 3");
+        assert_eq!(
+            conninfo_value(shown, "fallback_application_name").as_deref(),
+            Some("node2")
+        );
+        assert_eq!(
+            walreceiver_name(Some("host=a application_name=last one"), None),
+            "last one"
+        );
+        // libpq's own syntax: quoted values with escapes, spaces around '='.
+        let quoted = r"host=a application_name = 'it\'s a \\ name' port=1";
+        assert_eq!(walreceiver_name(Some(quoted), None), r"it's a \ name");
+        assert_eq!(conninfo_value(quoted, "port").as_deref(), Some("1"));
+        assert_eq!(
+            conninfo_value("application_name='open", "application_name").as_deref(),
+            Some("open")
+        );
+        assert_eq!(conninfo_value("garbage", "application_name"), None);
+        assert_eq!(conninfo_value("", "application_name"), None);
+        // A name that merely contains the key is not the key.
+        assert_eq!(
+            walreceiver_name(Some("fallback_application_name=x"), Some("c")),
+            "c"
+        );
     }
 
     #[test]
