@@ -40,8 +40,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// `--check`: loads what starting would load from files, binds and
 /// connects to nothing, and prints a summary on success.
 pub fn check(path: &Path, config: &Config) -> anyhow::Result<()> {
-    probe_config(config)?;
-    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path)))
+    let probe = probe_config(config, config_dir(path))?;
+    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path), &probe))
         .with_context(|| format!("{}", path.display()))?;
     let services: Vec<String> = config
         .services()
@@ -91,10 +91,11 @@ pub async fn serve(
     print_rounds: bool,
     agent: Option<pgwarden_agent::AgentHandle>,
 ) -> anyhow::Result<()> {
+    let probe = probe_config(&config, config_dir(path))?;
     let engine = Arc::new(Engine::start(
         config.cluster.host_configs(),
         config.cluster.topology_config(),
-        probe_config(&config)?,
+        probe.clone(),
     ));
     let (configured_hosts, configured_rx) =
         tokio::sync::watch::channel(config.cluster.host_configs());
@@ -123,7 +124,7 @@ pub async fn serve(
     }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
-        proxy_spec(&config, config_dir(path)),
+        proxy_spec(&config, config_dir(path), &probe),
         engine.snapshot_handle(),
         engine.changes(),
     )
@@ -140,6 +141,9 @@ pub async fn serve(
     let admin_reload = proxy.reload_requests();
     let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
+    // What the probe runs with until a restart, to tell when a reload
+    // changes it.
+    let running_probe = probe;
     let mut failure = None;
     loop {
         tokio::select! {
@@ -149,8 +153,20 @@ pub async fn serve(
                     _ = admin_reload.notified() => {}
                 }
             } => {
-                match pgwarden_config::load(path) {
-                    Ok(new) => {
+                // A file the start would refuse (a password file that cannot
+                // be read) is refused here too, rather than leaving pools
+                // without a password.
+                let loaded = pgwarden_config::load(path)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|new| {
+                        let probe = probe_config(&new, config_dir(path))?;
+                        Ok((new, probe))
+                    });
+                match loaded {
+                    Ok((new, new_probe)) => {
+                        if new_probe.password != running_probe.password {
+                            tracing::warn!("the changed cluster password is used by server connections opened from now on; the probe connections use it from the next restart");
+                        }
                         if new.cluster.probe_interval != running.cluster.probe_interval
                             || new.cluster.connect_timeout != running.cluster.connect_timeout
                             || new.cluster.query_timeout != running.cluster.query_timeout
@@ -209,13 +225,13 @@ pub async fn serve(
                         }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        match proxy.apply(proxy_spec(&new, config_dir(path))).await {
+                        match proxy.apply(proxy_spec(&new, config_dir(path), &new_probe)).await {
                             Ok(()) => tracing::info!(file = %path.display(), "configuration reloaded"),
                             Err(e) => tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address"),
                         }
                         running = new;
                     }
-                    Err(e) => tracing::error!("reload rejected, the running configuration stays: {e}"),
+                    Err(e) => tracing::error!("reload rejected, the running configuration stays: {e:#}"),
                 }
             }
             why = async {
@@ -359,17 +375,23 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
 }
 
 /// Probe settings from the `[cluster]` section; the password from the
-/// file, the config, `PGPASSWORD` or `~/.pgpass`, in that order.
-pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
+/// config, the file (relative to the configuration file's directory
+/// `config_dir`, like the other files it names), `PGPASSWORD` or
+/// `~/.pgpass`, in that order. A password file that cannot be read is an
+/// error.
+pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeConfig> {
     let c = &config.cluster;
     let password = match (&c.password, &c.password_file) {
         (Some(p), _) => Some(p.clone()),
-        (None, Some(file)) => Some(
-            std::fs::read_to_string(file)
-                .with_context(|| format!("cluster.password_file: {}", file.display()))?
-                .trim_end_matches(['\r', '\n'])
-                .to_string(),
-        ),
+        (None, Some(file)) => {
+            let file = config_dir.join(file);
+            Some(
+                std::fs::read_to_string(&file)
+                    .with_context(|| format!("cluster.password_file: {}", file.display()))?
+                    .trim_end_matches(['\r', '\n'])
+                    .to_string(),
+            )
+        }
         (None, None) => std::env::var("PGPASSWORD").ok().or_else(|| {
             let first = &c.hosts[0].addr;
             pgpass_lookup(&first.host, first.port, &c.dbname, &c.user)
@@ -386,9 +408,10 @@ pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
     })
 }
 
-/// The proxy's services and ports from the configuration.
-pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
-    let password = probe_config(config).ok().and_then(|p| p.password);
+/// The proxy's services and ports from the configuration; server
+/// connections log in with the probe's password.
+pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> ProxySpec {
+    let password = probe.password.clone();
     let p = &config.pool;
     let base = PoolSettings {
         size: p.size as usize,
