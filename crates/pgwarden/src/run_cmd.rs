@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use pgwarden_config::{ClientTls, ServerTls};
 use pgwarden_config::{Config, PoolMode};
-use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
+use pgwarden_probe::{Engine, ProbeConfig};
 use pgwarden_proxy::{
     AuthSpec, ClientTlsMode, ConnLimits, PoolOverrides, PoolSettings, Proxy, ProxySpec,
     ServerTlsMode, ServiceSpec, TlsSpec,
@@ -376,9 +376,9 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
 
 /// Probe settings from the `[cluster]` section; the password from the
 /// config, the file (relative to the configuration file's directory
-/// `config_dir`, like the other files it names), `PGPASSWORD` or
-/// `~/.pgpass`, in that order. A password file that cannot be read is an
-/// error.
+/// `config_dir`, like the other files it names), `PGPASSWORD`, or else
+/// `~/.pgpass`, looked up for each host as libpq does. A password file
+/// that cannot be read is an error.
 pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeConfig> {
     let c = &config.cluster;
     let password = match (&c.password, &c.password_file) {
@@ -392,15 +392,13 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
                     .to_string(),
             )
         }
-        (None, None) => std::env::var("PGPASSWORD").ok().or_else(|| {
-            let first = &c.hosts[0].addr;
-            pgpass_lookup(&first.host, first.port, &c.dbname, &c.user)
-        }),
+        (None, None) => std::env::var("PGPASSWORD").ok(),
     };
     Ok(ProbeConfig {
         user: c.user.clone(),
         dbname: c.dbname.clone(),
         password,
+        pgpass: true,
         interval: c.probe_interval,
         connect_timeout: c.connect_timeout,
         query_timeout: c.query_timeout,
@@ -411,7 +409,13 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
 /// The proxy's services and ports from the configuration; server
 /// connections log in with the probe's password.
 pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> ProxySpec {
-    let password = probe.password.clone();
+    // The pools take one password for every server, so a password file
+    // entry can only be that of one host: the first.
+    let password = config
+        .cluster
+        .hosts
+        .first()
+        .and_then(|h| probe.password_for(&h.addr));
     let p = &config.pool;
     let base = PoolSettings {
         size: p.size as usize,
