@@ -88,8 +88,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if !(args.rtt_threshold_ms >= 0.0 && args.rtt_threshold_ms.is_finite()) {
         bail!("--rtt-threshold-ms must be a number >= 0");
     }
-    if args.interval_ms == 0 {
-        bail!("--interval-ms must be > 0");
+    // Zero would make every probe fail at once and show every host dead.
+    for (flag, v) in [
+        ("--interval-ms", args.interval_ms),
+        ("--connect-timeout-ms", args.connect_timeout_ms),
+        ("--query-timeout-ms", args.query_timeout_ms),
+    ] {
+        if v == 0 {
+            bail!("{flag} must be > 0");
+        }
     }
     let max_replica_lag =
         (args.max_lag_bytes.is_some() || args.max_lag_ms.is_some()).then(|| LagLimit {

@@ -299,3 +299,18 @@ async fn pgpass_is_looked_up_for_each_host() {
         assert_eq!(h["alive"], true, "{h}");
     }
 }
+
+#[test]
+fn zero_intervals_and_timeouts_are_refused_alike() {
+    let host = format!("127.0.0.1:{}", free_port());
+    for flag in [
+        "--interval-ms",
+        "--connect-timeout-ms",
+        "--query-timeout-ms",
+    ] {
+        let (ok, stdout, stderr) = pgwarden(&["topology", "--hosts", &host, flag, "0"]);
+        assert!(!ok, "{flag} 0 accepted: {stdout}");
+        assert!(stderr.contains(&format!("{flag} must be > 0")), "{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+    }
+}

@@ -133,7 +133,7 @@ impl TopologyView {
             let _ = writeln!(
                 out,
                 "{:<22} {:<8} {:<5} {:<9} {:>12} {:>10} {:>9} {:>4}  {}",
-                format!("{}:{}", h.host, h.port),
+                crate::HostAddr::new(h.host.as_str(), h.port).to_string(),
                 role,
                 if h.alive { "yes" } else { "no" },
                 dash(h.sync_state.map(|s| s.to_string())),
@@ -145,5 +145,34 @@ impl TopologyView {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::state::tests::primary_obs;
+    use crate::{HostAddr, HostConfig, ProbeResult, TopologyConfig};
+
+    #[test]
+    fn table_brackets_ipv6_hosts() {
+        let mut t = Topology::new(
+            vec![
+                HostConfig::new(HostAddr::new("::1", 21100)),
+                HostConfig::new(HostAddr::new("db1", 5432)),
+            ],
+            TopologyConfig::default(),
+        );
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1)), Instant::now());
+        let view = TopologyView::new(&t, 1);
+        let table = view.to_table();
+        assert!(table.contains("primary: [::1]:21100"), "{table}");
+        let rows: Vec<&str> = table.lines().skip(2).collect();
+        assert!(rows[0].starts_with("[::1]:21100 "), "{table}");
+        assert!(rows[1].starts_with("db1:5432 "), "{table}");
+        // The JSON fields keep the parts apart, unbracketed.
+        assert_eq!(view.hosts[0].host, "::1");
     }
 }
