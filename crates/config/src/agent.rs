@@ -419,17 +419,20 @@ impl<'de> Deserialize<'de> for HaTimer {
                 f.write_str("a number of seconds or a duration such as \"500ms\"")
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<HaTimer, E> {
-                u64::try_from(v)
-                    .map(|s| HaTimer(Duration::from_secs(s)))
-                    .map_err(|_| E::custom("must not be negative"))
+                let secs = u64::try_from(v).map_err(|_| E::custom("must not be negative"))?;
+                self.visit_u64(secs)
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<HaTimer, E> {
-                Ok(HaTimer(Duration::from_secs(v)))
+                crate::duration::within_bound(Duration::from_secs(v))
+                    .map(HaTimer)
+                    .map_err(E::custom)
             }
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<HaTimer, E> {
-                Duration::try_from_secs_f64(v)
+                let d = Duration::try_from_secs_f64(v)
+                    .map_err(|_| E::custom("must be a non-negative number of seconds"))?;
+                crate::duration::within_bound(d)
                     .map(HaTimer)
-                    .map_err(|_| E::custom("must be a non-negative number of seconds"))
+                    .map_err(E::custom)
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<HaTimer, E> {
                 crate::duration::parse_duration(v)

@@ -22,6 +22,23 @@ const UNITS: [(&str, u128); 5] = [
     ("d", 86_400 * NANOS_PER_SEC),
 ];
 
+/// The longest duration any key accepts. Far beyond any sensible time-out,
+/// yet small enough that adding it to the current time cannot overflow,
+/// which would otherwise panic the first time the value is used.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// Rejects a duration above [`MAX_DURATION`], with the message to show.
+pub(crate) fn within_bound(d: Duration) -> Result<Duration, String> {
+    if d > MAX_DURATION {
+        Err(format!(
+            "longer than the maximum of {} (100 years); for no limit, see the key's documentation",
+            format_duration(MAX_DURATION)
+        ))
+    } else {
+        Ok(d)
+    }
+}
+
 /// Why a duration string was rejected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("invalid duration {input:?}: {reason}")]
@@ -95,7 +112,8 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
         nanos += digits * unit_ns / 10u128.pow(fraction.len() as u32);
     }
     let secs = u64::try_from(nanos / NANOS_PER_SEC).map_err(|_| too_large())?;
-    Ok(Duration::new(secs, (nanos % NANOS_PER_SEC) as u32))
+    within_bound(Duration::new(secs, (nanos % NANOS_PER_SEC) as u32))
+        .map_err(|why| DurationError::new(input, why))
 }
 
 /// Renders a duration in the largest unit that represents it exactly, so
@@ -152,13 +170,14 @@ impl Visitor<'_> for DurVisitor {
     }
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
-        u64::try_from(v)
-            .map(Duration::from_millis)
-            .map_err(|_| E::custom(format!("invalid duration {v}: must not be negative")))
+        let ms = u64::try_from(v)
+            .map_err(|_| E::custom(format!("invalid duration {v}: must not be negative")))?;
+        self.visit_u64(ms)
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
-        Ok(Duration::from_millis(v))
+        within_bound(Duration::from_millis(v))
+            .map_err(|why| E::custom(format!("invalid duration {v}: {why}")))
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Duration, E> {
@@ -207,11 +226,31 @@ mod tests {
             ("1.2.3s", "malformed"),
             ("99999999999999999999999999999999d", "too large"),
             ("1.0000000000000000001s", "decimal places"),
+            ("106751991167300d", "maximum"),
+            ("18446744073709551615s", "maximum"),
+            ("36501d", "maximum"),
         ] {
             let e = parse_duration(s).unwrap_err().to_string();
             assert!(e.contains(why), "{s}: {e}");
             assert!(e.contains(&format!("{s:?}")), "{s}: {e}");
         }
+    }
+
+    #[test]
+    fn bound_is_inclusive_and_far_from_overflow() {
+        assert_eq!(parse_duration("36500d"), Ok(MAX_DURATION));
+        // The bound itself can be added to the current time.
+        let _ = std::time::Instant::now() + MAX_DURATION;
+        #[derive(Deserialize)]
+        struct K {
+            #[allow(dead_code)]
+            k: Dur,
+        }
+        let e = toml::from_str::<K>("k = 9223372036854775807\n")
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("maximum"), "{e}");
+        assert!(toml::from_str::<K>("k = 3153600000000\n").is_ok());
     }
 
     #[test]

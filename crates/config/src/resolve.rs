@@ -243,10 +243,14 @@ fn cluster(
             ));
         }
         if let Some(name) = &h.application_name {
-            if let Some(other) = hosts
-                .iter()
-                .find(|o| o.application_name.as_deref() == Some(name))
-            {
+            // Matched against pg_stat_replication case-insensitively, as
+            // PostgreSQL matches synchronous_standby_names, so names that
+            // differ only in case would be one name there.
+            if let Some(other) = hosts.iter().find(|o| {
+                o.application_name
+                    .as_deref()
+                    .is_some_and(|n| n.eq_ignore_ascii_case(name))
+            }) {
                 return Err(src.invalid(
                     Some(span),
                     "cluster.hosts",

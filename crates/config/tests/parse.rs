@@ -567,6 +567,34 @@ fn replica_services_cannot_be_writable() {
 }
 
 #[test]
+fn absurd_durations_are_rejected_with_their_key() {
+    // Values that would overflow the clock when first used.
+    fails(
+        &with("probe_interval = \"106751991167300d\"\n"),
+        3,
+        "cluster.probe_interval",
+        "maximum",
+    );
+    fails(
+        &with("[engine]\nconnect_wait_timeout = \"18446744073709551615s\"\n"),
+        4,
+        "engine.connect_wait_timeout",
+        "maximum",
+    );
+    fails(
+        &with("[engine]\nshutdown_timeout = 9223372036854775807\n"),
+        4,
+        "engine.shutdown_timeout",
+        "maximum",
+    );
+    let ok = parse(&with("[engine]\nshutdown_timeout = \"36500d\"\n"), FILE).unwrap();
+    assert_eq!(
+        ok.engine.shutdown_timeout,
+        Duration::from_secs(36500 * 86_400)
+    );
+}
+
+#[test]
 fn cluster_cross_checks() {
     fails(
         "[cluster]\nhosts = [\"db1:5432\", \"DB1:5432\"]\n",
@@ -579,6 +607,14 @@ fn cluster_cross_checks() {
         4,
         "cluster.hosts",
         "application_name \"n\" of b:1 is already used by a:1",
+    );
+    // The primary's rows are matched without regard to case, so a name
+    // differing only in case is the same name.
+    fails(
+        "[cluster]\nhosts = [\n  { addr = \"a:1\", application_name = \"Node\" },\n  { addr = \"b:1\", application_name = \"nODE\" },\n]\n",
+        4,
+        "cluster.hosts",
+        "application_name \"nODE\" of b:1 is already used by a:1",
     );
     fails(
         &with("password = \"x\"\npassword_file = \"/p\"\n"),

@@ -62,7 +62,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let runtime = crate::run_cmd::runtime(&config)?;
     runtime.block_on(async {
-        let password = crate::run_cmd::probe_config(&config)?.password;
+        let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
+        let probe = crate::run_cmd::probe_config(&config, dir)?;
+        let password = config
+            .cluster
+            .hosts
+            .first()
+            .and_then(|h| probe.password_for(&h.addr));
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
         let credentials = api_credentials(&agent, &args.config)?;
         let handle = pgwarden_agent::start(

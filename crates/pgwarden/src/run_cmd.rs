@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use pgwarden_config::{ClientTls, ServerTls};
 use pgwarden_config::{Config, PoolMode};
-use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
+use pgwarden_probe::{Engine, ProbeConfig};
 use pgwarden_proxy::{
     AuthSpec, ClientTlsMode, ConnLimits, PoolOverrides, PoolSettings, Proxy, ProxySpec,
     ServerTlsMode, ServiceSpec, TlsSpec,
@@ -40,8 +40,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// `--check`: loads what starting would load from files, binds and
 /// connects to nothing, and prints a summary on success.
 pub fn check(path: &Path, config: &Config) -> anyhow::Result<()> {
-    probe_config(config)?;
-    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path)))
+    let probe = probe_config(config, config_dir(path))?;
+    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path), &probe))
         .with_context(|| format!("{}", path.display()))?;
     let services: Vec<String> = config
         .services()
@@ -91,10 +91,11 @@ pub async fn serve(
     print_rounds: bool,
     agent: Option<pgwarden_agent::AgentHandle>,
 ) -> anyhow::Result<()> {
+    let probe = probe_config(&config, config_dir(path))?;
     let engine = Arc::new(Engine::start(
         config.cluster.host_configs(),
         config.cluster.topology_config(),
-        probe_config(&config)?,
+        probe.clone(),
     ));
     let (configured_hosts, configured_rx) =
         tokio::sync::watch::channel(config.cluster.host_configs());
@@ -123,7 +124,7 @@ pub async fn serve(
     }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
-        proxy_spec(&config, config_dir(path)),
+        proxy_spec(&config, config_dir(path), &probe),
         engine.snapshot_handle(),
         engine.changes(),
     )
@@ -148,6 +149,9 @@ pub async fn serve(
         .expect("the reload requests are taken once, here");
     let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
+    // What the probe runs with until a restart, to tell when a reload
+    // changes it.
+    let running_probe = probe;
     let mut failure = None;
     loop {
         tokio::select! {
@@ -157,9 +161,21 @@ pub async fn serve(
                     r = admin_reload.recv() => r,
                 }
             } => {
+                // A file the start would refuse (a password file that cannot
+                // be read) is refused here too, rather than leaving pools
+                // without a password.
+                let loaded = pgwarden_config::load(path)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|new| {
+                        let probe = probe_config(&new, config_dir(path))?;
+                        Ok((new, probe))
+                    });
                 // What the admin console's RELOAD answers.
-                let outcome: Result<(), String> = match pgwarden_config::load(path) {
-                    Ok(new) => {
+                let outcome: Result<(), String> = match loaded {
+                    Ok((new, new_probe)) => {
+                        if new_probe.password != running_probe.password {
+                            tracing::warn!("the changed cluster password is used by server connections opened from now on; the probe connections use it from the next restart");
+                        }
                         if new.cluster.probe_interval != running.cluster.probe_interval
                             || new.cluster.connect_timeout != running.cluster.connect_timeout
                             || new.cluster.query_timeout != running.cluster.query_timeout
@@ -218,7 +234,7 @@ pub async fn serve(
                         }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        let applied = match proxy.apply(proxy_spec(&new, config_dir(path))).await {
+                        let applied = match proxy.apply(proxy_spec(&new, config_dir(path), &new_probe)).await {
                             Ok(()) => {
                                 tracing::info!(file = %path.display(), "configuration reloaded");
                                 Ok(())
@@ -232,8 +248,8 @@ pub async fn serve(
                         applied
                     }
                     Err(e) => {
-                        tracing::error!("reload rejected, the running configuration stays: {e}");
-                        Err(format!("configuration not reloaded, the running one stays: {e}"))
+                        tracing::error!("reload rejected, the running configuration stays: {e:#}");
+                        Err(format!("configuration not reloaded, the running one stays: {e:#}"))
                     }
                 };
                 if let Some(reply) = reply {
@@ -381,26 +397,30 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
 }
 
 /// Probe settings from the `[cluster]` section; the password from the
-/// file, the config, `PGPASSWORD` or `~/.pgpass`, in that order.
-pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
+/// config, the file (relative to the configuration file's directory
+/// `config_dir`, like the other files it names), `PGPASSWORD`, or else
+/// `~/.pgpass`, looked up for each host as libpq does. A password file
+/// that cannot be read is an error.
+pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeConfig> {
     let c = &config.cluster;
     let password = match (&c.password, &c.password_file) {
         (Some(p), _) => Some(p.clone()),
-        (None, Some(file)) => Some(
-            std::fs::read_to_string(file)
-                .with_context(|| format!("cluster.password_file: {}", file.display()))?
-                .trim_end_matches(['\r', '\n'])
-                .to_string(),
-        ),
-        (None, None) => std::env::var("PGPASSWORD").ok().or_else(|| {
-            let first = &c.hosts[0].addr;
-            pgpass_lookup(&first.host, first.port, &c.dbname, &c.user)
-        }),
+        (None, Some(file)) => {
+            let file = config_dir.join(file);
+            Some(
+                std::fs::read_to_string(&file)
+                    .with_context(|| format!("cluster.password_file: {}", file.display()))?
+                    .trim_end_matches(['\r', '\n'])
+                    .to_string(),
+            )
+        }
+        (None, None) => std::env::var("PGPASSWORD").ok(),
     };
     Ok(ProbeConfig {
         user: c.user.clone(),
         dbname: c.dbname.clone(),
         password,
+        pgpass: true,
         interval: c.probe_interval,
         connect_timeout: c.connect_timeout,
         query_timeout: c.query_timeout,
@@ -408,9 +428,16 @@ pub fn probe_config(config: &Config) -> anyhow::Result<ProbeConfig> {
     })
 }
 
-/// The proxy's services and ports from the configuration.
-pub fn proxy_spec(config: &Config, config_dir: &Path) -> ProxySpec {
-    let password = probe_config(config).ok().and_then(|p| p.password);
+/// The proxy's services and ports from the configuration; server
+/// connections log in with the probe's password.
+pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> ProxySpec {
+    // The pools take one password for every server, so a password file
+    // entry can only be that of one host: the first.
+    let password = config
+        .cluster
+        .hosts
+        .first()
+        .and_then(|h| probe.password_for(&h.addr));
     let p = &config.pool;
     let base = PoolSettings {
         size: p.size as usize,

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use pgwarden_probe::{pgpass_lookup, Engine, ProbeConfig};
+use pgwarden_probe::{Engine, ProbeConfig};
 use pgwarden_topology::view::TopologyView;
 use pgwarden_topology::{
     HostAddr, HostConfig, LagLimit, SelectPolicy, Selector, Strategy, TopologyConfig, Want,
@@ -88,8 +88,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if !(args.rtt_threshold_ms >= 0.0 && args.rtt_threshold_ms.is_finite()) {
         bail!("--rtt-threshold-ms must be a number >= 0");
     }
-    if args.interval_ms == 0 {
-        bail!("--interval-ms must be > 0");
+    // Zero would make every probe fail at once and show every host dead.
+    for (flag, v) in [
+        ("--interval-ms", args.interval_ms),
+        ("--connect-timeout-ms", args.connect_timeout_ms),
+        ("--query-timeout-ms", args.query_timeout_ms),
+    ] {
+        if v == 0 {
+            bail!("{flag} must be > 0");
+        }
     }
     let max_replica_lag =
         (args.max_lag_bytes.is_some() || args.max_lag_ms.is_some()).then(|| LagLimit {
@@ -100,14 +107,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         max_replica_lag,
         lag_hold: Duration::from_millis(args.lag_hold_ms),
     };
-    let password = std::env::var("PGPASSWORD").ok().or_else(|| {
-        let first = &hosts[0].addr;
-        pgpass_lookup(&first.host, first.port, &args.dbname, &args.user)
-    });
+    // Without PGPASSWORD, each host's own password file entry, as libpq.
+    let password = std::env::var("PGPASSWORD").ok();
     let probe_cfg = ProbeConfig {
         user: args.user.clone(),
         dbname: args.dbname.clone(),
         password,
+        pgpass: true,
         interval: Duration::from_millis(args.interval_ms),
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         query_timeout: Duration::from_millis(args.query_timeout_ms),

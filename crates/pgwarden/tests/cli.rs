@@ -248,3 +248,69 @@ fn check_loads_the_file_and_every_file_it_names_and_starts_nothing() {
     );
     assert!(!dir.path().join("data").exists(), "nothing was created");
 }
+
+/// Two servers with different passwords, each with its own `.pgpass`
+/// line: libpq matches the file per host, so both must be reachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgpass_is_looked_up_for_each_host() {
+    let mut servers = [
+        TestCluster::builder().replicas(0).start(),
+        TestCluster::builder().replicas(0).start(),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let mut pgpass = String::new();
+    for (i, c) in servers.iter_mut().enumerate() {
+        let pw = format!("pw{i}");
+        let (client, conn) = tokio_postgres::connect(&c.conninfo(0), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        let task = tokio::spawn(conn);
+        client
+            .simple_query(&format!("ALTER ROLE postgres PASSWORD '{pw}'"))
+            .await
+            .unwrap();
+        drop(client);
+        let _ = task.await;
+        c.set_hba(0, "host all all 127.0.0.1/32 scram-sha-256\n");
+        pgpass.push_str(&format!("127.0.0.1:{}:*:postgres:{pw}\n", c.port(0)));
+    }
+    let file = dir.path().join("pgpass");
+    std::fs::write(&file, pgpass).unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let hosts = format!("{},{}", servers[0].addr(0), servers[1].addr(0));
+    let out = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args([
+            "topology",
+            "--hosts",
+            &hosts,
+            "--json",
+            "--interval-ms",
+            "300",
+        ])
+        .env("PGPASSFILE", &file)
+        .env_remove("PGPASSWORD")
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run pgwarden");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let doc: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {stdout} {}", String::from_utf8_lossy(&out.stderr)));
+    for h in doc["hosts"].as_array().unwrap() {
+        assert_eq!(h["alive"], true, "{h}");
+    }
+}
+
+#[test]
+fn zero_intervals_and_timeouts_are_refused_alike() {
+    let host = format!("127.0.0.1:{}", free_port());
+    for flag in [
+        "--interval-ms",
+        "--connect-timeout-ms",
+        "--query-timeout-ms",
+    ] {
+        let (ok, stdout, stderr) = pgwarden(&["topology", "--hosts", &host, flag, "0"]);
+        assert!(!ok, "{flag} 0 accepted: {stdout}");
+        assert!(stderr.contains(&format!("{flag} must be > 0")), "{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+    }
+}

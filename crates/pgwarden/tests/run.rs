@@ -453,3 +453,68 @@ async fn a_failing_auth_query_is_logged_with_the_servers_reason() {
         "{log}"
     );
 }
+
+/// `cluster.password_file` is relative to the configuration file, a reload
+/// naming a file that cannot be read is refused as a start would be, and a
+/// changed password says what takes it when.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_file_is_relative_to_the_config_and_checked_on_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    write(&dir.path().join("probe.pw"), "secret\n");
+    let ports = (free_port(), free_port(), free_port());
+    let hosts = [format!("127.0.0.1:{}", free_port())];
+    let with = |extra: &str| {
+        format!(
+            "{}shutdown_timeout = \"1s\"\n",
+            listening(&hosts, ports, &format!("{extra}[engine]\n"))
+        )
+    };
+    // The relative name sits inside [cluster], before [listen].
+    let file = |line: &str| with("").replacen("[listen]", &format!("{line}\n[listen]"), 1);
+    write(&config, &file("password_file = \"probe.pw\""));
+    // The test's working directory is not the file's.
+    assert_ne!(std::env::current_dir().unwrap(), dir.path());
+    let check = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["run", "--check", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let pg = Running::start(&config, dir.path());
+    eventually("listening", WAIT, || async move {
+        std::net::TcpStream::connect(("127.0.0.1", ports.0))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+
+    write(&config, &file("password_file = \"missing.pw\""));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("reload refused for the missing file", WAIT, || {
+        let log = pg.log();
+        async move {
+            (log.contains("reload rejected") && log.contains("missing.pw"))
+                .then_some(())
+                .ok_or(log)
+        }
+    })
+    .await;
+
+    write(&config, &file("password = \"other\""));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("a restart warning for the new password", WAIT, || {
+        let log = pg.log();
+        async move {
+            (log.contains("changed cluster password") && log.contains("configuration reloaded"))
+                .then_some(())
+                .ok_or(log)
+        }
+    })
+    .await;
+    assert!(pg.child.id() > 0);
+}

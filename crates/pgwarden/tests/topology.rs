@@ -515,3 +515,233 @@ async fn delayed_replica_is_flagged_and_kept_out_of_replica_reads() {
     .await;
     assert_ne!(snap.topology.hosts()[2].replay_delay, Some(Duration::ZERO));
 }
+
+/// Points replica `i`'s WAL receiver at the primary under `conninfo_extra`
+/// (e.g. an `application_name`) and reloads it.
+fn restream(c: &mut TestCluster, i: usize, conninfo_extra: &str) {
+    let port = c.port(0);
+    let node = c.node(i);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=127.0.0.1 port={port} user=postgres {conninfo_extra}"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+}
+
+/// The primary's `pg_stat_replication` as `name:sync_state:slot` lines, sorted.
+async fn replication_rows(c: &TestCluster) -> String {
+    sql_value(
+        &c.conninfo(0),
+        "SELECT coalesce(string_agg(r.application_name || ':' || r.sync_state || ':' \
+         || coalesce(s.slot_name::text, ''), ',' ORDER BY r.sync_state, s.slot_name), '') \
+         FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid",
+    )
+    .await
+    .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standbys_sharing_a_name_are_told_apart_by_slot_or_not_at_all() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    for i in [1, 2] {
+        restream(&mut c, i, "application_name=twin");
+    }
+    c.set_sync_standby_names("FIRST 1 (twin)");
+    let primary = c.conninfo(0);
+    let rows = |want: &'static str| {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            (got == want).then_some(()).ok_or(got)
+        }
+    };
+    pgwarden_testkit::eventually("one twin sync, one potential", WAIT, || {
+        rows("twin:potential:,twin:sync:")
+    })
+    .await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let sync_states = |s: &pgwarden_probe::Snapshot| -> Vec<Option<SyncState>> {
+        s.topology.hosts().iter().map(|h| h.sync_state).collect()
+    };
+    let snap = until(&e, "both twins probed", WAIT, |s| {
+        let h = s.topology.hosts();
+        let named = h[1..]
+            .iter()
+            .all(|h| h.alive && h.replication_name() == Some("twin"));
+        let rows = h[0].observation().map_or(0, |o| o.replication.len());
+        (named && rows == 2)
+            .then_some(())
+            .ok_or(format!("{:?}", sync_states(s)))
+    })
+    .await;
+    // PostgreSQL calls one of them sync, and nothing it reports says which.
+    assert_eq!(sync_states(&snap), [None, None, None]);
+    let sel = Selector::default();
+    assert_eq!(sel.eligible(&snap.topology, &Want::SyncStandby), [0]);
+
+    // With a slot each, the rows can be told apart.
+    sql(
+        &primary,
+        "SELECT pg_create_physical_replication_slot('slot_a'), \
+         pg_create_physical_replication_slot('slot_b')",
+    )
+    .await;
+    for (i, slot) in [(1, "slot_a"), (2, "slot_b")] {
+        let node = c.node(i);
+        node.set_setting("primary_slot_name", slot).unwrap();
+        node.reload().unwrap();
+    }
+    let pg_sync = pgwarden_testkit::eventually("both twins on their slots", WAIT, || {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            match got.as_str() {
+                "twin:potential:slot_b,twin:sync:slot_a" => Ok(1),
+                "twin:potential:slot_a,twin:sync:slot_b" => Ok(2),
+                _ => Err(got),
+            }
+        }
+    })
+    .await;
+    let snap = until(&e, "the twins attributed by slot", WAIT, |s| {
+        let st = sync_states(s);
+        let mut want = vec![None, Some(SyncState::Potential), Some(SyncState::Potential)];
+        want[pg_sync] = Some(SyncState::Sync);
+        (st == want).then_some(()).ok_or(format!("{st:?}"))
+    })
+    .await;
+    assert_eq!(sel.eligible(&snap.topology, &Want::SyncStandby), [pg_sync]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_left_on_the_old_timeline_gets_no_reads() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    // node2 is promoted while node1 keeps running as a primary, and node3
+    // keeps streaming from node1 on timeline 1.
+    c.node(1).promote().unwrap();
+    sql(&c.conninfo(1), "CREATE TABLE only_on_new (x int)").await;
+    sql(&c.conninfo(0), "CREATE TABLE only_on_old AS SELECT 1 AS x").await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "node3 flagged as off the primary", WAIT, |s| {
+        let h = s.topology.hosts();
+        (s.topology.primary() == Some(1) && h[2].alive && h[2].off_primary.is_some())
+            .then_some(())
+            .ok_or(format!(
+                "primary {:?}, node3 {:?} tl {:?}",
+                s.topology.primary(),
+                h[2].off_primary,
+                h[2].timeline
+            ))
+    })
+    .await;
+    let h = &snap.topology.hosts()[2];
+    assert_eq!(h.timeline, Some(1));
+    assert!(
+        h.off_primary.as_deref().unwrap().contains("timeline 1"),
+        "{:?}",
+        h.off_primary
+    );
+    assert_eq!(h.lag_bytes, None);
+    // Reads go to the new primary, not to the replica that lacks its data.
+    let sel = Selector::default();
+    assert!(picks(&sel, &snap.topology, &Want::Replica, 4)
+        .iter()
+        .all(|&i| i == 1));
+    let view = pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round);
+    assert!(view.hosts[2].off_primary.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_that_receives_nothing_falls_behind_in_time() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let e = engine(
+        &c.addrs(),
+        TopologyConfig {
+            max_replica_lag: Some(LagLimit {
+                bytes: None,
+                time: Some(Duration::from_secs(2)),
+            }),
+            lag_hold: Duration::from_millis(500),
+        },
+    );
+    all_alive(&e).await;
+    // Its WAL receiver now knocks at a port nobody listens on.
+    let dead = pgwarden_testkit::free_port();
+    let node = c.node(1);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=127.0.0.1 port={dead} user=postgres"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+    pgwarden_testkit::eventually("the WAL receiver gone", WAIT, || {
+        let ci = c.conninfo(1);
+        async move {
+            match sql_value(
+                &ci,
+                "SELECT count(*) FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+            )
+            .await
+            {
+                Some(v) if v == "0" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let writer = c.conninfo(0);
+    let write = tokio::spawn(async move {
+        for i in 0..40 {
+            sql(
+                &writer,
+                &format!("CREATE TABLE w{i} AS SELECT generate_series(1, 1000) x"),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let snap = until(&e, "the starved replica excluded for time lag", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.lag_excluded && h.replay_delay.is_some_and(|d| d > Duration::from_secs(2)))
+            .then_some(())
+            .ok_or(format!("delay {:?} lag {:?}", h.replay_delay, h.lag_bytes))
+    })
+    .await;
+    let h = &snap.topology.hosts()[1];
+    assert!(h.alive);
+    // The replica itself sees nothing to replay.
+    let own = h.observation().unwrap();
+    assert_eq!(own.receive_lsn, own.replay_lsn);
+    assert!(h.lag_bytes.is_some_and(|b| b > 0));
+    write.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_name_with_a_space_is_matched() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    restream(&mut c, 1, "application_name='node 3'");
+    c.set_sync_standby_names(r#"FIRST 1 ("node 3")"#);
+    pgwarden_testkit::eventually("PostgreSQL sees the name", WAIT, || {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            (got == "node 3:sync:").then_some(()).ok_or(got)
+        }
+    })
+    .await;
+    let shown = sql_value(&c.conninfo(1), "SELECT conninfo FROM pg_stat_wal_receiver").await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "the replica known as sync", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.sync_state == Some(SyncState::Sync))
+            .then_some(())
+            .ok_or(format!(
+                "{:?} {:?} from {shown:?}",
+                h.replication_name(),
+                h.sync_state
+            ))
+    })
+    .await;
+    assert_eq!(snap.topology.hosts()[1].replication_name(), Some("node 3"));
+}

@@ -21,8 +21,11 @@ pub struct ProbeConfig {
     pub user: String,
     /// Database the probe connects to.
     pub dbname: String,
-    /// Password, if the servers ask for one.
+    /// Password for every host, if the servers ask for one.
     pub password: Option<String>,
+    /// Without `password`, look each host's password up in `$PGPASSFILE` or
+    /// `~/.pgpass` when connecting to it, as libpq does per host.
+    pub pgpass: bool,
     /// `application_name` of the probe connections, so operators can tell
     /// them apart in `pg_stat_activity`.
     pub application_name: String,
@@ -40,11 +43,24 @@ impl Default for ProbeConfig {
             user: "postgres".into(),
             dbname: "postgres".into(),
             password: None,
+            pgpass: true,
             application_name: "pgwarden-probe".into(),
             interval: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),
             query_timeout: Duration::from_secs(2),
         }
+    }
+}
+
+impl ProbeConfig {
+    /// The password to present to `addr`: the configured one, else the
+    /// password file's entry for that host (when `pgpass` is set).
+    pub fn password_for(&self, addr: &HostAddr) -> Option<String> {
+        self.password.clone().or_else(|| {
+            self.pgpass
+                .then(|| crate::pgpass_lookup(&addr.host, addr.port, &self.dbname, &self.user))
+                .flatten()
+        })
     }
 }
 
@@ -316,6 +332,8 @@ fn log_event(e: &TopologyEvent) {
         TopologyEvent::HostDown { .. }
         | TopologyEvent::PrimaryConflict { .. }
         | TopologyEvent::SyncConfigInvalid { .. }
+        | TopologyEvent::SyncAmbiguous { .. }
+        | TopologyEvent::OffPrimary { .. }
         | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),
@@ -434,7 +452,9 @@ async fn connect(addr: &HostAddr, cfg: &ProbeConfig) -> Result<Client, tokio_pos
         .application_name(&cfg.application_name)
         .connect_timeout(cfg.connect_timeout)
         .keepalives(true);
-    if let Some(p) = &cfg.password {
+    // Looked up at each connection, so a host added later or a password
+    // file edited since is honoured, as libpq would.
+    if let Some(p) = cfg.password_for(addr) {
         pg.password(p);
     }
     let (client, connection) = pg.connect(NoTls).await?;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use pgwarden_topology::{parse_lsn, Observation, ReplicationRow};
+use pgwarden_topology::{parse_lsn, HostAddr, Observation, ReplicationRow};
 
 /// The statement whose round trip is the host's RTT sample: as close to
 /// nothing as SQL gets, so the sample measures the path, not the server.
@@ -28,16 +28,23 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
  current_setting('cluster_name'), \
  (SELECT conninfo FROM pg_stat_wal_receiver), \
  CASE WHEN NOT pg_is_in_recovery() THEN (SELECT string_agg(concat_ws(E'\\t', \
-   coalesce(application_name, ''), coalesce(state, ''), coalesce(sync_state, ''), \
-   coalesce(replay_lsn::text, '')), E'\\n') FROM pg_stat_replication) END";
+   coalesce(r.application_name, ''), coalesce(r.state, ''), coalesce(r.sync_state, ''), \
+   coalesce(r.replay_lsn::text, ''), coalesce(s.slot_name::text, '')), E'\\n') \
+   FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid) END, \
+ (SELECT slot_name FROM pg_stat_wal_receiver), \
+ (SELECT sender_host FROM pg_stat_wal_receiver), \
+ (SELECT sender_port FROM pg_stat_wal_receiver)";
+
+/// Number of columns of [`PROBE_QUERY`].
+const COLUMNS: usize = 14;
 
 /// Builds an [`Observation`] from the text columns of the probe query's
 /// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
 /// errors: a monitoring probe must not fail a host over a surprise format.
 pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Observation, String> {
-    if cols.len() < 11 {
+    if cols.len() < COLUMNS {
         return Err(format!(
-            "probe query returned {} columns, expected 11",
+            "probe query returned {} columns, expected {COLUMNS}",
             cols.len()
         ));
     }
@@ -70,6 +77,11 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
         replay_delay,
         min_apply_delay,
         wal_receiver_name,
+        wal_receiver_slot: cols[11].filter(|s| !s.is_empty()).map(str::to_string),
+        upstream: cols[12]
+            .filter(|h| !h.is_empty())
+            .zip(cols[13].and_then(|p| p.parse::<u16>().ok()))
+            .map(|(h, p)| HostAddr::new(h, p)),
         synchronous_standby_names: if in_recovery {
             None
         } else {
@@ -84,14 +96,74 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
 /// `walreceiver` (PostgreSQL's own fallback order).
 fn walreceiver_name(conninfo: Option<&str>, cluster_name: Option<&str>) -> String {
     conninfo
-        .and_then(|ci| {
-            ci.split_whitespace()
-                .find_map(|kv| kv.strip_prefix("application_name="))
-                .map(|v| v.trim_matches('\'').to_string())
-        })
+        .and_then(|ci| conninfo_value(ci, "application_name"))
         .filter(|s| !s.is_empty())
         .or_else(|| cluster_name.filter(|s| !s.is_empty()).map(str::to_string))
         .unwrap_or_else(|| "walreceiver".to_string())
+}
+
+/// The value of `key` in a connection string as `pg_stat_wal_receiver`
+/// shows it.
+///
+/// PostgreSQL renders that column as `key=value` pairs joined by spaces
+/// without quoting the values, so `application_name='node 3'` comes back
+/// as `application_name=node 3 fallback_application_name=...`. A value
+/// therefore runs up to the next space followed by a keyword and `=`. A
+/// value that does start with a quote is read as libpq reads a quoted one
+/// (`\'` and `\\` escapes), so a conninfo in libpq's own syntax works as
+/// well. (tokio-postgres parses libpq syntax, but refuses keywords it does
+/// not know and cannot read the unquoted form.)
+fn conninfo_value(conninfo: &str, key: &str) -> Option<String> {
+    let mut rest = conninfo.trim_start();
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let (kw, after) = (rest[..eq].trim_end(), rest[eq + 1..].trim_start());
+        let (value, next) = if let Some(quoted) = after.strip_prefix('\'') {
+            let mut value = String::new();
+            let mut chars = quoted.char_indices();
+            let mut end = quoted.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                    '\'' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => value.push(c),
+                }
+            }
+            (value, &quoted[end..])
+        } else {
+            let end = next_keyword(after).unwrap_or(after.len());
+            (after[..end].trim_end().to_string(), &after[end..])
+        };
+        if kw == key {
+            return Some(value);
+        }
+        rest = next.trim_start();
+    }
+    None
+}
+
+/// Where, in an unquoted value, the next `keyword=` starts: after
+/// whitespace, a run of letters and `_` followed by `=` (libpq allows
+/// spaces around it).
+fn next_keyword(s: &str) -> Option<usize> {
+    let bytes = s.as_bytes();
+    (1..bytes.len()).find(|&i| {
+        if !bytes[i - 1].is_ascii_whitespace() || bytes[i].is_ascii_whitespace() {
+            return false;
+        }
+        let word = bytes[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphabetic() || **b == b'_')
+            .count();
+        let gap = bytes[i + word..]
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count();
+        word > 0 && bytes.get(i + word + gap) == Some(&b'=')
+    })
 }
 
 /// Parses a time setting as `current_setting()` shows it: a number with
@@ -121,6 +193,7 @@ fn parse_replication_line(line: &str) -> Option<ReplicationRow> {
         state: f.next().unwrap_or_default().to_string(),
         sync_state: f.next().unwrap_or_default().to_string(),
         replay_lsn: f.next().and_then(parse_lsn),
+        slot_name: f.next().filter(|s| !s.is_empty()).map(str::to_string),
     })
 }
 
@@ -145,7 +218,10 @@ mod tests {
             Some("ANY 1 (node2, node3)"),
             Some("node1"),
             None,
-            Some("node2\tstreaming\tquorum\t0/3000148\nnode3\tcatchup\tquorum\t"),
+            Some("node2\tstreaming\tquorum\t0/3000148\tslot2\nnode3\tcatchup\tquorum\t\t"),
+            None,
+            None,
+            None,
         ]);
         let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
         assert!(!o.in_recovery);
@@ -158,6 +234,8 @@ mod tests {
         assert_eq!(o.replication.len(), 2);
         assert_eq!(o.replication[1].state, "catchup");
         assert_eq!(o.replication[1].replay_lsn, None);
+        assert_eq!(o.replication[0].slot_name.as_deref(), Some("slot2"));
+        assert_eq!(o.replication[1].slot_name, None);
         assert_eq!(o.wal_receiver_name, None);
     }
 
@@ -175,6 +253,9 @@ mod tests {
             Some("node2"),
             Some("user=postgres host=127.0.0.1 port=5432 application_name=fast_one"),
             None,
+            Some("node2_slot"),
+            Some("127.0.0.1"),
+            Some("5432"),
         ]);
         let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
         assert!(o.in_recovery);
@@ -182,6 +263,8 @@ mod tests {
         assert_eq!(o.replay_delay, Some(Duration::from_millis(1500)));
         assert_eq!(o.min_apply_delay, Duration::from_secs(60));
         assert_eq!(o.wal_receiver_name.as_deref(), Some("fast_one"));
+        assert_eq!(o.wal_receiver_slot.as_deref(), Some("node2_slot"));
+        assert_eq!(o.upstream, Some(HostAddr::new("127.0.0.1", 5432)));
         assert_eq!(o.synchronous_standby_names, None);
     }
 
@@ -197,6 +280,38 @@ mod tests {
     }
 
     #[test]
+    fn walreceiver_name_with_spaces_and_quotes() {
+        // As PostgreSQL shows it: values unquoted.
+        let shown = "user=postgres passfile=/tmp/.pgpass dbname=replication host=127.0.0.1 \
+                     port=5432 application_name=node 3 fallback_application_name=node2 \
+                     sslmode=prefer";
+        assert_eq!(walreceiver_name(Some(shown), Some("c")), "node 3");
+        assert_eq!(
+            conninfo_value(shown, "fallback_application_name").as_deref(),
+            Some("node2")
+        );
+        assert_eq!(
+            walreceiver_name(Some("host=a application_name=last one"), None),
+            "last one"
+        );
+        // libpq's own syntax: quoted values with escapes, spaces around '='.
+        let quoted = r"host=a application_name = 'it\'s a \\ name' port=1";
+        assert_eq!(walreceiver_name(Some(quoted), None), r"it's a \ name");
+        assert_eq!(conninfo_value(quoted, "port").as_deref(), Some("1"));
+        assert_eq!(
+            conninfo_value("application_name='open", "application_name").as_deref(),
+            Some("open")
+        );
+        assert_eq!(conninfo_value("garbage", "application_name"), None);
+        assert_eq!(conninfo_value("", "application_name"), None);
+        // A name that merely contains the key is not the key.
+        assert_eq!(
+            walreceiver_name(Some("fallback_application_name=x"), Some("c")),
+            "c"
+        );
+    }
+
+    #[test]
     fn walreceiver_name_falls_back_like_postgres() {
         assert_eq!(walreceiver_name(Some("host=x"), Some("c")), "c");
         assert_eq!(walreceiver_name(None, Some("")), "walreceiver");
@@ -205,7 +320,7 @@ mod tests {
     #[test]
     fn bad_rows_are_errors_not_panics() {
         assert!(parse_observation_row(&[], Duration::ZERO).is_err());
-        let mut cols = vec![None; 11];
+        let mut cols = vec![None; COLUMNS];
         assert!(parse_observation_row(&cols, Duration::ZERO).is_err());
         cols[0] = Some("t");
         cols[4] = Some("garbage");

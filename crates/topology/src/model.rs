@@ -197,6 +197,10 @@ pub struct ReplicationRow {
     pub sync_state: String,
     /// The standby's replay position, if reported.
     pub replay_lsn: Option<u64>,
+    /// The replication slot the standby streams through, if any. Slot
+    /// names are unique on a server, so unlike `application_name` this
+    /// ties the row to one standby.
+    pub slot_name: Option<String>,
 }
 
 /// Everything one successful probe of one server returned.
@@ -216,13 +220,26 @@ pub struct Observation {
     pub receive_lsn: Option<u64>,
     /// Replica only: last WAL position replayed.
     pub replay_lsn: Option<u64>,
-    /// Replica only: how far replay is behind in time.
+    /// Replica only: the replica's own estimate of its replay delay (the
+    /// time since its last replayed commit while replay trails receipt).
+    /// For display by callers that want it; the topology measures delay
+    /// against the primary's positions instead, because this estimate is
+    /// zero for a replica that receives nothing and grows with the time
+    /// an idle primary wrote nothing.
     pub replay_delay: Option<Duration>,
     /// Replica only: `recovery_min_apply_delay`; non-zero marks a deliberately delayed replica.
     pub min_apply_delay: Duration,
     /// Replica only: the `application_name` its WAL receiver presents upstream,
     /// i.e. the name it has in the primary's `pg_stat_replication`.
     pub wal_receiver_name: Option<String>,
+    /// Replica only: the replication slot its WAL receiver streams through
+    /// (`primary_slot_name`), matched against the slots of the primary's
+    /// `pg_stat_replication` rows.
+    pub wal_receiver_slot: Option<String>,
+    /// Replica only: the server its WAL receiver is connected to
+    /// (`pg_stat_wal_receiver.sender_host` and `sender_port`), as that
+    /// replica names it.
+    pub upstream: Option<HostAddr>,
     /// Primary only: raw `synchronous_standby_names` text.
     pub synchronous_standby_names: Option<String>,
     /// Primary only: the rows of `pg_stat_replication`.
@@ -230,6 +247,9 @@ pub struct Observation {
 }
 
 /// Outcome of probing one server.
+// One result per probe, moved once into the topology: boxing the large
+// variant would add an allocation per probe and save nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum ProbeResult {
     /// The server answered.

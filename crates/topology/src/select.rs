@@ -315,7 +315,10 @@ fn primary_or_reason(topo: &Topology) -> Result<usize, NoTarget> {
 
 /// Hosts that qualify for `want` on their own merits, in index order.
 fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
-    let live_replica = |h: &HostState| h.alive && h.role == Role::Replica;
+    // A replica not following the primary may miss what was written there,
+    // whatever role is asked for.
+    let live_replica =
+        |h: &HostState| h.alive && h.role == Role::Replica && h.off_primary.is_none();
     let ok = |h: &HostState| match want {
         Want::Primary => false,
         Want::Replica => {
@@ -685,6 +688,7 @@ mod tests {
                     state: "streaming".into(),
                     sync_state: "quorum".into(),
                     replay_lsn: None,
+                    slot_name: None,
                 })
                 .collect();
         }

@@ -5,12 +5,13 @@
 //! standbys, lag exclusion) after each, returning only what changed so
 //! that callers can log transitions instead of every probe.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::ewma::Ewma;
 use crate::model::{
-    HostAddr, HostConfig, Observation, ProbeResult, Role, SyncState, TopologyConfig,
+    HostAddr, HostConfig, Observation, ProbeResult, ReplicationRow, Role, SyncState, TopologyConfig,
 };
 use crate::ssn::{self, SyncMethod, SyncStandbyNames};
 
@@ -37,7 +38,8 @@ pub struct HostState {
     pub sync_state: Option<SyncState>,
     /// WAL distance behind the primary, when both positions are known.
     pub lag_bytes: Option<u64>,
-    /// Replay delay reported by the replica.
+    /// How long the primary had been past the replica's replay position
+    /// when the replica was probed: the age of the oldest change it lacks.
     pub replay_delay: Option<Duration>,
     /// The replica applies WAL with a deliberate delay (`recovery_min_apply_delay`).
     pub delayed: bool,
@@ -47,12 +49,24 @@ pub struct HostState {
     pub last_ok: Option<Instant>,
     /// Excluded from read traffic for lagging too far behind.
     pub lag_excluded: bool,
+    /// Why this live replica is not following the current primary (it is
+    /// on an older timeline, or streams from a server that claims to be
+    /// primary but is not the chosen one); such a replica takes no reads.
+    pub off_primary: Option<String>,
     /// Since when an excluded replica has been continuously within the limit.
     under_limit_since: Option<Instant>,
     /// Whether any probe result has been applied yet.
     probed: bool,
     observation: Option<Observation>,
+    /// WAL positions the host reported as a primary, oldest first, each with
+    /// when it was first seen. Replica lag is measured against the position
+    /// the primary had when the replica was observed, not its newest one.
+    wal_history: VecDeque<(Instant, u64)>,
 }
+
+/// Distinct primary positions kept per host: minutes of history at usual
+/// probe intervals, small enough to copy with every published snapshot.
+const WAL_HISTORY_LEN: usize = 512;
 
 impl HostState {
     fn new(config: HostConfig) -> Self {
@@ -69,10 +83,29 @@ impl HostState {
             error: None,
             last_ok: None,
             lag_excluded: false,
+            off_primary: None,
             under_limit_since: None,
             probed: false,
             observation: None,
+            wal_history: VecDeque::new(),
         }
+    }
+
+    /// Records the WAL position a primary reported at `at`. Only the first
+    /// sighting of each position is kept: that is when the WAL up to it is
+    /// known to have existed.
+    fn record_wal(&mut self, at: Instant, lsn: u64) {
+        match self.wal_history.back() {
+            Some(&(_, last)) if last == lsn => return,
+            // Going backwards is another server (or a restored one) at this
+            // address: its old positions say nothing about the new one.
+            Some(&(_, last)) if lsn < last => self.wal_history.clear(),
+            _ => {}
+        }
+        if self.wal_history.len() == WAL_HISTORY_LEN {
+            self.wal_history.pop_front();
+        }
+        self.wal_history.push_back((at, lsn));
     }
 
     /// The host's address.
@@ -164,6 +197,27 @@ pub enum TopologyEvent {
         /// The claimant.
         host: HostAddr,
     },
+    /// Several replicas go by the same replication name and the primary's
+    /// rows for it disagree, so none of them gets a sync state.
+    SyncAmbiguous {
+        /// The shared `application_name`.
+        name: String,
+        /// The replicas that bear it.
+        hosts: Vec<HostAddr>,
+    },
+    /// A replica does not follow the current primary, so its data may miss
+    /// what was written there; it takes no read traffic.
+    OffPrimary {
+        /// The replica.
+        host: HostAddr,
+        /// Why, for the operator.
+        reason: String,
+    },
+    /// A replica that did not follow the primary does again.
+    OnPrimary {
+        /// The replica.
+        host: HostAddr,
+    },
     /// The primary's `synchronous_standby_names` could not be parsed.
     SyncConfigInvalid {
         /// The raw setting.
@@ -239,6 +293,18 @@ impl fmt::Display for TopologyEvent {
                 f,
                 "host {host} claims to be primary but does not hold the leader key; it gets no traffic"
             ),
+            TopologyEvent::SyncAmbiguous { name, hosts } => write!(
+                f,
+                "replicas {} all stream as application_name {name:?} and the primary reports them differently; none is treated as synchronous (give each a distinct application_name or replication slot)",
+                addr_list(hosts)
+            ),
+            TopologyEvent::OffPrimary { host, reason } => write!(
+                f,
+                "replica {host} does not follow the primary ({reason}); it gets no read traffic"
+            ),
+            TopologyEvent::OnPrimary { host } => {
+                write!(f, "replica {host} follows the primary again")
+            }
             TopologyEvent::SyncConfigInvalid { value, error } => write!(
                 f,
                 "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
@@ -279,6 +345,8 @@ pub struct Topology {
     ssn_reported: Option<(String, String)>,
     sync_set: Vec<usize>,
     quorum: bool,
+    /// Shared replication names already reported, so each is logged once.
+    ambiguous_reported: Vec<(String, Vec<HostAddr>)>,
 }
 
 impl Topology {
@@ -296,6 +364,7 @@ impl Topology {
             ssn_reported: None,
             sync_set: Vec::new(),
             quorum: false,
+            ambiguous_reported: Vec::new(),
         }
     }
 
@@ -391,6 +460,10 @@ impl Topology {
                 h.delayed = !obs.min_apply_delay.is_zero();
                 h.error = None;
                 h.last_ok = Some(now);
+                match obs.current_lsn {
+                    Some(lsn) if !obs.in_recovery => h.record_wal(now, lsn),
+                    _ => h.wal_history.clear(),
+                }
                 h.observation = Some(obs);
             }
             ProbeResult::Err(error) => {
@@ -496,6 +569,7 @@ impl Topology {
             });
         }
 
+        self.compute_upstream(events);
         self.compute_lag();
         self.compute_sync(events);
         let sync = self.addrs(&self.sync_set);
@@ -551,20 +625,83 @@ impl Topology {
         }
     }
 
+    /// Flags live replicas that cannot be following the resolved primary.
+    ///
+    /// After a promotion the old primary may keep running, and replicas
+    /// still streaming from it stay on the old timeline: their WAL
+    /// positions look current, yet they lack what the new primary wrote.
+    fn compute_upstream(&mut self, events: &mut Vec<TopologyEvent>) {
+        let primary = self.primary.map(|p| {
+            let h = &self.hosts[p];
+            (h.config.addr.clone(), h.timeline)
+        });
+        let reasons: Vec<Option<String>> =
+            self.hosts
+                .iter()
+                .map(|h| {
+                    let (paddr, ptl) = primary.as_ref()?;
+                    if !h.is_live_replica() {
+                        return None;
+                    }
+                    if let (Some(tl), Some(ptl)) = (h.timeline, *ptl) {
+                        if tl < ptl {
+                            return Some(format!(
+                                "on timeline {tl}, the primary {paddr} is on timeline {ptl}"
+                            ));
+                        }
+                    }
+                    let upstream = h.observation.as_ref()?.upstream.as_ref()?;
+                    let source = self.hosts.iter().find(|o| {
+                        o.config.addr.port == upstream.port
+                            && o.config.addr.host.eq_ignore_ascii_case(&upstream.host)
+                    })?;
+                    (source.alive && source.role == Role::Primary && source.config.addr != *paddr)
+                        .then(|| {
+                            format!(
+                                "streams from {}, which is not the primary {paddr}",
+                                source.config.addr
+                            )
+                        })
+                })
+                .collect();
+        for (h, reason) in self.hosts.iter_mut().zip(reasons) {
+            if !h.alive {
+                // Kept while down: being down proves nothing either way.
+                continue;
+            }
+            if reason == h.off_primary {
+                continue;
+            }
+            match &reason {
+                Some(r) => events.push(TopologyEvent::OffPrimary {
+                    host: h.config.addr.clone(),
+                    reason: r.clone(),
+                }),
+                None if h.role == Role::Replica && primary.is_some() => {
+                    events.push(TopologyEvent::OnPrimary {
+                        host: h.config.addr.clone(),
+                    })
+                }
+                None => {}
+            }
+            h.off_primary = reason;
+        }
+    }
+
     fn compute_lag(&mut self) {
-        let primary_lsn = self
-            .primary
-            .and_then(|p| self.hosts[p].observation.as_ref())
-            .and_then(|o| o.current_lsn);
-        for h in &mut self.hosts {
-            if h.is_live_replica() {
-                let obs = h.observation.as_ref();
-                let replay = obs.and_then(|o| o.replay_lsn);
-                h.lag_bytes = match (primary_lsn, replay) {
-                    (Some(p), Some(r)) => Some(p.saturating_sub(r)),
-                    _ => None,
-                };
-                h.replay_delay = obs.and_then(|o| o.replay_delay);
+        let lags: Vec<Option<Lag>> = self
+            .hosts
+            .iter()
+            .map(|h| {
+                let p = &self.hosts[self.primary?];
+                let replay = h.observation.as_ref()?.replay_lsn?;
+                Some(lag_against(&p.wal_history, h.last_ok?, replay))
+            })
+            .collect();
+        for (h, lag) in self.hosts.iter_mut().zip(lags) {
+            // Positions on another timeline are not comparable.
+            if h.is_live_replica() && h.off_primary.is_none() {
+                (h.lag_bytes, h.replay_delay) = lag.unwrap_or((None, None));
             } else {
                 h.lag_bytes = None;
                 h.replay_delay = None;
@@ -603,32 +740,40 @@ impl Topology {
 
         let rows = primary_obs.as_ref().map_or(&[][..], |o| &o.replication[..]);
         let sync_configured = self.ssn.is_some();
+        let (attributed, ambiguous) = attribute_rows(&self.hosts, rows);
         self.sync_set.clear();
-        for i in 0..self.hosts.len() {
-            let h = &self.hosts[i];
-            let state = if h.is_live_replica() {
-                h.replication_name()
-                    .and_then(|name| {
-                        rows.iter()
-                            .find(|r| r.application_name.eq_ignore_ascii_case(name))
-                    })
-                    .and_then(|row| {
-                        // The server's own verdict is authoritative, except
-                        // that nothing can be synchronous without a setting.
-                        if sync_configured {
-                            SyncState::parse(&row.sync_state)
-                        } else {
-                            Some(SyncState::Async)
-                        }
-                    })
-            } else {
-                None
-            };
+        for (i, row_state) in attributed.into_iter().enumerate() {
+            // The server's own verdict is authoritative, except that nothing
+            // can be synchronous without a setting.
+            let state = row_state.and_then(|s| {
+                if sync_configured {
+                    SyncState::parse(s)
+                } else {
+                    Some(SyncState::Async)
+                }
+            });
             if matches!(state, Some(SyncState::Sync | SyncState::Quorum)) {
                 self.sync_set.push(i);
             }
             self.hosts[i].sync_state = state;
         }
+        for (name, idx) in &ambiguous {
+            let hosts = self.addrs(idx);
+            let report = (name.clone(), hosts.clone());
+            if !self.ambiguous_reported.contains(&report) {
+                events.push(TopologyEvent::SyncAmbiguous {
+                    name: name.clone(),
+                    hosts,
+                });
+            }
+        }
+        self.ambiguous_reported = ambiguous
+            .into_iter()
+            .map(|(name, idx)| {
+                let hosts = self.addrs(&idx);
+                (name, hosts)
+            })
+            .collect();
     }
 
     fn update_lag_exclusion(&mut self, now: Instant, events: &mut Vec<TopologyEvent>) {
@@ -677,6 +822,129 @@ impl Topology {
     }
 }
 
+/// Bytes and time a replica is behind; `None` where unknown.
+type Lag = (Option<u64>, Option<Duration>);
+
+/// How far behind a replica was when, at `seen`, it had replayed up to
+/// `replay`, given the positions its primary reported (`history`, oldest
+/// first, each with when it was first seen).
+///
+/// Only primary readings taken no later than the replica's count: compared
+/// with a newer one, the replica would look behind by the WAL written in
+/// between. The bytes are what the primary had written by then beyond the
+/// replica. The time is how long the primary had been past the replica's
+/// position: the age of the oldest change the replica lacks, as far as the
+/// probes can tell (a lower bound, to within one probe interval and at most
+/// the span of the history). It does not depend on when the replica last
+/// replayed a commit, which an idle primary makes arbitrarily old and a
+/// replica that receives nothing never updates.
+///
+/// Before any earlier primary reading the lag is known only if the replica
+/// had already replayed what the primary reported next: then it is zero.
+fn lag_against(history: &VecDeque<(Instant, u64)>, seen: Instant, replay: u64) -> Lag {
+    let mut earlier = history.iter().take_while(|(at, _)| *at <= seen).peekable();
+    if earlier.peek().is_none() {
+        return match history.front() {
+            Some(&(_, lsn)) if lsn <= replay => (Some(0), Some(Duration::ZERO)),
+            _ => (None, None),
+        };
+    }
+    let mut ahead_since = None;
+    let mut last = 0;
+    for &(at, lsn) in earlier {
+        if lsn > replay && ahead_since.is_none() {
+            ahead_since = Some(at);
+        }
+        last = lsn;
+    }
+    let delay = ahead_since.map_or(Duration::ZERO, |at| seen.saturating_duration_since(at));
+    (Some(last.saturating_sub(replay)), Some(delay))
+}
+
+/// A replication name borne by several replicas (their indices) whose rows
+/// cannot be told apart.
+type SharedName = (String, Vec<usize>);
+
+/// The `sync_state` text of the primary's `pg_stat_replication` row of each
+/// host (`None`: not a live replica, not streaming from the primary, or not
+/// attributable), and the names that could not be attributed, with the
+/// hosts that share them.
+///
+/// A slot ties a row to one standby, so it is matched first. A name ties a
+/// row to a host only when exactly one row and one live replica carry it:
+/// standbys often share a name (`walreceiver` is the default), and the
+/// first row of a name says nothing about which of its bearers is
+/// synchronous. A shared name still yields a state when every row of that
+/// name reports the same one and no bearer can be left without a row.
+fn attribute_rows<'r>(
+    hosts: &[HostState],
+    rows: &'r [ReplicationRow],
+) -> (Vec<Option<&'r str>>, Vec<SharedName>) {
+    let mut out: Vec<Option<&str>> = vec![None; hosts.len()];
+    let mut row_taken = vec![false; rows.len()];
+    let mut host_done = vec![false; hosts.len()];
+    for (i, h) in hosts.iter().enumerate() {
+        if !h.is_live_replica() {
+            host_done[i] = true;
+            continue;
+        }
+        let slot = h
+            .observation
+            .as_ref()
+            .and_then(|o| o.wal_receiver_slot.as_deref());
+        let Some(slot) = slot else { continue };
+        if let Some(r) = rows
+            .iter()
+            .position(|r| r.slot_name.as_deref() == Some(slot))
+        {
+            out[i] = Some(rows[r].sync_state.as_str());
+            row_taken[r] = true;
+            host_done[i] = true;
+        }
+    }
+    let mut ambiguous = Vec::new();
+    for i in 0..hosts.len() {
+        if host_done[i] {
+            continue;
+        }
+        let Some(name) = hosts[i].replication_name() else {
+            host_done[i] = true;
+            continue;
+        };
+        let bearers: Vec<usize> = (i..hosts.len())
+            .filter(|&j| {
+                !host_done[j]
+                    && hosts[j]
+                        .replication_name()
+                        .is_some_and(|n| n.eq_ignore_ascii_case(name))
+            })
+            .collect();
+        let named: Vec<&ReplicationRow> = rows
+            .iter()
+            .zip(&row_taken)
+            .filter(|(r, taken)| !**taken && r.application_name.eq_ignore_ascii_case(name))
+            .map(|(r, _)| r)
+            .collect();
+        for &j in &bearers {
+            host_done[j] = true;
+        }
+        match (named.as_slice(), bearers.as_slice()) {
+            ([], _) => {}
+            ([row], [only]) => out[*only] = Some(row.sync_state.as_str()),
+            ([first, rest @ ..], _)
+                if named.len() >= bearers.len()
+                    && rest.iter().all(|r| r.sync_state == first.sync_state) =>
+            {
+                for &j in &bearers {
+                    out[j] = Some(first.sync_state.as_str());
+                }
+            }
+            _ => ambiguous.push((name.to_string(), bearers)),
+        }
+    }
+    (out, ambiguous)
+}
+
 /// Derived facts before a change, by address so that they survive a host
 /// list reload that renumbers hosts.
 struct Snapshot {
@@ -689,7 +957,7 @@ struct Snapshot {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::model::{LagLimit, ReplicationRow};
+    use crate::model::LagLimit;
 
     pub(crate) fn cfg(name: &str) -> HostConfig {
         HostConfig::new(HostAddr::new(name, 5432))
@@ -728,6 +996,7 @@ pub(crate) mod tests {
             state: "streaming".to_string(),
             sync_state: sync.to_string(),
             replay_lsn: None,
+            slot_name: None,
         }
     }
 
@@ -922,9 +1191,10 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let mut t = topo(&["p", "r1", "r2"]);
         t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        // The replica's own estimate is not what counts.
         let mut o = replica_obs("r1", 400, 1);
-        o.replay_delay = Some(Duration::from_millis(1500));
-        t.apply(1, ProbeResult::Ok(o), t0);
+        o.replay_delay = Some(Duration::from_secs(99));
+        t.apply(1, ProbeResult::Ok(o), t0 + Duration::from_millis(1500));
         let mut o = replica_obs("r2", 0, 1);
         o.replay_lsn = None;
         o.min_apply_delay = Duration::from_secs(3600);
@@ -938,6 +1208,7 @@ pub(crate) mod tests {
         // A replica ahead of a stale primary reading is not negative.
         t.apply(1, ProbeResult::Ok(replica_obs("r1", 5000, 1)), t0);
         assert_eq!(t.hosts()[1].lag_bytes, Some(0));
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
         // Without a primary the lag is unknown.
         t.apply(0, ProbeResult::Err("down".into()), t0);
         assert_eq!(t.hosts()[1].lag_bytes, None);
@@ -1012,6 +1283,91 @@ pub(crate) mod tests {
         assert!(!ev
             .iter()
             .any(|e| matches!(e, TopologyEvent::SyncSetChanged { .. })));
+    }
+
+    /// A primary "p" and replicas "a", "b", "c", all reporting `name`.
+    fn twins(
+        rows: Vec<ReplicationRow>,
+        slots: [Option<&str>; 3],
+    ) -> (Topology, Vec<TopologyEvent>) {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "a", "b", "c"]);
+        for (i, slot) in slots.into_iter().enumerate() {
+            let mut o = replica_obs("walreceiver", 1, 1);
+            o.wal_receiver_slot = slot.map(str::to_string);
+            t.apply(i + 1, ProbeResult::Ok(o), t0);
+        }
+        let mut p = primary_obs(1, 1);
+        p.synchronous_standby_names = Some("FIRST 1 (walreceiver)".into());
+        p.replication = rows;
+        let ev = t.apply(0, ProbeResult::Ok(p), t0);
+        (t, ev)
+    }
+
+    fn slotted(name: &str, sync: &str, slot: &str) -> ReplicationRow {
+        ReplicationRow {
+            slot_name: Some(slot.to_string()),
+            ..row(name, sync)
+        }
+    }
+
+    #[test]
+    fn shared_replication_names_are_not_guessed() {
+        use SyncState::*;
+        // Three standbys named alike, one sync: PostgreSQL's rows cannot say
+        // which, so nobody is sync, and that is reported once.
+        let rows = vec![
+            row("walreceiver", "sync"),
+            row("WalReceiver", "potential"),
+            row("walreceiver", "potential"),
+        ];
+        let (mut t, ev) = twins(rows.clone(), [None; 3]);
+        assert_eq!(states(&t), [None, None, None, None]);
+        assert!(t.sync_set().is_empty());
+        assert!(ev.contains(&TopologyEvent::SyncAmbiguous {
+            name: "walreceiver".into(),
+            hosts: vec![addr("a"), addr("b"), addr("c")],
+        }));
+        let mut p = t.host(0).unwrap().observation().unwrap().clone();
+        let ev = t.apply(0, ProbeResult::Ok(p.clone()), Instant::now());
+        assert!(ev.is_empty(), "{ev:?}");
+        assert!(TopologyEvent::SyncAmbiguous {
+            name: "walreceiver".into(),
+            hosts: vec![addr("a")],
+        }
+        .to_string()
+        .contains("walreceiver"));
+
+        // All rows agree: the state holds whichever row is whose.
+        p.replication = vec![
+            row("walreceiver", "async"),
+            row("walreceiver", "async"),
+            row("walreceiver", "async"),
+        ];
+        t.apply(0, ProbeResult::Ok(p.clone()), Instant::now());
+        assert_eq!(states(&t), [None, Some(Async), Some(Async), Some(Async)]);
+        // ... unless a bearer may have no row at all.
+        p.replication.pop();
+        t.apply(0, ProbeResult::Ok(p), Instant::now());
+        assert_eq!(states(&t), [None, None, None, None]);
+
+        // Slots tie rows to standbys, whatever the names.
+        let (t, ev) = twins(
+            vec![
+                slotted("walreceiver", "potential", "sa"),
+                slotted("walreceiver", "sync", "sb"),
+                row("walreceiver", "potential"),
+            ],
+            [Some("sa"), Some("sb"), None],
+        );
+        assert_eq!(
+            states(&t),
+            [None, Some(Potential), Some(Sync), Some(Potential)]
+        );
+        assert_eq!(t.sync_set(), &[2]);
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SyncAmbiguous { .. })));
     }
 
     #[test]
@@ -1101,7 +1457,8 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let mut t = lag_topo(Duration::ZERO);
         t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0);
-        // The primary moving ahead is enough to exclude the replica.
+        // A primary position seen no later than the replica's own reading
+        // is enough to exclude the replica.
         let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, 2000)), t0);
         assert!(ev
             .iter()
@@ -1119,6 +1476,167 @@ pub(crate) mod tests {
         let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 0, 1)), t0);
         assert!(!t.hosts()[1].lag_excluded);
         assert!(ev.contains(&TopologyEvent::LagReadmitted { host: addr("r") }));
+    }
+
+    #[test]
+    fn steady_writes_do_not_make_replicas_look_behind() {
+        // 500 ms probes, 1.75 MB of WAL per interval, replicas truly 100 kB
+        // behind and probed a few milliseconds after the primary: the
+        // primary's next position must not be held against their last one.
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut t = Topology::new(
+            vec![cfg("p"), cfg("r1"), cfg("r2")],
+            TopologyConfig {
+                max_replica_lag: Some(LagLimit {
+                    bytes: Some(600_000),
+                    time: None,
+                }),
+                lag_hold: Duration::from_secs(3),
+            },
+        );
+        let per_round = 1_750_000u64;
+        for k in 1..40u64 {
+            let round = t0 + ms(500 * k);
+            let ev = t.apply(0, ProbeResult::Ok(primary_obs(1, k * per_round)), round);
+            assert!(
+                !ev.iter()
+                    .any(|e| matches!(e, TopologyEvent::LagExcluded { .. })),
+                "round {k}: {ev:?}"
+            );
+            for (i, name) in [(1, "r1"), (2, "r2")] {
+                let replay = k * per_round - 100_000;
+                let at = round + ms(3 * i as u64);
+                t.apply(i, ProbeResult::Ok(replica_obs(name, replay, 1)), at);
+                assert_eq!(t.hosts()[i].lag_bytes, Some(100_000), "round {k}");
+            }
+            assert!(t.hosts().iter().all(|h| !h.lag_excluded), "round {k}");
+        }
+        // A replica that answered before the primary's first reading has no
+        // fair comparison yet: unknown, not the whole WAL.
+        let mut t = lag_topo(Duration::ZERO);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0 + ms(1));
+        assert_eq!(t.hosts()[1].lag_bytes, None);
+        assert!(!t.hosts()[1].lag_excluded);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0 + ms(2));
+        assert_eq!(t.hosts()[1].lag_bytes, Some(4990));
+        assert!(t.hosts()[1].lag_excluded);
+    }
+
+    #[test]
+    fn replicas_not_following_the_primary_are_flagged() {
+        let t0 = Instant::now();
+        let mut t = topo(&["old", "new", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(primary_obs(2, 3000)), t0);
+        // Still streaming from the old primary, ahead of the new one.
+        let mut o = replica_obs("r", 4000, 1);
+        o.upstream = Some(HostAddr::new("OLD", 5432));
+        let ev = t.apply(2, ProbeResult::Ok(o.clone()), t0);
+        assert_eq!(t.primary(), Some(1));
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(reason.contains("timeline 1"), "{reason}");
+        assert!(ev.contains(&TopologyEvent::OffPrimary {
+            host: addr("r"),
+            reason: reason.clone()
+        }));
+        // Its positions are not comparable with the new primary's.
+        assert_eq!(t.hosts()[2].lag_bytes, None);
+        let sel = crate::Selector::default();
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [1]);
+        // Reported once.
+        assert!(t.apply(2, ProbeResult::Ok(o.clone()), t0).is_empty());
+
+        // On the new timeline but fed by the old primary: still flagged.
+        o.timeline = Some(2);
+        t.apply(2, ProbeResult::Ok(o.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(reason.contains("streams from old:5432"), "{reason}");
+
+        // Following the new primary: back in.
+        o.upstream = Some(HostAddr::new("new", 5432));
+        let ev = t.apply(2, ProbeResult::Ok(o), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        assert!(ev.contains(&TopologyEvent::OnPrimary { host: addr("r") }));
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [2]);
+        assert!(TopologyEvent::OffPrimary {
+            host: addr("r"),
+            reason: "x".into()
+        }
+        .to_string()
+        .contains("no read traffic"));
+    }
+
+    #[test]
+    fn time_lag_is_the_age_of_what_the_replica_lacks() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let limit = TopologyConfig {
+            max_replica_lag: Some(LagLimit {
+                bytes: None,
+                time: Some(s(5)),
+            }),
+            lag_hold: Duration::ZERO,
+        };
+        // A replica whose WAL receiver is gone replays nothing and reports
+        // no replay backlog of its own, while the primary keeps writing.
+        let mut t = Topology::new(vec![cfg("p"), cfg("r")], limit.clone());
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0);
+        for sec in 1..=17u64 {
+            t.apply(
+                0,
+                ProbeResult::Ok(primary_obs(1, 1000 + sec * 225_000)),
+                t0 + s(sec),
+            );
+            t.apply(
+                1,
+                ProbeResult::Ok(replica_obs("r", 1000, 1)),
+                t0 + s(sec) + Duration::from_millis(10),
+            );
+        }
+        let h = &t.hosts()[1];
+        assert_eq!(h.replay_delay, Some(s(16) + Duration::from_millis(10)));
+        assert_eq!(h.lag_bytes, Some(17 * 225_000));
+        assert!(h.lag_excluded);
+
+        // An idle primary, then one large write the replicas replay within
+        // a second: their last replayed commit is old, their data is not.
+        let mut t = Topology::new(vec![cfg("p"), cfg("r")], limit);
+        for sec in 0..25u64 {
+            t.apply(0, ProbeResult::Ok(primary_obs(1, 1000)), t0 + s(sec));
+            t.apply(1, ProbeResult::Ok(replica_obs("r", 1000, 1)), t0 + s(sec));
+        }
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 9_000_000)), t0 + s(25));
+        let mut o = replica_obs("r", 4_000_000, 1);
+        o.receive_lsn = Some(9_000_000);
+        o.replay_delay = Some(s(25));
+        t.apply(
+            1,
+            ProbeResult::Ok(o),
+            t0 + s(25) + Duration::from_millis(400),
+        );
+        let h = &t.hosts()[1];
+        assert_eq!(h.replay_delay, Some(Duration::from_millis(400)));
+        assert!(!h.lag_excluded);
+        t.apply(
+            1,
+            ProbeResult::Ok(replica_obs("r", 9_000_000, 1)),
+            t0 + s(26),
+        );
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
+
+        // A replica probed before the primary's first reading: zero if it
+        // already had what the primary then reported, else unknown.
+        let mut t = topo(&["p", "r1", "r2"]);
+        t.apply(1, ProbeResult::Ok(replica_obs("r1", 700, 1)), t0);
+        t.apply(2, ProbeResult::Ok(replica_obs("r2", 699, 1)), t0);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 700)), t0 + s(1));
+        assert_eq!(t.hosts()[1].lag_bytes, Some(0));
+        assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
+        assert_eq!(t.hosts()[2].lag_bytes, None);
+        assert_eq!(t.hosts()[2].replay_delay, None);
     }
 
     #[test]

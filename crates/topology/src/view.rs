@@ -23,7 +23,9 @@ pub struct HostView {
     /// Bytes of WAL the replica has yet to replay, relative to the
     /// primary's current position.
     pub lag_bytes: Option<u64>,
-    /// How far the replica's replay is behind in time, in milliseconds.
+    /// Time lag in milliseconds: how long the primary had been past the
+    /// replica's replay position, i.e. the age of the oldest change the
+    /// replica lacks.
     pub replay_delay_ms: Option<u64>,
     /// Whether the replica applies WAL with a configured delay.
     pub delayed: bool,
@@ -33,6 +35,10 @@ pub struct HostView {
     pub timeline: Option<u32>,
     /// Whether replica selection skips the host for exceeding `max_replica_lag`.
     pub lag_excluded: bool,
+    /// Why the replica is not following the primary (an older timeline, or
+    /// streaming from a server that is not the primary); null when it is.
+    /// Such a replica takes no reads.
+    pub off_primary: Option<String>,
     /// Tags from the configuration.
     pub tags: Vec<String>,
     /// The last probe error, while the host is dead.
@@ -75,6 +81,7 @@ impl TopologyView {
                 rtt_ms: h.rtt.get().map(|ms| (ms * 1000.0).round() / 1000.0),
                 timeline: h.timeline,
                 lag_excluded: h.lag_excluded,
+                off_primary: h.off_primary.clone(),
                 tags: h.config.tags.clone(),
                 error: h.error.clone(),
             })
@@ -126,7 +133,7 @@ impl TopologyView {
             let _ = writeln!(
                 out,
                 "{:<22} {:<8} {:<5} {:<9} {:>12} {:>10} {:>9} {:>4}  {}",
-                format!("{}:{}", h.host, h.port),
+                crate::HostAddr::new(h.host.as_str(), h.port).to_string(),
                 role,
                 if h.alive { "yes" } else { "no" },
                 dash(h.sync_state.map(|s| s.to_string())),
@@ -138,5 +145,34 @@ impl TopologyView {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::state::tests::primary_obs;
+    use crate::{HostAddr, HostConfig, ProbeResult, TopologyConfig};
+
+    #[test]
+    fn table_brackets_ipv6_hosts() {
+        let mut t = Topology::new(
+            vec![
+                HostConfig::new(HostAddr::new("::1", 21100)),
+                HostConfig::new(HostAddr::new("db1", 5432)),
+            ],
+            TopologyConfig::default(),
+        );
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 1)), Instant::now());
+        let view = TopologyView::new(&t, 1);
+        let table = view.to_table();
+        assert!(table.contains("primary: [::1]:21100"), "{table}");
+        let rows: Vec<&str> = table.lines().skip(2).collect();
+        assert!(rows[0].starts_with("[::1]:21100 "), "{table}");
+        assert!(rows[1].starts_with("db1:5432 "), "{table}");
+        // The JSON fields keep the parts apart, unbracketed.
+        assert_eq!(view.hosts[0].host, "::1");
     }
 }
