@@ -109,6 +109,63 @@ async fn replicated(c: &AgentCluster, p: usize) {
     }
 }
 
+/// Waits until node `i`'s API lists `n` members: the membership a failsafe
+/// leader asks to acknowledge it.
+async fn knows_members(c: &AgentCluster, i: usize, n: usize) {
+    let url = format!("{}/cluster", c.node(i).api_url());
+    eventually(
+        &format!("node {i} knows {n} members"),
+        Duration::from_secs(10),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let seen = v["members"].as_array().map_or(0, Vec::len);
+            (seen == n).then_some(()).ok_or(format!("{seen} members"))
+        },
+    )
+    .await;
+}
+
+/// Waits until every agent has logged that maintenance mode is on.
+async fn all_see_the_pause(c: &AgentCluster) {
+    eventually(
+        "every agent sees the pause",
+        Duration::from_secs(10),
+        || async {
+            (0..c.len())
+                .all(|i| c.node(i).log_tail().contains("paused:"))
+                .then_some(())
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+}
+
+/// Switches over from `leader` to `candidate` through node 0's API; a
+/// refusal (412 until the candidate's published state shows it running)
+/// is tried again.
+async fn switch_over(c: &AgentCluster, leader: &str, candidate: &str) {
+    let url = format!("{}/switchover", c.node(0).api_url());
+    eventually(
+        &format!("a switchover to {candidate}"),
+        Duration::from_secs(60),
+        || async {
+            let r = pgwarden_agent::http_client::request(
+                "POST",
+                &url,
+                Some(&serde_json::json!({"leader": leader, "candidate": candidate})),
+                Some(("pgwarden", "secret")),
+                Duration::from_secs(40),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            (r.status == 200).then_some(()).ok_or(r.body)
+        },
+    )
+    .await;
+}
+
 /// Waits until node `via`'s read-write port reaches `primary` and takes a
 /// write there.
 async fn routes_writes_to(c: &AgentCluster, via: usize, primary: usize, within: Duration) {
@@ -550,18 +607,7 @@ async fn maintenance_mode_suppresses_failover_until_resumed() {
     let mut c = cluster().start();
     healthy(&c, 2, BOOTSTRAP).await;
     assert_eq!(api_post(&c, 1, "/pause").await, 200);
-    eventually(
-        "every agent sees the pause",
-        Duration::from_secs(10),
-        || async {
-            let logs: Vec<String> = (0..3).map(|i| c.node(i).log_tail()).collect();
-            logs.iter()
-                .all(|l| l.contains("paused:"))
-                .then_some(())
-                .ok_or("not yet".to_string())
-        },
-    )
-    .await;
+    all_see_the_pause(&c).await;
     c.kill_node(0);
     // Well past the lease (6 s): still nobody promoted.
     let quiet = tokio::time::Instant::now() + Duration::from_secs(12);
@@ -635,32 +681,8 @@ async fn a_restart_order_never_starts_a_stopped_member() {
     .unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(api_post(&c, 1, "/pause").await, 200);
-    eventually(
-        "every agent sees the pause",
-        Duration::from_secs(10),
-        || async {
-            let logs: Vec<String> = (0..3).map(|i| c.node(i).log_tail()).collect();
-            logs.iter()
-                .all(|l| l.contains("paused:"))
-                .then_some(())
-                .ok_or("not yet".to_string())
-        },
-    )
-    .await;
-    let switchover = format!("{}/switchover", c.node(0).api_url());
-    eventually("a switchover to n2", Duration::from_secs(60), || async {
-        let r = pgwarden_agent::http_client::request(
-            "POST",
-            &switchover,
-            Some(&serde_json::json!({"leader": "n1", "candidate": "n2"})),
-            Some(("pgwarden", "secret")),
-            Duration::from_secs(40),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        (r.status == 200).then_some(()).ok_or(r.body)
-    })
-    .await;
+    all_see_the_pause(&c).await;
+    switch_over(&c, "n1", "n2").await;
     eventually(
         "n1 stopped, n2 the only primary",
         Duration::from_secs(30),
@@ -2858,19 +2880,7 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
     .unwrap();
     replicated(&c, 0).await;
     // The membership the leader knows is what it will ask.
-    let url = format!("{}/cluster", c.node(0).api_url());
-    eventually(
-        "the leader knows all three members",
-        Duration::from_secs(10),
-        || async {
-            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-                .await
-                .map_err(|e| e.to_string())?;
-            let n = v["members"].as_array().map_or(0, Vec::len);
-            (n == 3).then_some(()).ok_or(format!("{n} members"))
-        },
-    )
-    .await;
+    knows_members(&c, 0, 3).await;
     c.etcd().kill(0);
     // Well past the lease (6 s) and the demotion deadline (3 s): the leader
     // stands, and every node's read-write port still reaches it.
@@ -2915,35 +2925,9 @@ async fn with_failsafe_the_leader_takes_its_key_back_when_etcd_returns() {
     healthy(&c, 2, BOOTSTRAP).await;
     // n3 leads: every replica's name sorts before the leader's, so a tie
     // in position broken by name alone would crown one of them.
-    let switchover = format!("{}/switchover", c.node(0).api_url());
-    eventually("a switchover to n3", Duration::from_secs(60), || async {
-        // Refused (412) until n3's published state shows it running.
-        let r = pgwarden_agent::http_client::request(
-            "POST",
-            &switchover,
-            Some(&serde_json::json!({"leader": "n1", "candidate": "n3"})),
-            Some(("pgwarden", "secret")),
-            Duration::from_secs(40),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        (r.status == 200).then_some(()).ok_or(r.body)
-    })
-    .await;
+    switch_over(&c, "n1", "n3").await;
     assert_eq!(healthy(&c, 2, Duration::from_secs(60)).await, 2);
-    let url = format!("{}/cluster", c.node(2).api_url());
-    eventually(
-        "the leader knows all three members",
-        Duration::from_secs(10),
-        || async {
-            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-                .await
-                .map_err(|e| e.to_string())?;
-            let n = v["members"].as_array().map_or(0, Vec::len);
-            (n == 3).then_some(()).ok_or(format!("{n} members"))
-        },
-    )
-    .await;
+    knows_members(&c, 2, 3).await;
     let timeline = one(
         &c.node(2).pg_conninfo(),
         "SELECT timeline_id FROM pg_control_checkpoint()",
@@ -3004,19 +2988,7 @@ async fn with_failsafe_the_replicas_wait_for_the_leader_they_vouched_for() {
         .etcd_relays()
         .start();
     let checker = healthy_and_checked(&c).await;
-    let url = format!("{}/cluster", c.node(0).api_url());
-    eventually(
-        "the leader knows all three members",
-        Duration::from_secs(10),
-        || async {
-            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
-                .await
-                .map_err(|e| e.to_string())?;
-            let n = v["members"].as_array().map_or(0, Vec::len);
-            (n == 3).then_some(()).ok_or(format!("{n} members"))
-        },
-    )
-    .await;
+    knows_members(&c, 0, 3).await;
     for i in 0..3 {
         c.etcd_relay(i).set_blackhole(true);
     }
