@@ -234,7 +234,7 @@ pub async fn serve_tls(
 // ---------------------------------------------------------------------------
 // Health checks
 
-const CHECK_PATHS: [&str; 16] = [
+const CHECK_PATHS: [&str; 19] = [
     "/",
     "/primary",
     "/master",
@@ -251,6 +251,9 @@ const CHECK_PATHS: [&str; 16] = [
     "/readiness",
     "/standby-leader",
     "/standby_leader",
+    "/quorum",
+    "/read-only-sync",
+    "/read-only-quorum",
 ];
 
 /// Whether the local member passes the check named by `path`.
@@ -272,6 +275,17 @@ fn passes(
             .as_ref()
             .is_some_and(|c| sync_members(c).iter().any(|m| m == name))
     };
+    // Under quorum commit (fewer acknowledgements than listed standbys)
+    // the listed ones are quorum standbys, as Patroni names them.
+    let quorum = || {
+        st.cluster.as_ref().is_some_and(|c| {
+            let listed = sync_members(c).len();
+            record::sync_state(c)
+                .and_then(|s| s.quorum)
+                .is_some_and(|q| q < listed)
+        })
+    };
+    let leads = st.is_leader || st.standby_leader;
     Ok(match path {
         "/" | "/primary" | "/master" | "/read-write" => st.is_leader,
         // As in Patroni: whoever holds the leader key, primary or standby
@@ -281,6 +295,9 @@ fn passes(
         "/replica" => !st.standby_leader && replica(),
         "/read-only" => st.is_leader || st.standby_leader || replica(),
         "/sync" | "/synchronous" => st.dcs_reachable && in_sync() && replica(),
+        "/quorum" => st.dcs_reachable && in_sync() && quorum() && replica(),
+        "/read-only-sync" => leads || (st.dcs_reachable && in_sync() && replica()),
+        "/read-only-quorum" => leads || (st.dcs_reachable && in_sync() && quorum() && replica()),
         "/async" | "/asynchronous" => st.dcs_reachable && !in_sync() && replica(),
         "/health" => st.member.status == "running",
         "/liveness" => true,

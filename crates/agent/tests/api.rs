@@ -198,10 +198,12 @@ async fn health_checks_answer_for_the_local_role() {
         "/read-write",
         "/leader",
         "/read-only",
+        "/read-only-sync",
+        "/read-only-quorum",
     ] {
         assert_eq!(api.code("GET", path).await, 200, "leader {path}");
     }
-    for path in ["/replica", "/sync", "/async", "/standby-leader"] {
+    for path in ["/replica", "/sync", "/quorum", "/async", "/standby-leader"] {
         assert_eq!(api.code("GET", path).await, 503, "leader {path}");
     }
     assert_eq!(api.code("GET", "/health").await, 200);
@@ -261,6 +263,8 @@ async fn health_checks_answer_for_the_local_role() {
         "/replica?lag=9999",
         "/replica?lag=1kB",
         "/read-only?lag=1kB",
+        "/read-only-sync",
+        "/read-only-quorum",
         "/readiness?lag=1kB",
         "/replica?tag_nofailover=true",
         "/replica?tag_failover_priority=2",
@@ -295,7 +299,21 @@ async fn health_checks_answer_for_the_local_role() {
     api.set(st.clone());
     assert_eq!(api.code("GET", "/sync").await, 200);
     assert_eq!(api.code("GET", "/synchronous").await, 200);
+    assert_eq!(api.code("GET", "/read-only-sync").await, 200);
     assert_eq!(api.code("GET", "/async").await, 503);
+    assert_eq!(api.code("GET", "/quorum").await, 503);
+    assert_eq!(api.code("GET", "/read-only-quorum").await, 503);
+    // Under quorum commit (one acknowledgement of two listed standbys) a
+    // listed standby is a quorum standby too.
+    let mut quorum = st.clone();
+    quorum.cluster = Some(pgwarden_dcs::ClusterSnapshot {
+        sync: Some(json!({"leader": "n0", "members": ["n1", "n2"], "quorum": 1})),
+        ..Default::default()
+    });
+    api.set(quorum);
+    assert_eq!(api.code("GET", "/quorum").await, 200);
+    assert_eq!(api.code("GET", "/read-only-quorum").await, 200);
+    api.set(st.clone());
     // Without the DCS the sync role cannot be vouched for.
     st.dcs_reachable = false;
     api.set(st);

@@ -2180,10 +2180,9 @@ impl Effects {
         // words to them: such statements are read with their comments
         // blanked out by the lexer that knows where they are. Most have
         // none, and keep the word scan in place.
-        let blanked = (memchr::memmem::find(sql, b"--").is_some()
-            || memchr::memmem::find(sql, b"/*").is_some())
-        .then(|| pgwarden_wire::blank_comments(sql))
-        .flatten();
+        let blanked = has_comment(sql)
+            .then(|| pgwarden_wire::blank_comments(sql))
+            .flatten();
         let sql = blanked.as_deref().unwrap_or(sql);
         let mut words = words(sql);
         let Some(first) = words.next() else {
@@ -2215,6 +2214,16 @@ impl Effects {
 #[cfg(test)]
 fn pins_session(sql: &[u8]) -> bool {
     Effects::of(sql).pins
+}
+
+/// Whether `sql` may hold a comment (`--` or `/*`, quoted or not): one
+/// pass over the statement, which runs for every query.
+#[inline]
+fn has_comment(sql: &[u8]) -> bool {
+    memchr::memchr2_iter(b'-', b'/', sql).any(|i| {
+        let next = sql.get(i + 1).copied();
+        matches!((sql[i], next), (b'-', Some(b'-')) | (b'/', Some(b'*')))
+    })
 }
 
 /// Whether running the query `sql` drops every prepared statement of the
