@@ -951,11 +951,18 @@ async fn restart(
                 ));
             }
             let at = order.schedule.clone().unwrap_or_default();
-            send_command(&state, Command::Restart(order, Reply::default())).await?;
-            Ok(text(
-                StatusCode::ACCEPTED,
-                &format!("restart scheduled at {at}"),
-            ))
+            let (reply, answer) = Reply::new();
+            send_command(&state, Command::Restart(order, reply)).await?;
+            match tokio::time::timeout(RESTART_CHECK_TIMEOUT, answer).await {
+                Ok(Ok(Ok(()))) => Ok(text(
+                    StatusCode::ACCEPTED,
+                    &format!("restart scheduled at {at}"),
+                )),
+                Ok(Ok(Err(why))) => Err(ApiError::new(StatusCode::CONFLICT, why)),
+                _ => Err(ApiError::unavailable(
+                    "the HA loop did not take the scheduled restart in time; not scheduled",
+                )),
+            }
         }
     }
 }

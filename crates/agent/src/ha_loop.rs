@@ -341,10 +341,19 @@ impl HaLoop {
                 }
                 _ = crashes.notified() => {}
                 cmd = self.commands.recv() => match cmd {
-                    Some(Command::Restart(order, _)) if order.at_ms.is_some() => {
-                        tracing::info!(at = order.schedule.as_deref().unwrap_or_default(), "restart scheduled");
-                        self.scheduled_restart = Some(order);
-                        self.publish_status();
+                    Some(Command::Restart(order, reply)) if order.at_ms.is_some() => {
+                        // Decided here, not on the published status: two
+                        // requests at once would both pass that check.
+                        if let Some(earlier) = &self.scheduled_restart {
+                            reply.send(Err(format!(
+                                "a restart is already scheduled at {}; DELETE /restart first",
+                                earlier.schedule.as_deref().unwrap_or("?")
+                            )));
+                        } else if reply.send(Ok(())) {
+                            tracing::info!(at = order.schedule.as_deref().unwrap_or_default(), "restart scheduled");
+                            self.scheduled_restart = Some(order);
+                            self.publish_status();
+                        }
                     }
                     Some(Command::Restart(order, reply)) => self.restart_if(order, reply).await,
                     Some(Command::Reconfigure(new)) => self.reconfigure(*new).await,

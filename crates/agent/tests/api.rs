@@ -646,19 +646,25 @@ async fn restart_and_reload_reach_the_ha_loop() {
     assert!(api.drain().is_empty());
 
     // A scheduled one goes to the loop with its time, in UTC.
-    let r = post_restart(
-        &api,
+    let (order, r) = restart_answered(
+        &mut api,
         json!({"schedule": "2030-01-01T03:00:00+02:00", "restart_pending": true}),
+        Ok(()),
     )
     .await;
     assert_eq!(r.status, 202, "{}", r.body);
     assert!(r.body.contains("2030-01-01T01:00:00Z"), "{}", r.body);
-    let order = match api.drain().as_slice() {
-        [Command::Restart(o, _)] => o.clone(),
-        other => panic!("{other:?}"),
-    };
     assert_eq!(order.at_ms, Some(1_893_459_600_000));
     assert!(order.restart_pending);
+    // The loop has the last word: a second one it refuses is a conflict,
+    // however recent the status the API read.
+    let (_, r) = restart_answered(
+        &mut api,
+        json!({"schedule": "2031-01-01T00:00:00Z"}),
+        Err("a restart is already scheduled at 2030-01-01T01:00:00Z; DELETE /restart first".into()),
+    )
+    .await;
+    assert_eq!(r.status, 409, "{}", r.body);
     // Once the loop shows it: no second one, and /patroni lists it.
     let mut with = st.clone();
     with.member.scheduled_restart = Some(order.clone());
