@@ -137,7 +137,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/failsafe", axum::routing::post(failsafe))
         .route("/cluster", get(cluster))
         .route("/history", get(history))
-        .route("/config", get(get_config).patch(patch_config))
+        .route(
+            "/config",
+            get(get_config).patch(patch_config).put(put_config),
+        )
         .route("/switchover", post(switchover).delete(cancel_switchover))
         .route("/failover", post(failover))
         .route("/pause", post(pause))
@@ -778,9 +781,23 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
 /// Applies `patch` to the config key in one compare-and-set. `Ok(None)`:
 /// the key changed since it was read.
 async fn patch_config_once(state: &ApiState, patch: &Value) -> Result<Option<Value>, ApiError> {
+    write_config_once(state, |old| {
+        let mut config = old.unwrap_or_else(|| json!({}));
+        merge_patch(&mut config, patch);
+        config
+    })
+    .await
+}
+
+/// Writes the config `make` builds from the one stored, checked as every
+/// agent will read it, in one compare-and-set. `Ok(None)`: the key changed
+/// since it was read.
+async fn write_config_once(
+    state: &ApiState,
+    make: impl FnOnce(Option<Value>) -> Value,
+) -> Result<Option<Value>, ApiError> {
     let snap = read(state).await?;
-    let mut config = snap.config.unwrap_or_else(|| json!({}));
-    merge_patch(&mut config, patch);
+    let config = make(snap.config.clone());
     crate::parameters::dynamic(Some(&config)).map_err(ApiError::bad_request)?;
     crate::slots::permanent(Some(&config)).map_err(ApiError::bad_request)?;
     // Read as "not paused" otherwise: an operator would believe automatic
@@ -841,6 +858,27 @@ async fn patch_config(
         None => Err(ApiError::new(
             StatusCode::CONFLICT,
             "the config changed while it was being patched; try again",
+        )),
+    }
+}
+
+/// `PUT /config`: replaces the whole dynamic configuration, checked as a
+/// patch is.
+async fn put_config(
+    State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    if is_blank(&body) {
+        return Err(ApiError::bad_request("PUT /config needs a JSON object"));
+    }
+    let config = Value::Object(body_object(&body)?);
+    match write_config_once(&state, |_| config).await? {
+        Some(config) => Ok(Json(config).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the config changed while it was being replaced; try again",
         )),
     }
 }

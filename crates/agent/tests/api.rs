@@ -554,6 +554,17 @@ async fn pause_resume_and_config_patches_change_the_config_key() {
         );
     }
     assert_eq!(config().await, Some(want), "bad patches change nothing");
+
+    // PUT replaces the whole configuration, checked as a patch is.
+    let whole = json!({"ttl": 45, "postgresql": {"parameters": {"work_mem": "8MB"}}});
+    let r = api.write("PUT", "/config", Some(whole.clone())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(config().await, Some(whole.clone()));
+    let r = api
+        .write("PUT", "/config", Some(json!({"pause": "yes"})))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(config().await, Some(whole));
 }
 
 async fn post_restart(api: &Api, body: Value) -> Response {
