@@ -132,24 +132,46 @@ pub fn router(state: Arc<ApiState>) -> Router {
     for path in CHECK_PATHS {
         r = r.route(path, on(check, health_check));
     }
-    r.route("/patroni", get(patroni))
-        .route("/metrics", get(metrics))
-        .route("/failsafe", axum::routing::post(failsafe))
-        .route("/cluster", get(cluster))
-        .route("/history", get(history))
-        .route(
-            "/config",
-            get(get_config).patch(patch_config).put(put_config),
-        )
-        .route("/switchover", post(switchover).delete(cancel_switchover))
-        .route("/failover", post(failover))
-        .route("/pause", post(pause))
-        .route("/resume", post(resume))
-        .route("/restart", post(restart).delete(cancel_restart))
-        .route("/reload", post(reload))
-        .route("/reinitialize", post(reinitialize))
-        .fallback(|| async { text(StatusCode::NOT_FOUND, "no such endpoint") })
-        .with_state(state)
+    // OPTIONS answers with the status GET would have, without a body, as
+    // in Patroni (load balancers probe with it).
+    r.route(
+        "/patroni",
+        get(patroni).options(|s| async { status_only(patroni(s).await) }),
+    )
+    .route(
+        "/metrics",
+        get(metrics).options(|s| async { status_only(metrics(s).await) }),
+    )
+    .route("/failsafe", axum::routing::post(failsafe))
+    .route(
+        "/cluster",
+        get(cluster).options(|s| async { status_only(cluster(s).await.into_response()) }),
+    )
+    .route(
+        "/history",
+        get(history).options(|s| async { status_only(history(s).await.into_response()) }),
+    )
+    .route(
+        "/config",
+        get(get_config)
+            .patch(patch_config)
+            .put(put_config)
+            .options(|s| async { status_only(get_config(s).await.into_response()) }),
+    )
+    .route("/switchover", post(switchover).delete(cancel_switchover))
+    .route("/failover", post(failover))
+    .route("/pause", post(pause))
+    .route("/resume", post(resume))
+    .route("/restart", post(restart).delete(cancel_restart))
+    .route("/reload", post(reload))
+    .route("/reinitialize", post(reinitialize))
+    .fallback(|| async { text(StatusCode::NOT_FOUND, "no such endpoint") })
+    .with_state(state)
+}
+
+/// `response`'s status alone.
+fn status_only(response: Response) -> Response {
+    response.status().into_response()
 }
 
 /// Serves the API on `listener` until `shutdown` resolves, then lets

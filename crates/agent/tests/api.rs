@@ -410,6 +410,11 @@ async fn state_endpoints_report_member_cluster_history_and_config() {
     assert_eq!(h[0]["leader"], "n1");
     let cfg = get_json(&format!("{}/config", api.url), T).await.unwrap();
     assert_eq!(cfg, json!({"ttl": 30, "pause": true}));
+    // OPTIONS: GET's status, no body, on every read endpoint.
+    for path in ["/patroni", "/cluster", "/history", "/config", "/metrics"] {
+        let r = api.call("OPTIONS", path).await;
+        assert_eq!((r.status, r.body.as_str()), (200, ""), "{path}");
+    }
 }
 
 /// A raw request, to see the headers the client does not return.
