@@ -868,20 +868,12 @@ async fn patch_config(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    if is_blank(&body) {
-        return Err(ApiError::bad_request("PATCH /config needs a JSON object"));
-    }
-    let patch = Value::Object(body_object(&body)?);
-    // No retry on conflict, as in Patroni: the caller decided on the patch
-    // from the config it read, and should look again.
-    match patch_config_once(&state, &patch).await? {
-        Some(config) => Ok(Json(config).into_response()),
-        None => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "the config changed while it was being patched; try again",
-        )),
-    }
+    config_request(&state, &headers, &body, "PATCH", |old, patch| {
+        let mut config = old.unwrap_or_else(|| json!({}));
+        merge_patch(&mut config, &patch);
+        config
+    })
+    .await
 }
 
 /// `PUT /config`: replaces the whole dynamic configuration, checked as a
@@ -891,16 +883,32 @@ async fn put_config(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    if is_blank(&body) {
-        return Err(ApiError::bad_request("PUT /config needs a JSON object"));
+    config_request(&state, &headers, &body, "PUT", |_, whole| whole).await
+}
+
+/// A `method` of `/config` whose body (a JSON object) `make` turns, with
+/// the stored config, into the new one.
+async fn config_request(
+    state: &ApiState,
+    headers: &HeaderMap,
+    body: &Bytes,
+    method: &str,
+    make: impl FnOnce(Option<Value>, Value) -> Value,
+) -> Result<Response, ApiError> {
+    authorize(state, headers)?;
+    if is_blank(body) {
+        return Err(ApiError::bad_request(format!(
+            "{method} /config needs a JSON object"
+        )));
     }
-    let config = Value::Object(body_object(&body)?);
-    match write_config_once(&state, |_| config).await? {
+    let given = Value::Object(body_object(body)?);
+    // No retry on conflict, as in Patroni: the caller decided on the change
+    // from the config it read, and should look again.
+    match write_config_once(state, |old| make(old, given)).await? {
         Some(config) => Ok(Json(config).into_response()),
         None => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "the config changed while it was being replaced; try again",
+            "the config changed meanwhile; try again",
         )),
     }
 }
