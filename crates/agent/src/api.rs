@@ -293,8 +293,17 @@ fn passes(
         Some((_, v)) => Some(parse_lag(v)?),
         None => None,
     };
-    let replica =
-        || replica_check(&st.member, lag_limit) && tags_match(&st.member.state.tags, query);
+    // `?replication_state=streaming`: only a replica in that state.
+    let state_wanted = query
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "replication_state")
+        .map(|(_, v)| v.as_str());
+    let replica = || {
+        replica_check(&st.member, lag_limit)
+            && tags_match(&st.member.state.tags, query)
+            && state_wanted.is_none_or(|want| st.member.replication_state.as_deref() == Some(want))
+    };
     let in_sync = || {
         st.cluster
             .as_ref()

@@ -273,6 +273,28 @@ async fn health_checks_answer_for_the_local_role() {
         assert_eq!(api.code("GET", path).await, 503, "replica {path}");
     }
     assert_eq!(api.code("GET", "/replica?lag=ten").await, 400);
+    // The replication state asked for, as Patroni takes it.
+    let mut streaming = status_of(member("n1", MemberRole::Replica, Some(10_000)), false);
+    streaming.member.replication_state = Some("streaming".into());
+    api.set(streaming);
+    assert_eq!(
+        api.code("GET", "/replica?replication_state=streaming")
+            .await,
+        200
+    );
+    assert_eq!(
+        api.code("GET", "/replica?replication_state=in%20archive%20recovery")
+            .await,
+        503
+    );
+    assert_eq!(
+        api.code("GET", "/replica?replication_state=bogus").await,
+        503
+    );
+    api.set(status_of(
+        member("n1", MemberRole::Replica, Some(10_000)),
+        false,
+    ));
     assert_eq!(api.code("HEAD", "/replica?lag=16kB").await, 200);
 
     // The key holder with PostgreSQL stopped (maintenance mode): still the
