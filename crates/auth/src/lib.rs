@@ -13,15 +13,18 @@
 //! * [`hba`]: `pg_hba.conf` parsing and rule matching, as in PostgreSQL 15.
 //! * [`cert`]: the client certificate's common name, which `cert`
 //!   authentication compares with the user name.
+//! * [`basic`]: HTTP basic authentication of the HTTP endpoints.
 //!
 //! No function here panics, whatever bytes a peer or a configuration file
 //! contains.
 
+pub mod basic;
 pub mod cert;
 pub mod hba;
 pub mod md5;
 pub mod scram;
 
+pub use basic::basic_auth_matches;
 pub use cert::{subject_common_name, CertNameError};
 pub use hba::{AuthMethod, ConnType, Hba, HbaContext, HbaError, HbaRule};
 pub use md5::{is_md5_secret, md5_response, md5_secret, verify_md5};

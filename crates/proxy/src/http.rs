@@ -129,15 +129,7 @@ fn switch_allowed(
     }
     match credentials {
         Some((user, password)) => {
-            use base64::Engine as _;
-            let given = authorization
-                .and_then(|v| {
-                    let (scheme, token) = v.split_once(' ')?;
-                    scheme.eq_ignore_ascii_case("basic").then_some(token.trim())
-                })
-                .and_then(|t| base64::engine::general_purpose::STANDARD.decode(t).ok());
-            let expected = format!("{user}:{password}");
-            if given.is_some_and(|g| same_secret(&g, expected.as_bytes())) {
+            if pgwarden_auth::basic_auth_matches(authorization, &user, &password) {
                 Ok(())
             } else {
                 Err((
@@ -152,11 +144,6 @@ fn switch_allowed(
             "pause and resume are taken from this machine only (or, in agent mode, with the REST API's credentials); the admin console's PAUSE and RESUME work from anywhere\n".into(),
         )),
     }
-}
-
-/// Compares without an early exit, so timing tells nothing of the secret.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn pause(
