@@ -1146,12 +1146,11 @@ async fn pool_series(http: std::net::SocketAddr) -> usize {
         .count()
 }
 
-/// Logins the server refuses (a user that does not exist) leave no pool
-/// behind, and a pool that has had neither a server connection nor a
-/// client for a server_idle_timeout goes, with its metric series.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refused_logins_and_unused_pools_leave_nothing_behind() {
-    let c = TestCluster::builder().replicas(0).start();
+/// A pool of two in front of `c` whose server connections close after a
+/// second idle.
+async fn pool_closing_idle_servers(
+    c: &TestCluster,
+) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
     let settings = PoolSettings {
         size: 2,
         query_wait_timeout: WAIT,
@@ -1160,6 +1159,16 @@ async fn refused_logins_and_unused_pools_leave_nothing_behind() {
     };
     let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
     ready(&e, 1).await;
+    (e, p)
+}
+
+/// Logins the server refuses (a user that does not exist) leave no pool
+/// behind, and a pool that has had neither a server connection nor a
+/// client for a server_idle_timeout goes, with its metric series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_logins_and_unused_pools_leave_nothing_behind() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pool_closing_idle_servers(&c).await;
     let http = p.http_addr().unwrap();
     let url = via(&p, "read_write");
     for i in 0..20 {
@@ -1189,14 +1198,7 @@ async fn refused_logins_and_unused_pools_leave_nothing_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_server_connections_count_as_open_server_connections() {
     let c = TestCluster::builder().replicas(0).start();
-    let settings = PoolSettings {
-        size: 2,
-        query_wait_timeout: WAIT,
-        server_idle_timeout: Some(Duration::from_secs(1)),
-        ..PoolSettings::default()
-    };
-    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), Some(settings), 10_000).await;
-    ready(&e, 1).await;
+    let (_e, p) = pool_closing_idle_servers(&c).await;
     let http = p.http_addr().unwrap();
     let url = via(&p, "read_write");
     let (a, b) = (client(&url).await.unwrap(), client(&url).await.unwrap());
