@@ -292,9 +292,12 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let api_list = apis.clone();
     let result: anyhow::Result<()> = runtime.block_on(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(2));
+        // Listening from here on, not only while the loop waits: a signal
+        // that arrives while another branch runs is not lost.
+        let mut stop = std::pin::pin!(crate::shutdown_signal());
         loop {
             tokio::select! {
-                _ = crate::shutdown_signal() => return Ok(()),
+                _ = &mut stop => return Ok(()),
                 _ = tick.tick(), if !quiet => {
                     // Any member answers for the whole cluster.
                     for api in &api_list {

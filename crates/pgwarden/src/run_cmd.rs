@@ -153,6 +153,9 @@ pub async fn serve(
     // changes it.
     let running_probe = probe;
     let mut failure = None;
+    // Listening from here on, not only while the loop waits: a signal
+    // that arrives while another branch runs (a reload) is not lost.
+    let mut stop = std::pin::pin!(crate::shutdown_signal());
     loop {
         tokio::select! {
             reply = async {
@@ -265,7 +268,7 @@ pub async fn serve(
                 failure = Some(why);
                 break;
             }
-            _ = crate::shutdown_signal() => break,
+            _ = &mut stop => break,
             _ = admin_shutdown.notified() => {
                 tracing::info!("admin console: SHUTDOWN");
                 break;

@@ -148,6 +148,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let mut rounds = engine.rounds();
+    // Listening from here on, not only while the loop waits: a signal
+    // that arrives while another branch runs is not lost.
+    let mut stop = std::pin::pin!(crate::shutdown_signal());
     loop {
         tokio::select! {
             changed = rounds.changed() => {
@@ -155,7 +158,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     bail!("the topology engine stopped");
                 }
             }
-            _ = crate::shutdown_signal() => return Ok(()),
+            _ = &mut stop => return Ok(()),
         }
         let snap = engine.snapshot();
         let view = TopologyView::new(&snap.topology, snap.round);
