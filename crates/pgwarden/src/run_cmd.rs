@@ -434,13 +434,9 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
 /// The proxy's services and ports from the configuration; server
 /// connections log in with the probe's password.
 pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> ProxySpec {
-    // The pools take one password for every server, so a password file
-    // entry can only be that of one host: the first.
-    let password = config
-        .cluster
-        .hosts
-        .first()
-        .and_then(|h| probe.password_for(&h.addr));
+    // A password given outright serves every server; otherwise each pool
+    // finds its own line in the password file when it connects.
+    let password = probe.password.clone();
     let p = &config.pool;
     let base = PoolSettings {
         size: p.size as usize,
@@ -453,6 +449,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> Pr
         wants_primary: true,
         server_idle_timeout: p.server_idle_timeout,
         server_lifetime: p.server_lifetime,
+        server_pgpass: password.is_none(),
         server_password: password,
         min_size: p.min_size as usize,
         client_idle_timeout: p.client_idle_timeout,

@@ -518,3 +518,59 @@ async fn password_file_is_relative_to_the_config_and_checked_on_reload() {
     .await;
     assert!(pg.child.id() > 0);
 }
+
+/// Pooled server connections find their password file line by their own
+/// host, database and user, as libpq would: here only the replica, listed
+/// second, asks for a password, and only its line holds one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_servers_take_their_own_password_file_line() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    common::sql(&c.conninfo(0), "ALTER ROLE postgres PASSWORD 'replica-pw'").await;
+    let replica = c.conninfo(1);
+    eventually("the password on the replica", WAIT, || {
+        let replica = replica.clone();
+        async move {
+            let q = "SELECT rolpassword IS NOT NULL FROM pg_authid WHERE rolname = 'postgres'";
+            match common::sql_value(&replica, q).await.as_deref() {
+                Some("t") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    c.set_hba(1, "host all all 127.0.0.1/32 scram-sha-256\n");
+    let dir = tempfile::tempdir().unwrap();
+    let pgpass = dir.path().join("pgpass");
+    write(
+        &pgpass,
+        &format!("127.0.0.1:{}:postgres:postgres:replica-pw\n", c.port(1)),
+    );
+    std::fs::set_permissions(&pgpass, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    let ports = (free_port(), free_port(), free_port());
+    write(
+        &config,
+        &listening(
+            &c.addrs(),
+            ports,
+            "[pool]\nmode = \"transaction\"\nsize = 2\n",
+        ),
+    );
+    let stderr = dir.path().join("pgwarden.stderr");
+    let child = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("PGPASSFILE", &pgpass)
+        .env_remove("PGPASSWORD")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .expect("start pgwarden run");
+    let pg = Running { child, stderr };
+    // The replica answers through the pool only with its own line's
+    // password; the primary, listed first, has none and needs none.
+    lands_on("read-only port on the replica", ports.1, "t").await;
+    lands_on("read-write port on the primary", ports.0, "f").await;
+    let log = pg.log();
+    assert!(!log.contains("authentication failed"), "{log}");
+}

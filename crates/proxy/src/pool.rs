@@ -63,6 +63,10 @@ pub struct PoolSettings {
     pub server_lifetime: Option<Duration>,
     /// Password pgwarden uses to log in to servers, when they ask for one.
     pub server_password: Option<String>,
+    /// Without `server_password`, look the password up in `$PGPASSFILE`
+    /// or `~/.pgpass` for each new server connection, by the pool's host,
+    /// port, database and user, as libpq does for every connection.
+    pub server_pgpass: bool,
     /// Server connections opened ahead of demand and kept open.
     pub min_size: usize,
     /// A client with no transaction running for this long is disconnected.
@@ -91,6 +95,7 @@ impl Default for PoolSettings {
             server_idle_timeout: Some(Duration::from_secs(600)),
             server_lifetime: Some(Duration::from_secs(3600)),
             server_password: None,
+            server_pgpass: false,
             min_size: 0,
             client_idle_timeout: None,
             idle_transaction_timeout: None,
@@ -1293,6 +1298,23 @@ impl Pool {
         }
     }
 
+    /// The password for a new server connection of a client pgwarden
+    /// holds no credential of: the configured one, or this pool's own
+    /// password file line (read at each connect, as libpq does, so an
+    /// edited file needs no reload).
+    fn server_password(&self) -> Option<String> {
+        let settings = self.settings.load();
+        settings.server_password.clone().or_else(|| {
+            let k = &self.key;
+            settings
+                .server_pgpass
+                .then(|| {
+                    pgwarden_probe::pgpass_lookup(&k.host.host, k.host.port, &k.database, &k.user)
+                })
+                .flatten()
+        })
+    }
+
     /// [`move_here`], counting a connection lost on the way.
     fn moved_here(&self, conn: Box<ServerConn>) -> Option<Box<ServerConn>> {
         let from = conn.home;
@@ -1391,7 +1413,7 @@ impl Pool {
             None => {
                 let stored = self.credential.lock().expect("poisoned").clone();
                 let cred = match stored {
-                    Credential::None => match self.settings.load().server_password.clone() {
+                    Credential::None => match self.server_password() {
                         Some(p) => Credential::Password(p),
                         None => Credential::None,
                     },
