@@ -149,9 +149,7 @@ pub async fn serve(
         .expect("the reload requests are taken once, here");
     let admin_shutdown = proxy.shutdown_requests();
     let mut running = config;
-    // What the probe runs with until a restart, to tell when a reload
-    // changes it.
-    let running_probe = probe;
+    let mut running_probe = probe;
     let mut failure = None;
     // Listening from here on, not only while the loop waits: a signal
     // that arrives while another branch runs (a reload) is not lost.
@@ -176,16 +174,9 @@ pub async fn serve(
                 // What the admin console's RELOAD answers.
                 let outcome: Result<(), String> = match loaded {
                     Ok((new, new_probe)) => {
-                        if new_probe.password != running_probe.password {
-                            tracing::warn!("the changed cluster password is used by server connections opened from now on; the probe connections use it from the next restart");
-                        }
-                        if new.cluster.probe_interval != running.cluster.probe_interval
-                            || new.cluster.connect_timeout != running.cluster.connect_timeout
-                            || new.cluster.query_timeout != running.cluster.query_timeout
-                            || new.cluster.user != running.cluster.user
-                            || new.cluster.dbname != running.cluster.dbname
-                        {
-                            tracing::warn!("probe settings (interval, time-outs, user, dbname) take effect at the next restart");
+                        if new_probe != running_probe {
+                            tracing::info!("probe settings changed: the probe reconnects with them now; server connections opened from now on use a changed password");
+                            engine.set_probe_config(new_probe.clone());
                         }
                         if new.engine.worker_threads != running.engine.worker_threads
                             || new.engine.worker_fill != running.engine.worker_fill
@@ -248,6 +239,7 @@ pub async fn serve(
                             }
                         };
                         running = new;
+                        running_probe = new_probe;
                         applied
                     }
                     Err(e) => {
@@ -373,6 +365,20 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
         (
             "engine.shutdown_timeout",
             pgwarden_config::format_duration(config.engine.shutdown_timeout),
+        ),
+        (
+            "engine.worker_threads",
+            config
+                .engine
+                .effective_worker_threads(
+                    std::thread::available_parallelism().map_or(1, |n| n.get()),
+                )
+                .to_string(),
+        ),
+        ("engine.worker_fill", config.engine.worker_fill.to_string()),
+        (
+            "engine.pool_affinity",
+            config.engine.pool_affinity.to_string(),
         ),
     ];
     let path = |p: &Option<std::path::PathBuf>| {

@@ -336,7 +336,8 @@ async fn admin_console_disable_enable_and_shutdown() {
     assert_eq!(shown["pool.mode"].0, "transaction");
     // What a RELOAD changes, and what needs a restart.
     assert_eq!(shown["pool.size"].1, "yes");
-    assert_eq!(shown["cluster.probe_interval"].1, "no");
+    assert_eq!(shown["cluster.probe_interval"].1, "yes");
+    assert_eq!(shown["engine.worker_threads"].1, "no");
     assert_eq!(
         shown["services.read_write"].0,
         format!("listen=127.0.0.1:{rw} select=primary read_only=false pool_mode=transaction")
@@ -507,10 +508,10 @@ async fn password_file_is_relative_to_the_config_and_checked_on_reload() {
 
     write(&config, &file("password = \"other\""));
     pg.signal(nix::sys::signal::Signal::SIGHUP);
-    eventually("a restart warning for the new password", WAIT, || {
+    eventually("the new password taken at once", WAIT, || {
         let log = pg.log();
         async move {
-            (log.contains("changed cluster password") && log.contains("configuration reloaded"))
+            (log.contains("probe settings changed") && log.contains("configuration reloaded"))
                 .then_some(())
                 .ok_or(log)
         }
@@ -573,4 +574,77 @@ async fn pooled_servers_take_their_own_password_file_line() {
     lands_on("read-write port on the primary", ports.0, "f").await;
     let log = pg.log();
     assert!(!log.contains("authentication failed"), "{log}");
+}
+
+/// The probe's settings are reloaded: a new role, and a new interval,
+/// take effect on SIGHUP without a restart, and the old connections go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_settings_are_reloaded() {
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE prober LOGIN; GRANT pg_monitor TO prober",
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    let ports = (free_port(), free_port(), free_port());
+    let with = |user: &str, interval: &str| {
+        listening(&[c.addr(0)], ports, "").replacen(
+            "[listen]",
+            &format!("user = \"{user}\"\nprobe_interval = \"{interval}\"\n[listen]"),
+            1,
+        )
+    };
+    // An hour between rounds: after the first, none before the reload.
+    write(&config, &with("postgres", "1h"));
+    let pg = Running::start(&config, dir.path());
+    lands_on("read-write port", ports.0, "f").await;
+    let probers = |user: &'static str| {
+        let conninfo = c.conninfo(0);
+        async move {
+            common::sql_value(
+                &conninfo,
+                &format!(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = 'pgwarden-probe' AND usename = '{user}'"
+                ),
+            )
+            .await
+            .unwrap_or_default()
+        }
+    };
+    assert_eq!(probers("postgres").await, "1");
+    let round = || {
+        let (status, body) = common::http_get(
+            std::net::SocketAddr::from(([127, 0, 0, 1], ports.2)),
+            "/cluster",
+        );
+        assert_eq!(status, 200, "{body}");
+        let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+        doc["round"].as_u64().unwrap_or_else(|| panic!("{doc}"))
+    };
+    let before = round();
+
+    write(&config, &with("prober", "100ms"));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("the probe connects as the new role", WAIT, || async {
+        match (
+            probers("prober").await.as_str(),
+            probers("postgres").await.as_str(),
+        ) {
+            ("1", "0") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    eventually("rounds at the new interval", WAIT, || async {
+        let now = round();
+        (now >= before + 5)
+            .then_some(())
+            .ok_or(format!("{before} -> {now}"))
+    })
+    .await;
+    let log = pg.log();
+    assert!(!log.contains("next restart"), "{log}");
 }

@@ -15,7 +15,7 @@ use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 use crate::query::{parse_observation_row, PROBE_QUERY, RTT_QUERY};
 
 /// How the probe connects and how often.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeConfig {
     /// Role the probe logs in as (needs `pg_monitor` to see replication rows).
     pub user: String,
@@ -77,6 +77,7 @@ enum Command {
     SetHosts(Vec<HostConfig>),
     SetTopologyConfig(TopologyConfig),
     SetPrimaryGate(PrimaryGate),
+    SetProbeConfig(ProbeConfig),
     ProbeNow,
 }
 
@@ -161,6 +162,14 @@ impl Engine {
         let _ = self.commands.send(Command::SetPrimaryGate(gate));
     }
 
+    /// Replaces how the probe connects and how often. Changed settings
+    /// (role, database, password, time-outs) take new connections, opened
+    /// at once: a round starts now with them, and the rounds follow the new
+    /// interval from there. RTT history and host states are kept.
+    pub fn set_probe_config(&self, probe: ProbeConfig) {
+        let _ = self.commands.send(Command::SetProbeConfig(probe));
+    }
+
     /// Probes every host now rather than at the next round, e.g. when the
     /// leader changed and its promotion should be confirmed within
     /// milliseconds. Hosts whose probe is still running are left alone.
@@ -205,17 +214,32 @@ struct Running {
     generation: u64,
     probers: Vec<Prober>,
     results: mpsc::UnboundedSender<Tagged>,
+    probe: Arc<ProbeConfig>,
+    hosts: Vec<HostConfig>,
 }
 
 impl Running {
-    fn command(&mut self, cmd: Command, probe: &Arc<ProbeConfig>) {
+    /// Applies a command; true when it calls for a new round now (the
+    /// probers were replaced, or the interval changed).
+    fn command(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::SetHosts(hosts) => {
                 for e in self.topology.set_hosts(hosts.clone()) {
                     log_event(&e);
                 }
-                self.generation += 1;
-                self.probers = spawn_probers(&hosts, probe, self.generation, &self.results);
+                self.hosts = hosts;
+                self.respawn();
+                return true;
+            }
+            Command::SetProbeConfig(probe) => {
+                if probe == *self.probe {
+                    return false;
+                }
+                self.probe = Arc::new(probe);
+                // New connections for the new role, password or time-outs;
+                // results of the old ones are dropped by generation.
+                self.respawn();
+                return true;
             }
             Command::SetTopologyConfig(c) => self.topology.set_config(c),
             Command::SetPrimaryGate(gate) => {
@@ -231,6 +255,12 @@ impl Running {
                 }
             }
         }
+        false
+    }
+
+    fn respawn(&mut self) {
+        self.generation += 1;
+        self.probers = spawn_probers(&self.hosts, &self.probe, self.generation, &self.results);
     }
 
     /// Applies a result; false if it belongs to a replaced host list.
@@ -256,6 +286,8 @@ impl Aggregator {
             generation: 0,
             probers: spawn_probers(&self.hosts, &self.probe, 0, &results),
             results,
+            probe: self.probe.clone(),
+            hosts: self.hosts.clone(),
         };
         let mut round = 0u64;
         // Hosts probed in the open round that have not answered yet. A round
@@ -265,7 +297,7 @@ impl Aggregator {
         let mut waiting: Vec<bool> = Vec::new();
         let mut open = false;
         let mut round_end = Instant::now();
-        let mut tick = tokio::time::interval(self.probe.interval);
+        let mut tick = tokio::time::interval(st.probe.interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             let close = tokio::select! {
@@ -279,7 +311,7 @@ impl Aggregator {
                         fire
                     }).collect();
                     open = true;
-                    round_end = started + self.probe.interval;
+                    round_end = started + st.probe.interval;
                     !waiting.contains(&true)
                 }
                 Some(r) = result_rx.recv() => {
@@ -295,10 +327,12 @@ impl Aggregator {
                     open && !waiting.contains(&true)
                 }
                 Some(cmd) = commands.recv() => {
-                    let resets = matches!(cmd, Command::SetHosts(_));
-                    st.command(cmd, &self.probe);
-                    if resets {
+                    if st.command(cmd) {
                         waiting.clear();
+                        // A round now, on the new probers and interval
+                        // (the first tick of an interval is immediate).
+                        tick = tokio::time::interval(st.probe.interval);
+                        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
                     }
                     self.publish(&st.topology, round);
                     open

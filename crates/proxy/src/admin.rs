@@ -21,9 +21,13 @@ use crate::stats::{Averages, Totals};
 pub const ADMIN_DATABASE: &str = "pgwarden";
 
 /// Serves one admin session until the client leaves.
-/// The `SHOW CONFIG` keys a `RELOAD` does not change (the probe's
-/// settings): `changeable` says `no` for them.
-const RESTART_ONLY: [&str; 2] = ["cluster.user", "cluster.probe_interval"];
+/// The `SHOW CONFIG` keys a `RELOAD` does not change (the worker threads
+/// are made once): `changeable` says `no` for them.
+const RESTART_ONLY: [&str; 3] = [
+    "engine.worker_threads",
+    "engine.worker_fill",
+    "engine.pool_affinity",
+];
 
 /// Whether `user` is one of `pool.admin_users`.
 pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
