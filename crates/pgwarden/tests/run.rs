@@ -648,3 +648,57 @@ async fn probe_settings_are_reloaded() {
     let log = pg.log();
     assert!(!log.contains("next restart"), "{log}");
 }
+
+/// A login whose verifier must be looked up while no primary is known
+/// (pgwarden just started, the primary is coming up) waits for one rather
+/// than failing at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verifier_lookup_waits_for_the_primary() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-pw'",
+    )
+    .await;
+    c.node(0)
+        .stop(pgwarden_pgctl::StopMode::Fast)
+        .expect("stop the primary");
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    write(
+        &dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
+    );
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "{}\n[engine]\nconnect_wait_timeout = \"20s\"\n\
+             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n",
+            listening(&[c.addr(0)], (rw, ro, http), "")
+        ),
+    );
+    let pg = Running::start(&config, dir.path());
+    eventually("listening", WAIT, || async move {
+        std::net::TcpStream::connect(("127.0.0.1", rw))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let conninfo = format!("host=127.0.0.1 port={rw} user=alice password=alice-pw dbname=postgres");
+    let login = tokio::spawn(async move { client(&conninfo).await });
+    // The client is waiting on its lookup before the primary returns.
+    let down = format!("127.0.0.1:{} is down", c.port(0));
+    eventually("the login waits", WAIT, || {
+        let log = pg.log();
+        let seen = log.contains(&down);
+        async move { seen.then_some(()).ok_or(log) }
+    })
+    .await;
+    c.node(0).start().expect("start the primary");
+    let alice = login
+        .await
+        .unwrap()
+        .expect("alice logs in once the primary is up");
+    assert_eq!(common::one(&alice, "SELECT current_user").await, "alice");
+}

@@ -110,7 +110,12 @@ impl Authenticator {
 
     /// The role's verifier (`SCRAM-SHA-256$…` or `md5…`), `None` when the
     /// role does not exist or has no password.
-    async fn verifier(&self, shared: &Shared, user: &str) -> Result<Option<String>, String> {
+    async fn verifier(
+        &self,
+        shared: &Shared,
+        user: &str,
+        primary_wait: Duration,
+    ) -> Result<Option<String>, String> {
         if let Some((v, at)) = self.cache.lock().expect("poisoned").get(user) {
             if at.elapsed() < self.spec.cache_ttl {
                 return Ok(v.clone());
@@ -118,7 +123,7 @@ impl Authenticator {
         }
         let mut guard = self.lookup.lock().await;
         if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared).await?);
+            *guard = Some(self.connect(shared, primary_wait).await?);
         }
         let client = guard.as_ref().expect("connected");
         let rows = crate::timer::timeout(
@@ -153,7 +158,12 @@ impl Authenticator {
     }
 
     /// The roles `user` is a member of (directly or not), itself included.
-    async fn roles(&self, shared: &Shared, user: &str) -> Result<Vec<String>, String> {
+    async fn roles(
+        &self,
+        shared: &Shared,
+        user: &str,
+        primary_wait: Duration,
+    ) -> Result<Vec<String>, String> {
         let key = format!("\0roles\0{user}");
         if let Some((Some(v), at)) = self.cache.lock().expect("poisoned").get(&key) {
             if at.elapsed() < self.spec.cache_ttl {
@@ -162,7 +172,7 @@ impl Authenticator {
         }
         let mut guard = self.lookup.lock().await;
         if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared).await?);
+            *guard = Some(self.connect(shared, primary_wait).await?);
         }
         let client = guard.as_ref().expect("connected");
         // Membership through grants only, as pg_hba.conf counts it:
@@ -196,12 +206,36 @@ impl Authenticator {
         Ok(roles)
     }
 
-    async fn connect(&self, shared: &Shared) -> Result<tokio_postgres::Client, String> {
-        let snap = shared.snapshot.load_full();
-        let primary = snap
-            .topology
-            .primary()
-            .map(|i| snap.topology.hosts()[i].config.addr.clone())
+    /// A connection to the primary as the auth user. Right after a start,
+    /// or during a failover, the primary may be moments away: this waits
+    /// up to `primary_wait` for one, as a routed client would (the
+    /// client's `auth_timeout` still bounds its whole login).
+    async fn connect(
+        &self,
+        shared: &Shared,
+        primary_wait: Duration,
+    ) -> Result<tokio_postgres::Client, String> {
+        let mut changes = shared.changes.clone();
+        let find = || {
+            let snap = shared.snapshot.load_full();
+            snap.topology
+                .primary()
+                .map(|i| snap.topology.hosts()[i].config.addr.clone())
+        };
+        let wait = async {
+            loop {
+                if let Some(p) = find() {
+                    return Some(p);
+                }
+                if changes.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        let primary = crate::timer::timeout(primary_wait, wait)
+            .await
+            .ok()
+            .flatten()
             .ok_or("no primary to run the auth query on")?;
         let mut cfg = tokio_postgres::Config::new();
         cfg.host(&primary.host)
@@ -235,19 +269,22 @@ impl Authenticator {
     }
 
     /// Runs the hba decision and the method's exchange with the client.
+    /// A lookup on the primary waits up to `primary_wait` for one to be
+    /// known (the service's `connect_wait_timeout`).
     pub async fn authenticate(
         &self,
         shared: &Shared,
         client: &mut ClientStream,
         startup: &StartupMessage,
         peer: SocketAddr,
+        primary_wait: Duration,
     ) -> Result<Credential, AuthError> {
         let user = startup.user().unwrap_or_default().to_string();
         let database = startup.database().unwrap_or_default().to_string();
         // Group membership (`+group`, `samerole`) comes from the primary,
         // looked up only when some rule needs it.
         let roles = if self.needs_roles() {
-            self.roles(shared, &user).await.map_err(|e| {
+            self.roles(shared, &user, primary_wait).await.map_err(|e| {
                 tracing::error!(error = %e, user = %user, "role membership lookup failed");
                 AuthError::new(
                     sqlstate::CONNECTION_FAILURE,
@@ -367,7 +404,10 @@ impl Authenticator {
                 }
             },
             AuthMethod::Password => {
-                let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
+                let verifier = self
+                    .verifier(shared, &user, primary_wait)
+                    .await
+                    .map_err(lookup)?;
                 let mut out = BytesMut::new();
                 encode::authentication_cleartext(&mut out);
                 let reply = exchange(client, &out).await.ok_or_else(failed)?;
@@ -384,7 +424,10 @@ impl Authenticator {
                 }
             }
             AuthMethod::Md5 | AuthMethod::ScramSha256 => {
-                let verifier = self.verifier(shared, &user).await.map_err(lookup)?;
+                let verifier = self
+                    .verifier(shared, &user, primary_wait)
+                    .await
+                    .map_err(lookup)?;
                 // As in PostgreSQL, md5 with a SCRAM verifier runs SCRAM.
                 let md5 = method == AuthMethod::Md5
                     && verifier

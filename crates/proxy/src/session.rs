@@ -343,7 +343,13 @@ async fn serve(
     let credential = match shared.auth.load_full() {
         None => None,
         Some(auth) => match deadline
-            .run(Box::pin(auth.authenticate(shared, client, &startup, peer)))
+            .run(Box::pin(auth.authenticate(
+                shared,
+                client,
+                &startup,
+                peer,
+                spec.connect_wait_timeout,
+            )))
             .await
         {
             Ok(Ok(c)) => Some(c),
