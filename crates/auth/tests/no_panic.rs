@@ -13,8 +13,8 @@ use std::path::Path;
 use pgwarden_auth::hba::{no_match_message, reject_message};
 use pgwarden_auth::scram::NONCE_LEN;
 use pgwarden_auth::{
-    md5_response, subject_common_name, verify_md5, ClientKey, ConnType, Hba, HbaContext,
-    ScramClient, ScramSecret, ScramServer,
+    md5_response, subject_common_name, tls_server_end_point, verify_md5, ClientKey, ConnType, Hba,
+    HbaContext, ScramClient, ScramSecret, ScramServer,
 };
 
 struct XorShift(u64);
@@ -402,6 +402,7 @@ fn client_certificates() {
         if let Ok(Some(_)) = subject_common_name(&input) {
             named += 1;
         }
+        let _ = tls_server_end_point(&input);
     }
     // Most single changes leave a readable subject: the walk is exercised
     // beyond its first error.
