@@ -6,9 +6,10 @@
 //! `pg_hba.conf` and its `@` includes from disk; [`hba::Hba::parse`] takes
 //! the file reader as a parameter instead.
 //!
-//! * [`scram`]: SCRAM-SHA-256 as PostgreSQL speaks it, server side towards
-//!   clients and client side towards PostgreSQL, able to log in upstream
-//!   with the key proven by the client instead of a stored password.
+//! * [`scram`]: SCRAM-SHA-256 as PostgreSQL speaks it, with channel binding
+//!   (SCRAM-SHA-256-PLUS), server side towards clients and client side
+//!   towards PostgreSQL, able to log in upstream with the key proven by the
+//!   client instead of a stored password.
 //! * [`md5`]: the legacy `md5` password method.
 //! * [`hba`]: `pg_hba.conf` parsing and rule matching, as in PostgreSQL 15.
 //! * [`cert`]: the client certificate's common name, which `cert`
