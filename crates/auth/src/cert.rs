@@ -1,5 +1,7 @@
-//! The name in a client certificate that `cert` authentication and
-//! `clientcert=verify-full` compare with the user name.
+//! What pgwarden reads in certificates: the name in a client certificate
+//! that `cert` authentication and `clientcert=verify-full` compare with the
+//! user name, and the hash of its own certificate that SCRAM channel
+//! binding (`tls-server-end-point`) is made of.
 //!
 //! PostgreSQL takes the subject's first common name (OID 2.5.4.3) with
 //! OpenSSL's `X509_NAME_get_text_by_NID`, which copies the raw bytes of the
@@ -9,16 +11,23 @@
 //! would not log in to PostgreSQL as a user does not log in to pgwarden as
 //! that user either.
 //!
-//! The certificate has already been verified by the TLS stack (rustls and
-//! webpki) when this runs, but the walk still treats the bytes as hostile:
-//! it reads strict DER through `untrusted`, the bounds-checked reader that
-//! webpki itself parses certificates with, and never panics.
+//! [`tls_server_end_point`] is RFC 5929's channel-binding data, as
+//! PostgreSQL's `be_tls_get_certificate_hash` and libpq compute it: the
+//! certificate hashed with the hash function of its signature algorithm,
+//! SHA-256 in place of MD5 and SHA-1.
+//!
+//! A client certificate has already been verified by the TLS stack (rustls
+//! and webpki) when this runs, but the walk still treats the bytes as
+//! hostile: it reads strict DER through `untrusted`, the bounds-checked
+//! reader that webpki itself parses certificates with, and never panics.
 
 use std::fmt;
 
+use sha2::{Digest, Sha224, Sha256, Sha384, Sha512};
 use untrusted::{Input, Reader};
 
-/// A certificate whose subject could not be read.
+/// A certificate that could not be read: not DER, or not shaped like an
+/// X.509 certificate where it was looked at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CertNameError(&'static str);
 
@@ -34,6 +43,7 @@ const SEQUENCE: u8 = 0x30;
 const SET: u8 = 0x31;
 const INTEGER: u8 = 0x02;
 const OID: u8 = 0x06;
+const BIT_STRING: u8 = 0x03;
 /// `[0] EXPLICIT Version` at the start of a v2 or v3 `TBSCertificate`.
 const VERSION: u8 = 0xa0;
 /// The content octets of OID 2.5.4.3, `id-at-commonName`.
@@ -117,6 +127,205 @@ pub fn subject_common_name(cert: &[u8]) -> Result<Option<&[u8]>, CertNameError> 
         Ok(())
     })?;
     Ok(first)
+}
+
+/// The hash function of `tls-server-end-point` channel binding for a
+/// certificate (RFC 5929, section 4.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndPointHash {
+    /// SHA-224.
+    Sha224,
+    /// SHA-256, also for certificates signed with MD5 or SHA-1.
+    Sha256,
+    /// SHA-384.
+    Sha384,
+    /// SHA-512.
+    Sha512,
+}
+
+impl EndPointHash {
+    /// The hash of `data`.
+    pub fn digest(self, data: &[u8]) -> Vec<u8> {
+        match self {
+            EndPointHash::Sha224 => Sha224::digest(data).to_vec(),
+            EndPointHash::Sha256 => Sha256::digest(data).to_vec(),
+            EndPointHash::Sha384 => Sha384::digest(data).to_vec(),
+            EndPointHash::Sha512 => Sha512::digest(data).to_vec(),
+        }
+    }
+}
+
+/// Content octets of the signature algorithm OIDs whose hash function is
+/// known, with the hash `tls-server-end-point` takes for each: the
+/// signature's own, except that MD5 and SHA-1 are replaced by SHA-256 (RFC
+/// 5929, section 4.1), as OpenSSL's `OBJ_find_sigid_algs` reports them to
+/// PostgreSQL.
+const SIGNATURE_HASHES: &[(&[u8], EndPointHash)] = &[
+    // 1.2.840.113549.1.1.{4,5,11,12,13,14}: md5, sha1, sha256, sha384,
+    // sha512 and sha224 WithRSAEncryption.
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x04],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x05],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0b],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0c],
+        EndPointHash::Sha384,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0d],
+        EndPointHash::Sha512,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0e],
+        EndPointHash::Sha224,
+    ),
+    // 1.2.840.10045.4.1 and 1.2.840.10045.4.3.{1,2,3,4}: ecdsa-with-SHA1,
+    // -SHA224, -SHA256, -SHA384, -SHA512.
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, 0x01],
+        EndPointHash::Sha224,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, 0x02],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, 0x03],
+        EndPointHash::Sha384,
+    ),
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, 0x04],
+        EndPointHash::Sha512,
+    ),
+    // 1.2.840.10040.4.3 and 2.16.840.1.101.3.4.3.{1,2}: dsa-with-sha1,
+    // -sha224, -sha256.
+    (
+        &[0x2a, 0x86, 0x48, 0xce, 0x38, 0x04, 0x03],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x03, 0x01],
+        EndPointHash::Sha224,
+    ),
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x03, 0x02],
+        EndPointHash::Sha256,
+    ),
+];
+
+/// 1.2.840.113549.1.1.10, RSASSA-PSS: the hash is in the parameters.
+const RSASSA_PSS: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0a];
+
+/// Hash algorithm OIDs a PSS signature may name, with the hash
+/// `tls-server-end-point` takes for each (SHA-1 becomes SHA-256).
+const PSS_HASHES: &[(&[u8], EndPointHash)] = &[
+    // 1.3.14.3.2.26, SHA-1.
+    (&[0x2b, 0x0e, 0x03, 0x02, 0x1a], EndPointHash::Sha256),
+    // 2.16.840.1.101.3.4.2.{1,2,3,4}: SHA-256, SHA-384, SHA-512, SHA-224.
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01],
+        EndPointHash::Sha256,
+    ),
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x02],
+        EndPointHash::Sha384,
+    ),
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x03],
+        EndPointHash::Sha512,
+    ),
+    (
+        &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x04],
+        EndPointHash::Sha224,
+    ),
+];
+
+/// `[0] EXPLICIT HashAlgorithm` in RSASSA-PSS-params.
+const PSS_HASH_ALGORITHM: u8 = 0xa0;
+
+/// The hash function of `tls-server-end-point` for a DER certificate,
+/// chosen by the certificate's signature algorithm (the outer
+/// `signatureAlgorithm`, which OpenSSL reports): the signature's own hash,
+/// or SHA-256 for MD5 and SHA-1 signatures. RSASSA-PSS uses the hash named
+/// in its parameters (SHA-1, the default, again becoming SHA-256), as
+/// PostgreSQL does when built with OpenSSL's `X509_get_signature_info`.
+///
+/// `Ok(None)` when RFC 5929 defines no binding for the certificate: a
+/// signature with no hash of its own (Ed25519, Ed448) or one unknown here.
+/// PostgreSQL fails such an exchange; pgwarden does not offer channel
+/// binding with such a certificate instead.
+pub fn end_point_hash(cert: &[u8]) -> Result<Option<EndPointHash>, CertNameError> {
+    let malformed = CertNameError("not a DER certificate");
+    let algorithm = Input::from(cert).read_all(malformed.clone(), |r| {
+        let certificate = expect(r, SEQUENCE)?;
+        certificate.read_all(malformed.clone(), |r| {
+            expect(r, SEQUENCE)?; // tbsCertificate
+            let algorithm = expect(r, SEQUENCE)?;
+            expect(r, BIT_STRING)?; // signatureValue
+            Ok(algorithm)
+        })
+    })?;
+    algorithm.read_all(CertNameError("bad signature algorithm"), |r| {
+        let oid = expect(r, OID)?.as_slice_less_safe();
+        if oid == RSASSA_PSS {
+            return pss_hash(r);
+        }
+        // The parameters (NULL for RSA, absent for ECDSA) say nothing more.
+        r.skip_to_end();
+        Ok(SIGNATURE_HASHES
+            .iter()
+            .find(|(known, _)| *known == oid)
+            .map(|&(_, hash)| hash))
+    })
+}
+
+/// The hash of RSASSA-PSS-params (RFC 4055): `hashAlgorithm`, the first
+/// field, defaults to SHA-1, which binding replaces with SHA-256.
+fn pss_hash(r: &mut Reader<'_>) -> Result<Option<EndPointHash>, CertNameError> {
+    if r.at_end() {
+        return Ok(Some(EndPointHash::Sha256));
+    }
+    let params = expect(r, SEQUENCE)?;
+    params.read_all(CertNameError("bad RSASSA-PSS parameters"), |r| {
+        if !r.peek(PSS_HASH_ALGORITHM) {
+            r.skip_to_end();
+            return Ok(Some(EndPointHash::Sha256));
+        }
+        let hash = expect(r, PSS_HASH_ALGORITHM)?;
+        // maskGenAlgorithm, saltLength and trailerField follow.
+        r.skip_to_end();
+        hash.read_all(CertNameError("bad RSASSA-PSS hash"), |r| {
+            let algorithm = expect(r, SEQUENCE)?;
+            algorithm.read_all(CertNameError("bad RSASSA-PSS hash"), |r| {
+                let oid = expect(r, OID)?.as_slice_less_safe();
+                r.skip_to_end();
+                Ok(PSS_HASHES
+                    .iter()
+                    .find(|(known, _)| *known == oid)
+                    .map(|&(_, hash)| hash))
+            })
+        })
+    })
+}
+
+/// The `tls-server-end-point` channel-binding data of a DER certificate:
+/// its hash with [`end_point_hash`]'s function, what a client binding to
+/// the certificate it received puts in SCRAM's `c=` attribute. `Ok(None)`
+/// when RFC 5929 defines none for the certificate.
+pub fn tls_server_end_point(cert: &[u8]) -> Result<Option<Vec<u8>>, CertNameError> {
+    Ok(end_point_hash(cert)?.map(|hash| hash.digest(cert)))
 }
 
 /// Reads one DER element with the given tag and returns its contents.
@@ -255,6 +464,220 @@ mod tests {
             subject_common_name(&cert(&subject, true)),
             Ok(Some(long.as_bytes()))
         );
+    }
+
+    /// A certificate shell signed with the algorithm whose
+    /// AlgorithmIdentifier contents are `algorithm`.
+    fn signed_with(algorithm: &[u8]) -> Vec<u8> {
+        let tbs = [
+            tlv(INTEGER, &[1]),
+            tlv(SEQUENCE, algorithm),
+            tlv(SEQUENCE, &[]),
+        ]
+        .concat();
+        let body = [
+            tlv(SEQUENCE, &tbs),
+            tlv(SEQUENCE, algorithm),
+            tlv(BIT_STRING, &[0, 1, 2]),
+        ]
+        .concat();
+        tlv(SEQUENCE, &body)
+    }
+
+    const NULL: &[u8] = &[0x05, 0x00];
+
+    fn rsa(last: u8) -> Vec<u8> {
+        let oid = [0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, last];
+        [tlv(OID, &oid), NULL.to_vec()].concat()
+    }
+
+    /// RSASSA-PSS with `hash` (a hash algorithm OID) in its parameters.
+    fn pss(hash: Option<&[u8]>) -> Vec<u8> {
+        let mut params = Vec::new();
+        if let Some(hash) = hash {
+            let algorithm = tlv(SEQUENCE, &[tlv(OID, hash), NULL.to_vec()].concat());
+            params.extend(tlv(PSS_HASH_ALGORITHM, &algorithm));
+        }
+        // maskGenAlgorithm (MGF1 with SHA-256) and saltLength, which do not
+        // matter.
+        params.extend(tlv(
+            0xa1,
+            &tlv(
+                SEQUENCE,
+                &[
+                    tlv(OID, &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x08]),
+                    tlv(
+                        SEQUENCE,
+                        &tlv(OID, &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01]),
+                    ),
+                ]
+                .concat(),
+            ),
+        ));
+        params.extend(tlv(0xa2, &tlv(INTEGER, &[32])));
+        [tlv(OID, RSASSA_PSS), tlv(SEQUENCE, &params)].concat()
+    }
+
+    #[test]
+    fn end_point_hash_of_generated_certificates() {
+        use rcgen::{CertificateParams, KeyPair};
+        let make = |alg: &'static rcgen::SignatureAlgorithm| {
+            let key = KeyPair::generate_for(alg).unwrap();
+            CertificateParams::new(vec!["localhost".to_string()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap()
+                .der()
+                .to_vec()
+        };
+        let p256 = make(&rcgen::PKCS_ECDSA_P256_SHA256);
+        assert_eq!(end_point_hash(&p256), Ok(Some(EndPointHash::Sha256)));
+        let data = tls_server_end_point(&p256).unwrap().unwrap();
+        assert_eq!(data, Sha256::digest(&p256).to_vec());
+
+        let p384 = make(&rcgen::PKCS_ECDSA_P384_SHA384);
+        assert_eq!(end_point_hash(&p384), Ok(Some(EndPointHash::Sha384)));
+        let data = tls_server_end_point(&p384).unwrap().unwrap();
+        assert_eq!(data.len(), 48);
+        assert_eq!(data, Sha384::digest(&p384).to_vec());
+
+        // Ed25519 hashes nothing itself: RFC 5929 defines no binding.
+        let ed = make(&rcgen::PKCS_ED25519);
+        assert_eq!(end_point_hash(&ed), Ok(None));
+        assert_eq!(tls_server_end_point(&ed), Ok(None));
+    }
+
+    #[test]
+    fn end_point_hash_follows_the_signature_algorithm() {
+        let ecdsa = |tail: &[u8]| {
+            tlv(
+                OID,
+                &[&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04][..], tail].concat(),
+            )
+        };
+        let sha2 = |n: u8| [0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, n];
+        let sha1 = [0x2b, 0x0e, 0x03, 0x02, 0x1a];
+        let cases: Vec<(&str, Vec<u8>, Option<EndPointHash>)> = vec![
+            // MD5 and SHA-1 are replaced by SHA-256.
+            (
+                "md5WithRSAEncryption",
+                rsa(0x04),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "sha1WithRSAEncryption",
+                rsa(0x05),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "sha256WithRSAEncryption",
+                rsa(0x0b),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "sha384WithRSAEncryption",
+                rsa(0x0c),
+                Some(EndPointHash::Sha384),
+            ),
+            (
+                "sha512WithRSAEncryption",
+                rsa(0x0d),
+                Some(EndPointHash::Sha512),
+            ),
+            (
+                "sha224WithRSAEncryption",
+                rsa(0x0e),
+                Some(EndPointHash::Sha224),
+            ),
+            (
+                "ecdsa-with-SHA1",
+                ecdsa(&[0x01]),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "ecdsa-with-SHA256",
+                ecdsa(&[0x03, 0x02]),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "ecdsa-with-SHA384",
+                ecdsa(&[0x03, 0x03]),
+                Some(EndPointHash::Sha384),
+            ),
+            (
+                "ecdsa-with-SHA512",
+                ecdsa(&[0x03, 0x04]),
+                Some(EndPointHash::Sha512),
+            ),
+            (
+                "RSASSA-PSS SHA-256",
+                pss(Some(&sha2(1))),
+                Some(EndPointHash::Sha256),
+            ),
+            (
+                "RSASSA-PSS SHA-384",
+                pss(Some(&sha2(2))),
+                Some(EndPointHash::Sha384),
+            ),
+            (
+                "RSASSA-PSS SHA-512",
+                pss(Some(&sha2(3))),
+                Some(EndPointHash::Sha512),
+            ),
+            (
+                "RSASSA-PSS SHA-1",
+                pss(Some(&sha1)),
+                Some(EndPointHash::Sha256),
+            ),
+            // hashAlgorithm left out: SHA-1 by default.
+            ("RSASSA-PSS default", pss(None), Some(EndPointHash::Sha256)),
+            (
+                "RSASSA-PSS no parameters",
+                tlv(OID, RSASSA_PSS),
+                Some(EndPointHash::Sha256),
+            ),
+            // A hash not known here (SHA3-256), Ed25519, Ed448, a made-up OID.
+            ("RSASSA-PSS SHA3-256", pss(Some(&sha2(8))), None),
+            ("Ed25519", tlv(OID, &[0x2b, 0x65, 0x70]), None),
+            ("Ed448", tlv(OID, &[0x2b, 0x65, 0x71]), None),
+            ("unknown", tlv(OID, &[0x2a, 0x03]), None),
+        ];
+        for (name, algorithm, hash) in cases {
+            let cert = signed_with(&algorithm);
+            assert_eq!(end_point_hash(&cert), Ok(hash), "{name}");
+            let data = tls_server_end_point(&cert).unwrap();
+            assert_eq!(data, hash.map(|h| h.digest(&cert)), "{name}");
+        }
+        assert_eq!(EndPointHash::Sha224.digest(b"").len(), 28);
+        assert_eq!(EndPointHash::Sha512.digest(b"").len(), 64);
+    }
+
+    #[test]
+    fn end_point_hash_of_malformed_input_is_an_error() {
+        let good = signed_with(&rsa(0x0b));
+        assert!(end_point_hash(&good).is_ok());
+        assert!(end_point_hash(b"").is_err());
+        for n in 0..good.len() {
+            assert!(end_point_hash(&good[..n]).is_err(), "prefix {n}");
+        }
+        assert!(end_point_hash(&[good.clone(), vec![0]].concat()).is_err());
+        // The algorithm is no OID, the signature no BIT STRING.
+        assert!(end_point_hash(&signed_with(&tlv(INTEGER, &[1]))).is_err());
+        let mut octets = good.clone();
+        let at = octets.len() - 5;
+        assert_eq!(octets[at], BIT_STRING);
+        octets[at] = 0x04;
+        assert!(end_point_hash(&octets).is_err());
+        // PSS parameters that are not a SEQUENCE, or a hash that is not an
+        // AlgorithmIdentifier.
+        let pss_int = [tlv(OID, RSASSA_PSS), tlv(INTEGER, &[1])].concat();
+        assert!(end_point_hash(&signed_with(&pss_int)).is_err());
+        let pss_bad = [
+            tlv(OID, RSASSA_PSS),
+            tlv(SEQUENCE, &tlv(PSS_HASH_ALGORITHM, &tlv(INTEGER, &[1]))),
+        ]
+        .concat();
+        assert!(end_point_hash(&signed_with(&pss_bad)).is_err());
     }
 
     #[test]

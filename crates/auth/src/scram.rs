@@ -1,4 +1,5 @@
-//! SCRAM-SHA-256 (RFC 5802, RFC 7677) as PostgreSQL speaks it.
+//! SCRAM-SHA-256 (RFC 5802, RFC 7677) and SCRAM-SHA-256-PLUS, its
+//! channel-binding variant, as PostgreSQL speaks them.
 //!
 //! pgwarden sits between a client and PostgreSQL and plays both roles:
 //!
@@ -15,19 +16,37 @@
 //! secret, so pgwarden never needs, or stores, a plaintext password. PgBouncer
 //! uses the same technique.
 //!
-//! The server side mirrors `src/backend/libpq/auth-scram.c`: the mechanism is
-//! `SCRAM-SHA-256` without channel binding, the GS2 header is `n,,` or `y,,`
-//! (the latter is fine because pgwarden never offers `SCRAM-SHA-256-PLUS`),
-//! an authorization identity or a mandatory extension is refused, and the
-//! user name in the client-first message is ignored (PostgreSQL uses the
-//! user from the startup packet, and libpq sends an empty `n=`).
+//! The server side mirrors `src/backend/libpq/auth-scram.c`. Over TLS it
+//! offers `SCRAM-SHA-256-PLUS` before `SCRAM-SHA-256`
+//! ([`ScramServer::with_channel_binding`]); otherwise only `SCRAM-SHA-256`.
+//! With PLUS the GS2 header is `p=tls-server-end-point,,` and the
+//! client-final `c=` attribute must be the base64 of that header followed by
+//! the hash of the certificate the client received (RFC 5929, see
+//! [`crate::cert::tls_server_end_point`]): a man in the middle who
+//! terminates the client's TLS with a certificate of its own cannot relay
+//! the exchange, since the client's proof signs the certificate it saw.
+//! Without PLUS the GS2 header is `n,,`, or `y,,` ("I could bind, but the
+//! server does not offer it"), which is refused when PLUS was offered: the
+//! offer must have been removed on the way. Choosing PLUS without a `p=`
+//! header, or `p=` with plain SCRAM-SHA-256, is a protocol violation;
+//! `tls-server-end-point` is the only binding type, as in PostgreSQL. An
+//! authorization identity or a mandatory extension is refused, and the user
+//! name in the client-first message is ignored (PostgreSQL uses the user
+//! from the startup packet, and libpq sends an empty `n=`).
+//!
+//! Binding changes nothing in the ClientKey recovery: the AuthMessage the
+//! proof signs simply holds the longer `c=` attribute, and pgwarden logs in
+//! to PostgreSQL over its own connection without binding.
 //!
 //! Nothing here draws randomness or reads a clock: nonces and salts come
 //! from the caller, which makes exchanges reproducible in tests.
 //!
-//! Error mapping for callers: [`ScramError::InvalidProof`] is a failed login
-//! (SQLSTATE 28P01, "password authentication failed for user ..."); every
-//! other error while acting as a server is a protocol violation (08P01).
+//! Error mapping for callers, as PostgreSQL reports them:
+//! [`ScramError::InvalidProof`] is a failed login (SQLSTATE 28P01, "password
+//! authentication failed for user ..."); [`ScramError::ChannelBindingMismatch`]
+//! and [`ScramError::ChannelBindingNegotiation`] are refusals of the
+//! connection (28000, with their own messages); every other error while
+//! acting as a server is a protocol violation (08P01).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -45,6 +64,22 @@ use unicode_normalization::UnicodeNormalization;
 /// SASL mechanism name, as listed in AuthenticationSASL and chosen in
 /// SASLInitialResponse.
 pub const MECHANISM: &str = "SCRAM-SHA-256";
+
+/// SASL mechanism name of SCRAM-SHA-256 with channel binding.
+pub const MECHANISM_PLUS: &str = "SCRAM-SHA-256-PLUS";
+
+/// The one channel-binding type PostgreSQL, and so pgwarden, supports: the
+/// hash of the server's certificate (RFC 5929).
+pub const CHANNEL_BINDING_TYPE: &str = "tls-server-end-point";
+
+/// The GS2 header of a client that binds to [`CHANNEL_BINDING_TYPE`].
+const GS2_HEADER_PLUS: &[u8] = b"p=tls-server-end-point,,";
+
+/// PostgreSQL's details for a mechanism that does not match the GS2 flag.
+const PLUS_WITHOUT_BINDING: &str = "the client selected SCRAM-SHA-256-PLUS, \
+    but the SCRAM message does not include channel binding data";
+const BINDING_WITHOUT_PLUS: &str = "the client selected SCRAM-SHA-256 without channel binding, \
+    but the SCRAM message includes channel binding data";
 
 /// Iteration count PostgreSQL uses for new secrets by default.
 pub const DEFAULT_ITERATIONS: u32 = 4096;
@@ -85,9 +120,25 @@ pub enum ScramError {
     #[error("malformed SCRAM message: {0}")]
     Malformed(String),
     /// The peer asked for something PostgreSQL does not support either
-    /// (channel binding, an authorization identity, a mandatory extension).
+    /// (a channel-binding type other than `tls-server-end-point`, an
+    /// authorization identity, a mandatory extension).
     #[error("unsupported SCRAM feature: {0}")]
     Unsupported(&'static str),
+    /// The client chose a SASL mechanism that was not offered.
+    #[error("client selected an invalid SASL authentication mechanism")]
+    InvalidMechanism,
+    /// The client can bind but believes the server cannot (GS2 flag `y`),
+    /// although `SCRAM-SHA-256-PLUS` was offered: the offer may have been
+    /// stripped from the list on the way, a downgrade attack. Report as
+    /// SQLSTATE 28000.
+    #[error("SCRAM channel binding negotiation error")]
+    ChannelBindingNegotiation,
+    /// The channel-binding data is not this connection's: the client bound
+    /// to another certificate than the one pgwarden presents, as happens
+    /// when something in between terminated its TLS. Report as SQLSTATE
+    /// 28000.
+    #[error("SCRAM channel binding check failed")]
+    ChannelBindingMismatch,
     /// The nonce in the final message is not the one agreed on.
     #[error("invalid SCRAM response: nonce does not match")]
     NonceMismatch,
@@ -338,8 +389,13 @@ impl FromStr for ScramSecret {
 enum ServerState {
     AwaitClientFirst,
     AwaitClientFinal {
-        /// `n` or `y`: the final message must repeat it.
-        cbind_flag: u8,
+        /// The `c=` attribute the final message must carry: the base64 GS2
+        /// header (`n,,` or `y,,`), or for PLUS the header and the binding
+        /// data.
+        cbind: Vec<u8>,
+        /// Whether the client binds (`p=`), which turns a wrong `c=` from a
+        /// malformed message into a failed binding check.
+        bound: bool,
         client_first_bare: Vec<u8>,
         server_first: Vec<u8>,
         /// Client nonce followed by server nonce.
@@ -350,13 +406,17 @@ enum ServerState {
 
 /// The server side of one SCRAM-SHA-256 exchange.
 ///
-/// Feed it the client's SASLInitialResponse data with
-/// [`Self::client_first`] and send the result in AuthenticationSASLContinue,
-/// then feed it the SASLResponse data with [`Self::client_final`] and send
-/// the result in AuthenticationSASLFinal. Any error ends the exchange.
+/// List [`Self::mechanisms`] in AuthenticationSASL, feed the client's
+/// SASLInitialResponse (its mechanism and data) to
+/// [`Self::initial_response`] and send the result in
+/// AuthenticationSASLContinue, then feed it the SASLResponse data with
+/// [`Self::client_final`] and send the result in AuthenticationSASLFinal.
+/// Any error ends the exchange.
 pub struct ScramServer {
     secret: ScramSecret,
     nonce: Nonce,
+    /// `tls-server-end-point` data when `SCRAM-SHA-256-PLUS` is offered.
+    channel_binding: Option<Vec<u8>>,
     state: ServerState,
 }
 
@@ -368,30 +428,87 @@ impl ScramServer {
         ScramServer {
             secret: secret.clone(),
             nonce: nonce.into(),
+            channel_binding: None,
             state: ServerState::AwaitClientFirst,
         }
     }
 
-    /// Handles client-first-message and returns server-first-message.
+    /// Offers `SCRAM-SHA-256-PLUS` too, as PostgreSQL does over TLS: `data`
+    /// is the `tls-server-end-point` binding data of the certificate the
+    /// client received in this connection's handshake
+    /// ([`crate::cert::tls_server_end_point`]). A client that binds must
+    /// then send exactly that; one that could bind but sends `y` is refused.
+    pub fn with_channel_binding(mut self, data: impl Into<Vec<u8>>) -> Self {
+        self.channel_binding = Some(data.into());
+        self
+    }
+
+    /// The mechanisms to list in AuthenticationSASL, preferred first as
+    /// PostgreSQL lists them: `SCRAM-SHA-256-PLUS` when binding is offered,
+    /// then `SCRAM-SHA-256`.
+    pub fn mechanisms(&self) -> &'static [&'static str] {
+        if self.channel_binding.is_some() {
+            &[MECHANISM_PLUS, MECHANISM]
+        } else {
+            &[MECHANISM]
+        }
+    }
+
+    /// Handles client-first-message for [`MECHANISM`] and returns
+    /// server-first-message: [`Self::initial_response`] for a client that
+    /// chose SCRAM-SHA-256.
     pub fn client_first(&mut self, msg: &[u8]) -> Result<Vec<u8>, ScramError> {
+        self.initial_response(MECHANISM, msg)
+    }
+
+    /// Handles SASLInitialResponse, the mechanism the client chose among
+    /// [`Self::mechanisms`] and its client-first-message, and returns
+    /// server-first-message.
+    pub fn initial_response(&mut self, mechanism: &str, msg: &[u8]) -> Result<Vec<u8>, ScramError> {
         if !matches!(self.state, ServerState::AwaitClientFirst) {
             self.state = ServerState::Done;
             return Err(ScramError::OutOfOrder);
         }
         self.state = ServerState::Done;
+        let plus = match (mechanism, &self.channel_binding) {
+            (MECHANISM, _) => false,
+            (MECHANISM_PLUS, Some(_)) => true,
+            _ => return Err(ScramError::InvalidMechanism),
+        };
         check_message(msg)?;
 
+        // The checks and their order are read_client_first_message's.
         let (&cbind_flag, rest) = msg
             .split_first()
             .ok_or_else(|| malformed("message is empty"))?;
-        match cbind_flag {
-            b'n' | b'y' => {}
-            b'p' => return Err(ScramError::Unsupported("channel binding")),
+        let (rest, cbind) = match cbind_flag {
+            b'n' | b'y' => {
+                if plus {
+                    return Err(malformed(PLUS_WITHOUT_BINDING));
+                }
+                if cbind_flag == b'y' && self.channel_binding.is_some() {
+                    return Err(ScramError::ChannelBindingNegotiation);
+                }
+                let rest = rest
+                    .strip_prefix(b",")
+                    .ok_or_else(|| malformed("comma expected after channel-binding flag"))?;
+                let header: &[u8] = if cbind_flag == b'y' { b"y,," } else { b"n,," };
+                (rest, B64.encode(header).into_bytes())
+            }
+            b'p' => {
+                let Some(data) = self.channel_binding.as_deref().filter(|_| plus) else {
+                    return Err(malformed(BINDING_WITHOUT_PLUS));
+                };
+                let mut r = Reader(msg);
+                if r.attr(b'p')? != CHANNEL_BINDING_TYPE.as_bytes() {
+                    return Err(ScramError::Unsupported("channel-binding type"));
+                }
+                let mut input = GS2_HEADER_PLUS.to_vec();
+                input.extend_from_slice(data);
+                (r.0, B64.encode(input).into_bytes())
+            }
             _ => return Err(malformed("unexpected channel-binding flag")),
-        }
-        let rest = rest
-            .strip_prefix(b",")
-            .ok_or_else(|| malformed("comma expected after channel-binding flag"))?;
+        };
         if rest.first() == Some(&b'a') {
             return Err(ScramError::Unsupported("authorization identity"));
         }
@@ -423,7 +540,8 @@ impl ScramServer {
         server_first.extend_from_slice(format!(",i={}", self.secret.iterations).as_bytes());
 
         self.state = ServerState::AwaitClientFinal {
-            cbind_flag,
+            cbind,
+            bound: cbind_flag == b'p',
             client_first_bare: bare.to_vec(),
             server_first: server_first.clone(),
             nonce,
@@ -437,7 +555,8 @@ impl ScramServer {
     /// role.
     pub fn client_final(&mut self, msg: &[u8]) -> Result<(Vec<u8>, ClientKey), ScramError> {
         let ServerState::AwaitClientFinal {
-            cbind_flag,
+            cbind: expected,
+            bound,
             client_first_bare,
             server_first,
             nonce,
@@ -448,14 +567,17 @@ impl ScramServer {
         check_message(msg)?;
 
         let mut r = Reader(msg);
-        let cbind = r.attr(b'c')?;
-        // Without channel binding the attribute is the base64 GS2 header,
-        // and it must repeat the flag of the first message.
-        let expected: &[u8] = if cbind_flag == b'y' { b"eSws" } else { b"biws" };
-        if cbind != expected {
-            return Err(malformed(
-                "unexpected SCRAM channel-binding attribute in client-final-message",
-            ));
+        // The attribute repeats the first message's GS2 header, followed
+        // for PLUS by the binding data: a client that bound to another
+        // certificate fails here, before its proof (which signs what it
+        // sent, so would hold) is looked at. As in PostgreSQL the base64
+        // text is compared, not what it decodes to.
+        if r.attr(b'c')? != expected.as_slice() {
+            return Err(if bound {
+                ScramError::ChannelBindingMismatch
+            } else {
+                malformed("unexpected SCRAM channel-binding attribute in client-final-message")
+            });
         }
         let final_nonce = r.attr(b'r')?;
         // Extensions may come before the proof, which must be last.
@@ -532,7 +654,7 @@ pub enum ServerVerification {
 /// The client side of one SCRAM-SHA-256 exchange.
 ///
 /// Send [`Self::client_first`] in SASLInitialResponse (mechanism
-/// [`MECHANISM`]), answer AuthenticationSASLContinue with
+/// [`Self::mechanism`]), answer AuthenticationSASLContinue with
 /// [`Self::server_first`] in a SASLResponse, and check
 /// AuthenticationSASLFinal with [`Self::server_final`]. Any error ends the
 /// exchange.
@@ -540,6 +662,8 @@ pub struct ScramClient {
     credentials: Credentials,
     nonce: Nonce,
     username: String,
+    /// `tls-server-end-point` data to bind to, for SCRAM-SHA-256-PLUS.
+    channel_binding: Option<Vec<u8>>,
     state: ClientState,
 }
 
@@ -551,6 +675,7 @@ impl ScramClient {
             credentials: Credentials::Password(saslprep(password.as_ref()).into_owned()),
             nonce: nonce.into(),
             username: String::new(),
+            channel_binding: None,
             state: ClientState::Initial,
         }
     }
@@ -574,6 +699,7 @@ impl ScramClient {
             },
             nonce: nonce.into(),
             username: String::new(),
+            channel_binding: None,
             state: ClientState::Initial,
         }
     }
@@ -584,6 +710,24 @@ impl ScramClient {
     pub fn with_username(mut self, username: &str) -> Self {
         self.username = username.to_owned();
         self
+    }
+
+    /// Binds the exchange to the server's certificate (SCRAM-SHA-256-PLUS):
+    /// `data` is the `tls-server-end-point` data of the certificate the
+    /// server presented ([`crate::cert::tls_server_end_point`]).
+    pub fn with_channel_binding(mut self, data: impl Into<Vec<u8>>) -> Self {
+        self.channel_binding = Some(data.into());
+        self
+    }
+
+    /// The mechanism to name in SASLInitialResponse: [`MECHANISM_PLUS`]
+    /// when binding, else [`MECHANISM`].
+    pub fn mechanism(&self) -> &'static str {
+        if self.channel_binding.is_some() {
+            MECHANISM_PLUS
+        } else {
+            MECHANISM
+        }
     }
 
     /// Returns client-first-message.
@@ -603,7 +747,10 @@ impl ScramClient {
         }
         bare.extend_from_slice(b",r=");
         bare.extend_from_slice(self.nonce.as_str().as_bytes());
-        let mut msg = b"n,,".to_vec();
+        let mut msg = match self.channel_binding {
+            Some(_) => GS2_HEADER_PLUS.to_vec(),
+            None => b"n,,".to_vec(),
+        };
         msg.extend_from_slice(&bare);
         self.state = ClientState::AwaitServerFirst {
             client_first_bare: bare,
@@ -652,7 +799,15 @@ impl ScramClient {
             } => (client_key.0, *server_key),
         };
 
-        let mut without_proof = b"c=biws,r=".to_vec();
+        // The channel-binding attribute: the GS2 header, then for PLUS the
+        // binding data, in base64.
+        let cbind_input = match &self.channel_binding {
+            Some(data) => [GS2_HEADER_PLUS, data].concat(),
+            None => b"n,,".to_vec(),
+        };
+        let mut without_proof = b"c=".to_vec();
+        without_proof.extend_from_slice(B64.encode(cbind_input).as_bytes());
+        without_proof.extend_from_slice(b",r=");
         without_proof.extend_from_slice(nonce);
         let auth_message = auth_message(&client_first_bare, msg, &without_proof);
         let client_signature = hmac(&sha256(&client_key), &[&auth_message]);
@@ -1181,7 +1336,7 @@ mod tests {
     fn libpq_style_messages() {
         let secret = rfc_secret();
         // libpq sends an empty user name; `y` is accepted since PLUS is
-        // never offered.
+        // not offered (as over plain TCP or a Unix-domain socket).
         for (first, cbind) in [("n,,n=,r=abc", "biws"), ("y,,n=,r=abc", "eSws")] {
             let mut server = ScramServer::new(&secret, [0u8; NONCE_LEN]);
             let server_first = server.client_first(first.as_bytes()).unwrap();
@@ -1202,9 +1357,20 @@ mod tests {
         let secret = rfc_secret();
         let first =
             |msg: &str| ScramServer::new(&secret, [0u8; NONCE_LEN]).client_first(msg.as_bytes());
-        assert_eq!(
+        // Binding data with plain SCRAM-SHA-256, and PLUS, which is not
+        // offered here.
+        assert!(matches!(
             first("p=tls-server-end-point,,n=,r=a"),
-            Err(ScramError::Unsupported("channel binding"))
+            Err(ScramError::Malformed(_))
+        ));
+        assert_eq!(
+            ScramServer::new(&secret, [0u8; NONCE_LEN])
+                .initial_response(MECHANISM_PLUS, b"p=tls-server-end-point,,n=,r=a"),
+            Err(ScramError::InvalidMechanism)
+        );
+        assert_eq!(
+            ScramServer::new(&secret, [0u8; NONCE_LEN]).mechanisms(),
+            &[MECHANISM]
         );
         assert_eq!(
             first("n,a=admin,n=,r=a"),
@@ -1272,6 +1438,225 @@ mod tests {
         // Final before first.
         let mut s = ScramServer::new(&secret, [0u8; NONCE_LEN]);
         assert_eq!(s.client_final(b"c=biws"), Err(ScramError::OutOfOrder));
+    }
+
+    /// Binding data as a server would hold it: a SHA-256 hash.
+    const CERT_HASH: [u8; 32] = [0xc5; 32];
+
+    /// Runs a whole exchange with the mechanism the client picks.
+    fn exchange_with(
+        client: &mut ScramClient,
+        server: &mut ScramServer,
+    ) -> Result<(ClientKey, ServerVerification), ScramError> {
+        let first = client.client_first()?;
+        let server_first = server.initial_response(client.mechanism(), &first)?;
+        let client_final = client.server_first(&server_first)?;
+        let (server_final, key) = server.client_final(&client_final)?;
+        let verification = client.server_final(&server_final)?;
+        Ok((key, verification))
+    }
+
+    #[test]
+    fn plus_exchange_binds_to_the_certificate() {
+        let secret = ScramSecret::from_password("correct horse", &[3u8; 16], 4096).unwrap();
+        let mut server =
+            ScramServer::new(&secret, [2u8; NONCE_LEN]).with_channel_binding(CERT_HASH);
+        // PLUS first, as PostgreSQL lists them over TLS.
+        assert_eq!(server.mechanisms(), &[MECHANISM_PLUS, MECHANISM]);
+        let mut client = ScramClient::with_password("correct horse", [1u8; NONCE_LEN])
+            .with_channel_binding(CERT_HASH);
+        assert_eq!(client.mechanism(), MECHANISM_PLUS);
+
+        let first = client.client_first().unwrap();
+        assert!(first.starts_with(b"p=tls-server-end-point,,n=,r="));
+        let server_first = server.initial_response(MECHANISM_PLUS, &first).unwrap();
+        let client_final = client.server_first(&server_first).unwrap();
+        // c= is the GS2 header and the certificate hash, in base64.
+        let cbind = [&b"p=tls-server-end-point,,"[..], &CERT_HASH].concat();
+        let expected = format!("c={},r=", B64.encode(cbind));
+        assert!(
+            client_final.starts_with(expected.as_bytes()),
+            "{}",
+            String::from_utf8_lossy(&client_final)
+        );
+        let (server_final, key) = server.client_final(&client_final).unwrap();
+        assert_eq!(
+            client.server_final(&server_final),
+            Ok(ServerVerification::Verified)
+        );
+        assert_eq!(key.stored_key(), secret.stored_key);
+
+        // The key proven through a bound exchange logs in to PostgreSQL
+        // (unbound, over pgwarden's own connection) all the same.
+        let mut upstream =
+            ScramClient::with_client_key(key.clone(), Some(secret.server_key), [4u8; NONCE_LEN]);
+        let (key2, v) = exchange(&mut upstream, &secret, [5u8; NONCE_LEN]).unwrap();
+        assert_eq!(v, ServerVerification::Verified);
+        assert_eq!(key2, key);
+
+        // A client that does not bind may still use plain SCRAM-SHA-256
+        // with `n`, as libpq's channel_binding=disable does over TLS.
+        let mut server =
+            ScramServer::new(&secret, [2u8; NONCE_LEN]).with_channel_binding(CERT_HASH);
+        let mut plain = ScramClient::with_password("correct horse", [1u8; NONCE_LEN]);
+        let (key3, v) = exchange_with(&mut plain, &mut server).unwrap();
+        assert_eq!(v, ServerVerification::Verified);
+        assert_eq!(key3, key);
+    }
+
+    #[test]
+    fn plus_wrong_binding_data_is_refused() {
+        let secret = ScramSecret::from_password("pw", &[3u8; 16], 4096).unwrap();
+        let server = || ScramServer::new(&secret, [2u8; NONCE_LEN]).with_channel_binding(CERT_HASH);
+
+        // The client saw another certificate (a man in the middle's): its
+        // binding data is not the server's.
+        let mut client =
+            ScramClient::with_password("pw", [1u8; NONCE_LEN]).with_channel_binding([0xaa; 32]);
+        assert_eq!(
+            exchange_with(&mut client, &mut server()),
+            Err(ScramError::ChannelBindingMismatch)
+        );
+        // A hash of another length (SHA-384) and none at all.
+        let mut client =
+            ScramClient::with_password("pw", [1u8; NONCE_LEN]).with_channel_binding([0xc5; 48]);
+        assert_eq!(
+            exchange_with(&mut client, &mut server()),
+            Err(ScramError::ChannelBindingMismatch)
+        );
+        let mut client =
+            ScramClient::with_password("pw", [1u8; NONCE_LEN]).with_channel_binding(Vec::new());
+        assert_eq!(
+            exchange_with(&mut client, &mut server()),
+            Err(ScramError::ChannelBindingMismatch)
+        );
+        // Even the right password proves nothing with the GS2 header of an
+        // unbound exchange in c=.
+        let mut s = server();
+        let first = s
+            .initial_response(MECHANISM_PLUS, b"p=tls-server-end-point,,n=,r=abc")
+            .unwrap();
+        let nonce = String::from_utf8(first).unwrap()[2..]
+            .split(',')
+            .next()
+            .unwrap()
+            .to_owned();
+        let zero_proof = B64.encode([0u8; 32]);
+        assert_eq!(
+            s.client_final(format!("c=biws,r={nonce},p={zero_proof}").as_bytes()),
+            Err(ScramError::ChannelBindingMismatch)
+        );
+
+        // Something in between that rewrites c= to the server's binding
+        // data cannot fix the proof, which signs what the client sent.
+        let mut client =
+            ScramClient::with_password("pw", [1u8; NONCE_LEN]).with_channel_binding([0xaa; 32]);
+        let mut s = server();
+        let first = client.client_first().unwrap();
+        let server_first = s.initial_response(MECHANISM_PLUS, &first).unwrap();
+        let client_final = String::from_utf8(client.server_first(&server_first).unwrap()).unwrap();
+        let theirs = B64.encode([&b"p=tls-server-end-point,,"[..], &[0xaa; 32]].concat());
+        let ours = B64.encode([&b"p=tls-server-end-point,,"[..], &CERT_HASH].concat());
+        let rewritten = client_final.replacen(&theirs, &ours, 1);
+        assert_ne!(rewritten, client_final);
+        assert_eq!(
+            s.client_final(rewritten.as_bytes()),
+            Err(ScramError::InvalidProof)
+        );
+    }
+
+    #[test]
+    fn plus_mechanism_and_gs2_flag_must_agree() {
+        let secret = rfc_secret();
+        let bound = || ScramServer::new(&secret, [0u8; NONCE_LEN]).with_channel_binding(CERT_HASH);
+        // PLUS chosen, but no binding in the message.
+        for first in ["n,,n=,r=a", "y,,n=,r=a"] {
+            assert!(
+                matches!(
+                    bound().initial_response(MECHANISM_PLUS, first.as_bytes()),
+                    Err(ScramError::Malformed(_))
+                ),
+                "{first}"
+            );
+        }
+        // Binding in the message, but plain SCRAM-SHA-256 chosen.
+        assert!(matches!(
+            bound().initial_response(MECHANISM, b"p=tls-server-end-point,,n=,r=a"),
+            Err(ScramError::Malformed(_))
+        ));
+        // A mechanism nobody offered.
+        for mechanism in ["SCRAM-SHA-1", "scram-sha-256-plus", ""] {
+            assert_eq!(
+                bound().initial_response(mechanism, b"n,,n=,r=a"),
+                Err(ScramError::InvalidMechanism),
+                "{mechanism:?}"
+            );
+        }
+        // The well-formed combinations.
+        assert!(bound()
+            .initial_response(MECHANISM_PLUS, b"p=tls-server-end-point,,n=,r=a")
+            .is_ok());
+        assert!(bound().initial_response(MECHANISM, b"n,,n=,r=a").is_ok());
+    }
+
+    #[test]
+    fn y_is_refused_once_plus_is_offered() {
+        let secret = rfc_secret();
+        // The client could bind but saw no PLUS in the list: someone may
+        // have removed it.
+        let mut server =
+            ScramServer::new(&secret, [0u8; NONCE_LEN]).with_channel_binding(CERT_HASH);
+        assert_eq!(
+            server.initial_response(MECHANISM, b"y,,n=,r=abc"),
+            Err(ScramError::ChannelBindingNegotiation)
+        );
+        // The exchange is over.
+        assert_eq!(server.client_final(b"c=eSws"), Err(ScramError::OutOfOrder));
+        // Without the offer (plain TCP), `y` is fine.
+        let mut server = ScramServer::new(&secret, [0u8; NONCE_LEN]);
+        assert!(server.initial_response(MECHANISM, b"y,,n=,r=abc").is_ok());
+    }
+
+    #[test]
+    fn plus_refuses_other_binding_types_and_bad_headers() {
+        let secret = rfc_secret();
+        let first = |msg: &str| {
+            ScramServer::new(&secret, [0u8; NONCE_LEN])
+                .with_channel_binding(CERT_HASH)
+                .initial_response(MECHANISM_PLUS, msg.as_bytes())
+        };
+        for other in [
+            "p=tls-unique,,n=,r=a",
+            "p=tls-exporter,,n=,r=a",
+            "p=,,n=,r=a",
+        ] {
+            assert_eq!(
+                first(other),
+                Err(ScramError::Unsupported("channel-binding type")),
+                "{other}"
+            );
+        }
+        assert_eq!(
+            first("p=tls-server-end-point,a=admin,n=,r=a"),
+            Err(ScramError::Unsupported("authorization identity"))
+        );
+        assert_eq!(
+            first("p=tls-server-end-point,,m=ext,n=,r=a"),
+            Err(ScramError::Unsupported("mandatory extension"))
+        );
+        for bad in [
+            "p",
+            "p=tls-server-end-point",
+            "p=tls-server-end-point,",
+            "p=tls-server-end-point,,",
+            "ptls-server-end-point,,n=,r=a",
+            "p=tls-server-end-point,,n=,r=a b",
+        ] {
+            assert!(
+                matches!(first(bad), Err(ScramError::Malformed(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

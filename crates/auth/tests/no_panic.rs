@@ -11,10 +11,10 @@ use std::net::IpAddr;
 use std::path::Path;
 
 use pgwarden_auth::hba::{no_match_message, reject_message};
-use pgwarden_auth::scram::NONCE_LEN;
+use pgwarden_auth::scram::{MECHANISM, MECHANISM_PLUS, NONCE_LEN};
 use pgwarden_auth::{
-    md5_response, subject_common_name, verify_md5, ClientKey, ConnType, Hba, HbaContext,
-    ScramClient, ScramSecret, ScramServer,
+    md5_response, subject_common_name, tls_server_end_point, verify_md5, ClientKey, ConnType, Hba,
+    HbaContext, ScramClient, ScramSecret, ScramServer,
 };
 
 struct XorShift(u64);
@@ -91,6 +91,8 @@ const SCRAM_FRAGMENTS: &[&str] = &[
     "é",
     "x=y",
     "r=abc",
+    "p=tls-server-end-point",
+    "tls-unique",
 ];
 
 #[test]
@@ -147,6 +149,19 @@ fn scram_server_messages() {
         } else {
             rng.assemble(SCRAM_FRAGMENTS, 14).into_bytes()
         };
+        let _ = server.client_final(&last);
+        let _ = server.client_final(&last);
+
+        // The same with SCRAM-SHA-256-PLUS offered, and either mechanism.
+        let mechanism = [MECHANISM, MECHANISM_PLUS, "x"][rng.below(3)];
+        let mut server =
+            ScramServer::new(&secret, [1u8; NONCE_LEN]).with_channel_binding([9u8; 32]);
+        let _ = server.initial_response(mechanism, &first);
+        let mut server =
+            ScramServer::new(&secret, [1u8; NONCE_LEN]).with_channel_binding([9u8; 32]);
+        server
+            .initial_response(MECHANISM_PLUS, b"p=tls-server-end-point,,n=,r=abc")
+            .unwrap();
         let _ = server.client_final(&last);
         let _ = server.client_final(&last);
     }
@@ -402,6 +417,7 @@ fn client_certificates() {
         if let Ok(Some(_)) = subject_common_name(&input) {
             named += 1;
         }
+        let _ = tls_server_end_point(&input);
     }
     // Most single changes leave a readable subject: the walk is exercised
     // beyond its first error.

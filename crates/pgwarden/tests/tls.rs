@@ -1,4 +1,5 @@
-//! TLS termination towards clients, with certificates made at test time.
+//! TLS termination towards clients, with certificates made at test time,
+//! and SCRAM channel binding to them.
 
 mod common;
 
@@ -12,33 +13,13 @@ use pgwarden_testkit::TestCluster;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-/// A CA and a server certificate for 127.0.0.1/localhost signed by it.
+/// A CA and a server certificate for 127.0.0.1/localhost signed by it,
+/// with ECDSA P-256 keys and SHA-256 signatures.
 fn make_certs(
     dir: &Path,
     tag: &str,
 ) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, format!("pgwarden test CA {tag}"));
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let params =
-        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-    let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    let (ca_path, cert_path, key_path) = (
-        dir.join(format!("ca-{tag}.pem")),
-        dir.join(format!("server-{tag}.crt")),
-        dir.join(format!("server-{tag}.key")),
-    );
-    std::fs::write(&ca_path, ca.pem()).unwrap();
-    std::fs::write(&cert_path, cert.pem()).unwrap();
-    std::fs::write(&key_path, key.serialize_pem()).unwrap();
-    (ca_path, cert_path, key_path)
+    make_certs_signed_with(dir, tag, &rcgen::PKCS_ECDSA_P256_SHA256)
 }
 
 fn psql(conninfo: &str, command: &str) -> (bool, String) {
@@ -320,4 +301,614 @@ async fn a_cancel_request_over_tls_ends_with_close_notify() {
         .expect("the connection closes");
     // rustls reports a close without close_notify as UnexpectedEof.
     assert_eq!(read.map_err(|e| e.to_string()).ok(), Some(0), "{rest:?}");
+}
+
+/// How a test client binds SCRAM to the certificate it received.
+#[derive(Clone, Copy, Debug)]
+enum Binding {
+    /// The certificate's SHA-256 hash: what RFC 5929 asks for a
+    /// certificate signed with ECDSA and SHA-256.
+    Sha256,
+    /// Its SHA-384 hash, for ECDSA with SHA-384.
+    Sha384,
+    /// Bytes that are no certificate's hash.
+    Wrong,
+    /// No binding data: the client does not bind (libpq without OpenSSL's
+    /// help, or `channel_binding=disable`).
+    Absent,
+}
+
+/// tokio-postgres over rustls, binding SCRAM as `binding` says, with the
+/// hash computed here from the certificate received. With `pause`, the
+/// connection stops after the TLS handshake: it says so on the first
+/// channel and goes on when the second one fires.
+struct RustlsConnect {
+    config: std::sync::Arc<tokio_rustls::rustls::ClientConfig>,
+    binding: Binding,
+    pause: Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    )>,
+}
+
+struct RustlsStream {
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    binding: Binding,
+}
+
+impl tokio_postgres::tls::TlsConnect<tokio::net::TcpStream> for RustlsConnect {
+    type Stream = RustlsStream;
+    type Error = std::io::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<RustlsStream>> + Send>>;
+
+    fn connect(self, tcp: tokio::net::TcpStream) -> Self::Future {
+        use tokio_rustls::rustls::pki_types::ServerName;
+        Box::pin(async move {
+            let tls = tokio_rustls::TlsConnector::from(self.config)
+                .connect(ServerName::try_from("localhost").unwrap(), tcp)
+                .await?;
+            if let Some((handshaken, resume)) = self.pause {
+                let _ = handshaken.send(());
+                let _ = resume.await;
+            }
+            Ok(RustlsStream {
+                tls,
+                binding: self.binding,
+            })
+        })
+    }
+}
+
+impl tokio_postgres::tls::TlsStream for RustlsStream {
+    fn channel_binding(&self) -> tokio_postgres::tls::ChannelBinding {
+        use sha2::Digest;
+        use tokio_postgres::tls::ChannelBinding;
+        let cert = self
+            .tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .expect("the server sent a certificate");
+        match self.binding {
+            Binding::Sha256 => {
+                ChannelBinding::tls_server_end_point(sha2::Sha256::digest(cert).to_vec())
+            }
+            Binding::Sha384 => {
+                ChannelBinding::tls_server_end_point(sha2::Sha384::digest(cert).to_vec())
+            }
+            Binding::Wrong => ChannelBinding::tls_server_end_point(vec![0x5a; 32]),
+            Binding::Absent => ChannelBinding::none(),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for RustlsStream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tls).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for RustlsStream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().tls).poll_write(cx, data)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tls).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().tls).poll_shutdown(cx)
+    }
+}
+
+/// A rustls client configuration trusting the CA in `ca`.
+fn client_config(ca: &Path) -> std::sync::Arc<tokio_rustls::rustls::ClientConfig> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    std::sync::Arc::new(
+        tokio_rustls::rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+/// A login refused: its SQLSTATE, if any, and message.
+type Refused = (Option<String>, String);
+
+fn refused(e: tokio_postgres::Error) -> Refused {
+    (
+        common::sqlstate(&e),
+        e.as_db_error()
+            .map_or_else(|| e.to_string(), |d| d.message().to_string()),
+    )
+}
+
+/// Logs in with tokio-postgres over TLS (`sslmode=require`), binding as
+/// `binding` says (`channel_binding=require`, or `prefer` for
+/// [`Binding::Absent`]), and returns `current_user`.
+async fn bound_login(
+    port: u16,
+    user: &str,
+    password: &str,
+    ca: &Path,
+    binding: Binding,
+    pause: Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    )>,
+) -> Result<String, Refused> {
+    use tokio_postgres::config::{ChannelBinding, SslMode};
+    let mut cfg = tokio_postgres::Config::new();
+    cfg.user(user)
+        .password(password)
+        .dbname("postgres")
+        .ssl_mode(SslMode::Require)
+        .channel_binding(match binding {
+            Binding::Absent => ChannelBinding::Prefer,
+            _ => ChannelBinding::Require,
+        });
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let connector = RustlsConnect {
+        config: client_config(ca),
+        binding,
+        pause,
+    };
+    let (client, conn) = cfg.connect_raw(tcp, connector).await.map_err(refused)?;
+    tokio::spawn(conn);
+    Ok(common::one(&client, "SELECT current_user::text").await)
+}
+
+/// Logs in with tokio-postgres without TLS (`channel_binding=prefer`, the
+/// default) and returns `current_user`.
+async fn plain_login(port: u16, user: &str, password: &str) -> Result<String, Refused> {
+    let client = common::client(&format!(
+        "host=127.0.0.1 port={port} user={user} password={password} dbname=postgres sslmode=disable channel_binding=prefer"
+    ))
+    .await
+    .map_err(refused)?;
+    Ok(common::one(&client, "SELECT current_user::text").await)
+}
+
+/// A cluster whose servers want a password from alice (SCRAM verifier
+/// `alice-secret`), so that pgwarden can only log in to them as her with
+/// the key her exchange with pgwarden proved; and pgwarden's own hba file
+/// asking her for SCRAM. Returns once the servers' rules are in force.
+async fn scram_cluster(dir: &Path) -> TestCluster {
+    let mut c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-secret'",
+    )
+    .await;
+    c.set_hba(
+        0,
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 md5\n",
+    );
+    let direct = format!(
+        "host=127.0.0.1 port={} user=alice dbname=postgres",
+        c.port(0)
+    );
+    pgwarden_testkit::eventually("the servers' pg_hba.conf in force", WAIT, || {
+        let direct = direct.clone();
+        async move {
+            match common::client(&direct).await {
+                Ok(_) => Err("alice still gets in without a password".to_string()),
+                Err(_) => Ok(()),
+            }
+        }
+    })
+    .await;
+    let hba = dir.join("pg_hba.conf");
+    std::fs::write(
+        &hba,
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
+    )
+    .unwrap();
+    common::AUTH.with(|a| {
+        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    c
+}
+
+/// SCRAM-SHA-256-PLUS towards clients over TLS, as PostgreSQL offers it:
+/// libpq and tokio-postgres with `channel_binding=require` log in through
+/// pgwarden (which then logs in to the server with the key the bound
+/// exchange proved), in session mode and with a transaction pool; binding
+/// data of another certificate is refused; over plain TCP nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_binding_require_logs_in_through_pgwarden() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = scram_cluster(dir.path()).await;
+    let (ca, cert, key) = make_certs(dir.path(), "cb");
+    for pool in [None, Some(pgwarden_proxy::PoolSettings::default())] {
+        let pooled = pool.is_some();
+        let spec = TlsSpec {
+            cert: cert.clone(),
+            key: key.clone(),
+            mode: ClientTlsMode::Allow,
+            client_ca: None,
+        };
+        let (e, p) = proxy_full(
+            &c.addrs(),
+            Duration::from_secs(3),
+            pool,
+            1000,
+            Default::default(),
+            Some(spec),
+        )
+        .await;
+        until(&e, "primary", WAIT, |s| {
+            s.topology.primary().map(|_| ()).ok_or("none".into())
+        })
+        .await;
+        let port = p.service_addrs()["read_write"].port();
+
+        // libpq computes the binding itself (SHA-256 for this ECDSA-SHA256
+        // certificate) and, with `require`, insists on SCRAM-SHA-256-PLUS.
+        let ca_text = ca.display().to_string();
+        let (bound, wrong, plain) = tokio::task::spawn_blocking(move || {
+            let tls = format!(
+                "host=localhost hostaddr=127.0.0.1 port={port} user=alice dbname=postgres sslmode=verify-full sslrootcert={ca_text} channel_binding=require"
+            );
+            let plain = format!(
+                "host=127.0.0.1 port={port} user=alice password=alice-secret dbname=postgres sslmode=disable channel_binding=prefer"
+            );
+            (
+                psql(&format!("{tls} password=alice-secret"), "SELECT current_user"),
+                psql(&format!("{tls} password=nope"), "SELECT current_user"),
+                psql(&plain, "SELECT current_user"),
+            )
+        })
+        .await
+        .unwrap();
+        assert!(
+            bound.0 && bound.1.trim() == "alice",
+            "pooled={pooled}: {}",
+            bound.1
+        );
+        assert!(
+            !wrong.0
+                && wrong
+                    .1
+                    .contains("password authentication failed for user \"alice\""),
+            "pooled={pooled}: {}",
+            wrong.1
+        );
+        assert!(
+            plain.0 && plain.1.trim() == "alice",
+            "pooled={pooled}: {}",
+            plain.1
+        );
+
+        // tokio-postgres, binding with the hash computed here.
+        let login = |password: &'static str, binding| {
+            let ca = ca.clone();
+            async move { bound_login(port, "alice", password, &ca, binding, None).await }
+        };
+        assert_eq!(
+            login("alice-secret", Binding::Sha256).await,
+            Ok("alice".to_string()),
+            "pooled={pooled}"
+        );
+        // Not binding over TLS is still allowed (plain SCRAM-SHA-256 with
+        // GS2 flag `n`).
+        assert_eq!(
+            login("alice-secret", Binding::Absent).await,
+            Ok("alice".to_string()),
+            "pooled={pooled}"
+        );
+        // Binding data that is not pgwarden's certificate's, as a client
+        // whose TLS was terminated by something in between would send.
+        assert_eq!(
+            login("alice-secret", Binding::Wrong).await,
+            Err((
+                Some("28000".to_string()),
+                "SCRAM channel binding check failed".to_string()
+            )),
+            "pooled={pooled}"
+        );
+        assert_eq!(
+            login("nope", Binding::Sha256).await,
+            Err((
+                Some("28P01".to_string()),
+                "password authentication failed for user \"alice\"".to_string()
+            )),
+            "pooled={pooled}"
+        );
+
+        // Without TLS: SCRAM-SHA-256 as before.
+        assert_eq!(
+            plain_login(port, "alice", "alice-secret").await,
+            Ok("alice".to_string()),
+            "pooled={pooled}"
+        );
+        assert_eq!(
+            plain_login(port, "alice", "nope").await,
+            Err((
+                Some("28P01".to_string()),
+                "password authentication failed for user \"alice\"".to_string()
+            )),
+            "pooled={pooled}"
+        );
+    }
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+}
+
+/// A CA and a server certificate for 127.0.0.1/localhost signed by it,
+/// keys and signatures with the ECDSA algorithm `alg`: its hash is the one
+/// of `tls-server-end-point`.
+fn make_certs_signed_with(
+    dir: &Path,
+    tag: &str,
+    alg: &'static rcgen::SignatureAlgorithm,
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate_for(alg).unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("pgwarden test CA {tag}"));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate_for(alg).unwrap();
+    let params =
+        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let (ca_path, cert_path, key_path) = (
+        dir.join(format!("ca-{tag}.pem")),
+        dir.join(format!("server-{tag}.crt")),
+        dir.join(format!("server-{tag}.key")),
+    );
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    (ca_path, cert_path, key_path)
+}
+
+/// Anything a login can run over: TCP or TLS.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// One backend message: its type and body.
+async fn read_message(s: &mut Box<dyn Io>) -> (u8, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let kind = s.read_u8().await.unwrap();
+    let len = s.read_i32().await.unwrap();
+    let mut body = vec![0; usize::try_from(len - 4).unwrap()];
+    s.read_exact(&mut body).await.unwrap();
+    (kind, body)
+}
+
+/// Starts a login as alice, over TLS when `ca` is given, and answers
+/// AuthenticationSASL with `mechanism` and the client-first-message
+/// `first`, built by hand to say what libpq would not. Returns the
+/// mechanisms pgwarden offered and its answer: the server-first-message,
+/// or the SQLSTATE and message of its refusal.
+async fn sasl_first(
+    port: u16,
+    ca: Option<&Path>,
+    mechanism: &str,
+    first: &str,
+) -> (Vec<String>, Result<String, (String, String)>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls::pki_types::ServerName;
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let mut s: Box<dyn Io> = match ca {
+        None => Box::new(tcp),
+        Some(ca) => {
+            // SSLRequest.
+            tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+                .await
+                .unwrap();
+            assert_eq!(tcp.read_u8().await.unwrap(), b'S');
+            Box::new(
+                tokio_rustls::TlsConnector::from(client_config(ca))
+                    .connect(ServerName::try_from("localhost").unwrap(), tcp)
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    let mut startup = 196_608i32.to_be_bytes().to_vec();
+    for part in ["user", "alice", "database", "postgres", ""] {
+        startup.extend_from_slice(part.as_bytes());
+        startup.push(0);
+    }
+    let len = i32::try_from(startup.len() + 4).unwrap();
+    s.write_all(&[&len.to_be_bytes()[..], &startup].concat())
+        .await
+        .unwrap();
+    let (kind, body) = read_message(&mut s).await;
+    assert_eq!(
+        (kind, &body[..4]),
+        (b'R', &10i32.to_be_bytes()[..]),
+        "AuthenticationSASL"
+    );
+    let offered: Vec<String> = body[4..]
+        .split(|&b| b == 0)
+        .take_while(|m| !m.is_empty())
+        .map(|m| String::from_utf8(m.to_vec()).unwrap())
+        .collect();
+    // SASLInitialResponse.
+    let mut response = mechanism.as_bytes().to_vec();
+    response.push(0);
+    response.extend_from_slice(&i32::try_from(first.len()).unwrap().to_be_bytes());
+    response.extend_from_slice(first.as_bytes());
+    let len = i32::try_from(response.len() + 4).unwrap();
+    s.write_all(&[&[b'p'][..], &len.to_be_bytes(), &response].concat())
+        .await
+        .unwrap();
+    let answer = match read_message(&mut s).await {
+        (b'R', body) if body[..4] == 11i32.to_be_bytes() => {
+            Ok(String::from_utf8(body[4..].to_vec()).unwrap())
+        }
+        (b'E', body) => {
+            let field = |code: u8| {
+                body.split(|&b| b == 0)
+                    .find(|f| f.first() == Some(&code))
+                    .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+                    .unwrap_or_default()
+            };
+            Err((field(b'C'), field(b'M')))
+        }
+        (kind, body) => panic!("unexpected message {}: {body:?}", char::from(kind)),
+    };
+    (offered, answer)
+}
+
+/// A client binds to the certificate its own handshake received, even when
+/// a reload puts another one in place before it authenticates; clients
+/// after the reload bind to the new one, whose SHA-384 signature makes the
+/// binding a SHA-384 hash (computed by libpq itself too). And the
+/// negotiation rules: over TLS `SCRAM-SHA-256-PLUS` is offered first, and
+/// a client that could bind but says the server cannot (`y`) is refused as
+/// a possible downgrade; a mechanism that does not match the GS2 header is
+/// a protocol violation; over plain TCP only `SCRAM-SHA-256` is offered and
+/// `y` goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_binding_follows_the_certificate_and_refuses_downgrades() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = scram_cluster(dir.path()).await;
+    let (ca_a, cert_a, key_a) = make_certs(dir.path(), "a");
+    let (ca_b, cert_b, key_b) =
+        make_certs_signed_with(dir.path(), "b", &rcgen::PKCS_ECDSA_P384_SHA384);
+    let (_e, mut p) = tls_proxy(&c, &cert_a, &key_a, ClientTlsMode::Allow).await;
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+    let port = p.service_addrs()["read_write"].port();
+
+    // Handshake with certificate a, then a reload to b, then the SCRAM
+    // exchange, bound to a.
+    let (handshaken_tx, handshaken) = tokio::sync::oneshot::channel();
+    let (resume, resume_rx) = tokio::sync::oneshot::channel();
+    let early = tokio::spawn({
+        let ca_a = ca_a.clone();
+        async move {
+            bound_login(
+                port,
+                "alice",
+                "alice-secret",
+                &ca_a,
+                Binding::Sha256,
+                Some((handshaken_tx, resume_rx)),
+            )
+            .await
+        }
+    });
+    handshaken.await.expect("the early client's TLS handshake");
+    let mut spec = p.spec().clone();
+    spec.tls = Some(TlsSpec {
+        cert: cert_b.clone(),
+        key: key_b.clone(),
+        mode: ClientTlsMode::Allow,
+        client_ca: None,
+    });
+    p.apply(spec).await.unwrap();
+    resume.send(()).unwrap();
+    assert_eq!(early.await.unwrap(), Ok("alice".to_string()));
+
+    // New clients get b, signed with SHA-384.
+    assert_eq!(
+        bound_login(port, "alice", "alice-secret", &ca_b, Binding::Sha384, None).await,
+        Ok("alice".to_string())
+    );
+    assert_eq!(
+        bound_login(port, "alice", "alice-secret", &ca_b, Binding::Sha256, None).await,
+        Err((
+            Some("28000".to_string()),
+            "SCRAM channel binding check failed".to_string()
+        ))
+    );
+    let ca_text = ca_b.display().to_string();
+    let (ok, out) = tokio::task::spawn_blocking(move || {
+        psql(
+            &format!("host=localhost hostaddr=127.0.0.1 port={port} user=alice password=alice-secret dbname=postgres sslmode=verify-full sslrootcert={ca_text} channel_binding=require"),
+            "SELECT current_user",
+        )
+    })
+    .await
+    .unwrap();
+    assert!(ok && out.trim() == "alice", "{out}");
+
+    // The negotiation, message by message.
+    let plus = "SCRAM-SHA-256-PLUS";
+    let plain = "SCRAM-SHA-256";
+    let (offered, answer) = sasl_first(port, Some(&ca_b), plain, "y,,n=,r=abcdef").await;
+    assert_eq!(offered, [plus, plain]);
+    assert_eq!(
+        answer,
+        Err((
+            "28000".to_string(),
+            "SCRAM channel binding negotiation error".to_string()
+        ))
+    );
+    for (mechanism, first) in [
+        (plus, "n,,n=,r=abcdef"),
+        (plus, "y,,n=,r=abcdef"),
+        (plain, "p=tls-server-end-point,,n=,r=abcdef"),
+        (plus, "p=tls-unique,,n=,r=abcdef"),
+    ] {
+        let (_, answer) = sasl_first(port, Some(&ca_b), mechanism, first).await;
+        assert_eq!(
+            answer.as_ref().map_err(|(code, _)| code.as_str()),
+            Err("08P01"),
+            "{mechanism} {first}: {answer:?}"
+        );
+    }
+    // The well-formed ones go on to the server-first-message.
+    for (mechanism, first) in [
+        (plus, "p=tls-server-end-point,,n=,r=abcdef"),
+        (plain, "n,,n=,r=abcdef"),
+    ] {
+        let (_, answer) = sasl_first(port, Some(&ca_b), mechanism, first).await;
+        assert!(
+            answer.as_ref().is_ok_and(|a| a.starts_with("r=abcdef")),
+            "{mechanism} {first}: {answer:?}"
+        );
+    }
+    // Plain TCP: no PLUS, and `y` is the truth.
+    let (offered, answer) = sasl_first(port, None, plain, "y,,n=,r=abcdef").await;
+    assert_eq!(offered, [plain]);
+    assert!(answer.is_ok_and(|a| a.starts_with("r=abcdef")));
+    let (_, answer) = sasl_first(port, None, plus, "p=tls-server-end-point,,n=,r=abcdef").await;
+    assert_eq!(
+        answer.as_ref().map_err(|(code, _)| code.as_str()),
+        Err("08P01"),
+        "{answer:?}"
+    );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use pgwarden_auth::hba::{AuthMethod, ClientCert, ConnType, Hba, HbaContext};
-use pgwarden_auth::{md5_secret, verify_md5, ClientKey, ScramSecret, ScramServer};
+use pgwarden_auth::{md5_secret, verify_md5, ClientKey, ScramError, ScramSecret, ScramServer};
 use pgwarden_wire::encode;
 use pgwarden_wire::message::{self, frontend};
 use pgwarden_wire::sqlstate::{self, SqlState};
@@ -452,7 +452,7 @@ impl Authenticator {
                         .unwrap_or_else(|| ScramSecret::mock(&user, &self.mock_seed));
                     self.scram(client, &secret)
                         .await
-                        .map_err(|_| failed())
+                        .map_err(|e| scram_refusal(e, failed()))
                         .map(Credential::ClientKey)
                 }
             }
@@ -487,28 +487,61 @@ impl Authenticator {
         Ok(credential)
     }
 
+    /// The SCRAM exchange with the client. Over TLS SCRAM-SHA-256-PLUS is
+    /// offered too, bound to the certificate this connection's handshake
+    /// presented, as PostgreSQL offers it. `Err(None)`: the client went
+    /// away or answered with something else than a SASL response.
     async fn scram(
         &self,
         client: &mut ClientStream,
         secret: &ScramSecret,
-    ) -> Result<ClientKey, ()> {
+    ) -> Result<ClientKey, Option<ScramError>> {
         let mut server = ScramServer::new(secret, rand::random::<[u8; 18]>());
-        let mut out = BytesMut::new();
-        encode::authentication_sasl(&mut out, &[pgwarden_auth::scram::MECHANISM]);
-        let initial = exchange(client, &out).await.ok_or(())?;
-        let (mech, data) = message::sasl_initial_response(&initial).map_err(|_| ())?;
-        if mech != pgwarden_auth::scram::MECHANISM {
-            return Err(());
+        if let Some(data) = client.tls_server_end_point() {
+            server = server.with_channel_binding(data);
         }
-        let first = server.client_first(data).map_err(|_| ())?;
+        let mut out = BytesMut::new();
+        encode::authentication_sasl(&mut out, server.mechanisms());
+        let initial = exchange(client, &out).await.ok_or(None)?;
+        let (mech, data) = message::sasl_initial_response(&initial).map_err(|_| None)?;
+        let first = server.initial_response(mech, data)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_continue(&mut out, &first);
-        let fin = exchange(client, &out).await.ok_or(())?;
-        let (server_final, key) = server.client_final(&fin).map_err(|_| ())?;
+        let fin = exchange(client, &out).await.ok_or(None)?;
+        let (server_final, key) = server.client_final(&fin)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_final(&mut out, &server_final);
-        client.write_all(&out).await.map_err(|_| ())?;
+        client.write_all(&out).await.map_err(|_| None)?;
         Ok(key)
+    }
+}
+
+/// What the client is told when its SCRAM exchange fails, with PostgreSQL's
+/// codes: a wrong proof (or a client that went away) is `failed`, the
+/// password failure; a binding to another certificate, or `y` although
+/// PLUS was offered, refuses the connection (28000); anything else is a
+/// protocol violation (08P01).
+fn scram_refusal(e: Option<ScramError>, failed: AuthError) -> AuthError {
+    const MISMATCH: &str = "the client bound SCRAM to another certificate than the one \
+        pgwarden presented: its TLS may have been intercepted";
+    const NEGOTIATION: &str = "the client supports SCRAM channel binding but thinks the \
+        server does not, although SCRAM-SHA-256-PLUS was offered: the offer may have been \
+        removed on the way";
+    match e {
+        None | Some(ScramError::InvalidProof) => failed,
+        Some(e @ (ScramError::ChannelBindingMismatch | ScramError::ChannelBindingNegotiation)) => {
+            let detail = match e {
+                ScramError::ChannelBindingMismatch => MISMATCH,
+                _ => NEGOTIATION,
+            };
+            AuthError::new(
+                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                "channel_binding",
+                e.to_string(),
+            )
+            .with_detail(detail)
+        }
+        Some(e) => AuthError::new(sqlstate::PROTOCOL_VIOLATION, "protocol", e.to_string()),
     }
 }
 

@@ -413,7 +413,7 @@ pub(crate) struct Shared {
     pub reload: tokio::sync::mpsc::Sender<ReloadReply>,
     reload_rx: Mutex<Option<tokio::sync::mpsc::Receiver<ReloadReply>>>,
     pub pool_overrides: Mutex<PoolOverrides>,
-    pub tls: arc_swap::ArcSwapOption<tokio_rustls::TlsAcceptor>,
+    pub tls: arc_swap::ArcSwapOption<crate::stream::ClientTls>,
     pub client_tls: Mutex<ClientTlsMode>,
     /// TLS towards the servers; pools share it, so a reload reaches the
     /// connections they open next.

@@ -545,11 +545,11 @@ async fn read_startup(
     loop {
         match parse_startup(buf) {
             Ok(Some(StartupFrame::SslRequest)) if !client.is_tls() && !client.is_local() => {
-                let acceptor = match shared.client_tls() {
+                let tls = match shared.client_tls() {
                     ClientTlsMode::Disable => None,
                     _ => shared.tls.load_full(),
                 };
-                let Some(acceptor) = acceptor else {
+                let Some(tls) = tls else {
                     if client
                         .write_all(&[encode::ssl_response(false)])
                         .await
@@ -577,7 +577,7 @@ async fn read_startup(
                 }
                 // Boxed: the handshake's state is large and rarely needed,
                 // and every client's start-up future would carry it.
-                if let Err(e) = Box::pin(client.upgrade(&acceptor)).await {
+                if let Err(e) = Box::pin(client.upgrade(&tls)).await {
                     if crate::stream::is_client_certificate_error(&e) {
                         // Refused credentials, like a wrong password: worth
                         // the operator's attention, unlike clients that
@@ -972,7 +972,7 @@ async fn relay(
             io.run_to(&mut cr, &mut cw, &mut server, &killed).await
         }
         ClientStream::Tls(tls) => {
-            let (mut cr, mut cw) = tokio::io::split(tls.as_mut());
+            let (mut cr, mut cw) = tokio::io::split(tls.stream());
             io.run_to(&mut cr, &mut cw, &mut server, &killed).await
         }
         ClientStream::Local(s) => {

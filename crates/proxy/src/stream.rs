@@ -17,11 +17,26 @@ use tokio_rustls::TlsAcceptor;
 /// A client's socket: plain TCP until the client asks for TLS.
 pub(crate) enum ClientStream {
     Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
+    Tls(Box<TlsSession>),
     /// A Unix-domain socket (`listen.unix_socket_dir`).
     Local(tokio::net::UnixStream),
     /// Only while a handshake owns the socket, or after it failed.
     Gone,
+}
+
+/// A client's TLS connection.
+pub(crate) struct TlsSession {
+    stream: TlsStream<TcpStream>,
+    /// The `tls-server-end-point` data of the certificate this connection's
+    /// handshake presented, from the [`ClientTls`] that ran it.
+    end_point: Option<Arc<[u8]>>,
+}
+
+impl TlsSession {
+    /// The TLS stream.
+    pub fn stream(&mut self) -> &mut TlsStream<TcpStream> {
+        &mut self.stream
+    }
 }
 
 fn gone() -> io::Error {
@@ -99,7 +114,7 @@ impl ClientStream {
             }
             ClientStream::Tls(s) => {
                 crate::bufcache::ready_for_read(buf, min);
-                poll_read_buf(Pin::new(s.as_mut()), cx, buf)
+                poll_read_buf(Pin::new(&mut s.stream), cx, buf)
             }
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
@@ -111,7 +126,7 @@ impl ClientStream {
         match self {
             ClientStream::Plain(s) => s.as_raw_fd(),
             ClientStream::Local(s) => s.as_raw_fd(),
-            ClientStream::Tls(s) => s.get_ref().0.as_raw_fd(),
+            ClientStream::Tls(s) => s.stream.get_ref().0.as_raw_fd(),
             ClientStream::Gone => -1,
         }
     }
@@ -123,7 +138,18 @@ impl ClientStream {
     /// plaintext, or when the client sent none.
     pub fn peer_certificate(&self) -> Option<&CertificateDer<'static>> {
         match self {
-            ClientStream::Tls(s) => s.get_ref().1.peer_certificates()?.first(),
+            ClientStream::Tls(s) => s.stream.get_ref().1.peer_certificates()?.first(),
+            _ => None,
+        }
+    }
+
+    /// The `tls-server-end-point` channel-binding data of the certificate
+    /// the client received in this connection's handshake: what a client
+    /// binding SCRAM to the connection sends. `None` on plaintext, or when
+    /// RFC 5929 defines no binding for the certificate.
+    pub fn tls_server_end_point(&self) -> Option<&[u8]> {
+        match self {
+            ClientStream::Tls(s) => s.end_point.as_deref(),
             _ => None,
         }
     }
@@ -140,10 +166,13 @@ impl ClientStream {
     }
 
     /// Runs the TLS handshake on a plain connection, in place.
-    pub async fn upgrade(&mut self, acceptor: &TlsAcceptor) -> io::Result<()> {
+    pub async fn upgrade(&mut self, tls: &ClientTls) -> io::Result<()> {
         match std::mem::replace(self, ClientStream::Gone) {
             ClientStream::Plain(s) => {
-                *self = ClientStream::Tls(Box::new(acceptor.accept(s).await?));
+                *self = ClientStream::Tls(Box::new(TlsSession {
+                    stream: tls.acceptor.accept(s).await?,
+                    end_point: tls.end_point.clone(),
+                }));
                 Ok(())
             }
             other => {
@@ -163,7 +192,7 @@ impl AsyncRead for ClientStream {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
             ClientStream::Local(s) => Pin::new(s).poll_read(cx, buf),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            ClientStream::Tls(s) => Pin::new(&mut s.stream).poll_read(cx, buf),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
@@ -178,7 +207,7 @@ impl AsyncWrite for ClientStream {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_write(cx, data),
             ClientStream::Local(s) => Pin::new(s).poll_write(cx, data),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, data),
+            ClientStream::Tls(s) => Pin::new(&mut s.stream).poll_write(cx, data),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
@@ -187,7 +216,7 @@ impl AsyncWrite for ClientStream {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_flush(cx),
             ClientStream::Local(s) => Pin::new(s).poll_flush(cx),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            ClientStream::Tls(s) => Pin::new(&mut s.stream).poll_flush(cx),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
@@ -196,7 +225,7 @@ impl AsyncWrite for ClientStream {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             ClientStream::Local(s) => Pin::new(s).poll_shutdown(cx),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            ClientStream::Tls(s) => Pin::new(&mut s.stream).poll_shutdown(cx),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
@@ -209,7 +238,7 @@ impl AsyncWrite for ClientStream {
         match self.get_mut() {
             ClientStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             ClientStream::Local(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            ClientStream::Tls(s) => Pin::new(&mut s.stream).poll_write_vectored(cx, bufs),
             ClientStream::Gone => Poll::Ready(Err(gone())),
         }
     }
@@ -218,21 +247,37 @@ impl AsyncWrite for ClientStream {
         match self {
             ClientStream::Plain(s) => s.is_write_vectored(),
             ClientStream::Local(s) => s.is_write_vectored(),
-            ClientStream::Tls(s) => s.is_write_vectored(),
+            ClientStream::Tls(s) => s.stream.is_write_vectored(),
             ClientStream::Gone => false,
         }
     }
+}
+
+/// TLS towards clients: the acceptor, and the channel-binding data of the
+/// certificate it presents.
+pub struct ClientTls {
+    acceptor: TlsAcceptor,
+    /// `tls-server-end-point` data of the acceptor's certificate, `None`
+    /// when RFC 5929 defines none for it. It travels with the acceptor
+    /// into each session it accepts, so that a client binds to the
+    /// certificate its own handshake sent, whatever a reload has loaded
+    /// since.
+    end_point: Option<Arc<[u8]>>,
 }
 
 /// Builds a TLS acceptor (TLS 1.2 and 1.3) from PEM files. With
 /// `client_ca`, clients are asked for a certificate: one that does not chain
 /// to those CAs fails the handshake, as in PostgreSQL, while a client that
 /// sends none still connects and the hba rule decides whether that will do.
+///
+/// The first certificate of `cert` is the one clients receive; its
+/// `tls-server-end-point` hash is computed here, once per load, for SCRAM
+/// channel binding.
 pub fn tls_acceptor(
     cert: &std::path::Path,
     key: &std::path::Path,
     client_ca: Option<&std::path::Path>,
-) -> Result<TlsAcceptor, String> {
+) -> Result<ClientTls, String> {
     use tokio_rustls::rustls::server::WebPkiClientVerifier;
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
         .map_err(|e| format!("{}: {e}", cert.display()))?
@@ -242,6 +287,28 @@ pub fn tls_acceptor(
         return Err(format!("{}: no certificate found", cert.display()));
     }
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
+    // A certificate without a binding still serves TLS; only PLUS is not
+    // offered with it.
+    let end_point = match pgwarden_auth::tls_server_end_point(&certs[0]) {
+        Ok(Some(data)) => Some(Arc::from(data)),
+        Ok(None) => {
+            tracing::warn!(
+                cert = %cert.display(),
+                "SCRAM-SHA-256-PLUS is not offered: the certificate's signature algorithm \
+                 defines no tls-server-end-point channel binding (RFC 5929)"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(
+                cert = %cert.display(),
+                error = %e,
+                "SCRAM-SHA-256-PLUS is not offered: the certificate's signature algorithm \
+                 cannot be read"
+            );
+            None
+        }
+    };
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[
@@ -263,7 +330,10 @@ pub fn tls_acceptor(
     let config = builder
         .with_single_cert(certs, key)
         .map_err(|e| format!("certificate and key do not fit: {e}"))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(ClientTls {
+        acceptor: TlsAcceptor::from(Arc::new(config)),
+        end_point,
+    })
 }
 
 /// The CA certificates of a PEM file (at least one).
