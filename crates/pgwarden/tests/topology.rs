@@ -745,3 +745,73 @@ async fn application_name_with_a_space_is_matched() {
     .await;
     assert_eq!(snap.topology.hosts()[1].replication_name(), Some("node 3"));
 }
+
+/// `localhost:PORT` for node `i`: the same server as `127.0.0.1:PORT`
+/// under another name.
+fn alias(c: &TestCluster, i: usize) -> String {
+    format!("localhost:{}", c.port(i))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_server_listed_under_two_names_counts_once() {
+    let c = TestCluster::builder().replicas(1).start();
+    let addrs = vec![c.addr(0), alias(&c, 0), c.addr(1), alias(&c, 1)];
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = until(&e, "each server's second name recognised", WAIT, |s| {
+        let h = s.topology.hosts();
+        let dups: Vec<_> = h.iter().map(|h| h.duplicate_of).collect();
+        (dups == [None, Some(0), None, Some(2)] && h.iter().all(|h| h.alive))
+            .then_some(())
+            .ok_or(format!("{dups:?} {:?}", roles(&s.topology)))
+    })
+    .await;
+    // Routed to normally, not refused as two primaries.
+    assert!(!snap.topology.conflict());
+    assert_eq!(snap.topology.primary(), Some(0));
+    let sel = Selector::default();
+    assert_eq!(sel.select(&snap.topology, &Want::Primary), Ok(0));
+    // The replica takes its share of reads once, not twice.
+    assert_eq!(sel.eligible(&snap.topology, &Want::Replica), [2]);
+    // The replica follows the primary, whichever name it is reached by.
+    assert_eq!(snap.topology.hosts()[2].off_primary, None);
+    let view = pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round);
+    let json = serde_json::to_value(&view).unwrap();
+    assert_eq!(json["hosts"][1]["duplicate_of"], c.addr(0).as_str());
+    assert_eq!(json["hosts"][3]["duplicate_of"], c.addr(1).as_str());
+    assert!(json["hosts"][0]["duplicate_of"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_primaries_of_one_lineage_are_still_a_conflict() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    // Both replicas promoted: two servers with the primary's system
+    // identifier, each on timeline 2.
+    c.node(1).promote().unwrap();
+    c.node(2).promote().unwrap();
+    let sysid = "SELECT system_identifier FROM pg_control_system()";
+    assert_eq!(
+        sql_value(&c.conninfo(1), sysid).await,
+        sql_value(&c.conninfo(2), sysid).await
+    );
+    let addrs = vec![c.addr(1), alias(&c, 1), c.addr(2)];
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = until(&e, "the two promoted replicas in conflict", WAIT, |s| {
+        let t = &s.topology;
+        (t.conflict_hosts() == [0, 2] && t.hosts()[1].duplicate_of == Some(0))
+            .then_some(())
+            .ok_or(format!(
+                "conflict {:?}, {:?}",
+                t.conflict_hosts(),
+                t.hosts()
+                    .iter()
+                    .map(|h| (h.role, h.timeline, h.duplicate_of))
+                    .collect::<Vec<_>>()
+            ))
+    })
+    .await;
+    assert!(snap.topology.hosts().iter().all(|h| h.timeline == Some(2)));
+    assert_eq!(
+        Selector::default().select(&snap.topology, &Want::Primary),
+        Err(NoTarget::PrimaryConflict)
+    );
+}

@@ -334,6 +334,7 @@ fn log_event(e: &TopologyEvent) {
         | TopologyEvent::SyncConfigInvalid { .. }
         | TopologyEvent::SyncAmbiguous { .. }
         | TopologyEvent::OffPrimary { .. }
+        | TopologyEvent::SameServer { .. }
         | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),
