@@ -1,5 +1,6 @@
 //! The probe query and the parsing of its one row.
 
+use std::net::IpAddr;
 use std::time::Duration;
 
 use pgwarden_topology::{parse_lsn, HostAddr, InstanceId, Observation, ReplicationRow};
@@ -39,10 +40,11 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
  (SELECT sender_port FROM pg_stat_wal_receiver), \
  (SELECT system_identifier FROM pg_control_system()), \
  floor(extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint, \
- current_setting('port')";
+ current_setting('port'), \
+ inet_server_addr()";
 
 /// Number of columns of [`PROBE_QUERY`].
-const COLUMNS: usize = 17;
+const COLUMNS: usize = 18;
 
 /// Builds an [`Observation`] from the text columns of the probe query's
 /// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
@@ -88,7 +90,10 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
             .filter(|h| !h.is_empty())
             .zip(cols[13].and_then(|p| p.parse::<u16>().ok()))
             .map(|(h, p)| HostAddr::new(h, p)),
+        // Resolved by the prober, which may do IO.
+        upstream_ips: Vec::new(),
         instance: instance_id(cols[14], cols[15], cols[16]),
+        server_ip: cols[17].and_then(parse_inet),
         synchronous_standby_names: if in_recovery {
             None
         } else {
@@ -110,6 +115,12 @@ fn instance_id(
         started_us: started?.parse().ok()?,
         port: port?.parse().ok()?,
     })
+}
+
+/// An `inet` value as PostgreSQL prints it; a host address may carry a
+/// `/32` or `/128` suffix, which says nothing about the address.
+fn parse_inet(s: &str) -> Option<IpAddr> {
+    s.split('/').next()?.parse().ok()
 }
 
 /// The name a standby's WAL receiver reports to the primary: the
@@ -246,6 +257,7 @@ mod tests {
             Some("-7715986735846115607"),
             Some("1796518162822928"),
             Some("5432"),
+            Some("::1/128"),
         ]);
         let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
         assert!(!o.in_recovery);
@@ -269,6 +281,7 @@ mod tests {
                 port: 5432,
             })
         );
+        assert_eq!(o.server_ip, Some("::1".parse().unwrap()));
     }
 
     #[test]
@@ -291,6 +304,7 @@ mod tests {
             Some("7715986735846115607"),
             None,
             Some("5433"),
+            Some("10.0.0.2"),
         ]);
         let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
         assert!(o.in_recovery);
@@ -303,6 +317,7 @@ mod tests {
         assert_eq!(o.synchronous_standby_names, None);
         // Part of the identity missing: no identity at all.
         assert_eq!(o.instance, None);
+        assert_eq!(o.server_ip, Some("10.0.0.2".parse().unwrap()));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! lets the probe crate depend on them without pulling in any policy.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -272,9 +273,19 @@ pub struct Observation {
     /// (`pg_stat_wal_receiver.sender_host` and `sender_port`), as that
     /// replica names it.
     pub upstream: Option<HostAddr>,
+    /// Replica only: the addresses `upstream`'s host stands for, as the
+    /// prober resolved it (the literal itself for an IP address; empty when
+    /// it could not be resolved or is a Unix-socket directory). Names are
+    /// resolved from the prober's side, where a loopback address means the
+    /// prober's machine, not the replica's.
+    pub upstream_ips: Vec<IpAddr>,
     /// Which server this is, whatever it was reached as; `None` when the
     /// server did not say.
     pub instance: Option<InstanceId>,
+    /// `inet_server_addr()`: the address the server accepted the probe's
+    /// connection on, i.e. the address of its machine as seen from the
+    /// prober.
+    pub server_ip: Option<IpAddr>,
     /// Primary only: raw `synchronous_standby_names` text.
     pub synchronous_standby_names: Option<String>,
     /// Primary only: the rows of `pg_stat_replication`.
