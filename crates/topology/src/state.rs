@@ -7,6 +7,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::ewma::Ewma;
@@ -755,15 +756,18 @@ impl Topology {
     /// After a promotion the old primary may keep running, and replicas
     /// still streaming from it stay on the old timeline: their WAL
     /// positions look current, yet they lack what the new primary wrote.
+    /// A replica on the primary's timeline (or a later one) may still
+    /// stream from another server claiming primary, for instance a rogue
+    /// without the leader key: its upstream tells, see [`Topology::feeder`].
     fn compute_upstream(&mut self, events: &mut Vec<TopologyEvent>) {
         let primary = self.primary.map(|p| {
             let h = &self.hosts[p];
             (p, h.config.addr.clone(), h.timeline)
         });
-        let reasons: Vec<Option<String>> = self
-            .hosts
-            .iter()
-            .map(|h| {
+        let listed = self.listed_replicas();
+        let reasons: Vec<Option<String>> = (0..self.hosts.len())
+            .map(|i| {
+                let h = &self.hosts[i];
                 let (p, paddr, ptl) = primary.as_ref()?;
                 if !h.is_live_replica() {
                     return None;
@@ -775,19 +779,16 @@ impl Topology {
                         ));
                     }
                 }
-                let upstream = h.observation.as_ref()?.upstream.as_ref()?;
-                let s = self.hosts.iter().position(|o| {
-                    o.config.addr.port == upstream.port
-                        && o.config.addr.host.eq_ignore_ascii_case(&upstream.host)
-                })?;
+                let (s, how) = self.feeder(i, &listed)?;
                 let source = &self.hosts[s];
-                // Another name of the primary is the primary.
+                // Another name of the primary is the primary; a replica
+                // feeding it is a cascade, which is fine.
                 (source.alive
                     && source.role == Role::Primary
                     && self.counted_as(s) != self.counted_as(*p))
                 .then(|| {
                     format!(
-                        "streams from {}, which is not the primary {paddr}",
+                        "streams from {}{how}, which is not the primary {paddr}",
                         source.config.addr
                     )
                 })
@@ -815,6 +816,82 @@ impl Topology {
             }
             h.off_primary = reason;
         }
+    }
+
+    /// For each live server claiming primary (counted once), which hosts
+    /// its `pg_stat_replication` shows streaming from it, by the same
+    /// slot-then-unique-name rule as the sync states.
+    fn listed_replicas(&self) -> Vec<(usize, Vec<bool>)> {
+        (0..self.hosts.len())
+            .filter(|&c| {
+                let h = &self.hosts[c];
+                h.alive && h.role == Role::Primary && h.duplicate_of.is_none()
+            })
+            .map(|c| {
+                let rows = self.hosts[c]
+                    .observation
+                    .as_ref()
+                    .map_or(&[][..], |o| &o.replication[..]);
+                let (rows, _) = attribute_rows(&self.hosts, rows);
+                (c, rows.iter().map(Option::is_some).collect())
+            })
+            .collect()
+    }
+
+    /// The configured host live replica `i` streams from, with how that
+    /// was found (text for the operator), if it can be told.
+    ///
+    /// What the servers report comes first: a server claiming primary
+    /// whose `pg_stat_replication` shows the replica (by its slot, or by a
+    /// name no other replica bears) is its upstream, whatever names either
+    /// is configured under; the resolved primary is asked first. Failing
+    /// that, the replica's `sender_host`/`sender_port` is matched to a
+    /// host: the replica names its upstream as its own configuration does
+    /// (`localhost`, a DNS alias, an address), so the comparison is by
+    /// machine and port rather than by spelling. A loopback address or a
+    /// Unix-socket directory is the replica's own machine; another name is
+    /// taken at the addresses the prober resolved it to. A host's machine
+    /// is the address it accepted the probe on, and a host is also known
+    /// by its configured name. An upstream that is no configured host
+    /// (an unlisted cascading replica, say) is unknown: `None`.
+    fn feeder(&self, i: usize, listed: &[(usize, Vec<bool>)]) -> Option<(usize, &'static str)> {
+        let r = self.counted_as(i);
+        let mut listers = listed.iter().filter(|(_, l)| l[r]).map(|(c, _)| *c);
+        let first = match self.primary {
+            Some(p) if listed.iter().any(|(c, l)| *c == self.counted_as(p) && l[r]) => {
+                Some(self.counted_as(p))
+            }
+            _ => listers.next(),
+        };
+        if let Some(c) = first {
+            return Some((c, " (in its pg_stat_replication)"));
+        }
+        let obs = self.hosts[i].observation.as_ref()?;
+        let up = obs.upstream.as_ref()?;
+        let local = up.host.starts_with('/')
+            || up.host.eq_ignore_ascii_case("localhost")
+            || up.host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        let at: Vec<IpAddr> = if local {
+            obs.server_ip.into_iter().collect()
+        } else {
+            obs.upstream_ips.clone()
+        };
+        let s = (0..self.hosts.len()).find(|&s| {
+            let o = &self.hosts[s];
+            if self.counted_as(s) == r {
+                return false;
+            }
+            let port =
+                o.config.addr.port == up.port || o.instance().is_some_and(|id| id.port == up.port);
+            let named = !local && o.config.addr.host.eq_ignore_ascii_case(&up.host);
+            let machine = o
+                .observation
+                .as_ref()
+                .and_then(|x| x.server_ip)
+                .is_some_and(|ip| at.iter().any(|a| same_machine(*a, ip)));
+            port && (named || machine)
+        })?;
+        Some((s, ""))
     }
 
     fn compute_lag(&mut self) {
@@ -955,6 +1032,12 @@ impl Topology {
             }
         }
     }
+}
+
+/// Whether two addresses, as seen from the prober, are one machine: equal,
+/// or both loopback (the prober's own machine, however it is reached).
+fn same_machine(a: IpAddr, b: IpAddr) -> bool {
+    a == b || (a.is_loopback() && b.is_loopback())
 }
 
 /// Bytes and time a replica is behind; `None` where unknown.
@@ -1703,6 +1786,145 @@ pub(crate) mod tests {
         }
         .to_string()
         .contains("no read traffic"));
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// Hosts at `host:port` addresses; each is reached at its own host.
+    fn at(addrs: &[&str]) -> Topology {
+        let hosts = addrs.iter().map(|a| HostConfig::new(a.parse().unwrap()));
+        Topology::new(hosts.collect(), TopologyConfig::default())
+    }
+
+    fn reached_at(mut o: Observation, server_ip: &str) -> Observation {
+        o.server_ip = Some(ip(server_ip));
+        o
+    }
+
+    #[test]
+    fn upstream_is_found_whatever_it_is_called() {
+        let t0 = Instant::now();
+        // The key holder, and a rogue primary on a later timeline.
+        let mut t = at(&["127.0.0.1:5432", "127.0.0.1:5433", "127.0.0.1:5434"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("127.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "127.0.0.1")),
+            t0,
+        );
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(2, 100), "127.0.0.1")),
+            t0,
+        );
+        // The replica streams from the rogue, which it calls localhost.
+        let mut r = reached_at(replica_obs("r", 100, 1), "127.0.0.1");
+        r.timeline = Some(2);
+        r.upstream = Some(HostAddr::new("localhost", 5433));
+        let ev = t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert_eq!(
+            reason,
+            "streams from 127.0.0.1:5433, which is not the primary 127.0.0.1:5432"
+        );
+        assert!(ev.contains(&TopologyEvent::OffPrimary {
+            host: "127.0.0.1:5434".parse().unwrap(),
+            reason
+        }));
+        // A DNS name, at the address the prober resolved it to.
+        r.upstream = Some(HostAddr::new("rogue.example", 5433));
+        r.upstream_ips = vec![ip("::1"), ip("127.0.0.1")];
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert!(t.hosts()[2].off_primary.is_some());
+        // Unresolved, the name says nothing: not flagged.
+        r.upstream_ips.clear();
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        // The key holder under another name is the key holder.
+        r.upstream = Some(HostAddr::new("LocalHost", 5432));
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        r.upstream = Some(HostAddr::new("/run/postgresql", 5433));
+        t.apply(2, ProbeResult::Ok(r), t0);
+        assert!(t.hosts()[2].off_primary.is_some());
+    }
+
+    #[test]
+    fn a_loopback_upstream_is_on_the_replica_machine() {
+        let t0 = Instant::now();
+        let mut t = at(&["10.0.0.1:5432", "127.0.0.1:5433", "10.0.0.3:5432"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("10.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.1")),
+            t0,
+        );
+        // A rogue primary on the prober's machine.
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "127.0.0.1")),
+            t0,
+        );
+        // The replica's 127.0.0.1 is its own machine, not the prober's: it
+        // streams from an unlisted server there.
+        let mut r = reached_at(replica_obs("r", 100, 1), "10.0.0.3");
+        r.upstream = Some(HostAddr::new("127.0.0.1", 5433));
+        r.upstream_ips = vec![ip("127.0.0.1")];
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+
+        // Listed, the server on the replica's machine is known.
+        let mut t = at(&["10.0.0.1:5432", "10.0.0.3:5433", "10.0.0.3:5432"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("10.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.1")),
+            t0,
+        );
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.3")),
+            t0,
+        );
+        t.apply(2, ProbeResult::Ok(r), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(
+            reason.starts_with("streams from 10.0.0.3:5433,"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn pg_stat_replication_tells_the_upstream_before_names_do() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "b", "r"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some(addr("a"))));
+        let a = primary_obs(1, 100);
+        let mut b = primary_obs(1, 100);
+        b.replication = vec![slotted("walreceiver", "async", "r_slot")];
+        t.apply(0, ProbeResult::Ok(a.clone()), t0);
+        t.apply(1, ProbeResult::Ok(b.clone()), t0);
+        // A name the prober cannot place; the rogue's slot row can.
+        let mut r = replica_obs("walreceiver", 100, 1);
+        r.wal_receiver_slot = Some("r_slot".into());
+        r.upstream = Some(HostAddr::new("b.internal", 5432));
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert_eq!(
+            reason,
+            "streams from b:5432 (in its pg_stat_replication), which is not the primary a:5432"
+        );
+        // The key holder listing it settles it, whatever the name says.
+        b.replication.clear();
+        let mut a = a;
+        a.replication = vec![slotted("walreceiver", "async", "r_slot")];
+        r.upstream = Some(HostAddr::new("b", 5432));
+        t.apply(1, ProbeResult::Ok(b), t0);
+        t.apply(0, ProbeResult::Ok(a), t0);
+        t.apply(2, ProbeResult::Ok(r), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
     }
 
     fn ided(mut o: Observation, started_us: i64, port: u16) -> Observation {
