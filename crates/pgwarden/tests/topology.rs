@@ -10,7 +10,7 @@ use common::{engine, fast_probe, sql, sql_value, until};
 use pgwarden_probe::Engine;
 use pgwarden_testkit::{Relay, StopMode, SyncSpec, TestCluster};
 use pgwarden_topology::{
-    LagLimit, NoTarget, Role, SelectPolicy, Selector, Strategy, SyncState, Topology,
+    LagLimit, NoTarget, PrimaryGate, Role, SelectPolicy, Selector, Strategy, SyncState, Topology,
     TopologyConfig, Want,
 };
 
@@ -744,4 +744,149 @@ async fn application_name_with_a_space_is_matched() {
     })
     .await;
     assert_eq!(snap.topology.hosts()[1].replication_name(), Some("node 3"));
+}
+
+/// `localhost:PORT` for node `i`: the same server as `127.0.0.1:PORT`
+/// under another name.
+fn alias(c: &TestCluster, i: usize) -> String {
+    format!("localhost:{}", c.port(i))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_server_listed_under_two_names_counts_once() {
+    let c = TestCluster::builder().replicas(1).start();
+    let addrs = vec![c.addr(0), alias(&c, 0), c.addr(1), alias(&c, 1)];
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = until(&e, "each server's second name recognised", WAIT, |s| {
+        let h = s.topology.hosts();
+        let dups: Vec<_> = h.iter().map(|h| h.duplicate_of).collect();
+        (dups == [None, Some(0), None, Some(2)] && h.iter().all(|h| h.alive))
+            .then_some(())
+            .ok_or(format!("{dups:?} {:?}", roles(&s.topology)))
+    })
+    .await;
+    // Routed to normally, not refused as two primaries.
+    assert!(!snap.topology.conflict());
+    assert_eq!(snap.topology.primary(), Some(0));
+    let sel = Selector::default();
+    assert_eq!(sel.select(&snap.topology, &Want::Primary), Ok(0));
+    // The replica takes its share of reads once, not twice.
+    assert_eq!(sel.eligible(&snap.topology, &Want::Replica), [2]);
+    // The replica follows the primary, whichever name it is reached by.
+    assert_eq!(snap.topology.hosts()[2].off_primary, None);
+    let view = pgwarden_topology::view::TopologyView::new(&snap.topology, snap.round);
+    let json = serde_json::to_value(&view).unwrap();
+    assert_eq!(json["hosts"][1]["duplicate_of"], c.addr(0).as_str());
+    assert_eq!(json["hosts"][3]["duplicate_of"], c.addr(1).as_str());
+    assert!(json["hosts"][0]["duplicate_of"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_primaries_of_one_lineage_are_still_a_conflict() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    // Both replicas promoted: two servers with the primary's system
+    // identifier, each on timeline 2.
+    c.node(1).promote().unwrap();
+    c.node(2).promote().unwrap();
+    let sysid = "SELECT system_identifier FROM pg_control_system()";
+    assert_eq!(
+        sql_value(&c.conninfo(1), sysid).await,
+        sql_value(&c.conninfo(2), sysid).await
+    );
+    let addrs = vec![c.addr(1), alias(&c, 1), c.addr(2)];
+    let e = engine(&addrs, TopologyConfig::default());
+    let snap = until(&e, "the two promoted replicas in conflict", WAIT, |s| {
+        let t = &s.topology;
+        (t.conflict_hosts() == [0, 2] && t.hosts()[1].duplicate_of == Some(0))
+            .then_some(())
+            .ok_or(format!(
+                "conflict {:?}, {:?}",
+                t.conflict_hosts(),
+                t.hosts()
+                    .iter()
+                    .map(|h| (h.role, h.timeline, h.duplicate_of))
+                    .collect::<Vec<_>>()
+            ))
+    })
+    .await;
+    assert!(snap.topology.hosts().iter().all(|h| h.timeline == Some(2)));
+    assert_eq!(
+        Selector::default().select(&snap.topology, &Want::Primary),
+        Err(NoTarget::PrimaryConflict)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_of_a_rogue_primary_is_found_under_another_name() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    // node3 streams from node2, which it calls localhost; node2 is then
+    // promoted outside the leader key's say, and node3 follows it onto
+    // timeline 2 (so its timeline alone does not give it away).
+    let port = c.port(1);
+    let node = c.node(2);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=localhost port={port} user=postgres application_name=node3"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+    let upstream = "SELECT sender_host || ':' || sender_port FROM pg_stat_wal_receiver \
+                    WHERE status = 'streaming'";
+    pgwarden_testkit::eventually("node3 streaming from localhost", WAIT, || {
+        let ci = c.conninfo(2);
+        async move {
+            let got = sql_value(&ci, upstream).await;
+            (got == Some(format!("localhost:{port}")))
+                .then_some(())
+                .ok_or(format!("{got:?}"))
+        }
+    })
+    .await;
+    c.node(1).promote().unwrap();
+    let leader = PrimaryGate::Leader(Some(c.addr(0).parse().unwrap()));
+
+    // Found twice over: node2's pg_stat_replication lists node3, and
+    // node3's sender_host, localhost, is the machine node2 was reached at.
+    // The second engine knows node3 by a name node2 does not list, so
+    // only the address can tell.
+    let mut renamed = common::hosts(&c.addrs());
+    renamed[2].application_name = Some("elsewhere".into());
+    for (hosts, how) in [
+        (common::hosts(&c.addrs()), " (in its pg_stat_replication)"),
+        (renamed, ""),
+    ] {
+        let e = Engine::start(hosts, TopologyConfig::default(), common::fast_probe());
+        e.set_primary_gate(leader.clone());
+        let snap = until(&e, "node3 flagged as off the primary", WAIT, |s| {
+            let h = s.topology.hosts();
+            (s.topology.primary() == Some(0) && h[2].alive && h[2].off_primary.is_some())
+                .then_some(())
+                .ok_or(format!(
+                    "primary {:?}, node3 {:?} tl {:?} upstream {:?}",
+                    s.topology.primary(),
+                    h[2].off_primary,
+                    h[2].timeline,
+                    h[2].observation().map(|o| (&o.upstream, &o.upstream_ips)),
+                ))
+        })
+        .await;
+        let h = &snap.topology.hosts()[2];
+        assert_eq!(h.timeline, Some(2));
+        assert_eq!(
+            h.off_primary.as_deref(),
+            Some(
+                format!(
+                    "streams from {}{how}, which is not the primary {}",
+                    c.addr(1),
+                    c.addr(0)
+                )
+                .as_str()
+            )
+        );
+        // No reads for it: only the primary, as the fallback.
+        assert_eq!(
+            Selector::default().eligible(&snap.topology, &Want::Replica),
+            [0]
+        );
+    }
 }

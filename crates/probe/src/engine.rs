@@ -1,5 +1,6 @@
 //! Probe scheduling, result application and snapshot publication.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -368,6 +369,7 @@ fn log_event(e: &TopologyEvent) {
         | TopologyEvent::SyncConfigInvalid { .. }
         | TopologyEvent::SyncAmbiguous { .. }
         | TopologyEvent::OffPrimary { .. }
+        | TopologyEvent::SameServer { .. }
         | TopologyEvent::PrimaryWithoutKey { .. }
         | TopologyEvent::LagExcluded { .. } => tracing::warn!(event = %e, "topology"),
         _ => tracing::info!(event = %e, "topology"),
@@ -411,11 +413,61 @@ async fn probe_host(
     results: mpsc::UnboundedSender<Tagged>,
 ) {
     let mut client: Option<Client> = None;
+    let mut names = NameCache::default();
     while trigger.recv().await.is_some() {
-        let result = probe_once(&mut client, &addr, &cfg).await;
+        let mut result = probe_once(&mut client, &addr, &cfg).await;
+        if let ProbeResult::Ok(obs) = &mut result {
+            if let Some(up) = &obs.upstream {
+                obs.upstream_ips = names.resolve(up, cfg.connect_timeout).await;
+            }
+        }
         if results.send((generation, idx, result)).is_err() {
             break;
         }
+    }
+}
+
+/// How long a resolved upstream name is trusted: a replica reports its
+/// upstream at every probe, and a lookup per probe would load DNS for a
+/// fact that rarely changes; a moved name is noticed within this time.
+const NAME_TTL: Duration = Duration::from_secs(30);
+
+/// The addresses of the last upstream name a replica reported.
+#[derive(Default)]
+struct NameCache {
+    last: Option<(HostAddr, Instant, Vec<IpAddr>)>,
+}
+
+impl NameCache {
+    /// The addresses `up`'s host stands for from here: the literal itself,
+    /// nothing for a Unix-socket directory, else what the resolver says
+    /// within `limit` (nothing on failure, cached like an answer so a
+    /// broken resolver is not asked at every probe).
+    async fn resolve(&mut self, up: &HostAddr, limit: Duration) -> Vec<IpAddr> {
+        if let Ok(ip) = up.host.parse::<IpAddr>() {
+            return vec![ip];
+        }
+        if up.host.starts_with('/') {
+            return Vec::new();
+        }
+        if let Some((name, at, ips)) = &self.last {
+            if name == up && at.elapsed() < NAME_TTL {
+                return ips.clone();
+            }
+        }
+        let lookup = tokio::net::lookup_host((up.host.as_str(), up.port));
+        let mut ips: Vec<IpAddr> = match timeout(limit, lookup).await {
+            Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+            Ok(Err(e)) => {
+                tracing::debug!(host = %up, error = %e, "cannot resolve a replica's upstream");
+                Vec::new()
+            }
+            Err(_) => Vec::new(),
+        };
+        ips.sort();
+        ips.dedup();
+        self.last = Some((up.clone(), Instant::now(), ips.clone()));
+        ips
     }
 }
 

@@ -1,8 +1,9 @@
 //! The probe query and the parsing of its one row.
 
+use std::net::IpAddr;
 use std::time::Duration;
 
-use pgwarden_topology::{parse_lsn, HostAddr, Observation, ReplicationRow};
+use pgwarden_topology::{parse_lsn, HostAddr, InstanceId, Observation, ReplicationRow};
 
 /// The statement whose round trip is the host's RTT sample: as close to
 /// nothing as SQL gets, so the sample measures the path, not the server.
@@ -12,7 +13,10 @@ pub const RTT_QUERY: &str = "SELECT 1";
 /// positions, replay delay, timeline, the synchronous configuration and,
 /// on a primary, its replication connections. Functions that fail during
 /// recovery sit behind `CASE` so the same text works on every role. Only
-/// functions readable by `pg_monitor` members are used.
+/// functions readable by `pg_monitor` members are used. The last columns
+/// identify the server itself (system identifier, postmaster start time,
+/// port), so that one server listed under
+/// two names is recognised; any role may read them.
 pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
  CASE WHEN NOT pg_is_in_recovery() THEN pg_current_wal_lsn() END, \
  pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn(), \
@@ -33,10 +37,14 @@ pub const PROBE_QUERY: &str = "SELECT pg_is_in_recovery(), \
    FROM pg_stat_replication r LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid) END, \
  (SELECT slot_name FROM pg_stat_wal_receiver), \
  (SELECT sender_host FROM pg_stat_wal_receiver), \
- (SELECT sender_port FROM pg_stat_wal_receiver)";
+ (SELECT sender_port FROM pg_stat_wal_receiver), \
+ (SELECT system_identifier FROM pg_control_system()), \
+ floor(extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint, \
+ current_setting('port'), \
+ inet_server_addr()";
 
 /// Number of columns of [`PROBE_QUERY`].
-const COLUMNS: usize = 14;
+const COLUMNS: usize = 18;
 
 /// Builds an [`Observation`] from the text columns of the probe query's
 /// row (`None` = SQL NULL). Unparseable values become "unknown" rather than
@@ -82,6 +90,10 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
             .filter(|h| !h.is_empty())
             .zip(cols[13].and_then(|p| p.parse::<u16>().ok()))
             .map(|(h, p)| HostAddr::new(h, p)),
+        // Resolved by the prober, which may do IO.
+        upstream_ips: Vec::new(),
+        instance: instance_id(cols[14], cols[15], cols[16]),
+        server_ip: cols[17].and_then(parse_inet),
         synchronous_standby_names: if in_recovery {
             None
         } else {
@@ -89,6 +101,26 @@ pub fn parse_observation_row(cols: &[Option<&str>], rtt: Duration) -> Result<Obs
         },
         replication,
     })
+}
+
+/// The server's identity from its three columns; `None` unless all parse,
+/// since a partial identity could make two servers look alike.
+fn instance_id(
+    sysid: Option<&str>,
+    started: Option<&str>,
+    port: Option<&str>,
+) -> Option<InstanceId> {
+    Some(InstanceId {
+        system_identifier: sysid?.parse().ok()?,
+        started_us: started?.parse().ok()?,
+        port: port?.parse().ok()?,
+    })
+}
+
+/// An `inet` value as PostgreSQL prints it; a host address may carry a
+/// `/32` or `/128` suffix, which says nothing about the address.
+fn parse_inet(s: &str) -> Option<IpAddr> {
+    s.split('/').next()?.parse().ok()
 }
 
 /// The name a standby's WAL receiver reports to the primary: the
@@ -222,6 +254,10 @@ mod tests {
             None,
             None,
             None,
+            Some("-7715986735846115607"),
+            Some("1796518162822928"),
+            Some("5432"),
+            Some("::1/128"),
         ]);
         let o = parse_observation_row(&cols, Duration::from_millis(2)).unwrap();
         assert!(!o.in_recovery);
@@ -237,6 +273,15 @@ mod tests {
         assert_eq!(o.replication[0].slot_name.as_deref(), Some("slot2"));
         assert_eq!(o.replication[1].slot_name, None);
         assert_eq!(o.wal_receiver_name, None);
+        assert_eq!(
+            o.instance,
+            Some(InstanceId {
+                system_identifier: -7715986735846115607,
+                started_us: 1796518162822928,
+                port: 5432,
+            })
+        );
+        assert_eq!(o.server_ip, Some("::1".parse().unwrap()));
     }
 
     #[test]
@@ -256,6 +301,10 @@ mod tests {
             Some("node2_slot"),
             Some("127.0.0.1"),
             Some("5432"),
+            Some("7715986735846115607"),
+            None,
+            Some("5433"),
+            Some("10.0.0.2"),
         ]);
         let o = parse_observation_row(&cols, Duration::ZERO).unwrap();
         assert!(o.in_recovery);
@@ -266,6 +315,9 @@ mod tests {
         assert_eq!(o.wal_receiver_slot.as_deref(), Some("node2_slot"));
         assert_eq!(o.upstream, Some(HostAddr::new("127.0.0.1", 5432)));
         assert_eq!(o.synchronous_standby_names, None);
+        // Part of the identity missing: no identity at all.
+        assert_eq!(o.instance, None);
+        assert_eq!(o.server_ip, Some("10.0.0.2".parse().unwrap()));
     }
 
     #[test]

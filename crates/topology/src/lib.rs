@@ -21,8 +21,8 @@ pub mod view;
 
 pub use ewma::Ewma;
 pub use model::{
-    parse_lsn, AddrParseError, HostAddr, HostConfig, LagLimit, Observation, ProbeResult,
-    ReplicationRow, Role, SyncState, TopologyConfig,
+    parse_lsn, AddrParseError, HostAddr, HostConfig, InstanceId, LagLimit, Observation,
+    ProbeResult, ReplicationRow, Role, SyncState, TopologyConfig,
 };
 pub use select::{NoTarget, ParseValueError, SelectPolicy, Selector, Strategy, Want};
 pub use ssn::{SsnError, SsnErrorKind, SyncMethod, SyncStandbyNames};

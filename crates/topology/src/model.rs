@@ -5,6 +5,7 @@
 //! lets the probe crate depend on them without pulling in any policy.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -203,6 +204,38 @@ pub struct ReplicationRow {
     pub slot_name: Option<String>,
 }
 
+/// What tells one running PostgreSQL server apart from every other,
+/// whatever name or address it was reached under.
+///
+/// The system identifier alone is not enough: initdb sets it once and a
+/// primary shares it with all its physical replicas (and with any copy of
+/// its data directory). The postmaster's start time, to the microsecond,
+/// separates the servers of one lineage, and the port separates servers of
+/// one machine in the unlikely event that two started in the same
+/// microsecond. All three are readable by any role, unlike
+/// `data_directory`, which needs `pg_read_all_settings`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InstanceId {
+    /// `pg_control_system().system_identifier`, as PostgreSQL shows it (a
+    /// signed `bigint`).
+    pub system_identifier: i64,
+    /// `pg_postmaster_start_time()`, in microseconds since the Unix epoch.
+    /// It changes when the server restarts.
+    pub started_us: i64,
+    /// The server's `port` setting.
+    pub port: u16,
+}
+
+impl InstanceId {
+    /// Whether `other` could be this server after a restart: same data
+    /// lineage and port, another start time.
+    pub fn restarted_as(&self, other: &InstanceId) -> bool {
+        self.system_identifier == other.system_identifier
+            && self.port == other.port
+            && self.started_us != other.started_us
+    }
+}
+
 /// Everything one successful probe of one server returned.
 ///
 /// Fields that only make sense for one role are `None` (or empty) for the other.
@@ -240,6 +273,19 @@ pub struct Observation {
     /// (`pg_stat_wal_receiver.sender_host` and `sender_port`), as that
     /// replica names it.
     pub upstream: Option<HostAddr>,
+    /// Replica only: the addresses `upstream`'s host stands for, as the
+    /// prober resolved it (the literal itself for an IP address; empty when
+    /// it could not be resolved or is a Unix-socket directory). Names are
+    /// resolved from the prober's side, where a loopback address means the
+    /// prober's machine, not the replica's.
+    pub upstream_ips: Vec<IpAddr>,
+    /// Which server this is, whatever it was reached as; `None` when the
+    /// server did not say.
+    pub instance: Option<InstanceId>,
+    /// `inet_server_addr()`: the address the server accepted the probe's
+    /// connection on, i.e. the address of its machine as seen from the
+    /// prober.
+    pub server_ip: Option<IpAddr>,
     /// Primary only: raw `synchronous_standby_names` text.
     pub synchronous_standby_names: Option<String>,
     /// Primary only: the rows of `pg_stat_replication`.

@@ -335,10 +335,14 @@ fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
         }
         Want::Tagged(tag) => h.alive && h.config.has_tag(tag),
     };
-    topo.hosts()
+    let hosts = topo.hosts();
+    // A server listed under two names takes its share once: its second
+    // name counts only where the first does not qualify (e.g. when only
+    // the second carries the tag asked for).
+    hosts
         .iter()
         .enumerate()
-        .filter(|(_, h)| ok(h))
+        .filter(|(_, h)| ok(h) && !h.duplicate_of.is_some_and(|of| ok(&hosts[of])))
         .map(|(i, _)| i)
         .collect()
 }

@@ -7,11 +7,13 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::ewma::Ewma;
 use crate::model::{
-    HostAddr, HostConfig, Observation, ProbeResult, ReplicationRow, Role, SyncState, TopologyConfig,
+    HostAddr, HostConfig, InstanceId, Observation, ProbeResult, ReplicationRow, Role, SyncState,
+    TopologyConfig,
 };
 use crate::ssn::{self, SyncMethod, SyncStandbyNames};
 
@@ -53,6 +55,17 @@ pub struct HostState {
     /// on an older timeline, or streams from a server that claims to be
     /// primary but is not the chosen one); such a replica takes no reads.
     pub off_primary: Option<String>,
+    /// The index (in [`Topology::hosts`]) of another entry that is the same
+    /// server under another name, when this live entry is one: the first
+    /// live entry of the server in configuration order. Such an
+    /// entry is neither a second primary nor a second replica: the server
+    /// counts once, as that entry.
+    pub duplicate_of: Option<usize>,
+    /// The identity the host reported before its latest one, when that was
+    /// a restart, and since when the new one holds. Another name of this
+    /// server not probed since still shows the old identity, and must not
+    /// pass for a second server in the meantime.
+    restarted_from: Option<(InstanceId, Instant)>,
     /// Since when an excluded replica has been continuously within the limit.
     under_limit_since: Option<Instant>,
     /// Whether any probe result has been applied yet.
@@ -84,6 +97,8 @@ impl HostState {
             last_ok: None,
             lag_excluded: false,
             off_primary: None,
+            duplicate_of: None,
+            restarted_from: None,
             under_limit_since: None,
             probed: false,
             observation: None,
@@ -131,6 +146,10 @@ impl HostState {
 
     fn is_live_replica(&self) -> bool {
         self.alive && self.role == Role::Replica
+    }
+
+    fn instance(&self) -> Option<&InstanceId> {
+        self.observation.as_ref()?.instance.as_ref()
     }
 }
 
@@ -217,6 +236,15 @@ pub enum TopologyEvent {
     OnPrimary {
         /// The replica.
         host: HostAddr,
+    },
+    /// Two entries of the host list reach the same server; the later one
+    /// is not counted again (not as another primary, nor as another
+    /// replica to balance reads over).
+    SameServer {
+        /// The entry that duplicates another.
+        host: HostAddr,
+        /// The entry it duplicates, the one the server is counted as.
+        of: HostAddr,
     },
     /// The primary's `synchronous_standby_names` could not be parsed.
     SyncConfigInvalid {
@@ -305,6 +333,10 @@ impl fmt::Display for TopologyEvent {
             TopologyEvent::OnPrimary { host } => {
                 write!(f, "replica {host} follows the primary again")
             }
+            TopologyEvent::SameServer { host, of } => write!(
+                f,
+                "host {host} is the same server as {of} (same system identifier, start time and port); it is counted once, as {of}"
+            ),
             TopologyEvent::SyncConfigInvalid { value, error } => write!(
                 f,
                 "cannot parse primary's synchronous_standby_names {value:?} ({error}); treating it as empty"
@@ -347,6 +379,9 @@ pub struct Topology {
     quorum: bool,
     /// Shared replication names already reported, so each is logged once.
     ambiguous_reported: Vec<(String, Vec<HostAddr>)>,
+    /// Pairs of entries already reported as one server, so each pair is
+    /// logged once rather than every time one of them goes down and up.
+    same_reported: Vec<(HostAddr, HostAddr)>,
 }
 
 impl Topology {
@@ -365,6 +400,7 @@ impl Topology {
             sync_set: Vec::new(),
             quorum: false,
             ambiguous_reported: Vec::new(),
+            same_reported: Vec::new(),
         }
     }
 
@@ -416,6 +452,12 @@ impl Topology {
                 }
             })
             .collect();
+        let configured = |a: &HostAddr| self.hosts.iter().any(|h| &h.config.addr == a);
+        let same_reported = std::mem::take(&mut self.same_reported);
+        self.same_reported = same_reported
+            .into_iter()
+            .filter(|(a, b)| configured(a) && configured(b))
+            .collect();
         let mut events = Vec::new();
         self.derive(prev, &mut events);
         events
@@ -460,6 +502,11 @@ impl Topology {
                 h.delayed = !obs.min_apply_delay.is_zero();
                 h.error = None;
                 h.last_ok = Some(now);
+                if let (Some(old), Some(new)) = (h.instance(), obs.instance.as_ref()) {
+                    if old.restarted_as(new) {
+                        h.restarted_from = Some((old.clone(), now));
+                    }
+                }
                 match obs.current_lsn {
                     Some(lsn) if !obs.in_recovery => h.record_wal(now, lsn),
                     _ => h.wal_history.clear(),
@@ -554,6 +601,7 @@ impl Topology {
     /// Recomputes primary, lag and sync states and reports differences
     /// against `prev`.
     fn derive(&mut self, prev: Snapshot, events: &mut Vec<TopologyEvent>) {
+        self.compute_duplicates(events);
         self.resolve_primary(events);
         if !self.conflict_hosts.is_empty() {
             let now = self.addrs(&self.conflict_hosts);
@@ -581,27 +629,105 @@ impl Topology {
         }
     }
 
+    /// Marks each live entry that reaches the same server as an earlier
+    /// one, and reports each such pair once.
+    ///
+    /// Two entries are one server when they report the same identity. An
+    /// entry also counts as a server that has since restarted when it still
+    /// shows the identity that server had before, and has not been probed
+    /// since the restart was seen: the names of one server are probed at
+    /// slightly different moments, and without this a restarted primary
+    /// listed twice would look like two primaries until the other name's
+    /// next probe.
+    fn compute_duplicates(&mut self, events: &mut Vec<TopologyEvent>) {
+        let n = self.hosts.len();
+        let mut dup: Vec<Option<usize>> = vec![None; n];
+        fn live(h: &HostState) -> Option<&InstanceId> {
+            h.alive.then(|| h.instance()).flatten()
+        }
+        for i in 0..n {
+            let Some(id) = live(&self.hosts[i]) else {
+                continue;
+            };
+            dup[i] = (0..i).find(|&j| dup[j].is_none() && live(&self.hosts[j]) == Some(id));
+        }
+        for i in 0..n {
+            let (Some(id), None) = (live(&self.hosts[i]), dup[i]) else {
+                continue;
+            };
+            let seen = self.hosts[i].last_ok;
+            let restarted = (0..n).find(|&k| {
+                let h = &self.hosts[k];
+                k != i
+                    && dup[k].is_none()
+                    && live(h).is_some()
+                    && h.restarted_from
+                        .as_ref()
+                        .is_some_and(|(old, since)| old == id && seen <= Some(*since))
+            });
+            if let Some(k) = restarted {
+                for d in dup.iter_mut().filter(|d| **d == Some(i)) {
+                    *d = Some(k);
+                }
+                dup[i] = Some(k);
+            }
+        }
+        for (i, of) in dup.iter().enumerate() {
+            self.hosts[i].duplicate_of = *of;
+            let Some(of) = *of else { continue };
+            let (a, b) = (
+                self.hosts[i].config.addr.clone(),
+                self.hosts[of].config.addr.clone(),
+            );
+            let known = self
+                .same_reported
+                .iter()
+                .any(|(x, y)| (x == &a && y == &b) || (x == &b && y == &a));
+            if !known {
+                self.same_reported.push((a.clone(), b.clone()));
+                events.push(TopologyEvent::SameServer { host: a, of: b });
+            }
+        }
+    }
+
+    /// The entry a live host is counted as: the one it duplicates, else
+    /// itself.
+    fn counted_as(&self, i: usize) -> usize {
+        self.hosts[i].duplicate_of.unwrap_or(i)
+    }
+
     fn resolve_primary(&mut self, events: &mut Vec<TopologyEvent>) {
-        let claimants: Vec<usize> = (0..self.hosts.len())
+        let claiming: Vec<usize> = (0..self.hosts.len())
             .filter(|&i| self.hosts[i].alive && self.hosts[i].role == Role::Primary)
             .collect();
         self.primary = None;
         self.conflict_hosts.clear();
         if let PrimaryGate::Leader(leader) = &self.gate {
-            for &i in &claimants {
-                let addr = &self.hosts[i].config.addr;
-                if Some(addr) == leader.as_ref() {
-                    self.primary = Some(i);
-                } else if !self.rogues.contains(addr) {
-                    self.rogues.push(addr.clone());
-                    events.push(TopologyEvent::PrimaryWithoutKey { host: addr.clone() });
+            let holder = claiming
+                .iter()
+                .copied()
+                .find(|&i| Some(&self.hosts[i].config.addr) == leader.as_ref());
+            self.primary = holder;
+            let rogues: Vec<HostAddr> = claiming
+                .iter()
+                .copied()
+                // Another name of the key holder is the key holder.
+                .filter(|&i| !holder.is_some_and(|l| self.counted_as(l) == self.counted_as(i)))
+                .map(|i| self.hosts[i].config.addr.clone())
+                .collect();
+            for r in &rogues {
+                if !self.rogues.contains(r) {
+                    events.push(TopologyEvent::PrimaryWithoutKey { host: r.clone() });
                 }
             }
-            let hosts = &self.hosts;
-            self.rogues
-                .retain(|r| claimants.iter().any(|&i| &hosts[i].config.addr == r));
+            self.rogues = rogues;
             return;
         }
+        // A server listed twice claims primary once.
+        let claimants: Vec<usize> = claiming
+            .into_iter()
+            .filter(|&i| self.hosts[i].duplicate_of.is_none())
+            .collect();
         match claimants.as_slice() {
             [] => {}
             [only] => self.primary = Some(*only),
@@ -630,40 +756,44 @@ impl Topology {
     /// After a promotion the old primary may keep running, and replicas
     /// still streaming from it stay on the old timeline: their WAL
     /// positions look current, yet they lack what the new primary wrote.
+    /// A replica on the primary's timeline (or a later one) may still
+    /// stream from another server claiming primary, for instance a rogue
+    /// without the leader key: its upstream tells, see [`Topology::feeder`].
     fn compute_upstream(&mut self, events: &mut Vec<TopologyEvent>) {
         let primary = self.primary.map(|p| {
             let h = &self.hosts[p];
-            (h.config.addr.clone(), h.timeline)
+            (p, h.config.addr.clone(), h.timeline)
         });
-        let reasons: Vec<Option<String>> =
-            self.hosts
-                .iter()
-                .map(|h| {
-                    let (paddr, ptl) = primary.as_ref()?;
-                    if !h.is_live_replica() {
-                        return None;
+        let listed = self.listed_replicas();
+        let reasons: Vec<Option<String>> = (0..self.hosts.len())
+            .map(|i| {
+                let h = &self.hosts[i];
+                let (p, paddr, ptl) = primary.as_ref()?;
+                if !h.is_live_replica() {
+                    return None;
+                }
+                if let (Some(tl), Some(ptl)) = (h.timeline, *ptl) {
+                    if tl < ptl {
+                        return Some(format!(
+                            "on timeline {tl}, the primary {paddr} is on timeline {ptl}"
+                        ));
                     }
-                    if let (Some(tl), Some(ptl)) = (h.timeline, *ptl) {
-                        if tl < ptl {
-                            return Some(format!(
-                                "on timeline {tl}, the primary {paddr} is on timeline {ptl}"
-                            ));
-                        }
-                    }
-                    let upstream = h.observation.as_ref()?.upstream.as_ref()?;
-                    let source = self.hosts.iter().find(|o| {
-                        o.config.addr.port == upstream.port
-                            && o.config.addr.host.eq_ignore_ascii_case(&upstream.host)
-                    })?;
-                    (source.alive && source.role == Role::Primary && source.config.addr != *paddr)
-                        .then(|| {
-                            format!(
-                                "streams from {}, which is not the primary {paddr}",
-                                source.config.addr
-                            )
-                        })
+                }
+                let (s, how) = self.feeder(i, &listed)?;
+                let source = &self.hosts[s];
+                // Another name of the primary is the primary; a replica
+                // feeding it is a cascade, which is fine.
+                (source.alive
+                    && source.role == Role::Primary
+                    && self.counted_as(s) != self.counted_as(*p))
+                .then(|| {
+                    format!(
+                        "streams from {}{how}, which is not the primary {paddr}",
+                        source.config.addr
+                    )
                 })
-                .collect();
+            })
+            .collect();
         for (h, reason) in self.hosts.iter_mut().zip(reasons) {
             if !h.alive {
                 // Kept while down: being down proves nothing either way.
@@ -686,6 +816,82 @@ impl Topology {
             }
             h.off_primary = reason;
         }
+    }
+
+    /// For each live server claiming primary (counted once), which hosts
+    /// its `pg_stat_replication` shows streaming from it, by the same
+    /// slot-then-unique-name rule as the sync states.
+    fn listed_replicas(&self) -> Vec<(usize, Vec<bool>)> {
+        (0..self.hosts.len())
+            .filter(|&c| {
+                let h = &self.hosts[c];
+                h.alive && h.role == Role::Primary && h.duplicate_of.is_none()
+            })
+            .map(|c| {
+                let rows = self.hosts[c]
+                    .observation
+                    .as_ref()
+                    .map_or(&[][..], |o| &o.replication[..]);
+                let (rows, _) = attribute_rows(&self.hosts, rows);
+                (c, rows.iter().map(Option::is_some).collect())
+            })
+            .collect()
+    }
+
+    /// The configured host live replica `i` streams from, with how that
+    /// was found (text for the operator), if it can be told.
+    ///
+    /// What the servers report comes first: a server claiming primary
+    /// whose `pg_stat_replication` shows the replica (by its slot, or by a
+    /// name no other replica bears) is its upstream, whatever names either
+    /// is configured under; the resolved primary is asked first. Failing
+    /// that, the replica's `sender_host`/`sender_port` is matched to a
+    /// host: the replica names its upstream as its own configuration does
+    /// (`localhost`, a DNS alias, an address), so the comparison is by
+    /// machine and port rather than by spelling. A loopback address or a
+    /// Unix-socket directory is the replica's own machine; another name is
+    /// taken at the addresses the prober resolved it to. A host's machine
+    /// is the address it accepted the probe on, and a host is also known
+    /// by its configured name. An upstream that is no configured host
+    /// (an unlisted cascading replica, say) is unknown: `None`.
+    fn feeder(&self, i: usize, listed: &[(usize, Vec<bool>)]) -> Option<(usize, &'static str)> {
+        let r = self.counted_as(i);
+        let mut listers = listed.iter().filter(|(_, l)| l[r]).map(|(c, _)| *c);
+        let first = match self.primary {
+            Some(p) if listed.iter().any(|(c, l)| *c == self.counted_as(p) && l[r]) => {
+                Some(self.counted_as(p))
+            }
+            _ => listers.next(),
+        };
+        if let Some(c) = first {
+            return Some((c, " (in its pg_stat_replication)"));
+        }
+        let obs = self.hosts[i].observation.as_ref()?;
+        let up = obs.upstream.as_ref()?;
+        let local = up.host.starts_with('/')
+            || up.host.eq_ignore_ascii_case("localhost")
+            || up.host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        let at: Vec<IpAddr> = if local {
+            obs.server_ip.into_iter().collect()
+        } else {
+            obs.upstream_ips.clone()
+        };
+        let s = (0..self.hosts.len()).find(|&s| {
+            let o = &self.hosts[s];
+            if self.counted_as(s) == r {
+                return false;
+            }
+            let port =
+                o.config.addr.port == up.port || o.instance().is_some_and(|id| id.port == up.port);
+            let named = !local && o.config.addr.host.eq_ignore_ascii_case(&up.host);
+            let machine = o
+                .observation
+                .as_ref()
+                .and_then(|x| x.server_ip)
+                .is_some_and(|ip| at.iter().any(|a| same_machine(*a, ip)));
+            port && (named || machine)
+        })?;
+        Some((s, ""))
     }
 
     fn compute_lag(&mut self) {
@@ -757,6 +963,12 @@ impl Topology {
             }
             self.hosts[i].sync_state = state;
         }
+        // Another name of a standby is that standby, in the set once.
+        for i in 0..self.hosts.len() {
+            if let Some(of) = self.hosts[i].duplicate_of {
+                self.hosts[i].sync_state = self.hosts[of].sync_state;
+            }
+        }
         for (name, idx) in &ambiguous {
             let hosts = self.addrs(idx);
             let report = (name.clone(), hosts.clone());
@@ -822,6 +1034,12 @@ impl Topology {
     }
 }
 
+/// Whether two addresses, as seen from the prober, are one machine: equal,
+/// or both loopback (the prober's own machine, however it is reached).
+fn same_machine(a: IpAddr, b: IpAddr) -> bool {
+    a == b || (a.is_loopback() && b.is_loopback())
+}
+
 /// Bytes and time a replica is behind; `None` where unknown.
 type Lag = (Option<u64>, Option<Duration>);
 
@@ -884,7 +1102,9 @@ fn attribute_rows<'r>(
     let mut row_taken = vec![false; rows.len()];
     let mut host_done = vec![false; hosts.len()];
     for (i, h) in hosts.iter().enumerate() {
-        if !h.is_live_replica() {
+        // A second name of a replica would otherwise share its name and
+        // slot with it, and make its row look ambiguous.
+        if !h.is_live_replica() || h.duplicate_of.is_some() {
             host_done[i] = true;
             continue;
         }
@@ -1566,6 +1786,321 @@ pub(crate) mod tests {
         }
         .to_string()
         .contains("no read traffic"));
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// Hosts at `host:port` addresses; each is reached at its own host.
+    fn at(addrs: &[&str]) -> Topology {
+        let hosts = addrs.iter().map(|a| HostConfig::new(a.parse().unwrap()));
+        Topology::new(hosts.collect(), TopologyConfig::default())
+    }
+
+    fn reached_at(mut o: Observation, server_ip: &str) -> Observation {
+        o.server_ip = Some(ip(server_ip));
+        o
+    }
+
+    #[test]
+    fn upstream_is_found_whatever_it_is_called() {
+        let t0 = Instant::now();
+        // The key holder, and a rogue primary on a later timeline.
+        let mut t = at(&["127.0.0.1:5432", "127.0.0.1:5433", "127.0.0.1:5434"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("127.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "127.0.0.1")),
+            t0,
+        );
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(2, 100), "127.0.0.1")),
+            t0,
+        );
+        // The replica streams from the rogue, which it calls localhost.
+        let mut r = reached_at(replica_obs("r", 100, 1), "127.0.0.1");
+        r.timeline = Some(2);
+        r.upstream = Some(HostAddr::new("localhost", 5433));
+        let ev = t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert_eq!(
+            reason,
+            "streams from 127.0.0.1:5433, which is not the primary 127.0.0.1:5432"
+        );
+        assert!(ev.contains(&TopologyEvent::OffPrimary {
+            host: "127.0.0.1:5434".parse().unwrap(),
+            reason
+        }));
+        // A DNS name, at the address the prober resolved it to.
+        r.upstream = Some(HostAddr::new("rogue.example", 5433));
+        r.upstream_ips = vec![ip("::1"), ip("127.0.0.1")];
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert!(t.hosts()[2].off_primary.is_some());
+        // Unresolved, the name says nothing: not flagged.
+        r.upstream_ips.clear();
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        // The key holder under another name is the key holder.
+        r.upstream = Some(HostAddr::new("LocalHost", 5432));
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        r.upstream = Some(HostAddr::new("/run/postgresql", 5433));
+        t.apply(2, ProbeResult::Ok(r), t0);
+        assert!(t.hosts()[2].off_primary.is_some());
+    }
+
+    #[test]
+    fn a_loopback_upstream_is_on_the_replica_machine() {
+        let t0 = Instant::now();
+        let mut t = at(&["10.0.0.1:5432", "127.0.0.1:5433", "10.0.0.3:5432"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("10.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.1")),
+            t0,
+        );
+        // A rogue primary on the prober's machine.
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "127.0.0.1")),
+            t0,
+        );
+        // The replica's 127.0.0.1 is its own machine, not the prober's: it
+        // streams from an unlisted server there.
+        let mut r = reached_at(replica_obs("r", 100, 1), "10.0.0.3");
+        r.upstream = Some(HostAddr::new("127.0.0.1", 5433));
+        r.upstream_ips = vec![ip("127.0.0.1")];
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+
+        // Listed, the server on the replica's machine is known.
+        let mut t = at(&["10.0.0.1:5432", "10.0.0.3:5433", "10.0.0.3:5432"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some("10.0.0.1:5432".parse().unwrap())));
+        t.apply(
+            0,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.1")),
+            t0,
+        );
+        t.apply(
+            1,
+            ProbeResult::Ok(reached_at(primary_obs(1, 100), "10.0.0.3")),
+            t0,
+        );
+        t.apply(2, ProbeResult::Ok(r), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert!(
+            reason.starts_with("streams from 10.0.0.3:5433,"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn pg_stat_replication_tells_the_upstream_before_names_do() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "b", "r"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some(addr("a"))));
+        let a = primary_obs(1, 100);
+        let mut b = primary_obs(1, 100);
+        b.replication = vec![slotted("walreceiver", "async", "r_slot")];
+        t.apply(0, ProbeResult::Ok(a.clone()), t0);
+        t.apply(1, ProbeResult::Ok(b.clone()), t0);
+        // A name the prober cannot place; the rogue's slot row can.
+        let mut r = replica_obs("walreceiver", 100, 1);
+        r.wal_receiver_slot = Some("r_slot".into());
+        r.upstream = Some(HostAddr::new("b.internal", 5432));
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        let reason = t.hosts()[2].off_primary.clone().expect("flagged");
+        assert_eq!(
+            reason,
+            "streams from b:5432 (in its pg_stat_replication), which is not the primary a:5432"
+        );
+        // The key holder listing it settles it, whatever the name says.
+        b.replication.clear();
+        let mut a = a;
+        a.replication = vec![slotted("walreceiver", "async", "r_slot")];
+        r.upstream = Some(HostAddr::new("b", 5432));
+        t.apply(1, ProbeResult::Ok(b), t0);
+        t.apply(0, ProbeResult::Ok(a), t0);
+        t.apply(2, ProbeResult::Ok(r), t0);
+        assert_eq!(t.hosts()[2].off_primary, None);
+    }
+
+    fn ided(mut o: Observation, started_us: i64, port: u16) -> Observation {
+        o.instance = Some(InstanceId {
+            system_identifier: 7,
+            started_us,
+            port,
+        });
+        o
+    }
+
+    #[test]
+    fn one_server_under_two_names_counts_once() {
+        use SyncState::*;
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "p-alias", "r", "r-alias"]);
+        let mut p = ided(primary_obs(1, 100), 1000, 5432);
+        p.synchronous_standby_names = Some("r".into());
+        p.replication = vec![row("r", "sync")];
+        let mut r = ided(replica_obs("r", 100, 1), 2000, 5433);
+        // Streams from the primary's second name.
+        r.upstream = Some(HostAddr::new("p-alias", 5432));
+        let mut ev = Vec::new();
+        for (i, o) in [(0, &p), (1, &p), (2, &r), (3, &r)] {
+            ev.extend(t.apply(i, ProbeResult::Ok(o.clone()), t0));
+        }
+        assert_eq!(t.primary(), Some(0));
+        assert!(!t.conflict());
+        let dups: Vec<_> = t.hosts().iter().map(|h| h.duplicate_of).collect();
+        assert_eq!(dups, [None, Some(0), None, Some(2)]);
+        let same: Vec<_> = ev
+            .iter()
+            .filter(|e| matches!(e, TopologyEvent::SameServer { .. }))
+            .collect();
+        assert_eq!(
+            same,
+            [
+                &TopologyEvent::SameServer {
+                    host: addr("p-alias"),
+                    of: addr("p")
+                },
+                &TopologyEvent::SameServer {
+                    host: addr("r-alias"),
+                    of: addr("r")
+                },
+            ]
+        );
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::PrimaryConflict { .. })));
+        // The replica is one standby, not two sharing a name.
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SyncAmbiguous { .. })));
+        assert_eq!(states(&t), [None, None, Some(Sync), Some(Sync)]);
+        assert_eq!(t.sync_set(), &[2]);
+        assert_eq!(t.hosts()[2].off_primary, None);
+        let sel = crate::Selector::default();
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [2]);
+        assert_eq!(sel.eligible(&t, &crate::Want::SyncStandby), [2]);
+        let view = crate::view::TopologyView::new(&t, 1);
+        assert_eq!(view.hosts[1].duplicate_of.as_deref(), Some("p:5432"));
+        assert_eq!(view.hosts[0].duplicate_of, None);
+
+        // Reported once, not at every probe.
+        assert!(t.apply(1, ProbeResult::Ok(p.clone()), t0).is_empty());
+        // The first name lost (say its DNS entry): the second carries on.
+        let ev = t.apply(0, ProbeResult::Err("no such host".into()), t0);
+        assert_eq!(t.primary(), Some(1));
+        assert!(ev.contains(&TopologyEvent::PrimaryChanged {
+            from: Some(addr("p")),
+            to: Some(addr("p-alias"))
+        }));
+        assert_eq!(t.hosts()[1].duplicate_of, None);
+        let ev = t.apply(0, ProbeResult::Ok(p), t0);
+        assert_eq!(t.primary(), Some(0));
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SameServer { .. })));
+        assert!(TopologyEvent::SameServer {
+            host: addr("b"),
+            of: addr("a")
+        }
+        .to_string()
+        .contains("same server as a:5432"));
+    }
+
+    #[test]
+    fn servers_of_one_lineage_are_still_two_primaries() {
+        let t0 = Instant::now();
+        // A primary and a copy of it (same system identifier and port, on
+        // another machine), both writable on one timeline: split brain.
+        let mut t = topo(&["a", "b"]);
+        t.apply(
+            0,
+            ProbeResult::Ok(ided(primary_obs(1, 100), 1000, 5432)),
+            t0,
+        );
+        let ev = t.apply(
+            1,
+            ProbeResult::Ok(ided(primary_obs(1, 100), 1001, 5432)),
+            t0,
+        );
+        assert!(t.conflict());
+        assert_eq!(t.primary(), None);
+        assert!(ev.contains(&TopologyEvent::PrimaryConflict {
+            hosts: vec![addr("a"), addr("b")]
+        }));
+        assert!(t.hosts().iter().all(|h| h.duplicate_of.is_none()));
+        // Same start time, another port: another server on the same machine.
+        t.apply(
+            1,
+            ProbeResult::Ok(ided(primary_obs(1, 100), 1000, 5433)),
+            t0,
+        );
+        assert!(t.conflict());
+        // Servers that do not say who they are are never taken as one.
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        assert!(t.conflict());
+
+        // Under the leader key, another name of the holder is no rogue; a
+        // second server is.
+        let mut t = topo(&["a", "a-alias", "b"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some(addr("a-alias"))));
+        let a = ided(primary_obs(1, 100), 1000, 5432);
+        t.apply(0, ProbeResult::Ok(a.clone()), t0);
+        let ev = t.apply(1, ProbeResult::Ok(a), t0);
+        assert_eq!(t.primary(), Some(1));
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::PrimaryWithoutKey { .. })));
+        let ev = t.apply(
+            2,
+            ProbeResult::Ok(ided(primary_obs(1, 100), 1001, 5432)),
+            t0,
+        );
+        assert_eq!(
+            ev,
+            vec![
+                TopologyEvent::HostUp { host: addr("b") },
+                TopologyEvent::PrimaryWithoutKey { host: addr("b") }
+            ]
+        );
+    }
+
+    #[test]
+    fn restart_of_a_primary_listed_twice_is_not_a_conflict() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut t = topo(&["p", "p-alias"]);
+        let before = ided(primary_obs(1, 100), 1000, 5432);
+        let after = ided(primary_obs(1, 200), 9000, 5432);
+        t.apply(0, ProbeResult::Ok(before.clone()), t0);
+        t.apply(1, ProbeResult::Ok(before.clone()), t0);
+        // The first name is probed after the restart, the second not yet.
+        let ev = t.apply(0, ProbeResult::Ok(after.clone()), t0 + ms(1000));
+        assert!(ev.is_empty(), "{ev:?}");
+        assert_eq!(t.primary(), Some(0));
+        assert_eq!(t.hosts()[1].duplicate_of, Some(0));
+        let ev = t.apply(1, ProbeResult::Ok(after), t0 + ms(1010));
+        assert!(ev.is_empty(), "{ev:?}");
+        assert_eq!(t.hosts()[1].duplicate_of, Some(0));
+
+        // A second name probed since, still showing the old server, is
+        // another server.
+        let mut t = topo(&["p", "p-alias"]);
+        t.apply(0, ProbeResult::Ok(before.clone()), t0);
+        t.apply(1, ProbeResult::Ok(before.clone()), t0);
+        let restarted = ided(primary_obs(1, 200), 9000, 5432);
+        t.apply(0, ProbeResult::Ok(restarted), t0 + ms(1000));
+        let ev = t.apply(1, ProbeResult::Ok(before), t0 + ms(1010));
+        assert!(t.conflict());
+        assert!(ev.contains(&TopologyEvent::PrimaryConflict {
+            hosts: vec![addr("p"), addr("p-alias")]
+        }));
     }
 
     #[test]

@@ -39,6 +39,10 @@ pub struct HostView {
     /// streaming from a server that is not the primary); null when it is.
     /// Such a replica takes no reads.
     pub off_primary: Option<String>,
+    /// `host:port` of the entry this one duplicates: both reach the same
+    /// server (same system identifier, start time and port), which counts
+    /// once, as that entry. Null otherwise.
+    pub duplicate_of: Option<String>,
     /// Tags from the configuration.
     pub tags: Vec<String>,
     /// The last probe error, while the host is dead.
@@ -82,6 +86,10 @@ impl TopologyView {
                 timeline: h.timeline,
                 lag_excluded: h.lag_excluded,
                 off_primary: h.off_primary.clone(),
+                duplicate_of: h
+                    .duplicate_of
+                    .and_then(|of| topology.host(of))
+                    .map(|of| of.config.addr.to_string()),
                 tags: h.config.tags.clone(),
                 error: h.error.clone(),
             })
