@@ -239,3 +239,78 @@ async fn auth_query_and_server_logins_go_over_tls() {
         .expect_err("wrong password");
     assert!(err.contains("password authentication failed"), "{err}");
 }
+
+/// Without `[auth]` the server checks the password through a relayed
+/// session. Over TLS to the server it offers SCRAM-SHA-256-PLUS, bound to
+/// that channel: a plaintext client never sees it (libpq refuses such an
+/// offer), and a TLS client can use it only when pgwarden presents the
+/// server's own certificate; otherwise it must not ask for binding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_scram_over_tls_to_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(dir.path(), "a");
+    let own = make_certs(dir.path(), "b");
+    let mut c = ssl_cluster(&certs);
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-pw'",
+    )
+    .await;
+    c.set_hba(
+        0,
+        "host all postgres 127.0.0.1/32 trust\nhostssl all alice 127.0.0.1/32 scram-sha-256\n",
+    );
+    let login = |port: u16, sslmode: &str, binding: &str| {
+        let out = std::process::Command::new("psql")
+            .args([
+                "-X",
+                "-At",
+                "-c",
+                "SELECT current_user",
+                &format!(
+                    "host=127.0.0.1 port={port} user=alice dbname=postgres password=alice-pw \
+                     sslmode={sslmode} channel_binding={binding}"
+                ),
+            ])
+            .env("PGCONNECT_TIMEOUT", "10")
+            .output()
+            .unwrap();
+        let ok = out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "alice";
+        (ok, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for (cert, same) in [(&own, false), (&certs, true)] {
+        SERVER_TLS.with(|t| *t.borrow_mut() = (ServerTlsMode::Require, None));
+        let spec = pgwarden_proxy::TlsSpec {
+            cert: cert.cert.clone(),
+            key: cert.key.clone(),
+            mode: pgwarden_proxy::ClientTlsMode::Allow,
+            client_ca: None,
+        };
+        let (e, p) = proxy_full(
+            &c.addrs(),
+            Duration::from_secs(2),
+            None,
+            1000,
+            Default::default(),
+            Some(spec),
+        )
+        .await;
+        SERVER_TLS.with(|t| *t.borrow_mut() = (ServerTlsMode::Disable, None));
+        until(&e, "primary", WAIT, |s| {
+            s.topology.primary().map(|_| ()).ok_or("none".into())
+        })
+        .await;
+        let port = p.service_addrs()["read_write"].port();
+        for (sslmode, binding) in [("disable", "prefer"), ("require", "disable")] {
+            let (ok, err) = login(port, sslmode, binding);
+            assert!(ok, "sslmode={sslmode} channel_binding={binding}: {err}");
+        }
+        // libpq's default over TLS binds to the certificate it got.
+        let (ok, err) = login(port, "require", "prefer");
+        if same {
+            assert!(ok, "the server's own certificate: {err}");
+        } else {
+            assert!(!ok && err.contains("channel binding"), "{err}");
+        }
+    }
+}

@@ -508,7 +508,12 @@ async fn server_vouches(
                             .map_err(|e| failed(e.to_string()))?;
                     }
                     _ => {
-                        let Some(answer) = crate::auth::exchange(client, &msg).await else {
+                        // As in a relayed session (see `relay`).
+                        let unbound = (server.is_tls() && !client.is_tls())
+                            .then(|| pgwarden_wire::message::sasl_offer_without_binding(&msg))
+                            .flatten();
+                        let asked = unbound.as_deref().unwrap_or(&msg);
+                        let Some(answer) = crate::auth::exchange(client, asked).await else {
                             return Ok(false);
                         };
                         use bytes::BufMut;
@@ -836,6 +841,13 @@ async fn relay(
 ) {
     let spec = &service.spec;
     let server_addr = server.peer_addr().ok();
+    // A plaintext client cannot use the server's channel binding (libpq
+    // refuses a -PLUS offer outside TLS). A TLS client binds to
+    // pgwarden's certificate instead, which the server accepts only when
+    // it presents the same one; that offer is left as it is, since
+    // without it libpq's default (prefer) would answer in a way the server
+    // must refuse.
+    let unbind_sasl = credential.is_none() && server.is_tls() && !client.is_tls();
     // With pgwarden authenticating, it logs in to the server itself with
     // what the client proved, then greets the client as the server would.
     let (mut server, logged_in) = match credential {
@@ -964,6 +976,7 @@ async fn relay(
         from_client: &from_client,
         to_client: &to_client,
         refusals: &refusals,
+        unbind_sasl,
     };
     // Plain TCP splits for free; TLS needs tokio's locking split.
     let cancel_key = match client {
@@ -1011,6 +1024,11 @@ struct Io<'a> {
     from_client: &'a prometheus_client::metrics::counter::Counter,
     to_client: &'a prometheus_client::metrics::counter::Counter,
     refusals: &'a prometheus_client::metrics::counter::Counter,
+    /// The server authenticates the client through the relay over TLS
+    /// the client does not share: its channel-binding mechanisms are
+    /// taken out of its SASL offer
+    /// ([`pgwarden_wire::message::sasl_offer_without_binding`]).
+    unbind_sasl: bool,
 }
 
 impl Io<'_> {
@@ -1089,8 +1107,15 @@ impl Io<'_> {
                 |t| {
                     t == backend::BACKEND_KEY_DATA
                         || ((read_only || wants_primary) && t == backend::PARAMETER_STATUS)
+                        || (self.unbind_sasl && t == backend::AUTHENTICATION_REQUEST)
                 },
                 |tag, msg| {
+                    if tag == backend::AUTHENTICATION_REQUEST {
+                        return match pgwarden_wire::message::sasl_offer_without_binding(msg) {
+                            Some(offer) => Verdict::Replace(BytesMut::from(&offer[..])),
+                            None => Verdict::Keep,
+                        };
+                    }
                     if tag == backend::BACKEND_KEY_DATA {
                         if let (Ok((pid, secret)), Some(server)) = (
                             pgwarden_wire::message::backend_key_data(&msg[5..]),

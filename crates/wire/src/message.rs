@@ -432,6 +432,53 @@ pub fn authentication_code(body: &[u8]) -> Result<i32, BodyError> {
     Reader::new(body).i32()
 }
 
+/// A whole AuthenticationSASL message (`R`, code 10) without the
+/// mechanisms that bind to the TLS channel (`…-PLUS`), or `None` when the
+/// message is something else, offers none of them, or would offer nothing
+/// without them.
+///
+/// A proxy that relays a server's SASL offer to a client on another
+/// channel needs this: over the server's TLS the server offers
+/// `SCRAM-SHA-256-PLUS`, which libpq refuses to see on a plaintext
+/// connection, and which no client could bind to the server's channel.
+pub fn sasl_offer_without_binding(msg: &[u8]) -> Option<Vec<u8>> {
+    if msg.first() != Some(&backend::AUTHENTICATION_REQUEST) || msg.len() < 9 {
+        return None;
+    }
+    if authentication_code(&msg[5..9]).ok()? != 10 {
+        return None;
+    }
+    let mut r = Reader::new(&msg[9..]);
+    let mut kept: Vec<&str> = Vec::new();
+    let mut dropped = false;
+    loop {
+        let name = r.cstr().ok()?;
+        if name.is_empty() {
+            break;
+        }
+        if name.ends_with("-PLUS") {
+            dropped = true;
+        } else {
+            kept.push(name);
+        }
+    }
+    r.finish().ok()?;
+    if !dropped || kept.is_empty() {
+        return None;
+    }
+    let body_len: usize = 4 + kept.iter().map(|k| k.len() + 1).sum::<usize>() + 1;
+    let mut out = Vec::with_capacity(1 + 4 + body_len);
+    out.push(backend::AUTHENTICATION_REQUEST);
+    out.extend_from_slice(&(4 + body_len as u32).to_be_bytes());
+    out.extend_from_slice(&10i32.to_be_bytes());
+    for k in kept {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+    }
+    out.push(0);
+    Some(out)
+}
+
 /// The string of a PasswordMessage (`p`) body sent in answer to
 /// AuthenticationCleartextPassword or AuthenticationMD5Password: the password
 /// or the md5 response.
@@ -507,6 +554,44 @@ impl<'a> ErrorSummary<'a> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sasl_offer_loses_its_channel_binding_mechanisms() {
+        fn offer(names: &[&str]) -> Vec<u8> {
+            let mut body = 10i32.to_be_bytes().to_vec();
+            for n in names {
+                body.extend_from_slice(n.as_bytes());
+                body.push(0);
+            }
+            body.push(0);
+            let mut m = vec![b'R'];
+            m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+            m.extend_from_slice(&body);
+            m
+        }
+        let both = offer(&["SCRAM-SHA-256-PLUS", "SCRAM-SHA-256"]);
+        assert_eq!(
+            super::sasl_offer_without_binding(&both),
+            Some(offer(&["SCRAM-SHA-256"]))
+        );
+        // Nothing to drop, nothing left, or not a SASL offer: untouched.
+        assert_eq!(
+            super::sasl_offer_without_binding(&offer(&["SCRAM-SHA-256"])),
+            None
+        );
+        assert_eq!(
+            super::sasl_offer_without_binding(&offer(&["SCRAM-SHA-256-PLUS"])),
+            None
+        );
+        let mut md5 = vec![b'R', 0, 0, 0, 12];
+        md5.extend_from_slice(&5i32.to_be_bytes());
+        md5.extend_from_slice(b"salt");
+        assert_eq!(super::sasl_offer_without_binding(&md5), None);
+        // Malformed: no terminator.
+        let mut cut = both.clone();
+        cut.truncate(cut.len() - 1);
+        assert_eq!(super::sasl_offer_without_binding(&cut), None);
+    }
+
     use super::*;
 
     fn msg(tag: u8, body: &[u8]) -> Vec<u8> {
