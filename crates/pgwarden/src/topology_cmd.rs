@@ -123,6 +123,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     if let Some(want) = &args.select {
         engine.wait_round(args.rounds.max(1)).await;
+        every_host_answered(&engine).await;
         let policy = SelectPolicy {
             strategy: args.strategy,
             rtt_threshold: Duration::from_secs_f64(args.rtt_threshold_ms / 1000.0),
@@ -160,6 +161,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
             _ = &mut stop => return Ok(()),
         }
+        if !args.watch {
+            // One answer: a host whose probe outlasted the first round
+            // (a slow login) is waited for, not shown as unknown.
+            every_host_answered(&engine).await;
+        }
         let snap = engine.snapshot();
         let view = TopologyView::new(&snap.topology, snap.round);
         if args.json {
@@ -169,6 +175,26 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         if !args.watch {
             return Ok(());
+        }
+    }
+}
+
+/// Waits until every host has answered its probe or failed it (each probe
+/// is bounded by the connect and query time-outs).
+async fn every_host_answered(engine: &Engine) {
+    let mut changes = engine.changes();
+    loop {
+        let snap = engine.snapshot();
+        if snap
+            .topology
+            .hosts()
+            .iter()
+            .all(|h| h.alive || h.error.is_some())
+        {
+            return;
+        }
+        if changes.changed().await.is_err() {
+            return;
         }
     }
 }
