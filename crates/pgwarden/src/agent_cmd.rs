@@ -64,11 +64,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(async {
         let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
         let probe = crate::run_cmd::probe_config(&config, dir)?;
-        let password = config
-            .cluster
-            .hosts
-            .first()
-            .and_then(|h| probe.password_for(&h.addr));
+        // The agent's own server is the one it logs in to (and the one
+        // initdb gives this password): its password file line is the
+        // line of `pg_listen`, as libpq would pick it.
+        let password = probe.password_for(&agent.pg_listen);
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
         let credentials = api_credentials(&agent, &args.config)?;
         let handle = pgwarden_agent::start(
