@@ -121,10 +121,7 @@ impl Authenticator {
                 return Ok(v.clone());
             }
         }
-        let mut guard = self.lookup.lock().await;
-        if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared, primary_wait).await?);
-        }
+        let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
         let rows = crate::timer::timeout(
             Duration::from_secs(5),
@@ -170,10 +167,7 @@ impl Authenticator {
                 return Ok(v.split('\n').map(str::to_string).collect());
             }
         }
-        let mut guard = self.lookup.lock().await;
-        if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared, primary_wait).await?);
-        }
+        let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
         // Membership through grants only, as pg_hba.conf counts it:
         // pg_has_role would make a superuser a member of every role.
@@ -206,37 +200,46 @@ impl Authenticator {
         Ok(roles)
     }
 
-    /// A connection to the primary as the auth user. Right after a start,
-    /// or during a failover, the primary may be moments away: this waits
-    /// up to `primary_wait` for one, as a routed client would (the
-    /// client's `auth_timeout` still bounds its whole login).
-    async fn connect(
+    /// The auth user's connection to the primary, connected if need be,
+    /// held for one lookup. Right after a start, or during a failover, the
+    /// primary may be moments away: this waits up to `primary_wait` for
+    /// one, as a routed client would (the client's `auth_timeout` still
+    /// bounds its whole login). The wait happens outside the lock, so that
+    /// clients arriving while there is no primary each wait their own
+    /// `primary_wait` rather than one after the other's.
+    async fn lookup_connection(
         &self,
         shared: &Shared,
         primary_wait: Duration,
-    ) -> Result<tokio_postgres::Client, String> {
+    ) -> Result<tokio::sync::MutexGuard<'_, Option<tokio_postgres::Client>>, String> {
+        let give_up = tokio::time::Instant::now() + primary_wait;
         let mut changes = shared.changes.clone();
-        let find = || {
-            let snap = shared.snapshot.load_full();
-            snap.topology
-                .primary()
-                .map(|i| snap.topology.hosts()[i].config.addr.clone())
-        };
-        let wait = async {
-            loop {
-                if let Some(p) = find() {
-                    return Some(p);
-                }
-                if changes.changed().await.is_err() {
-                    return None;
-                }
+        loop {
+            // Seen before the topology is read: a change after the read
+            // wakes the wait below.
+            changes.borrow_and_update();
+            let mut guard = self.lookup.lock().await;
+            if guard.as_ref().is_some_and(|c| !c.is_closed()) {
+                return Ok(guard);
             }
-        };
-        let primary = crate::timer::timeout(primary_wait, wait)
-            .await
-            .ok()
-            .flatten()
-            .ok_or("no primary to run the auth query on")?;
+            if let Some(primary) = primary_addr(shared) {
+                *guard = Some(self.connect(shared, &primary).await?);
+                return Ok(guard);
+            }
+            drop(guard);
+            match crate::timer::timeout_at(give_up, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Err("no primary to run the auth query on".into()),
+            }
+        }
+    }
+
+    /// A connection to `primary` as the auth user.
+    async fn connect(
+        &self,
+        shared: &Shared,
+        primary: &pgwarden_topology::HostAddr,
+    ) -> Result<tokio_postgres::Client, String> {
         let mut cfg = tokio_postgres::Config::new();
         cfg.host(&primary.host)
             .port(primary.port)
@@ -543,6 +546,14 @@ fn scram_refusal(e: Option<ScramError>, failed: AuthError) -> AuthError {
         }
         Some(e) => AuthError::new(sqlstate::PROTOCOL_VIOLATION, "protocol", e.to_string()),
     }
+}
+
+/// The address of the primary the topology knows, if any.
+fn primary_addr(shared: &Shared) -> Option<pgwarden_topology::HostAddr> {
+    let snap = shared.snapshot.load_full();
+    snap.topology
+        .primary()
+        .map(|i| snap.topology.hosts()[i].config.addr.clone())
 }
 
 /// Refuses an hba file with a rule that needs a client certificate when
