@@ -493,7 +493,8 @@ impl Authenticator {
     /// The SCRAM exchange with the client. Over TLS SCRAM-SHA-256-PLUS is
     /// offered too, bound to the certificate this connection's handshake
     /// presented, as PostgreSQL offers it. `Err(None)`: the client went
-    /// away or answered with something else than a SASL response.
+    /// away or answered with something else than a SASL response; a SASL
+    /// response that does not parse is [`ScramError::Malformed`].
     async fn scram(
         &self,
         client: &mut ClientStream,
@@ -506,7 +507,10 @@ impl Authenticator {
         let mut out = BytesMut::new();
         encode::authentication_sasl(&mut out, server.mechanisms());
         let initial = exchange(client, &out).await.ok_or(None)?;
-        let (mech, data) = message::sasl_initial_response(&initial).map_err(|_| None)?;
+        // A SASLInitialResponse that does not parse is a protocol
+        // violation, as in PostgreSQL, not a wrong password.
+        let (mech, data) = message::sasl_initial_response(&initial)
+            .map_err(|e| Some(ScramError::Malformed(e.to_string())))?;
         let first = server.initial_response(mech, data)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_continue(&mut out, &first);
