@@ -973,3 +973,48 @@ async fn a_malformed_sasl_initial_response_is_a_protocol_violation() {
     );
     assert!(!body.contains("reason=\"bad_password\""), "{body}");
 }
+
+/// libpq without a password closes the connection when asked for one,
+/// and psql then prompts and connects again: as in PostgreSQL that is no
+/// failed login, over TLS (with SCRAM-SHA-256-PLUS offered) or not. It
+/// used to be counted and logged as a wrong password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_when_asked_for_a_password_is_no_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = scram_cluster(dir.path()).await;
+    let (ca, cert, key) = make_certs(dir.path(), "w");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+    let port = p.service_addrs()["read_write"].port();
+    let ca_text = ca.display().to_string();
+    for conninfo in [
+        format!("host=localhost hostaddr=127.0.0.1 port={port} user=alice dbname=postgres sslmode=verify-full sslrootcert={ca_text}"),
+        format!("host=127.0.0.1 port={port} user=alice dbname=postgres sslmode=disable"),
+    ] {
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("psql")
+                .args(["-X", "-w", "-At", "-c", "SELECT 1", &conninfo])
+                .env_remove("PGPASSWORD")
+                .env("PGPASSFILE", "/nonexistent")
+                .output()
+                .expect("psql")
+        })
+        .await
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("no password supplied"),
+            "{stderr}"
+        );
+    }
+    // A wrong password still counts.
+    assert!(plain_login(port, "alice", "nope").await.is_err());
+    let http = p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        body.contains("pgwarden_auth_failures_total{reason=\"bad_password\"} 1"),
+        "{body}"
+    );
+}
