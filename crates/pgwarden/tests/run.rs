@@ -702,3 +702,57 @@ async fn a_verifier_lookup_waits_for_the_primary() {
         .expect("alice logs in once the primary is up");
     assert_eq!(common::one(&alice, "SELECT current_user").await, "alice");
 }
+
+/// Logins that need the auth query while there is no primary each wait
+/// their own `connect_wait_timeout` for one, side by side: they used to
+/// wait one after the other on the lookup, the fifth failing after five
+/// times the wait (or the client's `auth_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_waiting_for_a_primary_wait_side_by_side() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    c.node(0)
+        .stop(pgwarden_pgctl::StopMode::Fast)
+        .expect("stop the primary");
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    write(
+        &dir.path().join("pg_hba.conf"),
+        "host all all 127.0.0.1/32 scram-sha-256\n",
+    );
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "{}\n[engine]\nconnect_wait_timeout = \"2s\"\n\
+             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n",
+            listening(&[c.addr(0)], (rw, ro, http), "")
+        ),
+    );
+    let pg = Running::start(&config, dir.path());
+    eventually("listening", WAIT, || async move {
+        std::net::TcpStream::connect(("127.0.0.1", rw))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let logins: Vec<_> = (0..5)
+        .map(|i| {
+            let conninfo =
+                format!("host=127.0.0.1 port={rw} user=user{i} password=pw dbname=postgres");
+            tokio::spawn(async move {
+                let refused = client(&conninfo).await.err().map(|e| sqlstate(&e));
+                (refused, started.elapsed())
+            })
+        })
+        .collect();
+    for login in logins {
+        let (refused, after) = login.await.unwrap();
+        // The lookup's own failure, not the end of auth_timeout.
+        assert_eq!(refused, Some(Some("08006".to_string())), "{}", pg.log());
+        assert!(
+            after < Duration::from_secs(6),
+            "refused after {after:?}: the logins waited in turn"
+        );
+    }
+}

@@ -724,6 +724,18 @@ async fn sasl_first(
     mechanism: &str,
     first: &str,
 ) -> (Vec<String>, Result<String, (String, String)>) {
+    sasl_answer(port, ca, mechanism, first, None).await
+}
+
+/// [`sasl_first`], or with `raw` as the whole SASLInitialResponse body
+/// when given.
+async fn sasl_answer(
+    port: u16,
+    ca: Option<&Path>,
+    mechanism: &str,
+    first: &str,
+    raw: Option<&[u8]>,
+) -> (Vec<String>, Result<String, (String, String)>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_rustls::rustls::pki_types::ServerName;
     let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -766,10 +778,16 @@ async fn sasl_first(
         .map(|m| String::from_utf8(m.to_vec()).unwrap())
         .collect();
     // SASLInitialResponse.
-    let mut response = mechanism.as_bytes().to_vec();
-    response.push(0);
-    response.extend_from_slice(&i32::try_from(first.len()).unwrap().to_be_bytes());
-    response.extend_from_slice(first.as_bytes());
+    let response = match raw {
+        Some(raw) => raw.to_vec(),
+        None => {
+            let mut response = mechanism.as_bytes().to_vec();
+            response.push(0);
+            response.extend_from_slice(&i32::try_from(first.len()).unwrap().to_be_bytes());
+            response.extend_from_slice(first.as_bytes());
+            response
+        }
+    };
     let len = i32::try_from(response.len() + 4).unwrap();
     s.write_all(&[&[b'p'][..], &len.to_be_bytes(), &response].concat())
         .await
@@ -910,5 +928,93 @@ async fn channel_binding_follows_the_certificate_and_refuses_downgrades() {
         answer.as_ref().map_err(|(code, _)| code.as_str()),
         Err("08P01"),
         "{answer:?}"
+    );
+}
+
+/// A SASLInitialResponse that does not parse (its data shorter than its
+/// length says, no length at all, a mechanism without its terminator) is
+/// a protocol violation, over TLS and plain TCP alike, counted as
+/// `protocol`: it used to be answered and counted as a wrong password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_sasl_initial_response_is_a_protocol_violation() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = scram_cluster(dir.path()).await;
+    let (ca, cert, key) = make_certs(dir.path(), "m");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+    let port = p.service_addrs()["read_write"].port();
+    let first = b"n,,n=,r=abcdef";
+    let mut long = b"SCRAM-SHA-256\0".to_vec();
+    long.extend_from_slice(&100i32.to_be_bytes());
+    long.extend_from_slice(first);
+    let mut trailing = b"SCRAM-SHA-256\0".to_vec();
+    trailing.extend_from_slice(&4i32.to_be_bytes());
+    trailing.extend_from_slice(first);
+    let cases: [&[u8]; 4] = [&long, &trailing, b"SCRAM-SHA-256\0\0\0", b"SCRAM-SHA-256"];
+    for ca in [Some(ca.as_path()), None] {
+        for raw in cases {
+            let (_, answer) = sasl_answer(port, ca, "", "", Some(raw)).await;
+            assert_eq!(
+                answer.as_ref().map_err(|(code, _)| code.as_str()),
+                Err("08P01"),
+                "tls={} {}: {answer:?}",
+                ca.is_some(),
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+    let http = p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        body.contains("pgwarden_auth_failures_total{reason=\"protocol\"} 8"),
+        "{body}"
+    );
+    assert!(!body.contains("reason=\"bad_password\""), "{body}");
+}
+
+/// libpq without a password closes the connection when asked for one,
+/// and psql then prompts and connects again: as in PostgreSQL that is no
+/// failed login, over TLS (with SCRAM-SHA-256-PLUS offered) or not. It
+/// used to be counted and logged as a wrong password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_when_asked_for_a_password_is_no_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = scram_cluster(dir.path()).await;
+    let (ca, cert, key) = make_certs(dir.path(), "w");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
+    common::AUTH.with(|a| *a.borrow_mut() = None);
+    let port = p.service_addrs()["read_write"].port();
+    let ca_text = ca.display().to_string();
+    for conninfo in [
+        format!("host=localhost hostaddr=127.0.0.1 port={port} user=alice dbname=postgres sslmode=verify-full sslrootcert={ca_text}"),
+        format!("host=127.0.0.1 port={port} user=alice dbname=postgres sslmode=disable"),
+    ] {
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("psql")
+                .args(["-X", "-w", "-At", "-c", "SELECT 1", &conninfo])
+                .env_remove("PGPASSWORD")
+                .env("PGPASSFILE", "/nonexistent")
+                .output()
+                .expect("psql")
+        })
+        .await
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("no password supplied"),
+            "{stderr}"
+        );
+    }
+    // A wrong password still counts.
+    assert!(plain_login(port, "alice", "nope").await.is_err());
+    let http = p.http_addr().unwrap();
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        body.contains("pgwarden_auth_failures_total{reason=\"bad_password\"} 1"),
+        "{body}"
     );
 }

@@ -78,7 +78,23 @@ impl AuthError {
         self.detail = Some(detail.into());
         self
     }
+
+    /// The client went away in the middle of the exchange: libpq does so
+    /// when the server asks for a password it was not given, and psql
+    /// then prompts for one and connects again. PostgreSQL ends such a
+    /// connection silently; it is no failed login.
+    fn gone() -> Self {
+        Self::new(sqlstate::CONNECTION_FAILURE, GONE, "the client went away")
+    }
+
+    /// Whether this is [`Self::gone`]: nothing to count, log or answer.
+    pub fn is_gone(&self) -> bool {
+        self.reason == GONE
+    }
 }
+
+/// The reason of [`AuthError::gone`].
+const GONE: &str = "client_gone";
 
 /// Per-proxy authentication state: the parsed hba file and the verifier cache.
 pub(crate) struct Authenticator {
@@ -121,10 +137,7 @@ impl Authenticator {
                 return Ok(v.clone());
             }
         }
-        let mut guard = self.lookup.lock().await;
-        if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared, primary_wait).await?);
-        }
+        let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
         let rows = crate::timer::timeout(
             Duration::from_secs(5),
@@ -170,10 +183,7 @@ impl Authenticator {
                 return Ok(v.split('\n').map(str::to_string).collect());
             }
         }
-        let mut guard = self.lookup.lock().await;
-        if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(self.connect(shared, primary_wait).await?);
-        }
+        let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
         // Membership through grants only, as pg_hba.conf counts it:
         // pg_has_role would make a superuser a member of every role.
@@ -206,37 +216,46 @@ impl Authenticator {
         Ok(roles)
     }
 
-    /// A connection to the primary as the auth user. Right after a start,
-    /// or during a failover, the primary may be moments away: this waits
-    /// up to `primary_wait` for one, as a routed client would (the
-    /// client's `auth_timeout` still bounds its whole login).
-    async fn connect(
+    /// The auth user's connection to the primary, connected if need be,
+    /// held for one lookup. Right after a start, or during a failover, the
+    /// primary may be moments away: this waits up to `primary_wait` for
+    /// one, as a routed client would (the client's `auth_timeout` still
+    /// bounds its whole login). The wait happens outside the lock, so that
+    /// clients arriving while there is no primary each wait their own
+    /// `primary_wait` rather than one after the other's.
+    async fn lookup_connection(
         &self,
         shared: &Shared,
         primary_wait: Duration,
-    ) -> Result<tokio_postgres::Client, String> {
+    ) -> Result<tokio::sync::MutexGuard<'_, Option<tokio_postgres::Client>>, String> {
+        let give_up = tokio::time::Instant::now() + primary_wait;
         let mut changes = shared.changes.clone();
-        let find = || {
-            let snap = shared.snapshot.load_full();
-            snap.topology
-                .primary()
-                .map(|i| snap.topology.hosts()[i].config.addr.clone())
-        };
-        let wait = async {
-            loop {
-                if let Some(p) = find() {
-                    return Some(p);
-                }
-                if changes.changed().await.is_err() {
-                    return None;
-                }
+        loop {
+            // Seen before the topology is read: a change after the read
+            // wakes the wait below.
+            changes.borrow_and_update();
+            let mut guard = self.lookup.lock().await;
+            if guard.as_ref().is_some_and(|c| !c.is_closed()) {
+                return Ok(guard);
             }
-        };
-        let primary = crate::timer::timeout(primary_wait, wait)
-            .await
-            .ok()
-            .flatten()
-            .ok_or("no primary to run the auth query on")?;
+            if let Some(primary) = primary_addr(shared) {
+                *guard = Some(self.connect(shared, &primary).await?);
+                return Ok(guard);
+            }
+            drop(guard);
+            match crate::timer::timeout_at(give_up, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Err("no primary to run the auth query on".into()),
+            }
+        }
+    }
+
+    /// A connection to `primary` as the auth user.
+    async fn connect(
+        &self,
+        shared: &Shared,
+        primary: &pgwarden_topology::HostAddr,
+    ) -> Result<tokio_postgres::Client, String> {
         let mut cfg = tokio_postgres::Config::new();
         cfg.host(&primary.host)
             .port(primary.port)
@@ -369,6 +388,12 @@ impl Authenticator {
                 format!("password authentication failed for user \"{user}\""),
             )
         };
+        // As before: an answer of another type is refused like a wrong
+        // password.
+        let no_answer = |e: NoAnswer| match e {
+            NoAnswer::Gone => AuthError::gone(),
+            NoAnswer::Other => failed(),
+        };
         let lookup = |e: String| {
             tracing::error!(error = %e, user = %user, "verifier lookup failed");
             AuthError::new(
@@ -410,7 +435,7 @@ impl Authenticator {
                     .map_err(lookup)?;
                 let mut out = BytesMut::new();
                 encode::authentication_cleartext(&mut out);
-                let reply = exchange(client, &out).await.ok_or_else(failed)?;
+                let reply = ask(client, &out).await.map_err(no_answer)?;
                 let password = message::password_message(&reply)
                     .map_err(|_| failed())?
                     .to_string();
@@ -438,7 +463,7 @@ impl Authenticator {
                     let salt: [u8; 4] = rand::random();
                     let mut out = BytesMut::new();
                     encode::authentication_md5(&mut out, salt);
-                    let reply = exchange(client, &out).await.ok_or_else(failed)?;
+                    let reply = ask(client, &out).await.map_err(no_answer)?;
                     let response = message::password_message(&reply).map_err(|_| failed())?;
                     if verify_md5(&secret, salt, response) {
                         Ok(Credential::Md5Secret(secret))
@@ -489,47 +514,78 @@ impl Authenticator {
 
     /// The SCRAM exchange with the client. Over TLS SCRAM-SHA-256-PLUS is
     /// offered too, bound to the certificate this connection's handshake
-    /// presented, as PostgreSQL offers it. `Err(None)`: the client went
-    /// away or answered with something else than a SASL response.
+    /// presented, as PostgreSQL offers it. A SASL response that does not
+    /// parse is [`ScramError::Malformed`].
     async fn scram(
         &self,
         client: &mut ClientStream,
         secret: &ScramSecret,
-    ) -> Result<ClientKey, Option<ScramError>> {
+    ) -> Result<ClientKey, ScramFailure> {
         let mut server = ScramServer::new(secret, rand::random::<[u8; 18]>());
         if let Some(data) = client.tls_server_end_point() {
             server = server.with_channel_binding(data);
         }
         let mut out = BytesMut::new();
         encode::authentication_sasl(&mut out, server.mechanisms());
-        let initial = exchange(client, &out).await.ok_or(None)?;
-        let (mech, data) = message::sasl_initial_response(&initial).map_err(|_| None)?;
+        let initial = ask(client, &out).await?;
+        // A SASLInitialResponse that does not parse is a protocol
+        // violation, as in PostgreSQL, not a wrong password.
+        let (mech, data) = message::sasl_initial_response(&initial)
+            .map_err(|e| ScramError::Malformed(e.to_string()))?;
         let first = server.initial_response(mech, data)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_continue(&mut out, &first);
-        let fin = exchange(client, &out).await.ok_or(None)?;
+        let fin = ask(client, &out).await?;
         let (server_final, key) = server.client_final(&fin)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_final(&mut out, &server_final);
-        client.write_all(&out).await.map_err(|_| None)?;
+        client
+            .write_all(&out)
+            .await
+            .map_err(|_| ScramFailure::Answer(NoAnswer::Gone))?;
         Ok(key)
     }
 }
 
+/// Why a SCRAM exchange with the client did not succeed.
+enum ScramFailure {
+    /// The client gave no SASL response.
+    Answer(NoAnswer),
+    /// Its SASL messages were refused.
+    Scram(ScramError),
+}
+
+impl From<NoAnswer> for ScramFailure {
+    fn from(e: NoAnswer) -> Self {
+        ScramFailure::Answer(e)
+    }
+}
+
+impl From<ScramError> for ScramFailure {
+    fn from(e: ScramError) -> Self {
+        ScramFailure::Scram(e)
+    }
+}
+
 /// What the client is told when its SCRAM exchange fails, with PostgreSQL's
-/// codes: a wrong proof (or a client that went away) is `failed`, the
-/// password failure; a binding to another certificate, or `y` although
+/// codes: a wrong proof (or an answer of another type) is `failed`, the
+/// password failure; a client that went away is [`AuthError::gone`]; a binding to another certificate, or `y` although
 /// PLUS was offered, refuses the connection (28000); anything else is a
 /// protocol violation (08P01).
-fn scram_refusal(e: Option<ScramError>, failed: AuthError) -> AuthError {
+fn scram_refusal(e: ScramFailure, failed: AuthError) -> AuthError {
     const MISMATCH: &str = "the client bound SCRAM to another certificate than the one \
         pgwarden presented: its TLS may have been intercepted";
     const NEGOTIATION: &str = "the client supports SCRAM channel binding but thinks the \
         server does not, although SCRAM-SHA-256-PLUS was offered: the offer may have been \
         removed on the way";
+    let e = match e {
+        ScramFailure::Answer(NoAnswer::Gone) => return AuthError::gone(),
+        ScramFailure::Answer(NoAnswer::Other) => return failed,
+        ScramFailure::Scram(e) => e,
+    };
     match e {
-        None | Some(ScramError::InvalidProof) => failed,
-        Some(e @ (ScramError::ChannelBindingMismatch | ScramError::ChannelBindingNegotiation)) => {
+        ScramError::InvalidProof => failed,
+        e @ (ScramError::ChannelBindingMismatch | ScramError::ChannelBindingNegotiation) => {
             let detail = match e {
                 ScramError::ChannelBindingMismatch => MISMATCH,
                 _ => NEGOTIATION,
@@ -541,8 +597,16 @@ fn scram_refusal(e: Option<ScramError>, failed: AuthError) -> AuthError {
             )
             .with_detail(detail)
         }
-        Some(e) => AuthError::new(sqlstate::PROTOCOL_VIOLATION, "protocol", e.to_string()),
+        e => AuthError::new(sqlstate::PROTOCOL_VIOLATION, "protocol", e.to_string()),
     }
+}
+
+/// The address of the primary the topology knows, if any.
+fn primary_addr(shared: &Shared) -> Option<pgwarden_topology::HostAddr> {
+    let snap = shared.snapshot.load_full();
+    snap.topology
+        .primary()
+        .map(|i| snap.topology.hosts()[i].config.addr.clone())
 }
 
 /// Refuses an hba file with a rule that needs a client certificate when
@@ -651,19 +715,35 @@ fn subtle_eq(a: &[u8], b: &[u8]) -> bool {
 /// PasswordMessage-type reply (`p`); `None` if the client answers with
 /// anything else or goes away.
 pub(crate) async fn exchange(client: &mut ClientStream, request: &[u8]) -> Option<BytesMut> {
-    client.write_all(request).await.ok()?;
+    ask(client, request).await.ok()
+}
+
+/// Why a client did not answer an authentication request.
+pub(crate) enum NoAnswer {
+    /// It closed the connection, or the socket failed.
+    Gone,
+    /// It sent a message of another type, or one too large.
+    Other,
+}
+
+/// [`exchange`], saying why there is no answer.
+async fn ask(client: &mut ClientStream, request: &[u8]) -> Result<BytesMut, NoAnswer> {
+    client
+        .write_all(request)
+        .await
+        .map_err(|_| NoAnswer::Gone)?;
     let mut buf = BytesMut::with_capacity(512);
     loop {
         match message::split_message(&mut buf, 64 * 1024) {
             Ok(Some((frontend::PASSWORD_MESSAGE, mut m))) => {
                 m.advance(5);
-                return Some(m);
+                return Ok(m);
             }
-            Ok(Some(_)) | Err(_) => return None,
+            Ok(Some(_)) | Err(_) => return Err(NoAnswer::Other),
             Ok(None) => {}
         }
         match client.read_buf(&mut buf).await {
-            Ok(0) | Err(_) => return None,
+            Ok(0) | Err(_) => return Err(NoAnswer::Gone),
             Ok(_) => {}
         }
     }

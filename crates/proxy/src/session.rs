@@ -353,6 +353,8 @@ async fn serve(
             .await
         {
             Ok(Ok(c)) => Some(c),
+            // Nobody is left to tell, and no login failed.
+            Ok(Err(e)) if e.is_gone() => return Ok(None),
             Ok(Err(e)) => {
                 tracing::info!(
                     user = startup.user().unwrap_or_default(),
