@@ -319,31 +319,38 @@ fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
     // whatever role is asked for.
     let live_replica =
         |h: &HostState| h.alive && h.role == Role::Replica && h.off_primary.is_none();
-    let ok = |h: &HostState| match want {
+    let hosts = topo.hosts();
+    let server = |i: usize| hosts[i].duplicate_of.unwrap_or(i);
+    // A server kept out of load balancing under one of its names is kept
+    // out under all: under the HA agent a member's noloadbalance or fenced
+    // state lands on the entry of its published address, while the
+    // configured list may name the same server otherwise.
+    let no_balance = |i: usize| {
+        (0..hosts.len()).any(|j| {
+            (j == i || (hosts[j].alive && server(j) == server(i)))
+                && NO_BALANCE_TAGS.iter().any(|t| hosts[j].config.has_tag(t))
+        })
+    };
+    let ok = |i: usize| match want {
         Want::Primary => false,
         Want::Replica => {
-            live_replica(h)
-                && !h.lag_excluded
-                && !h.delayed
-                && !NO_BALANCE_TAGS.iter().any(|t| h.config.has_tag(t))
+            let h = &hosts[i];
+            live_replica(h) && !h.lag_excluded && !h.delayed && !no_balance(i)
         }
-        Want::Delayed => live_replica(h) && h.delayed,
+        Want::Delayed => live_replica(&hosts[i]) && hosts[i].delayed,
         Want::SyncStandby => {
+            let h = &hosts[i];
             live_replica(h)
                 && !h.lag_excluded
                 && matches!(h.sync_state, Some(SyncState::Sync | SyncState::Quorum))
         }
-        Want::Tagged(tag) => h.alive && h.config.has_tag(tag),
+        Want::Tagged(tag) => hosts[i].alive && hosts[i].config.has_tag(tag),
     };
-    let hosts = topo.hosts();
     // A server listed under two names takes its share once: its second
     // name counts only where the first does not qualify (e.g. when only
     // the second carries the tag asked for).
-    hosts
-        .iter()
-        .enumerate()
-        .filter(|(_, h)| ok(h) && !h.duplicate_of.is_some_and(|of| ok(&hosts[of])))
-        .map(|(i, _)| i)
+    (0..hosts.len())
+        .filter(|&i| ok(i) && !hosts[i].duplicate_of.is_some_and(ok))
         .collect()
 }
 
@@ -731,6 +738,38 @@ mod tests {
             assert_eq!(sel.eligible(&t, &want), expect, "{want}");
             assert_eq!(chosen(&sel, &t, &want), expect, "{want}");
         }
+    }
+
+    #[test]
+    fn a_server_kept_out_under_one_name_is_kept_out_under_all() {
+        let id = |started_us| {
+            Some(crate::model::InstanceId {
+                system_identifier: 7,
+                started_us,
+                port: 5432,
+            })
+        };
+        let mut p = primary_obs(1, 1000);
+        p.instance = id(1);
+        let mut r = replica_obs("r", 1000, 1);
+        r.instance = id(2);
+        let mut s = replica_obs("s", 1000, 1);
+        s.instance = id(3);
+        // r as configured, then as the HA agent adds it from its member
+        // record, fenced (noloadbalance); s, a replica in service.
+        let mut member = cfg("10.0.0.2");
+        member.tags.push("noloadbalance".into());
+        let configs = vec![cfg("p"), cfg("r.example"), member, cfg("s")];
+        let mut t = Topology::new(configs, TopologyConfig::default());
+        let now = Instant::now();
+        for (i, o) in [(0, &p), (1, &r), (2, &r), (3, &s)] {
+            t.apply(i, ProbeResult::Ok(o.clone()), now);
+        }
+        assert_eq!(t.hosts()[2].duplicate_of, Some(1));
+        let sel = Selector::default();
+        assert_eq!(sel.eligible(&t, &Want::Replica), [3]);
+        // Asked for by name or tag, it still serves.
+        assert_eq!(sel.eligible(&t, &Want::Tagged("noloadbalance".into())), [2]);
     }
 
     #[test]

@@ -703,10 +703,21 @@ impl Topology {
         self.primary = None;
         self.conflict_hosts.clear();
         if let PrimaryGate::Leader(leader) = &self.gate {
-            let holder = claiming
-                .iter()
-                .copied()
-                .find(|&i| Some(&self.hosts[i].config.addr) == leader.as_ref());
+            let named = |i: usize| Some(&self.hosts[i].config.addr) == leader.as_ref();
+            // The key holder's own entry first; failing that, another name
+            // of the same server: after a promotion the names are probed at
+            // different moments, and the one probed first must not make the
+            // new leader a rogue (nor leave writes without a primary) until
+            // the holder's own entry is probed again.
+            let key_server = (0..self.hosts.len())
+                .find(|&i| named(i) && self.hosts[i].alive)
+                .map(|i| self.counted_as(i));
+            let holder = claiming.iter().copied().find(|&i| named(i)).or_else(|| {
+                claiming
+                    .iter()
+                    .copied()
+                    .find(|&i| key_server == Some(self.counted_as(i)))
+            });
             self.primary = holder;
             let rogues: Vec<HostAddr> = claiming
                 .iter()
@@ -723,10 +734,22 @@ impl Topology {
             self.rogues = rogues;
             return;
         }
-        // A server listed twice claims primary once.
+        // A server listed twice claims primary once: as the entry it is
+        // counted as when that entry claims it too, else as its first name
+        // that does (a promotion is seen by the names at different
+        // moments, and the first to see it must count).
         let claimants: Vec<usize> = claiming
-            .into_iter()
-            .filter(|&i| self.hosts[i].duplicate_of.is_none())
+            .iter()
+            .copied()
+            .filter(|&i| {
+                let server = self.counted_as(i);
+                let counted_claims = claiming.contains(&server);
+                if counted_claims {
+                    i == server
+                } else {
+                    claiming.iter().find(|&&j| self.counted_as(j) == server) == Some(&i)
+                }
+            })
             .collect();
         match claimants.as_slice() {
             [] => {}
@@ -1306,6 +1329,49 @@ pub(crate) mod tests {
             }]
         );
         assert_eq!(t.hosts()[0].role, Role::Unknown);
+    }
+
+    #[test]
+    fn a_promotion_seen_first_under_the_second_name_counts() {
+        let t0 = Instant::now();
+        let replica = ided(replica_obs("r", 100, 1), 2000, 5433);
+        let promoted = ided(primary_obs(2, 200), 2000, 5433);
+        let stale = ided(primary_obs(1, 100), 1000, 5432);
+        // The old primary still runs; the replica, listed as r and r-alias,
+        // is promoted, and r-alias is probed first.
+        let setup = |gate: PrimaryGate| {
+            let mut t = topo(&["old", "r", "r-alias"]);
+            t.set_primary_gate(gate);
+            t.apply(0, ProbeResult::Ok(stale.clone()), t0);
+            t.apply(1, ProbeResult::Ok(replica.clone()), t0);
+            t.apply(2, ProbeResult::Ok(replica.clone()), t0);
+            t
+        };
+
+        // Standalone: the new timeline wins at once, not the stale primary.
+        let mut t = setup(PrimaryGate::Open);
+        assert_eq!(t.primary(), Some(0));
+        t.apply(2, ProbeResult::Ok(promoted.clone()), t0);
+        assert_eq!(t.primary(), Some(2));
+        assert!(!t.conflict());
+        t.apply(1, ProbeResult::Ok(promoted.clone()), t0);
+        assert_eq!(t.primary(), Some(1));
+
+        // Under the leader key, naming r: r-alias is the key holder's
+        // server, not a rogue, and takes the writes until r is probed.
+        let mut t = setup(PrimaryGate::Leader(Some(addr("r"))));
+        let ev = t.apply(2, ProbeResult::Ok(promoted.clone()), t0);
+        assert!(
+            !ev.contains(&TopologyEvent::PrimaryWithoutKey {
+                host: addr("r-alias")
+            }),
+            "{ev:?}"
+        );
+        assert_eq!(t.primary(), Some(2));
+        t.apply(1, ProbeResult::Ok(promoted), t0);
+        assert_eq!(t.primary(), Some(1));
+        // The old primary is the rogue it is.
+        assert_eq!(t.rogues, vec![addr("old")]);
     }
 
     #[test]
