@@ -194,8 +194,9 @@ struct Aggregator {
 }
 
 /// A probe result, tagged with the host-list generation it belongs to so
-/// results of a replaced host list are dropped.
-type Tagged = (u64, usize, ProbeResult);
+/// results of a replaced host list are dropped, and with the moment the
+/// server answered.
+type Tagged = (u64, usize, ProbeResult, Instant);
 
 struct Prober {
     trigger: mpsc::Sender<()>,
@@ -265,14 +266,14 @@ impl Running {
     }
 
     /// Applies a result; false if it belongs to a replaced host list.
-    fn result(&mut self, (gen, idx, result): Tagged) -> bool {
+    fn result(&mut self, (gen, idx, result, answered): Tagged) -> bool {
         if gen != self.generation {
             return false;
         }
         if let Some(p) = self.probers.get_mut(idx) {
             p.busy = false;
         }
-        for e in self.topology.apply(idx, result, Instant::now().into_std()) {
+        for e in self.topology.apply(idx, result, answered.into_std()) {
             log_event(&e);
         }
         true
@@ -416,12 +417,15 @@ async fn probe_host(
     let mut names = NameCache::default();
     while trigger.recv().await.is_some() {
         let mut result = probe_once(&mut client, &addr, &cfg).await;
+        // Lag and identity are facts of this moment, not of when a slow
+        // resolver let the result go.
+        let answered = Instant::now();
         if let ProbeResult::Ok(obs) = &mut result {
             if let Some(up) = &obs.upstream {
                 obs.upstream_ips = names.resolve(up, cfg.connect_timeout).await;
             }
         }
-        if results.send((generation, idx, result)).is_err() {
+        if results.send((generation, idx, result, answered)).is_err() {
             break;
         }
     }
