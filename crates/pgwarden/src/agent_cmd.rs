@@ -61,7 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let runtime = crate::run_cmd::runtime(&config)?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
         let probe = crate::run_cmd::probe_config(&config, dir)?;
         // The agent's own server is the one it logs in to (and the one
@@ -80,7 +80,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )
         .await?;
         crate::run_cmd::serve(&args.config, config, false, Some(handle)).await
-    })
+    });
+    crate::run_cmd::finish(runtime);
+    result
 }
 
 /// `etcd` with the files it names resolved against the directory of the

@@ -79,12 +79,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    report(match cli.command {
+    let result = match cli.command {
         Command::Topology(args) => runtime.block_on(topology_cmd::run(args)),
         Command::Demo(args) => demo::run(args, &runtime),
         Command::Ctl(args) => runtime.block_on(ctl::run(args)),
         Command::Run(_) | Command::Agent(_) | Command::Fence(_) => unreachable!("handled above"),
-    })
+    };
+    run_cmd::finish(runtime);
+    report(result)
 }
 
 fn report(result: anyhow::Result<()>) -> ExitCode {

@@ -34,7 +34,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         check(&args.config, &config)?;
         return Ok(());
     }
-    runtime(&config)?.block_on(serve(&args.config, config, false, None))
+    let runtime = runtime(&config)?;
+    let result = runtime.block_on(serve(&args.config, config, false, None));
+    finish(runtime);
+    result
+}
+
+/// Stops a runtime whose work is done. Dropping it would wait for every
+/// blocking task, and one may be stuck for as long as the system lets it:
+/// a name lookup on a resolver that does not answer, a callback script
+/// that hangs. Those get a few seconds, then the process exits anyway.
+pub fn finish(runtime: tokio::runtime::Runtime) {
+    runtime.shutdown_timeout(Duration::from_secs(3));
 }
 
 /// `--check`: loads what starting would load from files, binds and
