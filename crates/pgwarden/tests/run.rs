@@ -756,3 +756,47 @@ async fn logins_waiting_for_a_primary_wait_side_by_side() {
         );
     }
 }
+
+/// An auth query that outlasts its time-out leaves the connection it
+/// runs on: the next lookup opens another rather than queueing behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_auth_query_does_not_hold_up_the_next_login() {
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-pw'; CREATE ROLE slow LOGIN PASSWORD 'slow-pw'",
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    write(
+        &dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
+    );
+    let config = dir.path().join("pgwarden.toml");
+    // The lookup of `slow` runs far past the 5 s the query is given.
+    write(
+        &config,
+        &format!(
+            "{}\n[auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n\
+             auth_query = \"SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 \
+             AND EXISTS (SELECT 1 FROM pg_catalog.pg_sleep(CASE WHEN $1 = 'slow' THEN 60 ELSE 0 END))\"\n",
+            listening(&[c.addr(0)], (rw, ro, http), "")
+        ),
+    );
+    let pg = Running::start(&config, dir.path());
+    let login = |user: &'static str| async move {
+        client(&format!(
+            "host=127.0.0.1 port={rw} user={user} password={user}-pw dbname=postgres"
+        ))
+        .await
+    };
+    // postgres needs no lookup (trust): the primary is known.
+    lands_on("read-write port", rw, "f").await;
+    assert!(login("slow").await.is_err(), "{}", pg.log());
+    assert!(pg.log().contains("auth query timed out"), "{}", pg.log());
+    let alice = login("alice")
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", pg.log()));
+    assert_eq!(common::one(&alice, "SELECT current_user").await, "alice");
+}

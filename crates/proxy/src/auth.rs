@@ -139,17 +139,24 @@ impl Authenticator {
         }
         let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
-        let rows = crate::timer::timeout(
+        let rows = match crate::timer::timeout(
             Duration::from_secs(5),
             client.query(&self.spec.auth_query, &[&user]),
         )
         .await
-        .map_err(|_| "auth query timed out".to_string())?
-        .map_err(|e| {
-            *guard = None;
-            format!("auth query failed: {}", pg_error(&e))
-        });
-        let rows = rows?;
+        {
+            Ok(Ok(rows)) => rows,
+            Ok(Err(e)) => {
+                *guard = None;
+                return Err(format!("auth query failed: {}", pg_error(&e)));
+            }
+            // The query still runs there (a lock, a slow function): the
+            // next lookup would queue behind it on this connection.
+            Err(_) => {
+                *guard = None;
+                return Err("auth query timed out".into());
+            }
+        };
         let v: Option<String> = rows
             .first()
             .and_then(|r| r.try_get::<_, Option<String>>(1).ok().flatten());
@@ -203,7 +210,10 @@ impl Authenticator {
                 *guard = None;
                 return Err(format!("role lookup failed: {}", pg_error(&e)));
             }
-            Err(_) => return Err("role lookup timed out".into()),
+            Err(_) => {
+                *guard = None;
+                return Err("role lookup timed out".into());
+            }
         };
         let roles: Vec<String> = rows
             .iter()
