@@ -720,3 +720,44 @@ async fn a_paused_relay_service_holds_new_sessions_until_resumed() {
         "2"
     );
 }
+
+/// A server listed under two names is one primary: when its first name's
+/// probe fails for a while and the primary's entry moves to the second
+/// name and back, sessions and pools opened on the second name meanwhile
+/// go on, since the server never changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_stay_when_the_primary_moves_between_two_names_of_it() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    // The relay's address first: the server is counted under it.
+    let addrs = [relay.addr().to_string(), c.addr(0)];
+    for pooled in [false, true] {
+        let settings = pooled.then(|| pgwarden_proxy::PoolSettings {
+            size: 2,
+            ..pgwarden_proxy::PoolSettings::default()
+        });
+        let (e, p) = common::proxy_with(&addrs, Duration::from_secs(10), settings, 10_000).await;
+        let primary_is = |want: usize| {
+            move |s: &pgwarden_probe::Snapshot| {
+                (s.topology.primary() == Some(want))
+                    .then_some(())
+                    .ok_or(format!("{:?}", s.topology.primary()))
+            }
+        };
+        until(&e, "counted under the relay", WAIT, primary_is(0)).await;
+        relay.set_blackhole(true);
+        until(&e, "the second name takes over", WAIT, primary_is(1)).await;
+        let held = client(&via(&p, "read_write")).await.unwrap();
+        assert_eq!(common::one(&held, "SELECT 1").await, "1");
+        relay.set_blackhole(false);
+        until(&e, "the first name is back", WAIT, primary_is(0)).await;
+        // Two more rounds: every change has been acted on.
+        let round = e.snapshot().round;
+        e.wait_round(round + 2).await;
+        assert_eq!(
+            common::one(&held, "SELECT 2").await,
+            "2",
+            "pooled {pooled}: the session ended"
+        );
+    }
+}

@@ -1464,7 +1464,9 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 pool.warm();
                 let idx = index.get(&key.host).copied();
                 let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
-                let keep = alive && !(pool.settings().wants_primary && topo.primary() != idx);
+                let keep = alive
+                    && (!pool.settings().wants_primary
+                        || idx.is_some_and(|i| topo.reaches_primary(i)));
                 if !keep {
                     tracing::info!(host = %key.host, database = %key.database, user = %key.user, "retiring pool");
                     pool.retire();
@@ -1505,7 +1507,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 Some(Kill::HostRemoved)
             } else if !alive {
                 Some(Kill::HostDown)
-            } else if e.want == Want::Primary && topo.primary() != idx {
+            } else if e.want == Want::Primary && !idx.is_some_and(|i| topo.reaches_primary(i)) {
                 Some(Kill::NotPrimary)
             } else {
                 None

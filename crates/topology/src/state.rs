@@ -545,6 +545,16 @@ impl Topology {
         self.primary
     }
 
+    /// Whether entry `i` reaches the primary server: it is the primary's
+    /// entry, or another name of the same server. Sessions and pools bound
+    /// to one name of the primary stay when the primary's entry moves to
+    /// another name of it (one name's probe failed for a moment).
+    pub fn reaches_primary(&self, i: usize) -> bool {
+        self.primary.is_some_and(|p| {
+            p == i || (i < self.hosts.len() && self.counted_as(i) == self.counted_as(p))
+        })
+    }
+
     /// Whether several live hosts claim to be primary and none wins.
     pub fn conflict(&self) -> bool {
         !self.conflict_hosts.is_empty()
@@ -2065,8 +2075,12 @@ pub(crate) mod tests {
             to: Some(addr("p-alias"))
         }));
         assert_eq!(t.hosts()[1].duplicate_of, None);
+        // Sessions opened on the second name meanwhile still reach it.
+        assert!(t.reaches_primary(1));
         let ev = t.apply(0, ProbeResult::Ok(p), t0);
         assert_eq!(t.primary(), Some(0));
+        assert!(t.reaches_primary(0) && t.reaches_primary(1));
+        assert!(!t.reaches_primary(2) && !t.reaches_primary(3));
         assert!(!ev
             .iter()
             .any(|e| matches!(e, TopologyEvent::SameServer { .. })));
