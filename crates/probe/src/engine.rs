@@ -330,9 +330,12 @@ impl Aggregator {
                 }
                 Some(cmd) = commands.recv() => {
                     if st.command(cmd) {
-                        waiting.clear();
-                        // A round now, on the new probers and interval
+                        // The open round's probers are gone (their results
+                        // are dropped): it is abandoned, not closed, and a
+                        // new one starts now on the new probers and interval
                         // (the first tick of an interval is immediate).
+                        waiting.clear();
+                        open = false;
                         tick = tokio::time::interval(st.probe.interval);
                         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
                     }
