@@ -94,6 +94,43 @@ fn conninfo(port: u16) -> String {
     format!("host=127.0.0.1 port={port} user=postgres dbname=postgres")
 }
 
+/// pg_hba.conf lines that trust `postgres` (the auth user) and want SCRAM
+/// of everyone else.
+const TRUST_POSTGRES: &str =
+    "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n";
+
+/// Starts `pgwarden run` in `dir` in front of node 0 of `c`, with `[auth]`
+/// (the hba file `hba`, auth user `postgres`, then the `auth` lines) and
+/// the `engine` lines in `[engine]`; returns it and its read-write port
+/// once that port listens.
+async fn run_with_auth(
+    c: &TestCluster,
+    dir: &Path,
+    hba: &str,
+    engine: &str,
+    auth: &str,
+) -> (Running, u16) {
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    write(&dir.join("pg_hba.conf"), hba);
+    let config = dir.join("pgwarden.toml");
+    write(
+        &config,
+        &format!(
+            "{}\n[engine]\n{engine}\n\
+             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n{auth}",
+            listening(&[c.addr(0)], (rw, ro, http), "")
+        ),
+    );
+    let pg = Running::start(&config, dir);
+    eventually("listening", WAIT, || async move {
+        std::net::TcpStream::connect(("127.0.0.1", rw))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    (pg, rw)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn minimal_config_reload_and_graceful_shutdown() {
     let c = TestCluster::builder().replicas(2).start();
@@ -418,23 +455,14 @@ async fn psycopg_run(extra: &str) {
 async fn a_failing_auth_query_is_logged_with_the_servers_reason() {
     let c = TestCluster::builder().replicas(0).start();
     let dir = tempfile::tempdir().unwrap();
-    let (rw, ro, http) = (free_port(), free_port(), free_port());
-    write(
-        &dir.path().join("pg_hba.conf"),
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
-    );
-    let config = dir.path().join("pgwarden.toml");
-    write(
-        &config,
-        &format!(
-            "[cluster]\nhosts = [\"{}\"]\n\n\
-             [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n\n\
-             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n\
-             auth_query = \"SELECT usename, passwd FROM no_such_verifiers WHERE usename = $1\"\n",
-            c.addr(0)
-        ),
-    );
-    let pg = Running::start(&config, dir.path());
+    let (pg, rw) = run_with_auth(
+        &c,
+        dir.path(),
+        TRUST_POSTGRES,
+        "",
+        "auth_query = \"SELECT usename, passwd FROM no_such_verifiers WHERE usename = $1\"\n",
+    )
+    .await;
     let refused = eventually("pgwarden answers", WAIT, || async {
         match client(&format!(
             "host=127.0.0.1 port={rw} user=alice password=x dbname=postgres"
@@ -664,26 +692,13 @@ async fn a_verifier_lookup_waits_for_the_primary() {
         .stop(pgwarden_pgctl::StopMode::Fast)
         .expect("stop the primary");
     let dir = tempfile::tempdir().unwrap();
-    let (rw, ro, http) = (free_port(), free_port(), free_port());
-    write(
-        &dir.path().join("pg_hba.conf"),
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
-    );
-    let config = dir.path().join("pgwarden.toml");
-    write(
-        &config,
-        &format!(
-            "{}\n[engine]\nconnect_wait_timeout = \"20s\"\n\
-             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n",
-            listening(&[c.addr(0)], (rw, ro, http), "")
-        ),
-    );
-    let pg = Running::start(&config, dir.path());
-    eventually("listening", WAIT, || async move {
-        std::net::TcpStream::connect(("127.0.0.1", rw))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
+    let (pg, rw) = run_with_auth(
+        &c,
+        dir.path(),
+        TRUST_POSTGRES,
+        "connect_wait_timeout = \"20s\"",
+        "",
+    )
     .await;
     let conninfo = format!("host=127.0.0.1 port={rw} user=alice password=alice-pw dbname=postgres");
     let login = tokio::spawn(async move { client(&conninfo).await });
@@ -714,26 +729,13 @@ async fn logins_waiting_for_a_primary_wait_side_by_side() {
         .stop(pgwarden_pgctl::StopMode::Fast)
         .expect("stop the primary");
     let dir = tempfile::tempdir().unwrap();
-    let (rw, ro, http) = (free_port(), free_port(), free_port());
-    write(
-        &dir.path().join("pg_hba.conf"),
+    let (pg, rw) = run_with_auth(
+        &c,
+        dir.path(),
         "host all all 127.0.0.1/32 scram-sha-256\n",
-    );
-    let config = dir.path().join("pgwarden.toml");
-    write(
-        &config,
-        &format!(
-            "{}\n[engine]\nconnect_wait_timeout = \"2s\"\n\
-             [auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n",
-            listening(&[c.addr(0)], (rw, ro, http), "")
-        ),
-    );
-    let pg = Running::start(&config, dir.path());
-    eventually("listening", WAIT, || async move {
-        std::net::TcpStream::connect(("127.0.0.1", rw))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
+        "connect_wait_timeout = \"2s\"",
+        "",
+    )
     .await;
     let started = std::time::Instant::now();
     let logins: Vec<_> = (0..5)
@@ -768,23 +770,16 @@ async fn a_timed_out_auth_query_does_not_hold_up_the_next_login() {
     )
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let (rw, ro, http) = (free_port(), free_port(), free_port());
-    write(
-        &dir.path().join("pg_hba.conf"),
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
-    );
-    let config = dir.path().join("pgwarden.toml");
     // The lookup of `slow` runs far past the 5 s the query is given.
-    write(
-        &config,
-        &format!(
-            "{}\n[auth]\nhba_file = \"pg_hba.conf\"\nauth_user = \"postgres\"\n\
-             auth_query = \"SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 \
-             AND EXISTS (SELECT 1 FROM pg_catalog.pg_sleep(CASE WHEN $1 = 'slow' THEN 60 ELSE 0 END))\"\n",
-            listening(&[c.addr(0)], (rw, ro, http), "")
-        ),
-    );
-    let pg = Running::start(&config, dir.path());
+    let (pg, rw) = run_with_auth(
+        &c,
+        dir.path(),
+        TRUST_POSTGRES,
+        "",
+        "auth_query = \"SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 \
+         AND EXISTS (SELECT 1 FROM pg_catalog.pg_sleep(CASE WHEN $1 = 'slow' THEN 60 ELSE 0 END))\"\n",
+    )
+    .await;
     let login = |user: &'static str| async move {
         client(&format!(
             "host=127.0.0.1 port={rw} user={user} password={user}-pw dbname=postgres"
