@@ -44,6 +44,17 @@ async fn tls_proxy(
     key: &Path,
     mode: ClientTlsMode,
 ) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
+    tls_proxy_pooled(c, cert, key, mode, None).await
+}
+
+/// [`tls_proxy`], with transaction pooling when `pool` is given.
+async fn tls_proxy_pooled(
+    c: &TestCluster,
+    cert: &Path,
+    key: &Path,
+    mode: ClientTlsMode,
+    pool: Option<pgwarden_proxy::PoolSettings>,
+) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
     let spec = TlsSpec {
         cert: cert.to_path_buf(),
         key: key.to_path_buf(),
@@ -53,7 +64,7 @@ async fn tls_proxy(
     let (e, p) = proxy_full(
         &c.addrs(),
         Duration::from_secs(3),
-        None,
+        pool,
         1000,
         Default::default(),
         Some(spec),
@@ -178,25 +189,7 @@ async fn tls_sessions_told_to_end_get_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let (_ca, cert, key) = make_certs(dir.path(), "a");
     for pool in [None, Some(pgwarden_proxy::PoolSettings::default())] {
-        let spec = TlsSpec {
-            cert: cert.clone(),
-            key: key.clone(),
-            mode: ClientTlsMode::Require,
-            client_ca: None,
-        };
-        let (e, p) = proxy_full(
-            &c.addrs(),
-            Duration::from_secs(3),
-            pool.clone(),
-            1000,
-            Default::default(),
-            Some(spec),
-        )
-        .await;
-        until(&e, "primary", WAIT, |s| {
-            s.topology.primary().map(|_| ()).ok_or("none".into())
-        })
-        .await;
+        let (_e, p) = tls_proxy_pooled(&c, &cert, &key, ClientTlsMode::Require, pool.clone()).await;
         let port = p.service_addrs()["read_write"].port();
         // A statement of its own per round: the previous round's backend
         // may still be sleeping.
@@ -555,25 +548,7 @@ async fn channel_binding_require_logs_in_through_pgwarden() {
     let (ca, cert, key) = make_certs(dir.path(), "cb");
     for pool in [None, Some(pgwarden_proxy::PoolSettings::default())] {
         let pooled = pool.is_some();
-        let spec = TlsSpec {
-            cert: cert.clone(),
-            key: key.clone(),
-            mode: ClientTlsMode::Allow,
-            client_ca: None,
-        };
-        let (e, p) = proxy_full(
-            &c.addrs(),
-            Duration::from_secs(3),
-            pool,
-            1000,
-            Default::default(),
-            Some(spec),
-        )
-        .await;
-        until(&e, "primary", WAIT, |s| {
-            s.topology.primary().map(|_| ()).ok_or("none".into())
-        })
-        .await;
+        let (_e, p) = tls_proxy_pooled(&c, &cert, &key, ClientTlsMode::Allow, pool).await;
         let port = p.service_addrs()["read_write"].port();
 
         // libpq computes the binding itself (SHA-256 for this ECDSA-SHA256
