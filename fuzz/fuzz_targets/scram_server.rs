@@ -1,6 +1,7 @@
 //! The server side of a SCRAM-SHA-256 exchange as pgwarden runs it
 //! towards clients: SASLInitialResponse body, client-first-message, then
-//! client-final-message.
+//! client-final-message, with and without channel binding
+//! (`SCRAM-SHA-256-PLUS`).
 #![no_main]
 
 use std::sync::OnceLock;
@@ -29,12 +30,26 @@ fuzz_target!(|data: &[u8]| {
         Some(initial),
     ];
     for first in firsts.into_iter().flatten() {
-        // The nonce is fixed so that a found input reproduces.
-        let mut server = ScramServer::new(secret(), [1u8; 18]);
-        if server.client_first(first).is_ok() {
-            let _ = server.client_final(last);
-            // Out of order after the end: must be an error, not a panic.
-            let _ = server.client_final(last);
+        // Without channel binding (plaintext clients), then with it offered
+        // (TLS clients) for either mechanism the client may choose. The
+        // nonce is fixed so that a found input reproduces.
+        let servers = [
+            (ScramServer::new(secret(), [1u8; 18]), "SCRAM-SHA-256"),
+            (
+                ScramServer::new(secret(), [1u8; 18]).with_channel_binding([9u8; 32]),
+                "SCRAM-SHA-256",
+            ),
+            (
+                ScramServer::new(secret(), [1u8; 18]).with_channel_binding([9u8; 32]),
+                "SCRAM-SHA-256-PLUS",
+            ),
+        ];
+        for (mut server, mechanism) in servers {
+            if server.initial_response(mechanism, first).is_ok() {
+                let _ = server.client_final(last);
+                // Out of order after the end: must be an error, not a panic.
+                let _ = server.client_final(last);
+            }
         }
     }
 });

@@ -15,7 +15,10 @@
 //! * [`message`]: framing of tagged messages and read access to their bodies.
 //! * [`encode`]: builders for the messages the proxy sends on its own.
 //! * [`readonly`]: the SQL check that keeps a read-only session read-only.
+//! * [`effects`]: what a query does to a pooled server session (state that
+//!   outlives its transaction, prepared statements dropped).
 
+pub mod effects;
 pub mod encode;
 pub mod message;
 pub mod readonly;

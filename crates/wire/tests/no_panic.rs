@@ -6,6 +6,7 @@
 //! from fragments that drive the lexer through all of its states.
 
 use bytes::BytesMut;
+use pgwarden_wire::effects::{statements, words, Effects};
 use pgwarden_wire::message::{self, body, peek_header, split_message};
 use pgwarden_wire::readonly::{
     check_read_only, check_read_only_bytes, options_set_read_only_guc, startup_sets_read_only_guc,
@@ -91,9 +92,34 @@ fn framing_bytes(buf: &[u8], max_len: usize) {
 
 fn sql_bytes(buf: &[u8]) {
     let _ = check_read_only_bytes(buf);
+    session_effects(buf);
     let text = String::from_utf8_lossy(buf);
     let _ = check_read_only(&text);
     let _ = options_set_read_only_guc(&text);
+}
+
+/// The pool's session-state check, with the invariants the fuzz target
+/// (`fuzz/fuzz_targets/effects.rs`) asserts.
+fn session_effects(buf: &[u8]) {
+    let all = Effects::of(buf);
+    let bytewise = buf
+        .split(|b| !(b.is_ascii_alphanumeric() || *b == b'_'))
+        .filter(|w| !w.is_empty());
+    assert!(words(buf).eq(bytewise), "words differ: {buf:?}");
+    let mut at = 0;
+    for s in statements(buf) {
+        assert_eq!(s.as_ptr() as usize - buf.as_ptr() as usize, at, "{buf:?}");
+        at += s.len();
+        if at < buf.len() {
+            assert_eq!(buf[at], b';', "{buf:?}");
+            at += 1;
+        }
+    }
+    assert_eq!(at, buf.len(), "{buf:?}");
+    let (pins, drops) = statements(buf)
+        .map(Effects::of)
+        .fold((false, false), |(p, d), e| (p | e.pins, d | e.drops));
+    assert_eq!((all.pins, all.drops), (pins, drops), "{buf:?}");
 }
 
 #[test]
@@ -159,7 +185,7 @@ fn plausible_packets() {
 #[test]
 fn sql_like_text() {
     let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
-    let pieces: [&str; 44] = [
+    let pieces: [&str; 61] = [
         "'",
         "''",
         "\"",
@@ -204,6 +230,24 @@ fn sql_like_text() {
         "WRITE",
         "1.5e",
         "\u{e9}",
+        // What the pool's session-state check looks for.
+        "LISTEN",
+        "DISCARD",
+        "DEALLOCATE",
+        "PREPARE",
+        "CREATE",
+        "TEMP",
+        "pg_temp",
+        "pg_temp_3",
+        "pg_advisory_lock",
+        "WITH",
+        "HOLD",
+        "SESSION",
+        "AUTHORIZATION",
+        "LOCAL",
+        "TimeZone",
+        "true",
+        "x",
     ];
     for _ in 0..ROUNDS {
         let mut sql = String::new();
@@ -212,6 +256,7 @@ fn sql_like_text() {
         }
         let _ = check_read_only(&sql);
         let _ = options_set_read_only_guc(&sql);
+        session_effects(sql.as_bytes());
     }
 }
 
