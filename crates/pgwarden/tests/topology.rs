@@ -615,6 +615,52 @@ async fn standbys_sharing_a_name_are_told_apart_by_slot_or_not_at_all() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cascading_replica_sharing_a_name_leaves_the_sync_standby_known() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    restream(&mut c, 1, "application_name=twin");
+    // node3 streams from node2, under the same name: the primary lists
+    // node2 alone.
+    let upstream = c.port(1);
+    let node = c.node(2);
+    node.set_setting(
+        "primary_conninfo",
+        &format!("host=127.0.0.1 port={upstream} user=postgres application_name=twin"),
+    )
+    .unwrap();
+    node.reload().unwrap();
+    c.set_sync_standby_names("FIRST 1 (twin)");
+    let c = &c;
+    pgwarden_testkit::eventually("node2 sync, node3 streaming from it", WAIT, || async move {
+        let primary = replication_rows(c).await;
+        let cascade = sql_value(
+            &c.conninfo(1),
+            "SELECT string_agg(application_name || ':' || state, ',') FROM pg_stat_replication",
+        )
+        .await
+        .unwrap_or_default();
+        (primary == "twin:sync:" && cascade == "twin:streaming")
+            .then_some(())
+            .ok_or(format!("primary {primary:?}, node2 {cascade:?}"))
+    })
+    .await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "node2 sync, node3 no row of the primary's", WAIT, |s| {
+        let st: Vec<_> = s.topology.hosts().iter().map(|h| h.sync_state).collect();
+        (st == [None, Some(SyncState::Sync), None])
+            .then_some(())
+            .ok_or(format!("{st:?}"))
+    })
+    .await;
+    let h = snap.topology.hosts();
+    assert_eq!(h[2].replication_name(), Some("twin"));
+    assert_eq!(h[2].off_primary, None, "a cascade is no stray");
+    assert_eq!(
+        Selector::default().eligible(&snap.topology, &Want::SyncStandby),
+        [1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_left_on_the_old_timeline_gets_no_reads() {
     let mut c = TestCluster::builder().replicas(2).start();
     // node2 is promoted while node1 keeps running as a primary, and node3

@@ -855,6 +855,7 @@ impl Topology {
     /// its `pg_stat_replication` shows streaming from it, by the same
     /// slot-then-unique-name rule as the sync states.
     fn listed_replicas(&self) -> Vec<(usize, Vec<bool>)> {
+        let cascaded = self.cascaded();
         (0..self.hosts.len())
             .filter(|&c| {
                 let h = &self.hosts[c];
@@ -865,7 +866,7 @@ impl Topology {
                     .observation
                     .as_ref()
                     .map_or(&[][..], |o| &o.replication[..]);
-                let (rows, _) = attribute_rows(&self.hosts, rows);
+                let (rows, _) = attribute_rows(&self.hosts, rows, &cascaded);
                 (c, rows.iter().map(Option::is_some).collect())
             })
             .collect()
@@ -899,6 +900,14 @@ impl Topology {
         if let Some(c) = first {
             return Some((c, " (in its pg_stat_replication)"));
         }
+        self.named_upstream(i).map(|s| (s, ""))
+    }
+
+    /// The configured host that live replica `i` names as its upstream
+    /// (`sender_host`/`sender_port`), matched by machine and port as
+    /// [`Self::feeder`] describes; `None` when it names none of them.
+    fn named_upstream(&self, i: usize) -> Option<usize> {
+        let r = self.counted_as(i);
         let obs = self.hosts[i].observation.as_ref()?;
         let up = obs.upstream.as_ref()?;
         let local = up.host.starts_with('/')
@@ -909,7 +918,7 @@ impl Topology {
         } else {
             obs.upstream_ips.clone()
         };
-        let s = (0..self.hosts.len()).find(|&s| {
+        (0..self.hosts.len()).find(|&s| {
             let o = &self.hosts[s];
             if self.counted_as(s) == r {
                 return false;
@@ -923,8 +932,23 @@ impl Topology {
                 .and_then(|x| x.server_ip)
                 .is_some_and(|ip| at.iter().any(|a| same_machine(*a, ip)));
             port && (named || machine)
-        })?;
-        Some((s, ""))
+        })
+    }
+
+    /// Live replicas that stream from another live replica (a cascade),
+    /// by the upstream they name. The primary's `pg_stat_replication`
+    /// cannot list them, so none of its rows is theirs, whatever name they
+    /// share with a standby of the primary.
+    fn cascaded(&self) -> Vec<bool> {
+        (0..self.hosts.len())
+            .map(|i| {
+                self.hosts[i].is_live_replica()
+                    && self.named_upstream(i).is_some_and(|s| {
+                        let u = &self.hosts[s];
+                        u.alive && u.role == Role::Replica
+                    })
+            })
+            .collect()
     }
 
     fn compute_lag(&mut self) {
@@ -979,7 +1003,7 @@ impl Topology {
 
         let rows = primary_obs.as_ref().map_or(&[][..], |o| &o.replication[..]);
         let sync_configured = self.ssn.is_some();
-        let (attributed, ambiguous) = attribute_rows(&self.hosts, rows);
+        let (attributed, ambiguous) = attribute_rows(&self.hosts, rows, &self.cascaded());
         self.sync_set.clear();
         for (i, row_state) in attributed.into_iter().enumerate() {
             // The server's own verdict is authoritative, except that nothing
@@ -1130,14 +1154,17 @@ type SharedName = (String, Vec<usize>);
 fn attribute_rows<'r>(
     hosts: &[HostState],
     rows: &'r [ReplicationRow],
+    cascaded: &[bool],
 ) -> (Vec<Option<&'r str>>, Vec<SharedName>) {
     let mut out: Vec<Option<&str>> = vec![None; hosts.len()];
     let mut row_taken = vec![false; rows.len()];
     let mut host_done = vec![false; hosts.len()];
     for (i, h) in hosts.iter().enumerate() {
         // A second name of a replica would otherwise share its name and
-        // slot with it, and make its row look ambiguous.
-        if !h.is_live_replica() || h.duplicate_of.is_some() {
+        // slot with it, and make its row look ambiguous; a cascading
+        // replica streams from another standby, not from the server whose
+        // rows these are.
+        if !h.is_live_replica() || h.duplicate_of.is_some() || cascaded[i] {
             host_done[i] = true;
             continue;
         }
@@ -1664,6 +1691,35 @@ pub(crate) mod tests {
         assert!(!ev
             .iter()
             .any(|e| matches!(e, TopologyEvent::SyncAmbiguous { .. })));
+    }
+
+    #[test]
+    fn a_cascading_replica_bears_none_of_the_primarys_rows() {
+        use SyncState::*;
+        let t0 = Instant::now();
+        let mut t = at(&["127.0.0.1:5432", "127.0.0.1:5433", "127.0.0.1:5434"]);
+        // "a" streams from the primary; "b" streams from "a", under the
+        // same name, so the primary lists one row of that name.
+        let mut a = reached_at(replica_obs("walreceiver", 1, 1), "127.0.0.1");
+        a.upstream = Some(HostAddr::new("127.0.0.1", 5432));
+        t.apply(1, ProbeResult::Ok(a), t0);
+        let mut b = reached_at(replica_obs("walreceiver", 1, 1), "127.0.0.1");
+        b.upstream = Some(HostAddr::new("localhost", 5433));
+        t.apply(2, ProbeResult::Ok(b.clone()), t0);
+        let mut p = reached_at(primary_obs(1, 1), "127.0.0.1");
+        p.synchronous_standby_names = Some("FIRST 1 (walreceiver)".into());
+        p.replication = vec![row("walreceiver", "sync")];
+        let ev = t.apply(0, ProbeResult::Ok(p), t0);
+        assert_eq!(states(&t), [None, Some(Sync), None]);
+        assert_eq!(t.sync_set(), &[1]);
+        assert!(!ev
+            .iter()
+            .any(|e| matches!(e, TopologyEvent::SyncAmbiguous { .. })));
+        // The same replica seen streaming from the primary: the name is
+        // shared again and says nothing.
+        b.upstream = Some(HostAddr::new("127.0.0.1", 5432));
+        t.apply(2, ProbeResult::Ok(b), t0);
+        assert_eq!(states(&t), [None, None, None]);
     }
 
     #[test]
