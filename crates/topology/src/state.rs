@@ -729,19 +729,41 @@ impl Topology {
                     .find(|&i| key_server == Some(self.counted_as(i)))
             });
             self.primary = holder;
-            let rogues: Vec<HostAddr> = claiming
-                .iter()
-                .copied()
-                // Another name of the key holder is the key holder.
-                .filter(|&i| !holder.is_some_and(|l| self.counted_as(l) == self.counted_as(i)))
-                .map(|i| self.hosts[i].config.addr.clone())
-                .collect();
-            for r in &rogues {
-                if !self.rogues.contains(r) {
-                    events.push(TopologyEvent::PrimaryWithoutKey { host: r.clone() });
+            // Another name of the key holder is the key holder; a rogue
+            // listed twice is one rogue, reported under the entry it is
+            // counted as when that entry claims too.
+            let mut rogues: Vec<usize> = Vec::new();
+            for &i in &claiming {
+                let server = self.counted_as(i);
+                if holder.is_some_and(|l| self.counted_as(l) == server)
+                    || rogues.iter().any(|&r| self.counted_as(r) == server)
+                {
+                    continue;
+                }
+                rogues.push(if claiming.contains(&server) {
+                    server
+                } else {
+                    i
+                });
+            }
+            let known = |addr: &HostAddr| {
+                self.hosts
+                    .iter()
+                    .position(|h| &h.config.addr == addr)
+                    .map(|k| self.counted_as(k))
+            };
+            for &r in &rogues {
+                let server = Some(self.counted_as(r));
+                if !self.rogues.iter().any(|old| known(old) == server) {
+                    events.push(TopologyEvent::PrimaryWithoutKey {
+                        host: self.hosts[r].config.addr.clone(),
+                    });
                 }
             }
-            self.rogues = rogues;
+            self.rogues = rogues
+                .into_iter()
+                .map(|r| self.hosts[r].config.addr.clone())
+                .collect();
             return;
         }
         // A server listed twice claims primary once: as the entry it is
@@ -2205,6 +2227,40 @@ pub(crate) mod tests {
                 TopologyEvent::PrimaryWithoutKey { host: addr("b") }
             ]
         );
+    }
+
+    #[test]
+    fn a_rogue_listed_twice_is_reported_once() {
+        let t0 = Instant::now();
+        let mut t = topo(&["a", "b", "b-alias"]);
+        t.set_primary_gate(PrimaryGate::Leader(Some(addr("a"))));
+        t.apply(
+            0,
+            ProbeResult::Ok(ided(primary_obs(1, 100), 1000, 5432)),
+            t0,
+        );
+        let b = ided(primary_obs(1, 100), 1001, 5432);
+        let rogue = |ev: &[TopologyEvent]| -> Vec<HostAddr> {
+            ev.iter()
+                .filter_map(|e| match e {
+                    TopologyEvent::PrimaryWithoutKey { host } => Some(host.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        // Seen first under its second name, then under its own: the
+        // second sight is the same rogue.
+        let ev = t.apply(2, ProbeResult::Ok(b.clone()), t0);
+        assert_eq!(rogue(&ev), [addr("b-alias")]);
+        let ev = t.apply(1, ProbeResult::Ok(b.clone()), t0);
+        assert_eq!(rogue(&ev), []);
+        assert_eq!(t.hosts()[2].duplicate_of, Some(1));
+        assert_eq!(t.rogues, [addr("b")]);
+        for i in [1, 2, 1] {
+            let ev = t.apply(i, ProbeResult::Ok(b.clone()), t0);
+            assert_eq!(rogue(&ev), [], "probe of {i}");
+        }
+        assert_eq!(t.primary(), Some(0));
     }
 
     #[test]
