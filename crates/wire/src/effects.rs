@@ -35,26 +35,32 @@ fn after_comments(mut sql: &[u8]) -> &[u8] {
                 .map_or(rest.len(), |p| p + 1);
             sql = &rest[end..];
         } else if trimmed.starts_with(b"/*") {
-            let (mut depth, mut i) = (0usize, 0);
-            while i < trimmed.len() {
-                if trimmed[i..].starts_with(b"/*") {
-                    depth += 1;
-                    i += 2;
-                } else if trimmed[i..].starts_with(b"*/") {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    i += 1;
-                }
-            }
-            sql = &trimmed[i..];
+            sql = &trimmed[block_comment_len(trimmed)..];
         } else {
             return trimmed;
         }
     }
+}
+
+/// The length of the `/* */` comment that `sql` starts with, nested as
+/// PostgreSQL's lexer nests them; all of `sql` when it is unterminated.
+fn block_comment_len(sql: &[u8]) -> usize {
+    let (mut depth, mut i) = (0usize, 0);
+    while i < sql.len() {
+        if sql[i..].starts_with(b"/*") {
+            depth += 1;
+            i += 2;
+        } else if sql[i..].starts_with(b"*/") {
+            depth -= 1;
+            i += 2;
+            if depth == 0 {
+                return i;
+            }
+        } else {
+            i += 1;
+        }
+    }
+    sql.len()
 }
 
 /// The words of `sql`, in place: runs of ASCII letters, digits and `_`.
@@ -464,25 +470,7 @@ fn skip_quoted(sql: &[u8], i: usize) -> usize {
         }
         b'"' => end(b"\"", 1),
         b'-' if rest.starts_with(b"--") => end(b"\n", 2),
-        b'/' if rest.starts_with(b"/*") => {
-            // Nested, as PostgreSQL's lexer has them.
-            let (mut depth, mut j) = (0usize, 0);
-            while j < rest.len() {
-                if rest[j..].starts_with(b"/*") {
-                    depth += 1;
-                    j += 2;
-                } else if rest[j..].starts_with(b"*/") {
-                    depth -= 1;
-                    j += 2;
-                    if depth == 0 {
-                        return i + j;
-                    }
-                } else {
-                    j += 1;
-                }
-            }
-            sql.len()
-        }
+        b'/' if rest.starts_with(b"/*") => i + block_comment_len(rest),
         // $tag$ ... $tag$, the tag empty or an identifier; not $1, and
         // not a $ inside an identifier (a$b).
         b'$' if i == 0 || !WORD[sql[i - 1] as usize] => {
