@@ -571,7 +571,10 @@ impl Instance {
             .iter()
             .filter(|(k, _)| !self.source_settings.contains_key(*k));
         for (k, v) in own.chain(source) {
-            let _ = writeln!(text, "{k} = '{}'", v.replace('\'', "''"));
+            // The configuration file reads a backslash in a quoted value
+            // as an escape.
+            let v = v.replace('\\', "\\\\").replace('\'', "''");
+            let _ = writeln!(text, "{k} = '{v}'");
         }
         let path = self.spec.datadir.join(SETTINGS_FILE);
         fs::write(&path, text).map_err(io_err(&path))?;

@@ -3258,6 +3258,59 @@ async fn start_up_settings_follow_the_client_and_stay_its_own() {
     assert_eq!(one(&a, "SHOW search_path").await, "s1,public");
 }
 
+/// Start-up values reach a shared server as values, never as SQL. A
+/// client may turn `standard_conforming_strings` off; a backslash in one
+/// of its values must not then end pgwarden's quoted literal early and run
+/// the rest, here to make the read-only service's server read-write for
+/// this client and the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_values_stay_values_whatever_the_quoting_rules() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 1).await;
+    common::sql(&c.conninfo(0), "CREATE TABLE w (v int)").await;
+    // No replica: the read-only service falls back to the primary.
+    let ro = p.service_addrs()["read_only"];
+    let setting = r"\', false); SET default_transaction_read_only TO off; --";
+    let app = r"a\'; SET default_transaction_read_only TO off; --";
+    // The first client leaves the one server with backslash escapes on;
+    // the second's values are then set on it (set_config for its own
+    // setting, SET for its application_name).
+    for (i, name) in ["plain", app].into_iter().enumerate() {
+        let mut raw = RawClient::connect_with(
+            ro,
+            &[
+                ("user", "postgres"),
+                ("database", "postgres"),
+                ("standard_conforming_strings", "off"),
+                ("application_name", name),
+                ("pgw.setting", setting),
+            ],
+        );
+        assert_eq!(
+            value(&raw.simple(b"SHOW pgw.setting")),
+            setting,
+            "client {i}"
+        );
+        assert_eq!(
+            value(&raw.simple(b"SHOW application_name")),
+            name,
+            "client {i}"
+        );
+        assert_eq!(
+            error_code(&raw.simple(b"INSERT INTO w VALUES (1)")).as_deref(),
+            Some("25006"),
+            "client {i}"
+        );
+    }
+    let next = client(&via(&p, "read_only")).await.unwrap();
+    assert_eq!(one(&next, "SHOW default_transaction_read_only").await, "on");
+    let err = next
+        .simple_query("INSERT INTO w VALUES (2)")
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
+}
+
 /// A client asking for a newer protocol minor version (libpq 18 can ask
 /// for 3.2) or for protocol options learns, as from PostgreSQL, that the
 /// pool speaks 3.0 and knows none of them (NegotiateProtocolVersion before

@@ -304,8 +304,8 @@ impl Extras {
                 // set_config reads the value as a start-up parameter is
                 // read (a list such as "a, b" stays a list).
                 sql.push_str(&format!(
-                    "SELECT pg_catalog.set_config('{name}', '{}', false);",
-                    value.replace('\'', "''")
+                    "SELECT pg_catalog.set_config('{name}', {}, false);",
+                    text_expr(value)
                 ));
             }
         }
@@ -1824,8 +1824,74 @@ fn sasl_initial(out: &mut BytesMut, mechanism: &str, data: &[u8]) {
     out.extend_from_slice(data);
 }
 
+/// A SQL expression for the text `v` that the server reads as `v` whatever
+/// the connection's `standard_conforming_strings` and `client_encoding`.
+///
+/// The values come from clients (start-up parameters, reported settings)
+/// and end up in SQL that pgwarden runs on shared server connections. A
+/// backslash would escape the closing quote once a client turned
+/// `standard_conforming_strings` off, and under the client-only encodings
+/// (SJIS, BIG5, GBK, UHC, GB18030) a non-ASCII byte can swallow the quote or
+/// backslash after it. Printable ASCII without a backslash is safe as a
+/// plain literal (the usual case); anything else travels as hex digits.
+pub(crate) fn text_expr(v: &str) -> String {
+    if plain_text(v) {
+        return format!("'{}'", v.replace('\'', "''"));
+    }
+    let mut hex = String::with_capacity(v.len() * 2);
+    for b in v.bytes() {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    format!("pg_catalog.convert_from(pg_catalog.decode('{hex}', 'hex'), 'UTF8')")
+}
+
+/// The statement that sets the session parameter `name` (a fixed,
+/// pgwarden-known name) to `v`: `SET` with a plain literal where
+/// [`text_expr`] allows one, `set_config` otherwise (`SET` takes no
+/// expressions).
+pub(crate) fn set_parameter_sql(name: &str, v: &str) -> String {
+    if plain_text(v) {
+        format!("SET {name} TO '{}';", v.replace('\'', "''"))
+    } else {
+        format!(
+            "SELECT pg_catalog.set_config('{name}', {}, false);",
+            text_expr(v)
+        )
+    }
+}
+
+fn plain_text(v: &str) -> bool {
+    v.bytes().all(|b| (b' '..=b'~').contains(&b) && b != b'\\')
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn client_text_reaches_sql_as_plain_literals_or_hex() {
+        use super::{set_parameter_sql, text_expr};
+        assert_eq!(text_expr("Europe/Paris"), "'Europe/Paris'");
+        assert_eq!(text_expr("it's"), "'it''s'");
+        assert_eq!(
+            set_parameter_sql("TimeZone", "UTC"),
+            "SET TimeZone TO 'UTC';"
+        );
+        // A backslash, a control character or a non-ASCII byte: hex, which
+        // no quoting rule or client encoding can misread.
+        for v in [r"a\'; SET x TO y; --", "tab\there", "caf\u{e9}"] {
+            let e = text_expr(v);
+            let hex: String = v.bytes().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(
+                e,
+                format!("pg_catalog.convert_from(pg_catalog.decode('{hex}', 'hex'), 'UTF8')")
+            );
+            assert!(e.bytes().all(|b| b.is_ascii_graphic() || b == b' ') && !e.contains('\\'));
+            assert!(set_parameter_sql("application_name", v).starts_with(
+                "SELECT pg_catalog.set_config('application_name', pg_catalog.convert_from("
+            ));
+        }
+    }
+
     use super::{Extras, StatementCache, Tracked};
     use pgwarden_wire::startup::StartupMessage;
 

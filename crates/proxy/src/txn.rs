@@ -949,7 +949,7 @@ impl Session {
         if c.conn.tracked != self.params {
             for (k, v) in self.params.iter() {
                 if c.conn.tracked.get(k) != Some(v) {
-                    sets.push_str(&format!("SET {k} TO '{}';", v.replace('\'', "''")));
+                    sets.push_str(&crate::pool::set_parameter_sql(k, v));
                 }
             }
         }
