@@ -2285,6 +2285,51 @@ fn error_code(replies: &[(u8, Vec<u8>)]) -> Option<String> {
         .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
 }
 
+/// Statements a client pipelines behind its startup packet, arriving in
+/// the same read, are checked like any later ones, in the relay as in the
+/// pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_sent_with_the_startup_packet_are_checked_too() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(&c.conninfo(0), "CREATE TABLE w (v int)").await;
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        // No replica: the read-only service falls back to the primary.
+        let ro = p.service_addrs()["read_only"];
+        let mut body = 196_608u32.to_be_bytes().to_vec();
+        for part in ["user", "postgres", "database", "postgres", ""] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+        let mut bytes = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        bytes.extend(body);
+        bytes.extend(msg_query(
+            b"BEGIN READ WRITE; INSERT INTO w VALUES (1); COMMIT",
+        ));
+        let mut s = std::net::TcpStream::connect(ro).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&bytes).unwrap();
+        let mut raw = RawClient(s, (0, 0));
+        let greeting = raw.until_ready();
+        assert_eq!(error_code(&greeting), None, "pooled {pooled}: {greeting:?}");
+        let replies = raw.until_ready();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+    }
+    assert_eq!(
+        sql_value(&c.conninfo(0), "SELECT count(*) FROM w")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+}
+
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
 /// UTF-8 text; its statements are checked all the same: switching a
 /// read-only session to read-write is refused, in the relay and in the

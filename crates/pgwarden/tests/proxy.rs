@@ -296,6 +296,18 @@ async fn read_only_sessions_cannot_be_made_read_write() {
         "DO $$BEGIN PERFORM set_config('default_transaction_read_only', 'off', false); END$$",
         "SET U&\"default!005ftransaction!005fread!005fonly\" UESCAPE $$!$$ = off",
         "SET U&\"default!005ftransaction!005fread!005fonly\" UESCAPE E'!' = off; COMMIT",
+        // SQL assembled at run time is out of the lexer's sight; what it
+        // needs to matter is a new transaction within the same message,
+        // switched back before the server would report the change.
+        "DO $$BEGIN EXECUTE 'SET default_transaction' || '_read_only = off'; COMMIT; \
+         INSERT INTO w VALUES (1); COMMIT; \
+         EXECUTE 'SET default_transaction' || '_read_only = on'; END$$",
+        "SELECT query_to_xml('SELECT set_' || 'config(''default_transaction' || \
+         '_read_only'', ''off'', false)', true, false, ''); COMMIT; INSERT INTO w VALUES (2); \
+         SELECT query_to_xml('SELECT set_' || 'config(''default_transaction' || \
+         '_read_only'', ''on'', false)', true, false, '')",
+        // Passing DISCARD ALL is no reason to look no further.
+        "SELECT 'discard all'; COMMIT; BEGIN READ WRITE; INSERT INTO w VALUES (3); COMMIT",
     ];
     // Also when the read-only service has fallen back to the primary.
     for phase in ["replica", "primary fallback"] {
@@ -357,6 +369,7 @@ async fn read_only_sessions_cannot_be_made_read_write() {
         }
         assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
     }
+    assert_eq!(one(&rw, "SELECT count(*) FROM w").await, "0");
     // A startup packet that asks for read-write is refused.
     let conninfo = format!(
         "{} options='-c default_transaction_read_only=off'",

@@ -284,7 +284,8 @@ async fn read_borrowing<R: AsyncRead + Direct + Unpin>(
 }
 
 /// Copies messages from `reader` to `writer` until EOF, an error, or an
-/// inspected message that stops the session.
+/// inspected message that stops the session. `buf` holds bytes already
+/// read from `reader`, starting at a message boundary (often none).
 pub async fn pump<R, W>(
     reader: &mut R,
     writer: &mut W,
@@ -292,20 +293,26 @@ pub async fn pump<R, W>(
     bytes: &Counter,
     interesting: impl Fn(u8) -> bool,
     mut inspect: impl FnMut(u8, &mut [u8]) -> Verdict,
+    mut buf: BytesMut,
 ) -> End
 where
     R: AsyncRead + Direct + Unpin,
     W: AsyncWrite + Direct + Unpin,
 {
-    let mut buf = BytesMut::new();
     let mut armed = false;
+    // Bytes read before the relay began (the client's, pipelined behind
+    // its startup packet) go through the same framing and inspection as
+    // every later byte, before anything more is read.
+    let mut read_first = buf.is_empty();
     loop {
-        match read_borrowing(reader, &mut buf, &mut armed).await {
-            Ok(0) => return End::Eof,
-            Ok(n) => {
-                bytes.inc_by(n as u64);
+        if std::mem::replace(&mut read_first, true) {
+            match read_borrowing(reader, &mut buf, &mut armed).await {
+                Ok(0) => return End::Eof,
+                Ok(n) => {
+                    bytes.inc_by(n as u64);
+                }
+                Err(e) => return End::Io(e),
             }
-            Err(e) => return End::Io(e),
         }
         loop {
             let step = match framing.scan(&mut buf, &interesting, &mut inspect) {
@@ -397,6 +404,7 @@ mod tests {
                     Verdict::Keep
                 }
             },
+            BytesMut::new(),
         )
         .await;
         writer.await.unwrap();
@@ -433,8 +441,8 @@ mod tests {
             let (mut up, mut down) = (Framing::default(), Framing::default());
             let counter = Counter::default();
             tokio::select! {
-                e = pump(&mut cr, &mut sw, &mut up, &counter, |_| false, |_, _| Verdict::Keep) => e,
-                e = pump(&mut sr, &mut cw, &mut down, &counter, |_| false, |_, _| Verdict::Keep) => e,
+                e = pump(&mut cr, &mut sw, &mut up, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new()) => e,
+                e = pump(&mut sr, &mut cw, &mut down, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new()) => e,
             }
         });
         let exchange = async {
@@ -489,6 +497,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn bytes_read_before_the_relay_are_framed_and_inspected_first() {
+        // A whole message and the start of the next one were read with the
+        // startup packet; the rest of that one arrives from the socket.
+        let bad = msg(b'Q', b"bad\0");
+        let mut early = BytesMut::from(&bad[..]);
+        early.extend_from_slice(&bad[..3]);
+        let mut rest = bad[3..].to_vec();
+        rest.extend(msg(b'Q', b"good\0"));
+        let (mut client, mut proxy_in) = tokio::io::duplex(64);
+        client.write_all(&rest).await.unwrap();
+        drop(client);
+        let (mut proxy_out, mut server) = tokio::io::duplex(1 << 16);
+        let end = pump(
+            &mut proxy_in,
+            &mut proxy_out,
+            &mut Framing::default(),
+            &Counter::default(),
+            |t| t == b'Q',
+            |_, m| {
+                if &m[5..] == b"bad\0" {
+                    Verdict::Replace(BytesMut::from(&msg(b'Q', b"fixed\0")[..]))
+                } else {
+                    Verdict::Keep
+                }
+            },
+            early,
+        )
+        .await;
+        assert!(matches!(end, End::Eof));
+        drop(proxy_out);
+        let mut out = Vec::new();
+        server.read_to_end(&mut out).await.unwrap();
+        let mut want = msg(b'Q', b"fixed\0");
+        want.extend(msg(b'Q', b"fixed\0"));
+        want.extend(msg(b'Q', b"good\0"));
+        assert_eq!(out, want);
+    }
+
+    #[tokio::test]
     async fn bad_length_is_a_protocol_error() {
         let (mut a, mut b) = tokio::io::duplex(64);
         a.write_all(&[b'Q', 0, 0, 0, 1]).await.unwrap();
@@ -500,6 +547,7 @@ mod tests {
             &Counter::default(),
             |_| true,
             |_, _| Verdict::Keep,
+            BytesMut::new(),
         )
         .await;
         assert!(matches!(end, End::Protocol(_)));

@@ -9,7 +9,7 @@ use bytes::BytesMut;
 use pgwarden_topology::{HostAddr, NoTarget};
 use pgwarden_wire::encode;
 use pgwarden_wire::message::{backend, frontend, TxStatus};
-use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc, Violation};
+use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -789,13 +789,30 @@ pub(crate) fn guarded(tag: u8) -> bool {
 /// it would make the session or its transaction read-write.
 pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesMut> {
     let body = &msg[5..];
+    // A message the check cannot read is refused, not passed on: the
+    // server's reading of it might differ, and nothing unchecked may reach
+    // a read-only session.
+    let malformed = |what: &str| {
+        let sql = refusal_sql(&format!(
+            "service \"{service}\" is read-only: malformed {what} message"
+        ));
+        let mut out = BytesMut::new();
+        match tag {
+            frontend::PARSE => encode::parse(&mut out, b"", &sql, &[]),
+            _ => encode::query(&mut out, &sql),
+        }
+        Some(out)
+    };
     if tag == frontend::FUNCTION_CALL {
         // The fast-path interface calls a function by OID, with no SQL
         // for the lexer to see: `set_config` there could turn off
         // read-only before the server's report of it arrives, with
         // statements pipelined behind it. A refused call gets the same
         // ErrorResponse and ReadyForQuery a failed call would.
-        if pgwarden_wire::message::function_call_oid(body).ok()? != SET_CONFIG_OID {
+        let Ok(oid) = pgwarden_wire::message::function_call_oid(body) else {
+            return malformed("FunctionCall");
+        };
+        if oid != SET_CONFIG_OID {
             return None;
         }
         let sql = refusal_sql(&format!(
@@ -806,18 +823,18 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
         return Some(out);
     }
     let (text, parse) = match tag {
-        frontend::QUERY => (pgwarden_wire::message::query_bytes(body).ok()?, None),
-        frontend::PARSE => {
-            let p = pgwarden_wire::message::parse_message(body).ok()?;
-            (p.query, Some((p.name, p.param_type_count)))
-        }
+        frontend::QUERY => match pgwarden_wire::message::query_bytes(body) {
+            Ok(text) => (text, None),
+            Err(_) => return malformed("Query"),
+        },
+        frontend::PARSE => match pgwarden_wire::message::parse_message(body) {
+            Ok(p) => (p.query, Some((p.name, p.param_type_count))),
+            Err(_) => return malformed("Parse"),
+        },
         _ => return None,
     };
     let violation = match check_read_only_bytes(text) {
         Ok(()) => return None,
-        // DISCARD ALL resets to the startup value, which pgwarden pins to
-        // read-only; pooling drivers send it on every checkout.
-        Err(v) if matches!(v.kind, Violation::DiscardAll) => return None,
         Err(v) => v,
     };
     let sql = refusal_sql(&format!("service \"{service}\" is read-only: {violation}"));
@@ -954,17 +971,11 @@ async fn relay(
                 client.send_all(&hello).await?;
             }
         }
-        if !early.is_empty() {
-            // Bytes the client pipelined behind its startup packet.
-            server.write_all(&early).await?;
-        }
         Ok::<_, std::io::Error>(())
     }
     .await;
-    // The session relays through its own buffers from here on.
-    early.clear();
-    crate::bufcache::release(&mut early);
     if result.is_err() {
+        crate::bufcache::release(&mut early);
         drop(registration);
         finish(shared, registered_key, &host_gauge);
         return;
@@ -984,15 +995,18 @@ async fn relay(
     let cancel_key = match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+                .await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.stream());
-            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+                .await
         }
         ClientStream::Local(s) => {
             let (mut cr, mut cw) = s.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed).await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+                .await
         }
         ClientStream::Gone => None,
     };
@@ -1042,6 +1056,7 @@ impl Io<'_> {
         cw: &mut CW,
         server: &mut ServerStream,
         killed: &KillState,
+        early: BytesMut,
     ) -> Option<(i32, i32)>
     where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1050,11 +1065,11 @@ impl Io<'_> {
         match server {
             ServerStream::Plain(tcp) => {
                 let (mut sr, mut sw) = tcp.split();
-                self.run(cr, cw, &mut sr, &mut sw, killed).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early).await
             }
             ServerStream::Tls(tls) => {
                 let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
-                self.run(cr, cw, &mut sr, &mut sw, killed).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early).await
             }
         }
     }
@@ -1068,6 +1083,7 @@ impl Io<'_> {
         mut sr: &mut SR,
         mut sw: &mut SW,
         killed: &KillState,
+        early: BytesMut,
     ) -> Option<(i32, i32)>
     where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1098,6 +1114,7 @@ impl Io<'_> {
                     }
                     None => Verdict::Keep,
                 },
+                early,
             );
             let cancel = &self.shared.cancel;
             let key_slot = &mut cancel_key;
@@ -1153,6 +1170,7 @@ impl Io<'_> {
                         _ => Verdict::Keep,
                     }
                 },
+                BytesMut::new(),
             );
             let ended = tokio::select! {
                 e = upstream => Ended::Upstream(e),
@@ -1241,6 +1259,41 @@ mod tests {
     }
 
     #[test]
+    fn messages_the_check_cannot_read_are_refused() {
+        // PostgreSQL takes 32,768 and more parameter types (an unsigned
+        // count): such a Parse is read and checked like any other.
+        let mut p = BytesMut::new();
+        encode::parse(
+            &mut p,
+            "",
+            "SET default_transaction_read_only = off",
+            &[25; 0x8000],
+        );
+        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
+        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
+        assert_eq!(parsed.param_type_count, 0x8000);
+        let mut p = BytesMut::new();
+        encode::parse(&mut p, "", "SELECT 1", &[25; 0x8000]);
+        assert!(guard_message("ro", frontend::PARSE, &p).is_none());
+        // Text without its terminator, a Parse cut short: refused.
+        let q = [frontend::QUERY, 0, 0, 0, 8, b'S', b'E', b'T', b' '];
+        let r = guard_message("ro", frontend::QUERY, &q).expect("refused");
+        assert!(pgwarden_wire::message::query_text(&r[5..])
+            .unwrap()
+            .contains("malformed Query message"));
+        let mut p = BytesMut::new();
+        encode::parse(&mut p, "s", "BEGIN READ WRITE", &[]);
+        let cut = p.len() - 1;
+        p.truncate(cut);
+        p[1..5].copy_from_slice(&(cut as u32 - 1).to_be_bytes());
+        let r = guard_message("ro", frontend::PARSE, &p).expect("refused");
+        let parsed = pgwarden_wire::message::parse_message(&r[5..]).unwrap();
+        assert!(std::str::from_utf8(parsed.query)
+            .unwrap()
+            .contains("malformed Parse message"));
+    }
+
+    #[test]
     fn fast_path_set_config_is_refused_and_other_calls_pass() {
         let call = |oid: u32| {
             let mut m = vec![frontend::FUNCTION_CALL, 0, 0, 0, 14];
@@ -1252,7 +1305,8 @@ mod tests {
             guard_message("ro", frontend::FUNCTION_CALL, &call(SET_CONFIG_OID)).expect("refused");
         assert_eq!(r[0], frontend::QUERY);
         assert!(guard_message("ro", frontend::FUNCTION_CALL, &call(89)).is_none());
-        assert!(guard_message("ro", frontend::FUNCTION_CALL, &[b'F', 0, 0, 0, 4]).is_none());
+        // One too short to name a function is refused, not passed on.
+        assert!(guard_message("ro", frontend::FUNCTION_CALL, &[b'F', 0, 0, 0, 4]).is_some());
         assert!(guarded(frontend::FUNCTION_CALL) && !guarded(frontend::BIND));
     }
 

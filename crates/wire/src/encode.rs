@@ -256,8 +256,10 @@ pub fn parse(
     framed(dst, frontend::PARSE, |b| {
         put_cstr(b, name.as_ref());
         put_cstr(b, query.as_ref());
-        b.put_i16(count16(param_types.len()));
-        for t in param_types.iter().take(i16::MAX as usize) {
+        // An unsigned count here, as PostgreSQL reads it.
+        let n = u16::try_from(param_types.len()).unwrap_or(u16::MAX);
+        b.put_u16(n);
+        for t in param_types.iter().take(usize::from(n)) {
             b.put_u32(*t);
         }
     });

@@ -314,9 +314,9 @@ pub fn parse_message(body: &[u8]) -> Result<ParseMsg<'_>, BodyError> {
     let mut r = Reader::new(body);
     let name = r.cstr_bytes()?;
     let query = r.cstr_bytes()?;
-    let count = r.i16()?;
-    let count =
-        u16::try_from(count).map_err(|_| BodyError::InvalidValue("negative parameter count"))?;
+    // PostgreSQL reads the count as an unsigned 16-bit number: 32,768 to
+    // 65,535 parameter types are valid, not negative.
+    let count = r.i16()? as u16;
     r.take(usize::from(count) * 4)?;
     r.finish()?;
     Ok(ParseMsg {
@@ -704,14 +704,15 @@ mod tests {
             parse_message(b"s\xe9\0SELECT '\xe9'\0\0\0").map(|p| (p.name, p.query)),
             Ok((&b"s\xe9"[..], &b"SELECT '\xe9'"[..]))
         );
+        let mut wide = b"\0SET x = 1\0\x80\0".to_vec();
+        wide.resize(wide.len() + 0x8000 * 4, 0);
+        assert_eq!(parse_message(&wide).map(|p| p.param_type_count), Ok(0x8000));
         assert_eq!(
             parse_message(b"s1\0SELECT $1\0\0\x02\0\0\0\x17"),
             Err(BodyError::Truncated)
         );
-        assert!(matches!(
-            parse_message(b"\0q\0\xff\xff"),
-            Err(BodyError::InvalidValue(_))
-        ));
+        // 65,535 parameter types announced, none there.
+        assert_eq!(parse_message(b"\0q\0\xff\xff"), Err(BodyError::Truncated));
     }
 
     #[test]

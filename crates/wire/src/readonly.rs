@@ -21,11 +21,21 @@
 //!   which also covers `ALTER ROLE ... SET` and function `SET` clauses;
 //! * `READ WRITE` anywhere, which covers `BEGIN`, `START TRANSACTION`, `SET
 //!   TRANSACTION` and `SET SESSION CHARACTERISTICS AS TRANSACTION`;
-//! * `RESET ALL` and `DISCARD ALL` (which runs `RESET ALL`) at the start of a
-//!   statement or of a PL/pgSQL statement;
+//! * `RESET ALL` at the start of a statement or of a PL/pgSQL statement
+//!   (`DISCARD ALL` passes: pooling drivers send it, and like `RESET ALL` it
+//!   can only return to the session's start-up values, which a read-only
+//!   service makes read-only; it is also no reason to stop looking at the
+//!   rest of the text);
 //! * calls of `set_config(` unless the first argument is a single string
 //!   constant naming some other parameter;
 //! * `UPDATE pg_settings`, whose rewrite rule calls `set_config`;
+//! * `COMMIT` and `ROLLBACK` in the body of a `DO` block, and any statement
+//!   after a `COMMIT`, `END`, `ABORT`, `ROLLBACK` (not to a savepoint) or
+//!   `PREPARE TRANSACTION` in the same text: either starts a new
+//!   transaction before the server reports a changed default, so SQL
+//!   assembled at run time (`EXECUTE 'SET default_transaction' || ...`,
+//!   `query_to_xml`), which no lexer can read, could turn the default off,
+//!   write, and turn it on again unnoticed;
 //! * string constants and dollar-quoted bodies that mention
 //!   `transaction_read_only` (which includes `default_transaction_read_only`),
 //!   `set_config`, `read write` or `session characteristics`, or that contain
@@ -114,8 +124,6 @@ pub enum Violation {
     ResetParameter(GuardedParameter),
     /// `RESET ALL`.
     ResetAll,
-    /// `DISCARD ALL`.
-    DiscardAll,
     /// A request for a read-write transaction.
     ReadWrite(ReadWriteStatement),
     /// A `set_config` call that may change a guarded parameter.
@@ -126,6 +134,10 @@ pub enum Violation {
     StringMentions(&'static str),
     /// String constants nested deeper than the check follows.
     NestingTooDeep,
+    /// `COMMIT` or `ROLLBACK` in the body of a `DO` block.
+    TransactionControlInDo,
+    /// A statement after one that ends the transaction, in one Query.
+    AfterTransactionEnd,
 }
 
 impl fmt::Display for Violation {
@@ -134,7 +146,6 @@ impl fmt::Display for Violation {
             Violation::SetParameter(p) => write!(f, "SET {}", p.name()),
             Violation::ResetParameter(p) => write!(f, "RESET {}", p.name()),
             Violation::ResetAll => f.write_str("RESET ALL"),
-            Violation::DiscardAll => f.write_str("DISCARD ALL"),
             Violation::ReadWrite(s) => f.write_str(match s {
                 ReadWriteStatement::Begin => "BEGIN READ WRITE",
                 ReadWriteStatement::StartTransaction => "START TRANSACTION READ WRITE",
@@ -148,6 +159,10 @@ impl fmt::Display for Violation {
             Violation::UpdatePgSettings => f.write_str("UPDATE pg_settings"),
             Violation::StringMentions(p) => write!(f, "string constant mentioning \"{p}\""),
             Violation::NestingTooDeep => f.write_str("too deeply nested string constants"),
+            Violation::TransactionControlInDo => f.write_str("COMMIT or ROLLBACK in a DO block"),
+            Violation::AfterTransactionEnd => f.write_str(
+                "statements after COMMIT, ROLLBACK or PREPARE TRANSACTION in the same query",
+            ),
         }
     }
 }
@@ -184,7 +199,7 @@ pub fn check_read_only(sql: &str) -> Result<(), ReadOnlyViolation> {
 /// port should use one of the other encodings, or rely on the
 /// ParameterStatus safety net alone.
 pub fn check_read_only_bytes(sql: &[u8]) -> Result<(), ReadOnlyViolation> {
-    check(sql, 0).map_err(|kind| ReadOnlyViolation { kind })
+    check(sql, 0, false).map_err(|kind| ReadOnlyViolation { kind })
 }
 
 /// `sql` with its comments (`--` to the end of the line, nested `/* */`)
@@ -242,11 +257,11 @@ fn mark_comments(lexer: &mut Lexer<'_>, out: &mut Option<Vec<u8>>) {
 /// double the work when both string-lexing modes have to be tried.
 const MAX_DEPTH: usize = 6;
 
-fn check(sql: &[u8], depth: usize) -> Result<(), Violation> {
+fn check(sql: &[u8], depth: usize, in_do: bool) -> Result<(), Violation> {
     let mut lexer = Lexer::new(sql, true);
-    scan(&mut lexer, depth)?;
+    scan(&mut lexer, depth, in_do)?;
     if lexer.saw_backslash {
-        scan(&mut Lexer::new(sql, false), depth)?;
+        scan(&mut Lexer::new(sql, false), depth, in_do)?;
     }
     Ok(())
 }
@@ -261,7 +276,6 @@ enum Kw {
     Read,
     Write,
     All,
-    Discard,
     Update,
     Only,
     Begin,
@@ -271,6 +285,13 @@ enum Kw {
     Then,
     Else,
     Loop,
+    Do,
+    Commit,
+    End,
+    Abort,
+    Rollback,
+    Prepare,
+    To,
 }
 
 const KEYWORDS: &[(&str, Kw)] = &[
@@ -281,7 +302,6 @@ const KEYWORDS: &[(&str, Kw)] = &[
     ("read", Kw::Read),
     ("write", Kw::Write),
     ("all", Kw::All),
-    ("discard", Kw::Discard),
     ("update", Kw::Update),
     ("only", Kw::Only),
     ("begin", Kw::Begin),
@@ -291,6 +311,13 @@ const KEYWORDS: &[(&str, Kw)] = &[
     ("then", Kw::Then),
     ("else", Kw::Else),
     ("loop", Kw::Loop),
+    ("do", Kw::Do),
+    ("commit", Kw::Commit),
+    ("end", Kw::End),
+    ("abort", Kw::Abort),
+    ("rollback", Kw::Rollback),
+    ("prepare", Kw::Prepare),
+    ("to", Kw::To),
 ];
 
 /// A token reduced to what the rules need.
@@ -392,10 +419,24 @@ impl Statement {
         }
     }
 
-    fn feed(&mut self, class: Class, tok: &Token<'_>, depth: usize) -> Result<(), Violation> {
+    fn feed(
+        &mut self,
+        class: Class,
+        tok: &Token<'_>,
+        depth: usize,
+        in_do: bool,
+    ) -> Result<(), Violation> {
         let h = self.hist;
         let at_command = self.lead_len == 0
             || matches!(h[0], Class::Kw(Kw::Then | Kw::Else | Kw::Loop | Kw::Begin));
+        // A top-level DO block may commit, and the transaction it starts
+        // next takes the session's default, which code before the COMMIT
+        // may have turned off through SQL assembled at run time (invisible
+        // here), and turned on again before the end, so that the server
+        // never reports the change.
+        if in_do && at_command && matches!(class, Class::Kw(Kw::Commit | Kw::Rollback)) {
+            return Err(Violation::TransactionControlInDo);
+        }
 
         match self.set_config {
             SetConfigArg::Idle => {}
@@ -430,11 +471,9 @@ impl Statement {
                     return Err(Violation::ResetParameter(p));
                 }
             }
-            Class::Kw(Kw::All) if self.prev_at_command => match h[0] {
-                Class::Kw(Kw::Reset) => return Err(Violation::ResetAll),
-                Class::Kw(Kw::Discard) => return Err(Violation::DiscardAll),
-                _ => {}
-            },
+            Class::Kw(Kw::All) if self.prev_at_command && h[0] == Class::Kw(Kw::Reset) => {
+                return Err(Violation::ResetAll);
+            }
             Class::Kw(Kw::Write) if h[0] == Class::Kw(Kw::Read) => {
                 return Err(Violation::ReadWrite(self.read_write_statement()));
             }
@@ -449,7 +488,8 @@ impl Statement {
             Class::Str => {
                 let exempt = h[0] == Class::Punct(b'(') && h[1] == Class::CurrentSetting;
                 if !exempt {
-                    check_constant(&tok.text, depth)?;
+                    let in_do = in_do || self.lead[0] == Class::Kw(Kw::Do);
+                    check_constant(&tok.text, depth, in_do)?;
                 }
             }
             _ => {}
@@ -475,6 +515,18 @@ impl Statement {
         Ok(())
     }
 
+    /// Whether the statement ends the current transaction: `COMMIT`,
+    /// `END`, `ABORT`, `ROLLBACK` other than to a savepoint, `PREPARE
+    /// TRANSACTION`.
+    fn ends_transaction(&self) -> bool {
+        match self.lead {
+            [Class::Kw(Kw::Commit | Kw::End | Kw::Abort), ..] => true,
+            [Class::Kw(Kw::Rollback), a, b] => a != Class::Kw(Kw::To) && b != Class::Kw(Kw::To),
+            [Class::Kw(Kw::Prepare), Class::Kw(Kw::Transaction), _] => true,
+            _ => false,
+        }
+    }
+
     fn read_write_statement(&self) -> ReadWriteStatement {
         match self.lead {
             [Class::Kw(Kw::Begin), ..] => ReadWriteStatement::Begin,
@@ -490,8 +542,14 @@ impl Statement {
     }
 }
 
-fn scan(lexer: &mut Lexer<'_>, depth: usize) -> Result<(), Violation> {
+fn scan(lexer: &mut Lexer<'_>, depth: usize, in_do: bool) -> Result<(), Violation> {
     let mut stmt = Statement::new();
+    // The statements of one Query after a COMMIT run in a new transaction,
+    // which takes the session's default: code before the COMMIT may have
+    // turned it off through SQL assembled at run time (invisible here),
+    // and code after the writes may turn it on again before the server
+    // would report the change. Only the top level runs that way.
+    let mut ended = false;
     while let Some(tok) = lexer.next_token() {
         if lexer.truncated {
             // Everything from here on is inside an unterminated constant,
@@ -501,21 +559,25 @@ fn scan(lexer: &mut Lexer<'_>, depth: usize) -> Result<(), Violation> {
         let class = classify(&tok);
         if class == Class::Punct(b';') {
             stmt.finish()?;
+            ended |= depth == 0 && stmt.ends_transaction();
             stmt = Statement::new();
             continue;
         }
-        stmt.feed(class, &tok, depth)?;
+        if ended {
+            return Err(Violation::AfterTransactionEnd);
+        }
+        stmt.feed(class, &tok, depth, in_do)?;
     }
     stmt.finish()
 }
 
 /// Checks the contents of a string constant or dollar-quoted body.
-fn check_constant(text: &[u8], depth: usize) -> Result<(), Violation> {
+fn check_constant(text: &[u8], depth: usize, in_do: bool) -> Result<(), Violation> {
     if depth + 1 >= MAX_DEPTH {
         return Err(Violation::NestingTooDeep);
     }
     // As SQL first: it names the refused statement more precisely.
-    check(text, depth + 1)?;
+    check(text, depth + 1, in_do)?;
     match mentions(text) {
         Some(p) => Err(Violation::StringMentions(p)),
         None => Ok(()),
@@ -1278,7 +1340,50 @@ mod tests {
             assert_eq!(refused(&s), Violation::ResetAll);
         }
         for s in cases("discard all") {
-            assert_eq!(refused(&s), Violation::DiscardAll);
+            allowed(&s);
+        }
+        // A new transaction within one message takes the session default,
+        // which SQL assembled at run time may have switched off and on.
+        for sql in [
+            "DO $$BEGIN EXECUTE 'SET default_transaction' || '_read_only = off'; COMMIT; \
+             INSERT INTO t VALUES (1); END$$",
+            "do language plpgsql $$ begin perform 1; rollback; end $$",
+            "DO $$ BEGIN IF x THEN COMMIT; END IF; END $$",
+            "SELECT query_to_xml('DO $x$BEGIN COMMIT; END$x$', true, false, '')",
+        ] {
+            assert_eq!(refused(sql), Violation::TransactionControlInDo, "{sql}");
+        }
+        for sql in [
+            "SELECT f(); COMMIT; INSERT INTO t VALUES (1)",
+            "SELECT 1; end; SELECT 2",
+            "BEGIN; SELECT 1; ROLLBACK; INSERT INTO t VALUES (1)",
+            "SELECT 1; ABORT; SELECT 2",
+            "PREPARE TRANSACTION 'x'; SELECT 1",
+            "COMMIT AND CHAIN; SELECT 1",
+        ] {
+            assert_eq!(refused(sql), Violation::AfterTransactionEnd, "{sql}");
+        }
+        for sql in [
+            "BEGIN; SELECT 1; COMMIT",
+            "BEGIN READ ONLY; SELECT 1; COMMIT; ; -- done",
+            "SAVEPOINT a; SELECT 1; ROLLBACK TO SAVEPOINT a; SELECT 2",
+            "ROLLBACK WORK TO a; SELECT 1; ROLLBACK TRANSACTION TO a; SELECT 2",
+            "SELECT * FROM t WHERE status = 'rollback' OR status = 'commit'",
+            "DO $$BEGIN PERFORM 1; END$$",
+            "PREPARE q AS SELECT 1; EXECUTE q",
+            "SELECT query_to_xml('COMMIT', true, false, ''); SELECT 1",
+        ] {
+            allowed(sql);
+        }
+        // Passing DISCARD ALL is no reason to stop looking: what follows it,
+        // in a string or as the next statement, is checked all the same.
+        for sql in [
+            "DISCARD ALL; BEGIN READ WRITE",
+            "SELECT 'discard all'; COMMIT; BEGIN READ WRITE; INSERT INTO t VALUES (1); COMMIT",
+            "SELECT 'discard all', set_config('default_transaction_read_only', 'off', false)",
+            "DO $$BEGIN EXECUTE 'DISCARD ALL'; EXECUTE 'SET default_transaction_read_only = off'; END$$",
+        ] {
+            refused(sql);
         }
         assert_eq!(
             refused("reset Default_Transaction_Read_Only"),
@@ -1334,7 +1439,7 @@ mod tests {
             }
         }
         assert_eq!(
-            refused("COMMIT; begin read\n--x\nwrite").to_string(),
+            refused("SELECT 1; begin read\n--x\nwrite").to_string(),
             "BEGIN READ WRITE"
         );
         assert_eq!(
@@ -1406,7 +1511,6 @@ mod tests {
             "DO $$ BEGIN EXECUTE 'BEGIN READ/**/WRITE'; END $$",
             "DO $$ BEGIN EXECUTE 'SET SESSION CHARACTERISTICS AS TRANSACTION ' || x; END $$",
             "SELECT query_to_xml('set transaction_read_only = off', true, false, '')",
-            "SELECT query_to_xml('DISCARD ALL', true, false, '')",
             "SELECT E'default\\137transaction\\x5fread_only'",
             r"SELECT U&'set\005fconfig'",
             "SELECT 'transaction_' \n 'read_only'",
