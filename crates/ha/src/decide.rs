@@ -386,7 +386,13 @@ pub fn decide(
             as_leader(&view, local, timing, &manual, cancel)
         }
         Some(l) if l.name == local.name => {
-            if view.paused {
+            if !local.dcs_reachable {
+                // The view may be older than the key: it may have lapsed,
+                // or been deleted when this process lost the lease, and
+                // another member may lead by now. Nothing renews the key
+                // from here, so a primary must stop as without a key.
+                stand_by(&view, local, WaitReason::DcsUnreachable)
+            } else if view.paused {
                 Decision::Paused { renew_lease: false }
             } else {
                 Decision::WaitForLeader {
@@ -1151,6 +1157,47 @@ mod tests {
                 want: wait(WaitReason::StaleOwnKey),
                 says: "waiting for a leader: the leader key names this node but belongs to an \
                        earlier lease; waiting for it to expire",
+            },
+        ]);
+    }
+
+    #[test]
+    fn own_name_in_a_key_this_process_cannot_renew_while_the_dcs_is_unreachable() {
+        // The lease was lost (the renewal found the key gone or rebound)
+        // and the next read failed: the view still names this node, but
+        // its key may have lapsed and another member may lead by now.
+        check(vec![
+            Case {
+                name: "a running primary stops taking writes",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").primary().dcs_down().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::DcsUnreachable,
+                    },
+                },
+                says: "demoting: no leader key and the DCS is unreachable",
+            },
+            Case {
+                name: "a stopped server is neither started nor promoted",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").stopped().dcs_down().build(),
+                want: wait(WaitReason::DcsUnreachable),
+                says: "waiting for a leader: the DCS is unreachable",
+            },
+            Case {
+                name: "a server in recovery is not promoted",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").dcs_down().build(),
+                want: wait(WaitReason::DcsUnreachable),
+                says: "waiting for a leader: the DCS is unreachable",
+            },
+            Case {
+                name: "maintenance mode still leaves the server alone",
+                cluster: cluster().leader("n1").paused().build(),
+                local: local("n1").primary().dcs_down().build(),
+                want: Decision::Paused { renew_lease: false },
+                says: "paused: no automatic failover",
             },
         ]);
     }
