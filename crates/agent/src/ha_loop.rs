@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use pgwarden_config::{AgentConfig, EtcdConfig};
 use pgwarden_dcs::{ClusterSnapshot, EtcdDcs, HistoryEntry, LeaderWatch, LeaseId};
 use pgwarden_ha::{
-    decide, overdue_after, plan_sync, rank_candidates, wanted_config, AcquireReason, ClusterView,
-    Decision, DemoteReason, ElectionSettings, MemberRole, MemberState, Protection, ReleaseReason,
-    Schedule, StartMode, SyncConfig, SyncObservation, SyncState, SyncStep, Timing,
+    after_renewal, decide, overdue_after, plan_sync, rank_candidates, wanted_config, AcquireReason,
+    ClusterView, Decision, DemoteReason, ElectionSettings, MemberRole, MemberState, Protection,
+    ReleaseReason, Schedule, StartMode, SyncConfig, SyncObservation, SyncState, SyncStep, Timing,
 };
 use pgwarden_pgctl::{PgCtlError, StopMode};
 use pgwarden_topology::HostAddr;
@@ -1109,19 +1109,33 @@ impl HaLoop {
         };
         self.note_scheduled(&view);
         let decision = decide(&view, &local, &self.timing, &self.settings);
-        let text = decision.to_string();
-        if text != self.last_decision {
-            tracing::info!(member = %self.cfg.name, "{text}");
-            self.last_decision = text;
-        }
+        self.log_decision(&decision);
         // A leader keeps its lease through every decision that means to
         // stay leader (restarting or promoting PostgreSQL included), or a
         // slow restart would cost it the key.
-        if decision.keeps_lease() {
-            let _ = self.renew().await;
+        let decision = if decision.keeps_lease() {
+            let renewed = self.renew().await;
+            let local = pgwarden_ha::LocalView {
+                holds_lease: self.holds_leader_key(),
+                last_lease_renewal: self.last_renewal,
+                now: Instant::now(),
+                dcs_reachable: self.dcs_ok,
+                ..local
+            };
+            let decision = after_renewal(
+                decision,
+                renewed,
+                &view,
+                &local,
+                &self.timing,
+                &self.settings,
+            );
+            self.log_decision(&decision);
+            decision
         } else {
             self.keep_member_alive().await;
-        }
+            decision
+        };
         self.execute(&decision, &view).await;
         self.remote_silent_since = match (&decision, self.obs.streaming) {
             (Decision::FollowRemote { .. }, false) => {
@@ -1157,6 +1171,15 @@ impl HaLoop {
         self.routing_ready = self.leadership_acknowledged();
         self.publish_status();
         self.publish_member().await;
+    }
+
+    /// Logs the decision's sentence when it differs from the last one.
+    fn log_decision(&mut self, decision: &Decision) {
+        let text = decision.to_string();
+        if text != self.last_decision {
+            tracing::info!(member = %self.cfg.name, "{text}");
+            self.last_decision = text;
+        }
     }
 
     /// Compares the data directory's system identifier with the cluster's
@@ -1344,7 +1367,10 @@ impl HaLoop {
         );
     }
 
-    /// Renews the leader lease; whether it worked.
+    /// Renews the leader lease; whether it worked. A request that fails or
+    /// times out marks etcd unreachable, as a failed read does: the round
+    /// is decided again from that, and the next one comes at the retry
+    /// pace rather than a whole `loop_wait` later.
     async fn renew(&mut self) -> bool {
         let Some(lease) = self.lease else {
             return false;
@@ -1388,8 +1414,14 @@ impl HaLoop {
                 tracing::warn!("the leader key is no longer held by this agent's lease");
                 self.lease = None;
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "leader lease renewal failed"),
-            Err(_) => tracing::warn!("leader lease renewal timed out"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "leader lease renewal failed");
+                self.dcs_ok = false;
+            }
+            Err(_) => {
+                tracing::warn!("leader lease renewal timed out");
+                self.dcs_ok = false;
+            }
         }
         false
     }

@@ -386,7 +386,13 @@ pub fn decide(
             as_leader(&view, local, timing, &manual, cancel)
         }
         Some(l) if l.name == local.name => {
-            if view.paused {
+            if !local.dcs_reachable {
+                // The view may be older than the key: it may have lapsed,
+                // or been deleted when this process lost the lease, and
+                // another member may lead by now. Nothing renews the key
+                // from here, so a primary must stop as without a key.
+                stand_by(&view, local, WaitReason::DcsUnreachable)
+            } else if view.paused {
                 Decision::Paused { renew_lease: false }
             } else {
                 Decision::WaitForLeader {
@@ -397,6 +403,31 @@ pub fn decide(
         Some(l) => as_follower(&view, local, &l.name),
         None => without_leader(&view, local, &ranking, &manual),
     }
+}
+
+/// The decision to carry out once the renewal that `decided` asked for
+/// ([`Decision::keeps_lease`]) has been tried: `decided` itself if the
+/// lease was renewed, otherwise the round decided again from `local` as it
+/// stands after the attempt (the time read then, the hold on the lease as
+/// the renewal left it, a failed request counted as an unreachable DCS).
+///
+/// [`decide`] runs before the renewal, and a renewal that keeps failing
+/// retries up to the demotion deadline. Carried out as if the lease had
+/// been renewed, `decided` would leave a primary taking writes until the
+/// next round, a whole `loop_wait` past that deadline, which the lease
+/// check `loop_wait + 2 × retry_timeout ≤ ttl` leaves no room for.
+pub fn after_renewal(
+    decided: Decision,
+    renewed: bool,
+    cluster: &ClusterView,
+    local: &LocalView,
+    timing: &Timing,
+    settings: &ElectionSettings,
+) -> Decision {
+    if renewed || !decided.keeps_lease() {
+        return decided;
+    }
+    decide(cluster, local, timing, settings)
 }
 
 /// Leaves a scheduled request in the view only while it is to be acted on:
@@ -852,6 +883,71 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_renewal_is_acted_on_in_the_same_round() {
+        let timing = Timing::preset(RtoPreset::Norm);
+        let settings = ElectionSettings::for_timing(&timing);
+        let view = cluster().leader("n1").replica("n2", 0).build();
+        // The round's read succeeded a loop after the last renewal, so the
+        // leader means to renew.
+        let before = local("n1").primary().renewed_ago(secs(5)).build();
+        let decided = decide(&view, &before, &timing, &settings);
+        assert_eq!(decided, Decision::RenewLease);
+        let after = |waited: u64, reachable: bool, holds_lease: bool| LocalView {
+            now: before.now + secs(waited),
+            dcs_reachable: reachable,
+            holds_lease,
+            ..before.clone()
+        };
+        let redecide = |renewed: bool, local: &LocalView| {
+            after_renewal(decided.clone(), renewed, &view, local, &timing, &settings)
+        };
+        // The renewal retried for retry_timeout, to the demotion deadline.
+        let at_deadline = redecide(false, &after(10, false, true));
+        assert_eq!(
+            at_deadline,
+            Decision::Demote {
+                reason: DemoteReason::LeaseRenewalFailed {
+                    since: secs(15),
+                    limit: secs(15),
+                },
+            }
+        );
+        assert_eq!(
+            at_deadline.to_string(),
+            "demoting: the leader lease was last renewed 15 s ago, past loop_wait + \
+             retry_timeout (15 s)"
+        );
+        // One that failed early is retried, soon, by the next round.
+        assert_eq!(
+            redecide(false, &after(1, false, true)),
+            Decision::RenewLease
+        );
+        // The key was gone or bound to another lease, and the view does not
+        // show it yet: no longer carried out as the leader.
+        assert_eq!(
+            redecide(false, &after(0, true, false)),
+            wait(WaitReason::StaleOwnKey)
+        );
+        // A renewal that went through changes nothing, even late.
+        assert_eq!(redecide(true, &after(10, true, true)), Decision::RenewLease);
+        // Nor does the outcome matter to a decision that renews nothing.
+        let demote = Decision::Demote {
+            reason: DemoteReason::LeaseUnconfirmed,
+        };
+        assert_eq!(
+            after_renewal(
+                demote.clone(),
+                false,
+                &view,
+                &after(0, true, true),
+                &timing,
+                &settings
+            ),
+            demote
+        );
+    }
+
+    #[test]
     fn demotion_deadline_leaves_the_lease_unexpired() {
         for p in RtoPreset::ALL {
             let t = Timing::preset(p);
@@ -1151,6 +1247,47 @@ mod tests {
                 want: wait(WaitReason::StaleOwnKey),
                 says: "waiting for a leader: the leader key names this node but belongs to an \
                        earlier lease; waiting for it to expire",
+            },
+        ]);
+    }
+
+    #[test]
+    fn own_name_in_a_key_this_process_cannot_renew_while_the_dcs_is_unreachable() {
+        // The lease was lost (the renewal found the key gone or rebound)
+        // and the next read failed: the view still names this node, but
+        // its key may have lapsed and another member may lead by now.
+        check(vec![
+            Case {
+                name: "a running primary stops taking writes",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").primary().dcs_down().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::DcsUnreachable,
+                    },
+                },
+                says: "demoting: no leader key and the DCS is unreachable",
+            },
+            Case {
+                name: "a stopped server is neither started nor promoted",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").stopped().dcs_down().build(),
+                want: wait(WaitReason::DcsUnreachable),
+                says: "waiting for a leader: the DCS is unreachable",
+            },
+            Case {
+                name: "a server in recovery is not promoted",
+                cluster: cluster().leader("n1").replica("n2", 0).build(),
+                local: local("n1").dcs_down().build(),
+                want: wait(WaitReason::DcsUnreachable),
+                says: "waiting for a leader: the DCS is unreachable",
+            },
+            Case {
+                name: "maintenance mode still leaves the server alone",
+                cluster: cluster().leader("n1").paused().build(),
+                local: local("n1").primary().dcs_down().build(),
+                want: Decision::Paused { renew_lease: false },
+                says: "paused: no automatic failover",
             },
         ]);
     }

@@ -52,8 +52,8 @@ mod secs;
 mod fixtures;
 
 pub use decide::{
-    decide, AcquireReason, CancelReason, Decision, DemoteReason, ReleaseReason, StartMode,
-    WaitReason,
+    after_renewal, decide, AcquireReason, CancelReason, Decision, DemoteReason, ReleaseReason,
+    StartMode, WaitReason,
 };
 pub use election::{
     is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking,
