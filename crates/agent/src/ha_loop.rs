@@ -2476,10 +2476,33 @@ impl HaLoop {
                     }
                 }
                 // A checkpoint first makes the shutdown checkpoint short.
-                let _ = self.checkpoint(&self.cfg.pg_listen.clone()).await;
-                if let Err(e) = self.pg.stop(StopMode::Fast).await {
-                    tracing::error!(error = %e, "clean stop failed; stopping immediately");
-                    let _ = self.pg.stop(StopMode::Immediate).await;
+                let conninfo = self.pg.source_conninfo(&self.cfg.pg_listen);
+                let pg = &self.pg;
+                let stop = async {
+                    let _ = checkpoint_at(&conninfo).await;
+                    if let Err(e) = pg.stop(StopMode::Fast).await {
+                        tracing::error!(error = %e, "clean stop failed; stopping immediately");
+                        let _ = pg.stop(StopMode::Immediate).await;
+                    }
+                };
+                // Both can outlast the lease: the key (and the watchdog)
+                // stay renewed until PostgreSQL has stopped taking writes,
+                // so the candidate cannot be promoted beside it.
+                match self.lease {
+                    Some(lease) => {
+                        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+                        let watchdog = &mut self.watchdog;
+                        self.dcs
+                            .hold_leader_while(
+                                &self.cfg.name,
+                                lease,
+                                every,
+                                || watchdog.keepalive(),
+                                stop,
+                            )
+                            .await;
+                    }
+                    None => stop.await,
                 }
                 // The shutdown checkpoint is the last WAL this leader wrote;
                 // the candidate promotes only once it has received it.
@@ -2713,15 +2736,6 @@ impl HaLoop {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-
-    /// Runs `CHECKPOINT` on the server at `addr`.
-    async fn checkpoint(&self, addr: &HostAddr) -> Result<(), tokio_postgres::Error> {
-        let (c, conn) =
-            tokio_postgres::connect(&self.pg.source_conninfo(addr), tokio_postgres::NoTls).await?;
-        tokio::spawn(conn);
-        c.batch_execute("CHECKPOINT").await
-    }
-
     /// Runs `CHECKPOINT` on the primary at `addr` if its control file
     /// still names an earlier timeline than the one it writes (it was
     /// promoted since its last checkpoint).
@@ -4187,6 +4201,13 @@ fn effective_parameters(
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     crate::parameters::effective(&defaults, dynamic, local)
+}
+
+/// Runs `CHECKPOINT` on the server `conninfo` names.
+async fn checkpoint_at(conninfo: &str) -> Result<(), tokio_postgres::Error> {
+    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    c.batch_execute("CHECKPOINT").await
 }
 
 #[cfg(test)]

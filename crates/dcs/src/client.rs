@@ -330,6 +330,43 @@ impl EtcdDcs {
         .await
     }
 
+    /// Runs `work` while renewing the leader key that `name` holds under
+    /// `lease` every `every`, calling `renewed` after each renewal that
+    /// worked; returns what `work` returns.
+    ///
+    /// For work that must end before anyone else may lead, such as a
+    /// leader stopping PostgreSQL for a switchover: the CHECKPOINT and the
+    /// shutdown can outlast the lease, and a candidate promoted while the
+    /// old primary still takes writes would make two primaries. A failed
+    /// renewal is tried again at the next tick; once the key is found lost
+    /// it is left alone.
+    pub async fn hold_leader_while<T>(
+        &self,
+        name: &str,
+        lease: LeaseId,
+        every: Duration,
+        mut renewed: impl FnMut(),
+        work: impl Future<Output = T>,
+    ) -> T {
+        let keep = async {
+            loop {
+                tokio::time::sleep(every).await;
+                match self.renew_leader(name, lease).await {
+                    Ok(true) => renewed(),
+                    Ok(false) => {
+                        tracing::warn!("the leader key was lost while its holder was busy");
+                        return std::future::pending::<()>().await;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "leader lease renewal failed"),
+                }
+            }
+        };
+        tokio::select! {
+            out = work => out,
+            () = keep => unreachable!("renewing never ends by itself"),
+        }
+    }
+
     /// Binds the leader key, held by `name` through lease `from`, to lease
     /// `to` instead, in one transaction: the key never disappears, so no
     /// one else can take it meanwhile. A new TTL comes into force this way.

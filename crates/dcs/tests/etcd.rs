@@ -595,3 +595,44 @@ async fn a_reconnect_moves_every_clone_and_keeps_the_leader_key() {
     let snap = clone.read_cluster().await.unwrap();
     assert_eq!(snap.leader.map(|l| l.name).as_deref(), Some("n1"));
 }
+
+/// A leader busy with work that must end before anyone else leads (a
+/// switchover's CHECKPOINT and shutdown) keeps its key for as long as the
+/// work takes, however much longer than the lease's TTL that is.
+#[tokio::test]
+async fn the_leader_key_is_kept_while_its_holder_is_busy() {
+    let etcd = EtcdServer::start();
+    let (a, b) = (dcs(&etcd, "busy").await, dcs(&etcd, "busy").await);
+    let ttl = Duration::from_secs(2);
+    let lease = a.grant_lease(ttl).await.unwrap();
+    assert!(a.acquire_leader("a", lease).await.unwrap());
+    let key = || async {
+        b.read_cluster()
+            .await
+            .unwrap()
+            .leader
+            .map(|l| (l.name, l.generation))
+    };
+    let before = key().await;
+    let mut renewals = 0;
+    // The work: three TTLs, while another member keeps trying to lead.
+    let taken = a
+        .hold_leader_while("a", lease, ttl / 4, || renewals += 1, async {
+            let lb = b.grant_lease(ttl).await.unwrap();
+            let until = Instant::now() + 3 * ttl;
+            while Instant::now() < until {
+                if b.acquire_leader("b", lb).await.unwrap() {
+                    return true;
+                }
+                tokio::time::sleep(ttl / 8).await;
+            }
+            false
+        })
+        .await;
+    assert!(
+        !taken,
+        "another member took the key while its holder was busy"
+    );
+    assert!(renewals >= 4, "{renewals} renewals");
+    assert_eq!(key().await, before, "the key was never rewritten");
+}
