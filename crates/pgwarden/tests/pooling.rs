@@ -2330,6 +2330,63 @@ async fn statements_sent_with_the_startup_packet_are_checked_too() {
     );
 }
 
+/// A client that pipelines a large statement behind one with a large
+/// result, reading while it writes (as libpq's pipeline mode does), is
+/// served as PostgreSQL serves it. The server reads no more input while
+/// its replies are unread, so the pool must read them while the rest of
+/// the pipeline waits to be sent, not wait for the send first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_larger_than_the_socket_buffers_does_not_stall() {
+    use std::io::{Read, Write};
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 1).await;
+    let addr = p.service_addrs()["read_write"];
+    // Both larger than what the kernel buffers between two sockets.
+    const RESULT: usize = 64 << 20;
+    const PADDING: usize = 48 << 20;
+    let result = tokio::task::spawn_blocking(move || {
+        let raw = RawClient::connect_with(addr, &[("user", "postgres"), ("database", "postgres")]);
+        let mut s = raw.0;
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut reader = s.try_clone().unwrap();
+        let replies = std::thread::spawn(move || {
+            // (tag, body length) of every message up to the second
+            // ReadyForQuery.
+            let mut seen = Vec::new();
+            let mut ready = 0;
+            while ready < 2 {
+                let mut head = [0u8; 5];
+                if let Err(e) = reader.read_exact(&mut head) {
+                    return Err(format!("after {seen:?}: {e}"));
+                }
+                let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
+                std::io::copy(&mut (&mut reader).take(len as u64), &mut std::io::sink())
+                    .map_err(|e| e.to_string())?;
+                seen.push((head[0], len));
+                ready += usize::from(head[0] == b'Z');
+            }
+            Ok(seen)
+        });
+        let mut pipeline = msg_query(format!("SELECT repeat('x', {RESULT})").as_bytes());
+        let mut padded = b"SELECT 2 /*".to_vec();
+        padded.resize(padded.len() + PADDING, b' ');
+        padded.extend_from_slice(b"*/");
+        pipeline.extend(msg_query(&padded));
+        s.write_all(&pipeline).unwrap();
+        replies.join().unwrap()
+    })
+    .await
+    .unwrap();
+    let seen = result.expect("both replies");
+    let rows: Vec<usize> = seen
+        .iter()
+        .filter(|(t, _)| *t == b'D')
+        .map(|(_, len)| *len)
+        .collect();
+    // DataRow: a column count, one length, the value.
+    assert_eq!(rows, [2 + 4 + RESULT, 2 + 4 + 1], "{seen:?}");
+}
+
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
 /// UTF-8 text; its statements are checked all the same: switching a
 /// read-only session to read-write is refused, in the relay and in the

@@ -637,6 +637,15 @@ pub(crate) fn taken(r: io::Result<usize>) -> io::Result<usize> {
 }
 
 impl ServerStream {
+    /// Sends what the socket takes of `buf` now, without waiting; how much
+    /// that was (TLS: nothing, the caller's polled writes do it).
+    pub fn try_send(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            ServerStream::Plain(s) => taken(crate::sock::try_send(s, buf)),
+            ServerStream::Tls(_) => Ok(0),
+        }
+    }
+
     /// See [`ClientStream::send_all`].
     pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
         let n = match self {

@@ -273,7 +273,11 @@ pub(crate) async fn run(
             // else is ready.
             tokio::select! {
                 biased;
-                n = read_attached(&mut session.attached, &mut sbuf) => {
+                n = read_attached(&mut session.attached, &mut sbuf, &mut session.outbuf, &mut session.unsent) => {
+                    if matches!(n, Ok(NOTHING_READ)) {
+                        // Sent what was left: the client may be read again.
+                        continue;
+                    }
                     match n {
                         Ok(0) | Err(_) => {
                             session.detach(false);
@@ -303,12 +307,12 @@ pub(crate) async fn run(
                         session.detach(false);
                         return Ok(());
                     }
-                    if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 {
+                    if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
                 }
-                r = read_client(client, &mut early, &mut client_armed) => {
+                r = read_client(client, &mut early, &mut client_armed), if !session.unsent => {
                     match r {
                         Ok(0) | Err(_) => return ended(&killed),
                         Ok(n) => {
@@ -470,11 +474,49 @@ fn hello(session: &mut Session, first: &mut Checkout, key: (i32, i32)) -> BytesM
 async fn read_attached(
     attached: &mut Option<Checkout>,
     buf: &mut BytesMut,
+    out: &mut BytesMut,
+    unsent: &mut bool,
 ) -> std::io::Result<usize> {
     let Some(c) = attached else {
         return std::future::pending().await;
     };
     std::future::poll_fn(|cx| {
+        if *unsent {
+            // Bytes the server did not take at once (see `Session::flush`):
+            // sent as it makes room, its replies read meanwhile. Done,
+            // they count as a read of nothing new.
+            loop {
+                match tokio::io::AsyncWrite::poll_write(
+                    std::pin::Pin::new(&mut c.conn.stream),
+                    cx,
+                    out,
+                ) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        out.advance(n);
+                        if out.is_empty() {
+                            break;
+                        }
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => break,
+                }
+            }
+            if out.is_empty() {
+                match tokio::io::AsyncWrite::poll_flush(std::pin::Pin::new(&mut c.conn.stream), cx)
+                {
+                    Poll::Ready(Ok(())) => {
+                        out.clear();
+                        *unsent = false;
+                        return Poll::Ready(Ok(NOTHING_READ));
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {}
+                }
+            }
+        }
         if c.read_armed && c.conn.stream.quiet() {
             return Poll::Pending;
         }
@@ -484,6 +526,10 @@ async fn read_attached(
     })
     .await
 }
+
+/// What [`read_attached`] returns when it finished sending rather than
+/// read: no read returns it (a read of nothing is the end of the stream).
+const NOTHING_READ: usize = usize::MAX;
 
 /// [`ClientStream::poll_read_some`], not polled again while the socket stays
 /// quiet after a read that registered the task's waker with it (`armed`).
@@ -560,6 +606,11 @@ struct Session {
     credential: crate::auth::Credential,
     /// Output buffer towards the server, kept while attached.
     outbuf: BytesMut,
+    /// `outbuf` holds bytes the server has not taken yet: the session loop
+    /// sends them as the socket allows, reading the server's replies
+    /// meanwhile, and reads nothing more from the client until they are
+    /// gone.
+    unsent: bool,
     /// The pool of the last transaction: reused while it fits.
     last_pool: Option<Arc<crate::pool::Pool>>,
     /// The service's pause switch.
@@ -641,6 +692,7 @@ impl Session {
             credential,
             last_pool,
             outbuf: BytesMut::new(),
+            unsent: false,
             paused: service.handles.paused.clone(),
             wait_histogram: service.handles.pool_wait.clone(),
             wait_timer: None,
@@ -1045,6 +1097,8 @@ impl Session {
     }
 
     fn detach(&mut self, reusable: bool) {
+        // A server with bytes still to send is mid-message: never reused.
+        let reusable = reusable && !std::mem::take(&mut self.unsent);
         crate::bufcache::release(&mut self.outbuf);
         let uncertain = std::mem::take(&mut self.discard_failed);
         self.discarding = false;
@@ -1069,6 +1123,11 @@ impl Session {
         let r = self.client_messages(buf, &mut out).await;
         if self.attached.is_some() {
             self.outbuf = out;
+        } else if self.unsent {
+            // Detached with bytes unsent: the server was not kept.
+            self.unsent = false;
+            out.clear();
+            crate::bufcache::give(out);
         } else {
             // Nothing in it can reach a server now (a Terminate, a
             // refused or failed transaction): the buffer goes back.
@@ -1112,7 +1171,7 @@ impl Session {
                 break;
             }
             if tag == frontend::TERMINATE {
-                self.flush(out).await?;
+                self.flush(out, true).await?;
                 return Ok(true);
             }
             // pgwarden passes replies on as they come, so a Flush between
@@ -1145,24 +1204,41 @@ impl Session {
             self.translate(tag, &buf[..total], out)?;
             buf.advance(total);
         }
-        self.flush(out).await?;
+        self.flush(out, false).await?;
         Ok(false)
     }
 
-    async fn flush(&mut self, out: &mut BytesMut) -> Result<(), Fatal> {
+    /// Sends `out` to the server. Without `wait`, what the socket does not
+    /// take at once stays in `out` for the session loop ([`Session::unsent`]):
+    /// a server whose replies are not read stops reading, so a long
+    /// pipeline with large results would otherwise leave both sides
+    /// waiting on each other, where the client alone (reading while it
+    /// writes, as libpq does) would not.
+    async fn flush(&mut self, out: &mut BytesMut, wait: bool) -> Result<(), Fatal> {
         if out.is_empty() {
             return Ok(());
         }
-        let c = self.attached.as_mut().expect("attached before translating");
-        c.traffic.received += out.len() as u64;
-        c.traffic.sending();
-        c.conn.stream.send_all(out).await.map_err(|e| {
+        let failed = |e: std::io::Error| {
             Fatal::new(
                 sqlstate::CONNECTION_FAILURE,
                 format!("terminating connection: server write failed: {e}"),
             )
-        })?;
-        out.clear();
+        };
+        let c = self.attached.as_mut().expect("attached before translating");
+        c.traffic.received += out.len() as u64;
+        c.traffic.sending();
+        if wait {
+            c.conn.stream.send_all(out).await.map_err(failed)?;
+            out.clear();
+            return Ok(());
+        }
+        let n = c.conn.stream.try_send(out).map_err(failed)?;
+        if n == out.len() {
+            out.clear();
+        } else {
+            out.advance(n);
+            self.unsent = true;
+        }
         Ok(())
     }
 
