@@ -2860,6 +2860,158 @@ async fn deallocate_of_a_statement_prepared_on_another_server() {
     assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
 }
 
+/// `sql` as libpq's PQexecParams sends it, and psycopg in a pipeline:
+/// Parse of the unnamed statement, Bind, Describe of the portal,
+/// Execute, Sync.
+fn msg_exec_params(sql: &[u8]) -> Vec<u8> {
+    let mut m = msg_parse(b"", sql);
+    m.extend_from_slice(&[b'B', 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(&[b'D', 0, 0, 0, 6, b'P', 0]);
+    m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(MSG_SYNC);
+    m
+}
+
+/// The CommandComplete tags among `replies`.
+fn tags(replies: &[(u8, Vec<u8>)]) -> Vec<String> {
+    replies
+        .iter()
+        .filter(|(t, _)| *t == b'C')
+        .map(|(_, b)| String::from_utf8_lossy(&b[..b.len() - 1]).into_owned())
+        .collect()
+}
+
+/// `DEALLOCATE name` through the extended protocol (psycopg 3.0 and 3.1,
+/// and later ones with a libpq older than 17, evict their statement
+/// cache so) drops the client's statement as through a Query: renamed
+/// to its server-side name, where the statement is not prepared too
+/// (even with its table gone), and forgotten only once it ran: parsed in
+/// one transaction and run in another on another server, it drops the
+/// statement; failing in an aborted transaction, it leaves it; run a
+/// second time, it fails as on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deallocate_through_the_extended_protocol() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (_engine, p) = pooled(&c, 2).await;
+    let addr = p.service_addrs()["read_write"];
+    let direct = client(&c.conninfo(0)).await.unwrap();
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let mut a = RawClient::connect(addr, "UTF8");
+    let dropped = |r: &[(u8, Vec<u8>)], what: &str| {
+        assert_eq!(error_code(r), None, "{what}: {r:?}");
+        assert_eq!(tags(r), ["DEALLOCATE"], "{what}: {r:?}");
+    };
+    let gone = |r: &[(u8, Vec<u8>)], name: &str| {
+        assert_eq!(error_code(r).as_deref(), Some("26000"), "{name}: {r:?}");
+        assert_eq!(
+            error_message(r),
+            Some(format!("prepared statement \"{name}\" does not exist"))
+        );
+    };
+
+    // On the server the statement is prepared on.
+    assert_eq!(error_code(&a.extended(b"s1", b"SELECT 1")), None);
+    dropped(&a.send(&msg_exec_params(b"DEALLOCATE s1")), "same server");
+    gone(&a.send(&msg_run(b"s1")), "s1");
+
+    // On another server, the statement's table gone meanwhile.
+    direct
+        .batch_execute("CREATE TABLE dropped_later (v int)")
+        .await
+        .unwrap();
+    let r = a.extended(b"s2", b"SELECT count(*) FROM dropped_later");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    holder.batch_execute("BEGIN").await.unwrap();
+    direct
+        .batch_execute("DROP TABLE dropped_later")
+        .await
+        .unwrap();
+    let r = a.send(&msg_exec_params(b"DEALLOCATE PREPARE s2"));
+    dropped(&r, "another server");
+    holder.batch_execute("COMMIT").await.unwrap();
+    gone(&a.send(&msg_run(b"s2")), "s2");
+
+    // Parsed in one transaction, run in another on another server.
+    assert_eq!(error_code(&a.extended(b"s3", b"SELECT 3")), None);
+    let mut parse = msg_parse(b"", b"DEALLOCATE s3");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    holder.batch_execute("BEGIN").await.unwrap();
+    dropped(&a.send(&msg_run(b"")), "run later");
+    holder.batch_execute("COMMIT").await.unwrap();
+    gone(&a.send(&msg_run(b"s3")), "s3");
+
+    // In an aborted transaction it fails, and the statement stays.
+    assert_eq!(error_code(&a.extended(b"s4", b"SELECT 4")), None);
+    let r = a.simple(b"BEGIN; SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.send(&msg_exec_params(b"DEALLOCATE s4"));
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(error_code(&a.simple(b"ROLLBACK")), None);
+    assert_eq!(value(&a.send(&msg_run(b"s4"))), "4");
+    // The same on another server than the statement's.
+    holder.batch_execute("BEGIN").await.unwrap();
+    let r = a.simple(b"BEGIN; SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.send(&msg_exec_params(b"DEALLOCATE s4"));
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(error_code(&a.simple(b"ROLLBACK")), None);
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(value(&a.send(&msg_run(b"s4"))), "4");
+
+    // Bound to a portal in one batch, run in a later one of the same
+    // transaction on a server that lacks the statement: after an error
+    // it fails and the statement stays; otherwise it drops it.
+    assert_eq!(error_code(&a.extended(b"s5", b"SELECT 5")), None);
+    let mut bind = msg_parse(b"", b"DEALLOCATE s5");
+    bind.extend_from_slice(&[b'B', 0, 0, 0, 13, b'p', 0, 0, 0, 0, 0, 0, 0, 0]);
+    bind.extend_from_slice(MSG_SYNC);
+    let mut execute = vec![b'E', 0, 0, 0, 10, b'p', 0, 0, 0, 0, 0];
+    execute.extend_from_slice(MSG_SYNC);
+    for fail in [true, false] {
+        holder.batch_execute("BEGIN").await.unwrap();
+        assert_eq!(error_code(&a.simple(b"BEGIN")), None);
+        assert_eq!(error_code(&a.send(&bind)), None);
+        if fail {
+            let r = a.simple(b"SELECT 1/0");
+            assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+            let r = a.send(&execute);
+            assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+        } else {
+            dropped(&a.send(&execute), "bound earlier");
+        }
+        assert_eq!(error_code(&a.simple(b"COMMIT")), None);
+        holder.batch_execute("COMMIT").await.unwrap();
+        if fail {
+            assert_eq!(value(&a.send(&msg_run(b"s5"))), "5");
+        } else {
+            gone(&a.send(&msg_run(b"s5")), "s5");
+        }
+    }
+
+    // A named DEALLOCATE statement, run twice: the second finds nothing.
+    let mut parse = msg_parse(b"d", b"DEALLOCATE s4");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    dropped(&a.send(&msg_run(b"d")), "named");
+    gone(&a.send(&msg_run(b"d")), "s4");
+    gone(&a.send(&msg_run(b"s4")), "s4");
+
+    // Both servers still serve, with nothing left over: a name used
+    // again gets its new statement everywhere.
+    for round in 0..2 {
+        let r = a.extended(b"s1", format!("SELECT {round}").as_bytes());
+        assert_eq!(values(&r), [round.to_string()], "{r:?}");
+        holder.batch_execute("BEGIN").await.unwrap();
+        assert_eq!(values(&a.send(&msg_run(b"s1"))), [round.to_string()]);
+        holder.batch_execute("COMMIT").await.unwrap();
+        dropped(&a.send(&msg_exec_params(b"DEALLOCATE s1")), "again");
+    }
+    assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay
