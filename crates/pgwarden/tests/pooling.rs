@@ -3012,6 +3012,20 @@ async fn deallocate_through_the_extended_protocol() {
     assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
 }
 
+/// psycopg 3 dropping statements from its cache with DEALLOCATE inside
+/// pipelines, through the extended protocol, as psycopg 3.0 and 3.1 (and
+/// later ones with a libpq older than 17) do: clients with a cache of two
+/// on a pool of two (tests/clients/psycopg_deallocate.py). No error in
+/// the clients, none in the server's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_drops_cached_statements_with_deallocate_in_pipelines() {
+    on_a_pool_of_two(
+        |port| common::python_client("psycopg_deallocate.py", vec![port.to_string()]),
+        Some(&[]),
+    )
+    .await;
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay
