@@ -2159,6 +2159,17 @@ impl RawClient {
 
     /// With these start-up parameters.
     fn connect_with(addr: std::net::SocketAddr, params: &[(&str, &str)]) -> RawClient {
+        let (c, greeting) = RawClient::greeted(addr, params);
+        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
+        c
+    }
+
+    /// With these start-up parameters, and the messages that answer the
+    /// login up to ReadyForQuery or an error.
+    fn greeted(
+        addr: std::net::SocketAddr,
+        params: &[(&str, &str)],
+    ) -> (RawClient, Vec<(u8, Vec<u8>)>) {
         use std::io::Write;
         let mut body = 196_608u32.to_be_bytes().to_vec();
         for (k, v) in params {
@@ -2174,17 +2185,22 @@ impl RawClient {
             .unwrap();
         s.write_all(&body).unwrap();
         let mut c = RawClient(s, (0, 0));
-        let greeting = c.until_ready();
-        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
-        let (_, key) = greeting
-            .iter()
-            .find(|(t, _)| *t == b'K')
-            .expect("BackendKeyData");
-        c.1 = (
-            i32::from_be_bytes(key[0..4].try_into().unwrap()),
-            i32::from_be_bytes(key[4..8].try_into().unwrap()),
-        );
-        c
+        let mut greeting = Vec::new();
+        while !matches!(greeting.last(), Some((b'Z' | b'E', _))) {
+            greeting.extend(c.until_any());
+        }
+        if let Some((_, key)) = greeting.iter().find(|(t, _)| *t == b'K') {
+            c.1 = (
+                i32::from_be_bytes(key[0..4].try_into().unwrap()),
+                i32::from_be_bytes(key[4..8].try_into().unwrap()),
+            );
+        }
+        (c, greeting)
+    }
+
+    /// The next message.
+    fn until_any(&mut self) -> Vec<(u8, Vec<u8>)> {
+        self.until(0)
     }
 
     /// Messages up to and including the next ReadyForQuery.
@@ -2192,7 +2208,8 @@ impl RawClient {
         self.until(b'Z')
     }
 
-    /// Messages up to and including the next one of type `tag`.
+    /// Messages up to and including the next one of type `tag` (0: the
+    /// next message, whatever its type).
     fn until(&mut self, tag: u8) -> Vec<(u8, Vec<u8>)> {
         use std::io::Read;
         let mut out = Vec::new();
@@ -2203,7 +2220,7 @@ impl RawClient {
             let mut body = vec![0u8; len - 4];
             self.0.read_exact(&mut body).unwrap();
             out.push((head[0], body));
-            if head[0] == tag {
+            if head[0] == tag || tag == 0 {
                 return out;
             }
         }
@@ -3422,6 +3439,152 @@ async fn start_up_settings_follow_the_client_and_stay_its_own() {
     assert_eq!(sqlstate(&err).as_deref(), Some("0A000"), "{err}");
     assert_eq!(one(&b, "SELECT 1").await, "1");
     assert_eq!(one(&a, "SHOW search_path").await, "s1,public");
+}
+
+/// The ParameterStatus values among `replies`, by name.
+fn parameter_statuses(replies: &[(u8, Vec<u8>)]) -> Vec<(String, String)> {
+    replies
+        .iter()
+        .filter(|(t, _)| *t == b'S')
+        .map(|(_, b)| {
+            let mut parts = b.split(|c| *c == 0);
+            let mut next = || String::from_utf8_lossy(parts.next().unwrap()).into_owned();
+            (next(), next())
+        })
+        .collect()
+}
+
+/// A tracked parameter given at start-up under another spelling (libpq
+/// sends `timezone` and `datestyle` for PGTZ and PGDATESTYLE, pgx sends
+/// `timezone`) or in `options` is the client's for its whole session, as
+/// on PostgreSQL: the greeting reports what PostgreSQL's reports, and
+/// every transaction runs with it, on whichever server it lands, with
+/// other clients' transactions in between; so does a value it SETs
+/// later. A value PostgreSQL refuses refuses the login, as there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracked_parameters_in_any_spelling_or_in_options_stay_the_clients() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first, so that the
+    // holders below send each turn to another server.
+    WORKERS.with(|w| w.set(1));
+    let (_e, p) = pooled(&c, 3).await;
+    let rw = p.service_addrs()["read_write"];
+    let direct: std::net::SocketAddr = c.addr(0).parse().unwrap();
+    let others = [
+        client(&via(&p, "read_write")).await.unwrap(),
+        client(&via(&p, "read_write")).await.unwrap(),
+    ];
+    let zone = one(&others[0], "SHOW TimeZone").await;
+    let base = [("user", "postgres"), ("database", "postgres")];
+    let lower = [("timezone", "Asia/Tokyo"), ("datestyle", "German")];
+    let options = [(
+        "options",
+        "-c TimeZone=America/Lima -c intervalstyle=iso_8601",
+    )];
+    const SHOWN: [&str; 3] = ["TimeZone", "DateStyle", "IntervalStyle"];
+    let mut clients = Vec::new();
+    for asked in [&lower[..], &options[..]] {
+        let params: Vec<(&str, &str)> = base.iter().chain(asked).copied().collect();
+        let (_, postgres) = RawClient::greeted(direct, &params);
+        let (client, pooled) = RawClient::greeted(rw, &params);
+        assert_eq!(error_code(&pooled), None, "{pooled:?}");
+        // The values PostgreSQL reports (`German, DMY` for `German`).
+        let mut expected: Vec<(String, String)> = parameter_statuses(&postgres)
+            .into_iter()
+            .filter(|(k, _)| SHOWN.contains(&k.as_str()))
+            .collect();
+        expected.sort();
+        assert_ne!(
+            expected.iter().find(|(k, _)| k == "TimeZone").unwrap().1,
+            zone
+        );
+        let mut greeted: Vec<(String, String)> = parameter_statuses(&pooled)
+            .into_iter()
+            .filter(|(k, _)| SHOWN.contains(&k.as_str()))
+            .collect();
+        greeted.sort();
+        assert_eq!(greeted, expected, "{asked:?}");
+        clients.push((client, expected));
+    }
+    let servers = tracked_turns(&mut clients, &others, &zone, 6).await;
+    assert!(servers.len() > 1, "one server for all: {servers:?}");
+    // A SET of a parameter the client gave in `options` lasts too.
+    let (opts, expected) = &mut clients[1];
+    let r = opts.simple(b"SET TimeZone = 'Africa/Lagos'");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    expected
+        .iter_mut()
+        .find(|(k, _)| k == "TimeZone")
+        .unwrap()
+        .1 = "Africa/Lagos".into();
+    let servers = tracked_turns(&mut clients, &others, &zone, 3).await;
+    assert!(servers.len() > 1, "one server for all: {servers:?}");
+    // Refused as PostgreSQL refuses it.
+    for bad in [
+        ("timezone", "No/Such_Zone"),
+        ("options", "-c TimeZone=No/Such_Zone"),
+    ] {
+        let params: Vec<(&str, &str)> = base.iter().chain([&bad]).copied().collect();
+        let (_, postgres) = RawClient::greeted(direct, &params);
+        let (_, pooled) = RawClient::greeted(rw, &params);
+        assert_eq!(
+            error_code(&postgres).as_deref(),
+            Some("22023"),
+            "{postgres:?}"
+        );
+        assert_eq!(error_code(&pooled), error_code(&postgres), "{pooled:?}");
+        assert_eq!(error_message(&pooled), error_message(&postgres));
+    }
+}
+
+/// `rounds` turns of each of `clients`, two transactions each, checking
+/// that they see the TimeZone, DateStyle and IntervalStyle the client
+/// expects and get no ParameterStatus; before each turn, 0, 1 or 2 of
+/// `others` hold a server, so that with servers reused most recent first
+/// the turns land on different ones. `others` must see `zone`. The
+/// servers (backend pids) the clients' transactions ran on.
+async fn tracked_turns(
+    clients: &mut [(RawClient, Vec<(String, String)>)],
+    others: &[tokio_postgres::Client],
+    zone: &str,
+    rounds: usize,
+) -> std::collections::HashSet<String> {
+    let query = b"SELECT current_setting('TimeZone') UNION ALL SELECT current_setting('DateStyle') \
+                  UNION ALL SELECT current_setting('IntervalStyle') \
+                  UNION ALL SELECT pg_backend_pid()::text" as &[u8];
+    let mut servers = std::collections::HashSet::new();
+    for round in 0..rounds {
+        for (client, expected) in clients.iter_mut() {
+            let held = &others[..round % 3];
+            for other in held {
+                other.batch_execute("BEGIN").await.unwrap();
+            }
+            let want: Vec<&str> = ["TimeZone", "DateStyle", "IntervalStyle"]
+                .iter()
+                .map(|name| {
+                    expected
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .map_or("", |(_, v)| v.as_str())
+                })
+                .collect();
+            // Two in a row: the second most likely on the server the
+            // first left with the client's settings.
+            for _ in 0..2 {
+                let r = client.simple(query);
+                let got = values(&r);
+                assert_eq!(got[..3], want[..], "round {round}: {r:?}");
+                assert!(parameter_statuses(&r).is_empty(), "round {round}: {r:?}");
+                servers.insert(got[3].clone());
+            }
+            for other in held {
+                other.batch_execute("COMMIT").await.unwrap();
+                // Theirs are the server's defaults all along.
+                assert_eq!(one(other, "SHOW TimeZone").await, zone);
+            }
+        }
+    }
+    servers
 }
 
 /// A client asking for a newer protocol minor version (libpq 18 can ask

@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
-use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked, TRACKED};
+use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked};
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
@@ -425,7 +425,7 @@ async fn greet(
         .register_dynamic(session.cancel_target.clone());
     // Applied on the first server before the client is let in: a setting
     // PostgreSQL refuses refuses the login, as it would without pgwarden.
-    if let Err((f, reusable)) = session.apply_extras(&mut first).await {
+    if let Err((f, reusable)) = session.apply_login_settings(&mut first).await {
         shared.cancel.remove(key);
         first.release(reusable);
         let _ = client.write_all(&f.into_message()).await;
@@ -634,12 +634,7 @@ impl Session {
             credential,
             extras,
         } = pooled;
-        let mut params = Tracked::default();
-        for k in TRACKED {
-            if let Some(v) = startup.get(k) {
-                params.set(k, v);
-            }
-        }
+        let params = Tracked::from_startup(&startup);
         let database = startup.database().unwrap_or_default();
         let user = startup.user().unwrap_or_default();
         // Most clients of a service are one application: its pool is
@@ -1024,7 +1019,40 @@ impl Session {
     /// to its pool (a refused setting changes nothing on the server: the
     /// statements run as one transaction).
     async fn apply_extras(&self, c: &mut Checkout) -> Result<(), (Fatal, bool)> {
-        let sql = self.extras.sql_from(&c.conn.extras);
+        self.apply_settings(c, &self.extras).await
+    }
+
+    /// At login, on the first server: [`Session::apply_extras`], and the
+    /// client's own values of the tracked parameters where the server's
+    /// differ, in the same round trip. A value PostgreSQL refuses refuses
+    /// the login, as PostgreSQL refuses it at start-up; one it takes is
+    /// the client's as the server reports it (`German` becomes `German,
+    /// DMY`), which is what PostgreSQL's greeting would report.
+    async fn apply_login_settings(&mut self, c: &mut Checkout) -> Result<(), (Fatal, bool)> {
+        let given: Vec<(String, String)> = self
+            .params
+            .iter()
+            .filter(|(k, v)| c.conn.tracked.get(k) != Some(*v))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if given.is_empty() {
+            return self.apply_extras(c).await;
+        }
+        let wanted = self.extras.with(given.iter().cloned());
+        self.apply_settings(c, &wanted).await?;
+        for (k, _) in &given {
+            if let Some(v) = c.conn.tracked.get(k) {
+                self.params.set(k, v);
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the settings of `c` in line with `wanted`, which are this
+    /// client's start-up settings and possibly more; `c` is then recorded
+    /// as having the client's ([`Session::apply_extras`]).
+    async fn apply_settings(&self, c: &mut Checkout, wanted: &Extras) -> Result<(), (Fatal, bool)> {
+        let sql = wanted.sql_from(&c.conn.extras);
         if sql.is_empty() {
             return Ok(());
         }
