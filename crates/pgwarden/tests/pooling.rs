@@ -2159,6 +2159,17 @@ impl RawClient {
 
     /// With these start-up parameters.
     fn connect_with(addr: std::net::SocketAddr, params: &[(&str, &str)]) -> RawClient {
+        let (c, greeting) = RawClient::greeted(addr, params);
+        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
+        c
+    }
+
+    /// With these start-up parameters, and the messages that answer the
+    /// login up to ReadyForQuery or an error.
+    fn greeted(
+        addr: std::net::SocketAddr,
+        params: &[(&str, &str)],
+    ) -> (RawClient, Vec<(u8, Vec<u8>)>) {
         use std::io::Write;
         let mut body = 196_608u32.to_be_bytes().to_vec();
         for (k, v) in params {
@@ -2174,17 +2185,22 @@ impl RawClient {
             .unwrap();
         s.write_all(&body).unwrap();
         let mut c = RawClient(s, (0, 0));
-        let greeting = c.until_ready();
-        assert!(greeting.iter().all(|(t, _)| *t != b'E'), "{greeting:?}");
-        let (_, key) = greeting
-            .iter()
-            .find(|(t, _)| *t == b'K')
-            .expect("BackendKeyData");
-        c.1 = (
-            i32::from_be_bytes(key[0..4].try_into().unwrap()),
-            i32::from_be_bytes(key[4..8].try_into().unwrap()),
-        );
-        c
+        let mut greeting = Vec::new();
+        while !matches!(greeting.last(), Some((b'Z' | b'E', _))) {
+            greeting.extend(c.until_any());
+        }
+        if let Some((_, key)) = greeting.iter().find(|(t, _)| *t == b'K') {
+            c.1 = (
+                i32::from_be_bytes(key[0..4].try_into().unwrap()),
+                i32::from_be_bytes(key[4..8].try_into().unwrap()),
+            );
+        }
+        (c, greeting)
+    }
+
+    /// The next message.
+    fn until_any(&mut self) -> Vec<(u8, Vec<u8>)> {
+        self.until(0)
     }
 
     /// Messages up to and including the next ReadyForQuery.
@@ -2192,7 +2208,8 @@ impl RawClient {
         self.until(b'Z')
     }
 
-    /// Messages up to and including the next one of type `tag`.
+    /// Messages up to and including the next one of type `tag` (0: the
+    /// next message, whatever its type).
     fn until(&mut self, tag: u8) -> Vec<(u8, Vec<u8>)> {
         use std::io::Read;
         let mut out = Vec::new();
@@ -2203,7 +2220,7 @@ impl RawClient {
             let mut body = vec![0u8; len - 4];
             self.0.read_exact(&mut body).unwrap();
             out.push((head[0], body));
-            if head[0] == tag {
+            if head[0] == tag || tag == 0 {
                 return out;
             }
         }
@@ -2385,6 +2402,43 @@ async fn a_pipeline_larger_than_the_socket_buffers_does_not_stall() {
         .collect();
     // DataRow: a column count, one length, the value.
     assert_eq!(rows, [2 + 4 + RESULT, 2 + 4 + 1], "{seen:?}");
+}
+
+/// A statement name is the client's to choose, quotes included: the
+/// DEALLOCATE the pool rewrites to a server-side name reads the client's
+/// SQL as PostgreSQL does and writes the new name quoted, so no name can
+/// end pgwarden's identifier and run what follows, here to make a
+/// read-only service's server read-write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_names_with_quotes_stay_names_in_deallocate() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 1).await;
+    common::sql(&c.conninfo(0), "CREATE TABLE w (v int)").await;
+    // No replica: the read-only service falls back to the primary.
+    let ro = p.service_addrs()["read_only"];
+    let mut raw = RawClient::connect(ro, "UTF8");
+    let name: &[u8] = b"x\";SET/**/default_transaction_read_only=off;--";
+    assert_eq!(value(&raw.extended(name, b"SELECT 1")), "1");
+    // Unquoted, the name is no identifier: a syntax error, as from
+    // PostgreSQL, and nothing else runs.
+    let replies = raw.simple(b"DEALLOCATE x\";SET/**/default_transaction_read_only=off;--");
+    assert_eq!(
+        error_code(&replies).as_deref(),
+        Some("42601"),
+        "{replies:?}"
+    );
+    // Quoted as SQL quotes it, it names the statement.
+    let replies = raw.simple(b"DEALLOCATE \"x\"\";SET/**/default_transaction_read_only=off;--\"");
+    assert_eq!(error_code(&replies), None, "{replies:?}");
+    assert!(replies.iter().any(|(t, _)| *t == b'C'), "{replies:?}");
+    assert_eq!(
+        value(&raw.simple(b"SHOW default_transaction_read_only")),
+        "on"
+    );
+    assert_eq!(
+        error_code(&raw.simple(b"INSERT INTO w VALUES (1)")).as_deref(),
+        Some("25006")
+    );
 }
 
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
@@ -2962,6 +3016,172 @@ async fn deallocate_of_a_statement_prepared_on_another_server() {
     assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
 }
 
+/// `sql` as libpq's PQexecParams sends it, and psycopg in a pipeline:
+/// Parse of the unnamed statement, Bind, Describe of the portal,
+/// Execute, Sync.
+fn msg_exec_params(sql: &[u8]) -> Vec<u8> {
+    let mut m = msg_parse(b"", sql);
+    m.extend_from_slice(&[b'B', 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(&[b'D', 0, 0, 0, 6, b'P', 0]);
+    m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(MSG_SYNC);
+    m
+}
+
+/// The CommandComplete tags among `replies`.
+fn tags(replies: &[(u8, Vec<u8>)]) -> Vec<String> {
+    replies
+        .iter()
+        .filter(|(t, _)| *t == b'C')
+        .map(|(_, b)| String::from_utf8_lossy(&b[..b.len() - 1]).into_owned())
+        .collect()
+}
+
+/// `DEALLOCATE name` through the extended protocol (psycopg 3.0 and 3.1,
+/// and later ones with a libpq older than 17, evict their statement
+/// cache so) drops the client's statement as through a Query: renamed
+/// to its server-side name, where the statement is not prepared too
+/// (even with its table gone), and forgotten only once it ran: parsed in
+/// one transaction and run in another on another server, it drops the
+/// statement; failing in an aborted transaction, it leaves it; run a
+/// second time, it fails as on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deallocate_through_the_extended_protocol() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first.
+    WORKERS.with(|w| w.set(1));
+    let (_engine, p) = pooled(&c, 2).await;
+    let addr = p.service_addrs()["read_write"];
+    let direct = client(&c.conninfo(0)).await.unwrap();
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    let mut a = RawClient::connect(addr, "UTF8");
+    let dropped = |r: &[(u8, Vec<u8>)], what: &str| {
+        assert_eq!(error_code(r), None, "{what}: {r:?}");
+        assert_eq!(tags(r), ["DEALLOCATE"], "{what}: {r:?}");
+    };
+    let gone = |r: &[(u8, Vec<u8>)], name: &str| {
+        assert_eq!(error_code(r).as_deref(), Some("26000"), "{name}: {r:?}");
+        assert_eq!(
+            error_message(r),
+            Some(format!("prepared statement \"{name}\" does not exist"))
+        );
+    };
+
+    // On the server the statement is prepared on.
+    assert_eq!(error_code(&a.extended(b"s1", b"SELECT 1")), None);
+    dropped(&a.send(&msg_exec_params(b"DEALLOCATE s1")), "same server");
+    gone(&a.send(&msg_run(b"s1")), "s1");
+
+    // On another server, the statement's table gone meanwhile.
+    direct
+        .batch_execute("CREATE TABLE dropped_later (v int)")
+        .await
+        .unwrap();
+    let r = a.extended(b"s2", b"SELECT count(*) FROM dropped_later");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    holder.batch_execute("BEGIN").await.unwrap();
+    direct
+        .batch_execute("DROP TABLE dropped_later")
+        .await
+        .unwrap();
+    let r = a.send(&msg_exec_params(b"DEALLOCATE PREPARE s2"));
+    dropped(&r, "another server");
+    holder.batch_execute("COMMIT").await.unwrap();
+    gone(&a.send(&msg_run(b"s2")), "s2");
+
+    // Parsed in one transaction, run in another on another server.
+    assert_eq!(error_code(&a.extended(b"s3", b"SELECT 3")), None);
+    let mut parse = msg_parse(b"", b"DEALLOCATE s3");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    holder.batch_execute("BEGIN").await.unwrap();
+    dropped(&a.send(&msg_run(b"")), "run later");
+    holder.batch_execute("COMMIT").await.unwrap();
+    gone(&a.send(&msg_run(b"s3")), "s3");
+
+    // In an aborted transaction it fails, and the statement stays.
+    assert_eq!(error_code(&a.extended(b"s4", b"SELECT 4")), None);
+    let r = a.simple(b"BEGIN; SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.send(&msg_exec_params(b"DEALLOCATE s4"));
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(error_code(&a.simple(b"ROLLBACK")), None);
+    assert_eq!(value(&a.send(&msg_run(b"s4"))), "4");
+    // The same on another server than the statement's.
+    holder.batch_execute("BEGIN").await.unwrap();
+    let r = a.simple(b"BEGIN; SELECT 1/0");
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.send(&msg_exec_params(b"DEALLOCATE s4"));
+    assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+    assert_eq!(error_code(&a.simple(b"ROLLBACK")), None);
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(value(&a.send(&msg_run(b"s4"))), "4");
+
+    // Bound to a portal in one batch, run in a later one of the same
+    // transaction on a server that lacks the statement: after an error
+    // it fails and the statement stays; otherwise it drops it.
+    assert_eq!(error_code(&a.extended(b"s5", b"SELECT 5")), None);
+    let mut bind = msg_parse(b"", b"DEALLOCATE s5");
+    bind.extend_from_slice(&[b'B', 0, 0, 0, 13, b'p', 0, 0, 0, 0, 0, 0, 0, 0]);
+    bind.extend_from_slice(MSG_SYNC);
+    let mut execute = vec![b'E', 0, 0, 0, 10, b'p', 0, 0, 0, 0, 0];
+    execute.extend_from_slice(MSG_SYNC);
+    for fail in [true, false] {
+        holder.batch_execute("BEGIN").await.unwrap();
+        assert_eq!(error_code(&a.simple(b"BEGIN")), None);
+        assert_eq!(error_code(&a.send(&bind)), None);
+        if fail {
+            let r = a.simple(b"SELECT 1/0");
+            assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+            let r = a.send(&execute);
+            assert_eq!(error_code(&r).as_deref(), Some("25P02"), "{r:?}");
+        } else {
+            dropped(&a.send(&execute), "bound earlier");
+        }
+        assert_eq!(error_code(&a.simple(b"COMMIT")), None);
+        holder.batch_execute("COMMIT").await.unwrap();
+        if fail {
+            assert_eq!(value(&a.send(&msg_run(b"s5"))), "5");
+        } else {
+            gone(&a.send(&msg_run(b"s5")), "s5");
+        }
+    }
+
+    // A named DEALLOCATE statement, run twice: the second finds nothing.
+    let mut parse = msg_parse(b"d", b"DEALLOCATE s4");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    dropped(&a.send(&msg_run(b"d")), "named");
+    gone(&a.send(&msg_run(b"d")), "s4");
+    gone(&a.send(&msg_run(b"s4")), "s4");
+
+    // Both servers still serve, with nothing left over: a name used
+    // again gets its new statement everywhere.
+    for round in 0..2 {
+        let r = a.extended(b"s1", format!("SELECT {round}").as_bytes());
+        assert_eq!(values(&r), [round.to_string()], "{r:?}");
+        holder.batch_execute("BEGIN").await.unwrap();
+        assert_eq!(values(&a.send(&msg_run(b"s1"))), [round.to_string()]);
+        holder.batch_execute("COMMIT").await.unwrap();
+        dropped(&a.send(&msg_exec_params(b"DEALLOCATE s1")), "again");
+    }
+    assert_eq!(value(&a.simple(b"SELECT 'still served'")), "still served");
+}
+
+/// psycopg 3 dropping statements from its cache with DEALLOCATE inside
+/// pipelines, through the extended protocol, as psycopg 3.0 and 3.1 (and
+/// later ones with a libpq older than 17) do: clients with a cache of two
+/// on a pool of two (tests/clients/psycopg_deallocate.py). No error in
+/// the clients, none in the server's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_drops_cached_statements_with_deallocate_in_pipelines() {
+    on_a_pool_of_two(
+        |port| common::python_client("psycopg_deallocate.py", vec![port.to_string()]),
+        Some(&[]),
+    )
+    .await;
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay
@@ -3411,6 +3631,152 @@ async fn start_up_values_stay_values_whatever_the_quoting_rules() {
         .await
         .unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
+}
+
+/// The ParameterStatus values among `replies`, by name.
+fn parameter_statuses(replies: &[(u8, Vec<u8>)]) -> Vec<(String, String)> {
+    replies
+        .iter()
+        .filter(|(t, _)| *t == b'S')
+        .map(|(_, b)| {
+            let mut parts = b.split(|c| *c == 0);
+            let mut next = || String::from_utf8_lossy(parts.next().unwrap()).into_owned();
+            (next(), next())
+        })
+        .collect()
+}
+
+/// A tracked parameter given at start-up under another spelling (libpq
+/// sends `timezone` and `datestyle` for PGTZ and PGDATESTYLE, pgx sends
+/// `timezone`) or in `options` is the client's for its whole session, as
+/// on PostgreSQL: the greeting reports what PostgreSQL's reports, and
+/// every transaction runs with it, on whichever server it lands, with
+/// other clients' transactions in between; so does a value it SETs
+/// later. A value PostgreSQL refuses refuses the login, as there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracked_parameters_in_any_spelling_or_in_options_stay_the_clients() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One worker: idle servers are reused most recent first, so that the
+    // holders below send each turn to another server.
+    WORKERS.with(|w| w.set(1));
+    let (_e, p) = pooled(&c, 3).await;
+    let rw = p.service_addrs()["read_write"];
+    let direct: std::net::SocketAddr = c.addr(0).parse().unwrap();
+    let others = [
+        client(&via(&p, "read_write")).await.unwrap(),
+        client(&via(&p, "read_write")).await.unwrap(),
+    ];
+    let zone = one(&others[0], "SHOW TimeZone").await;
+    let base = [("user", "postgres"), ("database", "postgres")];
+    let lower = [("timezone", "Asia/Tokyo"), ("datestyle", "German")];
+    let options = [(
+        "options",
+        "-c TimeZone=America/Lima -c intervalstyle=iso_8601",
+    )];
+    const SHOWN: [&str; 3] = ["TimeZone", "DateStyle", "IntervalStyle"];
+    let mut clients = Vec::new();
+    for asked in [&lower[..], &options[..]] {
+        let params: Vec<(&str, &str)> = base.iter().chain(asked).copied().collect();
+        let (_, postgres) = RawClient::greeted(direct, &params);
+        let (client, pooled) = RawClient::greeted(rw, &params);
+        assert_eq!(error_code(&pooled), None, "{pooled:?}");
+        // The values PostgreSQL reports (`German, DMY` for `German`).
+        let mut expected: Vec<(String, String)> = parameter_statuses(&postgres)
+            .into_iter()
+            .filter(|(k, _)| SHOWN.contains(&k.as_str()))
+            .collect();
+        expected.sort();
+        assert_ne!(
+            expected.iter().find(|(k, _)| k == "TimeZone").unwrap().1,
+            zone
+        );
+        let mut greeted: Vec<(String, String)> = parameter_statuses(&pooled)
+            .into_iter()
+            .filter(|(k, _)| SHOWN.contains(&k.as_str()))
+            .collect();
+        greeted.sort();
+        assert_eq!(greeted, expected, "{asked:?}");
+        clients.push((client, expected));
+    }
+    let servers = tracked_turns(&mut clients, &others, &zone, 6).await;
+    assert!(servers.len() > 1, "one server for all: {servers:?}");
+    // A SET of a parameter the client gave in `options` lasts too.
+    let (opts, expected) = &mut clients[1];
+    let r = opts.simple(b"SET TimeZone = 'Africa/Lagos'");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    expected
+        .iter_mut()
+        .find(|(k, _)| k == "TimeZone")
+        .unwrap()
+        .1 = "Africa/Lagos".into();
+    let servers = tracked_turns(&mut clients, &others, &zone, 3).await;
+    assert!(servers.len() > 1, "one server for all: {servers:?}");
+    // Refused as PostgreSQL refuses it.
+    for bad in [
+        ("timezone", "No/Such_Zone"),
+        ("options", "-c TimeZone=No/Such_Zone"),
+    ] {
+        let params: Vec<(&str, &str)> = base.iter().chain([&bad]).copied().collect();
+        let (_, postgres) = RawClient::greeted(direct, &params);
+        let (_, pooled) = RawClient::greeted(rw, &params);
+        assert_eq!(
+            error_code(&postgres).as_deref(),
+            Some("22023"),
+            "{postgres:?}"
+        );
+        assert_eq!(error_code(&pooled), error_code(&postgres), "{pooled:?}");
+        assert_eq!(error_message(&pooled), error_message(&postgres));
+    }
+}
+
+/// `rounds` turns of each of `clients`, two transactions each, checking
+/// that they see the TimeZone, DateStyle and IntervalStyle the client
+/// expects and get no ParameterStatus; before each turn, 0, 1 or 2 of
+/// `others` hold a server, so that with servers reused most recent first
+/// the turns land on different ones. `others` must see `zone`. The
+/// servers (backend pids) the clients' transactions ran on.
+async fn tracked_turns(
+    clients: &mut [(RawClient, Vec<(String, String)>)],
+    others: &[tokio_postgres::Client],
+    zone: &str,
+    rounds: usize,
+) -> std::collections::HashSet<String> {
+    let query = b"SELECT current_setting('TimeZone') UNION ALL SELECT current_setting('DateStyle') \
+                  UNION ALL SELECT current_setting('IntervalStyle') \
+                  UNION ALL SELECT pg_backend_pid()::text" as &[u8];
+    let mut servers = std::collections::HashSet::new();
+    for round in 0..rounds {
+        for (client, expected) in clients.iter_mut() {
+            let held = &others[..round % 3];
+            for other in held {
+                other.batch_execute("BEGIN").await.unwrap();
+            }
+            let want: Vec<&str> = ["TimeZone", "DateStyle", "IntervalStyle"]
+                .iter()
+                .map(|name| {
+                    expected
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .map_or("", |(_, v)| v.as_str())
+                })
+                .collect();
+            // Two in a row: the second most likely on the server the
+            // first left with the client's settings.
+            for _ in 0..2 {
+                let r = client.simple(query);
+                let got = values(&r);
+                assert_eq!(got[..3], want[..], "round {round}: {r:?}");
+                assert!(parameter_statuses(&r).is_empty(), "round {round}: {r:?}");
+                servers.insert(got[3].clone());
+            }
+            for other in held {
+                other.batch_execute("COMMIT").await.unwrap();
+                // Theirs are the server's defaults all along.
+                assert_eq!(one(other, "SHOW TimeZone").await, zone);
+            }
+        }
+    }
+    servers
 }
 
 /// A client asking for a newer protocol minor version (libpq 18 can ask

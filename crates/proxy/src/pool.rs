@@ -168,6 +168,37 @@ impl Tracked {
         TRACKED.iter().position(|k| *k == name)
     }
 
+    /// The tracked parameter `name` is, in whatever case it is written:
+    /// PostgreSQL matches parameter names without regard to case (libpq
+    /// sends `timezone` for `PGTZ`).
+    pub fn name_of(name: &str) -> Option<&'static str> {
+        TRACKED
+            .iter()
+            .copied()
+            .find(|k| k.eq_ignore_ascii_case(name))
+    }
+
+    /// The tracked parameters a client gave at start-up, under any
+    /// spelling and in `options` too (`-c TimeZone=...`), read as
+    /// PostgreSQL reads them: `options` first, then the other parameters,
+    /// later values winning. An `options` that does not parse was refused
+    /// already ([`Extras::from_startup`]).
+    pub fn from_startup(startup: &StartupMessage) -> Tracked {
+        let mut tracked = Tracked::default();
+        let options = startup.get("options").map(parse_options);
+        for (name, value) in options.into_iter().flatten().flatten() {
+            if let Some(name) = Self::name_of(&name) {
+                tracked.set(name, &value);
+            }
+        }
+        for (name, value) in &startup.params {
+            if let Some(name) = Self::name_of(name) {
+                tracked.set(name, value);
+            }
+        }
+        tracked
+    }
+
     /// The value of a tracked parameter, if known.
     pub fn get(&self, name: &str) -> Option<&str> {
         Self::index(name).and_then(|i| self.0[i].as_deref())
@@ -233,12 +264,10 @@ impl Extras {
             if !valid {
                 return Err(format!("invalid configuration parameter name \"{name}\""));
             }
-            // A tracked parameter is replayed as such; one given only in
-            // `options` is set like the rest, and the client then takes the
-            // server's value as its own.
-            // (Replayed under the exact name the client's session reads.)
-            let tracked = TRACKED.contains(&name);
-            if tracked && !from_options {
+            // A tracked parameter is replayed as such, however it came
+            // ([`Tracked::from_startup`]): set here too, it would undo
+            // the client's own SET of it on the next server it lands on.
+            if Tracked::name_of(name).is_some() {
                 return Ok(());
             }
             let lower = name.to_ascii_lowercase();
@@ -284,6 +313,18 @@ impl Extras {
     /// The (name, value) pairs.
     pub fn iter(&self) -> impl Iterator<Item = &(String, String)> {
         self.0.iter().flat_map(|e| e.iter())
+    }
+
+    /// These settings and `more`, whose names are not among these.
+    pub fn with(&self, more: impl IntoIterator<Item = (String, String)>) -> Extras {
+        let mut all: Vec<(String, String)> = self.iter().cloned().collect();
+        let mine = all.len();
+        all.extend(more);
+        if all.len() == mine {
+            return self.clone();
+        }
+        all.sort();
+        Extras(Some(all.into()))
     }
 
     /// The statements that take a server whose settings are `from` to
@@ -1964,20 +2005,57 @@ mod tests {
             let e = Extras::from_startup(&twice, false).unwrap();
             assert_eq!(pairs(&e), [("work_mem", "1MB")]);
         }
-        // A tracked parameter only in `options` is set like the rest.
-        let enc = startup(&[("options", "-c client_encoding=LATIN1 -c DateStyle=German")]);
-        assert_eq!(
-            pairs(&Extras::from_startup(&enc, false).unwrap()),
-            [("client_encoding", "LATIN1"), ("datestyle", "German")]
-        );
+        // A tracked parameter is tracked however it comes, never set
+        // like the rest.
         let enc = startup(&[
-            ("client_encoding", "UTF8"),
-            ("options", "-c client_encoding=LATIN1"),
+            ("options", "-c client_encoding=LATIN1 -c DateStyle=German"),
+            ("TIMEZONE", "UTC"),
+            ("work_mem", "1MB"),
         ]);
         assert_eq!(
-            Extras::from_startup(&enc, false).unwrap(),
-            Extras::default()
+            pairs(&Extras::from_startup(&enc, false).unwrap()),
+            [("work_mem", "1MB")]
         );
+    }
+
+    #[test]
+    fn tracked_parameters_are_read_in_any_case_and_from_options() {
+        let t = Tracked::from_startup(&startup(&[
+            ("user", "app"),
+            (
+                "options",
+                "-c TimeZone=Asia/Tokyo -c intervalstyle=iso_8601 --datestyle=German",
+            ),
+            ("datestyle", "ISO, DMY"),
+            ("application_name", "app"),
+        ]));
+        // A parameter wins over `options`, as in PostgreSQL.
+        assert_eq!(
+            t.iter().collect::<Vec<_>>(),
+            [
+                ("application_name", "app"),
+                ("DateStyle", "ISO, DMY"),
+                ("TimeZone", "Asia/Tokyo"),
+                ("IntervalStyle", "iso_8601"),
+            ]
+        );
+        // Later values win.
+        let t = Tracked::from_startup(&startup(&[
+            ("options", "-c TimeZone=UTC -c timezone=Asia/Tokyo"),
+            ("TimeZone", "UTC"),
+            ("timezone", "Europe/Paris"),
+        ]));
+        assert_eq!(t.get("TimeZone"), Some("Europe/Paris"));
+        let t = Tracked::from_startup(&startup(&[(
+            "options",
+            "-c TimeZone=UTC -c timezone=Asia/Tokyo",
+        )]));
+        assert_eq!(t.get("TimeZone"), Some("Asia/Tokyo"));
+        assert_eq!(
+            Tracked::name_of("STANDARD_CONFORMING_STRINGS"),
+            Some("standard_conforming_strings")
+        );
+        assert_eq!(Tracked::name_of("search_path"), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::cancel::BackendKey;
-use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked, TRACKED};
+use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked};
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
 
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
@@ -99,7 +99,8 @@ struct Replies {
 /// once the server confirms it dropped it, since a DEALLOCATE can fail (in
 /// a failed transaction) and the statement then stays.
 struct SentDealloc {
-    /// The batch (simple Query) it was sent in.
+    /// The batch it was sent in (its simple Query, or the batch of the
+    /// Execute that runs it).
     batch: u64,
     /// The client's name and the server-side name.
     name: String,
@@ -107,12 +108,19 @@ struct SentDealloc {
     /// The Query prepares a placeholder first, whose CommandComplete is
     /// swallowed.
     placeholder: bool,
+    /// A placeholder is on the server under `sname` until the DEALLOCATE
+    /// drops it: should the DEALLOCATE not run, the server holds a
+    /// statement under a name pgwarden would prepare the client's there.
+    stray: bool,
 }
 
 /// A Parse sent to the attached server.
 struct SentParse {
     /// Injected by pgwarden: its ParseComplete is swallowed.
     injected: bool,
+    /// The placeholder an extended-protocol `DEALLOCATE` of this
+    /// server-side name is about to drop ([`Session::deallocating`]).
+    placeholder: Option<Arc<str>>,
     /// The server-side name of a statement pgwarden follows; should the
     /// server skip the Parse, the statement is not there after all.
     name: Option<Arc<str>>,
@@ -126,8 +134,26 @@ struct SentParse {
 
 /// A client's statement as pgwarden follows it: its name on servers, the
 /// Parse body after the name (kept to prepare it on other servers) and
-/// whether running it drops every statement ([`drops_statements`]).
-type Statement = (Arc<str>, Bytes, bool);
+/// what running it drops.
+type Statement = (Arc<str>, Bytes, Drops);
+
+/// What running a client's statement drops of its prepared statements.
+#[derive(Clone, Default)]
+enum Drops {
+    #[default]
+    Nothing,
+    /// Every one: `DISCARD ALL`, `DEALLOCATE ALL` ([`Effects::drops`]).
+    Every,
+    /// One: the statement is `DEALLOCATE name` of this statement of the
+    /// client's, renamed when parsed to the server-side name it had then.
+    One(Arc<Target>),
+}
+
+/// The client's statement an extended-protocol `DEALLOCATE` drops.
+struct Target {
+    name: String,
+    sname: Arc<str>,
+}
 
 /// A Close sent to the attached server.
 struct SentClose {
@@ -403,7 +429,7 @@ async fn greet(
         .register_dynamic(session.cancel_target.clone());
     // Applied on the first server before the client is let in: a setting
     // PostgreSQL refuses refuses the login, as it would without pgwarden.
-    if let Err((f, reusable)) = session.apply_extras(&mut first).await {
+    if let Err((f, reusable)) = session.apply_login_settings(&mut first).await {
         shared.cancel.remove(key);
         first.release(reusable);
         let _ = client.write_all(&f.into_message()).await;
@@ -580,8 +606,8 @@ struct Session {
     params: Tracked,
     /// The client's named statements, by name.
     statements: HashMap<String, Statement>,
-    /// The unnamed statement drops every statement when run.
-    unnamed_drops: bool,
+    /// What running the unnamed statement drops.
+    unnamed_drops: Drops,
     /// The client's unnamed statement (the Parse body after the name),
     /// when it has one: bound in a later transaction, it is prepared
     /// again on whatever server that lands on. The buffer is reused.
@@ -621,9 +647,16 @@ struct Session {
     /// waited ([`crate::pool::Pool::checkout_timed`]).
     wait_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     /// A `DISCARD ALL` / `DEALLOCATE ALL` went to the attached server
-    /// ([`Session::forget_statements`]), and whether an error followed.
+    /// ([`Session::forget_statements`]).
     discarding: bool,
-    discard_failed: bool,
+    /// The attached server may hold statements pgwarden does not know of
+    /// (an error followed a `DISCARD ALL`, a placeholder was not dropped):
+    /// it is closed when let go, not given to another client.
+    stray_statements: bool,
+    /// Portals of the attached server bound to a client's `DEALLOCATE`
+    /// statement ([`Drops::One`]), with the batch of their Bind: the
+    /// statement is forgotten when one of them runs.
+    dealloc_portals: Vec<(u64, String, Arc<Target>)>,
     /// Named Parse messages so far, numbering server-side names.
     parses_named: u64,
     /// What pgwarden answers the client itself (a statement cancelled
@@ -652,12 +685,7 @@ impl Session {
             credential,
             extras,
         } = pooled;
-        let mut params = Tracked::default();
-        for k in TRACKED {
-            if let Some(v) = startup.get(k) {
-                params.set(k, v);
-            }
-        }
+        let params = Tracked::from_startup(&startup);
         let database = startup.database().unwrap_or_default();
         let user = startup.user().unwrap_or_default();
         // Most clients of a service are one application: its pool is
@@ -680,7 +708,7 @@ impl Session {
             replies: Replies::default(),
             params,
             statements: HashMap::new(),
-            unnamed_drops: false,
+            unnamed_drops: Drops::Nothing,
             unnamed: Vec::new(),
             unnamed_set: false,
             unnamed_here: false,
@@ -697,7 +725,8 @@ impl Session {
             wait_histogram: service.handles.pool_wait.clone(),
             wait_timer: None,
             discarding: false,
-            discard_failed: false,
+            stray_statements: false,
+            dealloc_portals: Vec::new(),
             parses_named: 0,
             answers: None,
             skip_to_sync: false,
@@ -1033,6 +1062,7 @@ impl Session {
         self.skip = 0;
         // Another client's unnamed statement may be there.
         self.unnamed_here = false;
+        self.dealloc_portals.clear();
         self.attached = Some(c);
     }
 
@@ -1041,7 +1071,40 @@ impl Session {
     /// to its pool (a refused setting changes nothing on the server: the
     /// statements run as one transaction).
     async fn apply_extras(&self, c: &mut Checkout) -> Result<(), (Fatal, bool)> {
-        let sql = self.extras.sql_from(&c.conn.extras);
+        self.apply_settings(c, &self.extras).await
+    }
+
+    /// At login, on the first server: [`Session::apply_extras`], and the
+    /// client's own values of the tracked parameters where the server's
+    /// differ, in the same round trip. A value PostgreSQL refuses refuses
+    /// the login, as PostgreSQL refuses it at start-up; one it takes is
+    /// the client's as the server reports it (`German` becomes `German,
+    /// DMY`), which is what PostgreSQL's greeting would report.
+    async fn apply_login_settings(&mut self, c: &mut Checkout) -> Result<(), (Fatal, bool)> {
+        let given: Vec<(String, String)> = self
+            .params
+            .iter()
+            .filter(|(k, v)| c.conn.tracked.get(k) != Some(*v))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if given.is_empty() {
+            return self.apply_extras(c).await;
+        }
+        let wanted = self.extras.with(given.iter().cloned());
+        self.apply_settings(c, &wanted).await?;
+        for (k, _) in &given {
+            if let Some(v) = c.conn.tracked.get(k) {
+                self.params.set(k, v);
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the settings of `c` in line with `wanted`, which are this
+    /// client's start-up settings and possibly more; `c` is then recorded
+    /// as having the client's ([`Session::apply_extras`]).
+    async fn apply_settings(&self, c: &mut Checkout, wanted: &Extras) -> Result<(), (Fatal, bool)> {
+        let sql = wanted.sql_from(&c.conn.extras);
         if sql.is_empty() {
             return Ok(());
         }
@@ -1100,7 +1163,7 @@ impl Session {
         // A server with bytes still to send is mid-message: never reused.
         let reusable = reusable && !std::mem::take(&mut self.unsent);
         crate::bufcache::release(&mut self.outbuf);
-        let uncertain = std::mem::take(&mut self.discard_failed);
+        let uncertain = std::mem::take(&mut self.stray_statements);
         self.discarding = false;
         if let Some(c) = self.attached.take() {
             let reusable = reusable && !uncertain;
@@ -1308,11 +1371,31 @@ impl Session {
                     }
                     // Forgotten when run, not here: the Bind may come in a
                     // later batch, on another server.
-                    let drops = effects.drops;
+                    let mut drops = if effects.drops {
+                        Drops::Every
+                    } else {
+                        Drops::Nothing
+                    };
                     // A name that is not UTF-8 is passed on as it is, not
                     // followed from server to server.
                     let named = std::str::from_utf8(p.name).ok().filter(|n| !n.is_empty());
-                    let rest = &body[p.name.len() + 1..];
+                    let mut rest = std::borrow::Cow::Borrowed(&body[p.name.len() + 1..]);
+                    if effects.deallocate && (named.is_some() || p.name.is_empty()) {
+                        // The client's statement exists on servers only
+                        // under its server-side name, as for a Query's
+                        // DEALLOCATE ([`Session::deallocate`]); psycopg
+                        // drops statements this way in pipelines.
+                        if let Some(t) = std::str::from_utf8(p.query)
+                            .ok()
+                            .and_then(|q| self.deallocated(q))
+                        {
+                            let mut text = format!("DEALLOCATE \"{}\"", t.sname).into_bytes();
+                            text.push(0);
+                            text.extend_from_slice(&rest[p.query.len() + 1..]);
+                            rest = std::borrow::Cow::Owned(text);
+                            drops = Drops::One(Arc::new(t));
+                        }
+                    }
                     if let Some(name) = named {
                         if self.statements.contains_key(name) {
                             // PostgreSQL refuses a name already in use
@@ -1323,17 +1406,18 @@ impl Session {
                             let (sname, _) = self.ensure(name, out);
                             self.replies.parses.push_back(SentParse {
                                 injected: false,
+                                placeholder: None,
                                 name: None,
                                 forget: false,
                                 unnamed_seq: 0,
                                 batch: self.replies.sent,
                             });
                             self.replies.open_batch = true;
-                            put_parse(out, &sname, rest);
+                            put_parse(out, &sname, &rest);
                             return Ok(());
                         }
                         let name = name.to_string();
-                        let rest = Bytes::copy_from_slice(rest);
+                        let rest = Bytes::copy_from_slice(&rest);
                         let sname: Arc<str> = Arc::from(self.server_name(&name));
                         self.statements
                             .insert(name, (sname.clone(), rest.clone(), drops));
@@ -1342,6 +1426,7 @@ impl Session {
                         }
                         self.replies.parses.push_back(SentParse {
                             injected: false,
+                            placeholder: None,
                             name: Some(sname.clone()),
                             forget: true,
                             unnamed_seq: 0,
@@ -1352,22 +1437,28 @@ impl Session {
                         self.bound_statements(&sname, out);
                         return Ok(());
                     }
-                    self.unnamed_drops = drops;
                     // (A name that is not UTF-8 passes as it is.)
                     if p.name.is_empty() {
                         self.unnamed.clear();
-                        self.unnamed.extend_from_slice(rest);
+                        self.unnamed.extend_from_slice(&rest);
                         self.unnamed_set = true;
                         self.unnamed_here = true;
                         self.unnamed_seq += 1;
                     }
                     self.replies.parses.push_back(SentParse {
                         injected: false,
+                        placeholder: None,
                         name: None,
                         forget: p.name.is_empty(),
                         unnamed_seq: self.unnamed_seq,
                         batch: self.replies.sent,
                     });
+                    self.unnamed_drops = drops;
+                    if let std::borrow::Cow::Owned(rest) = rest {
+                        self.note_sent(tag);
+                        put_parse(out, "", &rest);
+                        return Ok(());
+                    }
                 }
             }
             // The fast-path interface names its function by OID only.
@@ -1382,9 +1473,7 @@ impl Session {
                     if !stmt.is_empty() {
                         let skip = portal.len() + 1 + stmt.len() + 1;
                         let (sname, drops) = self.ensure(stmt, out);
-                        if drops {
-                            self.forget_statements();
-                        }
+                        self.bound(portal, drops);
                         let rest = &body[skip.min(body.len())..];
                         out.put_u8(frontend::BIND);
                         out.put_u32((4 + portal.len() + 1 + sname.len() + 1 + rest.len()) as u32);
@@ -1397,13 +1486,31 @@ impl Session {
                         return Ok(());
                     }
                     self.ensure_unnamed(out);
-                    if self.unnamed_drops {
-                        self.forget_statements();
+                    self.bound(portal, self.unnamed_drops.clone());
+                }
+            }
+            frontend::EXECUTE if !self.dealloc_portals.is_empty() => {
+                if let Ok(portal) = message::execute_portal(body) {
+                    if let Some(i) = self
+                        .dealloc_portals
+                        .iter()
+                        .position(|(_, p, _)| p == portal)
+                    {
+                        // Only the first Execute runs the DEALLOCATE: the
+                        // server refuses to run a finished portal again.
+                        let (_, _, t) = self.dealloc_portals.swap_remove(i);
+                        self.deallocating(&t, out);
                     }
                 }
             }
             frontend::DESCRIBE | frontend::CLOSE => {
-                if let Ok((b'S', name)) = message::describe_target(body) {
+                let target = message::describe_target(body);
+                if let Ok((b'P', portal)) = target {
+                    if tag == frontend::CLOSE {
+                        self.dealloc_portals.retain(|(_, p, _)| p != portal);
+                    }
+                }
+                if let Ok((b'S', name)) = target {
                     if name.is_empty() {
                         if tag == frontend::DESCRIBE {
                             self.ensure_unnamed(out);
@@ -1488,18 +1595,19 @@ impl Session {
     /// Makes sure the client's statement `name` exists on the attached
     /// server, injecting its Parse if needed; returns the server-side name.
     /// Runs per Bind, so a known statement costs no allocation. Also says
-    /// whether running the statement drops every statement.
-    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> (Arc<str>, bool) {
+    /// what running the statement drops.
+    fn ensure(&mut self, name: &str, out: &mut BytesMut) -> (Arc<str>, Drops) {
         let Some((sname, rest, drops)) = self.statements.get(name) else {
-            return (Arc::from(self.untracked_name(name)), false);
+            return (Arc::from(self.untracked_name(name)), Drops::Nothing);
         };
-        let (sname, drops) = (sname.clone(), *drops);
+        let (sname, drops) = (sname.clone(), drops.clone());
         if let Some(c) = self.attached.as_mut() {
             if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
                 c.conn.prepared.insert(&sname);
                 self.replies.parses.push_back(SentParse {
                     injected: true,
+                    placeholder: None,
                     name: Some(sname.clone()),
                     forget: false,
                     unnamed_seq: 0,
@@ -1509,6 +1617,63 @@ impl Session {
             }
         }
         (sname, drops)
+    }
+
+    /// The client bound `portal` to a statement that drops `drops` when
+    /// run.
+    fn bound(&mut self, portal: &str, drops: Drops) {
+        if !self.dealloc_portals.is_empty() {
+            // The unnamed portal is replaced by the next Bind.
+            self.dealloc_portals.retain(|(_, p, _)| p != portal);
+        }
+        match drops {
+            Drops::Nothing => {}
+            Drops::Every => self.forget_statements(),
+            // Only once the DEALLOCATE runs and the server confirms it:
+            // the portal may never be executed, or fail.
+            Drops::One(t) => self
+                .dealloc_portals
+                .push((self.replies.sent, portal.to_string(), t)),
+        }
+    }
+
+    /// Before the Execute of a portal bound to a `DEALLOCATE` of the
+    /// client's statement `t`: the statement is forgotten once the server
+    /// confirms the DEALLOCATE ran. Where the statement is not prepared,
+    /// a placeholder is prepared under its server-side name for the
+    /// DEALLOCATE to drop, for the reasons [`Session::deallocate`] gives;
+    /// a Parse of its own here, since an error before the Execute makes the
+    /// server skip both, and in an aborted transaction the Parse fails
+    /// with the error the Execute would get.
+    fn deallocating(&mut self, t: &Target, out: &mut BytesMut) {
+        // Dropped or prepared again since the DEALLOCATE was parsed: it
+        // names a statement the client no longer has, and the server
+        // answers for it (26000, under the client's name).
+        if !matches!(self.statements.get(&t.name), Some(st) if st.0 == t.sname) {
+            return;
+        }
+        let here = self
+            .attached
+            .as_mut()
+            .is_some_and(|c| c.conn.prepared.touch(&t.sname));
+        if !here {
+            put_parse(out, &t.sname, b"SELECT\0\0\0");
+            self.replies.parses.push_back(SentParse {
+                injected: true,
+                placeholder: Some(t.sname.clone()),
+                name: None,
+                forget: false,
+                unnamed_seq: 0,
+                batch: self.replies.sent,
+            });
+        }
+        self.replies.deallocs.push(SentDealloc {
+            batch: self.replies.sent,
+            name: t.name.clone(),
+            sname: t.sname.clone(),
+            placeholder: false,
+            stray: false,
+        });
     }
 
     /// Before a Bind or Describe of the unnamed statement: makes the
@@ -1525,6 +1690,7 @@ impl Session {
             put_parse(out, "", &self.unnamed);
             self.replies.parses.push_back(SentParse {
                 injected: true,
+                placeholder: None,
                 name: None,
                 forget: false,
                 unnamed_seq: self.unnamed_seq,
@@ -1581,9 +1747,11 @@ impl Session {
         }
     }
 
-    /// `DEALLOCATE name` / `DEALLOCATE ALL` for protocol-level statements
-    /// (psycopg evicts its cache that way): renamed to the server-side name.
-    fn deallocate(&mut self, text: &str) -> Option<String> {
+    /// The client's statement that `text`, a `DEALLOCATE name` (or
+    /// `DEALLOCATE PREPARE name`), drops; `None` for `DEALLOCATE ALL`
+    /// (see [`Effects::drops`]) and for names pgwarden does not follow
+    /// (an SQL-level PREPARE's, which the client's own server has).
+    fn deallocated(&self, text: &str) -> Option<Target> {
         let t = text.trim().trim_end_matches(';').trim();
         let mut words = t.split_whitespace();
         if !words.next()?.eq_ignore_ascii_case("deallocate") {
@@ -1593,24 +1761,32 @@ impl Session {
         if name.eq_ignore_ascii_case("prepare") {
             name = words.next()?;
         }
-        if words.next().is_some() {
-            return None;
-        }
-        // Forgotten already (`drops_statements`).
-        if name.eq_ignore_ascii_case("all") {
+        if words.next().is_some() || name.eq_ignore_ascii_case("all") {
             return None;
         }
         let name = name.trim_matches('"');
         let sname = self.statements.get(name)?.0.clone();
+        Some(Target {
+            name: name.to_string(),
+            sname,
+        })
+    }
+
+    /// `DEALLOCATE name` in a Query for protocol-level statements (PHP's
+    /// PDO, and psycopg outside pipelines, drop statements that way):
+    /// renamed to the server-side name.
+    fn deallocate(&mut self, text: &str) -> Option<String> {
+        let Target { name, sname } = self.deallocated(text)?;
         let here = self
             .attached
             .as_mut()
             .is_some_and(|c| c.conn.prepared.touch(&sname));
         self.replies.deallocs.push(SentDealloc {
             batch: self.replies.sent,
-            name: name.to_string(),
+            name,
             sname: sname.clone(),
             placeholder: !here,
+            stray: false,
         });
         if here {
             return Some(format!("DEALLOCATE \"{sname}\""));
@@ -1676,8 +1852,15 @@ impl Session {
             match h.tag {
                 backend::PARSE_COMPLETE => {
                     self.drop_stale_parses();
-                    if let Some(SentParse { injected: true, .. }) = self.replies.parses.pop_front()
+                    if let Some(SentParse {
+                        injected: true,
+                        placeholder,
+                        ..
+                    }) = self.replies.parses.pop_front()
                     {
+                        if let Some(sname) = placeholder {
+                            self.placeholder_made(&sname);
+                        }
                         drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
@@ -1701,6 +1884,7 @@ impl Session {
                         let d = &mut self.replies.deallocs[i];
                         if d.placeholder && body.starts_with(b"PREPARE\0") {
                             d.placeholder = false;
+                            d.stray = true;
                             drop_message(&mut out, buf, &mut pos, total);
                             continue;
                         }
@@ -1712,7 +1896,7 @@ impl Session {
                 }
                 backend::ERROR_RESPONSE => {
                     if self.discarding {
-                        self.discard_failed = true;
+                        self.stray_statements = true;
                     }
                     if ends_session(body) {
                         self.replies.fatal = true;
@@ -1738,11 +1922,20 @@ impl Session {
                         c.traffic
                             .ready(self.replies.pending == 0 && !self.replies.open_batch);
                     }
-                    // A DEALLOCATE whose Query ended without dropping the
+                    // A DEALLOCATE whose batch ended without dropping the
                     // statement (an error) leaves it where it was.
                     let done = self.replies.done;
-                    self.replies.deallocs.retain(|d| d.batch >= done);
+                    let mut stray = false;
+                    self.replies.deallocs.retain(|d| {
+                        stray |= d.batch < done && d.stray;
+                        d.batch >= done
+                    });
+                    self.stray_statements |= stray;
                     self.replies.status = message::ready_for_query_status(body).ok();
+                    if self.replies.status == Some(TxStatus::Idle) {
+                        // Portals end with their transaction.
+                        self.dealloc_portals.retain(|(b, ..)| *b >= done);
+                    }
                     self.drop_stale_parses();
                     self.drop_stale_closes();
                 }
@@ -1775,6 +1968,16 @@ impl Session {
             }
             None => ToClient::Prefix(pos),
         })
+    }
+
+    /// The server prepared the placeholder a `DEALLOCATE` of `sname` is to
+    /// drop ([`Session::deallocating`]).
+    fn placeholder_made(&mut self, sname: &str) {
+        for d in self.replies.deallocs.iter_mut() {
+            if &*d.sname == sname {
+                d.stray = true;
+            }
+        }
     }
 
     /// The server dropped the client's statement `name` (`sname` there):

@@ -343,6 +343,16 @@ pub fn bind_names(body: &[u8]) -> Result<(&str, &str), BodyError> {
     Ok((portal, statement))
 }
 
+/// Portal name of an Execute (`E`) body; the row limit is the server's
+/// business.
+pub fn execute_portal(body: &[u8]) -> Result<&str, BodyError> {
+    let mut r = Reader::new(body);
+    let portal = r.cstr()?;
+    r.i32()?;
+    r.finish()?;
+    Ok(portal)
+}
+
 /// Kind (`b'S'` statement or `b'P'` portal) and name of a Close (`C`) body.
 pub fn close_target(body: &[u8]) -> Result<(u8, &str), BodyError> {
     target(body)
@@ -727,6 +737,9 @@ mod tests {
         assert_eq!(describe_target(b"P\0"), Ok((b'P', "")));
         assert!(close_target(b"Xa\0").is_err());
         assert_eq!(bind_names(b"p\0s\0\0\0"), Ok(("p", "s")));
+        assert_eq!(execute_portal(b"p\0\0\0\0\0"), Ok("p"));
+        assert_eq!(execute_portal(b"\0\0\0\0\x0a"), Ok(""));
+        assert_eq!(execute_portal(b"p\0\0\0"), Err(BodyError::Truncated));
         assert_eq!(
             parameter_status(b"TimeZone\0UTC\0"),
             Ok(("TimeZone", "UTC"))
