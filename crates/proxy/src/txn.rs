@@ -1389,7 +1389,8 @@ impl Session {
                             .ok()
                             .and_then(|q| self.deallocated(q))
                         {
-                            let mut text = format!("DEALLOCATE \"{}\"", t.sname).into_bytes();
+                            let mut text =
+                                format!("DEALLOCATE {}", quote_ident(&t.sname)).into_bytes();
                             text.push(0);
                             text.extend_from_slice(&rest[p.query.len() + 1..]);
                             rest = std::borrow::Cow::Owned(text);
@@ -1764,12 +1765,9 @@ impl Session {
         if words.next().is_some() || name.eq_ignore_ascii_case("all") {
             return None;
         }
-        let name = name.trim_matches('"');
-        let sname = self.statements.get(name)?.0.clone();
-        Some(Target {
-            name: name.to_string(),
-            sname,
-        })
+        let name = sql_ident(name)?;
+        let sname = self.statements.get(&name)?.0.clone();
+        Some(Target { name, sname })
     }
 
     /// `DEALLOCATE name` in a Query for protocol-level statements (PHP's
@@ -1789,7 +1787,7 @@ impl Session {
             stray: false,
         });
         if here {
-            return Some(format!("DEALLOCATE \"{sname}\""));
+            return Some(format!("DEALLOCATE {}", quote_ident(&sname)));
         }
         // Not prepared on this server: the DEALLOCATE the client waits for
         // drops a placeholder, prepared in the same Query (whose PREPARE
@@ -1801,9 +1799,8 @@ impl Session {
         // transaction) the server would ignore the Query until a Sync, and
         // the client would wait for ever. In one Query, an aborted
         // transaction fails it with the error the DEALLOCATE would get.
-        Some(format!(
-            "PREPARE \"{sname}\" AS SELECT; DEALLOCATE \"{sname}\""
-        ))
+        let q = quote_ident(&sname);
+        Some(format!("PREPARE {q} AS SELECT; DEALLOCATE {q}"))
     }
 
     /// Processes a chunk from the server; returns what goes to the client.
@@ -2251,8 +2248,55 @@ const PINNING_FUNCTIONS: [u32; 9] = [
     2889,
 ];
 
+/// `ident` as a quoted SQL identifier. Statement names come from clients
+/// and may hold a double quote: unescaped, it would end the identifier in
+/// pgwarden's own SQL and run the rest.
+fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+/// The name an identifier written in SQL stands for, read as PostgreSQL
+/// reads it: unquoted ones fold to lower case, quoted ones keep their case
+/// with `""` for a quote. `None` for anything else (the server answers
+/// such text itself).
+fn sql_ident(word: &str) -> Option<String> {
+    if let Some(inner) = word.strip_prefix('"') {
+        let inner = inner.strip_suffix('"')?;
+        let mut name = String::with_capacity(inner.len());
+        let mut chars = inner.chars();
+        while let Some(c) = chars.next() {
+            if c == '"' && chars.next() != Some('"') {
+                return None;
+            }
+            name.push(c);
+        }
+        return (!name.is_empty()).then_some(name);
+    }
+    let mut chars = word.chars();
+    let first = chars.next()?;
+    let start = first.is_ascii_alphabetic() || first == '_' || !first.is_ascii();
+    let rest = chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$' || !c.is_ascii());
+    (start && rest).then(|| word.to_ascii_lowercase())
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn statement_names_in_sql_are_read_and_written_as_postgresql_does() {
+        use super::{quote_ident, sql_ident};
+        assert_eq!(sql_ident("P_0").as_deref(), Some("p_0"));
+        assert_eq!(sql_ident("\"P_0\"").as_deref(), Some("P_0"));
+        assert_eq!(sql_ident("\"a\"\"b\"").as_deref(), Some("a\"b"));
+        for bad in ["", "\"\"", "\"a\"b\"", "x\";SET", "1a", "a-b", "\"open"] {
+            assert_eq!(sql_ident(bad), None, "{bad}");
+        }
+        assert_eq!(
+            quote_ident("pgw1_2_x\";SET x=1;--"),
+            "\"pgw1_2_x\"\";SET x=1;--\""
+        );
+    }
+
     #[test]
     fn errors_name_statements_as_the_client_does() {
         let error = |m: &str| {
