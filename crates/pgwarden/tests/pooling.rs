@@ -2441,6 +2441,33 @@ async fn statement_names_with_quotes_stay_names_in_deallocate() {
     );
 }
 
+/// A client's unnamed statement, prepared again on the server it lands
+/// on, may be skipped by the server after an earlier error in the same
+/// batch. A batch the client pipelined behind that one then binds its own
+/// statement, as on PostgreSQL, never the server's leftover unnamed
+/// statement of another client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_unnamed_statement_never_lets_a_client_run_anothers() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One server: each client's turn finds the previous one's leftovers.
+    let (_engine, p) = pooled(&c, 1).await;
+    let addr = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(addr, "UTF8");
+    let mut b = RawClient::connect(addr, "UTF8");
+    assert_eq!(value(&a.extended(b"", b"SELECT 'mine'")), "mine");
+    assert_eq!(value(&b.extended(b"", b"SELECT 'theirs'")), "theirs");
+    // Batch 1 fails before binding the unnamed statement; batch 2 binds it.
+    let mut m = msg_parse(b"f", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b"f"));
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    let first = a.send(&m);
+    assert_eq!(error_code(&first).as_deref(), Some("22012"), "{first:?}");
+    assert_eq!(value(&a.until_ready()), "mine");
+}
+
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
 /// UTF-8 text; its statements are checked all the same: switching a
 /// read-only session to read-write is refused, in the relay and in the

@@ -617,6 +617,13 @@ struct Session {
     /// have none): set by the client's unnamed Parse or Close in this
     /// loan, or by pgwarden preparing it again.
     unnamed_here: bool,
+    /// An unnamed Parse or Close went out after other messages of its
+    /// batch: an error before it makes the server skip it, which shows
+    /// only at the batch's ReadyForQuery. Batches the client pipelined
+    /// behind it must not take `unnamed_here` on trust (the server's
+    /// unnamed statement could be another client's), so it is cleared at
+    /// the batch's Sync.
+    unnamed_uncertain: bool,
     /// Unnamed Parses so far.
     unnamed_seq: u64,
     /// The client used session state (LISTEN, session advisory locks,
@@ -712,6 +719,7 @@ impl Session {
             unnamed: Vec::new(),
             unnamed_set: false,
             unnamed_here: false,
+            unnamed_uncertain: false,
             unnamed_seq: 0,
             pinned: false,
             cancel_target: Arc::default(),
@@ -1062,6 +1070,7 @@ impl Session {
         self.skip = 0;
         // Another client's unnamed statement may be there.
         self.unnamed_here = false;
+        self.unnamed_uncertain = false;
         self.dealloc_portals.clear();
         self.attached = Some(c);
     }
@@ -1444,6 +1453,7 @@ impl Session {
                         self.unnamed.extend_from_slice(&rest);
                         self.unnamed_set = true;
                         self.unnamed_here = true;
+                        self.unnamed_uncertain |= self.replies.open_batch;
                         self.unnamed_seq += 1;
                     }
                     self.replies.parses.push_back(SentParse {
@@ -1520,6 +1530,7 @@ impl Session {
                             // the client has none.
                             self.unnamed_set = false;
                             self.unnamed_here = true;
+                            self.unnamed_uncertain |= self.replies.open_batch;
                         }
                     } else {
                         let name = name.to_string();
@@ -1572,6 +1583,9 @@ impl Session {
                 self.replies.sent += 1;
                 if tag == frontend::SYNC {
                     self.replies.open_batch = false;
+                    if std::mem::take(&mut self.unnamed_uncertain) {
+                        self.unnamed_here = false;
+                    }
                 }
             }
             // Not Flush: it asks for replies without starting anything
@@ -1687,6 +1701,7 @@ impl Session {
             return;
         }
         self.unnamed_here = true;
+        self.unnamed_uncertain |= self.replies.open_batch;
         if self.unnamed_set {
             put_parse(out, "", &self.unnamed);
             self.replies.parses.push_back(SentParse {
