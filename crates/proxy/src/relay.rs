@@ -366,6 +366,15 @@ where
 mod tests {
     use super::*;
 
+    /// Replaces the Query `bad` with the Query `fixed`.
+    fn fix_bad(_: u8, m: &mut [u8]) -> Verdict {
+        if &m[5..] == b"bad\0" {
+            Verdict::Replace(BytesMut::from(&msg(b'Q', b"fixed\0")[..]))
+        } else {
+            Verdict::Keep
+        }
+    }
+
     fn msg(tag: u8, body: &[u8]) -> Vec<u8> {
         let mut v = vec![tag];
         v.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
@@ -397,13 +406,7 @@ mod tests {
             &mut framing,
             &counter,
             |t| t == b'Q',
-            |_, m| {
-                if &m[5..] == b"bad\0" {
-                    Verdict::Replace(BytesMut::from(&msg(b'Q', b"fixed\0")[..]))
-                } else {
-                    Verdict::Keep
-                }
-            },
+            fix_bad,
             BytesMut::new(),
         )
         .await;
@@ -515,13 +518,7 @@ mod tests {
             &mut Framing::default(),
             &Counter::default(),
             |t| t == b'Q',
-            |_, m| {
-                if &m[5..] == b"bad\0" {
-                    Verdict::Replace(BytesMut::from(&msg(b'Q', b"fixed\0")[..]))
-                } else {
-                    Verdict::Keep
-                }
-            },
+            fix_bad,
             early,
         )
         .await;
