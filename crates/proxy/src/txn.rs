@@ -1195,11 +1195,6 @@ impl Session {
         let r = self.client_messages(buf, &mut out).await;
         if self.attached.is_some() {
             self.outbuf = out;
-        } else if self.unsent {
-            // Detached with bytes unsent: the server was not kept.
-            self.unsent = false;
-            out.clear();
-            crate::bufcache::give(out);
         } else {
             // Nothing in it can reach a server now (a Terminate, a
             // refused or failed transaction): the buffer goes back.
