@@ -2488,22 +2488,16 @@ impl HaLoop {
                 // Both can outlast the lease: the key (and the watchdog)
                 // stay renewed until PostgreSQL has stopped taking writes,
                 // so the candidate cannot be promoted beside it.
-                match self.lease {
-                    Some(lease) => {
-                        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
-                        let watchdog = &mut self.watchdog;
-                        self.dcs
-                            .hold_leader_while(
-                                &self.cfg.name,
-                                lease,
-                                every,
-                                || watchdog.keepalive(),
-                                stop,
-                            )
-                            .await;
-                    }
-                    None => stop.await,
-                }
+                let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+                holding_key(
+                    &self.dcs,
+                    &self.cfg.name,
+                    self.lease,
+                    every,
+                    &mut self.watchdog,
+                    stop,
+                )
+                .await;
                 // The shutdown checkpoint is the last WAL this leader wrote;
                 // the candidate promotes only once it has received it.
                 if let Some(lsn) = self
@@ -3786,7 +3780,21 @@ impl HaLoop {
         // not report a primary while its server is down.
         self.obs.pg.running = false;
         self.publish_status();
-        let _ = self.pg.stop(StopMode::Fast).await;
+        let stop = self.pg.stop(StopMode::Fast);
+        // A leader keeps its key through a slow stop (up to a minute), or
+        // another member could be promoted before this one starts again
+        // as a primary.
+        let lease = self.lease.filter(|_| self.holds_leader_key());
+        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        let _ = holding_key(
+            &self.dcs,
+            &self.cfg.name,
+            lease,
+            every,
+            &mut self.watchdog,
+            stop,
+        )
+        .await;
         // With on_restart, as in Patroni, it alone says so.
         let on_restart = self.cfg.callbacks.on_restart.clone();
         if on_restart.is_none() {
@@ -4201,6 +4209,26 @@ fn effective_parameters(
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     crate::parameters::effective(&defaults, dynamic, local)
+}
+
+/// Runs `work` with the leader key renewed (and the watchdog fed) every
+/// `every` while it lasts, when `lease` holds the key; see
+/// [`EtcdDcs::hold_leader_while`].
+async fn holding_key<T>(
+    dcs: &EtcdDcs,
+    name: &str,
+    lease: Option<LeaseId>,
+    every: Duration,
+    watchdog: &mut crate::watchdog::Watchdog,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    match lease {
+        Some(lease) => {
+            dcs.hold_leader_while(name, lease, every, || watchdog.keepalive(), work)
+                .await
+        }
+        None => work.await,
+    }
 }
 
 /// Runs `CHECKPOINT` on the server `conninfo` names.
