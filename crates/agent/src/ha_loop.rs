@@ -1157,7 +1157,10 @@ impl HaLoop {
             self.manage_slots(leading).await;
             self.manage_logical_slots().await;
         }
-        if self.holds_leader_key() && decision.keeps_lease() {
+        // The round that took the key counts as leading too: the watchdog
+        // armed before taking it stays armed, and the fence starts now.
+        let leading = decision.keeps_lease() || matches!(decision, Decision::AcquireLeader { .. });
+        if self.holds_leader_key() && leading {
             if let Err(e) = self.watchdog.arm() {
                 tracing::error!("cannot arm the watchdog: {e}");
             }

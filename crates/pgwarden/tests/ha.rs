@@ -2422,6 +2422,15 @@ async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_
         "n1 disarmed its watchdog with the magic close"
     );
     eventually("n3 feeds its watchdog", Duration::from_secs(20), fed("wd3")).await;
+    // Disarmed once, by the start-up check: the round that took the key
+    // left the watchdog armed. (The file cannot tell: each opening writes
+    // from its start again.)
+    let log = std::fs::read_to_string(&c.node(2).log).unwrap();
+    assert_eq!(
+        log.matches("watchdog disarmed").count(),
+        1,
+        "n3 disarmed its watchdog while leading"
+    );
     assert!(c
         .node(1)
         .log_tail()
