@@ -1416,6 +1416,11 @@ impl HaLoop {
                 }
                 tracing::warn!("the leader key is no longer held by this agent's lease");
                 self.lease = None;
+                // etcd answered: the round decides again with it reachable
+                // (a failsafe leader whose lease ran out during an outage
+                // takes its key back next; it must not demote for the
+                // outage just ended).
+                self.dcs_ok = true;
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "leader lease renewal failed");
