@@ -2978,12 +2978,6 @@ async fn deallocate_of_a_statement_prepared_on_another_server() {
     let direct = client(&c.conninfo(0)).await.unwrap();
     let holder = client(&via(&p, "read_write")).await.unwrap();
     let mut a = RawClient::connect(addr, "UTF8");
-    let tags = |r: &[(u8, Vec<u8>)]| -> Vec<String> {
-        r.iter()
-            .filter(|(t, _)| *t == b'C')
-            .map(|(_, b)| String::from_utf8_lossy(&b[..b.len() - 1]).into_owned())
-            .collect()
-    };
     direct
         .batch_execute("CREATE TABLE gone (v int)")
         .await
