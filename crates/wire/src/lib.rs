@@ -15,6 +15,8 @@
 //! * [`message`]: framing of tagged messages and read access to their bodies.
 //! * [`encode`]: builders for the messages the proxy sends on its own.
 //! * [`readonly`]: the SQL check that keeps a read-only session read-only.
+//! * [`readonly_pipeline`]: which of a read-only session's pipelined
+//!   messages must wait for the server's ReadyForQuery, or are refused.
 //! * [`effects`]: what a query does to a pooled server session (state that
 //!   outlives its transaction, prepared statements dropped).
 
@@ -22,6 +24,7 @@ pub mod effects;
 pub mod encode;
 pub mod message;
 pub mod readonly;
+pub mod readonly_pipeline;
 pub mod sqlstate;
 pub mod startup;
 

@@ -138,6 +138,9 @@ pub enum Violation {
     TransactionControlInDo,
     /// A statement after one that ends the transaction, in one Query.
     AfterTransactionEnd,
+    /// A statement run after one that ended the transaction, in one
+    /// extended-protocol batch (before its Sync).
+    AfterTransactionEndInBatch,
 }
 
 impl fmt::Display for Violation {
@@ -162,6 +165,9 @@ impl fmt::Display for Violation {
             Violation::TransactionControlInDo => f.write_str("COMMIT or ROLLBACK in a DO block"),
             Violation::AfterTransactionEnd => f.write_str(
                 "statements after COMMIT, ROLLBACK or PREPARE TRANSACTION in the same query",
+            ),
+            Violation::AfterTransactionEndInBatch => f.write_str(
+                "statements run after COMMIT, ROLLBACK or PREPARE TRANSACTION before the next Sync",
             ),
         }
     }
@@ -200,6 +206,42 @@ pub fn check_read_only(sql: &str) -> Result<(), ReadOnlyViolation> {
 /// ParameterStatus safety net alone.
 pub fn check_read_only_bytes(sql: &[u8]) -> Result<(), ReadOnlyViolation> {
     check(sql, 0, false).map_err(|kind| ReadOnlyViolation { kind })
+}
+
+/// Whether `sql` holds a statement that ends the current transaction
+/// (`COMMIT`, `END`, `ABORT`, `ROLLBACK` other than to a savepoint,
+/// `PREPARE TRANSACTION`), read as PostgreSQL would with
+/// `standard_conforming_strings` either on or off.
+///
+/// For the extended protocol, where a statement is prepared in one message
+/// and run in another: statements run after such a one without a Sync in
+/// between start a new transaction before the server reports a changed
+/// default, as they do after a `COMMIT` inside one Query.
+pub fn ends_transaction(sql: &[u8]) -> bool {
+    let ends = |standard_strings: bool| {
+        let mut lexer = Lexer::new(sql, standard_strings);
+        let mut stmt = Statement::new();
+        while let Some(tok) = lexer.next_token() {
+            if lexer.truncated {
+                break;
+            }
+            let class = classify(&tok);
+            if class == Class::Punct(b';') {
+                if stmt.ends_transaction() {
+                    return (true, lexer.saw_backslash);
+                }
+                stmt = Statement::new();
+                continue;
+            }
+            stmt.push_lead(class);
+        }
+        (stmt.ends_transaction(), lexer.saw_backslash)
+    };
+    match ends(true) {
+        (true, _) => true,
+        (false, true) => ends(false).0,
+        (false, false) => false,
+    }
 }
 
 /// `sql` with its comments (`--` to the end of the line, nested `/* */`)
@@ -495,15 +537,20 @@ impl Statement {
             _ => {}
         }
 
+        self.push_lead(class);
+        self.hist = [class, h[0], h[1], h[2]];
+        self.prev_at_command = at_command;
+        Ok(())
+    }
+
+    /// Records `class` among the statement's first tokens.
+    fn push_lead(&mut self, class: Class) {
         if !(self.lead_len == 0 && class == Class::Punct(b'(')) {
             if let Some(slot) = self.lead.get_mut(self.lead_len) {
                 *slot = class;
             }
             self.lead_len = self.lead_len.saturating_add(1);
         }
-        self.hist = [class, h[0], h[1], h[2]];
-        self.prev_at_command = at_command;
-        Ok(())
     }
 
     fn finish(&self) -> Result<(), Violation> {
