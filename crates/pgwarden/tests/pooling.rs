@@ -2226,6 +2226,24 @@ impl RawClient {
         }
     }
 
+    /// Every message until the connection is closed.
+    fn until_closed(&mut self) -> Vec<(u8, Vec<u8>)> {
+        use std::io::Read;
+        let mut out = Vec::new();
+        loop {
+            let mut head = [0u8; 5];
+            if self.0.read_exact(&mut head).is_err() {
+                return out;
+            }
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+            let mut body = vec![0u8; len - 4];
+            if self.0.read_exact(&mut body).is_err() {
+                return out;
+            }
+            out.push((head[0], body));
+        }
+    }
+
     /// Messages up to and including the next ErrorResponse.
     fn until_error(&mut self) -> Vec<(u8, Vec<u8>)> {
         self.until(b'E')
@@ -2338,6 +2356,139 @@ async fn statements_sent_with_the_startup_packet_are_checked_too() {
             Some("25006"),
             "pooled {pooled}: {replies:?}"
         );
+    }
+    assert_eq!(
+        sql_value(&c.conninfo(0), "SELECT count(*) FROM w")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+}
+
+/// SQL assembled while it runs is out of the statement check's sight,
+/// and can turn the read-only default off; the server reports that only
+/// at its next ReadyForQuery. Statements pipelined behind it must not run
+/// in a transaction begun after the change, before pgwarden has seen the
+/// report: neither behind a Query or Sync, nor behind an extended-protocol
+/// COMMIT in the same batch. Pipelines that do no such thing still flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_statements_cannot_outrun_the_read_only_report() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(&c.conninfo(0), "CREATE TABLE w (v int)").await;
+    let default_to = |v: &str| {
+        format!(
+            "SELECT query_to_xml('SELECT set_' || 'config(''default_transaction' || \
+             '_read_only'', ''{v}'', false)', true, false, '')"
+        )
+        .into_bytes()
+    };
+    let (off, on) = (default_to("off"), default_to("on"));
+    let extended = |sql: &[u8]| {
+        let mut m = msg_parse(b"", sql);
+        m.extend(msg_bind_execute(b""));
+        m
+    };
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        // No replica: the read-only service falls back to the primary.
+        let ro = p.service_addrs()["read_only"];
+        let connect =
+            || RawClient::connect_with(ro, &[("user", "postgres"), ("database", "postgres")]);
+
+        // Behind a Query.
+        let mut raw = connect();
+        let mut pipeline = msg_query(&off);
+        pipeline.extend(msg_query(b"INSERT INTO w VALUES (1)"));
+        pipeline.extend(msg_query(&on));
+        raw.0.write_all(&pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+
+        // Behind a Sync.
+        let mut raw = connect();
+        let mut pipeline = extended(&off);
+        pipeline.extend_from_slice(MSG_SYNC);
+        pipeline.extend(extended(b"INSERT INTO w VALUES (2)"));
+        pipeline.extend_from_slice(MSG_SYNC);
+        pipeline.extend(extended(&on));
+        pipeline.extend_from_slice(MSG_SYNC);
+        raw.0.write_all(&pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+
+        // Behind a COMMIT in the same batch: no ReadyForQuery, so no
+        // report, comes between the transactions.
+        for commit in [&b"COMMIT"[..], b"end", b"ROLLBACK"] {
+            let mut raw = connect();
+            let mut pipeline = extended(&off);
+            pipeline.extend(extended(commit));
+            pipeline.extend(extended(b"INSERT INTO w VALUES (3)"));
+            pipeline.extend(extended(&on));
+            pipeline.extend_from_slice(MSG_SYNC);
+            raw.0.write_all(&pipeline).unwrap();
+            let replies = raw.until_closed();
+            let (_, error) = replies
+                .iter()
+                .find(|(t, _)| *t == b'E')
+                .unwrap_or_else(|| panic!("pooled {pooled}: no error: {replies:?}"));
+            let text = String::from_utf8_lossy(error);
+            assert!(
+                text.contains("25006") && text.contains("before the next Sync"),
+                "pooled {pooled}: {text}"
+            );
+        }
+
+        // A named statement, prepared in an earlier batch, counts too.
+        let mut raw = connect();
+        let mut prepare = msg_parse(b"c", b"COMMIT");
+        prepare.extend_from_slice(MSG_SYNC);
+        assert_eq!(error_code(&raw.send(&prepare)), None, "pooled {pooled}");
+        let mut pipeline = extended(&off);
+        pipeline.extend(msg_bind_execute(b"c"));
+        pipeline.extend(extended(b"INSERT INTO w VALUES (4)"));
+        pipeline.extend(extended(&on));
+        pipeline.extend_from_slice(MSG_SYNC);
+        raw.0.write_all(&pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+
+        // Pipelines that change nothing are answered in full.
+        let mut raw = connect();
+        let mut pipeline = msg_query(b"SELECT 1");
+        pipeline.extend(msg_query(b"SELECT 2"));
+        for sql in [&b"BEGIN"[..], b"SELECT 3", b"COMMIT", b"SELECT 4"] {
+            pipeline.extend(extended(sql));
+            pipeline.extend_from_slice(MSG_SYNC);
+        }
+        raw.0.write_all(&pipeline).unwrap();
+        let mut rows = Vec::new();
+        for _ in 0..6 {
+            let replies = raw.until_ready();
+            assert_eq!(error_code(&replies), None, "pooled {pooled}: {replies:?}");
+            rows.extend(
+                replies
+                    .iter()
+                    .filter(|(t, _)| *t == b'D')
+                    .map(|(_, r)| String::from_utf8_lossy(&r[6..]).into_owned()),
+            );
+        }
+        assert_eq!(rows, ["1", "2", "3", "4"], "pooled {pooled}");
+        assert_eq!(value(&raw.simple(b"SHOW transaction_read_only")), "on");
     }
     assert_eq!(
         sql_value(&c.conninfo(0), "SELECT count(*) FROM w")

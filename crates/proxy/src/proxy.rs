@@ -290,14 +290,28 @@ impl Kill {
 /// its client socket reports end of input: [`SessionEntry::kill`] records
 /// the reason, then shuts the read side of the client's socket, which wakes
 /// the session at the read it is waiting on anyway. So a session watches no
-/// channel of its own, and its per-message path polls nothing extra.
+/// channel of its own, and its per-message path polls nothing extra. Only
+/// a session that has stopped reading its client (a read-only session
+/// holding a pipelined statement until the server's answer is in) waits
+/// on [`KillState::told`] meanwhile.
 #[derive(Debug, Default)]
-pub(crate) struct KillState(std::sync::atomic::AtomicU8);
+pub(crate) struct KillState {
+    code: std::sync::atomic::AtomicU8,
+    woken: tokio::sync::Notify,
+}
 
 impl KillState {
     /// The reason the session was told to end, if it was.
     pub fn reason(&self) -> Option<Kill> {
-        Kill::from_code(self.0.load(Ordering::Acquire))
+        Kill::from_code(self.code.load(Ordering::Acquire))
+    }
+
+    /// Completes once the session has been told to end.
+    pub async fn told(&self) {
+        while self.reason().is_none() {
+            // A kill between the check and this wait leaves a permit.
+            self.woken.notified().await;
+        }
     }
 }
 
@@ -354,7 +368,7 @@ impl SessionEntry {
     pub fn kill(&self, why: Kill) {
         let first = self
             .killed
-            .0
+            .code
             .compare_exchange(0, why.code(), Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if first {
@@ -364,6 +378,7 @@ impl SessionEntry {
             #[allow(unsafe_code)]
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.client_fd) };
             let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Read);
+            self.killed.woken.notify_one();
         }
     }
 

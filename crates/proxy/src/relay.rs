@@ -138,6 +138,9 @@ pub enum Verdict {
     Replace(BytesMut),
     /// Forward nothing more: the session ends with this error.
     Stop(SqlState, String),
+    /// Not yet: forward what precedes it, then inspect it again once the
+    /// pump's gate is opened.
+    Wait,
 }
 
 /// Where one scan of the buffer got to.
@@ -155,6 +158,8 @@ enum Step {
         start: usize,
         reason: (SqlState, String),
     },
+    /// Forward `buf[..start]`, then wait for the gate before the rest.
+    Wait { start: usize },
 }
 
 /// How a pump ended.
@@ -234,6 +239,7 @@ impl Framing {
                             reason: (code, why),
                         })
                     }
+                    Verdict::Wait => return Ok(Step::Wait { start: pos }),
                 }
             } else if avail >= total {
                 pos += total;
@@ -285,7 +291,10 @@ async fn read_borrowing<R: AsyncRead + Direct + Unpin>(
 
 /// Copies messages from `reader` to `writer` until EOF, an error, or an
 /// inspected message that stops the session. `buf` holds bytes already
-/// read from `reader`, starting at a message boundary (often none).
+/// read from `reader`, starting at a message boundary (often none). An
+/// inspected message judged [`Verdict::Wait`] stays unread, with what
+/// follows it, until `gate` is notified; nothing more is read meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub async fn pump<R, W>(
     reader: &mut R,
     writer: &mut W,
@@ -294,6 +303,7 @@ pub async fn pump<R, W>(
     interesting: impl Fn(u8) -> bool,
     mut inspect: impl FnMut(u8, &mut [u8]) -> Verdict,
     mut buf: BytesMut,
+    gate: Option<&tokio::sync::Notify>,
 ) -> End
 where
     R: AsyncRead + Direct + Unpin,
@@ -343,6 +353,20 @@ where
                     .await;
                     buf.advance(end);
                     r
+                }
+                Step::Wait { start } => {
+                    let r = send_all(writer, &buf[..start]).await;
+                    buf.advance(start);
+                    framing.pending = buf.len();
+                    framing.writing = false;
+                    if let Err(e) = r {
+                        return End::Io(e);
+                    }
+                    match gate {
+                        Some(gate) => gate.notified().await,
+                        None => std::future::pending().await,
+                    }
+                    continue;
                 }
                 Step::Stop { start, reason } => {
                     let r = writer.write_all(&buf[..start]).await;
@@ -408,6 +432,7 @@ mod tests {
             |t| t == b'Q',
             fix_bad,
             BytesMut::new(),
+            None,
         )
         .await;
         writer.await.unwrap();
@@ -444,8 +469,8 @@ mod tests {
             let (mut up, mut down) = (Framing::default(), Framing::default());
             let counter = Counter::default();
             tokio::select! {
-                e = pump(&mut cr, &mut sw, &mut up, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new()) => e,
-                e = pump(&mut sr, &mut cw, &mut down, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new()) => e,
+                e = pump(&mut cr, &mut sw, &mut up, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new(), None) => e,
+                e = pump(&mut sr, &mut cw, &mut down, &counter, |_| false, |_, _| Verdict::Keep, BytesMut::new(), None) => e,
             }
         });
         let exchange = async {
@@ -520,6 +545,7 @@ mod tests {
             |t| t == b'Q',
             fix_bad,
             early,
+            None,
         )
         .await;
         assert!(matches!(end, End::Eof));
@@ -530,6 +556,75 @@ mod tests {
         want.extend(msg(b'Q', b"fixed\0"));
         want.extend(msg(b'Q', b"good\0"));
         assert_eq!(out, want);
+    }
+
+    #[tokio::test]
+    async fn a_message_told_to_wait_goes_only_once_the_gate_opens() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let mut input = msg(b'Q', b"first\0");
+        input.extend(msg(b'Q', b"second\0"));
+        input.extend(msg(b'D', b"after"));
+        let (mut client, mut proxy_in) = tokio::io::duplex(1 << 16);
+        client.write_all(&input).await.unwrap();
+        drop(client);
+        let (mut proxy_out, mut server) = tokio::io::duplex(1 << 16);
+        let open = AtomicBool::new(false);
+        let gate = tokio::sync::Notify::new();
+        let (mut framing, counter) = (Framing::default(), Counter::default());
+        let pumped = pump(
+            &mut proxy_in,
+            &mut proxy_out,
+            &mut framing,
+            &counter,
+            |t| t == b'Q',
+            |_, m| {
+                if &m[5..] == b"second\0" && !open.load(Ordering::Relaxed) {
+                    Verdict::Wait
+                } else {
+                    Verdict::Keep
+                }
+            },
+            BytesMut::new(),
+            Some(&gate),
+        );
+        let first = msg(b'Q', b"first\0");
+        let mut want = msg(b'Q', b"second\0");
+        want.extend(msg(b'D', b"after"));
+        let check = async {
+            let mut got = vec![0u8; first.len()];
+            server.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, first);
+            // Nothing more until the gate opens, however long it takes.
+            for _ in 0..100 {
+                tokio::task::yield_now().await;
+            }
+            let mut more = [0u8; 1];
+            let early = futures_now(server.read(&mut more));
+            assert!(early.is_none(), "sent before the gate opened");
+            // A spurious wake-up changes nothing; opening does.
+            gate.notify_one();
+            for _ in 0..100 {
+                tokio::task::yield_now().await;
+            }
+            assert!(futures_now(server.read(&mut more)).is_none());
+            open.store(true, Ordering::Relaxed);
+            gate.notify_one();
+            let mut rest = vec![0u8; want.len()];
+            server.read_exact(&mut rest).await.unwrap();
+            rest
+        };
+        let (end, rest) = tokio::join!(pumped, check);
+        assert!(matches!(end, End::Eof));
+        assert_eq!(rest, want);
+    }
+
+    /// The future's output if it is ready at its first poll.
+    fn futures_now<F: Future>(f: F) -> Option<F::Output> {
+        let f = pin!(f);
+        match f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
     }
 
     #[tokio::test]
@@ -545,6 +640,7 @@ mod tests {
             |_| true,
             |_, _| Verdict::Keep,
             BytesMut::new(),
+            None,
         )
         .await;
         assert!(matches!(end, End::Protocol(_)));

@@ -10,6 +10,7 @@ use pgwarden_topology::{HostAddr, NoTarget};
 use pgwarden_wire::encode;
 use pgwarden_wire::message::{backend, frontend, TxStatus};
 use pgwarden_wire::readonly::{check_read_only_bytes, startup_sets_read_only_guc};
+use pgwarden_wire::readonly_pipeline::{Admission, ReadOnlyPipeline};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::{parse_startup, StartupFrame, StartupMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -777,6 +778,22 @@ fn refusal_sql(message: &str) -> String {
 /// catalog.
 pub(crate) const SET_CONFIG_OID: u32 = 2078;
 
+/// The client messages a read-only service's relay looks at: those the
+/// statement check reads ([`guarded`]) and those that move its pipeline
+/// ([`ReadOnlyPipeline`]).
+pub(crate) fn read_only_inspects(tag: u8) -> bool {
+    matches!(
+        tag,
+        frontend::QUERY
+            | frontend::PARSE
+            | frontend::FUNCTION_CALL
+            | frontend::BIND
+            | frontend::EXECUTE
+            | frontend::CLOSE
+            | frontend::SYNC
+    )
+}
+
 /// The client messages a read-only service inspects.
 pub(crate) fn guarded(tag: u8) -> bool {
     matches!(
@@ -1100,21 +1117,49 @@ impl Io<'_> {
         let name = self.spec.name.clone();
         let mut c2s = Framing::default();
         let mut s2c = Framing::default();
+        // Statements pipelined behind a possible change of the read-only
+        // default wait for the server's report of it
+        // ([`ReadOnlyPipeline`]): the client pump waits at the gate, the
+        // server pump opens it at ReadyForQuery.
+        let mut pipeline = ReadOnlyPipeline::default();
+        let ready_seen = std::sync::atomic::AtomicBool::new(false);
+        let gate = tokio::sync::Notify::new();
         let ended = {
             let upstream = pump(
                 cr,
                 &mut sw,
                 &mut c2s,
                 self.from_client,
-                |t| read_only && guarded(t),
-                |tag, msg| match guard_message(&name, tag, msg) {
-                    Some(replacement) => {
-                        self.refusals.inc();
-                        Verdict::Replace(replacement)
+                |t| read_only && read_only_inspects(t),
+                |tag, msg| {
+                    if ready_seen.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                        pipeline.ready();
                     }
-                    None => Verdict::Keep,
+                    if pipeline.admit(tag) == Admission::Wait {
+                        return Verdict::Wait;
+                    }
+                    if let Err(v) = pipeline.sent(tag, &msg[5..]) {
+                        self.refusals.inc();
+                        return Verdict::Stop(
+                            sqlstate::READ_ONLY_SQL_TRANSACTION,
+                            format!("service \"{name}\" is read-only: {v}"),
+                        );
+                    }
+                    let refused = if guarded(tag) {
+                        guard_message(&name, tag, msg)
+                    } else {
+                        None
+                    };
+                    match refused {
+                        Some(replacement) => {
+                            self.refusals.inc();
+                            Verdict::Replace(replacement)
+                        }
+                        None => Verdict::Keep,
+                    }
                 },
                 early,
+                Some(&gate),
             );
             let cancel = &self.shared.cancel;
             let key_slot = &mut cancel_key;
@@ -1126,9 +1171,17 @@ impl Io<'_> {
                 |t| {
                     t == backend::BACKEND_KEY_DATA
                         || ((read_only || wants_primary) && t == backend::PARAMETER_STATUS)
+                        || (read_only && t == backend::READY_FOR_QUERY)
                         || (self.unbind_sasl && t == backend::AUTHENTICATION_REQUEST)
                 },
                 |tag, msg| {
+                    if tag == backend::READY_FOR_QUERY {
+                        // Any report before it was checked (below) and
+                        // would have stopped the session.
+                        ready_seen.store(true, std::sync::atomic::Ordering::Relaxed);
+                        gate.notify_one();
+                        return Verdict::Keep;
+                    }
                     if tag == backend::AUTHENTICATION_REQUEST {
                         return match pgwarden_wire::message::sasl_offer_without_binding(msg) {
                             Some(offer) => Verdict::Replace(BytesMut::from(&offer[..])),
@@ -1171,10 +1224,14 @@ impl Io<'_> {
                     }
                 },
                 BytesMut::new(),
+                None,
             );
             let ended = tokio::select! {
                 e = upstream => Ended::Upstream(e),
                 e = downstream => Ended::Downstream(e),
+                // Only a client pump held at the gate reads no end of
+                // input when the session is told to end.
+                () = killed.told(), if read_only => Ended::Killed(killed.reason()),
             };
             // Being told to end shows as the end of the client's input
             // (the read side of its socket is shut).
@@ -1194,7 +1251,7 @@ impl Io<'_> {
         Ended::Killed(Some(Kill::HostRemoved)) => Some((sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: server {} was removed from pgwarden's configuration", self.host))),
         Ended::Killed(Some(Kill::Shutdown)) | Ended::Killed(None) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: pgwarden is shutting down".to_string())),
         Ended::Killed(Some(Kill::Admin)) => Some((sqlstate::ADMIN_SHUTDOWN, "terminating connection: administrator command".to_string())),
-        Ended::Downstream(End::Stopped(code, why)) => Some((*code, format!("terminating connection: {why}"))),
+        Ended::Downstream(End::Stopped(code, why)) | Ended::Upstream(End::Stopped(code, why)) => Some((*code, format!("terminating connection: {why}"))),
         Ended::Upstream(End::Protocol(e)) => Some((sqlstate::PROTOCOL_VIOLATION, format!("invalid frontend message: {e}"))),
         _ => None,
     };

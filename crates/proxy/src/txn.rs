@@ -31,6 +31,7 @@ use tokio::sync::watch;
 use crate::cancel::BackendKey;
 use crate::pool::{Checkout, Extras, PoolKey, ServerError, Tracked};
 use crate::proxy::{Kill, KillState, Service, SessionEntry, SessionGuard, Shared};
+use pgwarden_wire::readonly_pipeline::{Admission, ReadOnlyPipeline};
 
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
 const MAX_MESSAGE: usize = 1 << 30;
@@ -337,8 +338,24 @@ pub(crate) async fn run(
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
+                    if session.held && session.read_only.as_deref().is_some_and(|p| !p.awaiting_ready()) {
+                        // The ReadyForQuery the held messages waited for.
+                        session.held = false;
+                        if session.client_bytes(&mut early).await? {
+                            return Ok(());
+                        }
+                        if session.answer_client(client).await.is_err() {
+                            return Ok(());
+                        }
+                        if early.is_empty() {
+                            crate::bufcache::release(&mut early);
+                        }
+                    }
                 }
-                r = read_client(client, &mut early, &mut client_armed), if !session.unsent => {
+                // A session that reads nothing from its client would not
+                // see the end of input that tells it to end.
+                () = killed.told(), if session.unsent || session.held => return ended(&killed),
+                r = read_client(client, &mut early, &mut client_armed), if !session.unsent && !session.held => {
                     match r {
                         Ok(0) | Err(_) => return ended(&killed),
                         Ok(n) => {
@@ -675,6 +692,14 @@ struct Session {
     skip_to_sync: bool,
     /// Start-up settings set on each server the client lands on.
     extras: Extras,
+    /// On a read-only service: which client messages must wait for the
+    /// server's ReadyForQuery, or are refused ([`ReadOnlyPipeline`]).
+    /// Boxed, and only there.
+    read_only: Option<Box<ReadOnlyPipeline>>,
+    /// A message is held for [`Session::read_only`]: the rest of the
+    /// client's bytes wait with it, and nothing more is read from the
+    /// client until the ReadyForQuery is in.
+    held: bool,
 }
 
 impl Session {
@@ -739,6 +764,8 @@ impl Session {
             answers: None,
             skip_to_sync: false,
             extras,
+            read_only: service.spec.read_only.then(Box::default),
+            held: false,
         };
         (session, early)
     }
@@ -1263,6 +1290,12 @@ impl Session {
                 buf.advance(total);
                 continue;
             }
+            if let Some(pipeline) = self.read_only.as_deref() {
+                if pipeline.admit(tag) == Admission::Wait {
+                    self.held = true;
+                    break;
+                }
+            }
             if !self.attach().await? {
                 self.cancelled_in_line(tag);
                 buf.advance(total);
@@ -1311,11 +1344,30 @@ impl Session {
 
     /// Appends what to send to the server for one client message.
     fn translate(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
-        let read_only = self.service.spec.read_only;
-        if read_only && crate::session::guarded(tag) {
-            if let Some(replacement) =
-                crate::session::guard_message(&self.service.spec.name, tag, msg)
-            {
+        if let Some(pipeline) = self.read_only.as_deref_mut() {
+            let name = &self.service.spec.name;
+            if let Err(v) = pipeline.sent(tag, &msg[5..]) {
+                // Mid-batch, with no statement to put in its place that
+                // fails where it stands: the session ends, and its server
+                // (mid-transaction) is closed.
+                self.shared
+                    .metrics
+                    .read_only_refusals
+                    .get_or_create(&crate::metrics::ServiceLabel {
+                        service: name.clone(),
+                    })
+                    .inc();
+                return Err(Fatal::new(
+                    sqlstate::READ_ONLY_SQL_TRANSACTION,
+                    format!("terminating connection: service \"{name}\" is read-only: {v}"),
+                ));
+            }
+            let refused = if crate::session::guarded(tag) {
+                crate::session::guard_message(name, tag, msg)
+            } else {
+                None
+            };
+            if let Some(replacement) = refused {
                 self.shared
                     .metrics
                     .read_only_refusals
@@ -1921,6 +1973,10 @@ impl Session {
                 }
                 backend::COPY_IN_RESPONSE => self.replies.copy_in_started(),
                 backend::READY_FOR_QUERY => {
+                    // Any report before it was checked (below).
+                    if let Some(pipeline) = self.read_only.as_deref_mut() {
+                        pipeline.ready();
+                    }
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     self.replies.kinds >>= 1;
                     self.replies.copy_ended = false;
