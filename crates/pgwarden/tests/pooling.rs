@@ -2498,6 +2498,66 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
     );
 }
 
+/// A read-only session holding a pipelined statement for the server's
+/// answer reads nothing from its client meanwhile; it must still end
+/// promptly when its host is cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_session_holding_a_statement_still_ends_with_its_host() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(1).start();
+    // The replica is reached (by the probe and by sessions) through a relay.
+    let relay = pgwarden_testkit::Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string()];
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&addrs, Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 2).await;
+        let ro = p.service_addrs()["read_only"];
+        let mut raw =
+            RawClient::connect_with(ro, &[("user", "postgres"), ("database", "postgres")]);
+        assert_eq!(value(&raw.simple(b"SELECT pg_is_in_recovery()")), "t");
+        let mut pipeline = msg_query(b"SELECT pg_sleep(60)");
+        pipeline.extend(msg_query(b"SELECT 1"));
+        raw.0.write_all(&pipeline).unwrap();
+        // The sleep is running (so the second Query is held) when the
+        // replica is cut off.
+        let replica = c.conninfo(1);
+        pgwarden_testkit::eventually("sleep running", WAIT, || {
+            let r = replica.clone();
+            async move {
+                match sql_value(
+                    &r,
+                    "SELECT count(*) > 0 FROM pg_stat_activity \
+                     WHERE query = 'SELECT pg_sleep(60)' AND state = 'active'",
+                )
+                .await
+                .as_deref()
+                {
+                    Some("t") => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        })
+        .await;
+        relay.set_blackhole(true);
+        let started = std::time::Instant::now();
+        let replies = tokio::task::spawn_blocking(move || raw.until_closed())
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        relay.set_blackhole(false);
+        assert!(
+            waited < Duration::from_secs(20),
+            "pooled {pooled}: closed after {waited:?}: {replies:?}"
+        );
+        assert!(
+            replies.iter().all(|(t, _)| *t != b'D'),
+            "pooled {pooled}: {replies:?}"
+        );
+        ready(&e, 2).await;
+    }
+}
+
 /// A client that pipelines a large statement behind one with a large
 /// result, reading while it writes (as libpq's pipeline mode does), is
 /// served as PostgreSQL serves it. The server reads no more input while

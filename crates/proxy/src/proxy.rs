@@ -1510,9 +1510,39 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 .expect("poisoned")
                 .retain(|_, l| !l.unused());
         }
+        // A pooled client's server is known by its socket address: the
+        // addresses of the hosts that are down, looked up here, off the
+        // traffic path (and before the sessions lock is taken).
+        let mut down: Vec<std::net::SocketAddr> = Vec::new();
+        for h in topo.hosts().iter().filter(|h| !h.alive) {
+            let addr = &h.config.addr;
+            match addr.host.parse::<std::net::IpAddr>() {
+                Ok(ip) => down.push((ip, addr.port).into()),
+                Err(_) => {
+                    let lookup = tokio::net::lookup_host((addr.host.as_str(), addr.port));
+                    if let Ok(Ok(found)) =
+                        crate::timer::timeout(Duration::from_secs(1), lookup).await
+                    {
+                        down.extend(found);
+                    }
+                }
+            }
+        }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {
             if e.is_killed() {
+                continue;
+            }
+            if let (None, Some(slot)) = (&e.host, &e.pooled) {
+                // A pooled client mid-transaction on a host that went
+                // down would otherwise wait for the kernel to give up on
+                // a silent socket; between transactions it holds none.
+                if let (Some(backend), _) = slot.state() {
+                    if down.contains(&backend.server) {
+                        tracing::info!(service = %e.service, server = %backend.server, "ending pooled session: its server is down");
+                        e.kill(Kill::HostDown);
+                    }
+                }
                 continue;
             }
             let Some(host) = &e.host else { continue };

@@ -257,6 +257,10 @@ pub(crate) async fn run(
         // Being told to end shows as the end of the client's input.
         let ended = |killed: &KillState| match killed.reason() {
             None => Ok(()),
+            Some(Kill::HostDown) => Err(Fatal::new(
+                sqlstate::CONNECTION_FAILURE,
+                "terminating connection: its server is down",
+            )),
             Some(k) => {
                 let why = match k {
                     Kill::Shutdown => "pgwarden is shutting down",
