@@ -2384,6 +2384,9 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
         .into_bytes()
     };
     let (off, on) = (default_to("off"), default_to("on"));
+    // Slow enough that any ReadyForQuery owed before it comes back first.
+    let mut slow_off = b"SELECT pg_sleep(0.3); ".to_vec();
+    slow_off.extend_from_slice(&off);
     let extended = |sql: &[u8]| {
         let mut m = msg_parse(b"", sql);
         m.extend(msg_bind_execute(b""));
@@ -2448,6 +2451,66 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
                 "pooled {pooled}: {text}"
             );
         }
+
+        // Sent with the startup packet, before the login's own
+        // ReadyForQuery.
+        let mut bytes = startup_packet(&[("user", "postgres"), ("database", "postgres")]);
+        bytes.extend(msg_query(&slow_off));
+        bytes.extend(msg_query(b"INSERT INTO w VALUES (5)"));
+        bytes.extend(msg_query(&on));
+        let mut s = std::net::TcpStream::connect(ro).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&bytes).unwrap();
+        let replies = RawClient(s, (0, 0)).until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+
+        // Behind many bare Syncs: every ReadyForQuery owed counts, not
+        // just the first to come back.
+        let mut raw = connect();
+        let mut pipeline = msg_query(b"SELECT 1");
+        for _ in 0..200 {
+            pipeline.extend_from_slice(MSG_SYNC);
+        }
+        pipeline.extend(msg_query(&slow_off));
+        pipeline.extend(msg_query(b"INSERT INTO w VALUES (6)"));
+        pipeline.extend(msg_query(&on));
+        raw.0.write_all(&pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies[replies.len() - 1..]).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+
+        // A name the server kept: a Parse that reuses it fails (42P05),
+        // and the statement is still COMMIT.
+        let mut raw = connect();
+        let mut prepare = msg_parse(b"c", b"COMMIT");
+        prepare.extend_from_slice(MSG_SYNC);
+        assert_eq!(error_code(&raw.send(&prepare)), None, "pooled {pooled}");
+        let mut again = msg_parse(b"c", b"SELECT 1");
+        again.extend_from_slice(MSG_SYNC);
+        assert_eq!(
+            error_code(&raw.send(&again)).as_deref(),
+            Some("42P05"),
+            "pooled {pooled}"
+        );
+        let mut pipeline = extended(&off);
+        pipeline.extend(msg_bind_execute(b"c"));
+        pipeline.extend(extended(b"INSERT INTO w VALUES (7)"));
+        pipeline.extend(extended(&on));
+        pipeline.extend_from_slice(MSG_SYNC);
+        raw.0.write_all(&pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
 
         // A named statement, prepared in an earlier batch, counts too.
         let mut raw = connect();
@@ -2556,6 +2619,21 @@ async fn a_read_only_session_holding_a_statement_still_ends_with_its_host() {
         );
         ready(&e, 2).await;
     }
+}
+
+/// A startup packet (protocol 3.0) with these parameters.
+fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    for (k, v) in params {
+        for part in [k, v] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+    }
+    body.push(0);
+    let mut bytes = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    bytes.extend(body);
+    bytes
 }
 
 /// A client that pipelines a large statement behind one with a large

@@ -778,6 +778,19 @@ fn refusal_sql(message: &str) -> String {
 /// catalog.
 pub(crate) const SET_CONFIG_OID: u32 = 2078;
 
+/// The server messages a read-only service's relay follows for its
+/// pipeline ([`ReadOnlyPipeline`]).
+fn read_only_replies(tag: u8) -> bool {
+    matches!(
+        tag,
+        backend::PARSE_COMPLETE
+            | backend::CLOSE_COMPLETE
+            | backend::ERROR_RESPONSE
+            | backend::COPY_IN_RESPONSE
+            | backend::READY_FOR_QUERY
+    )
+}
+
 /// The client messages a read-only service's relay looks at: those the
 /// statement check reads ([`guarded`]) and those that move its pipeline
 /// ([`ReadOnlyPipeline`]).
@@ -1007,6 +1020,7 @@ async fn relay(
         to_client: &to_client,
         refusals: &refusals,
         unbind_sasl,
+        login_passes_through: logged_in.is_none(),
     };
     // Plain TCP splits for free; TLS needs tokio's locking split.
     let cancel_key = match client {
@@ -1062,6 +1076,9 @@ struct Io<'a> {
     /// taken out of its SASL offer
     /// ([`pgwarden_wire::message::sasl_offer_without_binding`]).
     unbind_sasl: bool,
+    /// The server's answer to the startup packet passes through the relay
+    /// (pgwarden does not log in for the client).
+    login_passes_through: bool,
 }
 
 impl Io<'_> {
@@ -1121,8 +1138,11 @@ impl Io<'_> {
         // default wait for the server's report of it
         // ([`ReadOnlyPipeline`]): the client pump waits at the gate, the
         // server pump opens it at ReadyForQuery.
-        let mut pipeline = ReadOnlyPipeline::default();
-        let ready_seen = std::sync::atomic::AtomicBool::new(false);
+        let pipeline = std::sync::Mutex::new(if self.login_passes_through {
+            ReadOnlyPipeline::logging_in()
+        } else {
+            ReadOnlyPipeline::default()
+        });
         let gate = tokio::sync::Notify::new();
         let ended = {
             let upstream = pump(
@@ -1132,9 +1152,7 @@ impl Io<'_> {
                 self.from_client,
                 |t| read_only && read_only_inspects(t),
                 |tag, msg| {
-                    if ready_seen.swap(false, std::sync::atomic::Ordering::Relaxed) {
-                        pipeline.ready();
-                    }
+                    let mut pipeline = pipeline.lock().unwrap_or_else(|p| p.into_inner());
                     if pipeline.admit(tag) == Admission::Wait {
                         return Verdict::Wait;
                     }
@@ -1171,15 +1189,24 @@ impl Io<'_> {
                 |t| {
                     t == backend::BACKEND_KEY_DATA
                         || ((read_only || wants_primary) && t == backend::PARAMETER_STATUS)
-                        || (read_only && t == backend::READY_FOR_QUERY)
+                        || (read_only && read_only_replies(t))
                         || (self.unbind_sasl && t == backend::AUTHENTICATION_REQUEST)
                 },
                 |tag, msg| {
-                    if tag == backend::READY_FOR_QUERY {
-                        // Any report before it was checked (below) and
-                        // would have stopped the session.
-                        ready_seen.store(true, std::sync::atomic::Ordering::Relaxed);
-                        gate.notify_one();
+                    if read_only && read_only_replies(tag) {
+                        let mut pipeline = pipeline.lock().unwrap_or_else(|p| p.into_inner());
+                        match tag {
+                            backend::PARSE_COMPLETE => pipeline.parse_complete(),
+                            backend::CLOSE_COMPLETE => pipeline.close_complete(),
+                            backend::ERROR_RESPONSE => pipeline.error(),
+                            backend::COPY_IN_RESPONSE => pipeline.copy_in(),
+                            // Any report before it was checked (below) and
+                            // would have stopped the session.
+                            _ => pipeline.ready(),
+                        }
+                        if !pipeline.awaiting_ready() {
+                            gate.notify_one();
+                        }
                         return Verdict::Keep;
                     }
                     if tag == backend::AUTHENTICATION_REQUEST {

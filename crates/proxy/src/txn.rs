@@ -1927,6 +1927,9 @@ impl Session {
                         drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
+                    if let Some(pipeline) = self.read_only.as_deref_mut() {
+                        pipeline.parse_complete();
+                    }
                 }
                 backend::CLOSE_COMPLETE => {
                     self.drop_stale_closes();
@@ -1936,6 +1939,9 @@ impl Session {
                         continue;
                     }
                     self.replies.closes.pop_front();
+                    if let Some(pipeline) = self.read_only.as_deref_mut() {
+                        pipeline.close_complete();
+                    }
                 }
                 backend::COMMAND_COMPLETE => {
                     if let Some(i) = self
@@ -1958,6 +1964,9 @@ impl Session {
                     }
                 }
                 backend::ERROR_RESPONSE => {
+                    if let Some(pipeline) = self.read_only.as_deref_mut() {
+                        pipeline.error();
+                    }
                     if self.discarding {
                         self.stray_statements = true;
                     }
@@ -1975,7 +1984,12 @@ impl Session {
                         continue;
                     }
                 }
-                backend::COPY_IN_RESPONSE => self.replies.copy_in_started(),
+                backend::COPY_IN_RESPONSE => {
+                    self.replies.copy_in_started();
+                    if let Some(pipeline) = self.read_only.as_deref_mut() {
+                        pipeline.copy_in();
+                    }
+                }
                 backend::READY_FOR_QUERY => {
                     // Any report before it was checked (below).
                     if let Some(pipeline) = self.read_only.as_deref_mut() {

@@ -27,26 +27,46 @@
 //! server never waits for a message held back here before it can answer:
 //! the wait always ends.
 
+use std::collections::VecDeque;
+
 use crate::message::frontend;
 use crate::readonly::{ends_transaction, Violation};
 
 /// The state of one session's pipeline on a read-only service.
+///
+/// What the server holds is known only from its replies: a Parse that
+/// reuses a name, or one skipped after an error earlier in its batch,
+/// leaves the old statement in place. So statements are recorded as the
+/// server confirms them (ParseComplete, CloseComplete), and until then a
+/// statement counts as ending a transaction if either its old or its new
+/// text does.
 #[derive(Debug, Default)]
 pub struct ReadOnlyPipeline {
-    /// A Query, Sync or FunctionCall has been sent whose ReadyForQuery has
-    /// not come back yet.
-    awaiting_ready: bool,
-    /// An Execute of a statement that ends a transaction has been sent
+    /// Replies the server still owes, oldest first.
+    owed: VecDeque<Owed>,
+    /// An Execute of a statement that may end a transaction has been sent
     /// since the last Sync.
     ended_in_batch: bool,
-    /// The unnamed statement ends a transaction.
-    unnamed_statement: bool,
-    /// Named statements that end a transaction (rarely any).
+    /// Statements the server holds that end a transaction, by name (the
+    /// unnamed one as `""`); rarely any.
     statements: Vec<Box<[u8]>>,
-    /// The unnamed portal runs a statement that ends a transaction.
-    unnamed_portal: bool,
-    /// Named portals that do.
+    /// Portals bound to a statement that may end a transaction. A portal
+    /// ends with its transaction, and a Bind or Close of one that the
+    /// server skips after an error leaves a transaction that ends before
+    /// anything else runs: recorded as sent.
     portals: Vec<Box<[u8]>>,
+}
+
+/// A reply the server owes for a message sent.
+#[derive(Debug)]
+enum Owed {
+    /// ParseComplete for a Parse of this statement, and whether its text
+    /// ends a transaction.
+    Parse { name: Box<[u8]>, ends: bool },
+    /// CloseComplete for a Close of this statement (`None`: of a portal).
+    Close { statement: Option<Box<[u8]>> },
+    /// ReadyForQuery, for a Query or FunctionCall (`query`) or a Sync.
+    Ready { query: bool },
 }
 
 /// What to do with a client message.
@@ -54,8 +74,8 @@ pub struct ReadOnlyPipeline {
 pub enum Admission {
     /// Send it on (and record it with [`ReadOnlyPipeline::sent`]).
     Send,
-    /// Hold it, and everything after it, until the server's next
-    /// ReadyForQuery has been read.
+    /// Hold it, and everything after it, until the server's ReadyForQuery
+    /// messages still owed have been read.
     Wait,
 }
 
@@ -68,18 +88,36 @@ fn runs_sql(tag: u8) -> bool {
 }
 
 impl ReadOnlyPipeline {
+    /// A session whose server has yet to answer its startup packet (the
+    /// relay passes the login through): the login's ReadyForQuery is owed.
+    pub fn logging_in() -> Self {
+        let mut p = ReadOnlyPipeline::default();
+        p.owed.push_back(Owed::Ready { query: true });
+        p
+    }
+
     /// Whether the message with this tag may be sent now.
     pub fn admit(&self, tag: u8) -> Admission {
-        if self.awaiting_ready && runs_sql(tag) {
+        if runs_sql(tag) && self.awaiting_ready() {
             Admission::Wait
         } else {
             Admission::Send
         }
     }
 
-    /// Whether any message is held for a ReadyForQuery.
+    /// Whether a ReadyForQuery is owed.
     pub fn awaiting_ready(&self) -> bool {
-        self.awaiting_ready
+        self.owed.iter().any(|o| matches!(o, Owed::Ready { .. }))
+    }
+
+    /// Whether statement `name` may end a transaction: as the server
+    /// holds it, or as a Parse not yet answered would make it.
+    fn statement_may_end(&self, name: &[u8]) -> bool {
+        self.statements.iter().any(|s| **s == *name)
+            || self
+                .owed
+                .iter()
+                .any(|o| matches!(o, Owed::Parse { name: n, ends: true } if **n == *name))
     }
 
     /// Records a client message being sent to the server (`body`: the
@@ -91,51 +129,41 @@ impl ReadOnlyPipeline {
     pub fn sent(&mut self, tag: u8, body: &[u8]) -> Result<(), Violation> {
         match tag {
             frontend::QUERY | frontend::FUNCTION_CALL => {
-                // Outside a batch, a Query or FunctionCall runs in a
-                // transaction that began after a ReadyForQuery.
-                self.awaiting_ready = true;
                 if self.ended_in_batch {
                     return Err(Violation::AfterTransactionEndInBatch);
                 }
+                self.owed.push_back(Owed::Ready { query: true });
             }
             frontend::SYNC => {
-                self.awaiting_ready = true;
+                self.owed.push_back(Owed::Ready { query: false });
                 self.ended_in_batch = false;
             }
             frontend::PARSE => {
+                // An unreadable Parse is refused by the statement check.
                 if let Some([name, text]) = cstrs(body) {
-                    let ends = ends_transaction(text);
-                    set(
-                        &mut self.unnamed_statement,
-                        &mut self.statements,
-                        name,
-                        ends,
-                    );
+                    self.owed.push_back(Owed::Parse {
+                        name: name.into(),
+                        ends: ends_transaction(text),
+                    });
                 }
             }
             frontend::BIND => {
                 if let Some([portal, statement]) = cstrs(body) {
-                    let ends = if statement.is_empty() {
-                        self.unnamed_statement
-                    } else {
-                        self.statements.iter().any(|s| **s == *statement)
-                    };
-                    set(&mut self.unnamed_portal, &mut self.portals, portal, ends);
+                    let ends = self.statement_may_end(statement);
+                    mark(&mut self.portals, portal, ends);
                 }
             }
             frontend::CLOSE => {
                 if let Some((&kind, rest)) = body.split_first() {
                     if let Some([name]) = cstrs(rest) {
-                        match kind {
-                            b'S' => set(
-                                &mut self.unnamed_statement,
-                                &mut self.statements,
-                                name,
-                                false,
-                            ),
-                            b'P' => set(&mut self.unnamed_portal, &mut self.portals, name, false),
-                            _ => {}
-                        }
+                        let statement = match kind {
+                            b'S' => Some(name.into()),
+                            _ => {
+                                mark(&mut self.portals, name, false);
+                                None
+                            }
+                        };
+                        self.owed.push_back(Owed::Close { statement });
                     }
                 }
             }
@@ -144,11 +172,7 @@ impl ReadOnlyPipeline {
                     return Err(Violation::AfterTransactionEndInBatch);
                 }
                 if let Some([portal]) = cstrs(body) {
-                    self.ended_in_batch = if portal.is_empty() {
-                        self.unnamed_portal
-                    } else {
-                        self.portals.iter().any(|p| **p == *portal)
-                    };
+                    self.ended_in_batch = self.portals.iter().any(|p| **p == *portal);
                 }
             }
             _ => {}
@@ -156,23 +180,82 @@ impl ReadOnlyPipeline {
         Ok(())
     }
 
-    /// Records a ReadyForQuery from the server, read (and the
-    /// ParameterStatus messages before it checked) before anything held
-    /// is sent.
+    /// The server confirmed the oldest Parse not yet answered.
+    pub fn parse_complete(&mut self) {
+        if let Some(i) = self
+            .owed
+            .iter()
+            .position(|o| matches!(o, Owed::Parse { .. }))
+        {
+            if let Some(Owed::Parse { name, ends }) = self.owed.remove(i) {
+                mark(&mut self.statements, &name, ends);
+            }
+        }
+    }
+
+    /// The server confirmed the oldest Close not yet answered.
+    pub fn close_complete(&mut self) {
+        if let Some(i) = self
+            .owed
+            .iter()
+            .position(|o| matches!(o, Owed::Close { .. }))
+        {
+            if let Some(Owed::Close {
+                statement: Some(name),
+            }) = self.owed.remove(i)
+            {
+                mark(&mut self.statements, &name, false);
+            }
+        }
+    }
+
+    /// The server reported an error: it skips what is left of the batch,
+    /// so the Parse and Close messages of it not yet answered change
+    /// nothing.
+    pub fn error(&mut self) {
+        while matches!(
+            self.owed.front(),
+            Some(Owed::Parse { .. } | Owed::Close { .. })
+        ) {
+            self.owed.pop_front();
+        }
+    }
+
+    /// The server answered with ReadyForQuery (read, and the
+    /// ParameterStatus messages before it checked, before anything held
+    /// is sent).
     pub fn ready(&mut self) {
-        self.awaiting_ready = false;
+        if let Some(i) = self
+            .owed
+            .iter()
+            .position(|o| matches!(o, Owed::Ready { .. }))
+        {
+            // Whatever is owed before it was not answered and will not be.
+            self.owed.drain(..=i);
+        }
+    }
+
+    /// The server began a COPY FROM STDIN. While it takes data it ignores
+    /// Sync messages, so those sent since the COPY's Execute get no
+    /// ReadyForQuery; a Query's COPY ends with the Query's.
+    pub fn copy_in(&mut self) {
+        let mut first = true;
+        self.owed.retain(|o| match o {
+            Owed::Ready { query } => {
+                let keep = first && *query;
+                first = false;
+                keep
+            }
+            _ => true,
+        });
     }
 }
 
-/// Marks the statement or portal `name` as ending a transaction or not.
-fn set(unnamed: &mut bool, named: &mut Vec<Box<[u8]>>, name: &[u8], ends: bool) {
-    if name.is_empty() {
-        *unnamed = ends;
-        return;
-    }
-    named.retain(|n| **n != *name);
-    if ends {
-        named.push(name.into());
+/// Adds `name` to `names` or takes it out.
+fn mark(names: &mut Vec<Box<[u8]>>, name: &[u8], on: bool) {
+    names.retain(|n| **n != *name);
+    if on {
+        names.push(name.into());
     }
 }
 
@@ -225,8 +308,15 @@ mod tests {
         b
     }
 
+    /// Parse, Bind to the unnamed portal, Execute, as one would send it.
+    fn run(p: &mut ReadOnlyPipeline, sql: &str) -> Result<(), Violation> {
+        p.sent(frontend::PARSE, &parse("", sql))?;
+        p.sent(frontend::BIND, &bind("", ""))?;
+        p.sent(frontend::EXECUTE, &execute(""))
+    }
+
     #[test]
-    fn sql_behind_a_ready_for_query_waits_for_it() {
+    fn sql_behind_a_ready_for_query_waits_for_every_one_owed() {
         let mut p = ReadOnlyPipeline::default();
         for tag in [frontend::QUERY, frontend::EXECUTE, frontend::FUNCTION_CALL] {
             assert_eq!(p.admit(tag), Admission::Send);
@@ -250,27 +340,59 @@ mod tests {
         ] {
             assert_eq!(p.admit(tag), Admission::Send, "{}", tag as char);
         }
+        // Bare Syncs sent meanwhile are owed a ReadyForQuery each: the
+        // first reply must not release what waits behind the last.
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.ready();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Wait);
+        p.ready();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Wait);
         p.ready();
         assert_eq!(p.admit(frontend::QUERY), Admission::Send);
-        // A Sync and a FunctionCall end with a ReadyForQuery too.
-        for tag in [frontend::SYNC, frontend::FUNCTION_CALL] {
-            p.sent(tag, b"").unwrap();
-            assert_eq!(p.admit(frontend::EXECUTE), Admission::Wait);
-            p.ready();
-        }
+        // A FunctionCall ends with a ReadyForQuery too.
+        p.sent(frontend::FUNCTION_CALL, b"").unwrap();
+        assert_eq!(p.admit(frontend::EXECUTE), Admission::Wait);
+        p.ready();
         // Extended-protocol messages before their Sync do not wait.
-        p.sent(frontend::PARSE, &parse("", "SELECT 1")).unwrap();
-        p.sent(frontend::BIND, &bind("", "")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        run(&mut p, "SELECT 1").unwrap();
         assert_eq!(p.admit(frontend::EXECUTE), Admission::Send);
+    }
+
+    #[test]
+    fn a_login_passed_through_is_waited_for() {
+        let mut p = ReadOnlyPipeline::logging_in();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Wait);
+        p.ready();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Send);
+    }
+
+    #[test]
+    fn syncs_ignored_during_copy_in_are_not_waited_for() {
+        // Extended protocol: the Sync after the Execute gets no reply.
+        let mut p = ReadOnlyPipeline::default();
+        run(&mut p, "COPY t FROM STDIN").unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.copy_in();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Send);
+        p.sent(frontend::COPY_DONE, b"").unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Wait);
+        p.ready();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Send);
+        // A Query's COPY ends with the Query's own ReadyForQuery.
+        p.sent(frontend::QUERY, b"COPY t FROM STDIN\0").unwrap();
+        p.copy_in();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Wait);
+        p.ready();
+        assert_eq!(p.admit(frontend::QUERY), Admission::Send);
     }
 
     #[test]
     fn nothing_runs_after_a_commit_in_the_same_batch() {
         let mut p = ReadOnlyPipeline::default();
-        p.sent(frontend::PARSE, &parse("", "commit")).unwrap();
-        p.sent(frontend::BIND, &bind("", "")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        run(&mut p, "commit").unwrap();
         p.sent(frontend::PARSE, &parse("", "INSERT INTO t VALUES (1)"))
             .unwrap();
         p.sent(frontend::BIND, &bind("", "")).unwrap();
@@ -284,9 +406,12 @@ mod tests {
         );
         // A Sync starts a new batch.
         p.sent(frontend::SYNC, b"").unwrap();
+        for _ in 0..2 {
+            p.parse_complete();
+        }
         p.ready();
-        p.sent(frontend::BIND, &bind("", "")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        run(&mut p, "SELECT 1").unwrap();
+        run(&mut p, "SELECT 2").unwrap();
     }
 
     #[test]
@@ -298,6 +423,8 @@ mod tests {
         p.sent(frontend::PARSE, &parse("s", "ROLLBACK TO SAVEPOINT a"))
             .unwrap();
         p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.parse_complete();
         p.ready();
         // A savepoint's rollback does not end the transaction.
         p.sent(frontend::BIND, &bind("p1", "s")).unwrap();
@@ -310,16 +437,77 @@ mod tests {
         p.sent(frontend::EXECUTE, &execute("p2")).unwrap();
         assert!(p.sent(frontend::EXECUTE, &execute("")).is_err());
         p.sent(frontend::SYNC, b"").unwrap();
+        p.error();
         p.ready();
-        // Closed, the names mean nothing any more.
+        // Closed (as the server confirms), the names mean nothing any more.
         p.sent(frontend::CLOSE, &close(b'S', "c")).unwrap();
         p.sent(frontend::PARSE, &parse("c", "SELECT 1")).unwrap();
+        p.close_complete();
+        p.parse_complete();
         p.sent(frontend::BIND, &bind("p3", "c")).unwrap();
         p.sent(frontend::CLOSE, &close(b'P', "p2")).unwrap();
         p.sent(frontend::BIND, &bind("p2", "c")).unwrap();
         for portal in ["p2", "p3", "p2"] {
             p.sent(frontend::EXECUTE, &execute(portal)).unwrap();
         }
+    }
+
+    #[test]
+    fn statements_change_only_as_the_server_confirms() {
+        // A Parse reusing a name fails (42P05): the old statement stays.
+        let mut p = ReadOnlyPipeline::default();
+        p.sent(frontend::PARSE, &parse("c", "COMMIT")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.ready();
+        p.sent(frontend::PARSE, &parse("c", "SELECT 1")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.error();
+        p.ready();
+        p.sent(frontend::BIND, &bind("", "c")).unwrap();
+        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+
+        // A Close skipped after an error leaves the statement too.
+        let mut p = ReadOnlyPipeline::default();
+        p.sent(frontend::PARSE, &parse("c", "COMMIT")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.ready();
+        run(&mut p, "SELECT 1/0").unwrap();
+        p.sent(frontend::CLOSE, &close(b'S', "c")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.error();
+        p.ready();
+        p.sent(frontend::BIND, &bind("", "c")).unwrap();
+        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+
+        // So does an unnamed Parse skipped after an error.
+        let mut p = ReadOnlyPipeline::default();
+        p.sent(frontend::PARSE, &parse("", "COMMIT")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.ready();
+        // (A portal that does not exist.)
+        p.sent(frontend::EXECUTE, &execute("none")).unwrap();
+        p.sent(frontend::PARSE, &parse("", "SELECT 1")).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.error();
+        p.ready();
+        p.sent(frontend::BIND, &bind("", "")).unwrap();
+        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+
+        // Until the server answers, either text counts.
+        let mut p = ReadOnlyPipeline::default();
+        p.sent(frontend::PARSE, &parse("", "SELECT 1")).unwrap();
+        p.sent(frontend::PARSE, &parse("", "COMMIT")).unwrap();
+        p.sent(frontend::PARSE, &parse("", "SELECT 2")).unwrap();
+        p.sent(frontend::BIND, &bind("", "")).unwrap();
+        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        assert!(p.sent(frontend::EXECUTE, &execute("x")).is_err());
     }
 
     #[test]
