@@ -1178,6 +1178,19 @@ fn check_candidate(
             "candidate {candidate} is not a member of the cluster"
         )));
     }
+    if switchover
+        && data_checks
+        && view
+            .member(candidate)
+            .is_some_and(|m| m.streaming == Some(false))
+    {
+        // The leader would not hand over (it stops first, and only a
+        // streaming standby receives its last WAL on the way down).
+        return Err(ApiError::precondition(format!(
+            "candidate {candidate} cannot be promoted: it is not streaming from the leader, \
+             so it would not receive the leader's last WAL"
+        )));
+    }
     let ranking = rank_candidates(&view, &election_settings(st));
     let Some(reason) = ranking.exclusion(candidate) else {
         return Ok(());
@@ -1391,7 +1404,8 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
             // Without a candidate the best-ranked other member is named, so
             // the request is one the HA loops act on.
             let mut view = record::cluster_view(&snap, record::unix_ms());
-            view.members.retain(|m| m.name != current);
+            view.members
+                .retain(|m| m.name != current && m.streaming != Some(false));
             view.last_leader_lsn = None;
             let Some(best) = rank_candidates(&view, &election_settings(&st))
                 .best()

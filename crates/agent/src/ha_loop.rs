@@ -3888,6 +3888,8 @@ impl HaLoop {
                 fenced: crate::record::fenced(&self.snapshot).contains(&self.cfg.name),
                 last_seen_ms_ago: 0,
                 api_url: self.cfg.api_url.clone(),
+                // Published beside the state (`replication_state`).
+                streaming: None,
             },
             pg_address: self.cfg.pg_connect_address.to_string(),
             status: status.to_string(),

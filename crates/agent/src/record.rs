@@ -215,6 +215,7 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
         .map(|r| {
             let mut m = r.state;
             m.last_seen_ms_ago = now_ms.saturating_sub(r.updated_ms);
+            m.streaming = r.replication_state.as_deref().map(|s| s == "streaming");
             // Whatever the member has published so far.
             m.fenced |= fenced.contains(&m.name);
             m

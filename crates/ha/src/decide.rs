@@ -536,6 +536,16 @@ fn switchover_target(view: &ClusterView, local: &LocalView, ranking: &Ranking) -
         // Aimed at an earlier leader; acting on it would bounce leadership.
         return None;
     }
+    // The candidate receives this leader's last WAL as PostgreSQL stops
+    // (its WAL senders wait for streaming standbys) or not at all: one
+    // that is not streaming would be promoted without it.
+    if !req.forced
+        && view
+            .member(candidate)
+            .is_some_and(|m| m.streaming == Some(false))
+    {
+        return None;
+    }
     candidate_ready(view, ranking, candidate, req.forced).then(|| candidate.to_string())
 }
 
@@ -1475,6 +1485,36 @@ mod tests {
                 local: local("n1").primary().holding_lease().build(),
                 want: Decision::RenewLease,
                 says: "no action: I am the leader with the lock",
+            },
+            Case {
+                // Its WAL receiver down, it would not get the last WAL this
+                // leader writes as it stops, and be promoted without it.
+                name: "not to one that is not streaming",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .with("n2", |m| m.streaming = Some(false))
+                    .switchover("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "to one that streams",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .with("n2", |m| m.streaming = Some(true))
+                    .switchover("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n2".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n2",
             },
             Case {
                 name: "not when aimed at another leader",

@@ -92,6 +92,10 @@ pub struct MemberState {
     pub last_seen_ms_ago: u64,
     /// Base URL of its HTTP API, for reading fresher state during a race.
     pub api_url: String,
+    /// As a running standby, whether its WAL receiver streams (`None`: not
+    /// known). Published beside the state, not in it.
+    #[serde(skip)]
+    pub streaming: Option<bool>,
 }
 
 impl MemberState {

@@ -2015,6 +2015,87 @@ async fn members_stream_through_slots_that_the_leader_keeps_for_them() {
     );
 }
 
+/// Waits until node `via`'s `/cluster` shows member `name` in `state`.
+async fn shown_as(c: &AgentCluster, via: usize, name: &str, state: &str) {
+    let url = format!("{}/cluster", c.node(via).api_url());
+    eventually(
+        &format!("{name} shown as {state}"),
+        Duration::from_secs(30),
+        || async {
+            let v = pgwarden_agent::http_client::get_json(&url, Duration::from_secs(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let shown = v["members"]
+                .as_array()
+                .and_then(|m| m.iter().find(|m| m["name"] == name))
+                .and_then(|m| m["state"].as_str())
+                .unwrap_or_default()
+                .to_string();
+            (shown == state).then_some(()).ok_or(shown)
+        },
+    )
+    .await;
+}
+
+/// A switchover stops the leader first: only a standby that streams
+/// receives its last WAL on the way down. One that does not is refused as
+/// a candidate, and the leader keeps leading, until it streams again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_candidate_must_be_streaming() {
+    let c = cluster().nodes(2).start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    let r = 1 - p;
+    let names = ["n1", "n2"];
+    let replica = c.node(r).pg_conninfo();
+    let leader = c.node(p).pg_conninfo();
+    query(&leader, "CREATE TABLE kept (v int)").await.unwrap();
+    // The replica's WAL receiver points nowhere (ALTER SYSTEM outranks
+    // the agent's own setting, which it leaves alone).
+    let set = |sql: &'static str| {
+        let replica = replica.clone();
+        async move {
+            for q in [sql, "SELECT pg_reload_conf()"] {
+                query(&replica, q).await.unwrap();
+            }
+        }
+    };
+    set("ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1'").await;
+    shown_as(&c, p, names[r], "in archive recovery").await;
+    // Written now, this would be lost if the replica were promoted.
+    one(&leader, "INSERT INTO kept VALUES (1) RETURNING v")
+        .await
+        .unwrap();
+    let body = serde_json::json!({"leader": names[p], "candidate": names[r]});
+    let res = api_write(&c, r, "POST", "/switchover", Some(body.clone())).await;
+    assert_eq!(res.status, 412, "{}", res.body);
+    assert!(res.body.contains("not streaming"), "{}", res.body);
+    // Without a candidate there is no one to name either.
+    let any = serde_json::json!({"leader": names[p]});
+    let res = api_write(&c, p, "POST", "/switchover", Some(any)).await;
+    assert_eq!(res.status, 412, "{}", res.body);
+    assert_eq!(writable(&c).await, vec![p]);
+
+    // The leader does not act on a request written past the API either.
+    let dcs = cluster_dcs(&c).await;
+    dcs.put_failover(&serde_json::json!({"from_leader": names[p], "candidate": names[r]}))
+        .await
+        .unwrap();
+    rounds_since(&c, p, pgwarden_agent::record::unix_ms(), 3).await;
+    assert_eq!(writable(&c).await, vec![p]);
+    dcs.delete_failover().await.unwrap();
+
+    // Streaming again, it is taken, and has every row.
+    set("ALTER SYSTEM RESET primary_conninfo").await;
+    shown_as(&c, p, names[r], "streaming").await;
+    let res = api_write(&c, r, "POST", "/switchover", Some(body)).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert_eq!(writable(&c).await, vec![r]);
+    assert_eq!(
+        one(&replica, "SELECT count(*) FROM kept").await.unwrap(),
+        "1"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let c = cluster().nodes(2).start();
