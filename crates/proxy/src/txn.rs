@@ -297,6 +297,7 @@ pub(crate) async fn run(
             } else {
                 (None, false)
             };
+            let watch_kill = session.unsent || session.held;
             // Biased, in this order: a server's reply is the likeliest
             // event while attached, and stopping at the ready branch saves
             // polling the client socket (and registering its waker again)
@@ -357,8 +358,15 @@ pub(crate) async fn run(
                     }
                 }
                 // A session that reads nothing from its client would not
-                // see the end of input that tells it to end.
-                () = killed.told(), if session.unsent || session.held => return ended(&killed),
+                // see the end of input that tells it to end. Boxed, as the
+                // timer below: part of every idle client otherwise.
+                () = async {
+                    if watch_kill {
+                        Box::pin(killed.told()).await
+                    } else {
+                        std::future::pending().await
+                    }
+                } => return ended(&killed),
                 r = read_client(client, &mut early, &mut client_armed), if !session.unsent && !session.held => {
                     match r {
                         Ok(0) | Err(_) => return ended(&killed),
