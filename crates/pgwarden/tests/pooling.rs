@@ -2392,6 +2392,16 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
         m.extend(msg_bind_execute(b""));
         m
     };
+    // The pipeline ends the session with 25006, the read-only error.
+    let refused = |mut raw: RawClient, pipeline: &[u8], pooled: bool| {
+        raw.0.write_all(pipeline).unwrap();
+        let replies = raw.until_closed();
+        assert_eq!(
+            error_code(&replies).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {replies:?}"
+        );
+    };
     for pooled in [false, true] {
         let settings = if pooled { pool(2, WAIT) } else { None };
         let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
@@ -2402,33 +2412,21 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
             || RawClient::connect_with(ro, &[("user", "postgres"), ("database", "postgres")]);
 
         // Behind a Query.
-        let mut raw = connect();
+        let raw = connect();
         let mut pipeline = msg_query(&off);
         pipeline.extend(msg_query(b"INSERT INTO w VALUES (1)"));
         pipeline.extend(msg_query(&on));
-        raw.0.write_all(&pipeline).unwrap();
-        let replies = raw.until_closed();
-        assert_eq!(
-            error_code(&replies).as_deref(),
-            Some("25006"),
-            "pooled {pooled}: {replies:?}"
-        );
+        refused(raw, &pipeline, pooled);
 
         // Behind a Sync.
-        let mut raw = connect();
+        let raw = connect();
         let mut pipeline = extended(&off);
         pipeline.extend_from_slice(MSG_SYNC);
         pipeline.extend(extended(b"INSERT INTO w VALUES (2)"));
         pipeline.extend_from_slice(MSG_SYNC);
         pipeline.extend(extended(&on));
         pipeline.extend_from_slice(MSG_SYNC);
-        raw.0.write_all(&pipeline).unwrap();
-        let replies = raw.until_closed();
-        assert_eq!(
-            error_code(&replies).as_deref(),
-            Some("25006"),
-            "pooled {pooled}: {replies:?}"
-        );
+        refused(raw, &pipeline, pooled);
 
         // Behind a COMMIT in the same batch: no ReadyForQuery, so no
         // report, comes between the transactions.
@@ -2504,13 +2502,7 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
         pipeline.extend(extended(b"INSERT INTO w VALUES (7)"));
         pipeline.extend(extended(&on));
         pipeline.extend_from_slice(MSG_SYNC);
-        raw.0.write_all(&pipeline).unwrap();
-        let replies = raw.until_closed();
-        assert_eq!(
-            error_code(&replies).as_deref(),
-            Some("25006"),
-            "pooled {pooled}: {replies:?}"
-        );
+        refused(raw, &pipeline, pooled);
 
         // A named statement, prepared in an earlier batch, counts too.
         let mut raw = connect();
@@ -2522,13 +2514,7 @@ async fn pipelined_statements_cannot_outrun_the_read_only_report() {
         pipeline.extend(extended(b"INSERT INTO w VALUES (4)"));
         pipeline.extend(extended(&on));
         pipeline.extend_from_slice(MSG_SYNC);
-        raw.0.write_all(&pipeline).unwrap();
-        let replies = raw.until_closed();
-        assert_eq!(
-            error_code(&replies).as_deref(),
-            Some("25006"),
-            "pooled {pooled}: {replies:?}"
-        );
+        refused(raw, &pipeline, pooled);
 
         // Pipelines that change nothing are answered in full.
         let mut raw = connect();

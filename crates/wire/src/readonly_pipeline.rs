@@ -452,53 +452,53 @@ mod tests {
         }
     }
 
-    #[test]
-    fn statements_change_only_as_the_server_confirms() {
-        // A Parse reusing a name fails (42P05): the old statement stays.
+    /// A session whose server holds statement `name` as `COMMIT`.
+    fn with_commit(name: &str) -> ReadOnlyPipeline {
         let mut p = ReadOnlyPipeline::default();
-        p.sent(frontend::PARSE, &parse("c", "COMMIT")).unwrap();
+        p.sent(frontend::PARSE, &parse(name, "COMMIT")).unwrap();
         p.sent(frontend::SYNC, b"").unwrap();
         p.parse_complete();
         p.ready();
+        p
+    }
+
+    /// Statement `name` run in a batch still counts as COMMIT: nothing
+    /// may run after it.
+    fn assert_commit_still_runs(p: &mut ReadOnlyPipeline, name: &str) {
+        p.sent(frontend::BIND, &bind("", name)).unwrap();
+        p.sent(frontend::EXECUTE, &execute("")).unwrap();
+        assert!(run(p, "INSERT INTO t VALUES (1)").is_err());
+    }
+
+    #[test]
+    fn statements_change_only_as_the_server_confirms() {
+        // A Parse reusing a name fails (42P05): the old statement stays.
+        let mut p = with_commit("c");
         p.sent(frontend::PARSE, &parse("c", "SELECT 1")).unwrap();
         p.sent(frontend::SYNC, b"").unwrap();
         p.error();
         p.ready();
-        p.sent(frontend::BIND, &bind("", "c")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
-        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+        assert_commit_still_runs(&mut p, "c");
 
         // A Close skipped after an error leaves the statement too.
-        let mut p = ReadOnlyPipeline::default();
-        p.sent(frontend::PARSE, &parse("c", "COMMIT")).unwrap();
-        p.sent(frontend::SYNC, b"").unwrap();
-        p.parse_complete();
-        p.ready();
+        let mut p = with_commit("c");
         run(&mut p, "SELECT 1/0").unwrap();
         p.sent(frontend::CLOSE, &close(b'S', "c")).unwrap();
         p.sent(frontend::SYNC, b"").unwrap();
         p.parse_complete();
         p.error();
         p.ready();
-        p.sent(frontend::BIND, &bind("", "c")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
-        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+        assert_commit_still_runs(&mut p, "c");
 
         // So does an unnamed Parse skipped after an error.
-        let mut p = ReadOnlyPipeline::default();
-        p.sent(frontend::PARSE, &parse("", "COMMIT")).unwrap();
-        p.sent(frontend::SYNC, b"").unwrap();
-        p.parse_complete();
-        p.ready();
+        let mut p = with_commit("");
         // (A portal that does not exist.)
         p.sent(frontend::EXECUTE, &execute("none")).unwrap();
         p.sent(frontend::PARSE, &parse("", "SELECT 1")).unwrap();
         p.sent(frontend::SYNC, b"").unwrap();
         p.error();
         p.ready();
-        p.sent(frontend::BIND, &bind("", "")).unwrap();
-        p.sent(frontend::EXECUTE, &execute("")).unwrap();
-        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+        assert_commit_still_runs(&mut p, "");
 
         // Until the server answers, either text counts.
         let mut p = ReadOnlyPipeline::default();
