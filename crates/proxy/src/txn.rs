@@ -346,8 +346,15 @@ pub(crate) async fn run(
                     if session.held && session.read_only.as_deref().is_some_and(|p| !p.awaiting_ready()) {
                         // The ReadyForQuery the held messages waited for.
                         session.held = false;
-                        if pass_on(&mut session, client, &mut early).await? {
+                        // Inline, as below: a function's future would keep
+                        // its arguments in every idle client's.
+                        if session.client_bytes(&mut early).await?
+                            || session.answer_client(client).await.is_err()
+                        {
                             return Ok(());
+                        }
+                        if early.is_empty() {
+                            crate::bufcache::release(&mut early);
                         }
                     }
                 }
@@ -368,8 +375,15 @@ pub(crate) async fn run(
                             from_client.inc_by(n as u64);
                         }
                     }
-                    if pass_on(&mut session, client, &mut early).await? {
+                    if session.client_bytes(&mut early).await?
+                        || session.answer_client(client).await.is_err()
+                    {
                         return Ok(());
+                    }
+                    // Buffers exist only while bytes are in flight, so an
+                    // idle client costs no more than its socket and task.
+                    if early.is_empty() {
+                        crate::bufcache::release(&mut early);
                     }
                 }
                 _ = async {
@@ -418,24 +432,6 @@ pub(crate) async fn run(
         session.replies.idle() && !session.pinned
     };
     session.detach(reusable);
-}
-
-/// Passes the client's messages in `buf` on, and pgwarden's own answers
-/// back; `true` once the client has left or cannot be written to.
-async fn pass_on(
-    session: &mut Session,
-    client: &mut ClientStream,
-    buf: &mut BytesMut,
-) -> Result<bool, Fatal> {
-    if session.client_bytes(buf).await? || session.answer_client(client).await.is_err() {
-        return Ok(true);
-    }
-    // Buffers exist only while bytes are in flight, so an idle client
-    // costs no more than its socket and task.
-    if buf.is_empty() {
-        crate::bufcache::release(buf);
-    }
-    Ok(false)
 }
 
 /// Logs a pooled client in: borrows a server once to learn its parameters
