@@ -2171,19 +2171,9 @@ impl RawClient {
         params: &[(&str, &str)],
     ) -> (RawClient, Vec<(u8, Vec<u8>)>) {
         use std::io::Write;
-        let mut body = 196_608u32.to_be_bytes().to_vec();
-        for (k, v) in params {
-            body.extend_from_slice(k.as_bytes());
-            body.push(0);
-            body.extend_from_slice(v.as_bytes());
-            body.push(0);
-        }
-        body.push(0);
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
-        s.write_all(&((body.len() + 4) as u32).to_be_bytes())
-            .unwrap();
-        s.write_all(&body).unwrap();
+        s.write_all(&startup_packet(params)).unwrap();
         let mut c = RawClient(s, (0, 0));
         let mut greeting = Vec::new();
         while !matches!(greeting.last(), Some((b'Z' | b'E', _))) {
@@ -2334,13 +2324,7 @@ async fn statements_sent_with_the_startup_packet_are_checked_too() {
         ready(&e, 1).await;
         // No replica: the read-only service falls back to the primary.
         let ro = p.service_addrs()["read_only"];
-        let mut body = 196_608u32.to_be_bytes().to_vec();
-        for part in ["user", "postgres", "database", "postgres", ""] {
-            body.extend_from_slice(part.as_bytes());
-            body.push(0);
-        }
-        let mut bytes = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-        bytes.extend(body);
+        let mut bytes = startup_packet(&[("user", "postgres"), ("database", "postgres")]);
         bytes.extend(msg_query(
             b"BEGIN READ WRITE; INSERT INTO w VALUES (1); COMMIT",
         ));
