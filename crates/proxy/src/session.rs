@@ -794,7 +794,7 @@ fn read_only_replies(tag: u8) -> bool {
 /// The client messages a read-only service's relay looks at: those the
 /// statement check reads ([`guarded`]) and those that move its pipeline
 /// ([`ReadOnlyPipeline`]).
-pub(crate) fn read_only_inspects(tag: u8) -> bool {
+fn read_only_inspects(tag: u8) -> bool {
     matches!(
         tag,
         frontend::QUERY
