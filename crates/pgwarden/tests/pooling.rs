@@ -2727,6 +2727,66 @@ async fn a_skipped_unnamed_statement_never_lets_a_client_run_anothers() {
     assert_eq!(value(&a.until_ready()), "mine");
 }
 
+/// A named statement the pool prepares again on a server may be skipped
+/// there after an earlier error in its batch. Batches the client
+/// pipelined behind that one still run it, as on PostgreSQL, and the
+/// server is left with one copy of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 1).await;
+    let addr = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(addr, "UTF8");
+    let mut b = RawClient::connect(addr, "UTF8");
+    assert_eq!(value(&a.extended(b"s1", b"SELECT 'mine'")), "mine");
+    let prepared = |a: &mut RawClient| {
+        let n = value(&a.simple(b"SELECT count(*) FROM pg_prepared_statements"));
+        n.parse::<u32>().unwrap()
+    };
+    for skipped in [true, false] {
+        // The one server loses every statement: pgwarden must prepare
+        // a's again.
+        assert_eq!(error_code(&b.simple(b"DEALLOCATE ALL")), None);
+        // Batch 1 fails before its injected Parse of s1 when `skipped`;
+        // batches 2 and 3, pipelined behind it, run s1.
+        let mut m = Vec::new();
+        if skipped {
+            m.extend(msg_parse(b"", b"SELECT 1/0"));
+            m.extend(msg_bind_execute(b""));
+        }
+        for _ in 0..3 {
+            m.extend(msg_bind_execute(b"s1"));
+            m.extend_from_slice(MSG_SYNC);
+        }
+        let first = a.send(&m);
+        if skipped {
+            assert_eq!(error_code(&first).as_deref(), Some("22012"), "{first:?}");
+        } else {
+            assert_eq!(value(&first), "mine");
+        }
+        for batch in [2, 3] {
+            let r = a.until_ready();
+            assert_eq!(error_code(&r), None, "{skipped}, batch {batch}: {r:?}");
+            assert_eq!(value(&r), "mine");
+        }
+        assert_eq!(value(&a.extended(b"s2", b"SELECT 'later'")), "later");
+        let mut m = msg_bind_execute(b"s1");
+        m.extend_from_slice(MSG_SYNC);
+        assert_eq!(value(&a.send(&m)), "mine");
+        // s1 and s2, each once.
+        assert_eq!(prepared(&mut a), 2, "{skipped}");
+        let mut m = Vec::new();
+        for name in [&b"s1"[..], b"s2"] {
+            m.extend_from_slice(&[b'C', 0, 0, 0, 4 + 1 + name.len() as u8 + 1, b'S']);
+            m.extend_from_slice(name);
+            m.push(0);
+        }
+        m.extend_from_slice(MSG_SYNC);
+        assert_eq!(error_code(&a.send(&m)), None);
+        assert_eq!(value(&a.extended(b"s1", b"SELECT 'mine'")), "mine");
+    }
+}
+
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
 /// UTF-8 text; its statements are checked all the same: switching a
 /// read-only session to read-write is refused, in the relay and in the

@@ -158,9 +158,11 @@ struct Target {
 
 /// A Close sent to the attached server.
 struct SentClose {
-    /// A statement pgwarden closed to keep the server's cache bounded
-    /// (or the unnamed one, `""`): its CloseComplete is swallowed; if the
-    /// server skipped the Close, the statement is still there.
+    /// A statement pgwarden closed to keep the server's cache bounded: its
+    /// CloseComplete is swallowed; if the server skipped the Close, the
+    /// statement is still there. `""` for pgwarden's other Closes (the
+    /// unnamed statement, one about to be prepared again), which leave
+    /// nothing to restore.
     own: Option<String>,
     /// The client's statement it closes, with whether it was prepared on
     /// this server: back in place should the server skip the Close.
@@ -1676,7 +1678,33 @@ impl Session {
         };
         let (sname, drops) = (sname.clone(), drops.clone());
         if let Some(c) = self.attached.as_mut() {
-            if !c.conn.prepared.touch(&sname) {
+            let known = c.conn.prepared.touch(&sname);
+            // pgwarden's own Parse of it went in an earlier batch whose
+            // ReadyForQuery has not come: an error there may have made
+            // the server skip it. Prepared again here, after a Close
+            // (which PostgreSQL accepts for a name it does not have) so
+            // that a Parse that did run is not refused as a duplicate.
+            // Once per batch: a batch of many Binds of it needs one.
+            let uncertain = known && !self.replies.parses.is_empty() && {
+                let mut ours = self
+                    .replies
+                    .parses
+                    .iter()
+                    .filter(|p| p.injected && p.name.as_ref() == Some(&sname));
+                let sent = self.replies.sent;
+                ours.clone().any(|p| p.batch < sent) && !ours.any(|p| p.batch == sent)
+            };
+            if uncertain {
+                put_close(out, &sname);
+                self.replies.closes.push_back(SentClose {
+                    // Swallowed; should the server skip it, the Parse
+                    // behind it is skipped too and says what is there.
+                    own: Some(String::new()),
+                    restore: None,
+                    batch: self.replies.sent,
+                });
+            }
+            if !known || uncertain {
                 put_parse(out, &sname, rest);
                 c.conn.prepared.insert(&sname);
                 self.replies.parses.push_back(SentParse {
@@ -2128,7 +2156,14 @@ impl Session {
             };
             match &p.name {
                 Some(sname) => {
-                    if let Some(c) = self.attached.as_mut() {
+                    // A later Parse of the same statement, still to be
+                    // answered, says whether it is there.
+                    let again = self
+                        .replies
+                        .parses
+                        .iter()
+                        .any(|later| later.name.as_ref() == Some(sname));
+                    if let Some(c) = self.attached.as_mut().filter(|_| !again) {
                         c.conn.prepared.remove(sname);
                     }
                     if p.forget {
