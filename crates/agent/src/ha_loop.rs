@@ -1608,25 +1608,7 @@ impl HaLoop {
     /// A standby's WAL positions (received, replayed) read from its
     /// PostgreSQL now, or `None` if it cannot be asked.
     async fn standby_position(&self, addr: Option<HostAddr>) -> Option<(Option<u64>, Option<u64>)> {
-        let conninfo = self.pg.source_conninfo(&addr?);
-        let ask = async {
-            let (c, conn) = tokio_postgres::connect(&conninfo, tokio_postgres::NoTls)
-                .await
-                .ok()?;
-            tokio::spawn(conn);
-            let row = c
-                .query_one(
-                    "SELECT pg_wal_lsn_diff(pg_last_wal_receive_lsn(), '0/0')::int8, \
-                     pg_wal_lsn_diff(pg_last_wal_replay_lsn(), '0/0')::int8 \
-                     WHERE pg_is_in_recovery()",
-                    &[],
-                )
-                .await
-                .ok()?;
-            let lsn = |i: usize| row.get::<_, Option<i64>>(i).map(|v| v.max(0) as u64);
-            Some((lsn(0), lsn(1)))
-        };
-        tokio::time::timeout(PEER_TIMEOUT, ask).await.ok().flatten()
+        standby_position_at(&self.pg.source_conninfo(&addr?)).await
     }
 
     async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
@@ -1651,6 +1633,13 @@ impl HaLoop {
         if !checked {
             return;
         }
+        // Before the lease is refreshed: the demotion deadline runs from
+        // the refresh, and a long catch-up must not eat into it.
+        if let (AcquireReason::FailoverRequested { forced: false }, Some(target)) =
+            (reason, view.last_leader_lsn)
+        {
+            self.catch_up(target).await;
+        }
         let lease = match self.ensure_lease().await {
             Ok(l) => l,
             Err(e) => {
@@ -1673,11 +1662,6 @@ impl HaLoop {
                 self.lease = None;
             }
             return;
-        }
-        if let (AcquireReason::FailoverRequested { forced: false }, Some(target)) =
-            (reason, view.last_leader_lsn)
-        {
-            self.catch_up(target).await;
         }
         let won = match reason {
             AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
@@ -1726,7 +1710,17 @@ impl HaLoop {
     /// promotion keeps every transaction the old leader committed.
     async fn catch_up(&mut self, target: u64) {
         let deadline = Instant::now() + self.timing.ttl;
+        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        let mut renewed = Instant::now();
         loop {
+            // The member's lease is renewed by the loop, which waits here:
+            // a catch-up of a ttl would let it run out.
+            if renewed.elapsed() >= every {
+                if let Some(lease) = self.lease {
+                    let _ = self.dcs.keep_alive_once(lease).await;
+                }
+                renewed = Instant::now();
+            }
             let received = self.obs.pg.received_lsn.max(self.obs.pg.replayed_lsn);
             if received.is_some_and(|r| r >= target) {
                 return;
@@ -2502,19 +2496,48 @@ impl HaLoop {
                     &self.cfg.name,
                     self.lease,
                     every,
-                    &mut self.watchdog,
+                    (&mut self.watchdog, &mut self.last_renewal),
                     stop,
                 )
                 .await;
                 // The shutdown checkpoint is the last WAL this leader wrote;
                 // the candidate promotes only once it has received it.
-                if let Some(lsn) = self
+                let last = self
                     .controldata("Latest checkpoint location")
                     .await
-                    .and_then(|v| parse_lsn(&v))
-                {
+                    .and_then(|v| parse_lsn(&v));
+                if let Some(lsn) = last {
                     let status = serde_json::json!({ "lsn": lsn });
                     let _ = self.dcs.put_status(&self.cfg.name, &status).await;
+                }
+                let forced = view.failover_request.as_ref().is_some_and(|r| r.forced);
+                if let (ReleaseReason::Switchover { candidate }, Some(lsn), false) =
+                    (reason, last, forced)
+                {
+                    if !self.received_by(candidate, lsn).await {
+                        // Its stream broke as this leader stopped: promoted,
+                        // it would lack the last transactions, which this
+                        // node still has. Keeping the key, the loop starts
+                        // PostgreSQL again as the primary.
+                        tracing::error!(
+                            %candidate,
+                            lsn,
+                            "switchover abandoned: the candidate did not receive this leader's last WAL \
+                             within the ttl; staying leader"
+                        );
+                        match self
+                            .dcs
+                            .delete_failover_if(self.snapshot.failover_revision)
+                            .await
+                        {
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot withdraw the switchover request")
+                            }
+                        }
+                        handover::resume_proxies(&paused, &self.credentials).await;
+                        return;
+                    }
                 }
             }
             ReleaseReason::PostgresDidNotStart { .. } => {
@@ -2545,6 +2568,54 @@ impl HaLoop {
                 handover::resume_proxies(&paused, &credentials).await;
             });
         }
+    }
+
+    /// Whether `candidate` has received WAL up to `lsn`, waiting for it at
+    /// most a ttl with the leader key (and the watchdog) kept renewed. Its
+    /// server is asked directly; its member record, should that be out of
+    /// reach, can only show positions it reached (a record from before the
+    /// stop shows less than the shutdown checkpoint).
+    async fn received_by(&mut self, candidate: &str, lsn: u64) -> bool {
+        let conninfo = self
+            .member_address(candidate)
+            .map(|a| self.pg.source_conninfo(&a));
+        let deadline = Instant::now() + self.timing.ttl;
+        let dcs = &self.dcs;
+        let wait = async {
+            loop {
+                if let Some(c) = &conninfo {
+                    if let Some((received, replayed)) = standby_position_at(c).await {
+                        if received.max(replayed).is_some_and(|p| p >= lsn) {
+                            return true;
+                        }
+                    }
+                }
+                let published = dcs.read_cluster().await.ok().and_then(|snap| {
+                    records(&snap)
+                        .into_iter()
+                        .find(|r| r.state.name == candidate)
+                        .and_then(|r| r.state.wal_position())
+                });
+                if published.is_some_and(|p| p >= lsn) {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        // Boxed: the loop's future is deep enough already.
+        holding_key(
+            &self.dcs,
+            &self.cfg.name,
+            self.lease,
+            every,
+            (&mut self.watchdog, &mut self.last_renewal),
+            Box::pin(wait),
+        )
+        .await
     }
 
     /// One step of keeping the synchronous standbys as the protection mode
@@ -3799,7 +3870,7 @@ impl HaLoop {
             &self.cfg.name,
             lease,
             every,
-            &mut self.watchdog,
+            (&mut self.watchdog, &mut self.last_renewal),
             stop,
         )
         .await;
@@ -4223,22 +4294,50 @@ fn effective_parameters(
 
 /// Runs `work` with the leader key renewed (and the watchdog fed) every
 /// `every` while it lasts, when `lease` holds the key; see
-/// [`EtcdDcs::hold_leader_while`].
+/// [`EtcdDcs::hold_leader_while`]. Each renewal counts in `last_renewal`,
+/// so that the loop, once back, judges the lease by it.
 async fn holding_key<T>(
     dcs: &EtcdDcs,
     name: &str,
     lease: Option<LeaseId>,
     every: Duration,
-    watchdog: &mut crate::watchdog::Watchdog,
+    (watchdog, last_renewal): (&mut crate::watchdog::Watchdog, &mut Option<Instant>),
     work: impl std::future::Future<Output = T>,
 ) -> T {
     match lease {
         Some(lease) => {
-            dcs.hold_leader_while(name, lease, every, || watchdog.keepalive(), work)
+            let renewed = |at: Instant| {
+                watchdog.keepalive();
+                *last_renewal = Some(at);
+            };
+            dcs.hold_leader_while(name, lease, every, renewed, work)
                 .await
         }
         None => work.await,
     }
+}
+
+/// A standby's WAL positions (received, replayed), asked of the server
+/// `conninfo` names now; `None` if it cannot be asked or is no standby.
+async fn standby_position_at(conninfo: &str) -> Option<(Option<u64>, Option<u64>)> {
+    let ask = async {
+        let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+            .await
+            .ok()?;
+        tokio::spawn(conn);
+        let row = c
+            .query_one(
+                "SELECT pg_wal_lsn_diff(pg_last_wal_receive_lsn(), '0/0')::int8, \
+                 pg_wal_lsn_diff(pg_last_wal_replay_lsn(), '0/0')::int8 \
+                 WHERE pg_is_in_recovery()",
+                &[],
+            )
+            .await
+            .ok()?;
+        let lsn = |i: usize| row.get::<_, Option<i64>>(i).map(|v| v.max(0) as u64);
+        Some((lsn(0), lsn(1)))
+    };
+    tokio::time::timeout(PEER_TIMEOUT, ask).await.ok().flatten()
 }
 
 /// Runs `CHECKPOINT` on the server `conninfo` names.

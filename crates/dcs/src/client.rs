@@ -332,7 +332,8 @@ impl EtcdDcs {
 
     /// Runs `work` while renewing the leader key that `name` holds under
     /// `lease` every `every`, calling `renewed` after each renewal that
-    /// worked; returns what `work` returns.
+    /// worked with the moment it was sent (the lease runs from no earlier
+    /// than that); returns what `work` returns.
     ///
     /// For work that must end before anyone else may lead, such as a
     /// leader stopping PostgreSQL for a switchover: the CHECKPOINT and the
@@ -345,14 +346,15 @@ impl EtcdDcs {
         name: &str,
         lease: LeaseId,
         every: Duration,
-        mut renewed: impl FnMut(),
+        mut renewed: impl FnMut(std::time::Instant),
         work: impl Future<Output = T>,
     ) -> T {
         let keep = async {
             loop {
                 tokio::time::sleep(every).await;
+                let sent = std::time::Instant::now();
                 match self.renew_leader(name, lease).await {
-                    Ok(true) => renewed(),
+                    Ok(true) => renewed(sent),
                     Ok(false) => {
                         tracing::warn!("the leader key was lost while its holder was busy");
                         return std::future::pending::<()>().await;

@@ -617,7 +617,7 @@ async fn the_leader_key_is_kept_while_its_holder_is_busy() {
     let mut renewals = 0;
     // The work: three TTLs, while another member keeps trying to lead.
     let taken = a
-        .hold_leader_while("a", lease, ttl / 4, || renewals += 1, async {
+        .hold_leader_while("a", lease, ttl / 4, |_| renewals += 1, async {
             let lb = b.grant_lease(ttl).await.unwrap();
             let until = Instant::now() + 3 * ttl;
             while Instant::now() < until {

@@ -79,6 +79,10 @@ pub fn runtime(config: &Config) -> anyhow::Result<tokio::runtime::Runtime> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("pgwarden-control")
+        // The HA loop's futures nest deeply (a switchover polls etcd and
+        // PostgreSQL clients inside its steps); tokio's 2 MiB default is
+        // tight for them in debug builds. Untouched stack costs nothing.
+        .thread_stack_size(8 << 20)
         .enable_all()
         .build()
         .context("starting the runtime")?;

@@ -2096,6 +2096,109 @@ async fn a_switchover_candidate_must_be_streaming() {
     );
 }
 
+/// A candidate whose stream breaks as the leader stops never receives the
+/// leader's last WAL. The leader, which still has it, does not hand over:
+/// it keeps the key and starts again as the primary, and the switchover
+/// is reported as not carried out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_whose_candidate_misses_the_last_wal_is_abandoned() {
+    let c = cluster().nodes(2).start();
+    let p = healthy(&c, 1, BOOTSTRAP).await;
+    let r = 1 - p;
+    let names = ["n1", "n2"];
+    let replica = c.node(r).pg_conninfo();
+    let leader = c.node(p).pg_conninfo();
+    query(&leader, "CREATE TABLE kept (v int)").await.unwrap();
+    // The replica streams through a relay the test can silence (ALTER
+    // SYSTEM outranks the agent's own setting, which it leaves alone).
+    let relay =
+        pgwarden_testkit::Relay::start(format!("127.0.0.1:{}", c.node(p).pg_port).parse().unwrap())
+            .unwrap();
+    let conninfo = one(&replica, "SHOW primary_conninfo").await.unwrap();
+    let port = format!("port={}", c.node(p).pg_port);
+    assert!(conninfo.contains(&port), "{conninfo}");
+    let through = conninfo.replace(&port, &format!("port={}", relay.addr().port()));
+    for q in [
+        format!(
+            "ALTER SYSTEM SET primary_conninfo = '{}'",
+            through.replace('\'', "''")
+        ),
+        "SELECT pg_reload_conf()".to_string(),
+    ] {
+        query(&replica, &q).await.unwrap();
+    }
+    eventually(
+        "the replica streams through the relay",
+        Duration::from_secs(30),
+        || async {
+            let n = one(
+                &replica,
+                "SELECT count(*) FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+            )
+            .await?;
+            (relay.connections() > 0 && n == "1")
+                .then_some(())
+                .ok_or(format!("{n} streaming, {} relayed", relay.connections()))
+        },
+    )
+    .await;
+    // A silent stream still looks like one: the replica shows as streaming
+    // until its receiver times out (a minute); the leader's sender gives up
+    // on it soon, so its shutdown does not wait a minute for it.
+    for q in [
+        "ALTER SYSTEM SET wal_sender_timeout = '2s'",
+        "SELECT pg_reload_conf()",
+    ] {
+        query(&leader, q).await.unwrap();
+    }
+    relay.set_blackhole(true);
+    one(&leader, "INSERT INTO kept VALUES (1) RETURNING v")
+        .await
+        .unwrap();
+    shown_as(&c, p, names[r], "streaming").await;
+    let body = serde_json::json!({"leader": names[p], "candidate": names[r]});
+    // The answer comes after the stop, a ttl of waiting and the API's
+    // grace for a withdrawn request.
+    let url = format!("{}/switchover", c.node(r).api_url());
+    let res = pgwarden_agent::http_client::request(
+        "POST",
+        &url,
+        Some(&body),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(40),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status, 503, "{}", res.body);
+    assert!(res.body.contains("withdrawn"), "{}", res.body);
+    eventually(
+        "the old leader takes writes again",
+        Duration::from_secs(30),
+        || async {
+            let w = writable(&c).await;
+            (w == vec![p]).then_some(()).ok_or(format!("{w:?}"))
+        },
+    )
+    .await;
+    assert_eq!(
+        one(&leader, "SELECT count(*) FROM kept").await.unwrap(),
+        "1"
+    );
+    let holder = cluster_dcs(&c).await.read_cluster().await.unwrap().leader;
+    assert_eq!(holder.map(|l| l.name).as_deref(), Some(names[p]));
+    // Heard again, the replica catches up.
+    relay.set_blackhole(false);
+    relay.reset_all();
+    gives(
+        &replica,
+        "SELECT count(*) FROM kept",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(writable(&c).await, vec![p]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
     let c = cluster().nodes(2).start();
