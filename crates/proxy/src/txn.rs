@@ -341,23 +341,12 @@ pub(crate) async fn run(
                         session.detach(false);
                         return Ok(());
                     }
-                    if session.reset_pending && session.replies.pending == 0 && !session.replies.copy_in && sbuf.is_empty() && session.skip == 0 && !session.unsent {
-                        // Before the server can go back to the pool.
-                        // Boxed: rare, and part of every idle client's
-                        // future otherwise.
-                        Box::pin(session.restore_settings()).await?;
-                    }
                     if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
-                    if session.held
-                        && (!session.reset_pending || session.replies.copy_in)
-                        && !session.read_only.as_deref().is_some_and(|p| p.awaiting_ready())
-                    {
-                        // The ReadyForQuery the held messages waited for
-                        // (and the settings restored after it), or a COPY
-                        // that needs the client's data first.
+                    if session.held && session.read_only.as_deref().is_some_and(|p| !p.awaiting_ready()) {
+                        // The ReadyForQuery the held messages waited for.
                         session.held = false;
                         // Inline, as below: a function's future would keep
                         // its arguments in every idle client's.
@@ -698,18 +687,10 @@ struct Session {
     /// A `DISCARD ALL` / `DEALLOCATE ALL` went to the attached server
     /// ([`Session::forget_statements`]).
     discarding: bool,
-    /// The attached server may hold statements or settings pgwarden does
-    /// not know of (an error followed a `DISCARD ALL`, a placeholder was
-    /// not dropped, start-up settings could not be restored): it is closed
-    /// when let go, not given to another client.
+    /// The attached server may hold statements pgwarden does not know of
+    /// (an error followed a `DISCARD ALL`, a placeholder was not dropped):
+    /// it is closed when let go, not given to another client.
     stray_statements: bool,
-    /// A Query of the client's resets settings (`RESET`, `DISCARD ALL`)
-    /// and the client has start-up settings, which PostgreSQL would keep
-    /// as the session's defaults: they are set again once its
-    /// ReadyForQuery is in ([`Session::restore_settings`]), and nothing
-    /// more of the client's runs on the server before. Until then the
-    /// server's settings are not known.
-    reset_pending: bool,
     /// Portals of the attached server bound to a client's `DEALLOCATE`
     /// statement ([`Drops::One`]), with the batch of their Bind: the
     /// statement is forgotten when one of them runs.
@@ -792,7 +773,6 @@ impl Session {
             wait_timer: None,
             discarding: false,
             stray_statements: false,
-            reset_pending: false,
             dealloc_portals: Vec::new(),
             parses_named: 0,
             answers: None,
@@ -1202,34 +1182,6 @@ impl Session {
         }
     }
 
-    /// Sets the client's start-up settings again on its server after a
-    /// Query of the client's reset them ([`Session::reset_pending`]), as
-    /// PostgreSQL keeps start-up settings as the session's defaults.
-    /// Inside a transaction the settings go with it: should it roll
-    /// back, so does the reset. In a failed transaction nothing runs,
-    /// and the server is closed when let go.
-    async fn restore_settings(&mut self) -> Result<(), Fatal> {
-        self.reset_pending = false;
-        let Some(c) = self.attached.as_mut() else {
-            return Ok(());
-        };
-        let sql = self.extras.sql_from(&Extras::default());
-        match run_on_server(c, &sql).await {
-            Ok(None) => {
-                c.conn.extras = self.extras.clone();
-                Ok(())
-            }
-            Ok(Some(_)) => {
-                self.stray_statements = true;
-                Ok(())
-            }
-            Err(e) => Err(Fatal::new(
-                sqlstate::CONNECTION_FAILURE,
-                format!("terminating connection: {e}"),
-            )),
-        }
-    }
-
     /// Resets the held server connection for the next client (session
     /// pooling): `DISCARD ALL` drops prepared statements, temporary tables,
     /// session settings, LISTENs and advisory locks. False when the server
@@ -1261,8 +1213,7 @@ impl Session {
         // A server with bytes still to send is mid-message: never reused.
         let reusable = reusable && !std::mem::take(&mut self.unsent);
         crate::bufcache::release(&mut self.outbuf);
-        let uncertain =
-            std::mem::take(&mut self.stray_statements) | std::mem::take(&mut self.reset_pending);
+        let uncertain = std::mem::take(&mut self.stray_statements);
         self.discarding = false;
         if let Some(c) = self.attached.take() {
             let reusable = reusable && !uncertain;
@@ -1366,11 +1317,6 @@ impl Session {
             }
             self.translate(tag, &buf[..total], out)?;
             buf.advance(total);
-            if self.reset_pending && !self.replies.copy_in {
-                // The rest waits for the client's settings to be back.
-                self.held = true;
-                break;
-            }
         }
         self.flush(out, false).await?;
         Ok(false)
@@ -1474,9 +1420,6 @@ impl Session {
                 if effects.drops {
                     self.forget_statements();
                 }
-                if effects.resets && !self.extras.is_empty() {
-                    self.reset_pending = true;
-                }
                 let rewritten = if effects.deallocate {
                     std::str::from_utf8(text)
                         .ok()
@@ -1493,10 +1436,7 @@ impl Session {
             frontend::PARSE => {
                 if let Ok(p) = message::parse_message(body) {
                     let effects = Effects::of(p.query);
-                    // A prepared RESET runs at an Execute, perhaps batches
-                    // later: settings are restored only after a Query's,
-                    // so this client keeps its server instead.
-                    if effects.pins || (effects.resets && !effects.drops) {
+                    if effects.pins {
                         self.pinned = true;
                     }
                     // Forgotten when run, not here: the Bind may come in a

@@ -190,10 +190,6 @@ pub struct Effects {
     pub drops: bool,
     /// The query starts with `DEALLOCATE`.
     pub deallocate: bool,
-    /// Some statement returns settings to the session's defaults, which
-    /// PostgreSQL takes from the start-up packet: `RESET` (one setting or
-    /// `ALL`) or `DISCARD ALL`.
-    pub resets: bool,
 }
 
 impl Effects {
@@ -219,7 +215,6 @@ impl Effects {
         for e in statements(sql).map(Effects::of_statement) {
             all.pins |= e.pins;
             all.drops |= e.drops;
-            all.resets |= e.resets;
         }
         all
     }
@@ -241,10 +236,8 @@ impl Effects {
         };
         let is = |w: Option<&[u8]>, k: &[u8]| w.is_some_and(|w| w.eq_ignore_ascii_case(k));
         let (mut drops, mut deallocate) = (false, false);
-        let mut resets = first.eq_ignore_ascii_case(b"RESET");
         if first.eq_ignore_ascii_case(b"DISCARD") {
             drops = is(words.clone().next(), b"ALL");
-            resets = drops;
         } else if first.eq_ignore_ascii_case(b"DEALLOCATE") {
             deallocate = true;
             let mut w = words.clone();
@@ -258,7 +251,6 @@ impl Effects {
             pins: pins_statement(sql, first, words),
             drops,
             deallocate,
-            resets,
         }
     }
 }
@@ -322,16 +314,19 @@ fn pins_statement<'a>(
     if is(first, "PREPARE") || is(first, "LOAD") {
         return true;
     }
-    // A session-level SET outlives the transaction. A RESET leaves the
-    // session's defaults, which the pool restores ([`Effects::resets`]),
-    // and the tracked parameters, which the server reports.
-    if is(first, "SET") {
+    // A session-level SET outlives the transaction, and so does a RESET
+    // (of a setting the pool may have applied for another client, too);
+    // `RESET ALL` resets everything.
+    if is(first, "SET") || is(first, "RESET") {
         let mut rest = words.clone();
         let mut name = rest.next();
-        if name.is_some_and(|n| is(n, "SESSION")) {
+        if is(first, "SET") && name.is_some_and(|n| is(n, "SESSION")) {
             name = rest.next();
         }
-        if !name.is_some_and(|n| REPLAYED.iter().any(|k| is(n, k))) {
+        let replayed = name.is_some_and(|n| REPLAYED.iter().any(|k| is(n, k)))
+            && !(is(first, "RESET")
+                && name.is_some_and(|n| is(n, "LOCAL") || is(n, "TRANSACTION")));
+        if !replayed {
             return true;
         }
     }
@@ -523,7 +518,7 @@ pub fn statements(sql: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 #[cfg(test)]
 mod tests {
-    use super::{pins_session, Effects};
+    use super::pins_session;
 
     /// The words of `sql` found one byte at a time, as [`super::words`]
     /// must find them.
@@ -629,12 +624,6 @@ mod tests {
             "BEGIN",
             "RESET application_name",
             "RESET TIME ZONE",
-            // The pool restores the session's defaults after a RESET.
-            "RESET ALL",
-            "reset search_path",
-            "RESET ROLE",
-            "-- comment\nRESET work_mem",
-            "SELECT 1; RESET ALL",
             "SELECT set_config('request.jwt.claims', $1, true)",
             "select pg_catalog.set_config('app.tenant', '42', TRUE)",
             "SELECT set_config('a', 'it''s, (x)', 'on')",
@@ -653,17 +642,22 @@ mod tests {
             assert!(!pins_session(s.as_bytes()), "{s}");
         }
         for s in [
+            "RESET ALL",
             "CREATE GLOBAL TEMPORARY TABLE t (x int)",
             "create local temp table t (x int)",
             "CREATE OR REPLACE TEMP VIEW v AS SELECT 1",
             "SELECT 1 AS x INTO TEMP t",
             "select * into temporary table t from pg_class",
+            "reset search_path",
+            "RESET ROLE",
             "/* by the ORM */ SET search_path TO x",
+            "-- comment\nRESET work_mem",
             "SELECT set_config('search_path', 'x', false)",
             "SELECT set_config('search_path', 'x', $3)",
             "SELECT set_config('a', 'b')",
             "SELECT set_config",
             "BEGIN; SET search_path TO x; COMMIT",
+            "SELECT 1; RESET ALL",
             "SELECT ''''; SET search_path TO x",
             "SELECT $1; SET search_path TO x",
             "UPDATE pg_settings SET setting = '50' WHERE name = 'statement_timeout'",
@@ -673,25 +667,6 @@ mod tests {
             assert!(pins_session(s.as_bytes()), "{s}");
         }
         assert!(!pins_session(b"SELECT setting FROM pg_settings"));
-        for s in [
-            "RESET ALL",
-            "reset search_path",
-            "/* x */ RESET work_mem",
-            "DISCARD ALL",
-            "SELECT 1; RESET ALL",
-            "BEGIN; RESET TIME ZONE; COMMIT",
-        ] {
-            assert!(Effects::of(s.as_bytes()).resets, "{s}");
-        }
-        for s in [
-            "SELECT 'RESET ALL'",
-            "DISCARD PLANS",
-            "DEALLOCATE ALL",
-            "SET search_path TO DEFAULT",
-            "SELECT 1 -- ; RESET ALL",
-        ] {
-            assert!(!Effects::of(s.as_bytes()).resets, "{s}");
-        }
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
         assert!(super::drops_statements(b"deallocate prepare all"));
@@ -821,7 +796,7 @@ mod tests {
                     | ("SESSION", "AUTHORIZATION")
             )
         });
-        let replayed = |name: Option<&&str>| {
+        let replayed = |name: Option<&&str>, set: bool| {
             matches!(
                 name,
                 Some(
@@ -833,7 +808,7 @@ mod tests {
                         | &"INTERVALSTYLE"
                         | &"NAMES"
                 )
-            ) || matches!(name, Some(&"LOCAL" | &"TRANSACTION"))
+            ) || (set && matches!(name, Some(&"LOCAL" | &"TRANSACTION")))
         };
         pair || words.iter().enumerate().any(|(i, (at, w))| match *w {
             "LISTEN"
@@ -851,8 +826,9 @@ mod tests {
                     Some(&"SESSION") => names.get(2),
                     other => other,
                 };
-                i == 0 && !replayed(name)
+                i == 0 && !replayed(name, true)
             }
+            "RESET" => i == 0 && !replayed(names.get(1), false),
             _ => false,
         })
     }
