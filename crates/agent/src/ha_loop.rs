@@ -80,6 +80,12 @@ pub(crate) struct HaLoop {
     /// bound to it already.
     lease_moving: Option<(LeaseId, Timing)>,
     last_renewal: Option<Instant>,
+    /// A switchover this leader abandoned kept it leading this round
+    /// ([`Self::release`]): the watchdog and fence stay armed.
+    kept_key: bool,
+    /// The revision of a switchover request this leader abandoned but
+    /// could not withdraw: not acted on again.
+    abandoned_request: Option<i64>,
     dcs_ok: bool,
     last_dcs_ok: Instant,
     snapshot: ClusterSnapshot,
@@ -226,6 +232,8 @@ impl HaLoop {
             lease_ttl: timing.ttl,
             lease_moving: None,
             last_renewal: None,
+            kept_key: false,
+            abandoned_request: None,
             dcs_ok: false,
             last_dcs_ok: Instant::now(),
             snapshot: ClusterSnapshot::default(),
@@ -1097,7 +1105,23 @@ impl HaLoop {
         }
         let mut pg = self.obs.pg.clone();
         pg.start_failed_for = self.start_failed_since.map(|t| t.elapsed());
-        let view = cluster_view(&self.snapshot, unix_ms());
+        let mut view = cluster_view(&self.snapshot, unix_ms());
+        if self.abandoned_request.is_some() {
+            if self.abandoned_request == Some(self.snapshot.failover_revision) {
+                // Carried out, it would stop this leader again for the
+                // same candidate; withdrawn, as meant.
+                view.failover_request = None;
+                if let Ok(true) = self
+                    .dcs
+                    .delete_failover_if(self.snapshot.failover_revision)
+                    .await
+                {
+                    self.abandoned_request = None;
+                }
+            } else {
+                self.abandoned_request = None;
+            }
+        }
         let local = pgwarden_ha::LocalView {
             name: self.cfg.name.clone(),
             postgres: pg,
@@ -1159,7 +1183,9 @@ impl HaLoop {
         }
         // The round that took the key counts as leading too: the watchdog
         // armed before taking it stays armed, and the fence starts now.
-        let leading = decision.keeps_lease() || matches!(decision, Decision::AcquireLeader { .. });
+        let leading = decision.keeps_lease()
+            || matches!(decision, Decision::AcquireLeader { .. })
+            || std::mem::take(&mut self.kept_key);
         if self.holds_leader_key() && leading {
             if let Err(e) = self.watchdog.arm() {
                 tracing::error!("cannot arm the watchdog: {e}");
@@ -2511,30 +2537,21 @@ impl HaLoop {
                     let _ = self.dcs.put_status(&self.cfg.name, &status).await;
                 }
                 let forced = view.failover_request.as_ref().is_some_and(|r| r.forced);
-                if let (ReleaseReason::Switchover { candidate }, Some(lsn), false) =
-                    (reason, last, forced)
-                {
-                    if !self.received_by(candidate, lsn).await {
-                        // Its stream broke as this leader stopped: promoted,
-                        // it would lack the last transactions, which this
-                        // node still has. Keeping the key, the loop starts
-                        // PostgreSQL again as the primary.
-                        tracing::error!(
-                            %candidate,
-                            lsn,
-                            "switchover abandoned: the candidate did not receive this leader's last WAL \
-                             within the ttl; staying leader"
-                        );
-                        match self
-                            .dcs
-                            .delete_failover_if(self.snapshot.failover_revision)
+                if let (ReleaseReason::Switchover { candidate }, false) = (reason, forced) {
+                    // After an immediate stop (the clean one failed) WAL
+                    // goes on past the last checkpoint, where no position
+                    // says what the candidate must have.
+                    let clean = self.controldata("Database cluster state").await.as_deref()
+                        == Some("shut down");
+                    let why = match last {
+                        Some(lsn) if clean => self
+                            .received_by(candidate, lsn, self.snapshot.failover_revision)
                             .await
-                        {
-                            Ok(_) => {}
-                            Err(e) => {
-                                tracing::warn!(error = %e, "cannot withdraw the switchover request")
-                            }
-                        }
+                            .err(),
+                        _ => Some("PostgreSQL did not shut down cleanly"),
+                    };
+                    if let Some(why) = why {
+                        self.abandon_switchover(candidate, why).await;
                         handover::resume_proxies(&paused, &self.credentials).await;
                         return;
                     }
@@ -2570,37 +2587,52 @@ impl HaLoop {
         }
     }
 
-    /// Whether `candidate` has received WAL up to `lsn`, waiting for it at
-    /// most a ttl with the leader key (and the watchdog) kept renewed. Its
-    /// server is asked directly; its member record, should that be out of
-    /// reach, can only show positions it reached (a record from before the
-    /// stop shows less than the shutdown checkpoint).
-    async fn received_by(&mut self, candidate: &str, lsn: u64) -> bool {
+    /// Waits until `candidate` has received WAL up to `lsn`, with the
+    /// leader key (and the watchdog) kept renewed; `Err` says why not.
+    /// Its server is asked directly; its member record, should that be out
+    /// of reach, can only show positions it reached (a record from before
+    /// the stop shows less than the shutdown checkpoint). With this leader
+    /// stopped nothing more can reach it, so the wait is short: a round of
+    /// the candidate's loop, for its record. A request cancelled or
+    /// replaced meanwhile (its revision is no longer `revision`) ends it.
+    async fn received_by(
+        &mut self,
+        candidate: &str,
+        lsn: u64,
+        revision: i64,
+    ) -> Result<(), &'static str> {
         let conninfo = self
             .member_address(candidate)
             .map(|a| self.pg.source_conninfo(&a));
-        let deadline = Instant::now() + self.timing.ttl;
+        let wait_for = self
+            .timing
+            .ttl
+            .min(self.timing.loop_wait + Duration::from_secs(2));
+        let deadline = Instant::now() + wait_for;
         let dcs = &self.dcs;
         let wait = async {
             loop {
                 if let Some(c) = &conninfo {
                     if let Some((received, replayed)) = standby_position_at(c).await {
                         if received.max(replayed).is_some_and(|p| p >= lsn) {
-                            return true;
+                            return Ok(());
                         }
                     }
                 }
-                let published = dcs.read_cluster().await.ok().and_then(|snap| {
-                    records(&snap)
+                if let Ok(snap) = dcs.read_cluster().await {
+                    if snap.failover_revision != revision {
+                        return Err("the request was cancelled or replaced");
+                    }
+                    let published = records(&snap)
                         .into_iter()
                         .find(|r| r.state.name == candidate)
-                        .and_then(|r| r.state.wal_position())
-                });
-                if published.is_some_and(|p| p >= lsn) {
-                    return true;
+                        .and_then(|r| r.state.wal_position());
+                    if published.is_some_and(|p| p >= lsn) {
+                        return Ok(());
+                    }
                 }
                 if Instant::now() >= deadline {
-                    return false;
+                    return Err("the candidate did not receive this leader's last WAL");
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -2616,6 +2648,34 @@ impl HaLoop {
             Box::pin(wait),
         )
         .await
+    }
+
+    /// Gives up a switchover after this leader stopped PostgreSQL: the
+    /// request is withdrawn, and PostgreSQL starts again as the primary
+    /// at once (in maintenance mode too, where the loop would not start
+    /// it), provided the key is still this leader's.
+    async fn abandon_switchover(&mut self, candidate: &str, why: &str) {
+        tracing::error!(%candidate, "switchover abandoned: {why}; staying leader");
+        let revision = self.snapshot.failover_revision;
+        match self.dcs.delete_failover_if(revision).await {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot withdraw the switchover request; ignoring it");
+                self.abandoned_request = Some(revision);
+            }
+        }
+        if !self.renew().await {
+            tracing::warn!(
+                "the leader key was lost meanwhile: not starting PostgreSQL as the primary"
+            );
+            return;
+        }
+        self.kept_key = true;
+        let mode = StartMode::AsLeader {
+            failed_for: Duration::ZERO,
+            timeout: self.timing.primary_start_timeout,
+        };
+        self.start(&mode).await;
     }
 
     /// One step of keeping the synchronous standbys as the protection mode

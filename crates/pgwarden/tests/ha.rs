@@ -2197,6 +2197,41 @@ async fn a_switchover_whose_candidate_misses_the_last_wal_is_abandoned() {
     )
     .await;
     assert_eq!(writable(&c).await, vec![p]);
+
+    // In maintenance mode the loop starts nothing by itself: the leader
+    // that abandons a switchover starts its PostgreSQL again all the same.
+    assert_eq!(api_post(&c, p, "/pause").await, 200);
+    all_see_the_pause(&c).await;
+    shown_as(&c, p, names[r], "streaming").await;
+    relay.set_blackhole(true);
+    one(&leader, "INSERT INTO kept VALUES (2) RETURNING v")
+        .await
+        .unwrap();
+    let res = pgwarden_agent::http_client::request(
+        "POST",
+        &url,
+        Some(&body),
+        Some(("pgwarden", "secret")),
+        Duration::from_secs(40),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status, 503, "{}", res.body);
+    eventually(
+        "the paused leader takes writes again",
+        Duration::from_secs(30),
+        || async {
+            let w = writable(&c).await;
+            (w == vec![p]).then_some(()).ok_or(format!("{w:?}"))
+        },
+    )
+    .await;
+    assert_eq!(
+        one(&leader, "SELECT count(*) FROM kept").await.unwrap(),
+        "2"
+    );
+    relay.set_blackhole(false);
+    relay.reset_all();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
