@@ -516,6 +516,27 @@ async fn session_changes_that_do_not_start_with_set_do_not_leak() {
     drop(a);
     let b = client(&with_app).await.unwrap();
     assert_eq!(one(&b, "SHOW search_path").await, "app");
+    drop(b);
+
+    // DEALLOCATE ALL drops statements and keeps settings: the next client,
+    // which has no start-up setting, must not inherit the last one's.
+    for prepared in [false, true] {
+        let a = client(&with_app).await.unwrap();
+        if prepared {
+            let st = a.prepare("DEALLOCATE ALL").await.unwrap();
+            a.execute(&st, &[]).await.unwrap();
+        } else {
+            a.batch_execute("DEALLOCATE ALL").await.unwrap();
+        }
+        // Gone now, with the server in the pool as DEALLOCATE ALL left it.
+        drop(a);
+        let b = client(&url).await.unwrap();
+        assert_eq!(
+            one(&b, "SHOW search_path").await,
+            default_path,
+            "after DEALLOCATE ALL, prepared: {prepared}"
+        );
+    }
 }
 
 async fn futures_like_clients(p: &pgwarden_proxy::Proxy, n: usize) -> Vec<tokio_postgres::Client> {

@@ -143,8 +143,9 @@ type Statement = (Arc<str>, Bytes, Drops);
 enum Drops {
     #[default]
     Nothing,
-    /// Every one: `DISCARD ALL`, `DEALLOCATE ALL` ([`Effects::drops`]).
-    Every,
+    /// Every one: `DISCARD ALL`, `DEALLOCATE ALL` ([`Effects::drops`]);
+    /// with whether it resets settings too (`DISCARD ALL`).
+    Every { settings: bool },
     /// One: the statement is `DEALLOCATE name` of this statement of the
     /// client's, renamed when parsed to the server-side name it had then.
     One(Arc<Target>),
@@ -1418,7 +1419,7 @@ impl Session {
                     self.pinned = true;
                 }
                 if effects.drops {
-                    self.forget_statements();
+                    self.forget_statements(effects.discards);
                 }
                 let rewritten = if effects.deallocate {
                     std::str::from_utf8(text)
@@ -1442,7 +1443,9 @@ impl Session {
                     // Forgotten when run, not here: the Bind may come in a
                     // later batch, on another server.
                     let mut drops = if effects.drops {
-                        Drops::Every
+                        Drops::Every {
+                            settings: effects.discards,
+                        }
                     } else {
                         Drops::Nothing
                     };
@@ -1730,7 +1733,7 @@ impl Session {
         }
         match drops {
             Drops::Nothing => {}
-            Drops::Every => self.forget_statements(),
+            Drops::Every { settings } => self.forget_statements(settings),
             // Only once the DEALLOCATE runs and the server confirms it:
             // the portal may never be executed, or fail.
             Drops::One(t) => self
@@ -1839,13 +1842,17 @@ impl Session {
     /// server keeps statements its cache no longer lists, and preparing
     /// them again would fail: an error before the server is released
     /// closes it instead.
-    fn forget_statements(&mut self) {
+    /// With `settings` (`DISCARD ALL`), the server's settings return to
+    /// its defaults as well. `DEALLOCATE ALL` keeps them: recorded as
+    /// gone, the client's start-up settings would stay on the server for
+    /// the next client, which has none, to inherit.
+    fn forget_statements(&mut self, settings: bool) {
         self.statements.clear();
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.clear();
-            // DISCARD ALL resets settings too; applying them again where
-            // they were kept (DEALLOCATE ALL) does no harm.
-            c.conn.extras = Extras::default();
+            if settings {
+                c.conn.extras = Extras::default();
+            }
             self.discarding = true;
         }
     }

@@ -190,6 +190,9 @@ pub struct Effects {
     pub drops: bool,
     /// The query starts with `DEALLOCATE`.
     pub deallocate: bool,
+    /// Some statement is `DISCARD ALL`, which also returns every setting
+    /// to the session's defaults (`DEALLOCATE ALL` keeps them).
+    pub discards: bool,
 }
 
 impl Effects {
@@ -215,6 +218,7 @@ impl Effects {
         for e in statements(sql).map(Effects::of_statement) {
             all.pins |= e.pins;
             all.drops |= e.drops;
+            all.discards |= e.discards;
         }
         all
     }
@@ -235,9 +239,10 @@ impl Effects {
             return Effects::default();
         };
         let is = |w: Option<&[u8]>, k: &[u8]| w.is_some_and(|w| w.eq_ignore_ascii_case(k));
-        let (mut drops, mut deallocate) = (false, false);
+        let (mut drops, mut deallocate, mut discards) = (false, false, false);
         if first.eq_ignore_ascii_case(b"DISCARD") {
             drops = is(words.clone().next(), b"ALL");
+            discards = drops;
         } else if first.eq_ignore_ascii_case(b"DEALLOCATE") {
             deallocate = true;
             let mut w = words.clone();
@@ -251,6 +256,7 @@ impl Effects {
             pins: pins_statement(sql, first, words),
             drops,
             deallocate,
+            discards,
         }
     }
 }
@@ -667,6 +673,16 @@ mod tests {
             assert!(pins_session(s.as_bytes()), "{s}");
         }
         assert!(!pins_session(b"SELECT setting FROM pg_settings"));
+        for (s, discards) in [
+            ("DISCARD ALL", true),
+            ("SELECT 1; discard all", true),
+            ("DEALLOCATE ALL", false),
+            ("SELECT 1; DEALLOCATE PREPARE ALL", false),
+            ("DISCARD PLANS", false),
+            ("SELECT 'DISCARD ALL'", false),
+        ] {
+            assert_eq!(super::Effects::of(s.as_bytes()).discards, discards, "{s}");
+        }
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
         assert!(super::drops_statements(b"deallocate prepare all"));
