@@ -2750,10 +2750,11 @@ async fn a_skipped_unnamed_statement_never_lets_a_client_run_anothers() {
 
 /// A named statement the pool prepares again on a server may be skipped
 /// there after an earlier error in its batch. Batches the client
-/// pipelined behind that one still run it, as on PostgreSQL, and the
-/// server is left with one copy of it.
+/// pipelined behind that one still run it, as on PostgreSQL, whichever
+/// batch fails, and the server is left with one copy of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
+    use std::io::Write;
     let c = TestCluster::builder().replicas(0).start();
     let (_engine, p) = pooled(&c, 1).await;
     let addr = p.service_addrs()["read_write"];
@@ -2764,38 +2765,37 @@ async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
         let n = value(&a.simple(b"SELECT count(*) FROM pg_prepared_statements"));
         n.parse::<u32>().unwrap()
     };
-    for skipped in [true, false] {
+    // Which of three pipelined batches fails before it binds s1, if any.
+    for failing in [Some(0), None, Some(1)] {
         // The one server loses every statement: pgwarden must prepare
         // a's again.
         assert_eq!(error_code(&b.simple(b"DEALLOCATE ALL")), None);
-        // Batch 1 fails before its injected Parse of s1 when `skipped`;
-        // batches 2 and 3, pipelined behind it, run s1.
         let mut m = Vec::new();
-        if skipped {
-            m.extend(msg_parse(b"", b"SELECT 1/0"));
-            m.extend(msg_bind_execute(b""));
-        }
-        for _ in 0..3 {
+        for batch in 0..3 {
+            if failing == Some(batch) {
+                m.extend(msg_parse(b"", b"SELECT 1/0"));
+                m.extend(msg_bind_execute(b""));
+            }
             m.extend(msg_bind_execute(b"s1"));
+            m.extend(msg_describe_statement(b"s1"));
             m.extend_from_slice(MSG_SYNC);
         }
-        let first = a.send(&m);
-        if skipped {
-            assert_eq!(error_code(&first).as_deref(), Some("22012"), "{first:?}");
-        } else {
-            assert_eq!(value(&first), "mine");
-        }
-        for batch in [2, 3] {
+        a.0.write_all(&m).unwrap();
+        for batch in 0..3 {
             let r = a.until_ready();
-            assert_eq!(error_code(&r), None, "{skipped}, batch {batch}: {r:?}");
-            assert_eq!(value(&r), "mine");
+            if failing == Some(batch) {
+                assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+            } else {
+                assert_eq!(error_code(&r), None, "{failing:?}, batch {batch}: {r:?}");
+                assert_eq!(value(&r), "mine");
+            }
         }
         assert_eq!(value(&a.extended(b"s2", b"SELECT 'later'")), "later");
         let mut m = msg_bind_execute(b"s1");
         m.extend_from_slice(MSG_SYNC);
-        assert_eq!(value(&a.send(&m)), "mine");
+        assert_eq!(value(&a.send(&m)), "mine", "{failing:?}");
         // s1 and s2, each once.
-        assert_eq!(prepared(&mut a), 2, "{skipped}");
+        assert_eq!(prepared(&mut a), 2, "{failing:?}");
         let mut m = Vec::new();
         for name in [&b"s1"[..], b"s2"] {
             m.extend_from_slice(&[b'C', 0, 0, 0, 4 + 1 + name.len() as u8 + 1, b'S']);
@@ -2806,6 +2806,16 @@ async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
         assert_eq!(error_code(&a.send(&m)), None);
         assert_eq!(value(&a.extended(b"s1", b"SELECT 'mine'")), "mine");
     }
+}
+
+/// Describe of prepared statement `name`.
+fn msg_describe_statement(name: &[u8]) -> Vec<u8> {
+    let mut m = vec![b'D'];
+    m.extend_from_slice(&((4 + 1 + name.len() + 1) as u32).to_be_bytes());
+    m.push(b'S');
+    m.extend_from_slice(name);
+    m.push(0);
+    m
 }
 
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not

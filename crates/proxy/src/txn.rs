@@ -159,11 +159,9 @@ struct Target {
 
 /// A Close sent to the attached server.
 struct SentClose {
-    /// A statement pgwarden closed to keep the server's cache bounded: its
-    /// CloseComplete is swallowed; if the server skipped the Close, the
-    /// statement is still there. `""` for pgwarden's other Closes (the
-    /// unnamed statement, one about to be prepared again), which leave
-    /// nothing to restore.
+    /// A statement pgwarden closed to keep the server's cache bounded
+    /// (or the unnamed one, `""`): its CloseComplete is swallowed; if the
+    /// server skipped the Close, the statement is still there.
     own: Option<String>,
     /// The client's statement it closes, with whether it was prepared on
     /// this server: back in place should the server skip the Close.
@@ -346,8 +344,12 @@ pub(crate) async fn run(
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
-                    if session.held && session.read_only.as_deref().is_some_and(|p| !p.awaiting_ready()) {
+                    if session.held
+                        && !matches!(session.parse_wait, Some(b) if session.replies.done <= b)
+                        && !session.read_only.as_deref().is_some_and(|p| p.awaiting_ready())
+                    {
                         // The ReadyForQuery the held messages waited for.
+                        session.parse_wait = None;
                         session.held = false;
                         // Inline, as below: a function's future would keep
                         // its arguments in every idle client's.
@@ -711,10 +713,16 @@ struct Session {
     /// server's ReadyForQuery, or are refused ([`ReadOnlyPipeline`]).
     /// Boxed, and only there.
     read_only: Option<Box<ReadOnlyPipeline>>,
-    /// A message is held for [`Session::read_only`]: the rest of the
-    /// client's bytes wait with it, and nothing more is read from the
-    /// client until the ReadyForQuery is in.
+    /// A message is held for [`Session::read_only`] or
+    /// [`Session::parse_wait`]: the rest of the client's bytes wait with
+    /// it, and nothing more is read from the client until the
+    /// ReadyForQuery is in.
     held: bool,
+    /// A Bind or Describe of a statement is held until this batch is
+    /// answered: pgwarden's own Parse of the statement went in it, and an
+    /// earlier error there makes the server skip it, which only its
+    /// ReadyForQuery shows ([`Session::unanswered_parse`]).
+    parse_wait: Option<u64>,
 }
 
 impl Session {
@@ -781,6 +789,7 @@ impl Session {
             extras,
             read_only: service.spec.read_only.then(Box::default),
             held: false,
+            parse_wait: None,
         };
         (session, early)
     }
@@ -1311,6 +1320,13 @@ impl Session {
                     break;
                 }
             }
+            if !self.replies.parses.is_empty() {
+                if let Some(batch) = self.unanswered_parse(tag, &buf[5..total]) {
+                    self.parse_wait = Some(batch);
+                    self.held = true;
+                    break;
+                }
+            }
             if !self.attach().await? {
                 self.cancelled_in_line(tag);
                 buf.advance(total);
@@ -1671,6 +1687,33 @@ impl Session {
         }
     }
 
+    /// For a Bind or Describe (`tag`, `body`) of a client's statement
+    /// whose Parse pgwarden sent in an earlier batch still unanswered, that
+    /// batch. Whether the statement is on the server depends on that
+    /// Parse, which an error before it makes the server skip: prepared
+    /// again now, it could be refused as a duplicate; not prepared, the
+    /// Bind could fail where PostgreSQL would run it. Pipelines rarely
+    /// meet this (a statement new to its server, used in batches sent
+    /// before the first is answered) and then wait one round trip.
+    fn unanswered_parse(&self, tag: u8, body: &[u8]) -> Option<u64> {
+        let name = match tag {
+            frontend::BIND => message::bind_names(body).ok()?.1,
+            frontend::DESCRIBE if body.first() == Some(&b'S') => {
+                let end = body.iter().position(|&b| b == 0)?;
+                std::str::from_utf8(&body[1..end]).ok()?
+            }
+            _ => return None,
+        };
+        let (sname, ..) = self.statements.get(name)?;
+        self.replies
+            .parses
+            .iter()
+            .filter(|p| p.injected && p.batch < self.replies.sent)
+            .filter(|p| p.name.as_ref() == Some(sname))
+            .map(|p| p.batch)
+            .max()
+    }
+
     /// Makes sure the client's statement `name` exists on the attached
     /// server, injecting its Parse if needed; returns the server-side name.
     /// Runs per Bind, so a known statement costs no allocation. Also says
@@ -1681,33 +1724,7 @@ impl Session {
         };
         let (sname, drops) = (sname.clone(), drops.clone());
         if let Some(c) = self.attached.as_mut() {
-            let known = c.conn.prepared.touch(&sname);
-            // pgwarden's own Parse of it went in an earlier batch whose
-            // ReadyForQuery has not come: an error there may have made
-            // the server skip it. Prepared again here, after a Close
-            // (which PostgreSQL accepts for a name it does not have) so
-            // that a Parse that did run is not refused as a duplicate.
-            // Once per batch: a batch of many Binds of it needs one.
-            let uncertain = known && !self.replies.parses.is_empty() && {
-                let mut ours = self
-                    .replies
-                    .parses
-                    .iter()
-                    .filter(|p| p.injected && p.name.as_ref() == Some(&sname));
-                let sent = self.replies.sent;
-                ours.clone().any(|p| p.batch < sent) && !ours.any(|p| p.batch == sent)
-            };
-            if uncertain {
-                put_close(out, &sname);
-                self.replies.closes.push_back(SentClose {
-                    // Swallowed; should the server skip it, the Parse
-                    // behind it is skipped too and says what is there.
-                    own: Some(String::new()),
-                    restore: None,
-                    batch: self.replies.sent,
-                });
-            }
-            if !known || uncertain {
+            if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
                 c.conn.prepared.insert(&sname);
                 self.replies.parses.push_back(SentParse {
@@ -2163,14 +2180,7 @@ impl Session {
             };
             match &p.name {
                 Some(sname) => {
-                    // A later Parse of the same statement, still to be
-                    // answered, says whether it is there.
-                    let again = self
-                        .replies
-                        .parses
-                        .iter()
-                        .any(|later| later.name.as_ref() == Some(sname));
-                    if let Some(c) = self.attached.as_mut().filter(|_| !again) {
+                    if let Some(c) = self.attached.as_mut() {
                         c.conn.prepared.remove(sname);
                     }
                     if p.forget {
