@@ -537,6 +537,19 @@ async fn session_changes_that_do_not_start_with_set_do_not_leak() {
             "after DEALLOCATE ALL, prepared: {prepared}"
         );
     }
+
+    // A client without start-up settings is not pinned by a RESET: its
+    // server then has the pool's defaults, and serves the next client
+    // while this one idles.
+    let a = client(&url).await.unwrap();
+    for reset in ["RESET ALL", "RESET search_path", "SELECT 1; RESET work_mem"] {
+        a.batch_execute(reset).await.unwrap();
+        let b = client(&url).await.unwrap();
+        let path = tokio::time::timeout(Duration::from_secs(10), one(&b, "SHOW search_path"))
+            .await
+            .unwrap_or_else(|_| panic!("{reset} pinned the pool's one server"));
+        assert_eq!(path, default_path, "after {reset}");
+    }
 }
 
 async fn futures_like_clients(p: &pgwarden_proxy::Proxy, n: usize) -> Vec<tokio_postgres::Client> {

@@ -315,6 +315,11 @@ impl Extras {
         self.0.iter().flat_map(|e| e.iter())
     }
 
+    /// No settings at all.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// These settings and `more`, whose names are not among these.
     pub fn with(&self, more: impl IntoIterator<Item = (String, String)>) -> Extras {
         let mut all: Vec<(String, String)> = self.iter().cloned().collect();

@@ -1431,7 +1431,7 @@ impl Session {
                 // Raw bytes: the client's encoding need not be UTF-8.
                 let text = message::query_bytes(body).unwrap_or_default();
                 let effects = Effects::of(text);
-                if effects.pins {
+                if effects.pins || (effects.resets && !self.extras.is_empty()) {
                     self.pinned = true;
                 }
                 if effects.drops {
@@ -1453,7 +1453,7 @@ impl Session {
             frontend::PARSE => {
                 if let Ok(p) = message::parse_message(body) {
                     let effects = Effects::of(p.query);
-                    if effects.pins {
+                    if effects.pins || (effects.resets && !self.extras.is_empty()) {
                         self.pinned = true;
                     }
                     // Forgotten when run, not here: the Bind may come in a

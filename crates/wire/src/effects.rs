@@ -193,6 +193,10 @@ pub struct Effects {
     /// Some statement is `DISCARD ALL`, which also returns every setting
     /// to the session's defaults (`DEALLOCATE ALL` keeps them).
     pub discards: bool,
+    /// Some statement is a `RESET` other than of a tracked parameter
+    /// (which the server reports): it returns settings to the session's
+    /// defaults, start-up settings included.
+    pub resets: bool,
 }
 
 impl Effects {
@@ -219,6 +223,7 @@ impl Effects {
             all.pins |= e.pins;
             all.drops |= e.drops;
             all.discards |= e.discards;
+            all.resets |= e.resets;
         }
         all
     }
@@ -252,11 +257,13 @@ impl Effects {
             }
             drops = is(next, b"ALL");
         }
+        let resets = first.eq_ignore_ascii_case(b"RESET") && !resets_replayed(words.clone());
         Effects {
             pins: pins_statement(sql, first, words),
             drops,
             deallocate,
             discards,
+            resets,
         }
     }
 }
@@ -301,6 +308,18 @@ const REPLAYED: [&str; 9] = [
     "NAMES",
 ];
 
+/// Whether a `RESET` followed by `words` resets only a tracked
+/// parameter, whose new value the server reports and pgwarden replays.
+fn resets_replayed<'a>(mut words: impl Iterator<Item = &'a [u8]>) -> bool {
+    let name = words.next();
+    name.is_some_and(|n| {
+        REPLAYED
+            .iter()
+            .filter(|k| !matches!(**k, "LOCAL" | "TRANSACTION"))
+            .any(|k| n.eq_ignore_ascii_case(k.as_bytes()))
+    })
+}
+
 /// Whether one statement, `sql` from its first word on, leaves state in
 /// the server session that the next transaction of the same client would
 /// expect, so the client must keep its server connection; `words` are the
@@ -320,19 +339,16 @@ fn pins_statement<'a>(
     if is(first, "PREPARE") || is(first, "LOAD") {
         return true;
     }
-    // A session-level SET outlives the transaction, and so does a RESET
-    // (of a setting the pool may have applied for another client, too);
-    // `RESET ALL` resets everything.
-    if is(first, "SET") || is(first, "RESET") {
+    // A session-level SET outlives the transaction. A RESET only returns
+    // to the session's defaults, which pooling keeps for clients without
+    // start-up settings ([`Effects::resets`]).
+    if is(first, "SET") {
         let mut rest = words.clone();
         let mut name = rest.next();
-        if is(first, "SET") && name.is_some_and(|n| is(n, "SESSION")) {
+        if name.is_some_and(|n| is(n, "SESSION")) {
             name = rest.next();
         }
-        let replayed = name.is_some_and(|n| REPLAYED.iter().any(|k| is(n, k)))
-            && !(is(first, "RESET")
-                && name.is_some_and(|n| is(n, "LOCAL") || is(n, "TRANSACTION")));
-        if !replayed {
+        if !name.is_some_and(|n| REPLAYED.iter().any(|k| is(n, k))) {
             return true;
         }
     }
@@ -630,6 +646,12 @@ mod tests {
             "BEGIN",
             "RESET application_name",
             "RESET TIME ZONE",
+            // Pinned only for clients with start-up settings ([`Effects::resets`]).
+            "RESET ALL",
+            "reset search_path",
+            "RESET ROLE",
+            "-- comment\nRESET work_mem",
+            "SELECT 1; RESET ALL",
             "SELECT set_config('request.jwt.claims', $1, true)",
             "select pg_catalog.set_config('app.tenant', '42', TRUE)",
             "SELECT set_config('a', 'it''s, (x)', 'on')",
@@ -648,22 +670,17 @@ mod tests {
             assert!(!pins_session(s.as_bytes()), "{s}");
         }
         for s in [
-            "RESET ALL",
             "CREATE GLOBAL TEMPORARY TABLE t (x int)",
             "create local temp table t (x int)",
             "CREATE OR REPLACE TEMP VIEW v AS SELECT 1",
             "SELECT 1 AS x INTO TEMP t",
             "select * into temporary table t from pg_class",
-            "reset search_path",
-            "RESET ROLE",
             "/* by the ORM */ SET search_path TO x",
-            "-- comment\nRESET work_mem",
             "SELECT set_config('search_path', 'x', false)",
             "SELECT set_config('search_path', 'x', $3)",
             "SELECT set_config('a', 'b')",
             "SELECT set_config",
             "BEGIN; SET search_path TO x; COMMIT",
-            "SELECT 1; RESET ALL",
             "SELECT ''''; SET search_path TO x",
             "SELECT $1; SET search_path TO x",
             "UPDATE pg_settings SET setting = '50' WHERE name = 'statement_timeout'",
@@ -682,6 +699,20 @@ mod tests {
             ("SELECT 'DISCARD ALL'", false),
         ] {
             assert_eq!(super::Effects::of(s.as_bytes()).discards, discards, "{s}");
+        }
+        for (s, resets) in [
+            ("RESET ALL", true),
+            ("reset search_path", true),
+            ("-- c\nRESET work_mem", true),
+            ("SELECT 1; RESET ALL", true),
+            ("RESET ROLE", true),
+            ("RESET TIME ZONE", false),
+            ("reset application_name", false),
+            ("RESET DateStyle", false),
+            ("SELECT 'RESET ALL'", false),
+            ("DISCARD ALL", false),
+        ] {
+            assert_eq!(super::Effects::of(s.as_bytes()).resets, resets, "{s}");
         }
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
@@ -812,7 +843,7 @@ mod tests {
                     | ("SESSION", "AUTHORIZATION")
             )
         });
-        let replayed = |name: Option<&&str>, set: bool| {
+        let replayed = |name: Option<&&str>| {
             matches!(
                 name,
                 Some(
@@ -824,7 +855,7 @@ mod tests {
                         | &"INTERVALSTYLE"
                         | &"NAMES"
                 )
-            ) || (set && matches!(name, Some(&"LOCAL" | &"TRANSACTION")))
+            ) || matches!(name, Some(&"LOCAL" | &"TRANSACTION"))
         };
         pair || words.iter().enumerate().any(|(i, (at, w))| match *w {
             "LISTEN"
@@ -842,9 +873,8 @@ mod tests {
                     Some(&"SESSION") => names.get(2),
                     other => other,
                 };
-                i == 0 && !replayed(name, true)
+                i == 0 && !replayed(name)
             }
-            "RESET" => i == 0 && !replayed(names.get(1), false),
             _ => false,
         })
     }
