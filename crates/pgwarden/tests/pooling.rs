@@ -2819,6 +2819,38 @@ async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
         assert_eq!(error_code(&a.send(&m)), None);
         assert_eq!(value(&a.extended(b"s1", b"SELECT 'mine'")), "mine");
     }
+    // A Parse of a name the client has, pipelined behind the batch whose
+    // Parse of it the server skipped, is refused as PostgreSQL refuses it,
+    // and the statement keeps its text.
+    assert_eq!(error_code(&b.simple(b"DEALLOCATE ALL")), None);
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    m.extend(msg_parse(b"s1", b"SELECT 'other'"));
+    m.extend_from_slice(MSG_SYNC);
+    a.0.write_all(&m).unwrap();
+    assert_eq!(error_code(&a.until_ready()).as_deref(), Some("22012"));
+    assert_eq!(error_code(&a.until_ready()).as_deref(), Some("42P05"));
+    let mut m = msg_bind_execute(b"s1");
+    m.extend_from_slice(MSG_SYNC);
+    assert_eq!(value(&a.send(&m)), "mine");
+
+    // A Query inside an extended-protocol batch that failed is ignored by
+    // PostgreSQL, up to the Sync: a Bind behind it must not wait for its
+    // ReadyForQuery.
+    assert_eq!(error_code(&b.simple(b"DEALLOCATE ALL")), None);
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend(msg_query(b"SELECT 1"));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    a.0.write_all(&m).unwrap();
+    assert_eq!(error_code(&a.until_ready()).as_deref(), Some("22012"));
+    let mut m = msg_bind_execute(b"s1");
+    m.extend_from_slice(MSG_SYNC);
+    assert_eq!(value(&a.send(&m)), "mine");
 }
 
 /// Describe of prepared statement `name`.

@@ -94,6 +94,10 @@ struct Replies {
     /// The client ended a COPY (CopyDone/CopyFail) since the last
     /// ReadyForQuery, before the server said it was taking data.
     copy_ended: bool,
+    /// A Query went out inside an extended-protocol batch (no Sync
+    /// before it), since the server was last idle. After an error there
+    /// PostgreSQL ignores it, so its ReadyForQuery may never come.
+    query_in_batch: bool,
 }
 
 /// A client's `DEALLOCATE name`, as sent: the statement is forgotten only
@@ -307,10 +311,9 @@ pub(crate) async fn run(
             tokio::select! {
                 biased;
                 n = read_attached(&mut session.attached, &mut sbuf, &mut session.outbuf, &mut session.unsent) => {
-                    if matches!(n, Ok(NOTHING_READ)) {
-                        // Sent what was left: the client may be read again.
-                        continue;
-                    }
+                    // NOTHING_READ: sent what was left; the client may be
+                    // read again, and messages held may go.
+                    if !matches!(n, Ok(NOTHING_READ)) {
                     match n {
                         Ok(0) | Err(_) => {
                             session.detach(false);
@@ -344,7 +347,11 @@ pub(crate) async fn run(
                         session.detach(true);
                         crate::bufcache::release(&mut sbuf);
                     }
+                    }
+                    // Not while bytes wait to go: the messages held would
+                    // go out after a cut-off one.
                     if session.held
+                        && !session.unsent
                         && !matches!(session.parse_wait, Some(b) if session.replies.done <= b)
                         && !session.read_only.as_deref().is_some_and(|p| p.awaiting_ready())
                     {
@@ -1656,6 +1663,7 @@ impl Session {
             // PostgreSQL ignores it: no ReadyForQuery will come.
             frontend::SYNC if self.replies.copy_in => {}
             frontend::QUERY | frontend::SYNC | frontend::FUNCTION_CALL => {
+                self.replies.query_in_batch |= tag == frontend::QUERY && self.replies.open_batch;
                 if tag != frontend::SYNC && self.replies.pending < 64 {
                     self.replies.kinds |= 1 << self.replies.pending;
                 }
@@ -1687,7 +1695,7 @@ impl Session {
         }
     }
 
-    /// For a Bind or Describe (`tag`, `body`) of a client's statement
+    /// For a Bind, Describe or Parse (`tag`, `body`) of a client's statement
     /// whose Parse pgwarden sent in an earlier batch still unanswered, that
     /// batch. Whether the statement is on the server depends on that
     /// Parse, which an error before it makes the server skip: prepared
@@ -1698,6 +1706,9 @@ impl Session {
     fn unanswered_parse(&self, tag: u8, body: &[u8]) -> Option<u64> {
         let name = match tag {
             frontend::BIND => message::bind_names(body).ok()?.1,
+            // A Parse of a name the client has goes out under that
+            // statement's server-side name, for the server to refuse it.
+            frontend::PARSE => std::str::from_utf8(message::parse_message(body).ok()?.name).ok()?,
             frontend::DESCRIBE if body.first() == Some(&b'S') => {
                 let end = body.iter().position(|&b| b == 0)?;
                 std::str::from_utf8(&body[1..end]).ok()?
@@ -1705,6 +1716,11 @@ impl Session {
             _ => return None,
         };
         let (sname, ..) = self.statements.get(name)?;
+        if self.replies.query_in_batch {
+            // The batch awaited may never be answered; as before this
+            // wait existed, the statement is taken as prepared.
+            return None;
+        }
         self.replies
             .parses
             .iter()
@@ -2056,6 +2072,9 @@ impl Session {
                         pipeline.ready();
                     }
                     self.replies.pending = self.replies.pending.saturating_sub(1);
+                    if self.replies.pending == 0 {
+                        self.replies.query_in_batch = false;
+                    }
                     self.replies.kinds >>= 1;
                     self.replies.copy_ended = false;
                     self.replies.done += 1;
