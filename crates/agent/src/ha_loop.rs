@@ -1109,14 +1109,15 @@ impl HaLoop {
         if self.abandoned_request.is_some() {
             if self.abandoned_request == Some(self.snapshot.failover_revision) {
                 // Carried out, it would stop this leader again for the
-                // same candidate; withdrawn, as meant.
+                // same candidate; withdrawn, as meant, when etcd answers
+                // (within what is left of the lease: a leader must still
+                // demote in time).
                 view.failover_request = None;
-                if let Ok(true) = self
-                    .dcs
-                    .delete_failover_if(self.snapshot.failover_revision)
-                    .await
-                {
-                    self.abandoned_request = None;
+                let withdraw = self.dcs.delete_failover_if(self.snapshot.failover_revision);
+                if self.dcs_ok {
+                    if let Ok(Ok(true)) = tokio::time::timeout(self.dcs_budget(), withdraw).await {
+                        self.abandoned_request = None;
+                    }
                 }
             } else {
                 self.abandoned_request = None;
@@ -2541,8 +2542,11 @@ impl HaLoop {
                     // After an immediate stop (the clean one failed) WAL
                     // goes on past the last checkpoint, where no position
                     // says what the candidate must have.
-                    let clean = self.controldata("Database cluster state").await.as_deref()
-                        == Some("shut down");
+                    let clean = matches!(
+                        self.controldata("Database cluster state").await.as_deref(),
+                        // A standby leader stops in recovery.
+                        Some("shut down" | "shut down in recovery")
+                    );
                     let why = match last {
                         Some(lsn) if clean => self
                             .received_by(candidate, lsn, self.snapshot.failover_revision)
@@ -2604,18 +2608,28 @@ impl HaLoop {
         let conninfo = self
             .member_address(candidate)
             .map(|a| self.pg.source_conninfo(&a));
+        // A record is published at the end of a round with the positions
+        // read at its start: two rounds may pass before one shows it.
         let wait_for = self
             .timing
             .ttl
-            .min(self.timing.loop_wait + Duration::from_secs(2));
+            .min(self.timing.loop_wait * 2 + Duration::from_secs(2));
         let deadline = Instant::now() + wait_for;
         let dcs = &self.dcs;
         let wait = async {
+            // The candidate's own answer settles it sooner: what it has not
+            // received a moment after the stop, it never will.
+            let mut behind_since: Option<Instant> = None;
             loop {
                 if let Some(c) = &conninfo {
                     if let Some((received, replayed)) = standby_position_at(c).await {
                         if received.max(replayed).is_some_and(|p| p >= lsn) {
                             return Ok(());
+                        }
+                        if behind_since.get_or_insert_with(Instant::now).elapsed()
+                            >= Duration::from_secs(2)
+                        {
+                            return Err("the candidate did not receive this leader's last WAL");
                         }
                     }
                 }
