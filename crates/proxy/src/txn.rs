@@ -314,39 +314,39 @@ pub(crate) async fn run(
                     // NOTHING_READ: sent what was left; the client may be
                     // read again, and messages held may go.
                     if !matches!(n, Ok(NOTHING_READ)) {
-                    match n {
-                        Ok(0) | Err(_) => {
-                            session.detach(false);
-                            return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, "terminating connection: the server closed the connection"));
+                        match n {
+                            Ok(0) | Err(_) => {
+                                session.detach(false);
+                                return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, "terminating connection: the server closed the connection"));
+                            }
+                            Ok(_) => {}
                         }
-                        Ok(_) => {}
-                    }
-                    let out = session.server_bytes(&mut sbuf)?;
-                    let written = match &out {
-                        ToClient::Prefix(n) => client.send_all(&sbuf[..*n]).await.map(|()| *n),
-                        ToClient::Owned(o) => client.send_all(o).await.map(|()| o.len()),
-                    };
-                    let Ok(written) = written else {
-                        return Ok(());
-                    };
-                    to_client.inc_by(written as u64);
-                    if let Some(c) = session.attached.as_mut() {
-                        c.traffic.sent += written as u64;
-                    }
-                    if let ToClient::Prefix(n) = out {
-                        sbuf.advance(n);
-                    }
-                    if session.replies.fatal {
-                        // The client has the server's own reason; its
-                        // session ends with the server's, as it would
-                        // without pgwarden.
-                        session.detach(false);
-                        return Ok(());
-                    }
-                    if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
-                        session.detach(true);
-                        crate::bufcache::release(&mut sbuf);
-                    }
+                        let out = session.server_bytes(&mut sbuf)?;
+                        let written = match &out {
+                            ToClient::Prefix(n) => client.send_all(&sbuf[..*n]).await.map(|()| *n),
+                            ToClient::Owned(o) => client.send_all(o).await.map(|()| o.len()),
+                        };
+                        let Ok(written) = written else {
+                            return Ok(());
+                        };
+                        to_client.inc_by(written as u64);
+                        if let Some(c) = session.attached.as_mut() {
+                            c.traffic.sent += written as u64;
+                        }
+                        if let ToClient::Prefix(n) = out {
+                            sbuf.advance(n);
+                        }
+                        if session.replies.fatal {
+                            // The client has the server's own reason; its
+                            // session ends with the server's, as it would
+                            // without pgwarden.
+                            session.detach(false);
+                            return Ok(());
+                        }
+                        if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
+                            session.detach(true);
+                            crate::bufcache::release(&mut sbuf);
+                        }
                     }
                     // Not while bytes wait to go: the messages held would
                     // go out after a cut-off one.
@@ -725,8 +725,8 @@ struct Session {
     /// it, and nothing more is read from the client until the
     /// ReadyForQuery is in.
     held: bool,
-    /// A Bind or Describe of a statement is held until this batch is
-    /// answered: pgwarden's own Parse of the statement went in it, and an
+    /// A Bind, Describe or Parse of a statement is held until this batch
+    /// is answered: pgwarden's own Parse of the statement went in it, and an
     /// earlier error there makes the server skip it, which only its
     /// ReadyForQuery shows ([`Session::unanswered_parse`]).
     parse_wait: Option<u64>,
