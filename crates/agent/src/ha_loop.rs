@@ -1737,7 +1737,7 @@ impl HaLoop {
     /// promotion keeps every transaction the old leader committed.
     async fn catch_up(&mut self, target: u64) {
         let deadline = Instant::now() + self.timing.ttl;
-        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        let every = self.renew_every();
         let mut renewed = Instant::now();
         loop {
             // The member's lease is renewed by the loop, which waits here:
@@ -2517,7 +2517,7 @@ impl HaLoop {
                 // Both can outlast the lease: the key (and the watchdog)
                 // stay renewed until PostgreSQL has stopped taking writes,
                 // so the candidate cannot be promoted beside it.
-                let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+                let every = self.renew_every();
                 holding_key(
                     &self.dcs,
                     &self.cfg.name,
@@ -2591,14 +2591,22 @@ impl HaLoop {
         }
     }
 
+    /// How often the leader key (or the member's lease) is renewed while
+    /// a long step holds up the loop: every `loop_wait`, at most every
+    /// third of the ttl.
+    fn renew_every(&self) -> Duration {
+        self.timing.loop_wait.min(self.timing.ttl / 3)
+    }
+
     /// Waits until `candidate` has received WAL up to `lsn`, with the
     /// leader key (and the watchdog) kept renewed; `Err` says why not.
     /// Its server is asked directly; its member record, should that be out
     /// of reach, can only show positions it reached (a record from before
     /// the stop shows less than the shutdown checkpoint). With this leader
-    /// stopped nothing more can reach it, so the wait is short: a round of
-    /// the candidate's loop, for its record. A request cancelled or
-    /// replaced meanwhile (its revision is no longer `revision`) ends it.
+    /// stopped nothing more can reach it, so the wait is short: 2 s of
+    /// the candidate's own answers, or two rounds of its loop when only
+    /// its record can tell. A request cancelled or replaced meanwhile (its
+    /// revision is no longer `revision`) ends it.
     async fn received_by(
         &mut self,
         candidate: &str,
@@ -2651,7 +2659,7 @@ impl HaLoop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };
-        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        let every = self.renew_every();
         // Boxed: the loop's future is deep enough already.
         holding_key(
             &self.dcs,
@@ -3938,7 +3946,7 @@ impl HaLoop {
         // another member could be promoted before this one starts again
         // as a primary.
         let lease = self.lease.filter(|_| self.holds_leader_key());
-        let every = self.timing.loop_wait.min(self.timing.ttl / 3);
+        let every = self.renew_every();
         let _ = holding_key(
             &self.dcs,
             &self.cfg.name,
