@@ -109,7 +109,9 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
             return Err(DurationError::new(input, "too many decimal places"));
         }
         let digits: u128 = fraction.parse().map_err(|_| too_large())?;
-        nanos += digits * unit_ns / 10u128.pow(fraction.len() as u32);
+        nanos = nanos
+            .checked_add(digits * unit_ns / 10u128.pow(fraction.len() as u32))
+            .ok_or_else(too_large)?;
     }
     let secs = u64::try_from(nanos / NANOS_PER_SEC).map_err(|_| too_large())?;
     within_bound(Duration::new(secs, (nanos % NANOS_PER_SEC) as u32))
@@ -225,6 +227,8 @@ mod tests {
             (".5s", "malformed"),
             ("1.2.3s", "malformed"),
             ("99999999999999999999999999999999d", "too large"),
+            // The whole part just fits; adding the fraction overflows.
+            ("340282366920938463463374607431768.999999ms", "too large"),
             ("1.0000000000000000001s", "decimal places"),
             ("106751991167300d", "maximum"),
             ("18446744073709551615s", "maximum"),

@@ -128,6 +128,7 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
         &cluster,
         &engine,
         &pool,
+        agent.as_ref(),
         src,
     )?;
     Ok(Config {
@@ -555,6 +556,7 @@ fn services(
     cluster: &ClusterConfig,
     engine: &EngineConfig,
     pool: &PoolConfig,
+    agent: Option<&crate::agent::AgentConfig>,
     src: &Source<'_>,
 ) -> Result<(ListenConfig, Vec<ServiceConfig>), ConfigError> {
     for name in raw_services.keys() {
@@ -688,7 +690,79 @@ fn services(
         )?);
     }
     check_distinct(&listeners, src)?;
+    if listen.unix_socket_dir.is_some() {
+        check_distinct_ports(&listeners, src)?;
+    }
+    if let Some(a) = agent {
+        check_clear_of_agent(&listeners, a, src)?;
+    }
     Ok((listen, out))
+}
+
+/// With `listen.unix_socket_dir`, every service also listens on a socket
+/// named after its TCP port alone, so two services on one port clash
+/// there even on different addresses.
+fn check_distinct_ports(listeners: &[Listener], src: &Source<'_>) -> Result<(), ConfigError> {
+    let services: Vec<&Listener> = listeners
+        .iter()
+        .filter(|l| l.key != "listen.http")
+        .collect();
+    for (j, later) in services.iter().enumerate() {
+        let Some(earlier) = services[..j]
+            .iter()
+            .find(|e| e.addr.port() == later.addr.port())
+        else {
+            continue;
+        };
+        let (at, other) = if later.span.is_none() && earlier.span.is_some() {
+            (*earlier, *later)
+        } else {
+            (*later, *earlier)
+        };
+        return Err(src.invalid(
+            at.span.clone(),
+            at.key.clone(),
+            format!(
+                "port {} is also the port of {} ({}): with listen.unix_socket_dir both would listen on the socket .s.PGSQL.{}",
+                at.addr.port(),
+                other.key,
+                other.addr,
+                at.addr.port()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The agent's REST API and its PostgreSQL listen on the same machine as
+/// the connection manager: an overlap would only show when binding.
+fn check_clear_of_agent(
+    listeners: &[Listener],
+    agent: &crate::agent::AgentConfig,
+    src: &Source<'_>,
+) -> Result<(), ConfigError> {
+    let pg = agent
+        .pg_listen
+        .host
+        .parse::<IpAddr>()
+        .ok()
+        .map(|ip| SocketAddr::new(ip, agent.pg_listen.port));
+    for (key, addr) in [("agent.api", Some(agent.api)), ("agent.pg_listen", pg)] {
+        let Some(addr) = addr else { continue };
+        if let Some(l) = listeners.iter().find(|l| overlaps(l.addr, addr)) {
+            let derived = if l.span.is_none() {
+                " (derived from the first host's port)"
+            } else {
+                ""
+            };
+            return Err(src.invalid(
+                l.span.clone(),
+                l.key.clone(),
+                format!("{}{derived} overlaps {key} ({addr})", l.addr),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Cluster-, engine- and pool-wide values that services inherit.

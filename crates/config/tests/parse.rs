@@ -1422,3 +1422,53 @@ fn unix_socket_dir() {
         "would exceed 107 bytes",
     );
 }
+
+#[test]
+fn with_unix_sockets_two_services_may_not_share_a_port() {
+    // Different addresses, so TCP has no clash; the sockets would.
+    let text = MINIMAL
+        .replace(
+            "read_only = \"127.0.0.1:6433\"",
+            "read_only = \"127.0.0.2:6432\"",
+        )
+        .replace(
+            "[listen]\n",
+            "[listen]\nunix_socket_dir = \"/run/pgwarden\"\n",
+        );
+    fails(
+        &text,
+        8,
+        "listen.read_only",
+        "also the port of listen.read_write",
+    );
+    // Without sockets the same addresses are fine, and HTTP's port never
+    // gets a socket.
+    let text = MINIMAL.replace(
+        "read_only = \"127.0.0.1:6433\"",
+        "read_only = \"127.0.0.2:6432\"",
+    );
+    assert!(parse(&text, FILE).is_ok());
+    let text = MINIMAL
+        .replace("http = \"127.0.0.1:6434\"", "http = \"127.0.0.2:6432\"")
+        .replace(
+            "[listen]\n",
+            "[listen]\nunix_socket_dir = \"/run/pgwarden\"\n",
+        );
+    assert!(parse(&text, FILE).is_ok());
+}
+
+#[test]
+fn listeners_may_not_overlap_the_agents_own_addresses() {
+    let text = AGENT_MINIMAL.replace("http = \"127.0.0.1:6434\"", "http = \"0.0.0.0:8008\"");
+    fails(
+        &text,
+        15,
+        "listen.http",
+        "overlaps agent.api (127.0.0.1:8008)",
+    );
+    let text = AGENT_MINIMAL.replace(
+        "read_only = \"127.0.0.1:6433\"",
+        "read_only = \"127.0.0.1:5432\"",
+    );
+    fails(&text, 14, "listen.read_only", "overlaps agent.pg_listen");
+}

@@ -162,7 +162,10 @@ async fn pause(
     // A planned switchover pauses every node, then waits here until no
     // server connection of a read-write pool is in a transaction, so that
     // stopping the old primary cuts nothing.
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait);
+    // A wait longer than an hour is taken as an hour: the caller gets its
+    // answer, and the deadline cannot overflow the clock.
+    let wait = std::time::Duration::from_millis(wait.min(3_600_000));
+    let deadline = tokio::time::Instant::now() + wait;
     loop {
         let busy: usize = shared
             .pools

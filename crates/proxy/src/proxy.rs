@@ -976,26 +976,26 @@ impl Proxy {
                     service.home_hint.store(hint, Ordering::Relaxed);
                     l.service.store(Arc::new(service));
                 }
-                _ => match bind_for_worker(svc.listen)
-                    .await
-                    .or_else(|e| match given_up.get(&name) {
+                _ => match {
+                    match bind_for_worker(svc.listen).await {
                         // Not left without a listener: back to the address
                         // it had, and the error is reported.
-                        Some(old) => {
+                        Err(e) if given_up.contains_key(&name) => {
+                            let old = given_up[&name];
                             tracing::error!(service = %name, addr = %svc.listen, error = %e, "cannot listen; keeping the old address");
                             first_err.get_or_insert(ProxyError::Bind {
                                 service: name.clone(),
                                 addr: svc.listen,
                                 source: e,
                             });
-                            std::net::TcpListener::bind(*old)
-                                .and_then(|l| {
-                                    l.set_nonblocking(true)?;
-                                    Ok((l, *old))
-                                })
+                            // The old socket may not be closed yet: the
+                            // worker that accepted on it drops it when it
+                            // next runs.
+                            bind_for_worker(old).await
                         }
-                        None => Err(e),
-                    }) {
+                        bound => bound,
+                    }
+                } {
                     Ok((listener, addr)) => {
                         let handle = Arc::new(ArcSwap::from_pointee(service));
                         // Accepting on a worker rather than here saves a
