@@ -48,7 +48,7 @@ pub(crate) struct RawAuth {
     pub hba_file: Spanned<String>,
     pub auth_user: String,
     pub auth_password: Option<String>,
-    pub auth_password_file: Option<String>,
+    pub auth_password_file: Option<Spanned<NonEmpty>>,
     pub auth_query: Option<String>,
     pub auth_dbname: Option<String>,
     pub auth_cache_ttl: Option<Dur>,

@@ -109,11 +109,22 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
     let pool = pool(raw.pool, src)?;
     let log = log(raw.log, src)?;
     let tls = tls(raw.tls, src)?;
+    if let Some((Some(_), Some(file))) = raw
+        .auth
+        .as_ref()
+        .map(|a| (&a.auth_password, &a.auth_password_file))
+    {
+        return Err(src.invalid(
+            Some(file.span()),
+            "auth.auth_password_file",
+            "auth.auth_password is set too; keep only one of them",
+        ));
+    }
     let auth = raw.auth.map(|a| crate::sections::AuthConfig {
         hba_file: a.hba_file.into_inner().into(),
         auth_user: a.auth_user,
         auth_password: a.auth_password,
-        auth_password_file: a.auth_password_file.map(Into::into),
+        auth_password_file: a.auth_password_file.map(|p| p.into_inner().into()),
         auth_query: a
             .auth_query
             .unwrap_or_else(|| crate::sections::DEFAULT_AUTH_QUERY.to_string()),
@@ -121,16 +132,18 @@ pub(crate) fn resolve(raw: RawFile, src: &Source<'_>) -> Result<Config, ConfigEr
         auth_cache_ttl: a.auth_cache_ttl.map_or(Duration::from_secs(60), |d| d.0),
         auth_timeout: a.auth_timeout.map_or(Duration::from_secs(60), |d| d.0),
     });
-    let (listen, services) = services(
+    let (listen, services, listeners) = services(
         &raw.listen,
         raw.services,
         first_host,
         &cluster,
         &engine,
         &pool,
-        agent.as_ref(),
         src,
     )?;
+    if let Some(a) = &agent {
+        check_clear_of_agent(&listeners, a, src)?;
+    }
     Ok(Config {
         cluster,
         listen,
@@ -556,9 +569,8 @@ fn services(
     cluster: &ClusterConfig,
     engine: &EngineConfig,
     pool: &PoolConfig,
-    agent: Option<&crate::agent::AgentConfig>,
     src: &Source<'_>,
-) -> Result<(ListenConfig, Vec<ServiceConfig>), ConfigError> {
+) -> Result<(ListenConfig, Vec<ServiceConfig>, Vec<Listener>), ConfigError> {
     for name in raw_services.keys() {
         if !valid_name(name.get_ref()) {
             return Err(src.invalid(
@@ -693,10 +705,7 @@ fn services(
     if listen.unix_socket_dir.is_some() {
         check_distinct_ports(&listeners, src)?;
     }
-    if let Some(a) = agent {
-        check_clear_of_agent(&listeners, a, src)?;
-    }
-    Ok((listen, out))
+    Ok((listen, out, listeners))
 }
 
 /// With `listen.unix_socket_dir`, every service also listens on a socket

@@ -30,6 +30,12 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
+    if config.agent.is_some() {
+        anyhow::bail!(
+            "{}: this file has an [agent] section: start it with pgwarden agent (pgwarden run is the connection manager alone, for a cluster managed by something else)",
+            args.config.display()
+        );
+    }
     if args.check {
         check(&args.config, &config)?;
         return Ok(());
@@ -52,7 +58,7 @@ pub fn finish(runtime: tokio::runtime::Runtime) {
 /// connects to nothing, and prints a summary on success.
 pub fn check(path: &Path, config: &Config) -> anyhow::Result<()> {
     let probe = probe_config(config, config_dir(path))?;
-    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path), &probe))
+    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path), &probe)?)
         .with_context(|| format!("{}", path.display()))?;
     let services: Vec<String> = config
         .services()
@@ -139,7 +145,7 @@ pub async fn serve(
     }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
-        proxy_spec(&config, config_dir(path), &probe),
+        proxy_spec(&config, config_dir(path), &probe)?,
         engine.snapshot_handle(),
         engine.changes(),
     )
@@ -177,18 +183,27 @@ pub async fn serve(
                     r = admin_reload.recv() => r,
                 }
             } => {
-                // A file the start would refuse (a password file that cannot
-                // be read) is refused here too, rather than leaving pools
-                // without a password.
+                // Every file the start would load (passwords, certificates,
+                // the hba file) is loaded before anything changes: a reload
+                // takes effect whole or not at all.
                 let loaded = pgwarden_config::load(path)
                     .map_err(anyhow::Error::from)
                     .and_then(|new| {
+                        if new.agent.is_some() != running.agent.is_some() {
+                            anyhow::bail!(
+                                "{}: adding or removing the [agent] section takes a restart (pgwarden agent, or pgwarden run for standalone mode)",
+                                path.display()
+                            );
+                        }
                         let probe = probe_config(&new, config_dir(path))?;
-                        Ok((new, probe))
+                        let spec = proxy_spec(&new, config_dir(path), &probe)?;
+                        pgwarden_proxy::check_spec(&spec)
+                            .with_context(|| format!("{}", path.display()))?;
+                        Ok((new, probe, spec))
                     });
                 // What the admin console's RELOAD answers.
                 let outcome: Result<(), String> = match loaded {
-                    Ok((new, new_probe)) => {
+                    Ok((new, new_probe, spec)) => {
                         if new_probe != running_probe {
                             tracing::info!("probe settings changed: the probe reconnects with them now; server connections opened from now on use a changed password");
                             engine.set_probe_config(new_probe.clone());
@@ -243,7 +258,7 @@ pub async fn serve(
                         }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        let applied = match proxy.apply(proxy_spec(&new, config_dir(path), &new_probe)).await {
+                        let applied = match proxy.apply(spec).await {
                             Ok(()) => {
                                 tracing::info!(file = %path.display(), "configuration reloaded");
                                 Ok(())
@@ -454,7 +469,29 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
 
 /// The proxy's services and ports from the configuration; server
 /// connections log in with the probe's password.
-pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> ProxySpec {
+pub fn proxy_spec(
+    config: &Config,
+    config_dir: &Path,
+    probe: &ProbeConfig,
+) -> anyhow::Result<ProxySpec> {
+    // As for the cluster's password: given outright, else from its file
+    // (which must be readable), else from the environment.
+    let auth_password = match config.auth.as_ref() {
+        None => None,
+        Some(a) => match (&a.auth_password, &a.auth_password_file) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(file)) => {
+                let file = config_dir.join(file);
+                Some(
+                    std::fs::read_to_string(&file)
+                        .with_context(|| format!("auth.auth_password_file: {}", file.display()))?
+                        .trim_end_matches(['\r', '\n'])
+                        .to_string(),
+                )
+            }
+            (None, None) => std::env::var("PGWARDEN_AUTH_PASSWORD").ok(),
+        },
+    };
     // A password given outright serves every server; otherwise each pool
     // finds its own line in the password file when it connects.
     let password = probe.password.clone();
@@ -484,7 +521,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> Pr
             o.size.map(|s| s as usize),
         )
     };
-    ProxySpec {
+    Ok(ProxySpec {
         services: config
             .services()
             .into_iter()
@@ -523,16 +560,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> Pr
         auth: config.auth.as_ref().map(|a| AuthSpec {
             hba_file: config_dir.join(&a.hba_file),
             auth_user: a.auth_user.clone(),
-            auth_password: a
-                .auth_password
-                .clone()
-                .or_else(|| std::env::var("PGWARDEN_AUTH_PASSWORD").ok())
-                .or_else(|| {
-                    let f = config_dir.join(a.auth_password_file.as_ref()?);
-                    std::fs::read_to_string(f)
-                        .ok()
-                        .map(|s| s.trim_end_matches(['\r', '\n']).to_string())
-                }),
+            auth_password: auth_password.clone(),
             auth_dbname: a
                 .auth_dbname
                 .clone()
@@ -578,7 +606,7 @@ pub fn proxy_spec(config: &Config, config_dir: &Path, probe: &ProbeConfig) -> Pr
             db_limits: limits(p.max_db_connections, &p.databases),
             user_limits: limits(p.max_user_connections, &p.users),
         },
-    }
+    })
 }
 
 /// `pool.max_db_connections` or `pool.max_user_connections` with the

@@ -198,6 +198,14 @@ fn check_loads_the_file_and_every_file_it_names_and_starts_nothing() {
             standalone.replace("user = \"postgres\"", "user = \"postgres\"\nhostz = 1"),
             vec!["pgwarden.toml", "line 4", "hostz"],
         ),
+        (
+            format!("{standalone}auth_password_file = \"auth.pw\"\n"),
+            vec!["auth.auth_password_file", "auth.pw"],
+        ),
+        (
+            format!("{standalone}auth_password = \"x\"\nauth_password_file = \"auth.pw\"\n"),
+            vec!["pgwarden.toml", "auth.auth_password_file", "keep only one"],
+        ),
     ] {
         let (ok, out, err) = check(dir.path(), "run", &bad);
         assert!(!ok, "{bad}: {out}");
@@ -245,6 +253,15 @@ fn check_loads_the_file_and_every_file_it_names_and_starts_nothing() {
     assert!(
         out.contains("member n1 of cluster demo (1 etcd endpoint(s))"),
         "{out}"
+    );
+    // A node's file is not for the standalone connection manager: run
+    // alone, it would take writes to any primary without the leader key.
+    let path = dir.path().join("pgwarden.toml");
+    let (ok, _, err) = pgwarden(&["run", "--config", path.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(
+        err.contains("[agent]") && err.contains("pgwarden agent"),
+        "{err}"
     );
     assert!(!dir.path().join("data").exists(), "nothing was created");
 }

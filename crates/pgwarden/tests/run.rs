@@ -234,6 +234,31 @@ select = "standby"
         "old config stays"
     );
 
+    // A reload whose files do not all load is refused as a whole: here a
+    // new service and an [auth] section whose hba file is missing. Neither
+    // takes effect (before, the service stayed unbound and the log blamed a
+    // listener).
+    let extra3 = free_port();
+    write(&config, &format!("{base}{shutdown}\n[services.extra]\nlisten = \"127.0.0.1:{extra2}\"\nselect = \"replica\"\n[services.more]\nlisten = \"127.0.0.1:{extra3}\"\nselect = \"replica\"\n[auth]\nhba_file = \"missing_hba.conf\"\nauth_user = \"postgres\"\n"));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("second reload rejected in the log", WAIT, || {
+        let log = pg.log();
+        async move {
+            if log.matches("reload rejected").count() == 2 && log.contains("missing_hba.conf") {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        }
+    })
+    .await;
+    assert!(!pg.log().contains("could not be bound"), "{}", pg.log());
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", extra3)).is_err(),
+        "the new service of a refused reload does not listen"
+    );
+    held.simple_query("SELECT 1").await.expect("still serving");
+
     // In one reload a service may take an address another gives up: a
     // rename on the same port, then two services swapping ports. No port
     // is left without a listener.

@@ -839,6 +839,51 @@ impl Proxy {
     /// was already serving is changed for that service.
     pub async fn apply(&mut self, spec: ProxySpec) -> Result<(), ProxyError> {
         let first = self.spec.is_none();
+        // Files first, so that one that does not load leaves nothing half
+        // applied. `None`: keep what is in force (on a reload, a file that
+        // broke after `check_spec` passed; at start that is an error).
+        let client_tls = match &spec.tls {
+            Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key, t.client_ca.as_deref()) {
+                Ok(acceptor) => Some(Some(acceptor)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot load the TLS certificate");
+                    if self.shared.tls.load().is_none() {
+                        return Err(ProxyError::Tls(e));
+                    }
+                    None
+                }
+            },
+            None => Some(None),
+        };
+        let server_tls = match crate::stream::ServerTls::new(
+            spec.server_tls,
+            spec.server_ca.as_deref(),
+        ) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot load the TLS settings for server connections");
+                if first {
+                    return Err(ProxyError::Tls(e));
+                }
+                None
+            }
+        };
+        let auth = match &spec.auth {
+            Some(a) => match crate::auth::Authenticator::new(
+                a.clone(),
+                spec.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+            ) {
+                Ok(auth) => Some(Some(auth)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot load the authentication settings");
+                    if self.shared.auth.load().is_none() {
+                        return Err(ProxyError::Auth(e));
+                    }
+                    None
+                }
+            },
+            None => Some(None),
+        };
         self.spec = Some(spec.clone());
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
         self.shared
@@ -867,52 +912,17 @@ impl Proxy {
         for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
             limit.set_max(self.shared.limit_of(*kind, name));
         }
-        match &spec.tls {
-            Some(t) => match crate::stream::tls_acceptor(&t.cert, &t.key, t.client_ca.as_deref()) {
-                Ok(acceptor) => {
-                    self.shared.tls.store(Some(Arc::new(acceptor)));
-                    *self.shared.client_tls.lock().expect("poisoned") = t.mode;
-                }
-                Err(e) => {
-                    // Keep serving with the certificate already loaded.
-                    tracing::error!(error = %e, "cannot load the TLS certificate");
-                    if self.shared.tls.load().is_none() {
-                        return Err(ProxyError::Tls(e));
-                    }
-                }
-            },
-            None => {
-                self.shared.tls.store(None);
-                *self.shared.client_tls.lock().expect("poisoned") = ClientTlsMode::Disable;
-            }
+        if let Some(acceptor) = client_tls {
+            self.shared.tls.store(acceptor.map(Arc::new));
+            *self.shared.client_tls.lock().expect("poisoned") =
+                spec.tls.as_ref().map_or(ClientTlsMode::Disable, |t| t.mode);
         }
-        match crate::stream::ServerTls::new(spec.server_tls, spec.server_ca.as_deref()) {
-            Ok(t) => self.shared.server_tls.store(Arc::new(t)),
-            Err(e) => {
-                tracing::error!(error = %e, "cannot load the TLS settings for server connections");
-                // At start there is nothing to keep; on a reload the
-                // settings already in force stay.
-                if first {
-                    return Err(ProxyError::Tls(e));
-                }
-            }
+        if let Some(t) = server_tls {
+            self.shared.server_tls.store(Arc::new(t));
         }
         *self.shared.auth_timeout.lock().expect("poisoned") = spec.auth_timeout;
-        match &spec.auth {
-            Some(a) => match crate::auth::Authenticator::new(
-                a.clone(),
-                spec.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
-            ) {
-                Ok(auth) => self.shared.auth.store(Some(Arc::new(auth))),
-                Err(e) => {
-                    // A broken hba file on reload keeps the rules in force.
-                    tracing::error!(error = %e, "cannot load the authentication settings");
-                    if self.shared.auth.load().is_none() {
-                        return Err(ProxyError::Auth(e));
-                    }
-                }
-            },
-            None => self.shared.auth.store(None),
+        if let Some(auth) = auth {
+            self.shared.auth.store(auth.map(Arc::new));
         }
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
@@ -976,26 +986,14 @@ impl Proxy {
                     service.home_hint.store(hint, Ordering::Relaxed);
                     l.service.store(Arc::new(service));
                 }
-                _ => match {
-                    match bind_for_worker(svc.listen).await {
-                        // Not left without a listener: back to the address
-                        // it had, and the error is reported.
-                        Err(e) if given_up.contains_key(&name) => {
-                            let old = given_up[&name];
-                            tracing::error!(service = %name, addr = %svc.listen, error = %e, "cannot listen; keeping the old address");
-                            first_err.get_or_insert(ProxyError::Bind {
-                                service: name.clone(),
-                                addr: svc.listen,
-                                source: e,
-                            });
-                            // The old socket may not be closed yet: the
-                            // worker that accepted on it drops it when it
-                            // next runs.
-                            bind_for_worker(old).await
-                        }
-                        bound => bound,
-                    }
-                } {
+                _ => match bind_or_go_back(
+                    svc.listen,
+                    given_up.get(&name).copied(),
+                    &name,
+                    &mut first_err,
+                )
+                .await
+                {
                     Ok((listener, addr)) => {
                         let handle = Arc::new(ArcSwap::from_pointee(service));
                         // Accepting on a worker rather than here saves a
@@ -1303,6 +1301,31 @@ async fn bind_retrying(addr: SocketAddr) -> std::io::Result<TcpListener> {
             }
             other => return other,
         }
+    }
+}
+
+/// Binds `addr` for a service; when that fails and the service had
+/// `old`, goes back to it and records the error: a listener that cannot
+/// move is not left without an address.
+async fn bind_or_go_back(
+    addr: SocketAddr,
+    old: Option<SocketAddr>,
+    name: &str,
+    first_err: &mut Option<ProxyError>,
+) -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
+    match (bind_for_worker(addr).await, old) {
+        (Err(e), Some(old)) => {
+            tracing::error!(service = %name, %addr, error = %e, "cannot listen; keeping the old address");
+            first_err.get_or_insert(ProxyError::Bind {
+                service: name.to_string(),
+                addr,
+                source: e,
+            });
+            // The old socket may not be closed yet: the worker that
+            // accepted on it drops it when it next runs.
+            bind_for_worker(old).await
+        }
+        (bound, _) => bound,
     }
 }
 
