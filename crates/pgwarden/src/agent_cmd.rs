@@ -70,16 +70,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let password = probe.password_for(&agent.pg_listen);
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
         let credentials = api_credentials(&agent, &args.config)?;
-        let handle = pgwarden_agent::start(
+        let start = pgwarden_agent::start(
             agent,
             etcd,
             config.cluster.user.clone(),
             password,
-            credentials,
+            credentials.clone(),
             Some(format!("http://{}", config.listen.http)),
-        )
-        .await?;
-        crate::run_cmd::serve(&args.config, config, false, Some(handle)).await
+        );
+        let start = crate::run_cmd::AgentStart {
+            start: Box::pin(async move { Ok(start.await?) }),
+            api_credentials: credentials,
+        };
+        crate::run_cmd::serve(&args.config, config, false, Some(start)).await
     });
     crate::run_cmd::finish(runtime);
     result

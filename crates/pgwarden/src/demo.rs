@@ -294,7 +294,7 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         let mut tick = tokio::time::interval(Duration::from_secs(2));
         // Listening from here on, not only while the loop waits: a signal
         // that arrives while another branch runs is not lost.
-        let mut stop = std::pin::pin!(crate::shutdown_signal());
+        let mut stop = std::pin::pin!(crate::shutdown_signal()?);
         loop {
             tokio::select! {
                 _ = &mut stop => return Ok(()),

@@ -100,20 +100,18 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
 }
 
 /// Resolves on Ctrl-C (SIGINT) or SIGTERM, the two ways operators and
-/// service managers ask a process to stop.
-pub(crate) async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// service managers ask a process to stop. Both are caught from the call
+/// on, not from the first poll of the future.
+pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
-    }
+    })
 }
 
 /// Logs go to stderr so that stdout carries only the command's output

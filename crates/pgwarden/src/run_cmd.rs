@@ -99,6 +99,18 @@ pub fn runtime(config: &Config) -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(runtime)
 }
 
+/// How `serve` starts the HA agent of agent mode, once the connection
+/// manager's listeners are bound.
+pub struct AgentStart {
+    /// Connects to etcd (retrying until it answers) and starts the agent.
+    pub start: std::pin::Pin<
+        Box<dyn std::future::Future<Output = anyhow::Result<pgwarden_agent::AgentHandle>> + Send>,
+    >,
+    /// The REST API's credentials from the file, which guard the HTTP
+    /// port's pause and resume until the agent, which reloads them, runs.
+    pub api_credentials: Option<(String, String)>,
+}
+
 /// Runs the topology engine and the connection manager until SIGINT or
 /// SIGTERM, reloading `path` on SIGHUP. With `print_rounds`, the topology
 /// table is printed after every probe round (the demo).
@@ -110,8 +122,13 @@ pub async fn serve(
     path: &Path,
     config: Config,
     print_rounds: bool,
-    agent: Option<pgwarden_agent::AgentHandle>,
+    agent: Option<AgentStart>,
 ) -> anyhow::Result<()> {
+    // Registered before anything else: until then SIGHUP would end the
+    // process (a reload sent while etcd is still unreachable, say), and a
+    // service manager counts that as a clean exit.
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut stop = std::pin::pin!(crate::shutdown_signal()?);
     let probe = probe_config(&config, config_dir(path))?;
     let engine = Arc::new(Engine::start(
         config.cluster.host_configs(),
@@ -120,14 +137,9 @@ pub async fn serve(
     ));
     let (configured_hosts, configured_rx) =
         tokio::sync::watch::channel(config.cluster.host_configs());
-    if let Some(agent) = &agent {
+    if agent.is_some() {
         // Closed until the first DCS read names a leader.
         engine.set_primary_gate(PrimaryGate::Leader(None));
-        tokio::spawn(crate::agent_cmd::follow_leader(
-            agent.clone(),
-            engine.clone(),
-            configured_rx,
-        ));
     }
     if print_rounds {
         let mut rounds = engine.rounds();
@@ -150,12 +162,36 @@ pub async fn serve(
         engine.changes(),
     )
     .await?;
-    if let Some(agent) = &agent {
-        // Other members' agents pause this node's pools around a
-        // switchover with the API credentials; anyone else needs them too.
-        let credentials = agent.api_credentials.clone();
-        proxy.set_http_credentials(Arc::new(move || credentials.get()));
-    }
+    // The listeners are bound before the HA agent starts: a port in use
+    // then stops the node before it takes part in the cluster, not after
+    // it took the leader key.
+    let agent = match agent {
+        None => None,
+        Some(AgentStart {
+            start,
+            api_credentials,
+        }) => {
+            // Other members' agents pause this node's pools around a
+            // switchover with the API credentials; anyone else needs
+            // them too, from the start.
+            proxy.set_http_credentials(Arc::new(move || api_credentials.clone()));
+            let handle = tokio::select! {
+                h = start => h?,
+                _ = &mut stop => {
+                    proxy.shutdown().await;
+                    return Ok(());
+                }
+            };
+            tokio::spawn(crate::agent_cmd::follow_leader(
+                handle.clone(),
+                engine.clone(),
+                configured_rx,
+            ));
+            let credentials = handle.api_credentials.clone();
+            proxy.set_http_credentials(Arc::new(move || credentials.get()));
+            Some(handle)
+        }
+    };
     if let (Some(agent), Some(a)) = (&agent, &config.agent) {
         if a.on_sync_blocked == pgwarden_config::OnSyncBlocked::Reject {
             tokio::spawn(crate::agent_cmd::refuse_writes_while_blocked(
@@ -164,7 +200,6 @@ pub async fn serve(
             ));
         }
     }
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let mut admin_reload = proxy
         .reload_requests()
         .expect("the reload requests are taken once, here");
@@ -172,9 +207,6 @@ pub async fn serve(
     let mut running = config;
     let mut running_probe = probe;
     let mut failure = None;
-    // Listening from here on, not only while the loop waits: a signal
-    // that arrives while another branch runs (a reload) is not lost.
-    let mut stop = std::pin::pin!(crate::shutdown_signal());
     loop {
         tokio::select! {
             reply = async {

@@ -151,7 +151,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut rounds = engine.rounds();
     // Listening from here on, not only while the loop waits: a signal
     // that arrives while another branch runs is not lost.
-    let mut stop = std::pin::pin!(crate::shutdown_signal());
+    let mut stop = std::pin::pin!(crate::shutdown_signal()?);
     loop {
         tokio::select! {
             changed = rounds.changed() => {

@@ -20,14 +20,19 @@ struct Running {
 
 impl Running {
     fn start(config: &Path, dir: &Path) -> Running {
+        Running::command("run", config, dir)
+    }
+
+    /// `pgwarden COMMAND --config CONFIG`, its log in `dir`.
+    fn command(command: &str, config: &Path, dir: &Path) -> Running {
         let stderr = dir.join("pgwarden.stderr");
         let child = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-            .args(["run", "--config"])
+            .args([command, "--config"])
             .arg(config)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
-            .expect("start pgwarden run");
+            .expect("start pgwarden");
         Running { child, stderr }
     }
 
@@ -819,4 +824,65 @@ async fn a_timed_out_auth_query_does_not_hold_up_the_next_login() {
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", pg.log()));
     assert_eq!(common::one(&alice, "SELECT current_user").await, "alice");
+}
+
+/// An agent whose etcd does not answer yet (with a user name, the client
+/// logs in when it connects, so the agent retries until etcd answers): its
+/// connection manager already
+/// listens (so a port in use stops the node before it joins the cluster),
+/// a SIGHUP meanwhile (`systemctl reload`) does not end the process, and
+/// SIGTERM stops it cleanly. A port in use makes the agent exit before it
+/// ever tries etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_waiting_for_etcd_listens_survives_sighup_and_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.toml");
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    let text = format!(
+        "[agent]\nname = \"n1\"\ndata_dir = \"{}\"\npg_listen = \"127.0.0.1:{}\"\napi = \"127.0.0.1:{}\"\n\n\
+         [etcd]\nendpoints = [\"127.0.0.1:{}\"]\ncluster = \"demo\"\nusername = \"root\"\npassword = \"x\"\n\n\
+         [listen]\nread_write = \"127.0.0.1:{rw}\"\nread_only = \"127.0.0.1:{ro}\"\nhttp = \"127.0.0.1:{http}\"\n",
+        dir.path().join("data").display(),
+        free_port(),
+        free_port(),
+        free_port(),
+    );
+    write(&config, &text);
+    let mut agent = Running::command("agent", &config, dir.path());
+    let tries = |log: &str| log.matches("cannot reach etcd yet").count();
+    eventually("the agent waits for etcd", WAIT, || {
+        let log = agent.log();
+        async move { (tries(&log) > 0).then_some(()).ok_or(log) }
+    })
+    .await;
+    std::net::TcpStream::connect(("127.0.0.1", rw)).expect("the read-write port listens");
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    let before = tries(&agent.log());
+    eventually("the agent goes on waiting after SIGHUP", WAIT, || {
+        let log = agent.log();
+        async move { (tries(&log) > before).then_some(()).ok_or(log) }
+    })
+    .await;
+    assert!(agent.child.try_wait().unwrap().is_none(), "{}", agent.log());
+    agent.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = eventually("the agent exits", WAIT, || {
+        let s = agent.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", agent.log());
+
+    // The read-write port taken: the agent stops at once, with the port
+    // named, and never tries etcd.
+    let taken = std::net::TcpListener::bind(("127.0.0.1", rw)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["agent", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    drop(taken);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains(&format!("127.0.0.1:{rw}")), "{err}");
+    assert!(!err.contains("cannot reach etcd"), "{err}");
 }
