@@ -1639,10 +1639,13 @@ impl HaLoop {
     }
 
     async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
+        // Only a key the old leader handed over after its checks; a
+        // switchover request left behind by a leader that died is a
+        // failover like any other.
         let switchover = view
             .failover_request
             .as_ref()
-            .is_some_and(|r| r.from_leader.is_some());
+            .is_some_and(|r| r.from_leader.is_some() && r.released);
         let checked = match reason {
             AcquireReason::BestCandidate => {
                 self.failsafe_leader_gone().await && self.fresh_check(view, true).await
@@ -2568,8 +2571,27 @@ impl HaLoop {
         // A standby leader wrote no WAL of its own: nothing to rewind.
         self.former_primary = !(self.obs.pg.running && self.obs.pg.in_recovery);
         self.run_callback(self.cfg.callbacks.on_stop.clone(), "on_stop", "demoted");
-        match self.dcs.release_leader(&self.cfg.name).await {
-            Ok(_) => tracing::info!(member = %self.cfg.name, "released the leader key: {reason}"),
+        // A switchover hands the key over: deleted together with a mark on
+        // the request, so the candidate knows the key was not lost and may
+        // skip the lag and quorum checks. A request changed meanwhile gets
+        // no mark, and its candidate is judged as in any failover.
+        let handed = match reason {
+            ReleaseReason::Switchover { .. } => self
+                .dcs
+                .hand_over_leader(&self.cfg.name, self.snapshot.failover_revision)
+                .await
+                .unwrap_or(false),
+            _ => false,
+        };
+        let released = if handed {
+            Ok(true)
+        } else {
+            self.dcs.release_leader(&self.cfg.name).await
+        };
+        match released {
+            Ok(_) => {
+                tracing::info!(member = %self.cfg.name, handed_over = handed, "released the leader key: {reason}")
+            }
             Err(e) => tracing::warn!(error = %e, "releasing the leader key failed"),
         }
         self.last_renewal = None;

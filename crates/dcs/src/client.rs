@@ -632,6 +632,49 @@ impl EtcdDcs {
         self.delete("delete failover", self.keys.failover()).await
     }
 
+    /// The old leader's half of a switchover: deletes the leader key if it
+    /// holds `name` and, in the same transaction, marks the request read at
+    /// `revision` as released (`"released": true`), which tells the
+    /// candidate that the key was handed over rather than lost. `Ok(false)`
+    /// if the key is not `name`'s or the request changed or is gone; the
+    /// key is then left alone.
+    pub async fn hand_over_leader(&self, name: &str, revision: i64) -> Result<bool> {
+        check_member(name)?;
+        let leader = self.keys.leader();
+        let failover = self.keys.failover();
+        self.bounded("hand over leader", async {
+            let mut kv = self.client().kv_client();
+            let resp = kv
+                .get(failover.as_str(), None)
+                .await
+                .map_err(etcd("hand over leader"))?;
+            let Some(req) = resp.kvs().first().filter(|r| r.mod_revision() == revision) else {
+                return Ok(false);
+            };
+            let mut request: Value =
+                serde_json::from_slice(req.value()).map_err(|source| DcsError::Malformed {
+                    key: failover.clone(),
+                    source,
+                })?;
+            let Some(fields) = request.as_object_mut() else {
+                return Ok(false);
+            };
+            fields.insert("released".into(), Value::Bool(true));
+            let value = encode(&failover, &request)?;
+            let txn = Txn::new()
+                .when([
+                    Compare::value(leader.as_str(), CompareOp::Equal, name),
+                    Compare::mod_revision(failover.as_str(), CompareOp::Equal, revision),
+                ])
+                .and_then([
+                    TxnOp::delete(leader.as_str(), None),
+                    TxnOp::put(failover.as_str(), value, None),
+                ]);
+            Ok(self.txn_inner("hand over leader", txn).await?.succeeded())
+        })
+        .await
+    }
+
     /// Deletes the pending request only if it is the one read at
     /// `revision` ([`ClusterSnapshot::failover_revision`]), so a request
     /// written meanwhile survives. Atomic; `Ok(false)` if the key changed

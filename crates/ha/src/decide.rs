@@ -380,9 +380,9 @@ pub fn decide(
     let mut view = with_local_observation(cluster, local);
     let cancel = scheduled_request(&mut view, local, timing);
     let ranking = rank_candidates(&view, settings);
-    let manual = manual_ranking(&view, settings, &ranking);
     match view.current_leader() {
         Some(l) if l.name == local.name && local.holds_lease => {
+            let manual = manual_ranking(&view, settings, &ranking, true);
             as_leader(&view, local, timing, &manual, cancel)
         }
         Some(l) if l.name == local.name => {
@@ -401,7 +401,10 @@ pub fn decide(
             }
         }
         Some(l) => as_follower(&view, local, &l.name),
-        None => without_leader(&view, local, &ranking, &manual),
+        None => {
+            let manual = manual_ranking(&view, settings, &ranking, false);
+            without_leader(&view, local, &ranking, &manual)
+        }
     }
 }
 
@@ -578,13 +581,22 @@ fn as_follower(view: &ClusterView, local: &LocalView, leader: &str) -> Decision 
     }
 }
 
-/// The ranking that judges an operator's request. A switchover stops the
-/// old leader cleanly and the candidate catches up before it is promoted,
-/// so lag behind the last published position (a loop old under load) does
-/// not disqualify it; a failover away from a lost leader keeps every check.
-fn manual_ranking(view: &ClusterView, settings: &ElectionSettings, ranking: &Ranking) -> Ranking {
+/// The ranking that judges an operator's request. In a switchover the old
+/// leader stops cleanly and hands the key over only once the candidate has
+/// received its last WAL, so lag behind the last published position (a
+/// loop old under load) does not disqualify the candidate: not for the
+/// `leading` old leader, which checks that itself, nor for the members once
+/// it handed the key over ([`crate::view::FailoverRequest::released`]). A
+/// failover away from a lost leader keeps every check, and so does a
+/// switchover request the old leader never acted on.
+fn manual_ranking(
+    view: &ClusterView,
+    settings: &ElectionSettings,
+    ranking: &Ranking,
+    leading: bool,
+) -> Ranking {
     match &view.failover_request {
-        Some(req) if req.from_leader.is_some() => {
+        Some(req) if req.from_leader.is_some() && (leading || req.released) => {
             // Nor does the quorum rule: the candidate receives everything
             // the old leader wrote before it is promoted.
             let relaxed = ClusterView {
@@ -1723,6 +1735,44 @@ mod tests {
                     },
                 },
                 says: "releasing the leader key: switching over to n3",
+            },
+            Case {
+                name: "a switchover request left by a leader that died is a failover: \
+                       its candidate, behind, does not take the key",
+                cluster: q(cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 64)
+                    .switchover("n1", "n3")),
+                local: local("n3").build(),
+                want: wait(WaitReason::NotEligible {
+                    reason: ExclusionReason::QuorumBehind { lag_bytes: 64 },
+                }),
+                says: "waiting for a leader: this node is not eligible (64 bytes behind another \
+                       listed synchronous standby, so it may lack acknowledged commits)",
+            },
+            Case {
+                name: "and the one holding every commit does",
+                cluster: q(cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 64)
+                    .switchover("n1", "n3")),
+                local: local("n2").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::BestCandidate,
+                },
+                says: "acquiring the leader key: this node is the best candidate",
+            },
+            Case {
+                name: "once the old leader handed the key over, the candidate takes it",
+                cluster: q(cluster()
+                    .replica("n2", 0)
+                    .replica("n3", 64)
+                    .handed_over("n1", "n3")),
+                local: local("n3").build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::FailoverRequested { forced: false },
+                },
+                says: "acquiring the leader key: a manual failover named this node",
             },
         ]);
     }

@@ -84,6 +84,7 @@ impl ClusterBuilder {
             from_leader: None,
             forced,
             scheduled_at: None,
+            released: false,
         });
         self
     }
@@ -94,7 +95,18 @@ impl ClusterBuilder {
             from_leader: Some(from.to_string()),
             forced: false,
             scheduled_at: None,
+            released: false,
         });
+        self
+    }
+
+    /// The state right after the old leader `from` handed its key over to
+    /// `to`: the key gone, the request marked released.
+    pub(crate) fn handed_over(mut self, from: &str, to: &str) -> Self {
+        self = self.switchover(from, to);
+        if let Some(r) = self.view.failover_request.as_mut() {
+            r.released = true;
+        }
         self
     }
 

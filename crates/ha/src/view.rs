@@ -36,6 +36,12 @@ pub struct FailoverRequest {
     /// timestamp; `None` for a request to carry out at once. See
     /// [`crate::schedule`].
     pub scheduled_at: Option<String>,
+    /// Set by the old leader in the same transaction that deletes its key,
+    /// once it stopped cleanly and saw the candidate receive its last WAL:
+    /// only then may the candidate be judged without the lag and quorum
+    /// checks. A switchover request still pending when the leader died or
+    /// lost its key is judged like any failover.
+    pub released: bool,
 }
 
 /// The cluster as published in the DCS at the start of this iteration.
