@@ -83,6 +83,8 @@ pub(crate) struct HaLoop {
     /// A switchover this leader abandoned kept it leading this round
     /// ([`Self::release`]): the watchdog and fence stay armed.
     kept_key: bool,
+    /// The renewal ([`Self::last_renewal`]) the watchdog was last fed for.
+    watchdog_fed_for: Option<Instant>,
     /// The revision of a switchover request this leader abandoned but
     /// could not withdraw: not acted on again.
     abandoned_request: Option<i64>,
@@ -233,6 +235,7 @@ impl HaLoop {
             lease_moving: None,
             last_renewal: None,
             kept_key: false,
+            watchdog_fed_for: None,
             abandoned_request: None,
             dcs_ok: false,
             last_dcs_ok: Instant::now(),
@@ -1188,11 +1191,19 @@ impl HaLoop {
             || matches!(decision, Decision::AcquireLeader { .. })
             || std::mem::take(&mut self.kept_key);
         if self.holds_leader_key() && leading {
-            if let Err(e) = self.watchdog.arm() {
-                tracing::error!("cannot arm the watchdog: {e}");
+            // Fed once per renewal that succeeded, never for a round whose
+            // renewal failed: the watchdog's time-out (ttl − safety_margin)
+            // then runs from about the last renewal, and resets a hung
+            // leader before its lease can run out.
+            if !self.watchdog.armed() || self.watchdog_fed_for != self.last_renewal {
+                if let Err(e) = self.watchdog.arm() {
+                    tracing::error!("cannot arm the watchdog: {e}");
+                }
+                self.watchdog_fed_for = self.last_renewal;
             }
             self.arm_fence();
         } else {
+            self.watchdog_fed_for = None;
             self.watchdog.disarm();
             if let Some(f) = self.fence.take() {
                 f.disarm();
@@ -4343,6 +4354,14 @@ where
                 tracing::debug!(error = %e, "DCS request failed; retrying");
                 tokio::time::sleep(RETRY_GAP).await;
             }
+            // Given up only at the deadline, not just before it: a leader's
+            // renewal runs to its demotion deadline, and a failure returned
+            // early would be judged with the lease not yet too old, leaving
+            // PostgreSQL taking writes for another round.
+            Err(e) if e.is_unavailable() => {
+                tokio::time::sleep_until(deadline.into()).await;
+                return Err(e);
+            }
             other => return other,
         }
     }
@@ -4453,6 +4472,31 @@ async fn checkpoint_at(conninfo: &str) -> Result<(), tokio_postgres::Error> {
 
 #[cfg(test)]
 mod tests {
+    /// A leader's renewal that keeps failing fast (etcd refusing
+    /// connections) returns at its deadline, not a retry gap before it, so
+    /// the same round sees the lease too old and demotes.
+    #[test]
+    fn a_request_failing_fast_is_given_up_at_the_deadline_not_before() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let budget = std::time::Duration::from_millis(950);
+            let start = std::time::Instant::now();
+            let failed = super::retrying(budget, || async {
+                Err::<(), _>(pgwarden_dcs::DcsError::Timeout {
+                    op: "renew leader",
+                    after: std::time::Duration::ZERO,
+                })
+            })
+            .await;
+            assert!(failed.is_err());
+            let took = start.elapsed();
+            assert!(took >= budget, "gave up after {took:?}, before {budget:?}");
+        });
+    }
+
     #[test]
     fn a_tools_error_line_is_the_one_kept() {
         let e = "pg_rewind failed (exit status: 1): pg_rewind: servers diverged at WAL location 0/A01A228 on timeline 5\n\

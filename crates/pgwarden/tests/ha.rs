@@ -446,6 +446,63 @@ async fn leader_cut_off_from_etcd_demotes_before_anyone_is_promoted() {
     assert_eq!(writable(&c).await, vec![np]);
 }
 
+/// A leader whose etcd refuses connections (its requests fail fast, not by
+/// time-out) feeds its watchdog no more once its renewals fail, and demotes
+/// once the lease is too old: the watchdog's time-out then runs from the
+/// last renewal, as `ttl − safety_margin` promises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_refused_by_etcd_stops_feeding_its_watchdog_and_demotes() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = |i: usize| dir.path().join(format!("wd{i}"));
+    let mut builder = cluster()
+        .etcd_relays()
+        .agent_settings("watchdog = \"automatic\"");
+    for i in 0..3 {
+        std::fs::write(dev(i), b"").unwrap();
+        builder = builder.node_settings(i, &format!("watchdog_device = \"{}\"", dev(i).display()));
+    }
+    let c = builder.start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let leader = writable(&c).await[0];
+    let ones = |i: usize| {
+        std::fs::read(dev(i))
+            .unwrap_or_default()
+            .iter()
+            .filter(|b| **b == b'1')
+            .count()
+    };
+    eventually(
+        "the leader feeds its watchdog",
+        Duration::from_secs(20),
+        || {
+            let n = ones(leader);
+            async move { (n >= 3).then_some(()).ok_or(format!("{n} keep-alives")) }
+        },
+    )
+    .await;
+    // From here no request of the leader's reaches etcd: every renewal
+    // fails. A round that renewed just before may still feed once.
+    c.etcd_relay(leader).set_refuse(true);
+    c.etcd_relay(leader).reset_all();
+    let fed = ones(leader) + 1;
+    eventually("the leader demotes", Duration::from_secs(20), || {
+        let log = c.node(leader).agent_log();
+        async move {
+            log.contains("demoting: the leader lease was last renewed")
+                .then_some(())
+                .ok_or("not yet".to_string())
+        }
+    })
+    .await;
+    assert!(
+        ones(leader) <= fed,
+        "{} keep-alives, {fed} at most: fed after its last renewal",
+        ones(leader)
+    );
+    c.etcd_relay(leader).set_refuse(false);
+    healthy(&c, 2, Duration::from_secs(60)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_postgres_is_restarted_in_place_and_handed_over_when_it_cannot_start() {
     // Crash recovery counts against primary_start_timeout (as in Patroni);
