@@ -1650,6 +1650,23 @@ impl HaLoop {
     }
 
     async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
+        if !self.try_acquire(reason, view).await
+            && self.obs.pg.running
+            && !self.obs.pg.in_recovery
+            && !self.holds_leader_key()
+        {
+            // A primary that could not take the key (checks failed, another
+            // member was first, etcd failed) must not go on taking writes
+            // while someone else may.
+            self.demote(&DemoteReason::NoLeaderKey {
+                because: pgwarden_ha::WaitReason::AcquireFailed,
+            })
+            .await;
+        }
+    }
+
+    /// Tries to take the leader key; whether it did.
+    async fn try_acquire(&mut self, reason: &AcquireReason, view: &ClusterView) -> bool {
         // Only a key the old leader handed over after its checks; a
         // switchover request left behind by a leader that died is a
         // failover like any other.
@@ -1672,7 +1689,7 @@ impl HaLoop {
             AcquireReason::FailoverRequested { .. } => true,
         };
         if !checked {
-            return;
+            return false;
         }
         // Before the lease is refreshed: the demotion deadline runs from
         // the refresh, and a long catch-up must not eat into it.
@@ -1685,13 +1702,13 @@ impl HaLoop {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot take the leader key without a lease");
-                return;
+                return false;
             }
         };
         if let Err(e) = self.watchdog.arm() {
             if self.watchdog.required() {
                 tracing::error!("not taking the leader key: watchdog required but {e}");
-                return;
+                return false;
             }
         }
         // The lease's expiry runs from its last refresh, so refresh it now:
@@ -1702,7 +1719,7 @@ impl HaLoop {
             if matches!(e, pgwarden_dcs::DcsError::LeaseNotFound(_)) {
                 self.lease = None;
             }
-            return;
+            return false;
         }
         let won = match reason {
             AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
@@ -1734,14 +1751,17 @@ impl HaLoop {
                 } else if self.obs.pg.running && self.obs.pg.in_recovery {
                     self.promote(why).await;
                 }
+                true
             }
             Ok(false) => {
                 self.watchdog.disarm();
                 tracing::info!("another member took the leader key first");
+                false
             }
             Err(e) => {
                 self.watchdog.disarm();
                 tracing::warn!(error = %e, "taking the leader key failed");
+                false
             }
         }
     }

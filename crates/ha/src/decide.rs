@@ -294,6 +294,9 @@ pub enum WaitReason {
     /// (it does within half a second); the key cannot be taken before, and
     /// the deletion wakes every agent.
     KeyExpiring,
+    /// This node set out to take the free key and did not get it (a check
+    /// failed, another member was first, or the DCS failed).
+    AcquireFailed,
 }
 
 impl fmt::Display for WaitReason {
@@ -317,6 +320,7 @@ impl fmt::Display for WaitReason {
             WaitReason::KeyExpiring => {
                 f.write_str("the leader's lease has run out; waiting for etcd to delete its key")
             }
+            WaitReason::AcquireFailed => f.write_str("taking the leader key did not succeed"),
         }
     }
 }
@@ -627,6 +631,7 @@ fn without_leader(
                 if local.postgres.running && (req.forced || manual.is_eligible(&local.name)) {
                     return acquire(
                         view,
+                        local,
                         AcquireReason::FailoverRequested { forced: req.forced },
                     );
                 }
@@ -650,7 +655,7 @@ fn without_leader(
         };
     }
     if is_best(&local.name, ranking) {
-        return acquire(view, AcquireReason::BestCandidate);
+        return acquire(view, local, AcquireReason::BestCandidate);
     }
     let reason = if view.member(&local.name).is_none() {
         WaitReason::NotInView
@@ -670,11 +675,13 @@ fn without_leader(
 /// create-if-absent cannot succeed before, and an attempt would ask every
 /// member for its position, the dead leader included, whose API may not
 /// answer for seconds when its host is gone rather than refusing.
-fn acquire(view: &ClusterView, reason: AcquireReason) -> Decision {
+///
+/// A running primary that only waits stops taking writes meanwhile: the
+/// key it sees run out may be its own (a loop that stalled for a ttl), and
+/// another member may take it the moment etcd deletes it.
+fn acquire(view: &ClusterView, local: &LocalView, reason: AcquireReason) -> Decision {
     if view.leader.is_some() {
-        return Decision::WaitForLeader {
-            reason: WaitReason::KeyExpiring,
-        };
+        return stand_by(view, local, WaitReason::KeyExpiring);
     }
     Decision::AcquireLeader { reason }
 }
@@ -1123,6 +1130,22 @@ mod tests {
                 want: wait(WaitReason::KeyExpiring),
                 says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
                        to delete its key",
+            },
+            Case {
+                name: "a primary whose own key ran out stops taking writes while it waits",
+                cluster: {
+                    let mut v = free().leader("n1").build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
+                },
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::Demote {
+                    reason: DemoteReason::NoLeaderKey {
+                        because: WaitReason::KeyExpiring,
+                    },
+                },
+                says: "demoting: no leader key and the leader's lease has run out; waiting for \
+                       etcd to delete its key",
             },
             Case {
                 name: "nor for a manual failover",
