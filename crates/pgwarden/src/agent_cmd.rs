@@ -267,10 +267,16 @@ pub async fn follow_leader(
                 }
             };
             let tags = &mut new_hosts[i].tags;
-            // A fenced member takes no read traffic either.
-            let excluded = m.state.tags.noloadbalance || fenced.contains(&m.state.name);
-            if excluded && !tags.iter().any(|t| t == "noloadbalance") {
+            // A fenced member takes no read traffic either, from any
+            // service (delayed, offline and standby too).
+            let is_fenced = fenced.contains(&m.state.name);
+            if (m.state.tags.noloadbalance || is_fenced)
+                && !tags.iter().any(|t| t == "noloadbalance")
+            {
                 tags.push("noloadbalance".into());
+            }
+            if is_fenced && !tags.iter().any(|t| t == pgwarden_topology::FENCED_TAG) {
+                tags.push(pgwarden_topology::FENCED_TAG.into());
             }
         }
         if hosts.as_ref() != Some(&new_hosts) {

@@ -365,6 +365,24 @@ impl LagLimit {
         let over_time = matches!((self.time, replay_delay), (Some(max), Some(v)) if v > max);
         over_bytes || over_time
     }
+
+    /// Whether the given lag is known to be within the limit: every bound
+    /// set has a value at or below it. An excluded replica is readmitted
+    /// only on such evidence, not while its lag is unknown (no primary to
+    /// measure against, say).
+    pub fn within(&self, lag_bytes: Option<u64>, replay_delay: Option<Duration>) -> bool {
+        let bytes_ok = match (self.bytes, lag_bytes) {
+            (None, _) => true,
+            (Some(max), Some(v)) => v <= max,
+            (Some(_), None) => false,
+        };
+        let time_ok = match (self.time, replay_delay) {
+            (None, _) => true,
+            (Some(max), Some(v)) => v <= max,
+            (Some(_), None) => false,
+        };
+        bytes_ok && time_ok
+    }
 }
 
 /// Tunables of the topology view.

@@ -12,7 +12,12 @@ use crate::model::{Role, SyncState};
 use crate::state::{HostState, Topology};
 
 /// Tags that keep a replica out of plain replica load balancing.
-const NO_BALANCE_TAGS: [&str; 2] = ["offline", "noloadbalance"];
+const NO_BALANCE_TAGS: [&str; 3] = ["offline", "noloadbalance", FENCED_TAG];
+
+/// The tag the HA agent gives a fenced member: it takes no reads of any
+/// kind, whatever service asks (an operator's `noloadbalance` keeps a
+/// server only out of plain replica load balancing).
+pub const FENCED_TAG: &str = "fenced";
 
 /// How to pick among several eligible hosts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -331,20 +336,37 @@ fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
                 && NO_BALANCE_TAGS.iter().any(|t| hosts[j].config.has_tag(t))
         })
     };
+    // Fenced by the HA agent: no reads of any kind, under any of its names.
+    let fenced = |i: usize| {
+        (0..hosts.len()).any(|j| {
+            (j == i || (hosts[j].alive && server(j) == server(i)))
+                && hosts[j].config.has_tag(FENCED_TAG)
+        })
+    };
     let ok = |i: usize| match want {
         Want::Primary => false,
         Want::Replica => {
             let h = &hosts[i];
             live_replica(h) && !h.lag_excluded && !h.delayed && !no_balance(i)
         }
-        Want::Delayed => live_replica(&hosts[i]) && hosts[i].delayed,
+        Want::Delayed => live_replica(&hosts[i]) && hosts[i].delayed && !fenced(i),
         Want::SyncStandby => {
+            // Reads without replication lag: a delayed replica listed as
+            // synchronous still applies its WAL late.
             let h = &hosts[i];
             live_replica(h)
                 && !h.lag_excluded
+                && !h.delayed
+                && !fenced(i)
                 && matches!(h.sync_state, Some(SyncState::Sync | SyncState::Quorum))
         }
-        Want::Tagged(tag) => hosts[i].alive && hosts[i].config.has_tag(tag),
+        Want::Tagged(tag) => {
+            let h = &hosts[i];
+            h.alive
+                && h.config.has_tag(tag)
+                && !(h.role == Role::Replica && h.off_primary.is_some())
+                && (tag == FENCED_TAG || !fenced(i))
+        }
     };
     // A server listed under two names takes its share once: its second
     // name counts only where the first does not qualify (e.g. when only
@@ -737,6 +759,72 @@ mod tests {
         ] {
             assert_eq!(sel.eligible(&t, &want), expect, "{want}");
             assert_eq!(chosen(&sel, &t, &want), expect, "{want}");
+        }
+    }
+
+    #[test]
+    fn fenced_delayed_and_stale_servers_stay_out_of_special_services() {
+        let delay = |mut s: Spec| {
+            if let Some(o) = s.probe.as_mut() {
+                o.min_apply_delay = Duration::from_secs(3600);
+            }
+            s
+        };
+        let tag = |mut s: Spec, tags: &[&str]| {
+            s.config.tags = tags.iter().map(|t| t.to_string()).collect();
+            s
+        };
+        let mut p = primary("p");
+        if let Some(o) = p.probe.as_mut() {
+            o.timeline = Some(2);
+            o.synchronous_standby_names = Some("ANY 1 (delayed, fenced, etl)".into());
+            o.replication = ["delayed", "fenced", "etl"]
+                .iter()
+                .map(|n| ReplicationRow {
+                    application_name: n.to_string(),
+                    state: "streaming".into(),
+                    sync_state: "quorum".into(),
+                    replay_lsn: None,
+                    slot_name: None,
+                })
+                .collect();
+        }
+        let mut on_timeline_2 = |mut s: Spec| {
+            if let Some(o) = s.probe.as_mut() {
+                o.timeline = Some(2);
+            }
+            s
+        };
+        let specs = vec![
+            p,
+            on_timeline_2(delay(replica("delayed", 1))),
+            on_timeline_2(delay(tag(
+                replica("fenced", 1),
+                &["fenced", "noloadbalance", "etl"],
+            ))),
+            on_timeline_2(tag(replica("etl", 1), &["etl"])),
+            // Still on the old timeline: not following the primary.
+            tag(replica("stale", 1), &["etl"]),
+            // An operator's noloadbalance keeps a server out of replica
+            // reads only.
+            on_timeline_2(tag(replica("backup", 1), &["noloadbalance", "backup"])),
+        ];
+        let mut t = build(specs, TopologyConfig::default());
+        let obs = t.host(0).unwrap().observation().unwrap().clone();
+        t.apply(0, ProbeResult::Ok(obs), Instant::now());
+        assert!(t.hosts()[4].off_primary.is_some());
+        let sel = policy(|p| p.rtt_threshold_enabled = false);
+        for (want, expect) in [
+            // Reads without lag: the delayed quorum member is left out.
+            (Want::SyncStandby, vec![3]),
+            // The fenced delayed replica is left out.
+            (Want::Delayed, vec![1]),
+            // Fenced, and not following the primary: left out.
+            (Want::Tagged("etl".into()), vec![3]),
+            (Want::Tagged("backup".into()), vec![5]),
+            (Want::Replica, vec![3]),
+        ] {
+            assert_eq!(sel.eligible(&t, &want), expect, "{want}");
         }
     }
 

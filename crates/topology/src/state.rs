@@ -1090,9 +1090,14 @@ impl Topology {
                         h.lag_excluded = true;
                         h.under_limit_since = None;
                     } else if h.lag_excluded {
-                        let since = *h.under_limit_since.get_or_insert(now);
-                        if now.saturating_duration_since(since) >= hold {
-                            h.lag_excluded = false;
+                        if limit.within(h.lag_bytes, h.replay_delay) {
+                            let since = *h.under_limit_since.get_or_insert(now);
+                            if now.saturating_duration_since(since) >= hold {
+                                h.lag_excluded = false;
+                                h.under_limit_since = None;
+                            }
+                        } else {
+                            // Unknown lag is no evidence of catching up.
                             h.under_limit_since = None;
                         }
                     }
@@ -1823,6 +1828,26 @@ pub(crate) mod tests {
                 other => panic!("t={secs}: {other:?}"),
             };
             assert_eq!(&got, want, "t={secs}");
+        }
+    }
+
+    #[test]
+    fn an_excluded_replica_is_not_readmitted_while_its_lag_is_unknown() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut t = lag_topo(s(10));
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 1)), t0);
+        assert!(t.hosts()[1].lag_excluded);
+        // The primary goes down: nothing to measure the replica against.
+        t.apply(0, ProbeResult::Err("down".into()), t0 + s(1));
+        for secs in [2, 5, 12, 30] {
+            t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 1)), t0 + s(secs));
+            assert_eq!(t.hosts()[1].lag_bytes, None, "t={secs}");
+            assert!(
+                t.hosts()[1].lag_excluded,
+                "readmitted at t={secs} on unknown lag"
+            );
         }
     }
 
