@@ -753,6 +753,142 @@ async fn pause_holds_new_transactions_and_resume_releases_them() {
     );
 }
 
+/// The sum of one `/metrics` series over every pool.
+async fn pool_metric(http: std::net::SocketAddr, name: &'static str) -> f64 {
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    body.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Database and user names come from clients: one with a quote, a
+/// backslash or a newline in it leaves `/metrics` well-formed, its pool
+/// one series per metric with the name escaped; the same user's pools of
+/// the read-write and read-only ports (the latter falling back to the
+/// primary) stay apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_stay_well_formed_whatever_the_names() {
+    let c = TestCluster::builder().replicas(0).start();
+    let direct = client(&c.conninfo(0)).await.unwrap();
+    for sql in [
+        "CREATE DATABASE \"we\"\"ird\\db\"",
+        "CREATE ROLE \"odd\nuser\" LOGIN",
+    ] {
+        direct.batch_execute(sql).await.unwrap();
+    }
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
+    let http = p.http_addr().unwrap();
+    for service in ["read_write", "read_only"] {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host("127.0.0.1")
+            .dbname("we\"ird\\db")
+            .user("odd\nuser")
+            .port(p.service_addrs()[service].port());
+        let (odd, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(conn);
+        assert_eq!(one(&odd, "SELECT 1").await, "1");
+    }
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    let series: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("pgwarden_pool_transactions_total{"))
+        .collect();
+    let escaped = "database=\"we\\\"ird\\\\db\",user=\"odd\\nuser\"";
+    let odd: Vec<&&str> = series.iter().filter(|l| l.contains(escaped)).collect();
+    assert_eq!(odd.len(), 2, "{body}");
+    assert!(
+        odd.iter().any(|l| l.contains("read_only=\"true\"")),
+        "{body}"
+    );
+    // Every line is a comment or one well-formed sample.
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let (name_labels, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("{line}"));
+        value.parse::<f64>().unwrap_or_else(|_| panic!("{line}"));
+        if let Some((_, labels)) = name_labels.split_once('{') {
+            let labels = labels.strip_suffix('}').unwrap_or_else(|| panic!("{line}"));
+            // Outside quoted values only name=, commas; inside, escapes.
+            let (mut quoted, mut escape) = (false, false);
+            for ch in labels.chars() {
+                match (quoted, escape, ch) {
+                    (true, true, _) => escape = false,
+                    (true, false, '\\') => escape = true,
+                    (true, false, '"') => quoted = false,
+                    (false, _, '"') => quoted = true,
+                    (false, _, c) => assert!(
+                        c.is_ascii_alphanumeric() || c == '_' || c == '=' || c == ',',
+                        "{line}"
+                    ),
+                    _ => {}
+                }
+            }
+            assert!(!quoted, "{line}");
+        }
+    }
+}
+
+/// A client already queued for a server when the service is paused does
+/// not start its transaction when a server comes free: the server goes
+/// back unused, and the client runs once resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_queued_before_a_pause_waits_for_the_resume() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
+    let http = p.http_addr().unwrap();
+    let post = move |path: &'static str| common::http_post(http, path);
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let queued = client(&via(&p, "read_write")).await.unwrap();
+    for h in [&a, &b] {
+        h.batch_execute("BEGIN").await.unwrap();
+        one(h, "SELECT 1").await;
+    }
+    let waiting = tokio::spawn(async move {
+        let r = one(&queued, "SELECT 3").await;
+        (queued, r)
+    });
+    pgwarden_testkit::eventually("the third client queued", WAIT, || async move {
+        let n = clients_waiting(http).await;
+        (n == 1.0).then_some(()).ok_or(n.to_string())
+    })
+    .await;
+    let (status, body) = tokio::task::spawn_blocking(move || post("/pause?service=read_write"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    for h in [&a, &b] {
+        h.batch_execute("COMMIT").await.unwrap();
+    }
+    // Both servers are back and idle, and the client still waits.
+    pgwarden_testkit::eventually(
+        "the servers idle, the client waiting",
+        WAIT,
+        || async move {
+            let active = pool_metric(http, "pgwarden_pool_servers_active").await;
+            let waiting = clients_waiting(http).await;
+            (active == 0.0 && waiting == 1.0)
+                .then_some(())
+                .ok_or(format!(
+                    "{active} servers active, {waiting} clients waiting"
+                ))
+        },
+    )
+    .await;
+    assert!(!waiting.is_finished(), "ran while paused");
+    tokio::task::spawn_blocking(move || post("/resume?service=read_write"))
+        .await
+        .unwrap();
+    let (_queued, r) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r, "3");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_client_conn_refuses_new_clients_with_53300() {
     let c = TestCluster::builder().replicas(0).start();

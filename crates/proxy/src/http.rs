@@ -173,7 +173,7 @@ async fn pause(
             .expect("poisoned")
             .iter()
             .filter(|(k, _)| !k.read_only)
-            .map(|(_, p)| p.stats.active.load(Ordering::SeqCst))
+            .map(|(_, p)| p.busy_count())
             .sum();
         if busy == 0 {
             return (
@@ -232,21 +232,21 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
+    // Taken out of the table first: logins look pools up under its lock,
+    // and must not wait for the page to be rendered.
+    let pools: Vec<_> = shared
+        .pools
+        .lock()
+        .expect("poisoned")
+        .values()
+        .cloned()
+        .collect();
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        shared.metrics.render(
-            &snap,
-            &shared
-                .pools
-                .lock()
-                .expect("poisoned")
-                .values()
-                .cloned()
-                .collect::<Vec<_>>(),
-        ),
+        shared.metrics.render(&snap, &pools),
     )
 }
 

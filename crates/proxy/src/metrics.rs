@@ -350,7 +350,10 @@ impl Metrics {
                     _ => h.lag_bytes.map(|b| b as f64),
                 };
                 if let Some(v) = value {
-                    out.push_str(&format!("{name}{{host=\"{}\"}} {v}\n", h.config.addr));
+                    out.push_str(&format!(
+                        "{name}{{host=\"{}\"}} {v}\n",
+                        escape_label(&h.config.addr.to_string())
+                    ));
                 }
             }
         }
@@ -446,9 +449,15 @@ impl Metrics {
                     12 => st.xact_us.load(o) as f64 / 1e6,
                     _ => st.query_us.load(o) as f64 / 1e6,
                 };
+                // Database and user names come from clients' start-up
+                // packets: escaped, or a quote or newline in one would
+                // break the page (or forge series).
                 out.push_str(&format!(
-                    "{name}{{host=\"{}\",database=\"{}\",user=\"{}\"}} {v}\n",
-                    p.key.host, p.key.database, p.key.user
+                    "{name}{{host=\"{}\",database=\"{}\",user=\"{}\",read_only=\"{}\"}} {v}\n",
+                    escape_label(&p.key.host.to_string()),
+                    escape_label(&p.key.database),
+                    escape_label(&p.key.user),
+                    p.key.read_only
                 ));
             }
         }
@@ -460,10 +469,37 @@ impl Metrics {
     }
 }
 
+/// A label value in the text exposition format: backslash, double quote
+/// and newline escaped.
+fn escape_label(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return std::borrow::Cow::Borrowed(v);
+    }
+    let mut out = String::with_capacity(v.len() + 8);
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use prometheus_client::metrics::histogram::Histogram;
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label("plain"), "plain");
+        assert_eq!(
+            escape_label("x\"} 1\nfake{a=\"\\"),
+            "x\\\"} 1\\nfake{a=\\\"\\\\"
+        );
+    }
     use std::time::Duration;
 
     /// The lock-free histogram reads exactly as the library's would.

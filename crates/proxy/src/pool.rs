@@ -1294,6 +1294,12 @@ impl Pool {
         self.warm();
     }
 
+    /// Server connections lent to clients or being opened for one now:
+    /// what a switchover's drain waits for.
+    pub fn busy_count(&self) -> usize {
+        self.stats.active.load(Ordering::SeqCst) + self.opening.load(Ordering::SeqCst)
+    }
+
     /// Idle connections now.
     pub fn idle_count(&self) -> usize {
         self.idle.lock().expect("poisoned").len()

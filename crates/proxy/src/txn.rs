@@ -954,6 +954,13 @@ impl Session {
                 .await
             {
                 Ok((c, waited)) => {
+                    if *paused.borrow() {
+                        // Paused while this client waited or its server
+                        // was being opened: no new transaction starts
+                        // until resumed, so the server goes back unused.
+                        c.release(true);
+                        continue;
+                    }
                     self.wait_histogram.observe(waited);
                     return Ok(c);
                 }

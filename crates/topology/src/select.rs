@@ -789,7 +789,7 @@ mod tests {
                 })
                 .collect();
         }
-        let mut on_timeline_2 = |mut s: Spec| {
+        let on_timeline_2 = |mut s: Spec| {
             if let Some(o) = s.probe.as_mut() {
                 o.timeline = Some(2);
             }
