@@ -1351,7 +1351,10 @@ async fn switchover(
     do_switchover(&state, &body).await
 }
 
-async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Response, ApiError> {
+async fn do_switchover(
+    state: &Arc<ApiState>,
+    body: &Map<String, Value>,
+) -> Result<Response, ApiError> {
     let leader = str_field(body, "leader")?;
     let mut candidate = str_field(body, "candidate")?;
     let scheduled_at = str_field(body, "scheduled_at")?;
@@ -1442,13 +1445,29 @@ async fn do_switchover(state: &ApiState, body: &Map<String, Value>) -> Result<Re
         .into_iter()
         .filter_map(|r| r.proxy_url)
         .collect();
-    let paused = handover::pause_proxies(&proxies, &state.credentials).await;
-    let result = request_and_wait(state, request, goal, "switchover").await;
-    if result.is_ok() {
-        handover::wait_for_writable_leader(&state.dcs, None, handover::WRITABLE_WAIT).await;
-    }
-    handover::resume_proxies(&paused, &state.credentials).await;
-    result
+    // In a task of its own: a caller that hangs up (Ctrl-C, a client
+    // time-out) drops this handler, and the pools must still resume.
+    let (leader_goal, name) = match goal {
+        Goal::Leader(c) => (true, c.to_string()),
+        Goal::AwayFrom(c) => (false, c.to_string()),
+    };
+    let state = state.clone();
+    let task = tokio::spawn(async move {
+        let goal = if leader_goal {
+            Goal::Leader(&name)
+        } else {
+            Goal::AwayFrom(&name)
+        };
+        let paused = handover::pause_proxies(&proxies, &state.credentials).await;
+        let result = request_and_wait(&state, request, goal, "switchover").await;
+        if result.is_ok() {
+            handover::wait_for_writable_leader(&state.dcs, None, handover::WRITABLE_WAIT).await;
+        }
+        handover::resume_proxies(&paused, &state.credentials).await;
+        result
+    });
+    task.await
+        .unwrap_or_else(|e| Err(ApiError::unavailable(format!("the switchover failed: {e}"))))
 }
 
 async fn failover(
