@@ -2972,6 +2972,69 @@ async fn maximum_protection_makes_commits_wait_until_a_standby_is_back() {
     .await;
 }
 
+/// A caller that hangs up in the middle of a switchover (Ctrl-C on
+/// `ctl switchover`, a client time-out) does not leave every node's
+/// read-write pools paused: the switchover runs to its end and resumes
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_whose_caller_hangs_up_still_resumes_the_pools() {
+    let c = cluster()
+        .tables("[pool]\nmode = \"transaction\"\nsize = 4\nquery_wait_timeout = \"3s\"")
+        .start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let api = c
+        .node(0)
+        .api_url()
+        .trim_start_matches("http://")
+        .to_string();
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let body = r#"{"leader": "n1", "candidate": "n2"}"#;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut s = std::net::TcpStream::connect(&api).unwrap();
+            write!(
+                s,
+                "POST /switchover HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cGd3YXJkZW46c2VjcmV0\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            // An answer at once is a refusal (the candidate's record does
+            // not show it streaming yet, 412): ask again. No answer yet:
+            // the switchover runs, and the caller hangs up on it.
+            s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut answer = [0u8; 64];
+            match s.read(&mut answer) {
+                Ok(n) if n > 0 => {
+                    assert!(std::time::Instant::now() < deadline, "{}", String::from_utf8_lossy(&answer[..n]));
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                _ => return,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    eventually("n2 leads", Duration::from_secs(60), || async {
+        let w = writable(&c).await;
+        (w == [1]).then_some(()).ok_or(format!("{w:?}"))
+    })
+    .await;
+    for i in 0..3 {
+        let rw = c.node(i).rw_conninfo();
+        eventually(
+            "the read-write pool serves after the switchover",
+            Duration::from_secs(30),
+            || {
+                let rw = rw.clone();
+                async move { one(&rw, "SELECT 1").await.map(|_| ()) }
+            },
+        )
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_switchover_is_invisible_to_transaction_pooled_clients() {
     let c = cluster()
