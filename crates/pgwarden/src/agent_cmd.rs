@@ -25,6 +25,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
+    crate::init_logging(Some(&config.log));
     let (Some(mut agent), Some(mut etcd)) = (config.agent.clone(), config.etcd.clone()) else {
         anyhow::bail!(
             "{}: pgwarden agent needs the [agent] and [etcd] sections (use pgwarden run for standalone mode)",

@@ -58,7 +58,10 @@ static ALLOCATOR: pgwarden_proxy::Allocator = pgwarden_proxy::Allocator;
 fn main() -> ExitCode {
     pgwarden_proxy::tune_allocator();
     let cli = Cli::parse();
-    init_logging();
+    // `run` and `agent` set logging up from their file's [log] section.
+    if !matches!(cli.command, Command::Run(_) | Command::Agent(_)) {
+        init_logging(None);
+    }
     match cli.command {
         Command::Fence(args) => {
             pgwarden_agent::fence::run(args.agent_pid, args.data_dir);
@@ -115,12 +118,18 @@ pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Outp
 }
 
 /// Logs go to stderr so that stdout carries only the command's output
-/// (tables, JSON lines) and can be piped. `RUST_LOG` filters as usual.
-fn init_logging() {
+/// (tables, JSON lines) and can be piped. `RUST_LOG`, when set, filters
+/// instead of `[log] level`.
+pub(crate) fn init_logging(log: Option<&pgwarden_config::LogConfig>) {
+    let level = log.map_or("info", |l| l.level.as_str());
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if log.is_some_and(|l| l.format == pgwarden_config::LogFormat::Json) {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
 }

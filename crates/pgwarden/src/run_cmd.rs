@@ -30,6 +30,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = pgwarden_config::load(&args.config)?;
+    crate::init_logging(Some(&config.log));
     if config.agent.is_some() {
         anyhow::bail!(
             "{}: this file has an [agent] section: start it with pgwarden agent (pgwarden run is the connection manager alone, for a cluster managed by something else)",
@@ -245,6 +246,9 @@ pub async fn serve(
                             || new.engine.pool_affinity != running.engine.pool_affinity
                         {
                             tracing::warn!("engine.worker_threads, worker_fill and pool_affinity take effect at the next restart");
+                        }
+                        if new.log != running.log {
+                            tracing::warn!("log.level and log.format take effect at the next restart");
                         }
                         if let (Some(handle), Some(old), Some(fresh)) = (&agent, &running.agent, &new.agent) {
                             match crate::agent_cmd::api_credentials(fresh, path) {

@@ -440,6 +440,17 @@ async fn admin_console_disable_enable_and_shutdown() {
         msg.contains("not reloaded") && msg.contains("pgwarden.toml"),
         "{msg}"
     );
+    // A command the console refuses as written does not reload first.
+    let rejected = pg.log().matches("reload rejected").count();
+    for bad in ["RELOAD; SHOW POOLS", "RELOAD now"] {
+        let err = console.batch_execute(bad).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("0A000"), "{bad}: {err}");
+    }
+    assert_eq!(
+        pg.log().matches("reload rejected").count(),
+        rejected,
+        "a refused command reloaded"
+    );
     write(&config, &good);
     console.batch_execute("RELOAD").await.unwrap();
     assert_eq!(common::one(&again, "SELECT 9").await, "9");
@@ -885,4 +896,36 @@ async fn an_agent_waiting_for_etcd_listens_survives_sighup_and_stops() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains(&format!("127.0.0.1:{rw}")), "{err}");
     assert!(!err.contains("cannot reach etcd"), "{err}");
+}
+
+/// `[log]` sets the level and the format: with `warn` and `json`, every
+/// line is a JSON object and none is at INFO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_section_sets_level_and_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pgwarden.toml");
+    // Nothing listens at the host: the probe warns that it is down.
+    write(
+        &config,
+        &format!(
+            "{}[log]\nlevel = \"warn\"\nformat = \"json\"\n",
+            listening(
+                &[format!("127.0.0.1:{}", free_port())],
+                (free_port(), free_port(), free_port()),
+                ""
+            )
+        ),
+    );
+    let pg = Running::start(&config, dir.path());
+    eventually("a warning is logged", WAIT, || {
+        let log = pg.log();
+        async move { log.contains("is down").then_some(()).ok_or(log) }
+    })
+    .await;
+    let log = pg.log();
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert_ne!(v["level"], "INFO", "{line}");
+    }
 }

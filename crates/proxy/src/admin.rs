@@ -662,14 +662,28 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
 /// [`wait_close`]), and RELOAD's, which asks whoever owns the configuration
 /// file to reload it and returns how that went (`None`: nobody to ask).
 async fn before_command(shared: &Shared, text: &str) -> Option<Result<(), String>> {
-    wait_close(shared, text).await;
-    let first = text.split_whitespace().next()?;
-    if !first.trim_end_matches(';').eq_ignore_ascii_case("RELOAD") {
+    // Only a command [`command`] accepts as written: `RELOAD; SHOW POOLS`
+    // or `RELOAD now` is refused there, and must not reload first.
+    if several_statements(text) {
         return None;
     }
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    shared.reload.send(reply).await.ok()?;
-    answer.await.ok()
+    let words: Vec<&str> = text
+        .trim()
+        .trim_end_matches(';')
+        .split_whitespace()
+        .collect();
+    match words.as_slice() {
+        [w] | [w, _] if w.eq_ignore_ascii_case("WAIT_CLOSE") => {
+            wait_close(shared, text).await;
+            None
+        }
+        [w] if w.eq_ignore_ascii_case("RELOAD") => {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            shared.reload.send(reply).await.ok()?;
+            answer.await.ok()
+        }
+        _ => None,
+    }
 }
 
 /// The word after the command (a service or database name), as typed.
