@@ -93,6 +93,7 @@ pub fn restart_needed(old: &AgentConfig, new: &AgentConfig) -> Vec<&'static str>
     );
     differs(old.api != new.api, "agent.api");
     differs(old.api_url != new.api_url, "agent.api_url");
+    differs(old.proxy_url != new.proxy_url, "agent.proxy_url");
     differs(
         old.api_cert_file != new.api_cert_file || old.api_key_file != new.api_key_file,
         "agent.api_cert_file/api_key_file",

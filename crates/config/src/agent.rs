@@ -43,6 +43,11 @@ pub struct AgentConfig {
     pub api: SocketAddr,
     /// The API's base URL as other members use it.
     pub api_url: String,
+    /// The base URL of this node's connection manager HTTP port as the
+    /// other members' agents use it to pause and resume its pools around a
+    /// switchover; `None`: `listen.http`, or with a wildcard there, the host
+    /// of `pg_connect_address` at its port.
+    pub proxy_url: Option<String>,
     /// PEM certificate (chain) the API serves HTTPS with. As written:
     /// relative to the file.
     pub api_cert_file: Option<PathBuf>,
@@ -270,6 +275,22 @@ pub struct EtcdConfig {
     pub password_file: Option<PathBuf>,
 }
 
+impl AgentConfig {
+    /// [`AgentConfig::proxy_url`], or the default for a connection manager
+    /// whose HTTP port listens at `http`.
+    pub fn advertised_proxy_url(&self, http: SocketAddr) -> String {
+        match &self.proxy_url {
+            Some(u) => u.clone(),
+            None if http.ip().is_unspecified() => format!(
+                "http://{}:{}",
+                url_host(&self.pg_connect_address.host),
+                http.port()
+            ),
+            None => format!("http://{http}"),
+        }
+    }
+}
+
 impl EtcdConfig {
     /// Whether the agent speaks TLS to etcd.
     pub fn tls(&self) -> bool {
@@ -286,6 +307,7 @@ pub(crate) struct RawAgent {
     pg_connect_address: Option<Spanned<String>>,
     api: ListenAddr,
     api_url: Option<Spanned<NonEmpty>>,
+    proxy_url: Option<Spanned<NonEmpty>>,
     api_cert_file: Option<Spanned<NonEmpty>>,
     api_key_file: Option<Spanned<NonEmpty>>,
     api_ca_file: Option<NonEmpty>,
@@ -471,6 +493,17 @@ pub(crate) fn agent(
     let listen = raw.pg_listen.get_ref().0;
     let pg_listen = HostAddr::new(listen.ip().to_string(), listen.port());
     let pg_connect_address = match raw.pg_connect_address {
+        // A wildcard is where PostgreSQL listens, not where anyone can
+        // reach it: other members would connect to their own machine.
+        None if listen.ip().is_unspecified() => {
+            return Err(src.invalid(
+                Some(raw.pg_listen.span()),
+                "agent.pg_listen",
+                format!(
+                    "{listen} listens on all addresses: set agent.pg_connect_address to the address other members and connection managers reach this server at"
+                ),
+            ))
+        }
         None => pg_listen.clone(),
         Some(s) => {
             let span = s.span();
@@ -520,9 +553,16 @@ pub(crate) fn agent(
             "needs agent.api_cert_file and api_key_file: client certificates are asked for over HTTPS",
         ));
     }
+    // A wildcard API address is advertised at the host other members reach
+    // PostgreSQL at.
+    let advertised = if api.ip().is_unspecified() {
+        format!("{}:{}", url_host(&pg_connect_address.host), api.port())
+    } else {
+        api.to_string()
+    };
     let api_url = match raw.api_url {
-        None if tls => format!("https://{api}"),
-        None => format!("http://{api}"),
+        None if tls => format!("https://{advertised}"),
+        None => format!("http://{advertised}"),
         Some(u) => {
             let url = u.get_ref().0.trim_end_matches('/').to_string();
             let wanted = if tls { "https://" } else { "http://" };
@@ -541,6 +581,20 @@ pub(crate) fn agent(
                 ));
             }
             url
+        }
+    };
+    let proxy_url = match raw.proxy_url {
+        None => None,
+        Some(u) => {
+            let url = u.get_ref().0.trim_end_matches('/').to_string();
+            if !url.starts_with("http://") && !url.starts_with("https://") {
+                return Err(src.invalid(
+                    Some(u.span()),
+                    "agent.proxy_url",
+                    format!("{url:?} must start with http:// or https://"),
+                ));
+            }
+            Some(url)
         }
     };
     let overrides = TimingOverrides {
@@ -636,6 +690,7 @@ pub(crate) fn agent(
         pg_connect_address,
         api,
         api_url,
+        proxy_url,
         api_cert_file: raw.api_cert_file.map(|f| f.into_inner().into()),
         api_key_file: raw.api_key_file.map(|f| f.into_inner().into()),
         api_ca_file: raw.api_ca_file.map(Into::into),
@@ -682,6 +737,15 @@ pub(crate) fn agent(
         replica_methods: all_methods,
         bootstrap,
     })
+}
+
+/// `host` as the host part of a URL: an IPv6 literal in brackets.
+fn url_host(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
 }
 
 /// `[agent.bootstrap]`, checked: parameter names, one line each, and no

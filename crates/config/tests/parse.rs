@@ -1472,3 +1472,42 @@ fn listeners_may_not_overlap_the_agents_own_addresses() {
     );
     fails(&text, 14, "listen.read_only", "overlaps agent.pg_listen");
 }
+
+#[test]
+fn wildcard_agent_addresses_are_advertised_at_the_connect_address() {
+    let text = AGENT_MINIMAL.replace(
+        "pg_listen = \"127.0.0.1:5432\"",
+        "pg_listen = \"0.0.0.0:5432\"",
+    );
+    fails(&text, 4, "agent.pg_listen", "set agent.pg_connect_address");
+    let text = text
+        .replace(
+            "pg_listen = \"0.0.0.0:5432\"",
+            "pg_listen = \"0.0.0.0:5432\"\npg_connect_address = \"db1.example:5432\"",
+        )
+        .replace("api = \"127.0.0.1:8008\"", "api = \"0.0.0.0:8008\"")
+        .replace("http = \"127.0.0.1:6434\"", "http = \"0.0.0.0:6434\"");
+    let c = parse(&text, FILE).unwrap();
+    let a = c.agent.unwrap();
+    assert_eq!(a.api_url, "http://db1.example:8008");
+    assert_eq!(
+        a.advertised_proxy_url(c.listen.http),
+        "http://db1.example:6434"
+    );
+    // A listener on one address is called there; an explicit URL wins.
+    assert_eq!(
+        a.advertised_proxy_url(sa("10.0.0.5:6434")),
+        "http://10.0.0.5:6434"
+    );
+    let text = text.replace(
+        "rto = \"fast\"",
+        "rto = \"fast\"\nproxy_url = \"http://lb.example:6434/\"",
+    );
+    let a = parse(&text, FILE).unwrap().agent.unwrap();
+    assert_eq!(
+        a.advertised_proxy_url(sa("0.0.0.0:6434")),
+        "http://lb.example:6434"
+    );
+    let text = text.replace("http://lb.example:6434/", "lb.example:6434");
+    fails(&text, 8, "agent.proxy_url", "must start with http://");
+}

@@ -71,13 +71,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let password = probe.password_for(&agent.pg_listen);
         tracing::info!(member = %agent.name, cluster = %etcd.cluster, rto = %agent.rto, "starting the HA agent");
         let credentials = api_credentials(&agent, &args.config)?;
+        // Where the other members' agents pause this node's pools: a
+        // wildcard bind address is no place to call.
+        let proxy_url = agent.advertised_proxy_url(config.listen.http);
         let start = pgwarden_agent::start(
             agent,
             etcd,
             config.cluster.user.clone(),
             password,
             credentials.clone(),
-            Some(format!("http://{}", config.listen.http)),
+            Some(proxy_url),
         );
         let start = crate::run_cmd::AgentStart {
             start: Box::pin(async move { Ok(start.await?) }),
