@@ -1412,6 +1412,13 @@ impl HaLoop {
     /// times out marks etcd unreachable, as a failed read does: the round
     /// is decided again from that, and the next one comes at the retry
     /// pace rather than a whole `loop_wait` later.
+    /// Whether the leader lease may have run out: no renewal within the
+    /// demotion deadline (`loop_wait + retry_timeout`).
+    fn lease_lapsed(&self) -> bool {
+        self.last_renewal
+            .is_none_or(|t| t.elapsed() >= self.timing.demote_after())
+    }
+
     async fn renew(&mut self) -> bool {
         let Some(lease) = self.lease else {
             return false;
@@ -1546,12 +1553,23 @@ impl HaLoop {
         let answer = crate::http_client::get_json(&format!("{url}/patroni"), PEER_TIMEOUT)
             .await
             .ok();
-        if answer.is_some_and(|v| v["role"] == "primary") {
+        if answer.as_ref().is_some_and(|v| v["role"] == "primary") {
             tracing::info!(
                 leader = %name,
                 "not taking the leader key: the leader acknowledged while etcd was out of reach still runs as primary"
             );
             return false;
+        }
+        if answer.is_none() {
+            let acked = self.failsafe_seen.load(std::sync::atomic::Ordering::SeqCst);
+            if let Some(wait_ms) = silent_failsafe_leader_wait(acked, unix_ms(), &self.timing) {
+                tracing::info!(
+                    leader = %name,
+                    wait_ms,
+                    "not taking the leader key yet: the leader acknowledged while etcd was out of reach does not answer, and may take writes until its own deadline"
+                );
+                return false;
+            }
         }
         self.failsafe_leader = None;
         true
@@ -1832,6 +1850,18 @@ impl HaLoop {
                 }
             }
         };
+        // A promotion that outlasted the lease (renewals failing while
+        // PostgreSQL replayed a backlog) ends with a primary another
+        // member may already have been elected beside: it stops at once.
+        if promoted.is_ok() && self.lease_lapsed() && !self.renew().await {
+            let since = self.last_renewal.map_or(Duration::MAX, |t| t.elapsed());
+            self.demote(&DemoteReason::LeaseRenewalFailed {
+                since,
+                limit: self.timing.demote_after(),
+            })
+            .await;
+            return;
+        }
         match promoted {
             Ok(()) => {
                 self.former_primary = true;
@@ -2541,8 +2571,13 @@ impl HaLoop {
                 // A checkpoint first makes the shutdown checkpoint short.
                 let conninfo = self.pg.source_conninfo(&self.cfg.pg_listen);
                 let pg = &self.pg;
+                let checkpoint_for = self.timing.loop_wait;
                 let stop = async {
-                    let _ = checkpoint_at(&conninfo).await;
+                    // Bounded: PostgreSQL takes writes until the stop, and
+                    // a lease lost meanwhile (etcd out of reach) must not
+                    // find it still running. The shutdown checkpoint does
+                    // what this one did not get to.
+                    let _ = tokio::time::timeout(checkpoint_for, checkpoint_at(&conninfo)).await;
                     if let Err(e) = pg.stop(StopMode::Fast).await {
                         tracing::error!(error = %e, "clean stop failed; stopping immediately");
                         let _ = pg.stop(StopMode::Immediate).await;
@@ -4009,6 +4044,13 @@ impl HaLoop {
             stop,
         )
         .await;
+        // A primary starts again only with a lease that still stands: one
+        // that lapsed during a slow stop may have let another member be
+        // promoted. The next round then decides what this node is.
+        if lease.is_some() && !self.obs.pg.in_recovery && !self.renew().await {
+            tracing::warn!("not starting PostgreSQL again as the primary: the leader lease could not be renewed after the stop");
+            return;
+        }
         // With on_restart, as in Patroni, it alone says so.
         let on_restart = self.cfg.callbacks.on_restart.clone();
         if on_restart.is_none() {
@@ -4387,6 +4429,18 @@ where
     }
 }
 
+/// How long (ms) a member must still wait before it may count a failsafe
+/// leader it acknowledged at `acked_ms` and that no longer answers as gone;
+/// `None` once it may. Silent is not gone: cut off from this member, the
+/// leader counts the last acknowledgement as a renewal, takes writes until
+/// its demotion deadline (`loop_wait + retry_timeout`) runs out from it,
+/// and demotes in the round after.
+fn silent_failsafe_leader_wait(acked_ms: u64, now_ms: u64, timing: &Timing) -> Option<u64> {
+    let wait = timing.demote_after() + timing.loop_wait + PEER_TIMEOUT;
+    let until = acked_ms.saturating_add(wait.as_millis() as u64);
+    (now_ms < until).then(|| until - now_ms)
+}
+
 /// Pause between retries of a failed DCS request.
 const RETRY_GAP: Duration = Duration::from_millis(100);
 
@@ -4492,6 +4546,27 @@ async fn checkpoint_at(conninfo: &str) -> Result<(), tokio_postgres::Error> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_silent_failsafe_leader_counts_as_gone_only_past_its_own_deadline() {
+        // fast: loop_wait 5 + retry_timeout 5 = the leader's deadline,
+        // then one more round and the time a peer gets to answer.
+        let timing = pgwarden_ha::Timing::preset(pgwarden_ha::RtoPreset::Fast);
+        let acked = 1_000_000;
+        let wait_ms =
+            (timing.demote_after() + timing.loop_wait + super::PEER_TIMEOUT).as_millis() as u64;
+        assert_eq!(
+            super::silent_failsafe_leader_wait(acked, acked + 1, &timing),
+            Some(wait_ms - 1)
+        );
+        assert!(super::silent_failsafe_leader_wait(acked, acked + wait_ms - 1, &timing).is_some());
+        assert_eq!(
+            super::silent_failsafe_leader_wait(acked, acked + wait_ms, &timing),
+            None
+        );
+        // Never acknowledged (0): long past.
+        assert_eq!(super::silent_failsafe_leader_wait(0, acked, &timing), None);
+    }
+
     /// A leader's renewal that keeps failing fast (etcd refusing
     /// connections) returns at its deadline, not a retry gap before it, so
     /// the same round sees the lease too old and demotes.
