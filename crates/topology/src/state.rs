@@ -498,7 +498,15 @@ impl Topology {
                 h.alive = true;
                 h.role = role;
                 h.rtt.update(obs.rtt);
-                h.timeline = obs.timeline;
+                // A replica whose WAL receiver is down reports no timeline,
+                // yet its data is still on the last one it received (or
+                // on the one it led, for a former primary): kept, so that
+                // one that cannot follow the primary is still seen as off
+                // it.
+                h.timeline = match (obs.timeline, role) {
+                    (None, Role::Replica) => h.timeline,
+                    (tl, _) => tl,
+                };
                 h.delayed = !obs.min_apply_delay.is_zero();
                 h.error = None;
                 h.last_ok = Some(now);
@@ -1921,6 +1929,29 @@ pub(crate) mod tests {
         t.apply(1, ProbeResult::Ok(replica_obs("r", 10, 1)), t0 + ms(2));
         assert_eq!(t.hosts()[1].lag_bytes, Some(4990));
         assert!(t.hosts()[1].lag_excluded);
+    }
+
+    #[test]
+    fn a_replica_whose_receiver_is_down_keeps_its_last_timeline() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 4000, 1)), t0);
+        assert_eq!(t.hosts()[1].off_primary, None);
+        // A new primary on timeline 2 that the replica cannot follow: its
+        // WAL receiver keeps failing, so the probe sees no timeline.
+        t.apply(
+            0,
+            ProbeResult::Ok(primary_obs(2, 6000)),
+            t0 + Duration::from_millis(1),
+        );
+        let mut down = replica_obs("r", 4000, 1);
+        down.timeline = None;
+        down.wal_receiver_name = None;
+        t.apply(1, ProbeResult::Ok(down), t0 + Duration::from_millis(2));
+        assert_eq!(t.hosts()[1].timeline, Some(1));
+        let reason = t.hosts()[1].off_primary.clone().expect("flagged");
+        assert!(reason.contains("timeline 1"), "{reason}");
     }
 
     #[test]
