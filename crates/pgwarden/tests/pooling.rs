@@ -764,6 +764,60 @@ async fn pool_metric(http: std::net::SocketAddr, name: &'static str) -> f64 {
         .sum()
 }
 
+/// `maxwait`/`maxwait_us` of `SHOW POOLS` (and
+/// `pgwarden_pool_wait_max_seconds`) are how long the client waiting
+/// longest now has waited, as in PgBouncer: they grow while a client waits
+/// and drop back to zero once it is served, so an alert on them clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maxwait_is_the_age_of_the_oldest_client_waiting_now() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
+    let http = p.http_addr().unwrap();
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = std::sync::Arc::new(client(&admin_info).await.unwrap());
+    let maxwait_us = |admin: std::sync::Arc<tokio_postgres::Client>| async move {
+        let rows = admin.simple_query("SHOW POOLS").await.unwrap();
+        rows.iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => {
+                    let s: u64 = r.get("maxwait")?.parse().ok()?;
+                    let us: u64 = r.get("maxwait_us")?.parse().ok()?;
+                    Some(s * 1_000_000 + us)
+                }
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    };
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    let b = client(&via(&p, "read_write")).await.unwrap();
+    let waiter = client(&via(&p, "read_write")).await.unwrap();
+    for h in [&a, &b] {
+        h.batch_execute("BEGIN").await.unwrap();
+        one(h, "SELECT 1").await;
+    }
+    let waiting = tokio::spawn(async move { one(&waiter, "SELECT 3").await });
+    pgwarden_testkit::eventually("the waiter's wait shows", WAIT, || {
+        let admin = admin.clone();
+        async move {
+            let us = maxwait_us(admin).await;
+            (us >= 200_000)
+                .then_some(())
+                .ok_or(format!("maxwait {us} us"))
+        }
+    })
+    .await;
+    assert!(pool_metric(http, "pgwarden_pool_wait_max_seconds").await >= 0.2);
+    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(waiting.await.unwrap(), "3");
+    assert_eq!(maxwait_us(admin.clone()).await, 0, "nobody waits any more");
+    assert_eq!(
+        pool_metric(http, "pgwarden_pool_wait_max_seconds").await,
+        0.0
+    );
+    b.batch_execute("COMMIT").await.unwrap();
+}
+
 /// Database and user names come from clients: one with a quote, a
 /// backslash or a newline in it leaves `/metrics` well-formed, its pool
 /// one series per metric with the name escaped; the same user's pools of

@@ -614,7 +614,7 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         r.cl_waiting += s.waiting.load(o) + s.capped.load(o);
         r.sv_idle += p.idle_count();
         r.sv_total += s.total.load(o);
-        r.max_us = r.max_us.max(s.max_wait_us.load(o));
+        r.max_us = r.max_us.max(p.oldest_wait().as_micros() as u64);
         r.mode = match r.mode {
             None => Some(pool_mode(p)),
             Some(m) if m == pool_mode(p) => Some(m),

@@ -396,7 +396,7 @@ impl Metrics {
             (
                 "pgwarden_pool_wait_max_seconds",
                 "gauge",
-                "Longest wait for a server connection",
+                "How long the client waiting longest now has waited for a server connection (PgBouncer's maxwait)",
             ),
             (
                 "pgwarden_pool_server_moves_total",
@@ -441,7 +441,7 @@ impl Metrics {
                     4 => st.total.load(o) as f64,
                     5 => st.transactions.load(o) as f64,
                     6 => st.wait_us.load(o) as f64 / 1e6,
-                    7 => st.max_wait_us.load(o) as f64 / 1e6,
+                    7 => p.oldest_wait().as_secs_f64(),
                     8 => st.moves.load(o) as f64,
                     9 => st.queries.load(o) as f64,
                     10 => st.received.load(o) as f64,

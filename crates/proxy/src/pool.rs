@@ -601,8 +601,6 @@ pub struct PoolStats {
     pub query_us: AtomicU64,
     /// Total microseconds clients waited for a server connection.
     pub wait_us: AtomicU64,
-    /// Longest wait, microseconds.
-    pub max_wait_us: AtomicU64,
     /// Server connections moved to another worker thread's event loop
     /// because a client there borrowed them.
     pub moves: AtomicU64,
@@ -685,6 +683,11 @@ pub struct Pool {
     warming: AtomicUsize,
     /// Connections being opened for clients now.
     opening: AtomicUsize,
+    /// The clients waiting for a server connection, in the order they
+    /// began to: a ticket and since when.
+    waiters: Mutex<std::collections::VecDeque<(u64, Instant)>>,
+    /// The next waiter's ticket.
+    next_waiter: AtomicU64,
     /// Since when ([`now_ns`]) the pool has been seen unused, and its
     /// query count then ([`Pool::unused_for`]).
     unused_since: Mutex<Option<(u64, u64)>>,
@@ -709,6 +712,24 @@ pub struct Pool {
 /// One more in a count of waiting clients while it lives: counted down
 /// however the wait ends, the caller's dropping of the waiting future (a
 /// cancel request, a client that left) included.
+/// A client in line for a server connection ([`Pool::start_waiting`]).
+struct Waiting<'a> {
+    pool: &'a Pool,
+    ticket: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut line = self.pool.waiters.lock().expect("poisoned");
+        // Served in order, so nearly always the first.
+        if let Some(i) = line.iter().position(|(t, _)| *t == self.ticket) {
+            line.remove(i);
+        }
+        drop(line);
+        self.pool.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 struct Counted<'a>(&'a AtomicUsize, Ordering);
 
 impl<'a> Counted<'a> {
@@ -1041,6 +1062,8 @@ impl Pool {
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
             opening: AtomicUsize::new(0),
+            waiters: Mutex::new(std::collections::VecDeque::new()),
+            next_waiter: AtomicU64::new(0),
             unused_since: Mutex::new(None),
             credential: Mutex::new(Credential::None),
             baseline: Mutex::new(Tracked::default()),
@@ -1161,7 +1184,29 @@ impl Pool {
     /// the guard lives, for a wait outside [`Pool::checkout`] (a paused
     /// service).
     pub(crate) fn count_waiting(&self) -> impl Drop + '_ {
-        Counted::new(&self.stats.waiting, Ordering::Relaxed)
+        self.start_waiting()
+    }
+
+    /// Counts a client as waiting for a server connection, and puts it in
+    /// line for [`Pool::oldest_wait`], until the guard is dropped.
+    fn start_waiting(&self) -> Waiting<'_> {
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let ticket = self.next_waiter.fetch_add(1, Ordering::Relaxed);
+        self.waiters
+            .lock()
+            .expect("poisoned")
+            .push_back((ticket, Instant::now()));
+        Waiting { pool: self, ticket }
+    }
+
+    /// How long the client waiting longest now has waited (PgBouncer's
+    /// `maxwait`); zero with nobody waiting.
+    pub fn oldest_wait(&self) -> Duration {
+        self.waiters
+            .lock()
+            .expect("poisoned")
+            .front()
+            .map_or(Duration::ZERO, |(_, since)| since.elapsed())
     }
 
     /// Whether anything has to do with the pool now: a server connection
@@ -1438,7 +1483,7 @@ impl Pool {
         warming: bool,
     ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
-        let waiting = Counted::new(&self.stats.waiting, Ordering::Relaxed);
+        let waiting = self.start_waiting();
         let timer = match timer {
             Some(t) => {
                 t.as_mut().reset(deadline);
@@ -1458,7 +1503,6 @@ impl Pool {
         let permit = permit?;
         let waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
-        self.stats.max_wait_us.fetch_max(waited, Ordering::Relaxed);
         let reused = self.pop_live();
         let conn = match reused.and_then(|c| self.moved_here(c)) {
             Some(c) => c,
