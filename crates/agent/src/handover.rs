@@ -34,7 +34,11 @@ pub(crate) async fn pause_proxies(
     // without them.
     let auth = credentials.get();
     let auth = auth.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
-    let calls = urls.iter().map(|u| async move {
+    // Each connection manager once, however many members name it.
+    let mut urls: Vec<&String> = urls.iter().collect();
+    urls.sort();
+    urls.dedup();
+    let calls = urls.into_iter().map(|u| async move {
         let url = format!(
             "{u}/pause?service=%2Awriters&wait_ms={}",
             SWITCHOVER_DRAIN.as_millis()
@@ -67,7 +71,11 @@ pub(crate) async fn pause_proxies(
 pub(crate) async fn resume_proxies(urls: &[String], credentials: &crate::api::Credentials) {
     let auth = credentials.get();
     let auth = auth.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
-    let calls = urls.iter().map(|u| async move {
+    // Each connection manager once, however many members name it.
+    let mut urls: Vec<&String> = urls.iter().collect();
+    urls.sort();
+    urls.dedup();
+    let calls = urls.into_iter().map(|u| async move {
         let url = format!("{u}/resume?service=%2Awriters");
         match crate::http_client::request("POST", &url, None, auth, Duration::from_secs(5)).await
         {

@@ -74,6 +74,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // Where the other members' agents pause this node's pools: a
         // wildcard bind address is no place to call.
         let proxy_url = agent.advertised_proxy_url(config.listen.http);
+        let reachable_only_here = |host: &str| {
+            host == "localhost"
+                || host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        };
+        if agent.proxy_url.is_none()
+            && config.listen.http.ip().is_loopback()
+            && !reachable_only_here(&agent.pg_connect_address.host)
+        {
+            tracing::warn!(
+                http = %config.listen.http,
+                "listen.http is a loopback address, so the other members cannot pause this node's pools around a switchover and its transaction-pooled clients would see errors: listen on an address they reach, or set agent.proxy_url"
+            );
+        }
         let start = pgwarden_agent::start(
             agent,
             etcd,
