@@ -333,6 +333,9 @@ pub async fn serve(
             }
         }
     }
+    // Nothing reloads from here on: an admin console's RELOAD is answered
+    // at once rather than left waiting through the shutdown.
+    drop(admin_reload);
     tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions");
     proxy.shutdown().await;
     if let Some(agent) = agent {

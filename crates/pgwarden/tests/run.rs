@@ -378,7 +378,7 @@ async fn admin_console_disable_enable_and_shutdown() {
         &listening(
             &[c.addr(0)],
             (rw, ro, http),
-            "[engine]\nshutdown_timeout = \"1s\"\n\
+            "[engine]\nshutdown_timeout = \"5s\"\n\
              [pool]\nmode = \"transaction\"\nsize = 3\nmax_db_connections = 2\n\
              max_user_connections = 4\nadmin_users = [\"postgres\"]\n\
              [pool.databases.postgres]\nmax_db_connections = 1\n",
@@ -456,6 +456,15 @@ async fn admin_console_disable_enable_and_shutdown() {
     assert_eq!(common::one(&again, "SELECT 9").await, "9");
 
     console.batch_execute("SHUTDOWN").await.unwrap();
+    // Sessions may finish (up to shutdown_timeout); a RELOAD meanwhile is
+    // answered at once, not left waiting through it.
+    let reload =
+        tokio::time::timeout(Duration::from_secs(3), console.batch_execute("RELOAD")).await;
+    assert!(
+        matches!(reload, Ok(Err(_))),
+        "RELOAD while shutting down: {reload:?}"
+    );
+    drop((console, connected, again));
     let status = eventually("process exit", WAIT, || {
         let s = pg.child.try_wait().unwrap();
         async move { s.ok_or_else(|| "running".to_string()) }

@@ -536,7 +536,7 @@ fn command(
                 out,
                 Severity::Error,
                 sqlstate::FEATURE_NOT_SUPPORTED.code(),
-                "this pgwarden has no configuration file to reload",
+                "nothing to reload: this pgwarden runs without a configuration file, or is shutting down",
                 None,
                 None,
             ),
