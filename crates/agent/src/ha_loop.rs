@@ -1195,7 +1195,12 @@ impl HaLoop {
             // renewal failed: the watchdog's time-out (ttl − safety_margin)
             // then runs from about the last renewal, and resets a hung
             // leader before its lease can run out.
-            if !self.watchdog.armed() || self.watchdog_fed_for != self.last_renewal {
+            // In maintenance mode the leader stays what it is even with
+            // etcd out of reach, as documented: fed every round then.
+            if !self.watchdog.armed()
+                || self.watchdog_fed_for != self.last_renewal
+                || matches!(decision, Decision::Paused { .. })
+            {
                 if let Err(e) = self.watchdog.arm() {
                     tracing::error!("cannot arm the watchdog: {e}");
                 }
@@ -1368,7 +1373,7 @@ impl HaLoop {
                     .delete_failover_if(self.snapshot.failover_revision)
                     .await
                 {
-                    Ok(true) => tracing::warn!("scheduled switchover withdrawn: {reason}"),
+                    Ok(true) => tracing::warn!("switchover request withdrawn: {reason}"),
                     Ok(false) => {}
                     Err(e) => tracing::warn!(error = %e, "cannot withdraw the switchover request"),
                 }
@@ -4047,7 +4052,13 @@ impl HaLoop {
         // A primary starts again only with a lease that still stands: one
         // that lapsed during a slow stop may have let another member be
         // promoted. The next round then decides what this node is.
-        if lease.is_some() && !self.obs.pg.in_recovery && !self.renew().await {
+        // In maintenance mode the operator owns PostgreSQL: started as
+        // asked, whatever etcd says.
+        if lease.is_some()
+            && !self.obs.pg.in_recovery
+            && !record::paused(&self.snapshot)
+            && !self.renew().await
+        {
             tracing::warn!("not starting PostgreSQL again as the primary: the leader lease could not be renewed after the stop");
             return;
         }

@@ -123,6 +123,9 @@ impl fmt::Display for Decision {
                 f.write_str("paused: renewing the leader lease, no automatic failover")
             }
             Decision::Paused { renew_lease: false } => f.write_str("paused: no automatic failover"),
+            Decision::CancelSwitchover {
+                reason: r @ CancelReason::Stale { .. },
+            } => write!(f, "withdrawing the switchover request: {r}"),
             Decision::CancelSwitchover { reason } => {
                 write!(f, "cancelling the scheduled switchover: {reason}")
             }
@@ -247,6 +250,16 @@ pub enum CancelReason {
         /// The stored value.
         scheduled_at: String,
     },
+    /// A switchover request this leader must not act on and nobody else
+    /// will: away from another (earlier) leader, or one whose key was
+    /// handed over already and is now held again. Left in place, it would
+    /// steer a later election.
+    Stale {
+        /// The leader it was meant to move away from.
+        from_leader: String,
+        /// Whether that leader had handed its key over.
+        released: bool,
+    },
 }
 
 impl fmt::Display for CancelReason {
@@ -259,6 +272,13 @@ impl fmt::Display for CancelReason {
             ),
             CancelReason::Unreadable { scheduled_at } => {
                 write!(f, "its time {scheduled_at:?} cannot be read")
+            }
+            CancelReason::Stale {
+                from_leader,
+                released: true,
+            } => write!(f, "{from_leader} handed its key over already"),
+            CancelReason::Stale { from_leader, .. } => {
+                write!(f, "it is away from {from_leader}, which no longer leads")
             }
         }
     }
@@ -490,6 +510,11 @@ fn as_leader(
             _ => {}
         }
     }
+    if cancel.is_none() {
+        if let Some(reason) = stale_request(view, local) {
+            return Decision::CancelSwitchover { reason };
+        }
+    }
     if let Some(candidate) = switchover_target(view, local, ranking) {
         return Decision::ReleaseLeader {
             reason: ReleaseReason::Switchover { candidate },
@@ -529,6 +554,20 @@ fn as_leader(
         Some(reason) => Decision::CancelSwitchover { reason },
         None => Decision::RenewLease,
     }
+}
+
+/// Why the leader should withdraw the pending switchover request, if it
+/// is one left over: aimed at an earlier leader (this one took the key in
+/// an election meanwhile), or handed over already (the candidate did not
+/// take the key, and this node holds it again). Its `released` mark would
+/// otherwise let a later election skip the checks for its candidate.
+fn stale_request(view: &ClusterView, local: &LocalView) -> Option<CancelReason> {
+    let req = view.failover_request.as_ref()?;
+    let from = req.from_leader.as_deref()?;
+    (from != local.name || req.released).then(|| CancelReason::Stale {
+        from_leader: from.to_string(),
+        released: req.released,
+    })
 }
 
 /// The member a pending switchover away from this leader should go to, if
@@ -677,10 +716,18 @@ fn without_leader(
 /// answer for seconds when its host is gone rather than refusing.
 ///
 /// A running primary that only waits stops taking writes meanwhile: the
-/// key it sees run out may be its own (a loop that stalled for a ttl), and
-/// another member may take it the moment etcd deletes it.
+/// key it sees run out may be its own (a loop that stalled for a ttl) or
+/// another's, and another member may take it the moment etcd deletes it.
 fn acquire(view: &ClusterView, local: &LocalView, reason: AcquireReason) -> Decision {
-    if view.leader.is_some() {
+    if let Some(key) = &view.leader {
+        // This node's own key from an earlier run of its agent (a lease
+        // this process does not hold): its primary keeps going until it
+        // can take the key back, as while the key still had time left.
+        if key.name == local.name && !local.holds_lease {
+            return Decision::WaitForLeader {
+                reason: WaitReason::KeyExpiring,
+            };
+        }
         return stand_by(view, local, WaitReason::KeyExpiring);
     }
     Decision::AcquireLeader { reason }
@@ -1132,6 +1179,18 @@ mod tests {
                        to delete its key",
             },
             Case {
+                name: "a primary under a restarted agent waits for its own old key",
+                cluster: {
+                    let mut v = free().leader("n1").build();
+                    v.leader.as_mut().unwrap().lease_ttl_left = Some(Duration::ZERO);
+                    v
+                },
+                local: local("n1").primary().build(),
+                want: wait(WaitReason::KeyExpiring),
+                says: "waiting for a leader: the leader's lease has run out; waiting for etcd \
+                       to delete its key",
+            },
+            Case {
                 name: "a primary whose own key ran out stops taking writes while it waits",
                 cluster: {
                     let mut v = free().leader("n1").build();
@@ -1552,15 +1611,37 @@ mod tests {
                 says: "releasing the leader key: switching over to n2",
             },
             Case {
-                name: "not when aimed at another leader",
+                name: "not when aimed at another leader: it is withdrawn",
                 cluster: cluster()
                     .leader("n1")
                     .replica("n2", 0)
                     .switchover("n0", "n2")
                     .build(),
                 local: local("n1").primary().holding_lease().build(),
-                want: Decision::RenewLease,
-                says: "no action: I am the leader with the lock",
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Stale {
+                        from_leader: "n0".into(),
+                        released: false,
+                    },
+                },
+                says: "withdrawing the switchover request: it is away from n0, which no longer \
+                       leads",
+            },
+            Case {
+                name: "nor when handed over already and the key is held again",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .handed_over("n1", "n2")
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Stale {
+                        from_leader: "n1".into(),
+                        released: true,
+                    },
+                },
+                says: "withdrawing the switchover request: n1 handed its key over already",
             },
         ]);
     }

@@ -176,9 +176,21 @@ pub async fn serve(
             // switchover with the API credentials; anyone else needs
             // them too, from the start.
             proxy.set_http_credentials(Arc::new(move || api_credentials.clone()));
+            let admin_shutdown = proxy.shutdown_requests();
             let handle = tokio::select! {
-                h = start => h?,
+                h = start => match h {
+                    Ok(h) => h,
+                    Err(e) => {
+                        proxy.shutdown().await;
+                        return Err(e);
+                    }
+                },
                 _ = &mut stop => {
+                    proxy.shutdown().await;
+                    return Ok(());
+                }
+                _ = admin_shutdown.notified() => {
+                    tracing::info!("admin console: SHUTDOWN");
                     proxy.shutdown().await;
                     return Ok(());
                 }
