@@ -493,19 +493,13 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
 /// that cannot be read is an error.
 pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeConfig> {
     let c = &config.cluster;
-    let password = match (&c.password, &c.password_file) {
-        (Some(p), _) => Some(p.clone()),
-        (None, Some(file)) => {
-            let file = config_dir.join(file);
-            Some(
-                std::fs::read_to_string(&file)
-                    .with_context(|| format!("cluster.password_file: {}", file.display()))?
-                    .trim_end_matches(['\r', '\n'])
-                    .to_string(),
-            )
-        }
-        (None, None) => std::env::var("PGPASSWORD").ok(),
-    };
+    let password = password(
+        c.password.as_ref(),
+        c.password_file.as_deref(),
+        "cluster.password_file",
+        "PGPASSWORD",
+        config_dir,
+    )?;
     Ok(ProbeConfig {
         user: c.user.clone(),
         dbname: c.dbname.clone(),
@@ -518,6 +512,31 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
     })
 }
 
+/// A password given outright, else read from its `file` (relative to
+/// `config_dir`; one that cannot be read is an error naming `key`), else
+/// from the environment variable `env`.
+fn password(
+    given: Option<&String>,
+    file: Option<&Path>,
+    key: &str,
+    env: &str,
+    config_dir: &Path,
+) -> anyhow::Result<Option<String>> {
+    Ok(match (given, file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(file)) => {
+            let file = config_dir.join(file);
+            Some(
+                std::fs::read_to_string(&file)
+                    .with_context(|| format!("{key}: {}", file.display()))?
+                    .trim_end_matches(['\r', '\n'])
+                    .to_string(),
+            )
+        }
+        (None, None) => std::env::var(env).ok(),
+    })
+}
+
 /// The proxy's services and ports from the configuration; server
 /// connections log in with the probe's password.
 pub fn proxy_spec(
@@ -525,23 +544,15 @@ pub fn proxy_spec(
     config_dir: &Path,
     probe: &ProbeConfig,
 ) -> anyhow::Result<ProxySpec> {
-    // As for the cluster's password: given outright, else from its file
-    // (which must be readable), else from the environment.
     let auth_password = match config.auth.as_ref() {
         None => None,
-        Some(a) => match (&a.auth_password, &a.auth_password_file) {
-            (Some(p), _) => Some(p.clone()),
-            (None, Some(file)) => {
-                let file = config_dir.join(file);
-                Some(
-                    std::fs::read_to_string(&file)
-                        .with_context(|| format!("auth.auth_password_file: {}", file.display()))?
-                        .trim_end_matches(['\r', '\n'])
-                        .to_string(),
-                )
-            }
-            (None, None) => std::env::var("PGWARDEN_AUTH_PASSWORD").ok(),
-        },
+        Some(a) => password(
+            a.auth_password.as_ref(),
+            a.auth_password_file.as_deref(),
+            "auth.auth_password_file",
+            "PGWARDEN_AUTH_PASSWORD",
+            config_dir,
+        )?,
     };
     // A password given outright serves every server; otherwise each pool
     // finds its own line in the password file when it connects.

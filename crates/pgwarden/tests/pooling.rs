@@ -675,13 +675,7 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
 
 /// `pgwarden_pool_clients_waiting` summed over every pool.
 async fn clients_waiting(http: std::net::SocketAddr) -> f64 {
-    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
-        .await
-        .unwrap();
-    body.lines()
-        .filter(|l| l.starts_with("pgwarden_pool_clients_waiting{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    pool_metric(http, "pgwarden_pool_clients_waiting").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
