@@ -442,6 +442,20 @@ mod tests {
         s
     }
 
+    /// `pg_stat_replication` rows of streaming quorum standbys.
+    fn quorum_rows(names: &[&str]) -> Vec<ReplicationRow> {
+        names
+            .iter()
+            .map(|n| ReplicationRow {
+                application_name: n.to_string(),
+                state: "streaming".into(),
+                sync_state: "quorum".into(),
+                replay_lsn: None,
+                slot_name: None,
+            })
+            .collect()
+    }
+
     fn build(specs: Vec<Spec>, config: TopologyConfig) -> Topology {
         let now = Instant::now();
         let mut t = Topology::new(specs.iter().map(|s| s.config.clone()).collect(), config);
@@ -714,16 +728,7 @@ mod tests {
         p.config.tags = vec!["backup".into()];
         if let Some(o) = p.probe.as_mut() {
             o.synchronous_standby_names = Some("ANY 1 (lagging, plain)".into());
-            o.replication = ["lagging", "plain"]
-                .iter()
-                .map(|n| ReplicationRow {
-                    application_name: n.to_string(),
-                    state: "streaming".into(),
-                    sync_state: "quorum".into(),
-                    replay_lsn: None,
-                    slot_name: None,
-                })
-                .collect();
+            o.replication = quorum_rows(&["lagging", "plain"]);
         }
         let specs = vec![
             p,
@@ -778,16 +783,7 @@ mod tests {
         if let Some(o) = p.probe.as_mut() {
             o.timeline = Some(2);
             o.synchronous_standby_names = Some("ANY 1 (delayed, fenced, etl)".into());
-            o.replication = ["delayed", "fenced", "etl"]
-                .iter()
-                .map(|n| ReplicationRow {
-                    application_name: n.to_string(),
-                    state: "streaming".into(),
-                    sync_state: "quorum".into(),
-                    replay_lsn: None,
-                    slot_name: None,
-                })
-                .collect();
+            o.replication = quorum_rows(&["delayed", "fenced", "etl"]);
         }
         let on_timeline_2 = |mut s: Spec| {
             if let Some(o) = s.probe.as_mut() {
