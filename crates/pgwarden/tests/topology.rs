@@ -644,9 +644,12 @@ async fn a_cascading_replica_sharing_a_name_leaves_the_sync_standby_known() {
     })
     .await;
     let e = engine(&c.addrs(), TopologyConfig::default());
+    // Every host probed (a round may end before node3's first answer,
+    // and an unanswered host has no sync state either).
     let snap = until(&e, "node2 sync, node3 no row of the primary's", WAIT, |s| {
-        let st: Vec<_> = s.topology.hosts().iter().map(|h| h.sync_state).collect();
-        (st == [None, Some(SyncState::Sync), None])
+        let hosts = s.topology.hosts();
+        let st: Vec<_> = hosts.iter().map(|h| h.sync_state).collect();
+        (st == [None, Some(SyncState::Sync), None] && hosts.iter().all(|h| h.alive))
             .then_some(())
             .ok_or(format!("{st:?}"))
     })
