@@ -250,7 +250,11 @@ fn extended(
             match result.first() {
                 Some(b'T') => {
                     let len = u32::from_be_bytes([result[1], result[2], result[3], result[4]]);
-                    out.put_slice(&result[..1 + len as usize]);
+                    // Rows go out in text format only, while a driver may
+                    // ask for integers in binary: every column is text here.
+                    let desc = &mut result[..1 + len as usize];
+                    all_text(desc);
+                    out.put_slice(desc);
                 }
                 Some(b'E') => {
                     out.put_slice(&result);
@@ -1102,13 +1106,26 @@ fn show_users(shared: &Shared, out: &mut BytesMut) {
 fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>], tag: &str) {
     let mut desc = BytesMut::new();
     desc.put_u16(columns.len() as u16);
-    for c in columns {
+    for (i, c) in columns.iter().enumerate() {
         desc.put_slice(c.as_bytes());
         desc.put_u8(0);
         desc.put_u32(0); // table oid
         desc.put_u16(0); // column number
-        desc.put_u32(25); // text
-        desc.put_i16(-1);
+                         // Counts and times as integers, as PgBouncer sends them, so that
+                         // drivers hand scripts numbers (`row["cl_waiting"] > 0`); always
+                         // in text format.
+        let numeric = !TEXT_COLUMNS.contains(c)
+            && !rows.is_empty()
+            && rows
+                .iter()
+                .all(|r| r.get(i).is_some_and(|v| v.parse::<i64>().is_ok()));
+        if numeric {
+            desc.put_u32(20); // int8
+            desc.put_i16(8);
+        } else {
+            desc.put_u32(25); // text
+            desc.put_i16(-1);
+        }
         desc.put_i32(-1);
         desc.put_u16(0); // text format
     }
@@ -1129,9 +1146,99 @@ fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>], tag: &str) 
     encode::command_complete(out, tag);
 }
 
+/// Marks every column of a RowDescription (`T` message) as text: the
+/// type the extended protocol's results are described as here, since the
+/// console writes every value in text format whatever a Bind asks for.
+fn all_text(desc: &mut [u8]) {
+    let Some(count) = desc.get(5..7).map(|b| u16::from_be_bytes([b[0], b[1]])) else {
+        return;
+    };
+    let mut at = 7;
+    for _ in 0..count {
+        let Some(nul) = desc.get(at..).and_then(|d| d.iter().position(|b| *b == 0)) else {
+            return;
+        };
+        at += nul + 1 + 4 + 2;
+        let Some(field) = desc.get_mut(at..at + 6) else {
+            return;
+        };
+        field[..4].copy_from_slice(&25u32.to_be_bytes());
+        field[4..6].copy_from_slice(&(-1i16).to_be_bytes());
+        at += 4 + 2 + 4 + 2;
+    }
+}
+
+/// Columns that are text whatever their values look like: names,
+/// addresses and settings (`SHOW CONFIG`'s `value` of `20` is a setting's
+/// text, as in PgBouncer).
+const TEXT_COLUMNS: &[&str] = &[
+    "database",
+    "user",
+    "name",
+    "host",
+    "addr",
+    "local_addr",
+    "key",
+    "value",
+    "default",
+    "changeable",
+    "list",
+    "type",
+    "state",
+    "application_name",
+    "force_user",
+    "ptr",
+    "link",
+    "version",
+    "pool_mode",
+    "tls",
+    "connect_time",
+    "request_time",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_go_out_as_integers_names_and_settings_as_text() {
+        let mut out = BytesMut::new();
+        table(
+            &mut out,
+            &["database", "cl_waiting", "value", "note"],
+            &[
+                vec!["123".into(), "4".into(), "20".into(), "x".into()],
+                vec!["db".into(), "0".into(), "on".into(), "7".into()],
+            ],
+            "SHOW",
+        );
+        // RowDescription: per column, name NUL, table oid, column, type oid.
+        let body = &out[7..];
+        let mut types = Vec::new();
+        let mut at = 0;
+        for _ in 0..4 {
+            let nul = body[at..].iter().position(|b| *b == 0).unwrap();
+            at += nul + 1 + 4 + 2;
+            types.push(u32::from_be_bytes(body[at..at + 4].try_into().unwrap()));
+            at += 4 + 2 + 4 + 2;
+        }
+        assert_eq!(types, [25, 20, 25, 25]);
+        // What the extended protocol describes: text throughout.
+        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        all_text(&mut out[..1 + len]);
+        let body = &out[7..];
+        let mut at = 0;
+        for _ in 0..4 {
+            let nul = body[at..].iter().position(|b| *b == 0).unwrap();
+            at += nul + 1 + 4 + 2;
+            assert_eq!(u32::from_be_bytes(body[at..at + 4].try_into().unwrap()), 25);
+            assert_eq!(
+                i16::from_be_bytes(body[at + 4..at + 6].try_into().unwrap()),
+                -1
+            );
+            at += 4 + 2 + 4 + 2;
+        }
+    }
 
     fn name(sql: &str) -> Option<String> {
         let words: Vec<String> = sql

@@ -21,6 +21,19 @@ public class JdbcAdmin {
             p.setProperty("preferQueryMode", mode);
             try (Connection c = DriverManager.getConnection("jdbc:postgresql://127.0.0.1:" + port + "/pgwarden", p)) {
                 try (Statement s = c.createStatement(); ResultSet rs = s.executeQuery("SHOW POOLS")) {
+                    // Counts are integers, names text, as PgBouncer sends them
+                    // (simple protocol; the extended one describes text).
+                    java.sql.ResultSetMetaData md = rs.getMetaData();
+                    for (int i = 1; i <= md.getColumnCount() && mode.equals("simple"); i++) {
+                        String col = md.getColumnLabel(i);
+                        int t = md.getColumnType(i);
+                        if (col.equals("cl_active") && t != java.sql.Types.BIGINT) {
+                            throw new AssertionError(mode + ": cl_active is of type " + t);
+                        }
+                        if (col.equals("database") && t != java.sql.Types.VARCHAR) {
+                            throw new AssertionError(mode + ": database is of type " + t);
+                        }
+                    }
                     int n = 0;
                     while (rs.next()) {
                         rs.getString("cl_active");
