@@ -1417,13 +1417,6 @@ impl HaLoop {
     /// times out marks etcd unreachable, as a failed read does: the round
     /// is decided again from that, and the next one comes at the retry
     /// pace rather than a whole `loop_wait` later.
-    /// Whether the leader lease may have run out: no renewal within the
-    /// demotion deadline (`loop_wait + retry_timeout`).
-    fn lease_lapsed(&self) -> bool {
-        self.last_renewal
-            .is_none_or(|t| t.elapsed() >= self.timing.demote_after())
-    }
-
     async fn renew(&mut self) -> bool {
         let Some(lease) = self.lease else {
             return false;
@@ -1858,7 +1851,7 @@ impl HaLoop {
         // A promotion that outlasted the lease (renewals failing while
         // PostgreSQL replayed a backlog) ends with a primary another
         // member may already have been elected beside: it stops at once.
-        if promoted.is_ok() && self.lease_lapsed() && !self.renew().await {
+        if promoted.is_ok() && !self.lease_fresh() && !self.renew().await {
             let since = self.last_renewal.map_or(Duration::MAX, |t| t.elapsed());
             self.demote(&DemoteReason::LeaseRenewalFailed {
                 since,

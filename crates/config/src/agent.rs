@@ -282,9 +282,8 @@ impl AgentConfig {
         match &self.proxy_url {
             Some(u) => u.clone(),
             None if http.ip().is_unspecified() => format!(
-                "http://{}:{}",
-                url_host(&self.pg_connect_address.host),
-                http.port()
+                "http://{}",
+                HostAddr::new(self.pg_connect_address.host.clone(), http.port())
             ),
             None => format!("http://{http}"),
         }
@@ -556,7 +555,7 @@ pub(crate) fn agent(
     // A wildcard API address is advertised at the host other members reach
     // PostgreSQL at.
     let advertised = if api.ip().is_unspecified() {
-        format!("{}:{}", url_host(&pg_connect_address.host), api.port())
+        HostAddr::new(pg_connect_address.host.clone(), api.port()).to_string()
     } else {
         api.to_string()
     };
@@ -737,15 +736,6 @@ pub(crate) fn agent(
         replica_methods: all_methods,
         bootstrap,
     })
-}
-
-/// `host` as the host part of a URL: an IPv6 literal in brackets.
-fn url_host(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host.to_string()
-    }
 }
 
 /// `[agent.bootstrap]`, checked: parameter names, one line each, and no

@@ -709,10 +709,10 @@ pub struct Pool {
     baseline_app: AtomicBool,
 }
 
-/// One more in a count of waiting clients while it lives: counted down
-/// however the wait ends, the caller's dropping of the waiting future (a
-/// cancel request, a client that left) included.
-/// A client in line for a server connection ([`Pool::start_waiting`]).
+/// A client in line for a server connection ([`Pool::count_waiting`]):
+/// counted as waiting while it lives, and counted down however the wait
+/// ends, the caller's dropping of the waiting future (a cancel request, a
+/// client that left) included.
 struct Waiting<'a> {
     pool: &'a Pool,
     ticket: u64,
@@ -730,6 +730,8 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// One more in a count while it lives: counted down however the future
+/// holding it ends.
 struct Counted<'a>(&'a AtomicUsize, Ordering);
 
 impl<'a> Counted<'a> {
@@ -1180,16 +1182,10 @@ impl Pool {
         self.retired.load(Ordering::SeqCst)
     }
 
-    /// Counts a client as waiting for one of the pool's connections while
-    /// the guard lives, for a wait outside [`Pool::checkout`] (a paused
-    /// service).
+    /// Counts a client as waiting for one of the pool's connections, and
+    /// puts it in line for [`Pool::oldest_wait`], while the guard lives: in
+    /// [`Pool::checkout`], and for a wait outside it (a paused service).
     pub(crate) fn count_waiting(&self) -> impl Drop + '_ {
-        self.start_waiting()
-    }
-
-    /// Counts a client as waiting for a server connection, and puts it in
-    /// line for [`Pool::oldest_wait`], until the guard is dropped.
-    fn start_waiting(&self) -> Waiting<'_> {
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         let ticket = self.next_waiter.fetch_add(1, Ordering::Relaxed);
         self.waiters
@@ -1483,7 +1479,7 @@ impl Pool {
         warming: bool,
     ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
-        let waiting = self.start_waiting();
+        let waiting = self.count_waiting();
         let timer = match timer {
             Some(t) => {
                 t.as_mut().reset(deadline);
