@@ -79,6 +79,7 @@ pub(crate) struct RawCluster {
     pub probe_interval: Option<PositiveDur>,
     pub connect_timeout: Option<PositiveDur>,
     pub query_timeout: Option<PositiveDur>,
+    pub down_after_failures: Option<Spanned<u32>>,
     pub rtt_threshold: Option<Dur>,
     pub rtt_threshold_enabled: Option<bool>,
     pub max_replica_lag_bytes: Option<u64>,

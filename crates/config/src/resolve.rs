@@ -300,6 +300,15 @@ fn cluster(
         ));
     }
     let d = ClusterConfig::new(Vec::new());
+    if let Some(n) = &raw.down_after_failures {
+        if *n.get_ref() == 0 {
+            return Err(src.invalid(
+                Some(n.span()),
+                "cluster.down_after_failures",
+                "0 is out of range: expected 1 or more (1 marks a host down at its first failed probe)",
+            ));
+        }
+    }
     Ok(ClusterConfig {
         hosts,
         user: raw.user.map_or(d.user, |s| s.0),
@@ -309,6 +318,9 @@ fn cluster(
         probe_interval: raw.probe_interval.map_or(d.probe_interval, |v| v.0),
         connect_timeout: raw.connect_timeout.map_or(d.connect_timeout, |v| v.0),
         query_timeout: raw.query_timeout.map_or(d.query_timeout, |v| v.0),
+        down_after_failures: raw
+            .down_after_failures
+            .map_or(d.down_after_failures, Spanned::into_inner),
         rtt_threshold: raw.rtt_threshold.map_or(d.rtt_threshold, |v| v.0),
         rtt_threshold_enabled: raw.rtt_threshold_enabled.unwrap_or(d.rtt_threshold_enabled),
         max_replica_lag_bytes: raw.max_replica_lag_bytes,

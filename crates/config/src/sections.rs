@@ -33,6 +33,9 @@ pub struct ClusterConfig {
     pub connect_timeout: Duration,
     /// Longest the probe query may take; never zero.
     pub query_timeout: Duration,
+    /// Doubtful probe failures in a row before a host that was up counts
+    /// as down; at least 1.
+    pub down_after_failures: u32,
     /// Default RTT window for round-robin services.
     pub rtt_threshold: Duration,
     /// Whether services apply the RTT window unless they say otherwise.
@@ -59,6 +62,7 @@ impl ClusterConfig {
             probe_interval: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),
             query_timeout: Duration::from_secs(2),
+            down_after_failures: TopologyConfig::default().down_after_failures,
             rtt_threshold: Duration::from_millis(20),
             rtt_threshold_enabled: true,
             max_replica_lag_bytes: None,
@@ -76,6 +80,7 @@ impl ClusterConfig {
                 time: self.max_replica_lag,
             }),
             lag_hold: self.lag_hold,
+            down_after_failures: self.down_after_failures,
         }
     }
 
@@ -98,6 +103,7 @@ impl fmt::Debug for ClusterConfig {
             .field("probe_interval", &self.probe_interval)
             .field("connect_timeout", &self.connect_timeout)
             .field("query_timeout", &self.query_timeout)
+            .field("down_after_failures", &self.down_after_failures)
             .field("rtt_threshold", &self.rtt_threshold)
             .field("rtt_threshold_enabled", &self.rtt_threshold_enabled)
             .field("max_replica_lag_bytes", &self.max_replica_lag_bytes)

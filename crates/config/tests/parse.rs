@@ -120,6 +120,8 @@ fn defaults() {
     assert_eq!(cl.probe_interval, Duration::from_secs(1));
     assert_eq!(cl.connect_timeout, Duration::from_secs(2));
     assert_eq!(cl.query_timeout, Duration::from_secs(2));
+    assert_eq!(cl.down_after_failures, 3);
+    assert_eq!(cl.topology_config().down_after_failures, 3);
     assert_eq!(cl.rtt_threshold, ms(20));
     assert!(cl.rtt_threshold_enabled);
     assert_eq!(cl.max_replica_lag_bytes, None);
@@ -684,6 +686,20 @@ fn pool_and_engine_checks() {
         "pool.max_client_conn",
         "at least 1",
     );
+    fails(
+        &with("down_after_failures = 0\n"),
+        3,
+        "cluster.down_after_failures",
+        "out of range",
+    );
+    fails(
+        &with("down_after_failures = -1\n"),
+        3,
+        "cluster.down_after_failures",
+        "invalid value",
+    );
+    let c = parse(&with("down_after_failures = 1\n"), FILE).unwrap();
+    assert_eq!(c.cluster.topology_config().down_after_failures, 1);
     fails(
         &with("[engine]\nworker_threads = 0\n"),
         4,

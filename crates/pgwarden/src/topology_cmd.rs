@@ -36,7 +36,7 @@ pub struct Args {
     /// Longest connection attempt, in milliseconds.
     #[arg(long, default_value_t = 2000, value_name = "MS")]
     connect_timeout_ms: u64,
-    /// Longest probe query; past it the host counts as dead.
+    /// Longest probe query; past it the probe has failed.
     #[arg(long, default_value_t = 2000, value_name = "MS")]
     query_timeout_ms: u64,
     /// Print the hosts a selector picks for this role instead of the table.
@@ -73,6 +73,11 @@ pub struct Args {
     /// How long a lagging replica must stay within the limit to come back.
     #[arg(long, default_value_t = 10_000, value_name = "MS")]
     lag_hold_ms: u64,
+    /// Doubtful probe failures (time-outs, broken connections) in a row
+    /// before a host that was up counts as down; refused connections and
+    /// a server shutting down count at once.
+    #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    down_after_failures: u32,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -106,6 +111,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let topo_cfg = TopologyConfig {
         max_replica_lag,
         lag_hold: Duration::from_millis(args.lag_hold_ms),
+        down_after_failures: args.down_after_failures,
     };
     // Without PGPASSWORD, each host's own password file entry, as libpq.
     let password = std::env::var("PGPASSWORD").ok();

@@ -53,6 +53,7 @@ fn json_round_has_the_documented_fields_and_errors_stay_per_host() {
             "rtt_ms",
             "timeline",
             "error",
+            "failed_probes",
         ] {
             assert!(h.get(field).is_some(), "field {field} missing in {h}");
         }

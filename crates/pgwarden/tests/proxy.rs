@@ -734,6 +734,60 @@ async fn a_paused_relay_service_holds_new_sessions_until_resumed() {
     );
 }
 
+/// A probe that times out once is not a dead host: sessions on the host,
+/// relayed or pooled mid-transaction, go on; only `down_after_failures`
+/// (3 by default) such failures in a row would end them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lost_probe_does_not_end_sessions() {
+    let c = TestCluster::builder().replicas(1).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string()];
+    for pooled in [false, true] {
+        let settings = pooled.then(|| pgwarden_proxy::PoolSettings {
+            size: 2,
+            ..pgwarden_proxy::PoolSettings::default()
+        });
+        let (e, p) = common::proxy_with(&addrs, Duration::from_secs(10), settings, 10_000).await;
+        ready(&e, 2).await;
+        let ro = client(&via(&p, "read_only")).await.unwrap();
+        ro.simple_query("BEGIN").await.unwrap();
+        assert_eq!(one(&ro, "SELECT pg_is_in_recovery()").await, "t");
+        // Silent for one probe time-out, then back: the probe's query is
+        // lost, the session's idle socket never notices.
+        relay.set_blackhole(true);
+        let snap = until(&e, "a probe of the replica failed", WAIT, |s| {
+            let h = &s.topology.hosts()[1];
+            (h.failed_probes >= 1)
+                .then_some(())
+                .ok_or(format!("{} failed", h.failed_probes))
+        })
+        .await;
+        relay.set_blackhole(false);
+        let h = &snap.topology.hosts()[1];
+        assert!(
+            h.alive,
+            "pooled {pooled}: down after {} failure(s)",
+            h.failed_probes
+        );
+        until(&e, "the replica answers again", WAIT, |s| {
+            let h = &s.topology.hosts()[1];
+            (h.alive && h.failed_probes == 0)
+                .then_some(())
+                .ok_or(format!("{} failed, alive {}", h.failed_probes, h.alive))
+        })
+        .await;
+        // Two more rounds: every change has been acted on.
+        let round = e.snapshot().round;
+        e.wait_round(round + 2).await;
+        assert_eq!(
+            one(&ro, "SELECT pg_is_in_recovery()").await,
+            "t",
+            "pooled {pooled}: the session ended"
+        );
+        ro.simple_query("COMMIT").await.unwrap();
+    }
+}
+
 /// A server listed under two names is one primary: when its first name's
 /// probe fails for a while and the primary's entry moves to the second
 /// name and back, sessions and pools opened on the second name meanwhile

@@ -295,10 +295,14 @@ async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
     })
     .await;
     let took = start.elapsed();
-    // The probe in flight (or the next one, at most an interval later)
-    // runs into the query time-out.
+    // Time-outs may pass: the host is dead at the third in a row. Each
+    // probe (the one in flight, then reconnections) runs into a time-out,
+    // and the next starts at most an interval later.
+    let limit = TopologyConfig::default().down_after_failures;
+    assert_eq!(snap.topology.hosts()[1].failed_probes, limit);
+    let each = probe.query_timeout.max(probe.connect_timeout) + probe.interval;
     assert!(
-        took <= probe.query_timeout + probe.interval + Duration::from_millis(750),
+        took <= each * limit + Duration::from_millis(750),
         "dead after {took:?}"
     );
     assert!(snap.topology.hosts()[1]
@@ -330,6 +334,75 @@ async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
     .await;
 }
 
+/// A stopped server is dead at its first failed probe, whatever
+/// `down_after_failures` says: its connections are refused. A probe
+/// connection that breaks, between probes or in the middle of one, is no
+/// failure at all: the probe reconnects at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_dead_at_once_a_broken_probe_connection_is_not_a_failure() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let relay = Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let e = engine(
+        &[c.addr(0), relay.addr().to_string()],
+        TopologyConfig {
+            down_after_failures: 1,
+            ..TopologyConfig::default()
+        },
+    );
+    all_alive(&e).await;
+    // Watched closely for three rounds: a failure, even one, would mark
+    // the replica dead until its next probe.
+    let steady = |what: &'static str| {
+        let e = &e;
+        async move {
+            let r0 = e.snapshot().round;
+            while e.snapshot().round < r0 + 3 {
+                let snap = e.snapshot();
+                let h = &snap.topology.hosts()[1];
+                assert!(h.alive && h.failed_probes == 0, "{what}: {:?}", h.error);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    // Ended between probes.
+    sql_value(
+        &c.conninfo(1),
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = 'pgwarden-probe'",
+    )
+    .await;
+    steady("after the session ended").await;
+    // Broken in the middle of a probe: the partition holds the next
+    // probe's query (two rounds, well within its time-out), then the
+    // connection is reset and the partition lifted.
+    relay.set_blackhole(true);
+    let r0 = e.snapshot().round;
+    e.wait_round(r0 + 2).await;
+    relay.reset_all();
+    relay.set_blackhole(false);
+    steady("after a reset mid-probe").await;
+
+    // Stopped: dead at the first failed probe even with a limit of 1000.
+    let e = engine(
+        &c.addrs(),
+        TopologyConfig {
+            down_after_failures: 1000,
+            ..TopologyConfig::default()
+        },
+    );
+    all_alive(&e).await;
+    c.node(1).stop(StopMode::Fast).unwrap();
+    let snap = until(&e, "the stopped replica is dead", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (!h.alive)
+            .then_some(())
+            .ok_or(format!("{} failed", h.failed_probes))
+    })
+    .await;
+    let h = &snap.topology.hosts()[1];
+    assert_eq!(h.failed_probes, 1, "{:?}", h.error);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probe_reconnects_after_a_reset() {
     let c = TestCluster::builder().replicas(1).start();
@@ -357,6 +430,7 @@ async fn lagging_replica_is_skipped_and_readmitted_after_hold() {
                 time: None,
             }),
             lag_hold: hold,
+            ..TopologyConfig::default()
         },
     );
     all_alive(&e).await;
@@ -712,6 +786,7 @@ async fn replica_that_receives_nothing_falls_behind_in_time() {
                 time: Some(Duration::from_secs(2)),
             }),
             lag_hold: Duration::from_millis(500),
+            ..TopologyConfig::default()
         },
     );
     all_alive(&e).await;

@@ -369,6 +369,7 @@ impl Aggregator {
 fn log_event(e: &TopologyEvent) {
     match e {
         TopologyEvent::HostDown { .. }
+        | TopologyEvent::ProbeFailed { .. }
         | TopologyEvent::PrimaryConflict { .. }
         | TopologyEvent::SyncConfigInvalid { .. }
         | TopologyEvent::SyncAmbiguous { .. }
@@ -483,16 +484,49 @@ async fn probe_once(
     addr: &HostAddr,
     cfg: &ProbeConfig,
 ) -> ProbeResult {
+    // A connection kept from an earlier probe may have broken since (the
+    // server restarted, an operator ended it): that says little about the
+    // server, so a fresh connection is tried at once, and its outcome
+    // (refused, or an answer) is the probe's.
+    let reused = client.as_ref().is_some_and(|c| !c.is_closed());
+    match probe_on(client, addr, cfg).await {
+        Attempt::Broken(_) if reused => probe_on(client, addr, cfg).await.into(),
+        attempt => attempt.into(),
+    }
+}
+
+/// One probe over one connection.
+// Moved once per probe, as `ProbeResult` is; a box would add an allocation.
+#[allow(clippy::large_enum_variant)]
+enum Attempt {
+    Done(ProbeResult),
+    /// The connection broke during the probe's statements.
+    Broken(String),
+}
+
+impl From<Attempt> for ProbeResult {
+    fn from(a: Attempt) -> ProbeResult {
+        match a {
+            Attempt::Done(r) => r,
+            Attempt::Broken(e) => ProbeResult::Err(e),
+        }
+    }
+}
+
+async fn probe_on(client: &mut Option<Client>, addr: &HostAddr, cfg: &ProbeConfig) -> Attempt {
     if client.as_ref().is_none_or(Client::is_closed) {
         *client = None;
         match timeout(cfg.connect_timeout, connect(addr, cfg)).await {
             Ok(Ok(c)) => *client = Some(c),
-            Ok(Err(e)) => return ProbeResult::Err(error_text(&e)),
+            Ok(Err(e)) if certainly_down(&e) => {
+                return Attempt::Done(ProbeResult::Down(error_text(&e)))
+            }
+            Ok(Err(e)) => return Attempt::Done(ProbeResult::Err(error_text(&e))),
             Err(_) => {
-                return ProbeResult::Err(format!(
+                return Attempt::Done(ProbeResult::Err(format!(
                     "connection timed out after {} ms",
                     cfg.connect_timeout.as_millis()
-                ))
+                )))
             }
         }
     }
@@ -511,29 +545,37 @@ async fn probe_once(
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {
             *client = None;
-            return ProbeResult::Err(error_text(&e));
+            // A fatal error ends the session as surely as a reset does.
+            let broken = e
+                .as_db_error()
+                .is_none_or(|db| matches!(db.severity(), "FATAL" | "PANIC"));
+            return if broken {
+                Attempt::Broken(error_text(&e))
+            } else {
+                Attempt::Done(ProbeResult::Err(error_text(&e)))
+            };
         }
         Err(_) => {
             // The connection may be wedged behind a partition; a fresh one
             // is the only way to learn when the host is back.
             *client = None;
-            return ProbeResult::Err(format!(
+            return Attempt::Done(ProbeResult::Err(format!(
                 "probe query timed out after {} ms",
                 cfg.query_timeout.as_millis()
-            ));
+            )));
         }
     };
     let Some(row) = messages.iter().find_map(|m| match m {
         SimpleQueryMessage::Row(r) => Some(r),
         _ => None,
     }) else {
-        return ProbeResult::Err("probe query returned no row".into());
+        return Attempt::Done(ProbeResult::Err("probe query returned no row".into()));
     };
     let cols: Vec<Option<&str>> = (0..row.len()).map(|i| row.get(i)).collect();
-    match parse_observation_row(&cols, rtt) {
+    Attempt::Done(match parse_observation_row(&cols, rtt) {
         Ok(obs) => ProbeResult::Ok(obs),
         Err(e) => ProbeResult::Err(e),
-    }
+    })
 }
 
 async fn connect(addr: &HostAddr, cfg: &ProbeConfig) -> Result<Client, tokio_postgres::Error> {
@@ -557,6 +599,28 @@ async fn connect(addr: &HostAddr, cfg: &ProbeConfig) -> Result<Client, tokio_pos
         }
     });
     Ok(client)
+}
+
+/// Whether a failed connection attempt proves that the server does not
+/// serve: nothing listens at its address (a refused TCP connection, a
+/// missing Unix socket), or it says it is starting up, shutting down or
+/// recovering from a crash (57P03). A time-out, a reset or a refused login
+/// may pass, and counts toward `down_after_failures` instead.
+fn certainly_down(e: &tokio_postgres::Error) -> bool {
+    if let Some(db) = e.as_db_error() {
+        return *db.code() == tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            );
+        }
+        source = s.source();
+    }
+    false
 }
 
 fn error_text(e: &tokio_postgres::Error) -> String {

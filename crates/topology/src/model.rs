@@ -300,8 +300,15 @@ pub struct Observation {
 pub enum ProbeResult {
     /// The server answered.
     Ok(Observation),
-    /// The server could not be reached or the probe failed; the text says why.
+    /// The probe failed in a way that may pass (a time-out, a broken
+    /// connection, an unexpected answer); the text says why. A host that
+    /// was up is marked down only after
+    /// [`TopologyConfig::down_after_failures`] of these in a row.
     Err(String),
+    /// The server certainly does not serve: nothing listens at its address,
+    /// or it says it is starting up or shutting down. The host is marked
+    /// down at once.
+    Down(String),
 }
 
 /// Parses PostgreSQL's textual LSN form `XXXXXXXX/XXXXXXXX` (two hex halves).
@@ -393,6 +400,11 @@ pub struct TopologyConfig {
     /// How long an excluded replica must stay within the limit before it is
     /// readmitted, so that a replica hovering at the limit does not flap.
     pub lag_hold: Duration,
+    /// How many doubtful probe failures ([`ProbeResult::Err`]) in a row
+    /// mark a host that was up as down; at least 1. Until then the host
+    /// keeps its role and its sessions: one slow answer under load must
+    /// not end every session on a healthy server.
+    pub down_after_failures: u32,
 }
 
 impl Default for TopologyConfig {
@@ -400,6 +412,7 @@ impl Default for TopologyConfig {
         TopologyConfig {
             max_replica_lag: None,
             lag_hold: Duration::from_secs(10),
+            down_after_failures: 3,
         }
     }
 }

@@ -464,7 +464,7 @@ mod tests {
                 t.apply(i, ProbeResult::Ok(o.clone()), now);
             }
             if s.config.has_tag("__dead") {
-                t.apply(i, ProbeResult::Err("down".into()), now);
+                t.apply(i, ProbeResult::Down("down".into()), now);
             }
         }
         t
@@ -747,6 +747,7 @@ mod tests {
                     time: None,
                 }),
                 lag_hold: Duration::from_secs(10),
+                ..TopologyConfig::default()
             },
         );
         // Re-apply the primary so every replica's lag is evaluated.

@@ -47,6 +47,10 @@ pub struct HostState {
     pub delayed: bool,
     /// Message of the last failed probe; cleared by a successful one.
     pub error: Option<String>,
+    /// Failed probes since the last successful one. A host that was up
+    /// stays up (with its role and sessions) until doubtful failures reach
+    /// [`TopologyConfig::down_after_failures`].
+    pub failed_probes: u32,
     /// When the last successful probe was applied.
     pub last_ok: Option<Instant>,
     /// Excluded from read traffic for lagging too far behind.
@@ -94,6 +98,7 @@ impl HostState {
             replay_delay: None,
             delayed: false,
             error: None,
+            failed_probes: 0,
             last_ok: None,
             lag_excluded: false,
             off_primary: None,
@@ -167,6 +172,18 @@ pub enum TopologyEvent {
         host: HostAddr,
         /// The probe error.
         error: String,
+    },
+    /// A probe of a host that is up failed in a way that may pass; the
+    /// host stays up until `limit` such failures in a row.
+    ProbeFailed {
+        /// The host.
+        host: HostAddr,
+        /// The probe error.
+        error: String,
+        /// Failures in a row so far.
+        failures: u32,
+        /// Failures in a row that mark the host down.
+        limit: u32,
     },
     /// A host reported a different role than before.
     RoleChanged {
@@ -276,6 +293,15 @@ impl fmt::Display for TopologyEvent {
         match self {
             TopologyEvent::HostUp { host } => write!(f, "host {host} is up"),
             TopologyEvent::HostDown { host, error } => write!(f, "host {host} is down: {error}"),
+            TopologyEvent::ProbeFailed {
+                host,
+                error,
+                failures,
+                limit,
+            } => write!(
+                f,
+                "probe of host {host} failed ({failures} of {limit} in a row before it counts as down): {error}"
+            ),
             TopologyEvent::RoleChanged { host, from, to } => {
                 write!(f, "host {host} changed role from {from} to {to}")
             }
@@ -475,6 +501,7 @@ impl Topology {
         };
         let first = !h.probed;
         h.probed = true;
+        let doubtful = matches!(result, ProbeResult::Err(_));
         match result {
             ProbeResult::Ok(obs) => {
                 if !h.alive {
@@ -496,6 +523,7 @@ impl Topology {
                     });
                 }
                 h.alive = true;
+                h.failed_probes = 0;
                 h.role = role;
                 h.rtt.update(obs.rtt);
                 // A replica whose WAL receiver is down reports no timeline,
@@ -521,15 +549,28 @@ impl Topology {
                 }
                 h.observation = Some(obs);
             }
-            ProbeResult::Err(error) => {
-                if h.alive || first {
-                    events.push(TopologyEvent::HostDown {
+            ProbeResult::Err(error) | ProbeResult::Down(error) => {
+                h.failed_probes = h.failed_probes.saturating_add(1);
+                let limit = self.config.down_after_failures.max(1);
+                if h.alive && doubtful && h.failed_probes < limit {
+                    // Up it stays, as last seen: its sessions go on, and a
+                    // connection it cannot take is retried elsewhere.
+                    events.push(TopologyEvent::ProbeFailed {
                         host: h.config.addr.clone(),
                         error: error.clone(),
+                        failures: h.failed_probes,
+                        limit,
                     });
+                } else {
+                    if h.alive || first {
+                        events.push(TopologyEvent::HostDown {
+                            host: h.config.addr.clone(),
+                            error: error.clone(),
+                        });
+                    }
+                    h.alive = false;
+                    h.rtt.reset();
                 }
-                h.alive = false;
-                h.rtt.reset();
                 h.error = Some(error);
             }
         }
@@ -1348,7 +1389,7 @@ pub(crate) mod tests {
             .apply(1, ProbeResult::Ok(replica_obs("r", 100, 2)), t0)
             .is_empty());
         assert!(t.host(9).is_none());
-        assert!(t.apply(9, ProbeResult::Err("x".into()), t0).is_empty());
+        assert!(t.apply(9, ProbeResult::Down("x".into()), t0).is_empty());
     }
 
     #[test]
@@ -1358,7 +1399,7 @@ pub(crate) mod tests {
         t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
         t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 30)), t0);
         t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 10)), t0);
-        let ev = t.apply(1, ProbeResult::Err("timeout".into()), t0);
+        let ev = t.apply(1, ProbeResult::Down("timeout".into()), t0);
         assert_eq!(
             ev,
             vec![TopologyEvent::HostDown {
@@ -1373,14 +1414,14 @@ pub(crate) mod tests {
         assert_eq!(h.error.as_deref(), Some("timeout"));
         assert!(h.observation().is_some());
         // Further failures are not news.
-        assert!(t.apply(1, ProbeResult::Err("again".into()), t0).is_empty());
+        assert!(t.apply(1, ProbeResult::Down("again".into()), t0).is_empty());
         assert_eq!(t.hosts()[1].error.as_deref(), Some("again"));
         // Recovery starts the RTT estimate afresh and clears the error.
         t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 7)), t0);
         assert_eq!(t.hosts()[1].rtt.get(), Some(7.0));
         assert_eq!(t.hosts()[1].error, None);
         // Primary dies: no primary, role kept.
-        let ev = t.apply(0, ProbeResult::Err("refused".into()), t0);
+        let ev = t.apply(0, ProbeResult::Down("refused".into()), t0);
         assert!(ev.contains(&TopologyEvent::PrimaryChanged {
             from: Some(addr("p")),
             to: None
@@ -1390,9 +1431,108 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn doubtful_failures_keep_a_host_up_until_the_limit() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 10)), t0);
+        let failed = |host: &str, failures| TopologyEvent::ProbeFailed {
+            host: addr(host),
+            error: "timeout".into(),
+            failures,
+            limit: 3,
+        };
+        for n in 1..=2 {
+            let ev = t.apply(0, ProbeResult::Err("timeout".into()), t0);
+            assert_eq!(ev, vec![failed("p", n)], "failure {n}");
+            let p = &t.hosts()[0];
+            assert!(p.alive);
+            assert_eq!(p.failed_probes, n);
+            assert_eq!(p.error.as_deref(), Some("timeout"));
+            assert_eq!(p.rtt.get(), Some(1.0), "the estimate is kept");
+            assert_eq!(t.primary(), Some(0), "still the primary");
+        }
+        // The third in a row: down, and no longer the primary.
+        let ev = t.apply(0, ProbeResult::Err("timeout".into()), t0);
+        assert_eq!(
+            ev[0],
+            TopologyEvent::HostDown {
+                host: addr("p"),
+                error: "timeout".into()
+            }
+        );
+        assert!(!t.hosts()[0].alive);
+        assert_eq!(t.primary(), None);
+        // An answer clears the count.
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        assert_eq!(t.hosts()[0].failed_probes, 0);
+        assert_eq!(t.hosts()[0].error, None);
+        // Failures must be in a row.
+        for _ in 0..2 {
+            t.apply(1, ProbeResult::Err("timeout".into()), t0);
+        }
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 10)), t0);
+        for n in 1..=2 {
+            assert_eq!(
+                t.apply(1, ProbeResult::Err("timeout".into()), t0),
+                vec![failed("r", n)]
+            );
+        }
+        assert!(t.hosts()[1].alive);
+    }
+
+    #[test]
+    fn a_certain_failure_or_a_limit_of_one_downs_a_host_at_once() {
+        let t0 = Instant::now();
+        let mut t = topo(&["p", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 10)), t0);
+        // A doubtful failure first, then the server says it is shutting down.
+        t.apply(1, ProbeResult::Err("timeout".into()), t0);
+        let ev = t.apply(1, ProbeResult::Down("shutting down".into()), t0);
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::HostDown {
+                host: addr("r"),
+                error: "shutting down".into()
+            }]
+        );
+        assert!(!t.hosts()[1].alive);
+        // A host never seen up is down from its first failure, whatever kind.
+        let mut fresh = topo(&["a"]);
+        let ev = fresh.apply(0, ProbeResult::Err("timeout".into()), t0);
+        assert_eq!(
+            ev,
+            vec![TopologyEvent::HostDown {
+                host: addr("a"),
+                error: "timeout".into()
+            }]
+        );
+        assert!(!fresh.hosts()[0].alive);
+        // With a limit of one, every failure counts at once.
+        let mut strict = Topology::new(
+            vec![cfg("p")],
+            TopologyConfig {
+                down_after_failures: 1,
+                ..TopologyConfig::default()
+            },
+        );
+        strict.apply(0, ProbeResult::Ok(primary_obs(1, 100)), t0);
+        let ev = strict.apply(0, ProbeResult::Err("timeout".into()), t0);
+        assert_eq!(
+            ev[0],
+            TopologyEvent::HostDown {
+                host: addr("p"),
+                error: "timeout".into()
+            }
+        );
+        assert_eq!(strict.primary(), None);
+    }
+
+    #[test]
     fn first_probe_failure_is_reported() {
         let mut t = topo(&["a"]);
-        let ev = t.apply(0, ProbeResult::Err("no route".into()), Instant::now());
+        let ev = t.apply(0, ProbeResult::Down("no route".into()), Instant::now());
         assert_eq!(
             ev,
             vec![TopologyEvent::HostDown {
@@ -1568,7 +1708,7 @@ pub(crate) mod tests {
         assert_eq!(t.hosts()[1].lag_bytes, Some(0));
         assert_eq!(t.hosts()[1].replay_delay, Some(Duration::ZERO));
         // Without a primary the lag is unknown.
-        t.apply(0, ProbeResult::Err("down".into()), t0);
+        t.apply(0, ProbeResult::Down("down".into()), t0);
         assert_eq!(t.hosts()[1].lag_bytes, None);
     }
 
@@ -1790,6 +1930,7 @@ pub(crate) mod tests {
                     time: None,
                 }),
                 lag_hold: hold,
+                ..TopologyConfig::default()
             },
         )
     }
@@ -1848,7 +1989,7 @@ pub(crate) mod tests {
         t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 1)), t0);
         assert!(t.hosts()[1].lag_excluded);
         // The primary goes down: nothing to measure the replica against.
-        t.apply(0, ProbeResult::Err("down".into()), t0 + s(1));
+        t.apply(0, ProbeResult::Down("down".into()), t0 + s(1));
         for secs in [2, 5, 12, 30] {
             t.apply(1, ProbeResult::Ok(replica_obs("r", 100, 1)), t0 + s(secs));
             assert_eq!(t.hosts()[1].lag_bytes, None, "t={secs}");
@@ -1872,7 +2013,7 @@ pub(crate) mod tests {
             .any(|e| matches!(e, TopologyEvent::LagExcluded { .. })));
         assert!(t.hosts()[1].lag_excluded);
         // A dead excluded replica stays excluded.
-        t.apply(1, ProbeResult::Err("gone".into()), t0);
+        t.apply(1, ProbeResult::Down("gone".into()), t0);
         assert!(t.hosts()[1].lag_excluded);
         // Zero hold readmits on the first good reading.
         let ev = t.apply(1, ProbeResult::Ok(replica_obs("r", 2000, 1)), t0);
@@ -1900,6 +2041,7 @@ pub(crate) mod tests {
                     time: None,
                 }),
                 lag_hold: Duration::from_secs(3),
+                ..TopologyConfig::default()
             },
         );
         let per_round = 1_750_000u64;
@@ -2202,7 +2344,7 @@ pub(crate) mod tests {
         // Reported once, not at every probe.
         assert!(t.apply(1, ProbeResult::Ok(p.clone()), t0).is_empty());
         // The first name lost (say its DNS entry): the second carries on.
-        let ev = t.apply(0, ProbeResult::Err("no such host".into()), t0);
+        let ev = t.apply(0, ProbeResult::Down("no such host".into()), t0);
         assert_eq!(t.primary(), Some(1));
         assert!(ev.contains(&TopologyEvent::PrimaryChanged {
             from: Some(addr("p")),
@@ -2361,6 +2503,7 @@ pub(crate) mod tests {
                 time: Some(s(5)),
             }),
             lag_hold: Duration::ZERO,
+            ..TopologyConfig::default()
         };
         // A replica whose WAL receiver is gone replays nothing and reports
         // no replay backlog of its own, while the primary keeps writing.

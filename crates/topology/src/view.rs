@@ -45,8 +45,12 @@ pub struct HostView {
     pub duplicate_of: Option<String>,
     /// Tags from the configuration.
     pub tags: Vec<String>,
-    /// The last probe error, while the host is dead.
+    /// The last probe error: while the host is dead, or while it is up
+    /// but its recent probes failed (`failed_probes` > 0).
     pub error: Option<String>,
+    /// Probes failed in a row since the last answer. A host that was up
+    /// stays up until `down_after_failures` doubtful failures.
+    pub failed_probes: u32,
 }
 
 /// The whole cluster as reported to operators.
@@ -92,6 +96,7 @@ impl TopologyView {
                     .map(|of| of.config.addr.to_string()),
                 tags: h.config.tags.clone(),
                 error: h.error.clone(),
+                failed_probes: h.failed_probes,
             })
             .collect();
         Self {
