@@ -1267,18 +1267,19 @@ fn attribute_rows<'r>(
             host_done[i] = true;
             continue;
         };
+        let shown = ShownName::of(name);
         let bearers: Vec<usize> = (i..hosts.len())
             .filter(|&j| {
                 !host_done[j]
                     && hosts[j]
                         .replication_name()
-                        .is_some_and(|n| n.eq_ignore_ascii_case(name))
+                        .is_some_and(|n| shown.same_as(&ShownName::of(n)))
             })
             .collect();
         let named: Vec<&ReplicationRow> = rows
             .iter()
             .zip(&row_taken)
-            .filter(|(r, taken)| !**taken && r.application_name.eq_ignore_ascii_case(name))
+            .filter(|(r, taken)| !**taken && shown.is(&r.application_name))
             .map(|(r, _)| r)
             .collect();
         for &j in &bearers {
@@ -1299,6 +1300,50 @@ fn attribute_rows<'r>(
         }
     }
     (out, ambiguous)
+}
+
+/// A standby's `application_name` as the primary shows it in
+/// `pg_stat_replication`: every byte outside printable ASCII replaced (by
+/// `?` up to PostgreSQL 15, by `\xNN` from 16; both forms are kept, since
+/// the primary's version is not probed), then cut to 63 bytes
+/// (`NAMEDATALEN` - 1). Compared without regard to ASCII case, as
+/// PostgreSQL compares names in `synchronous_standby_names`.
+struct ShownName([String; 2]);
+
+/// Longest `application_name` PostgreSQL keeps in a session's status.
+const SHOWN_NAME_MAX: usize = 63;
+
+impl ShownName {
+    fn of(name: &str) -> Self {
+        let mut marked = String::with_capacity(name.len());
+        let mut escaped = String::with_capacity(name.len());
+        for &b in name.as_bytes() {
+            if (32..=126).contains(&b) {
+                marked.push(char::from(b));
+                escaped.push(char::from(b));
+            } else {
+                marked.push('?');
+                escaped.push_str(&format!("\\x{b:02x}"));
+            }
+        }
+        // All ASCII now, so any byte is a character boundary.
+        marked.truncate(SHOWN_NAME_MAX);
+        escaped.truncate(SHOWN_NAME_MAX);
+        ShownName([marked, escaped])
+    }
+
+    /// Whether a row's `application_name` is this name.
+    fn is(&self, row: &str) -> bool {
+        self.0.iter().any(|f| f.eq_ignore_ascii_case(row))
+    }
+
+    /// Whether the primary would show both names alike.
+    fn same_as(&self, other: &ShownName) -> bool {
+        self.0
+            .iter()
+            .zip(&other.0)
+            .any(|(a, b)| a.eq_ignore_ascii_case(b))
+    }
 }
 
 /// Derived facts before a change, by address so that they survive a host
@@ -1732,6 +1777,57 @@ pub(crate) mod tests {
 
     fn states(t: &Topology) -> Vec<Option<SyncState>> {
         t.hosts().iter().map(|h| h.sync_state).collect()
+    }
+
+    /// Names as the primary shows them: cut to 63 bytes, bytes outside
+    /// printable ASCII replaced (`?` in PostgreSQL 15, `\xNN` from 16).
+    #[test]
+    fn long_and_non_ascii_names_match_as_the_primary_shows_them() {
+        use SyncState::*;
+        let long = format!("standby-{}", "x".repeat(70));
+        let t0 = Instant::now();
+        for (names, rows, want) in [
+            (
+                [long.as_str(), "nœud-2"],
+                vec![row(&long[..63], "sync"), row("n??ud-2", "potential")],
+                [None, Some(Sync), Some(Potential)],
+            ),
+            (
+                [long.as_str(), "nœud-2"],
+                vec![
+                    row(&long[..63].to_uppercase(), "sync"),
+                    row("n\\xc5\\x93ud-2", "async"),
+                ],
+                [None, Some(Sync), Some(Async)],
+            ),
+        ] {
+            let mut t = topo(&["p", "r1", "r2"]);
+            t.apply(1, ProbeResult::Ok(replica_obs(names[0], 1, 1)), t0);
+            t.apply(2, ProbeResult::Ok(replica_obs(names[1], 1, 1)), t0);
+            let mut p = primary_obs(1, 1);
+            p.synchronous_standby_names = Some("FIRST 1 (*)".into());
+            p.replication = rows;
+            t.apply(0, ProbeResult::Ok(p), t0);
+            assert_eq!(states(&t), want);
+        }
+        // Two names alike in their first 63 bytes are one name to the
+        // primary: which of the two is synchronous cannot be told.
+        let mut t = topo(&["p", "r1", "r2"]);
+        t.apply(
+            1,
+            ProbeResult::Ok(replica_obs(&format!("{long}-a"), 1, 1)),
+            t0,
+        );
+        t.apply(
+            2,
+            ProbeResult::Ok(replica_obs(&format!("{long}-b"), 1, 1)),
+            t0,
+        );
+        let mut p = primary_obs(1, 1);
+        p.synchronous_standby_names = Some("FIRST 1 (*)".into());
+        p.replication = vec![row(&long[..63], "sync"), row(&long[..63], "potential")];
+        t.apply(0, ProbeResult::Ok(p), t0);
+        assert_eq!(states(&t), [None, None, None]);
     }
 
     #[test]
