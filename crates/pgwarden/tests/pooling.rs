@@ -252,6 +252,31 @@ async fn one_server_serves_clients_on_different_workers() {
     }
 }
 
+/// Round robin over replicas takes one turn per transaction: a pooled
+/// client's transactions spread over both replicas, not back to the host of
+/// its last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_transactions_take_turns_over_the_replicas() {
+    let c = TestCluster::builder().replicas(2).start();
+    let pool = PoolSettings {
+        size: 2,
+        ..PoolSettings::default()
+    };
+    let (e, p) = common::proxy_with(&c.addrs(), Duration::from_secs(10), Some(pool), 10_000).await;
+    ready(&e, 3).await;
+    let ro = client(&via(&p, "read_only")).await.unwrap();
+    let mut ports = std::collections::BTreeSet::new();
+    // Alone on the service, the client takes every turn; a replica briefly
+    // outside the RTT window may skip a few.
+    for _ in 0..40 {
+        ports.insert(one(&ro, "SELECT current_setting('port')").await);
+        if ports.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(ports.len(), 2, "transactions stayed on {ports:?}");
+}
+
 /// Session pooling (`reuse_session_servers`): a session-mode client keeps
 /// one server connection with all its session state across transactions;
 /// when it leaves, the connection is reset with DISCARD ALL and the next

@@ -834,10 +834,12 @@ impl Session {
     fn try_idle(&mut self) -> Option<Checkout> {
         if let Some(pool) = &self.last_pool {
             let snap = self.shared.snapshot.load();
-            let same = self
-                .service
-                .selector
-                .select(&snap.topology, &self.service.spec.want)
+            // A peek: when this path cannot serve, the slow one picks, and
+            // each transaction takes one turn of the round robin. Two turns
+            // would send a client back to its last host every time.
+            let selector = &self.service.selector;
+            let same = selector
+                .peek(&snap.topology, &self.service.spec.want)
                 .is_ok_and(|i| snap.topology.hosts()[i].config.addr == pool.key.host);
             if same
                 && !pool.is_retired()
@@ -848,6 +850,7 @@ impl Session {
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 if let Some(c) = pool.try_checkout() {
+                    selector.advance();
                     self.wait_histogram.observe(Duration::ZERO);
                     return Some(c);
                 }

@@ -272,6 +272,23 @@ impl Selector {
 
     /// Chooses a host for `want`, returning its index in `topo`.
     pub fn select(&self, topo: &Topology, want: &Want) -> Result<usize, NoTarget> {
+        self.choose(topo, want, true)
+    }
+
+    /// The host [`select`](Self::select) would choose now, without taking
+    /// a turn of the round robin: for a caller that may not use it, and
+    /// calls [`advance`](Self::advance) when it does.
+    pub fn peek(&self, topo: &Topology, want: &Want) -> Result<usize, NoTarget> {
+        self.choose(topo, want, false)
+    }
+
+    /// Takes the turn of the round robin that a host got by
+    /// [`peek`](Self::peek) was used.
+    pub fn advance(&self) {
+        self.counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn choose(&self, topo: &Topology, want: &Want, advance: bool) -> Result<usize, NoTarget> {
         if *want == Want::Primary {
             return primary_or_reason(topo);
         }
@@ -290,7 +307,11 @@ impl Selector {
                 } else {
                     candidates
                 };
-                let n = self.counter.fetch_add(1, Ordering::Relaxed);
+                let n = if advance {
+                    self.counter.fetch_add(1, Ordering::Relaxed)
+                } else {
+                    self.counter.load(Ordering::Relaxed)
+                };
                 window[n % window.len()]
             }
         })
@@ -707,6 +728,23 @@ mod tests {
             tally(&sel, &t, &Want::Replica, 10),
             BTreeMap::from([(1, 10)])
         );
+    }
+
+    #[test]
+    fn peek_takes_no_turn_advance_takes_one() {
+        let t = cluster(vec![primary("p"), replica("a", 1), replica("b", 1)]);
+        let sel = Selector::new(SelectPolicy::default());
+        let first = sel.peek(&t, &Want::Replica).unwrap();
+        assert_eq!(
+            sel.peek(&t, &Want::Replica),
+            Ok(first),
+            "a peek moves nothing"
+        );
+        assert_eq!(sel.select(&t, &Want::Replica), Ok(first));
+        let second = sel.peek(&t, &Want::Replica).unwrap();
+        assert_ne!(second, first, "select took the turn");
+        sel.advance();
+        assert_eq!(sel.peek(&t, &Want::Replica), Ok(first), "advance took one");
     }
 
     #[test]
