@@ -1113,6 +1113,79 @@ async fn admin_console_shows_pools_and_pauses() {
     assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
 }
 
+/// The admin console's PAUSE answers once the paused service's pooled
+/// clients hold no server connection, as PgBouncer's does: a transaction
+/// in flight is waited for, another service's is not. The pause shows on
+/// /cluster and /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_pause_waits_for_transactions_in_flight() {
+    let c = TestCluster::builder().replicas(1).start();
+    let pool = PoolSettings {
+        size: 2,
+        ..PoolSettings::default()
+    };
+    let (e, p) = common::proxy_with(&c.addrs(), Duration::from_secs(10), Some(pool), 10_000).await;
+    ready(&e, 2).await;
+    let http = p.http_addr().unwrap();
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let busy = client(&via(&p, "read_write")).await.unwrap();
+    busy.batch_execute("BEGIN").await.unwrap();
+    one(&busy, "SELECT 1").await;
+    // Another service's transaction is not waited for.
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        admin.simple_query("PAUSE read_only"),
+    )
+    .await
+    .expect("PAUSE read_only waited for read_write")
+    .unwrap();
+    admin.simple_query("RESUME read_only").await.unwrap();
+    // The paused service's is.
+    let pausing = tokio::spawn(async move {
+        admin.simple_query("PAUSE read_write").await.unwrap();
+        admin
+    });
+    pgwarden_testkit::eventually("the pause shows", WAIT, || async move {
+        let (code, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/cluster"))
+            .await
+            .unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let paused = doc["services"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|s| s["name"] == "read_write")
+            .map(|s| s["paused"].clone());
+        (code == 200 && paused == Some(serde_json::Value::Bool(true)))
+            .then_some(())
+            .ok_or(format!("{code} {paused:?}"))
+    })
+    .await;
+    assert_eq!(
+        common::metric_sample(http, "pgwarden_service_paused{service=\"read_write\"}").await,
+        1.0
+    );
+    // Given time to answer early, it does not.
+    let round = e.snapshot().round;
+    e.wait_round(round + 2).await;
+    assert!(
+        !pausing.is_finished(),
+        "PAUSE answered with a transaction in flight"
+    );
+    busy.batch_execute("COMMIT").await.unwrap();
+    let admin = tokio::time::timeout(Duration::from_secs(10), pausing)
+        .await
+        .expect("PAUSE answered once the transaction ended")
+        .unwrap();
+    admin.simple_query("RESUME read_write").await.unwrap();
+    assert_eq!(one(&busy, "SELECT 2").await, "2");
+    assert_eq!(
+        common::metric_sample(http, "pgwarden_service_paused{service=\"read_write\"}").await,
+        0.0
+    );
+}
+
 /// Each pool counts the queries it served, the bytes both ways, how long
 /// its servers were lent and how long they worked on queries, in SHOW
 /// STATS (PgBouncer's column names) and on /metrics.

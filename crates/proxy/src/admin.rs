@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::stream::ClientStream;
 use bytes::{BufMut, BytesMut};
 use pgwarden_wire::encode::{self, Severity};
-use pgwarden_wire::message::{self, frontend, TxStatus};
+use pgwarden_wire::message::{self, backend, frontend, TxStatus};
 use pgwarden_wire::sqlstate::{self, SqlState};
 use pgwarden_wire::startup::StartupMessage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -108,6 +108,9 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 } else {
                     let reloaded = before_command(shared, text).await;
                     command(shared, text, reloaded, &mut out);
+                    if !after_pause(shared, text, &out, client, &mut buf).await {
+                        return;
+                    }
                 }
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
@@ -148,6 +151,16 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                     &mut out,
                 );
                 skipping = !ok;
+                if ok && tag == frontend::EXECUTE {
+                    let portal = msg[5..].split(|b| *b == 0).next().unwrap_or_default();
+                    let text = portals
+                        .get(String::from_utf8_lossy(portal).as_ref())
+                        .cloned()
+                        .unwrap_or_default();
+                    if !after_pause(shared, &text, &out, client, &mut buf).await {
+                        return;
+                    }
+                }
             }
         }
         if client.write_all(&out).await.is_err() {
@@ -660,6 +673,53 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         &rows,
         "SHOW",
     );
+}
+
+/// After a PAUSE that worked, the wait before it answers, as PgBouncer's
+/// PAUSE waits: until no pooled client of the paused services holds a
+/// server connection, so that the operator's next step (a restart of the
+/// server, say) cuts no transaction. A client pinned to its server by
+/// session state holds it until it disconnects, and is waited for too.
+/// Relayed sessions go on and are not waited for. False when the console's
+/// own client left meanwhile (the pause stays). Bytes the client sends
+/// while it waits are kept in `buf` for the next command.
+async fn after_pause(
+    shared: &Shared,
+    text: &str,
+    out: &[u8],
+    client: &mut ClientStream,
+    buf: &mut BytesMut,
+) -> bool {
+    let words: Vec<&str> = text
+        .trim()
+        .trim_end_matches(';')
+        .split_whitespace()
+        .collect();
+    let paused = match words.as_slice() {
+        [w] | [w, _] if w.eq_ignore_ascii_case("PAUSE") => argument(text),
+        _ => return true,
+    };
+    // The command's own answer: an ErrorResponse (no such service) ends
+    // it without a wait.
+    if out.first() != Some(&backend::COMMAND_COMPLETE) {
+        return true;
+    }
+    let services = shared.pause_targets(paused);
+    let mut closed = false;
+    while shared.holding_servers(&services) > 0 {
+        // Rare, operator-driven: polled rather than signalled, to keep the
+        // release of a connection free of it.
+        tokio::select! {
+            () = crate::timer::sleep(std::time::Duration::from_millis(20)) => {}
+            r = client.read_buf(buf) => {
+                if matches!(r, Ok(0) | Err(_)) {
+                    closed = true;
+                    break;
+                }
+            }
+        }
+    }
+    !closed
 }
 
 /// The waiting a command does before it answers: WAIT_CLOSE's (see

@@ -39,6 +39,8 @@ struct ServiceView {
     select: String,
     strategy: String,
     read_only: bool,
+    /// Whether the service is paused: new transactions (or sessions) wait.
+    paused: bool,
     /// Hosts a new session could be routed to now, in `host:port` form.
     targets: Vec<String>,
 }
@@ -67,6 +69,7 @@ async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
                 select: s.spec.want.to_string(),
                 strategy: s.spec.policy.strategy.to_string(),
                 read_only: s.spec.read_only,
+                paused: *shared.paused(&s.spec.name).borrow(),
                 targets: s
                     .selector
                     .eligible(topo, &s.spec.want)
@@ -231,6 +234,21 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
                 worker: i.to_string(),
             })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    let services: Vec<String> = shared
+        .services
+        .lock()
+        .expect("poisoned")
+        .keys()
+        .cloned()
+        .collect();
+    for name in services {
+        let paused = *shared.paused(&name).borrow();
+        shared
+            .metrics
+            .service_paused
+            .get_or_create(&crate::metrics::ServiceLabel { service: name })
+            .set(i64::from(paused));
     }
     // Taken out of the table first: logins look pools up under its lock,
     // and must not wait for the page to be rendered.

@@ -174,6 +174,8 @@ pub struct Metrics {
     /// Clients placed on each worker thread and still connected; set
     /// when scraped.
     pub worker_clients: Family<WorkerLabel, Gauge>,
+    /// 1 while a service is paused; set when scraped.
+    pub service_paused: Family<ServiceLabel, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -205,6 +207,7 @@ impl Metrics {
             pool_wait: Family::new_with_constructor(WaitHistogram::new),
             client_moves: Counter::default(),
             worker_clients: Family::default(),
+            service_paused: Family::default(),
         };
         {
             let mut r = m.registry.lock().expect("metrics registry");
@@ -268,6 +271,11 @@ impl Metrics {
                 "Clients placed on each worker thread and still connected",
                 m.worker_clients.clone(),
             );
+            r.register(
+                "service_paused",
+                "1 while the service is paused (new transactions or sessions wait for a resume)",
+                m.service_paused.clone(),
+            );
         }
         m
     }
@@ -312,7 +320,7 @@ impl Metrics {
         }
         let hosts = snapshot.topology.hosts();
         let primary = snapshot.topology.primary();
-        let gauges: [(&str, &str, &str); 5] = [
+        let gauges: [(&str, &str, &str); 6] = [
             (
                 "pgwarden_host_up",
                 "gauge",
@@ -338,6 +346,11 @@ impl Metrics {
                 "gauge",
                 "WAL bytes the replica has yet to replay",
             ),
+            (
+                "pgwarden_host_failed_probes",
+                "gauge",
+                "Probes of the host failed in a row since its last answer",
+            ),
         ];
         for (i, (name, kind, help)) in gauges.iter().enumerate() {
             out.push_str(&format!("# HELP {name} {help}.\n# TYPE {name} {kind}\n"));
@@ -347,7 +360,8 @@ impl Metrics {
                     1 => Some(f64::from(u8::from(primary == Some(idx)))),
                     2 => Some(f64::from(u8::from(h.role == Role::Replica))),
                     3 => h.rtt.get().map(|ms| ms / 1000.0),
-                    _ => h.lag_bytes.map(|b| b as f64),
+                    4 => h.lag_bytes.map(|b| b as f64),
+                    _ => Some(f64::from(h.failed_probes)),
                 };
                 if let Some(v) = value {
                     out.push_str(&format!(

@@ -524,21 +524,45 @@ impl Shared {
             .subscribe()
     }
 
-    /// Pauses or resumes a service; false if there is no such service.
-    pub fn set_paused(&self, service: &str, on: bool) -> bool {
-        if service == WRITERS {
-            let writers: Vec<String> = self
-                .services
-                .lock()
-                .expect("poisoned")
+    /// The services a pause names: every service for `None`, those that
+    /// write to the primary for `*writers`, else the one named (whether
+    /// or not it exists).
+    pub fn pause_targets(&self, name: Option<&str>) -> Vec<String> {
+        let services = self.services.lock().expect("poisoned");
+        match name {
+            None => services.keys().cloned().collect(),
+            Some(WRITERS) => services
                 .iter()
                 .filter(|(_, s)| {
                     let s = s.load();
                     s.spec.want == Want::Primary && !s.spec.read_only
                 })
                 .map(|(n, _)| n.clone())
-                .collect();
-            for name in writers {
+                .collect(),
+            Some(n) => vec![n.to_string()],
+        }
+    }
+
+    /// Pooled clients of `services` that hold a server connection now: in
+    /// a transaction, or pinned to it by session state.
+    pub fn holding_servers(&self, services: &[String]) -> usize {
+        self.sessions
+            .lock()
+            .expect("poisoned")
+            .values()
+            .filter(|e| {
+                services.iter().any(|s| **s == *e.service)
+                    && e.pooled
+                        .as_ref()
+                        .is_some_and(|slot| slot.state().0.is_some())
+            })
+            .count()
+    }
+
+    /// Pauses or resumes a service; false if there is no such service.
+    pub fn set_paused(&self, service: &str, on: bool) -> bool {
+        if service == WRITERS {
+            for name in self.pause_targets(Some(WRITERS)) {
                 self.set_paused(&name, on);
             }
             return true;
