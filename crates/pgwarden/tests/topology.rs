@@ -603,6 +603,38 @@ fn restream(c: &mut TestCluster, i: usize, conninfo_extra: &str) {
     node.reload().unwrap();
 }
 
+/// A WAL receiver name longer than 63 bytes and not ASCII: the primary
+/// shows it cut and cleaned, and the replica is still found in its rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_non_ascii_application_name_is_matched() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let name = format!("nœud-{}", "x".repeat(70));
+    restream(&mut c, 1, &format!("application_name='{name}'"));
+    c.set_sync_standby_names("FIRST 1 (*)");
+    pgwarden_testkit::eventually("PostgreSQL shows the name cut", WAIT, || {
+        let c = &c;
+        async move {
+            let got = replication_rows(c).await;
+            // PostgreSQL 15 marks each byte outside printable ASCII.
+            let shown = format!("n??ud-{}", "x".repeat(57));
+            (got == format!("{shown}:sync:")).then_some(()).ok_or(got)
+        }
+    })
+    .await;
+    let e = engine(&c.addrs(), TopologyConfig::default());
+    let snap = until(&e, "the replica known as sync", WAIT, |s| {
+        let h = &s.topology.hosts()[1];
+        (h.sync_state == Some(SyncState::Sync))
+            .then_some(())
+            .ok_or(format!("{:?} {:?}", h.replication_name(), h.sync_state))
+    })
+    .await;
+    assert_eq!(
+        snap.topology.hosts()[1].replication_name(),
+        Some(name.as_str())
+    );
+}
+
 /// The primary's `pg_stat_replication` as `name:sync_state:slot` lines, sorted.
 async fn replication_rows(c: &TestCluster) -> String {
     sql_value(
