@@ -309,15 +309,13 @@ impl Metrics {
         snapshot: &Snapshot,
         pools: &[std::sync::Arc<crate::pool::Pool>],
     ) -> String {
-        let mut out = String::new();
+        let mut open_metrics = String::new();
         {
             let r = self.registry.lock().expect("metrics registry");
-            let _ = encode(&mut out, &r);
+            let _ = encode(&mut open_metrics, &r);
         }
-        // encode() ends with "# EOF"; host gauges go before it.
-        if let Some(pos) = out.rfind("# EOF") {
-            out.truncate(pos);
-        }
+        let mut out = String::with_capacity(open_metrics.len() * 2);
+        as_text_format(&open_metrics, &mut out);
         let hosts = snapshot.topology.hosts();
         let primary = snapshot.topology.primary();
         let gauges: [(&str, &str, &str); 6] = [
@@ -476,10 +474,44 @@ impl Metrics {
             }
         }
         out.push_str(&format!(
-            "# HELP pgwarden_topology_rounds Completed probe rounds.\n# TYPE pgwarden_topology_rounds counter\npgwarden_topology_rounds_total {}\n# EOF\n",
+            "# HELP pgwarden_topology_rounds_total Completed probe rounds.\n# TYPE pgwarden_topology_rounds_total counter\npgwarden_topology_rounds_total {}\n",
             snapshot.round
         ));
         out
+    }
+}
+
+/// prometheus-client writes OpenMetrics, where a counter family `x` has
+/// samples named `x_total` and the page ends with `# EOF`. The page is
+/// served in Prometheus' text format 0.0.4 (what every scraper reads),
+/// where HELP and TYPE name the samples themselves: a counter's lines are
+/// renamed to `x_total` (else its type is lost to strict parsers and
+/// metadata), and the EOF marker goes.
+fn as_text_format(open_metrics: &str, out: &mut String) {
+    let counters: std::collections::HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    for line in open_metrics.lines() {
+        if line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        if let Some((prefix, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            if counters.contains(name) && !name.ends_with("_total") {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(tail);
+                out.push('\n');
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
     }
 }
 
@@ -505,6 +537,67 @@ fn escape_label(v: &str) -> std::borrow::Cow<'_, str> {
 mod tests {
     use super::*;
     use prometheus_client::metrics::histogram::Histogram;
+
+    /// Every sample is declared under its own name (a histogram's under
+    /// its family's), once, as the 0.0.4 text format wants.
+    #[test]
+    fn the_page_is_valid_text_format() {
+        let m = Metrics::new();
+        m.error("read_write", "no_host");
+        m.byte_counters("read_write").0.inc_by(7);
+        m.pool_wait
+            .get_or_create(&ServiceLabel {
+                service: "read_write".into(),
+            })
+            .observe(Duration::from_millis(3));
+        m.client_moves.inc();
+        let topology = pgwarden_topology::Topology::new(
+            vec![pgwarden_topology::HostConfig::new(
+                pgwarden_topology::HostAddr::new("db", 5432),
+            )],
+            pgwarden_topology::TopologyConfig::default(),
+        );
+        let page = m.render(&Snapshot { topology, round: 4 }, &[]);
+        assert!(!page.contains("# EOF"), "{page}");
+        let mut types: std::collections::HashMap<&str, &str> = Default::default();
+        let mut helps = std::collections::HashSet::new();
+        for line in page.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                assert!(
+                    types.insert(name, kind).is_none(),
+                    "two TYPE lines for {name}"
+                );
+            } else if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap();
+                assert!(helps.insert(name), "two HELP lines for {name}");
+            }
+        }
+        let mut samples = 0;
+        for line in page
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let declared = types.get(name).copied().or_else(|| {
+                ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| types.get(name.strip_suffix(s)?).copied())
+                    .filter(|k| *k == "histogram")
+            });
+            assert!(declared.is_some(), "{name} has no TYPE line:\n{page}");
+            if declared == Some("counter") {
+                assert!(name.ends_with("_total"), "{name}");
+            }
+            samples += 1;
+        }
+        assert!(samples > 10, "{page}");
+        assert!(
+            page.contains("# TYPE pgwarden_connection_errors_total counter"),
+            "{page}"
+        );
+        assert!(page.contains("pgwarden_topology_rounds_total 4"), "{page}");
+    }
 
     #[test]
     fn label_values_are_escaped() {
