@@ -1186,6 +1186,64 @@ async fn admin_pause_waits_for_transactions_in_flight() {
     );
 }
 
+/// A client pinned to its server by session state is between transactions
+/// most of the time: a pause holds its next transaction as it holds any
+/// other client's, and neither a switchover's drain (`POST /pause` with
+/// `wait_ms`) nor the admin console's PAUSE waits for it to leave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
+    let c = TestCluster::builder().replicas(0).start();
+    let pool = PoolSettings {
+        size: 2,
+        ..PoolSettings::default()
+    };
+    let (e, p) = common::proxy_with(&c.addrs(), Duration::from_secs(10), Some(pool), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let pinned = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
+    pinned
+        .batch_execute("LISTEN pgwarden_pinned")
+        .await
+        .unwrap();
+    assert_eq!(one(&pinned, "SELECT 1").await, "1");
+    let (code, body) = tokio::task::spawn_blocking(move || {
+        common::http_post(http, "/pause?service=read_write&wait_ms=3000")
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (code, body.as_str()),
+        (200, "paused read_write; no transaction in flight\n")
+    );
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        admin.simple_query("PAUSE read_write"),
+    )
+    .await
+    .expect("the admin PAUSE waited for the pinned client")
+    .unwrap();
+    // Its next transaction waits for the resume, counted as waiting.
+    let held = pinned.clone();
+    let next = tokio::spawn(async move { one(&held, "SELECT 2").await });
+    pgwarden_testkit::eventually("the pinned client waits", WAIT, || async move {
+        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+    assert!(!next.is_finished(), "ran while paused");
+    admin.simple_query("RESUME read_write").await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), next)
+        .await
+        .expect("served after the resume")
+        .unwrap();
+    assert_eq!(got, "2");
+    // Still its own server, LISTEN and all.
+    let listening = one(&pinned, "SELECT count(*) FROM pg_listening_channels()").await;
+    assert_eq!(listening, "1");
+}
+
 /// Each pool counts the queries it served, the bytes both ways, how long
 /// its servers were lent and how long they worked on queries, in SHOW
 /// STATS (PgBouncer's column names) and on /metrics.

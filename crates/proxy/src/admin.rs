@@ -676,11 +676,12 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
 }
 
 /// After a PAUSE that worked, the wait before it answers, as PgBouncer's
-/// PAUSE waits: until no pooled client of the paused services holds a
-/// server connection, so that the operator's next step (a restart of the
-/// server, say) cuts no transaction. A client pinned to its server by
-/// session state holds it until it disconnects, and is waited for too.
-/// Relayed sessions go on and are not waited for. False when the console's
+/// PAUSE waits: until no pooled client of the paused services is in a
+/// transaction, so that the operator's next step (a restart of the
+/// server, say) cuts none. A client that keeps its server between
+/// transactions (pinned by session state) is not waited for while it is
+/// between two: its next transaction waits for the resume. Relayed
+/// sessions go on and are not waited for. False when the console's
 /// own client left meanwhile (the pause stays). Bytes the client sends
 /// while it waits are kept in `buf` for the next command.
 async fn after_pause(
@@ -706,7 +707,7 @@ async fn after_pause(
     }
     let services = shared.pause_targets(paused);
     let mut closed = false;
-    while shared.holding_servers(&services) > 0 {
+    while shared.in_transaction(&services) > 0 {
         // Rare, operator-driven: polled rather than signalled, to keep the
         // release of a connection free of it.
         tokio::select! {

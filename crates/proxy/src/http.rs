@@ -178,6 +178,10 @@ async fn pause(
             .filter(|(k, _)| !k.read_only)
             .map(|(_, p)| p.busy_count())
             .sum();
+        // A kept server between transactions is lent but cut by nothing
+        // in flight; the pause holds its client's next transaction. Counted
+        // after the pools, so one that starts meanwhile stays counted.
+        let busy = busy.saturating_sub(shared.held_idle_writers());
         if busy == 0 {
             return (
                 StatusCode::OK,

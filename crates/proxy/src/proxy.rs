@@ -543,9 +543,12 @@ impl Shared {
         }
     }
 
-    /// Pooled clients of `services` that hold a server connection now: in
-    /// a transaction, or pinned to it by session state.
-    pub fn holding_servers(&self, services: &[String]) -> usize {
+    /// Pooled clients of `services` whose server connection is in a
+    /// transaction now. A client that keeps its server between
+    /// transactions (pinned by session state, or session-pooled) is not
+    /// counted while it is between two: a paused service holds its next
+    /// one.
+    pub fn in_transaction(&self, services: &[String]) -> usize {
         self.sessions
             .lock()
             .expect("poisoned")
@@ -554,7 +557,29 @@ impl Shared {
                 services.iter().any(|s| **s == *e.service)
                     && e.pooled
                         .as_ref()
-                        .is_some_and(|slot| slot.state().0.is_some())
+                        .is_some_and(|slot| slot.state().0.is_some() && !slot.held_idle())
+            })
+            .count()
+    }
+
+    /// Pooled clients of services that write to the primary which keep
+    /// their server between transactions and are between two now.
+    pub fn held_idle_writers(&self) -> usize {
+        let writers: std::collections::HashSet<String> = self
+            .services
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .filter(|(_, s)| !s.load().spec.read_only)
+            .map(|(n, _)| n.clone())
+            .collect();
+        self.sessions
+            .lock()
+            .expect("poisoned")
+            .values()
+            .filter(|e| {
+                writers.contains(&*e.service)
+                    && e.pooled.as_ref().is_some_and(|slot| slot.held_idle())
             })
             .count()
     }

@@ -346,6 +346,11 @@ pub(crate) async fn run(
                         if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
                             session.detach(true);
                             crate::bufcache::release(&mut sbuf);
+                        } else if !session.held_idle && (session.pinned || session.settings.hold_session) && session.attached.is_some() && session.replies.idle() {
+                            // Its next message starts a transaction, which
+                            // a pause holds as any other client's.
+                            session.held_idle = true;
+                            session.cancel_target.set_held_idle(true);
                         }
                     }
                     // Not while bytes wait to go: the messages held would
@@ -671,6 +676,9 @@ struct Session {
     /// temporary tables, WITH HOLD cursors, session SET, SQL PREPARE): it
     /// keeps its server connection until it disconnects.
     pinned: bool,
+    /// The client keeps its server (pinned, or session-pooled) and is
+    /// between transactions; mirrored in `cancel_target` for pauses.
+    held_idle: bool,
     cancel_target: Arc<crate::cancel::CancelSlot>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
@@ -777,6 +785,7 @@ impl Session {
             unnamed_uncertain: false,
             unnamed_seq: 0,
             pinned: false,
+            held_idle: false,
             cancel_target: Arc::default(),
             skip: 0,
             settings,
@@ -1022,6 +1031,11 @@ impl Session {
                     "terminating connection: the server is no longer the right host for this service; reconnect",
                 ));
             }
+            if self.held_idle {
+                // Boxed: rare, and would otherwise be part of every
+                // client's future.
+                Box::pin(self.start_held_transaction()).await?;
+            }
             return Ok(true);
         }
         // An idle server whose session already matches the client's: no
@@ -1041,6 +1055,48 @@ impl Session {
             None => Box::pin(self.attach_new()),
         };
         slow.await
+    }
+
+    /// A client that kept its server between transactions starts the next
+    /// one: while its service is paused it waits for the resume (bounded
+    /// by `query_wait_timeout`), as clients that need a server do.
+    async fn start_held_transaction(&mut self) -> Result<(), Fatal> {
+        // Marked busy before the pause is looked at: a pause that then
+        // found it between transactions must not see it start one.
+        self.cancel_target.set_held_idle(false);
+        if !*self.paused.borrow() {
+            self.held_idle = false;
+            return Ok(());
+        }
+        self.cancel_target.set_held_idle(true);
+        let pool = self.attached.as_ref().expect("attached").pool.clone();
+        let _waiting = pool.count_waiting();
+        let deadline = tokio::time::Instant::now() + self.settings.query_wait_timeout;
+        let mut paused = self.paused.clone();
+        loop {
+            tokio::select! {
+                r = paused.wait_for(|p| !*p) => if r.is_err() {
+                    // The switch is gone with its service: nothing to wait for.
+                    self.held_idle = false;
+                    return Ok(());
+                },
+                _ = crate::timer::sleep_until(deadline) => {
+                    return Err(Fatal::new(
+                        sqlstate::CANNOT_CONNECT_NOW,
+                        format!(
+                            "service \"{}\" is paused and did not resume within query_wait_timeout",
+                            self.service.spec.name
+                        ),
+                    ));
+                }
+            }
+            self.cancel_target.set_held_idle(false);
+            if !*self.paused.borrow() {
+                self.held_idle = false;
+                return Ok(());
+            }
+            self.cancel_target.set_held_idle(true);
+        }
     }
 
     /// Borrows a server for the transaction that starts, waiting for one.
