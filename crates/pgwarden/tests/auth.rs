@@ -33,6 +33,14 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     sql(&admin, "CREATE ROLE nat LOGIN PASSWORD 'nat-secret'").await;
     sql(
         &admin,
+        &format!(
+            "CREATE ROLE \"{}\" LOGIN PASSWORD 'long-secret'",
+            "r".repeat(63)
+        ),
+    )
+    .await;
+    sql(
+        &admin,
         "CREATE ROLE readers; CREATE ROLE erin LOGIN PASSWORD 'erin-secret' IN ROLE readers; CREATE ROLE frank LOGIN PASSWORD 'frank-secret'",
     )
     .await;
@@ -47,6 +55,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     std::fs::write(
         &hba,
         "# pgwarden's rules\n\
+         host replication all 127.0.0.1/32 reject\n\
          host all alice 127.0.0.1/32 scram-sha-256\n\
          host all carol 127.0.0.1/32 md5\n\
          host all dave 127.0.0.1/32 password\n\
@@ -137,6 +146,36 @@ async fn check_methods(s: &Setup) {
     assert!(su.is_ok(), "postgres matched +readers: {:?}", su.err());
     // SCRAM to pgwarden, then the ClientKey to the server.
     assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
+    // A name longer than 63 bytes is its first 63, as in PostgreSQL.
+    let long = "r".repeat(63);
+    assert_eq!(
+        login(&s.p, &format!("{long}r"), "long-secret")
+            .await
+            .unwrap(),
+        long
+    );
+    // A physical replication connection meets the `replication` lines,
+    // not the `all` ones.
+    let port = s.p.service_addrs()["read_write"].port();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("psql")
+            .arg(format!(
+                "host=127.0.0.1 port={port} user=postgres replication=true"
+            ))
+            .args(["-X", "-c", "IDENTIFY_SYSTEM"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "pg_hba.conf rejects replication connection for host \"127.0.0.1\", user \"postgres\""
+        ),
+        "{stderr}"
+    );
     // md5 against an md5 verifier, then md5 to the server.
     assert_eq!(login(&s.p, "carol", "carol-secret").await.unwrap(), "carol");
     // cleartext against a SCRAM verifier.
@@ -198,7 +237,8 @@ async fn session_mode_methods_failures_and_server_login() {
         "{body}"
     );
     assert!(
-        body.contains("pgwarden_auth_failures_total{reason=\"hba_reject\"} 3"),
+        // mallory, sam, nat and the replication connection.
+        body.contains("pgwarden_auth_failures_total{reason=\"hba_reject\"} 4"),
         "{body}"
     );
     let _ = &s.e;

@@ -16,7 +16,7 @@ use pgwarden_auth::{md5_secret, verify_md5, ClientKey, ScramError, ScramSecret, 
 use pgwarden_wire::encode;
 use pgwarden_wire::message::{self, frontend};
 use pgwarden_wire::sqlstate::{self, SqlState};
-use pgwarden_wire::startup::StartupMessage;
+use pgwarden_wire::startup::{Replication, StartupMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::proxy::Shared;
@@ -100,11 +100,61 @@ const GONE: &str = "client_gone";
 pub(crate) struct Authenticator {
     pub spec: AuthSpec,
     pub hba: Hba,
-    cache: Mutex<HashMap<String, (Option<String>, Instant)>>,
+    /// Verifiers by role (`None`: no such role, or no password).
+    cache: Mutex<Cache<Option<String>>>,
+    /// Role memberships by role, for `+group` and `samerole`.
+    roles_cache: Mutex<Cache<Vec<String>>>,
     lookup: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
     /// Seed of mock verifiers for unknown roles: stable for the process so
     /// that an unknown role always gets the same salt, as a real one would.
     mock_seed: [u8; 16],
+}
+
+/// Entries a lookup cache keeps at most. Names come from clients before
+/// they authenticate, so the cache must not grow with what they send: at
+/// the cap, expired entries go, then unknown roles, then everything.
+const CACHE_MAX: usize = 10_000;
+
+/// Looked-up values by role name, each with when it was looked up.
+struct Cache<T> {
+    entries: HashMap<String, (T, Instant)>,
+}
+
+impl<T: Clone> Cache<T> {
+    fn new() -> Self {
+        Self {
+            entries: HashMap::new(),
+        }
+    }
+
+    fn get(&self, key: &str, ttl: Duration) -> Option<T> {
+        self.entries
+            .get(key)
+            .filter(|(_, at)| at.elapsed() < ttl)
+            .map(|(v, _)| v.clone())
+    }
+
+    fn insert(&mut self, key: &str, value: T, ttl: Duration, known: impl Fn(&T) -> bool) {
+        if self.entries.len() >= CACHE_MAX && !self.entries.contains_key(key) {
+            self.entries.retain(|_, (_, at)| at.elapsed() < ttl);
+            if self.entries.len() >= CACHE_MAX {
+                self.entries.retain(|_, (v, _)| known(v));
+            }
+            if self.entries.len() >= CACHE_MAX {
+                self.entries.clear();
+            }
+        }
+        self.entries
+            .insert(key.to_string(), (value, Instant::now()));
+    }
+}
+
+/// The mock seed: one per process, so that a reload (which builds a new
+/// [`Authenticator`]) does not change an unknown role's salt and give it
+/// away.
+fn mock_seed() -> [u8; 16] {
+    static SEED: std::sync::OnceLock<[u8; 16]> = std::sync::OnceLock::new();
+    *SEED.get_or_init(rand::random)
 }
 
 impl Authenticator {
@@ -118,9 +168,10 @@ impl Authenticator {
         Ok(Self {
             spec,
             hba,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::new()),
+            roles_cache: Mutex::new(Cache::new()),
             lookup: tokio::sync::Mutex::new(None),
-            mock_seed: rand::random(),
+            mock_seed: mock_seed(),
         })
     }
 
@@ -132,10 +183,13 @@ impl Authenticator {
         user: &str,
         primary_wait: Duration,
     ) -> Result<Option<String>, String> {
-        if let Some((v, at)) = self.cache.lock().expect("poisoned").get(user) {
-            if at.elapsed() < self.spec.cache_ttl {
-                return Ok(v.clone());
-            }
+        if let Some(v) = self
+            .cache
+            .lock()
+            .expect("poisoned")
+            .get(user, self.spec.cache_ttl)
+        {
+            return Ok(v);
         }
         let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
@@ -147,7 +201,11 @@ impl Authenticator {
         {
             Ok(Ok(rows)) => rows,
             Ok(Err(e)) => {
-                *guard = None;
+                // The server's error (a missing function, a permission)
+                // leaves the connection usable; only a broken one goes.
+                if e.as_db_error().is_none() || e.is_closed() {
+                    *guard = None;
+                }
                 return Err(format!("auth query failed: {}", pg_error(&e)));
             }
             // The query still runs there (a lock, a slow function): the
@@ -160,21 +218,13 @@ impl Authenticator {
         let v: Option<String> = rows
             .first()
             .and_then(|r| r.try_get::<_, Option<String>>(1).ok().flatten());
-        self.cache
-            .lock()
-            .expect("poisoned")
-            .insert(user.to_string(), (v.clone(), Instant::now()));
+        self.cache.lock().expect("poisoned").insert(
+            user,
+            v.clone(),
+            self.spec.cache_ttl,
+            Option::is_some,
+        );
         Ok(v)
-    }
-
-    fn needs_roles(&self) -> bool {
-        use pgwarden_auth::hba::{DatabaseSpec, UserSpec};
-        self.hba.rules().iter().any(|r| {
-            r.users.iter().any(|u| matches!(u, UserSpec::Group(_)))
-                || r.databases
-                    .iter()
-                    .any(|d| matches!(d, DatabaseSpec::SameRole))
-        })
     }
 
     /// The roles `user` is a member of (directly or not), itself included.
@@ -184,11 +234,13 @@ impl Authenticator {
         user: &str,
         primary_wait: Duration,
     ) -> Result<Vec<String>, String> {
-        let key = format!("\0roles\0{user}");
-        if let Some((Some(v), at)) = self.cache.lock().expect("poisoned").get(&key) {
-            if at.elapsed() < self.spec.cache_ttl {
-                return Ok(v.split('\n').map(str::to_string).collect());
-            }
+        if let Some(v) = self
+            .roles_cache
+            .lock()
+            .expect("poisoned")
+            .get(user, self.spec.cache_ttl)
+        {
+            return Ok(v);
         }
         let mut guard = self.lookup_connection(shared, primary_wait).await?;
         let client = guard.as_ref().expect("connected");
@@ -207,7 +259,9 @@ impl Authenticator {
                 Vec::new()
             }
             Ok(Err(e)) => {
-                *guard = None;
+                if e.as_db_error().is_none() || e.is_closed() {
+                    *guard = None;
+                }
                 return Err(format!("role lookup failed: {}", pg_error(&e)));
             }
             Err(_) => {
@@ -219,10 +273,12 @@ impl Authenticator {
             .iter()
             .filter_map(|r| r.try_get::<_, String>(0).ok())
             .collect();
-        self.cache
-            .lock()
-            .expect("poisoned")
-            .insert(key, (Some(roles.join("\n")), Instant::now()));
+        self.roles_cache.lock().expect("poisoned").insert(
+            user,
+            roles.clone(),
+            self.spec.cache_ttl,
+            |r| !r.is_empty(),
+        );
         Ok(roles)
     }
 
@@ -310,56 +366,85 @@ impl Authenticator {
     ) -> Result<Credential, AuthError> {
         let user = startup.user().unwrap_or_default().to_string();
         let database = startup.database().unwrap_or_default().to_string();
-        // Group membership (`+group`, `samerole`) comes from the primary,
-        // looked up only when some rule needs it.
-        let roles = if self.needs_roles() {
-            self.roles(shared, &user, primary_wait).await.map_err(|e| {
-                tracing::error!(error = %e, user = %user, "role membership lookup failed");
-                AuthError::new(
-                    sqlstate::CONNECTION_FAILURE,
-                    "auth_query",
-                    "authentication is unavailable: role membership could not be looked up",
-                )
-            })?
-        } else {
-            Vec::new()
+        // As PostgreSQL reads it before anything else: a physical
+        // walsender matches only pg_hba.conf's `replication` entries.
+        let physical = match startup.replication() {
+            Ok(r) => r == Replication::Physical,
+            Err(v) => {
+                return Err(AuthError::new(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    "protocol",
+                    format!("invalid value for parameter \"replication\": \"{v}\""),
+                ))
+            }
         };
-        // The hba decision is made before any await: the context borrows a
-        // callback that is not Send.
         let locals = if self.hba.needs_local_addrs() {
             local_addrs()
         } else {
             Vec::new()
         };
-        let (method, client_cert, line, reject) = {
-            let no_roles = |_: &str| roles.clone();
-            let mut ctx = if client.is_local() {
-                HbaContext::new(ConnType::Local, &database, &user, None)
-            } else {
-                HbaContext::new(
-                    ConnType::Host {
-                        ssl: client.is_tls(),
-                    },
-                    &database,
-                    &user,
-                    Some(peer.ip()),
-                )
+        // Group membership (`+group`, `samerole`) comes from the primary:
+        // looked up only when the scan of the rules reaches an entry that
+        // needs it, and the scan then made again with it. A login that no
+        // such entry precedes (trust, cert, peer lines first) does not
+        // depend on the primary.
+        let mut roles: Option<Vec<String>> = None;
+        let (method, client_cert, line, reject) = loop {
+            // Made before any await: the context borrows a callback that
+            // is not Send.
+            let asked = std::cell::Cell::new(false);
+            let (found, no_match) = {
+                let of_user = |_: &str| match &roles {
+                    Some(r) => r.clone(),
+                    None => {
+                        asked.set(true);
+                        Vec::new()
+                    }
+                };
+                let mut ctx = if client.is_local() {
+                    HbaContext::new(ConnType::Local, &database, &user, None)
+                } else {
+                    HbaContext::new(
+                        ConnType::Host {
+                            ssl: client.is_tls(),
+                        },
+                        &database,
+                        &user,
+                        Some(peer.ip()),
+                    )
+                };
+                ctx.physical_replication = physical;
+                ctx.roles_of_user = &of_user;
+                ctx.local_addrs = &locals;
+                let found = self.hba.find(&ctx).map(|rule| {
+                    (
+                        rule.method,
+                        rule.client_cert,
+                        rule.line,
+                        pgwarden_auth::hba::reject_message(&ctx),
+                    )
+                });
+                (found, pgwarden_auth::hba::no_match_message(&ctx))
             };
-            ctx.roles_of_user = &no_roles;
-            ctx.local_addrs = &locals;
-            match self.hba.find(&ctx) {
-                Some(rule) => (
-                    rule.method,
-                    rule.client_cert,
-                    rule.line,
-                    pgwarden_auth::hba::reject_message(&ctx),
-                ),
+            if roles.is_none() && asked.get() {
+                roles = Some(self.roles(shared, &user, primary_wait).await.map_err(|e| {
+                    tracing::error!(error = %e, user = %user, "role membership lookup failed");
+                    AuthError::new(
+                        sqlstate::CONNECTION_FAILURE,
+                        "auth_query",
+                        "authentication is unavailable: role membership could not be looked up",
+                    )
+                })?);
+                continue;
+            }
+            match found {
+                Some(decision) => break decision,
                 None => {
                     return Err(AuthError::new(
                         sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
                         "hba_no_match",
-                        pgwarden_auth::hba::no_match_message(&ctx),
-                    ));
+                        no_match,
+                    ))
                 }
             }
         };
@@ -449,9 +534,17 @@ impl Authenticator {
                 let password = message::password_message(&reply)
                     .map_err(|_| failed())?
                     .to_string();
-                let ok = verifier
-                    .as_deref()
-                    .is_some_and(|v| password_matches(v, &user, &password));
+                // PBKDF2 with the verifier's iterations: milliseconds or
+                // more, off the event loop that serves other clients.
+                let ok = match verifier {
+                    Some(v) => {
+                        let (u, p) = (user.clone(), password.clone());
+                        tokio::task::spawn_blocking(move || password_matches(&v, &u, &p))
+                            .await
+                            .unwrap_or(false)
+                    }
+                    None => false,
+                };
                 if ok {
                     Ok(Credential::Password(password))
                 } else {
@@ -762,6 +855,33 @@ async fn ask(client: &mut ClientStream, request: &[u8]) -> Result<BytesMut, NoAn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Names come from clients before they authenticate: the cache stays
+    /// within its cap whatever they send, keeping known roles longest, and
+    /// keeps values whole (a role name may hold a newline).
+    #[test]
+    fn lookup_caches_are_bounded() {
+        let ttl = Duration::from_secs(60);
+        let mut c: Cache<Option<String>> = Cache::new();
+        c.insert("alice", Some("v".into()), ttl, Option::is_some);
+        for i in 0..(CACHE_MAX * 3) {
+            c.insert(&format!("nobody{i}"), None, ttl, Option::is_some);
+            assert!(c.entries.len() <= CACHE_MAX);
+        }
+        assert_eq!(
+            c.get("alice", ttl),
+            Some(Some("v".into())),
+            "a known role stays"
+        );
+        let mut roles: Cache<Vec<String>> = Cache::new();
+        roles.insert("x", vec!["x".into(), "a\nb".into()], ttl, |r| !r.is_empty());
+        assert_eq!(
+            roles.get("x", ttl),
+            Some(vec!["x".to_string(), "a\nb".to_string()])
+        );
+        assert_eq!(roles.get("x", Duration::ZERO), None, "expired");
+        assert_eq!(mock_seed(), mock_seed(), "one seed per process");
+    }
 
     fn hba(text: &str) -> Hba {
         Hba::parse(text, Path::new("conf/pg_hba.conf"), &|_| {

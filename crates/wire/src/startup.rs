@@ -54,6 +54,37 @@ pub enum StartupFrame {
     Startup(StartupMessage),
 }
 
+/// A connection's replication mode (the `replication` start-up parameter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replication {
+    /// An ordinary connection.
+    None,
+    /// A physical walsender (`replication=true`): pg_hba.conf's
+    /// `replication` entries apply.
+    Physical,
+    /// A logical walsender (`replication=database`): an ordinary
+    /// connection as far as pg_hba.conf goes.
+    Logical,
+}
+
+/// PostgreSQL's `parse_bool`: `true`/`false`, `yes`/`no` and their
+/// prefixes, `on`/`off` (at least two letters), `1`/`0`, in any case.
+fn parse_bool(v: &str) -> Option<bool> {
+    let l = v.to_ascii_lowercase();
+    let prefix_of = |word: &str, min: usize| l.len() >= min && word.starts_with(l.as_str());
+    if prefix_of("true", 1) || prefix_of("yes", 1) || l == "on" || l == "1" {
+        Some(true)
+    } else if prefix_of("false", 1) || prefix_of("no", 1) || prefix_of("off", 2) || l == "0" {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Longest role or database name PostgreSQL keeps (`NAMEDATALEN` - 1):
+/// it cuts longer ones in the start-up packet before anything else.
+pub const NAME_MAX: usize = 63;
+
 /// The version and parameters of a StartupMessage.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StartupMessage {
@@ -94,6 +125,22 @@ impl StartupMessage {
         self.get("database")
             .filter(|d| !d.is_empty())
             .or_else(|| self.user())
+    }
+
+    /// What the `replication` parameter asks for, read as PostgreSQL reads
+    /// it: `database` is a logical walsender, a boolean (`true`, `on`,
+    /// `yes`, `1`, their prefixes, any case) a physical one or none. `Err`
+    /// carries a value PostgreSQL refuses.
+    pub fn replication(&self) -> Result<Replication, &str> {
+        match self.get("replication") {
+            None => Ok(Replication::None),
+            Some("database") => Ok(Replication::Logical),
+            Some(v) => match parse_bool(v) {
+                Some(true) => Ok(Replication::Physical),
+                Some(false) => Ok(Replication::None),
+                None => Err(v),
+            },
+        }
     }
 
     /// Sets `name` to `value`, replacing all earlier values in place (at the
@@ -247,9 +294,22 @@ fn decode(packet: &[u8], len: u32) -> Result<StartupFrame, StartupError> {
     if major != 3 {
         return Err(StartupError::UnsupportedProtocol { major, minor });
     }
+    let mut params = decode_params(rest)?;
+    // As PostgreSQL does first: a longer name is looked up, matched in
+    // pg_hba.conf and pooled as its first 63 bytes (here cut at a
+    // character boundary, so that it stays text).
+    for (name, value) in &mut params {
+        if (name == "user" || name == "database") && value.len() > NAME_MAX {
+            let mut end = NAME_MAX;
+            while !value.is_char_boundary(end) {
+                end -= 1;
+            }
+            value.truncate(end);
+        }
+    }
     let msg = StartupMessage {
         protocol: (major, minor),
-        params: decode_params(rest)?,
+        params,
     };
     if msg.user().is_none() {
         return Err(StartupError::MissingUser);
@@ -377,6 +437,51 @@ mod tests {
         assert_eq!(m.database(), Some("alice"));
         assert_eq!(m.get("application_name"), Some("psql"));
         assert_eq!(m.get("Application_Name"), None);
+    }
+
+    #[test]
+    fn long_names_are_cut_as_postgresql_cuts_them() {
+        let long = format!("{}é", "u".repeat(62));
+        let body = format!(
+            "user\0{long}x\0database\0{}\0application_name\0{}\0\0",
+            "d".repeat(70),
+            "a".repeat(70)
+        );
+        let Ok(Some(StartupFrame::Startup(m))) = startup(body.as_bytes()) else {
+            panic!("expected a startup message");
+        };
+        // 62 bytes and a two-byte character: cut before the character.
+        assert_eq!(m.user(), Some("u".repeat(62).as_str()));
+        assert_eq!(m.database(), Some("d".repeat(63).as_str()));
+        assert_eq!(
+            m.get("application_name").map(str::len),
+            Some(70),
+            "only names are cut"
+        );
+    }
+
+    #[test]
+    fn replication_is_read_as_postgresql_reads_it() {
+        let with = |v: &str| {
+            StartupMessage::new(vec![
+                ("user".into(), "u".into()),
+                ("replication".into(), v.into()),
+            ])
+        };
+        assert_eq!(
+            StartupMessage::new(vec![]).replication(),
+            Ok(Replication::None)
+        );
+        for v in ["true", "t", "TRU", "yes", "Y", "on", "ON", "1"] {
+            assert_eq!(with(v).replication(), Ok(Replication::Physical), "{v}");
+        }
+        for v in ["false", "F", "no", "n", "off", "of", "0"] {
+            assert_eq!(with(v).replication(), Ok(Replication::None), "{v}");
+        }
+        assert_eq!(with("database").replication(), Ok(Replication::Logical));
+        for v in ["", "o", "Database", "2", "truex", "yes please"] {
+            assert_eq!(with(v).replication(), Err(v), "{v}");
+        }
     }
 
     #[test]
