@@ -1244,6 +1244,67 @@ async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
     assert_eq!(listening, "1");
 }
 
+/// A client that closes its connection, or is killed, while it waits for
+/// a server leaves the line at once, and the statement it sent never runs:
+/// run later, after the application gave up (and perhaps retried), it
+/// could write twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_waiting_is_not_served() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(&c.conninfo(0), "CREATE TABLE ghost (x int)").await;
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let rw = p.service_addrs()["read_write"];
+    let waiting = |n: f64| {
+        pgwarden_testkit::eventually("clients waiting", WAIT, move || async move {
+            let v = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+            (v == n)
+                .then_some(())
+                .ok_or(format!("{v} waiting, want {n}"))
+        })
+    };
+    // Logged in first: a login borrows a server too.
+    let connect =
+        move || RawClient::connect_with(rw, &[("user", "postgres"), ("database", "postgres")]);
+    let mut gone = tokio::task::spawn_blocking(connect).await.unwrap();
+    let mut killed = tokio::task::spawn_blocking(connect).await.unwrap();
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    // Closed while waiting.
+    gone.0
+        .write_all(&msg_query(b"INSERT INTO ghost VALUES (1)"))
+        .unwrap();
+    waiting(1.0).await;
+    drop(gone);
+    waiting(0.0).await;
+    // Killed while waiting: told why at once (the holder goes too).
+    killed
+        .0
+        .write_all(&msg_query(b"INSERT INTO ghost VALUES (2)"))
+        .unwrap();
+    waiting(1.0).await;
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    admin.simple_query("KILL postgres").await.unwrap();
+    let replies = tokio::task::spawn_blocking(move || killed.until_closed())
+        .await
+        .unwrap();
+    assert_eq!(
+        error_code(&replies).as_deref(),
+        Some("57P01"),
+        "{replies:?}"
+    );
+    waiting(0.0).await;
+    // Nothing of either ran, then or later.
+    let round = e.snapshot().round;
+    e.wait_round(round + 2).await;
+    let n = common::sql_value(&c.conninfo(0), "SELECT count(*) FROM ghost").await;
+    assert_eq!(n.as_deref(), Some("0"));
+}
+
 /// Each pool counts the queries it served, the bytes both ways, how long
 /// its servers were lent and how long they worked on queries, in SHOW
 /// STATS (PgBouncer's column names) and on /metrics.

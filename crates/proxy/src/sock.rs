@@ -73,6 +73,47 @@ fn recv(fd: RawFd, buf: &mut [MaybeUninit<u8>]) -> io::Result<usize> {
     result(r)
 }
 
+/// Looks at the next byte without taking it: 0 at the end of input.
+fn peek_one(fd: RawFd) -> io::Result<usize> {
+    let mut byte = 0u8;
+    #[allow(unsafe_code)]
+    // SAFETY: the kernel writes at most one byte into `byte`; the address
+    // arguments are null.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_recvfrom,
+            fd,
+            std::ptr::addr_of_mut!(byte),
+            1usize,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            std::ptr::null_mut::<libc::sockaddr>(),
+            std::ptr::null_mut::<libc::socklen_t>(),
+        )
+    };
+    result(r)
+}
+
+/// Resolves once `s` shows the end of its input (the peer closed, or a
+/// shutdown of the reading side) or fails, reading nothing. Bytes waiting
+/// unread hide the end behind them: it then waits on, for good.
+pub(crate) async fn closed<S: Plain>(s: &S) {
+    let fd = s.as_raw_fd();
+    loop {
+        if std::future::poll_fn(|cx| s.poll_read_ready(cx))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        match s.try_io(Interest::READABLE, || peek_one(fd)) {
+            Ok(0) => return,
+            Ok(_) => return std::future::pending().await,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) => return,
+        }
+    }
+}
+
 fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     #[allow(unsafe_code)]
     // SAFETY: the kernel reads at most `buf.len()` bytes from `buf`; the

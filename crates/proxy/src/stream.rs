@@ -120,6 +120,19 @@ impl ClientStream {
         }
     }
 
+    /// Resolves once the client has closed its side of the connection (or
+    /// it was shut down, as a kill does), reading nothing: what it sent
+    /// stays for the session. Bytes waiting unread (a pipelined message,
+    /// TLS's close_notify) hide a close behind them; it then waits on.
+    pub async fn closed(&self) {
+        match self {
+            ClientStream::Plain(s) => crate::sock::closed(s).await,
+            ClientStream::Local(s) => crate::sock::closed(s).await,
+            ClientStream::Tls(s) => crate::sock::closed(s.stream.get_ref().0).await,
+            ClientStream::Gone => {}
+        }
+    }
+
     /// The descriptor of the client's TCP socket (-1 once gone).
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;

@@ -231,7 +231,7 @@ pub(crate) async fn run(
         return;
     };
 
-    let killed = Arc::new(KillState::default());
+    let killed = session.killed.clone();
     let registration = SessionGuard::register(
         shared,
         session.client_id,
@@ -276,8 +276,14 @@ pub(crate) async fn run(
                 Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))
             }
         };
+        // A statement refused because the client left may have left
+        // because it was told to end: it is told why.
+        let or_killed = |f: Fatal| match ended(&killed) {
+            Err(k) => k,
+            Ok(()) => f,
+        };
         if !early.is_empty() {
-            session.client_bytes(&mut early).await?;
+            session.client_bytes(&mut early, client).await.map_err(&or_killed)?;
             if session.answer_client(client).await.is_err() {
                 return Ok(());
             }
@@ -365,7 +371,7 @@ pub(crate) async fn run(
                         session.held = false;
                         // Inline, as below: a function's future would keep
                         // its arguments in every idle client's.
-                        if session.client_bytes(&mut early).await?
+                        if session.client_bytes(&mut early, client).await.map_err(&or_killed)?
                             || session.answer_client(client).await.is_err()
                         {
                             return Ok(());
@@ -392,7 +398,7 @@ pub(crate) async fn run(
                             from_client.inc_by(n as u64);
                         }
                     }
-                    if session.client_bytes(&mut early).await?
+                    if session.client_bytes(&mut early, client).await.map_err(&or_killed)?
                         || session.answer_client(client).await.is_err()
                     {
                         return Ok(());
@@ -451,6 +457,15 @@ pub(crate) async fn run(
     session.detach(reusable);
 }
 
+/// A waiting client closed its connection (or was killed): its statement
+/// is dropped with the session.
+fn client_gone() -> Fatal {
+    Fatal::new(
+        sqlstate::CONNECTION_FAILURE,
+        "terminating connection: the client went away while waiting",
+    )
+}
+
 /// Logs a pooled client in: borrows a server once to learn its parameters
 /// (and whether the database and role exist), applies the client's
 /// start-up settings there, sends the greeting and gives the server back
@@ -462,7 +477,7 @@ async fn greet(
     client: &mut ClientStream,
 ) -> Option<(i32, i32)> {
     // No cancel key is out yet, so nothing can cancel this wait.
-    let mut first = match Box::pin(session.acquire()).await {
+    let mut first = match Box::pin(session.acquire(client)).await {
         Ok(Some(c)) => c,
         Ok(None) => return None,
         Err(f) => {
@@ -680,6 +695,8 @@ struct Session {
     /// between transactions; mirrored in `cancel_target` for pauses.
     held_idle: bool,
     cancel_target: Arc<crate::cancel::CancelSlot>,
+    /// Set when the session is told to end (its registry entry shares it).
+    killed: Arc<KillState>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
     /// This client's pool settings (service, database and user combined).
@@ -786,6 +803,7 @@ impl Session {
             unnamed_seq: 0,
             pinned: false,
             held_idle: false,
+            killed: Arc::default(),
             cancel_target: Arc::default(),
             skip: 0,
             settings,
@@ -830,11 +848,11 @@ impl Session {
     /// line (and for a host to appear, and while the service is paused)
     /// up to `query_wait_timeout`.
     /// `None`: the client was cancelled while waiting (a CancelRequest).
-    async fn acquire(&mut self) -> Result<Option<Checkout>, Fatal> {
+    async fn acquire(&mut self, client: &ClientStream) -> Result<Option<Checkout>, Fatal> {
         if let Some(c) = self.try_idle() {
             return Ok(Some(c));
         }
-        self.acquire_waiting().await
+        self.acquire_waiting(client).await
     }
 
     /// The common case, which costs no lock, allocation or timer: the host
@@ -869,15 +887,29 @@ impl Session {
     }
 
     /// [`acquire`](Self::acquire) past [`try_idle`](Self::try_idle):
-    /// waits for a server, or for a cancel request.
-    async fn acquire_waiting(&mut self) -> Result<Option<Checkout>, Fatal> {
+    /// waits for a server, or for a cancel request. A client that goes
+    /// away meanwhile (or is killed) leaves the line at once: the
+    /// statement it had sent must not run after it gave up.
+    async fn acquire_waiting(&mut self, client: &ClientStream) -> Result<Option<Checkout>, Fatal> {
         // Boxed: the slow path's state is large and rare, and would
         // otherwise be part of every idle client's task.
         let slot = self.cancel_target.clone();
+        let killed = self.killed.clone();
         slot.start_waiting();
+        // Biased: a client told to end, or gone, is not served even when a
+        // server comes at the same moment.
         let got = tokio::select! {
-            r = Box::pin(self.acquire_slow()) => Some(r),
+            biased;
+            () = killed.told() => {
+                slot.stop_waiting();
+                return Err(client_gone());
+            }
+            () = client.closed() => {
+                slot.stop_waiting();
+                return Err(client_gone());
+            }
             () = slot.cancelled() => None,
+            r = Box::pin(self.acquire_slow()) => Some(r),
         };
         let cancelled = slot.stop_waiting();
         let Some(c) = got.transpose()? else {
@@ -1019,7 +1051,7 @@ impl Session {
     /// Borrows a server if none is attached, and sets the client's session
     /// parameters on it where they differ. False: the client was cancelled
     /// while waiting for one.
-    async fn attach(&mut self) -> Result<bool, Fatal> {
+    async fn attach(&mut self, client: &ClientStream) -> Result<bool, Fatal> {
         if let Some(c) = &self.attached {
             // Checked per message rather than watched: a client mid-way
             // through a transaction on a server that is no longer right
@@ -1034,7 +1066,7 @@ impl Session {
             if self.held_idle {
                 // Boxed: rare, and would otherwise be part of every
                 // client's future.
-                Box::pin(self.start_held_transaction()).await?;
+                Box::pin(self.start_held_transaction(client)).await?;
             }
             return Ok(true);
         }
@@ -1052,7 +1084,7 @@ impl Session {
                 return Ok(true);
             }
             Some(c) => Box::pin(async move { self.attach_checkout(c).await.map(|()| true) }),
-            None => Box::pin(self.attach_new()),
+            None => Box::pin(self.attach_new(client)),
         };
         slow.await
     }
@@ -1060,7 +1092,7 @@ impl Session {
     /// A client that kept its server between transactions starts the next
     /// one: while its service is paused it waits for the resume (bounded
     /// by `query_wait_timeout`), as clients that need a server do.
-    async fn start_held_transaction(&mut self) -> Result<(), Fatal> {
+    async fn start_held_transaction(&mut self, client: &ClientStream) -> Result<(), Fatal> {
         // Marked busy before the pause is looked at: a pause that then
         // found it between transactions must not see it start one.
         self.cancel_target.set_held_idle(false);
@@ -1089,6 +1121,8 @@ impl Session {
                         ),
                     ));
                 }
+                () = client.closed() => return Err(client_gone()),
+                () = self.killed.told() => return Err(client_gone()),
             }
             self.cancel_target.set_held_idle(false);
             if !*self.paused.borrow() {
@@ -1100,8 +1134,8 @@ impl Session {
     }
 
     /// Borrows a server for the transaction that starts, waiting for one.
-    async fn attach_new(&mut self) -> Result<bool, Fatal> {
-        let Some(c) = self.acquire_waiting().await? else {
+    async fn attach_new(&mut self, client: &ClientStream) -> Result<bool, Fatal> {
+        let Some(c) = self.acquire_waiting(client).await? else {
             return Ok(false);
         };
         self.attach_checkout(c).await?;
@@ -1307,7 +1341,11 @@ impl Session {
 
     /// Handles every complete client message in `buf`; true = the client
     /// said goodbye (Terminate).
-    async fn client_bytes(&mut self, buf: &mut BytesMut) -> Result<bool, Fatal> {
+    async fn client_bytes(
+        &mut self,
+        buf: &mut BytesMut,
+        client: &ClientStream,
+    ) -> Result<bool, Fatal> {
         // Reused while the client holds a server, so a transaction does not
         // allocate its output; dropped with the server (idle clients hold
         // no buffers).
@@ -1316,7 +1354,7 @@ impl Session {
         if out.capacity() == 0 {
             out = crate::bufcache::take();
         }
-        let r = self.client_messages(buf, &mut out).await;
+        let r = self.client_messages(buf, &mut out, client).await;
         if self.attached.is_some() {
             self.outbuf = out;
         } else {
@@ -1332,6 +1370,7 @@ impl Session {
         &mut self,
         buf: &mut BytesMut,
         out: &mut BytesMut,
+        client: &ClientStream,
     ) -> Result<bool, Fatal> {
         loop {
             // Messages are looked at where they lie and consumed with
@@ -1400,7 +1439,7 @@ impl Session {
                     break;
                 }
             }
-            if !self.attach().await? {
+            if !self.attach(client).await? {
                 self.cancelled_in_line(tag);
                 buf.advance(total);
                 continue;
