@@ -1305,6 +1305,38 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
     assert_eq!(n.as_deref(), Some("0"));
 }
 
+/// A server that accepts a connection and then says nothing (frozen, or
+/// cut off before the probes notice) costs a pooled client its
+/// `server_connect_timeout` (2 s here), not its whole `query_wait_timeout`
+/// (30 s): it then picks a host again and is served by another replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_costs_the_connect_timeout_not_the_whole_wait() {
+    let c = TestCluster::builder().replicas(2).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(1).parse().unwrap()).unwrap();
+    let addrs = vec![c.addr(0), relay.addr().to_string(), c.addr(2)];
+    let (e, p) = proxy_with(
+        &addrs,
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(30)),
+        10_000,
+    )
+    .await;
+    ready(&e, 3).await;
+    // The probe's connection stays; new ones to the replica hang.
+    relay.set_hold_new(true);
+    for i in 0..4 {
+        let served = tokio::time::timeout(Duration::from_secs(15), async {
+            let ro = client(&via(&p, "read_only")).await.unwrap();
+            for _ in 0..2 {
+                assert_eq!(one(&ro, "SELECT pg_is_in_recovery()").await, "t");
+            }
+        })
+        .await;
+        assert!(served.is_ok(), "client {i} waited on the silent server");
+    }
+    relay.set_hold_new(false);
+}
+
 /// Each pool counts the queries it served, the bytes both ways, how long
 /// its servers were lent and how long they worked on queries, in SHOW
 /// STATS (PgBouncer's column names) and on /metrics.

@@ -676,6 +676,9 @@ pub struct Pool {
     /// Connections opened before this ([`now_ns`]; 0: none) are
     /// closed instead of reused ([`Pool::reconnect`]).
     renew_before: AtomicU64,
+    /// Longest a new server connection may take to open and log in, in
+    /// microseconds (`engine.server_connect_timeout`).
+    connect_limit_us: AtomicU64,
     /// Lent connections that will close when given back, for the admin
     /// console's WAIT_CLOSE.
     stale: AtomicUsize,
@@ -1061,6 +1064,8 @@ impl Pool {
             retired: AtomicBool::new(false),
             retired_signal: Notify::new(),
             renew_before: AtomicU64::new(0),
+            // The default of engine.server_connect_timeout; the proxy sets its own.
+            connect_limit_us: AtomicU64::new(2_000_000),
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
             opening: AtomicUsize::new(0),
@@ -1143,6 +1148,16 @@ impl Pool {
             *slot = Some(s);
         }
         Ok(slots)
+    }
+
+    /// Sets how long a new server connection may take to open and log in.
+    pub fn set_connect_limit(&self, limit: Duration) {
+        let us = u64::try_from(limit.as_micros()).unwrap_or(u64::MAX);
+        self.connect_limit_us.store(us, Ordering::Relaxed);
+    }
+
+    fn connect_limit(&self) -> Duration {
+        Duration::from_micros(self.connect_limit_us.load(Ordering::Relaxed))
     }
 
     /// Marks the pool unusable and closes its idle connections.
@@ -1512,27 +1527,48 @@ impl Pool {
                     c => c,
                 };
                 let slots = self.slots(deadline, warming).await?;
+                // A server that accepts and then says nothing (frozen, or
+                // partitioned before the probes mark it down) costs the
+                // client its connect time-out, not its whole wait: it then
+                // picks a host again.
+                let limit = self.connect_limit();
                 let remaining = deadline
                     .saturating_duration_since(tokio::time::Instant::now())
-                    .max(Duration::from_secs(1));
+                    .max(Duration::from_secs(1))
+                    .min(limit);
+                let retired = self.retired_signal.notified();
+                tokio::pin!(retired);
+                retired.as_mut().enable();
+                if self.is_retired() {
+                    return Err(ServerError::Retired);
+                }
                 // Boxed: logging in is rare and its state large, and
                 // without it every wait for a server would carry it.
                 let with_app = self.baseline_app.load(Ordering::Relaxed);
                 // The pool is in use while it opens one, though nothing
                 // else counts it yet.
                 let _opening = Counted::new(&self.opening, Ordering::SeqCst);
-                let c = crate::timer::timeout(
+                let server_tls = self.server_tls.load();
+                let opened = crate::timer::timeout(
                     remaining,
-                    Box::pin(connect(
-                        &self.key,
-                        startup,
-                        &cred,
-                        &self.server_tls.load(),
-                        with_app,
-                    )),
-                )
-                .await
-                .map_err(|_| ServerError::Timeout)??;
+                    Box::pin(connect(&self.key, startup, &cred, &server_tls, with_app)),
+                );
+                let c = tokio::select! {
+                    // Retired meanwhile (its host failed or was demoted):
+                    // the client picks a host again at once.
+                    _ = retired => return Err(ServerError::Retired),
+                    r = opened => match r {
+                        Ok(r) => r?,
+                        Err(_) if remaining == limit => {
+                            return Err(ServerError::Failed(format!(
+                                "connecting to {} timed out after {} ms",
+                                self.key.host,
+                                limit.as_millis()
+                            )))
+                        }
+                        Err(_) => return Err(ServerError::Timeout),
+                    },
+                };
                 if self.settings.load().wants_primary && c.in_hot_standby() {
                     // The old primary of a switchover, back as a standby
                     // before the topology shows it: the client waits for

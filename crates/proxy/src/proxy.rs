@@ -467,6 +467,7 @@ impl Shared {
                 let pool =
                     Pool::limited(k.clone(), settings.clone(), self.server_tls.clone(), limits);
                 let _ = pool.service.set(service.clone());
+                pool.set_connect_limit(self.server_connect_timeout());
                 let gauge = self
                     .metrics
                     .server_connections
@@ -957,6 +958,7 @@ impl Proxy {
             if let Some(settings) = resolved {
                 pool.update(&settings);
             }
+            pool.set_connect_limit(spec.server_connect_timeout);
         }
         for ((_, kind, name), limit) in self.shared.limits.lock().expect("poisoned").iter() {
             limit.set_max(self.shared.limit_of(*kind, name));
