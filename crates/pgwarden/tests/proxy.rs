@@ -308,6 +308,12 @@ async fn read_only_sessions_cannot_be_made_read_write() {
          '_read_only'', ''on'', false)', true, false, '')",
         // Passing DISCARD ALL is no reason to look no further.
         "SELECT 'discard all'; COMMIT; BEGIN READ WRITE; INSERT INTO w VALUES (3); COMMIT",
+        // Encodings whose characters may end in a backslash would let a
+        // string hide SQL from the check in the messages that follow.
+        "SET client_encoding = 'SJIS'",
+        "SET NAMES 'big5'",
+        // Other languages' commits are calls the check cannot see.
+        "DO LANGUAGE plperl $$ spi_commit(); $$",
     ];
     // Also when the read-only service has fallen back to the primary.
     for phase in ["replica", "primary fallback"] {
@@ -379,6 +385,34 @@ async fn read_only_sessions_cannot_be_made_read_write() {
         panic!("a read-write startup packet was accepted");
     };
     assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
+    // So is one in such an encoding, and a replication connection (its
+    // commands are not SQL the check reads).
+    let Err(err) = client(&format!(
+        "{} options='-c client_encoding=SJIS'",
+        via(&p, "read_only")
+    ))
+    .await
+    else {
+        panic!("an SJIS session was accepted");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
+    let port = p.service_addrs()["read_only"].port();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("psql")
+            .arg(format!(
+                "host=127.0.0.1 port={port} user=postgres replication=true"
+            ))
+            .args(["-X", "-c", "IDENTIFY_SYSTEM"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("replication connections are not allowed"),
+        "{stderr}"
+    );
     let _ = e;
 }
 

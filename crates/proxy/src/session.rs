@@ -300,6 +300,31 @@ async fn serve(
                 format!("service \"{}\" is read-only: startup parameters may not change default_transaction_read_only or transaction_read_only", spec.name),
             ));
         }
+        // Its characters may end in an ASCII byte, which the server would
+        // read as part of a character where the statement check sees SQL.
+        if let Some(enc) = pgwarden_wire::readonly::startup_client_only_encoding(&startup) {
+            return Err(Refusal::new(
+                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                "read_only",
+                format!("service \"{}\" is read-only: client_encoding {enc} is not allowed here (its characters may end in an ASCII byte); use UTF8", spec.name),
+            ));
+        }
+        // A walsender takes replication commands, which the statement
+        // check does not read and read-only transactions do not stop
+        // (dropping a standby's slot, say).
+        if startup
+            .get("replication")
+            .is_some_and(|v| v != "false" && v != "off" && v != "0" && v != "no")
+        {
+            return Err(Refusal::new(
+                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                "read_only",
+                format!(
+                    "service \"{}\" is read-only: replication connections are not allowed",
+                    spec.name
+                ),
+            ));
+        }
         // The server enforces read-only from the first statement on, and
         // RESET/DISCARD return to this value, since startup parameters are
         // a session's defaults.
@@ -1238,6 +1263,15 @@ impl Io<'_> {
                             Verdict::Stop(
                                 sqlstate::READ_ONLY_SQL_TRANSACTION,
                                 "the session was made read-write on a read-only service".into(),
+                            )
+                        }
+                        Ok(("client_encoding", v))
+                            if read_only
+                                && pgwarden_wire::readonly::client_only_encoding(v.as_bytes()) =>
+                        {
+                            Verdict::Stop(
+                                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                                format!("client_encoding {v} is not allowed on a read-only service"),
                             )
                         }
                         // Sent at login since PostgreSQL 14.

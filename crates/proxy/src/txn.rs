@@ -2216,6 +2216,16 @@ impl Session {
                                 "terminating connection: the session was made read-write on a read-only service",
                             ));
                         }
+                        if self.service.spec.read_only
+                            && k == "client_encoding"
+                            && pgwarden_wire::readonly::client_only_encoding(v.as_bytes())
+                        {
+                            self.detach(false);
+                            return Err(Fatal::new(
+                                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                                format!("terminating connection: client_encoding {v} is not allowed on a read-only service"),
+                            ));
+                        }
                         self.params.set(k, v);
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.set_param(k, v);

@@ -136,6 +136,15 @@ pub enum Violation {
     NestingTooDeep,
     /// `COMMIT` or `ROLLBACK` in the body of a `DO` block.
     TransactionControlInDo,
+    /// `client_encoding` set to an encoding whose multi-byte characters
+    /// may end in an ASCII byte (SJIS, BIG5, GBK, UHC, GB18030, JOHAB):
+    /// the server would read the SQL that follows otherwise than the
+    /// check does.
+    ClientEncoding,
+    /// A `DO` block in a language other than PL/pgSQL, whose commits
+    /// (`spi_commit()`, `plpy.commit()`, Tcl's `commit`) the check cannot
+    /// see.
+    DoLanguage,
     /// A statement after one that ends the transaction, in one Query.
     AfterTransactionEnd,
     /// A statement run after one that ended the transaction, in one
@@ -163,6 +172,10 @@ impl fmt::Display for Violation {
             Violation::StringMentions(p) => write!(f, "string constant mentioning \"{p}\""),
             Violation::NestingTooDeep => f.write_str("too deeply nested string constants"),
             Violation::TransactionControlInDo => f.write_str("COMMIT or ROLLBACK in a DO block"),
+            Violation::DoLanguage => f.write_str("a DO block in a language other than plpgsql"),
+            Violation::ClientEncoding => f.write_str(
+                "a client_encoding whose characters may end in an ASCII byte (SJIS, BIG5, GBK, UHC, GB18030, JOHAB)",
+            ),
             Violation::AfterTransactionEnd => f.write_str(
                 "statements after COMMIT, ROLLBACK or PREPARE TRANSACTION in the same query",
             ),
@@ -334,6 +347,8 @@ enum Kw {
     Rollback,
     Prepare,
     To,
+    Language,
+    Names,
 }
 
 const KEYWORDS: &[(&str, Kw)] = &[
@@ -360,6 +375,8 @@ const KEYWORDS: &[(&str, Kw)] = &[
     ("rollback", Kw::Rollback),
     ("prepare", Kw::Prepare),
     ("to", Kw::To),
+    ("language", Kw::Language),
+    ("names", Kw::Names),
 ];
 
 /// A token reduced to what the rules need.
@@ -371,6 +388,7 @@ enum Class {
     PgSettings,
     PgCatalog,
     CurrentSetting,
+    ClientEncoding,
     Ident,
     Str,
     Punct(u8),
@@ -425,6 +443,8 @@ fn name_class(w: &[u8], fold: bool) -> Class {
         Class::PgCatalog
     } else if is("current_setting") {
         Class::CurrentSetting
+    } else if is("client_encoding") {
+        Class::ClientEncoding
     } else {
         Class::Ident
     }
@@ -479,11 +499,47 @@ impl Statement {
         if in_do && at_command && matches!(class, Class::Kw(Kw::Commit | Kw::Rollback)) {
             return Err(Violation::TransactionControlInDo);
         }
+        // `SET client_encoding TO x`, `SET NAMES x` (also SESSION, LOCAL):
+        // the value of x, literal here (set_config and strings naming the
+        // parameter are refused elsewhere).
+        let set = Class::Kw(Kw::Set);
+        let set_scope = |i: usize| {
+            h[i] == set
+                || (matches!(h[i], Class::Kw(Kw::Session | Kw::Local))
+                    && h.get(i + 1) == Some(&set))
+        };
+        // `=` lexes as an operator (Other); no other operator fits there.
+        let encoding_value = (matches!(h[0], Class::Kw(Kw::To) | Class::Other)
+            && h[1] == Class::ClientEncoding
+            && set_scope(2))
+            || (h[0] == Class::Kw(Kw::Names) && set_scope(1));
+        if encoding_value
+            && matches!(tok.kind, Kind::Word | Kind::QuotedIdent | Kind::Str)
+            && client_only_encoding(&tok.text)
+        {
+            return Err(Violation::ClientEncoding);
+        }
+        // Other languages commit through calls the lexer cannot tell from
+        // any other (PL/Perl's `spi_commit()`), and their string syntax is
+        // not SQL's: only PL/pgSQL, the default, is let through.
+        if h[0] == Class::Kw(Kw::Language) && self.lead[0] == Class::Kw(Kw::Do) {
+            let plpgsql = match tok.kind {
+                Kind::Word => tok.text.eq_ignore_ascii_case(b"plpgsql"),
+                Kind::QuotedIdent | Kind::Str => tok.text[..] == *b"plpgsql",
+                _ => false,
+            };
+            if !plpgsql {
+                return Err(Violation::DoLanguage);
+            }
+        }
 
         match self.set_config {
             SetConfigArg::Idle => {}
             SetConfigArg::AwaitName => {
-                if class != Class::Str || GuardedParameter::lookup(&tok.text).is_some() {
+                if class != Class::Str
+                    || GuardedParameter::lookup(&tok.text).is_some()
+                    || tok.text.eq_ignore_ascii_case(b"client_encoding")
+                {
                     return Err(Violation::SetConfig);
                 }
                 self.set_config = SetConfigArg::AwaitComma;
@@ -639,6 +695,7 @@ fn mentions(text: &[u8]) -> Option<&'static str> {
         ("set_config", "", "set_config"),
         ("read", "write", "read write"),
         ("session", "characteristics", "session characteristics"),
+        ("client_encoding", "", "client_encoding"),
     ];
     for i in 0..text.len() {
         let rest = &text[i..];
@@ -1184,9 +1241,18 @@ fn decode_unicode(text: Cow<'_, [u8]>, escape: u8) -> Cow<'_, [u8]> {
 /// parameter, with `-` in the name read as `_`. Switches may be bundled
 /// (`-ec name=value`), as with `getopt`.
 pub fn options_set_read_only_guc(options: &str) -> bool {
+    option_settings(options.as_bytes())
+        .iter()
+        .any(|value| names_guarded(value))
+}
+
+/// The `name=value` settings of an `options` string: the arguments of its
+/// `-c` and `--` switches, split and unescaped as the server does.
+fn option_settings(options: &[u8]) -> Vec<Vec<u8>> {
     // Switches of the server's getopt string that take an argument.
     const WITH_ARG: &[u8] = b"BcCDdfhkNprStvW-";
-    let args = split_options(options.as_bytes());
+    let args = split_options(options);
+    let mut out = Vec::new();
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         let Some(switches) = arg.strip_prefix(b"-") else {
@@ -1202,13 +1268,13 @@ pub fn options_set_read_only_guc(options: &str) -> bool {
             } else {
                 inline
             };
-            if (s == b'c' || s == b'-') && names_guarded(value) {
-                return true;
+            if s == b'c' || s == b'-' {
+                out.push(value.to_vec());
             }
             break;
         }
     }
-    false
+    out
 }
 
 /// Whether any startup parameter of `msg` would set a guarded parameter,
@@ -1220,6 +1286,73 @@ pub fn startup_sets_read_only_guc(msg: &StartupMessage) -> bool {
         } else {
             GuardedParameter::lookup(name.as_bytes()).is_some()
         }
+    })
+}
+
+/// Whether `name` is an encoding, in any of PostgreSQL's spellings, whose
+/// multi-byte characters may end in an ASCII byte (a backslash, a
+/// bracket): SJIS, SHIFT_JIS_2004, BIG5, GBK, UHC, GB18030 and JOHAB,
+/// which PostgreSQL allows on the client side only. The statement check
+/// reads ASCII bytes as SQL; with these, the server would read such a
+/// byte as part of a character, and a string or dollar quote could hide
+/// SQL from the check.
+pub fn client_only_encoding(name: &[u8]) -> bool {
+    // As PostgreSQL compares encoding names: letters and digits only, in
+    // any case.
+    let clean: Vec<u8> = name
+        .iter()
+        .filter(|b| b.is_ascii_alphanumeric())
+        .map(u8::to_ascii_lowercase)
+        .collect();
+    const NAMES: &[&str] = &[
+        "sjis",
+        "mskanji",
+        "shiftjis",
+        "win932",
+        "windows932",
+        "shiftjis2004",
+        "big5",
+        "win950",
+        "windows950",
+        "gbk",
+        "win936",
+        "windows936",
+        "cp936",
+        "uhc",
+        "win949",
+        "windows949",
+        "gb18030",
+        "johab",
+    ];
+    NAMES.iter().any(|n| clean == n.as_bytes())
+}
+
+/// The client-only encoding (see [`client_only_encoding`]) a startup
+/// packet asks for, through `client_encoding` or `options`, if any.
+pub fn startup_client_only_encoding(msg: &StartupMessage) -> Option<String> {
+    msg.params.iter().find_map(|(name, value)| {
+        let asked: Vec<Vec<u8>> = if name == "client_encoding" {
+            vec![value.as_bytes().to_vec()]
+        } else if name == "options" {
+            option_settings(value.as_bytes())
+                .into_iter()
+                .filter_map(|s| {
+                    let (n, v) = s.split_at(s.iter().position(|b| *b == b'=')?);
+                    let n: Vec<u8> = n
+                        .iter()
+                        .map(|b| if *b == b'-' { b'_' } else { *b })
+                        .collect();
+                    n.eq_ignore_ascii_case(b"client_encoding")
+                        .then(|| v[1..].to_vec())
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        asked
+            .into_iter()
+            .find(|v| client_only_encoding(v))
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
     })
 }
 
@@ -1382,6 +1515,37 @@ mod tests {
     }
 
     #[test]
+    fn client_only_encodings_at_login() {
+        let with = |params: &[(&str, &str)]| {
+            StartupMessage::new(
+                params
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        assert_eq!(
+            startup_client_only_encoding(&with(&[("client_encoding", "SJIS")])),
+            Some("SJIS".into())
+        );
+        assert_eq!(
+            startup_client_only_encoding(&with(&[("options", "-c client-encoding=big5")])),
+            Some("big5".into())
+        );
+        assert_eq!(
+            startup_client_only_encoding(&with(&[("options", "--client_encoding=Windows-936")])),
+            Some("Windows-936".into())
+        );
+        for ok in ["UTF8", "utf-8", "LATIN1", "EUC_JP", "SQL_ASCII"] {
+            assert_eq!(
+                startup_client_only_encoding(&with(&[("client_encoding", ok)])),
+                None,
+                "{ok}"
+            );
+        }
+    }
+
+    #[test]
     fn reset_forms() {
         for s in cases("RESET ALL") {
             assert_eq!(refused(&s), Violation::ResetAll);
@@ -1419,8 +1583,50 @@ mod tests {
             "DO $$BEGIN PERFORM 1; END$$",
             "PREPARE q AS SELECT 1; EXECUTE q",
             "SELECT query_to_xml('COMMIT', true, false, ''); SELECT 1",
+            "DO LANGUAGE plpgsql $$BEGIN PERFORM 1; END$$",
+            "DO $$BEGIN PERFORM 1; END$$ LANGUAGE PLpgSQL",
+            "DO LANGUAGE \"plpgsql\" $$BEGIN PERFORM 1; END$$",
+            "SELECT language FROM t; SELECT 1 AS language",
         ] {
             allowed(sql);
+        }
+        // Encodings whose characters may end in an ASCII byte would make
+        // the server read what follows otherwise than the check does.
+        for sql in [
+            "SET client_encoding = 'SJIS'",
+            "SET client_encoding TO sjis",
+            "set session client_encoding to \"BIG5\"",
+            "SET LOCAL client_encoding = 'Shift_JIS'",
+            "SET NAMES 'gbk'",
+            "SET SESSION NAMES win936",
+            "SELECT 1; SET CLIENT_ENCODING TO 'GB18030'",
+        ] {
+            assert_eq!(refused(sql), Violation::ClientEncoding, "{sql}");
+        }
+        for sql in [
+            "SELECT set_config('client_encoding', 'sjis', false)",
+            "DO $$BEGIN EXECUTE 'SET client_encoding = ' || 'sjis'; END$$",
+        ] {
+            assert!(check_read_only(sql).is_err(), "{sql}");
+        }
+        for sql in [
+            "SET client_encoding = 'UTF8'",
+            "SET NAMES 'LATIN1'",
+            "SET client_encoding TO DEFAULT",
+            "RESET client_encoding",
+            "SELECT current_setting('client_encoding')",
+        ] {
+            allowed(sql);
+        }
+        // Other languages commit through calls the check cannot see.
+        for sql in [
+            "DO LANGUAGE plperl $$ spi_exec_query('SELECT 1'); spi_commit(); $$",
+            "DO $$ spi_commit $$ LANGUAGE \"pltcl\"",
+            "DO LANGUAGE 'plperl' $$ spi_commit(); $$",
+            "do language PLPYTHON3U $$plpy.commit()$$",
+            "DO LANGUAGE \"PLPGSQL\" $$BEGIN PERFORM 1; END$$",
+        ] {
+            assert_eq!(refused(sql), Violation::DoLanguage, "{sql}");
         }
         // Passing DISCARD ALL is no reason to stop looking: what follows it,
         // in a string or as the next statement, is checked all the same.

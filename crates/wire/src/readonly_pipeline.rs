@@ -139,23 +139,33 @@ impl ReadOnlyPipeline {
                 self.ended_in_batch = false;
             }
             frontend::PARSE => {
-                // An unreadable Parse is refused by the statement check.
-                if let Some([name, text]) = cstrs(body) {
-                    self.owed.push_back(Owed::Parse {
-                        name: name.into(),
-                        ends: ends_transaction(text),
-                    });
-                }
+                // Recorded as the server gets it: one the strict reading
+                // refuses goes out as a Parse of the unnamed statement
+                // with SQL that only refuses (the statement check's
+                // replacement), which ends nothing. Recording the
+                // client's name would forget that statement's old text.
+                let owed = match crate::message::parse_message(body) {
+                    Ok(p) => Owed::Parse {
+                        name: server_key(p.name).into(),
+                        ends: ends_transaction(p.query),
+                    },
+                    Err(_) => Owed::Parse {
+                        name: Box::default(),
+                        ends: false,
+                    },
+                };
+                self.owed.push_back(owed);
             }
             frontend::BIND => {
                 if let Some([portal, statement]) = cstrs(body) {
-                    let ends = self.statement_may_end(statement);
-                    mark(&mut self.portals, portal, ends);
+                    let ends = self.statement_may_end(server_key(statement));
+                    mark(&mut self.portals, server_key(portal), ends);
                 }
             }
             frontend::CLOSE => {
                 if let Some((&kind, rest)) = body.split_first() {
                     if let Some([name]) = cstrs(rest) {
+                        let name = server_key(name);
                         let statement = match kind {
                             b'S' => Some(name.into()),
                             _ => {
@@ -172,6 +182,7 @@ impl ReadOnlyPipeline {
                     return Err(Violation::AfterTransactionEndInBatch);
                 }
                 if let Some([portal]) = cstrs(body) {
+                    let portal = server_key(portal);
                     self.ended_in_batch = self.portals.iter().any(|p| **p == *portal);
                 }
             }
@@ -249,6 +260,13 @@ impl ReadOnlyPipeline {
             _ => true,
         });
     }
+}
+
+/// A statement or portal name as the server keys it: PostgreSQL's tables
+/// of both compare only the first 63 bytes (`NAMEDATALEN` - 1), so a Bind
+/// of `P…2` finds the portal `P…1` when they differ only after that.
+fn server_key(name: &[u8]) -> &[u8] {
+    &name[..name.len().min(63)]
 }
 
 /// Adds `name` to `names` or takes it out.
@@ -460,6 +478,40 @@ mod tests {
         p.parse_complete();
         p.ready();
         p
+    }
+
+    /// Names that differ only after their 63rd byte are one name to the
+    /// server, for statements and portals alike.
+    #[test]
+    fn names_are_compared_as_the_server_cuts_them() {
+        let (long1, long2) = (
+            format!("{}1", "P".repeat(63)),
+            format!("{}2", "P".repeat(63)),
+        );
+        // A portal bound to COMMIT, executed under a longer spelling.
+        let mut p = with_commit("c");
+        p.sent(frontend::BIND, &bind(&long1, "c")).unwrap();
+        p.sent(frontend::EXECUTE, &execute(&long2)).unwrap();
+        assert!(run(&mut p, "INSERT INTO t VALUES (1)").is_err());
+        // A statement of COMMIT, bound under a longer spelling.
+        let mut p = with_commit(&format!("{}x", "S".repeat(63)));
+        assert_commit_still_runs(&mut p, &format!("{}y", "S".repeat(63)));
+    }
+
+    /// A Parse the strict reading refuses reaches the server as a Parse of
+    /// the unnamed statement: the named statement keeps its old text.
+    #[test]
+    fn a_malformed_parse_leaves_the_named_statement_as_it_was() {
+        let mut p = with_commit("x");
+        let mut broken = parse("x", "SELECT 1");
+        // One parameter type announced, none given.
+        let n = broken.len();
+        broken[n - 1] = 1;
+        p.sent(frontend::PARSE, &broken).unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        p.ready();
+        assert_commit_still_runs(&mut p, "x");
     }
 
     /// Statement `name` run in a batch still counts as COMMIT: nothing
