@@ -1337,6 +1337,62 @@ async fn a_silent_server_costs_the_connect_timeout_not_the_whole_wait() {
     relay.set_hold_new(false);
 }
 
+/// Message lengths are checked as PostgreSQL checks them: a message of a
+/// type that carries no SQL or data may not claim more than 10,000 bytes,
+/// and a header claiming a gigabyte of Query gets room as bytes arrive,
+/// not a gigabyte at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_lengths_are_checked_before_memory_is_taken() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let connect =
+        move || RawClient::connect_with(rw, &[("user", "postgres"), ("database", "postgres")]);
+    let mut raw = tokio::task::spawn_blocking(connect).await.unwrap();
+    let mut sync = vec![b'S'];
+    sync.extend_from_slice(&20_000u32.to_be_bytes());
+    raw.0.write_all(&sync).unwrap();
+    let replies = tokio::task::spawn_blocking(move || raw.until_closed())
+        .await
+        .unwrap();
+    assert_eq!(
+        error_code(&replies).as_deref(),
+        Some("08P01"),
+        "{replies:?}"
+    );
+    let vm_size = || {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmSize:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    let before = vm_size();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut raw = tokio::task::spawn_blocking(connect).await.unwrap();
+        let mut q = vec![b'Q'];
+        q.extend_from_slice(&0x3FFF_FFF0u32.to_be_bytes());
+        q.extend_from_slice(b"SELECT ");
+        raw.0.write_all(&q).unwrap();
+        held.push(raw);
+    }
+    // Every header has been read: the clients still work as a whole.
+    let check = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&check, "SELECT 1").await, "1");
+    let round = e.snapshot().round;
+    e.wait_round(round + 2).await;
+    let grown_kib = vm_size().saturating_sub(before);
+    assert!(
+        grown_kib < 1 << 20,
+        "address space grew by {grown_kib} KiB for four headers"
+    );
+    drop(held);
+}
+
 /// Each pool counts the queries it served, the bytes both ways, how long
 /// its servers were lent and how long they worked on queries, in SHOW
 /// STATS (PgBouncer's column names) and on /metrics.

@@ -36,6 +36,10 @@ use pgwarden_wire::readonly_pipeline::{Admission, ReadOnlyPipeline};
 /// Largest client message accepted (PostgreSQL's own limit is 1 GB).
 const MAX_MESSAGE: usize = 1 << 30;
 
+/// Largest client message of a type that carries no SQL or data
+/// (PostgreSQL's `PQ_SMALL_MESSAGE_LIMIT`), header included.
+const SMALL_MESSAGE: usize = 10_000 + 1;
+
 struct Fatal {
     code: SqlState,
     message: String,
@@ -1396,8 +1400,33 @@ impl Session {
                     format!("invalid frontend message type {tag}"),
                 ));
             }
+            // PostgreSQL's own limits: only messages that carry SQL or
+            // data may be large. A longer header is refused at once rather
+            // than believed.
+            let large = matches!(
+                tag,
+                frontend::QUERY
+                    | frontend::PARSE
+                    | frontend::BIND
+                    | frontend::FUNCTION_CALL
+                    | frontend::COPY_DATA
+            );
+            if !large && total > SMALL_MESSAGE {
+                return Err(Fatal::new(
+                    sqlstate::PROTOCOL_VIOLATION,
+                    format!(
+                        "invalid message length {} for message type {}",
+                        total - 1,
+                        char::from(tag)
+                    ),
+                ));
+            }
             if buf.len() < total {
-                buf.reserve(total - buf.len());
+                // Room grows with what has arrived (at most doubling), not
+                // with what the header announces: a client that sends
+                // only a header claiming a gigabyte must not get one.
+                let want = (total - buf.len()).min(buf.len().max(64 * 1024));
+                buf.reserve(want);
                 break;
             }
             if tag == frontend::TERMINATE {
