@@ -298,6 +298,52 @@ async fn an_expired_password_is_refused_by_the_pool() {
     );
 }
 
+/// An authentication request answered with another message is a protocol
+/// violation (08P01), as PostgreSQL says, not a wrong password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_of_another_type_is_a_protocol_violation() {
+    use std::io::{Read, Write};
+    let s = setup(None, Duration::from_secs(60)).await;
+    let addr = s.p.service_addrs()["read_write"];
+    let replies = tokio::task::spawn_blocking(move || {
+        let mut sock = std::net::TcpStream::connect(addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut body = 196_608u32.to_be_bytes().to_vec();
+        for part in ["user", "alice", "database", "postgres", ""] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+        let mut startup = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        startup.extend_from_slice(&body);
+        sock.write_all(&startup).unwrap();
+        let mut tags = Vec::new();
+        let mut fields = Vec::new();
+        loop {
+            let mut head = [0u8; 5];
+            if sock.read_exact(&mut head).is_err() {
+                return (tags, fields);
+            }
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+            let mut rest = vec![0u8; len - 4];
+            sock.read_exact(&mut rest).unwrap();
+            tags.push(head[0]);
+            if head[0] == b'R' {
+                // Asked for SASL: a Query instead.
+                sock.write_all(b"Q\0\0\0\x0dSELECT 1\0").unwrap();
+            }
+            if head[0] == b'E' {
+                fields = rest;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(replies.0, vec![b'R', b'E'], "{replies:?}");
+    let text = String::from_utf8_lossy(&replies.1);
+    assert!(text.contains("C08P01"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifier_cache_expires_and_slow_clients_are_dropped() {
     let s = setup(None, Duration::from_millis(500)).await;

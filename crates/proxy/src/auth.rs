@@ -483,11 +483,11 @@ impl Authenticator {
                 format!("password authentication failed for user \"{user}\""),
             )
         };
-        // As before: an answer of another type is refused like a wrong
-        // password.
+        // An answer of another type is a protocol violation, as
+        // PostgreSQL says, not a wrong password.
         let no_answer = |e: NoAnswer| match e {
             NoAnswer::Gone => AuthError::gone(),
-            NoAnswer::Other => failed(),
+            NoAnswer::Other => protocol_violation("expected password response"),
         };
         let lookup = |e: String| {
             tracing::error!(error = %e, user = %user, "verifier lookup failed");
@@ -683,7 +683,9 @@ fn scram_refusal(e: ScramFailure, failed: AuthError) -> AuthError {
         removed on the way";
     let e = match e {
         ScramFailure::Answer(NoAnswer::Gone) => return AuthError::gone(),
-        ScramFailure::Answer(NoAnswer::Other) => return failed,
+        ScramFailure::Answer(NoAnswer::Other) => {
+            return protocol_violation("expected SASL response")
+        }
         ScramFailure::Scram(e) => e,
     };
     match e {
@@ -827,6 +829,16 @@ pub(crate) enum NoAnswer {
     Gone,
     /// It sent a message of another type, or one too large.
     Other,
+}
+
+/// The client answered an authentication request with another message
+/// (or one too large): PostgreSQL's 08P01, counted as `protocol`.
+fn protocol_violation(expected: &str) -> AuthError {
+    AuthError::new(
+        sqlstate::PROTOCOL_VIOLATION,
+        "protocol",
+        format!("{expected}, got another message"),
+    )
 }
 
 /// [`exchange`], saying why there is no answer.
