@@ -881,7 +881,7 @@ impl Session {
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 if let Some(c) = pool.try_checkout() {
-                    selector.advance();
+                    selector.advance(&self.service.spec.want);
                     self.wait_histogram.observe(Duration::ZERO);
                     return Some(c);
                 }

@@ -283,9 +283,14 @@ impl Selector {
     }
 
     /// Takes the turn of the round robin that a host got by
-    /// [`peek`](Self::peek) was used.
-    pub fn advance(&self) {
-        self.counter.fetch_add(1, Ordering::Relaxed);
+    /// [`peek`](Self::peek) for `want` was used. Nothing for the primary
+    /// or the nearest host, which take no turns: the counter is shared by
+    /// every worker thread, and writing it on each transaction would move
+    /// its cache line between cores for nothing.
+    pub fn advance(&self, want: &Want) {
+        if *want != Want::Primary && self.policy.strategy == Strategy::RoundRobin {
+            self.counter.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn choose(&self, topo: &Topology, want: &Want, advance: bool) -> Result<usize, NoTarget> {
@@ -743,7 +748,7 @@ mod tests {
         assert_eq!(sel.select(&t, &Want::Replica), Ok(first));
         let second = sel.peek(&t, &Want::Replica).unwrap();
         assert_ne!(second, first, "select took the turn");
-        sel.advance();
+        sel.advance(&Want::Replica);
         assert_eq!(sel.peek(&t, &Want::Replica), Ok(first), "advance took one");
     }
 
