@@ -280,14 +280,12 @@ pub(crate) async fn run(
                 Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))
             }
         };
-        // A statement refused because the client left may have left
-        // because it was told to end: it is told why.
-        let or_killed = |f: Fatal| match ended(&killed) {
-            Err(k) => k,
-            Ok(()) => f,
-        };
+        // A client that left while waiting may have left because it was
+        // told to end: it is told why. (Mapped after the await, so that no
+        // closure lives in every idle client's future.)
         if !early.is_empty() {
-            session.client_bytes(&mut early, client).await.map_err(&or_killed)?;
+            session.client_bytes(&mut early, client).await
+                .map_err(|f| ended(&killed).err().unwrap_or(f))?;
             if session.answer_client(client).await.is_err() {
                 return Ok(());
             }
@@ -375,7 +373,8 @@ pub(crate) async fn run(
                         session.held = false;
                         // Inline, as below: a function's future would keep
                         // its arguments in every idle client's.
-                        if session.client_bytes(&mut early, client).await.map_err(&or_killed)?
+                        if session.client_bytes(&mut early, client).await
+                .map_err(|f| ended(&killed).err().unwrap_or(f))?
                             || session.answer_client(client).await.is_err()
                         {
                             return Ok(());
@@ -402,7 +401,8 @@ pub(crate) async fn run(
                             from_client.inc_by(n as u64);
                         }
                     }
-                    if session.client_bytes(&mut early, client).await.map_err(&or_killed)?
+                    if session.client_bytes(&mut early, client).await
+                .map_err(|f| ended(&killed).err().unwrap_or(f))?
                         || session.answer_client(client).await.is_err()
                     {
                         return Ok(());
