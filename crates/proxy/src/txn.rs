@@ -235,7 +235,7 @@ pub(crate) async fn run(
         return;
     };
 
-    let killed = session.killed.clone();
+    let killed = Arc::new(KillState::default());
     let registration = SessionGuard::register(
         shared,
         session.client_id,
@@ -699,8 +699,6 @@ struct Session {
     /// between transactions; mirrored in `cancel_target` for pauses.
     held_idle: bool,
     cancel_target: Arc<crate::cancel::CancelSlot>,
-    /// Set when the session is told to end (its registry entry shares it).
-    killed: Arc<KillState>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
     /// This client's pool settings (service, database and user combined).
@@ -807,7 +805,6 @@ impl Session {
             unnamed_seq: 0,
             pinned: false,
             held_idle: false,
-            killed: Arc::default(),
             cancel_target: Arc::default(),
             skip: 0,
             settings,
@@ -898,16 +895,12 @@ impl Session {
         // Boxed: the slow path's state is large and rare, and would
         // otherwise be part of every idle client's task.
         let slot = self.cancel_target.clone();
-        let killed = self.killed.clone();
         slot.start_waiting();
-        // Biased: a client told to end, or gone, is not served even when a
-        // server comes at the same moment.
+        // Biased: a client gone is not served even when a server comes at
+        // the same moment. A kill shows here too: it shuts the reading
+        // side of the client's socket down, which reads as its end.
         let got = tokio::select! {
             biased;
-            () = killed.told() => {
-                slot.stop_waiting();
-                return Err(client_gone());
-            }
             () = client.closed() => {
                 slot.stop_waiting();
                 return Err(client_gone());
@@ -1126,7 +1119,6 @@ impl Session {
                     ));
                 }
                 () = client.closed() => return Err(client_gone()),
-                () = self.killed.told() => return Err(client_gone()),
             }
             self.cancel_target.set_held_idle(false);
             if !*self.paused.borrow() {
