@@ -157,19 +157,8 @@ async fn check_methods(s: &Setup) {
     // A physical replication connection meets the `replication` lines,
     // not the `all` ones.
     let port = s.p.service_addrs()["read_write"].port();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("psql")
-            .arg(format!(
-                "host=127.0.0.1 port={port} user=postgres replication=true"
-            ))
-            .args(["-X", "-c", "IDENTIFY_SYSTEM"])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let (ok, stderr) = common::psql_replication(port).await;
+    assert!(!ok, "{stderr}");
     assert!(
         stderr.contains(
             "pg_hba.conf rejects replication connection for host \"127.0.0.1\", user \"postgres\""

@@ -397,20 +397,9 @@ async fn read_only_sessions_cannot_be_made_read_write() {
     };
     assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err}");
     let port = p.service_addrs()["read_only"].port();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("psql")
-            .arg(format!(
-                "host=127.0.0.1 port={port} user=postgres replication=true"
-            ))
-            .args(["-X", "-c", "IDENTIFY_SYSTEM"])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (ok, stderr) = common::psql_replication(port).await;
     assert!(
-        !out.status.success() && stderr.contains("replication connections are not allowed"),
+        !ok && stderr.contains("replication connections are not allowed"),
         "{stderr}"
     );
     let _ = e;

@@ -348,3 +348,24 @@ async fn client_program_env(
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Runs `IDENTIFY_SYSTEM` through psql over a physical replication
+/// connection (`replication=true`) to `port` on 127.0.0.1 as postgres:
+/// whether it worked, and what psql printed on stderr.
+pub async fn psql_replication(port: u16) -> (bool, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("psql")
+            .arg(format!(
+                "host=127.0.0.1 port={port} user=postgres replication=true"
+            ))
+            .args(["-X", "-c", "IDENTIFY_SYSTEM"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
