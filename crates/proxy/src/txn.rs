@@ -1439,17 +1439,6 @@ impl Session {
                 buf.advance(total);
                 continue;
             }
-            // A Query or FunctionCall inside an unfinished extended batch
-            // is skipped by PostgreSQL after an error earlier in the batch,
-            // and its ReadyForQuery never comes: the pool could not tell
-            // when the server is free again. No driver sends one there
-            // (libpq's pipeline mode refuses to); it is refused.
-            if matches!(tag, frontend::QUERY | frontend::FUNCTION_CALL) && self.replies.open_batch {
-                return Err(Fatal::new(
-                    sqlstate::PROTOCOL_VIOLATION,
-                    "a Query or FunctionCall inside an unfinished extended-protocol batch is not supported through a transaction pool: send Sync first",
-                ));
-            }
             if self.skip_to_sync {
                 if tag == frontend::SYNC {
                     self.skip_to_sync = false;
