@@ -3342,6 +3342,76 @@ async fn a_named_statement_prepared_again_survives_a_skipped_batch() {
     assert_eq!(value(&a.send(&m)), "mine");
 }
 
+/// PostgreSQL skips a Query sent inside an extended-protocol batch (no
+/// Sync before it) after an error earlier in that batch, and sends it no
+/// ReadyForQuery; one that runs gets its own. pgwarden follows both,
+/// showing the client nothing of how: the pool's server goes back at the
+/// batch's end, and a read-only session, pooled or relayed, takes its
+/// next statement at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_inside_an_extended_batch_is_followed_whether_or_not_it_runs() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    for pooled in [true, false] {
+        let settings = if pooled {
+            pool(1, Duration::from_secs(5))
+        } else {
+            None
+        };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        for service in ["read_write", "read_only"] {
+            let addr = p.service_addrs()[service];
+            let mut a = RawClient::connect(addr, "UTF8");
+            let mut b = RawClient::connect(addr, "UTF8");
+            // (extended statement, Query, ReadyForQuery count, error, rows)
+            type Case<'a> = (&'a [u8], &'a [u8], usize, Option<&'a str>, &'a [&'a str]);
+            let cases: [Case; 3] = [
+                (b"SELECT 1/0", b"SELECT 'q'", 1, Some("22012"), &[]),
+                (b"SELECT 1", b"SELECT 'q'", 2, None, &["1", "q", "after"]),
+                (
+                    b"SELECT 1",
+                    b"SELECT 1/0",
+                    2,
+                    Some("22012"),
+                    &["1", "after"],
+                ),
+            ];
+            for (ext, query, readies, code, rows) in cases {
+                let what = format!(
+                    "pooled {pooled}, {service}, {:?}",
+                    String::from_utf8_lossy(ext)
+                );
+                let mut m = msg_parse(b"", ext);
+                m.extend(msg_bind_execute(b""));
+                m.extend(msg_query(query));
+                m.extend(msg_parse(b"", b"SELECT 'after'"));
+                m.extend(msg_bind_execute(b""));
+                m.extend_from_slice(MSG_SYNC);
+                a.0.write_all(&m).unwrap();
+                let mut r = Vec::new();
+                for _ in 0..readies {
+                    r.extend(a.until_ready());
+                }
+                assert_eq!(error_code(&r).as_deref(), code, "{what}: {r:?}");
+                let got: Vec<String> = r
+                    .iter()
+                    .filter(|(t, _)| *t == b'D')
+                    .map(|(_, row)| String::from_utf8_lossy(&row[6..]).into_owned())
+                    .collect();
+                assert_eq!(got, rows, "{what}: {r:?}");
+                assert!(
+                    r.iter().all(|(t, _)| *t != b'3'),
+                    "{what}: a CloseComplete the client did not ask for: {r:?}"
+                );
+                assert_eq!(value(&a.simple(b"SELECT 'next'")), "next", "{what}");
+                // The pool's one server is free again.
+                assert_eq!(value(&b.simple(b"SELECT 'other'")), "other", "{what}");
+            }
+        }
+    }
+}
+
 /// Describe of prepared statement `name`.
 fn msg_describe_statement(name: &[u8]) -> Vec<u8> {
     let mut m = vec![b'D'];

@@ -826,6 +826,7 @@ fn read_only_inspects(tag: u8) -> bool {
             | frontend::PARSE
             | frontend::FUNCTION_CALL
             | frontend::BIND
+            | frontend::DESCRIBE
             | frontend::EXECUTE
             | frontend::CLOSE
             | frontend::SYNC
@@ -1181,6 +1182,14 @@ impl Io<'_> {
                     if pipeline.admit(tag) == Admission::Wait {
                         return Verdict::Wait;
                     }
+                    // See `encode::batch_marker`: without it, a Query the
+                    // server skips after an error would leave a
+                    // ReadyForQuery owed forever, and the session stuck.
+                    let marked = matches!(tag, frontend::QUERY | frontend::FUNCTION_CALL)
+                        && pipeline.in_batch();
+                    if marked {
+                        pipeline.marker_sent();
+                    }
                     if let Err(v) = pipeline.sent(tag, &msg[5..]) {
                         self.refusals.inc();
                         return Verdict::Stop(
@@ -1193,13 +1202,19 @@ impl Io<'_> {
                     } else {
                         None
                     };
-                    match refused {
-                        Some(replacement) => {
-                            self.refusals.inc();
-                            Verdict::Replace(replacement)
+                    if let Some(replacement) = &refused {
+                        self.refusals.inc();
+                        if !marked {
+                            return Verdict::Replace(replacement.clone());
                         }
-                        None => Verdict::Keep,
                     }
+                    if !marked {
+                        return Verdict::Keep;
+                    }
+                    let mut with = BytesMut::new();
+                    encode::batch_marker(&mut with);
+                    with.extend_from_slice(refused.as_deref().unwrap_or(msg));
+                    Verdict::Replace(with)
                 },
                 early,
                 Some(&gate),
@@ -1220,9 +1235,14 @@ impl Io<'_> {
                 |tag, msg| {
                     if read_only && read_only_replies(tag) {
                         let mut pipeline = pipeline.lock().unwrap_or_else(|p| p.into_inner());
+                        let mut verdict = Verdict::Keep;
                         match tag {
                             backend::PARSE_COMPLETE => pipeline.parse_complete(),
-                            backend::CLOSE_COMPLETE => pipeline.close_complete(),
+                            backend::CLOSE_COMPLETE => {
+                                if pipeline.close_complete() {
+                                    verdict = Verdict::Replace(BytesMut::new());
+                                }
+                            }
                             backend::ERROR_RESPONSE => pipeline.error(),
                             backend::COPY_IN_RESPONSE => pipeline.copy_in(),
                             // Any report before it was checked (below) and
@@ -1232,7 +1252,7 @@ impl Io<'_> {
                         if !pipeline.awaiting_ready() {
                             gate.notify_one();
                         }
-                        return Verdict::Keep;
+                        return verdict;
                     }
                     if tag == backend::AUTHENTICATION_REQUEST {
                         return match pgwarden_wire::message::sasl_offer_without_binding(msg) {

@@ -98,9 +98,16 @@ struct Replies {
     /// The client ended a COPY (CopyDone/CopyFail) since the last
     /// ReadyForQuery, before the server said it was taking data.
     copy_ended: bool,
+    /// Which pending Queries and FunctionCalls went out behind a batch
+    /// marker ([`encode::batch_marker`]) not yet answered, in the bits of
+    /// `kinds`. One still marked when a ReadyForQuery comes was skipped
+    /// by the server, and gets none.
+    marks: u64,
     /// A Query went out inside an extended-protocol batch (no Sync
     /// before it), since the server was last idle. After an error there
-    /// PostgreSQL ignores it, so its ReadyForQuery may never come.
+    /// PostgreSQL ignores it, so its ReadyForQuery comes only once the
+    /// client has sent the Sync that ends the extended batch (or never,
+    /// past 64 pending, where it has no marker).
     query_in_batch: bool,
 }
 
@@ -174,6 +181,9 @@ struct SentClose {
     /// The client's statement it closes, with whether it was prepared on
     /// this server: back in place should the server skip the Close.
     restore: Option<(String, Statement, bool)>,
+    /// pgwarden's batch marker ([`encode::batch_marker`]; `own` is then
+    /// `""`, for no statement).
+    marker: bool,
     batch: u64,
 }
 
@@ -206,6 +216,8 @@ impl Replies {
         self.done += (self.pending - usize::from(query)) as u64;
         self.pending = usize::from(query);
         self.kinds = u64::from(query);
+        // A Query's COPY: its marker, if any, was answered.
+        self.marks = 0;
         if !query {
             self.open_batch = true;
         }
@@ -1508,6 +1520,24 @@ impl Session {
 
     /// Appends what to send to the server for one client message.
     fn translate(&mut self, tag: u8, msg: &[u8], out: &mut BytesMut) -> Result<(), Fatal> {
+        if matches!(tag, frontend::QUERY | frontend::FUNCTION_CALL)
+            && self.replies.open_batch
+            && self.replies.pending < 64
+        {
+            // Skipped after an error earlier in the batch, it would leave
+            // a ReadyForQuery owed forever, and the server with the client.
+            encode::batch_marker(out);
+            self.replies.closes.push_back(SentClose {
+                own: Some(String::new()),
+                restore: None,
+                marker: true,
+                batch: self.replies.sent,
+            });
+            self.replies.marks |= 1 << self.replies.pending;
+            if let Some(pipeline) = self.read_only.as_deref_mut() {
+                pipeline.marker_sent();
+            }
+        }
         if let Some(pipeline) = self.read_only.as_deref_mut() {
             let name = &self.service.spec.name;
             if let Err(v) = pipeline.sent(tag, &msg[5..]) {
@@ -1556,6 +1586,7 @@ impl Session {
             self.replies.closes.push_back(SentClose {
                 own: None,
                 restore: None,
+                marker: false,
                 batch: self.replies.sent,
             });
         }
@@ -1843,8 +1874,9 @@ impl Session {
         };
         let (sname, ..) = self.statements.get(name)?;
         if self.replies.query_in_batch {
-            // The batch awaited may never be answered; as before this
-            // wait existed, the statement is taken as prepared.
+            // The batch awaited may be answered only after the messages
+            // the wait would hold back; as before this wait existed, the
+            // statement is taken as prepared.
             return None;
         }
         self.replies
@@ -1966,6 +1998,7 @@ impl Session {
             self.replies.closes.push_back(SentClose {
                 own: Some(String::new()),
                 restore: None,
+                marker: false,
                 batch: self.replies.sent,
             });
         }
@@ -1987,6 +2020,7 @@ impl Session {
             self.replies.closes.push_back(SentClose {
                 own: Some(victim),
                 restore: None,
+                marker: false,
                 batch: self.replies.sent,
             });
         }
@@ -2135,8 +2169,20 @@ impl Session {
                 }
                 backend::CLOSE_COMPLETE => {
                     self.drop_stale_closes();
-                    if let Some(SentClose { own: Some(_), .. }) = self.replies.closes.front() {
+                    if let Some(&SentClose {
+                        own: Some(_),
+                        marker,
+                        ..
+                    }) = self.replies.closes.front()
+                    {
                         self.replies.closes.pop_front();
+                        if marker {
+                            // Its Query will run: the oldest marked one.
+                            self.replies.marks &= self.replies.marks.wrapping_sub(1);
+                            if let Some(pipeline) = self.read_only.as_deref_mut() {
+                                pipeline.close_complete();
+                            }
+                        }
                         drop_message(&mut out, buf, &mut pos, total);
                         continue;
                     }
@@ -2197,11 +2243,21 @@ impl Session {
                     if let Some(pipeline) = self.read_only.as_deref_mut() {
                         pipeline.ready();
                     }
+                    // Queries whose markers went unanswered were skipped
+                    // (an error earlier in their batch): this answers the
+                    // batch's Sync.
+                    while self.replies.marks & 1 == 1 && self.replies.pending > 1 {
+                        self.replies.pending -= 1;
+                        self.replies.kinds >>= 1;
+                        self.replies.marks >>= 1;
+                        self.replies.done += 1;
+                    }
                     self.replies.pending = self.replies.pending.saturating_sub(1);
                     if self.replies.pending == 0 {
                         self.replies.query_in_batch = false;
                     }
                     self.replies.kinds >>= 1;
+                    self.replies.marks >>= 1;
                     self.replies.copy_ended = false;
                     self.replies.done += 1;
                     if let Some(c) = self.attached.as_mut() {

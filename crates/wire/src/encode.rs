@@ -337,6 +337,24 @@ pub fn close_portal(dst: &mut BytesMut, name: &str) {
     });
 }
 
+/// The portal [`batch_marker`] closes: no client's (portal names are the
+/// client's to choose, but none starts with a control character).
+pub const BATCH_MARKER_PORTAL: &str = "\u{1}pgwarden batch marker";
+
+/// Close (`C`) of the portal [`BATCH_MARKER_PORTAL`], which never exists.
+///
+/// Sent just ahead of a Query or FunctionCall that goes out inside an
+/// unfinished extended-protocol batch (no Sync since its last Parse, Bind,
+/// Describe, Execute or Close). After an error in such a batch PostgreSQL
+/// skips every message up to the Sync, the Query included, and a skipped
+/// Query gets no ReadyForQuery. Closing a portal that does not exist is no
+/// error, so the server answers the marker with CloseComplete exactly when
+/// it will run the Query: the proxy drops that CloseComplete and, when it
+/// never comes, knows the Query's ReadyForQuery will not either.
+pub fn batch_marker(dst: &mut BytesMut) {
+    close_portal(dst, BATCH_MARKER_PORTAL);
+}
+
 /// Sync (`S`).
 pub fn sync(dst: &mut BytesMut) {
     framed(dst, frontend::SYNC, |_| {});

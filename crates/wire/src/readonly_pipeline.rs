@@ -47,6 +47,10 @@ pub struct ReadOnlyPipeline {
     /// An Execute of a statement that may end a transaction has been sent
     /// since the last Sync.
     ended_in_batch: bool,
+    /// A Parse, Bind, Describe, Execute or Close has been sent since the
+    /// last Sync: an error there makes the server skip what follows, up
+    /// to the Sync.
+    in_batch: bool,
     /// Statements the server holds that end a transaction, by name (the
     /// unnamed one as `""`); rarely any.
     statements: Vec<Box<[u8]>>,
@@ -67,6 +71,11 @@ enum Owed {
     Close { statement: Option<Box<[u8]>> },
     /// ReadyForQuery, for a Query or FunctionCall (`query`) or a Sync.
     Ready { query: bool },
+    /// CloseComplete for the proxy's batch marker
+    /// ([`crate::encode::batch_marker`]), sent just before the Query or
+    /// FunctionCall whose `Ready` follows: should the server skip the
+    /// marker, it skips that Query too.
+    Marker,
 }
 
 /// What to do with a client message.
@@ -105,6 +114,20 @@ impl ReadOnlyPipeline {
         }
     }
 
+    /// Whether a Query or FunctionCall sent now goes inside an unfinished
+    /// extended-protocol batch, and so needs the batch marker
+    /// ([`crate::encode::batch_marker`], recorded with
+    /// [`ReadOnlyPipeline::marker_sent`]) ahead of it.
+    pub fn in_batch(&self) -> bool {
+        self.in_batch
+    }
+
+    /// Records the batch marker sent just before the Query or FunctionCall
+    /// about to be recorded with [`ReadOnlyPipeline::sent`].
+    pub fn marker_sent(&mut self) {
+        self.owed.push_back(Owed::Marker);
+    }
+
     /// Whether a ReadyForQuery is owed.
     pub fn awaiting_ready(&self) -> bool {
         self.owed.iter().any(|o| matches!(o, Owed::Ready { .. }))
@@ -137,8 +160,10 @@ impl ReadOnlyPipeline {
             frontend::SYNC => {
                 self.owed.push_back(Owed::Ready { query: false });
                 self.ended_in_batch = false;
+                self.in_batch = false;
             }
             frontend::PARSE => {
+                self.in_batch = true;
                 // Recorded as the server gets it: one the strict reading
                 // refuses goes out as a Parse of the unnamed statement
                 // with SQL that only refuses (the statement check's
@@ -157,12 +182,14 @@ impl ReadOnlyPipeline {
                 self.owed.push_back(owed);
             }
             frontend::BIND => {
+                self.in_batch = true;
                 if let Some([portal, statement]) = cstrs(body) {
                     let ends = self.statement_may_end(server_key(statement));
                     mark(&mut self.portals, server_key(portal), ends);
                 }
             }
             frontend::CLOSE => {
+                self.in_batch = true;
                 if let Some((&kind, rest)) = body.split_first() {
                     if let Some([name]) = cstrs(rest) {
                         let name = server_key(name);
@@ -177,10 +204,12 @@ impl ReadOnlyPipeline {
                     }
                 }
             }
+            frontend::DESCRIBE => self.in_batch = true,
             frontend::EXECUTE => {
                 if self.ended_in_batch {
                     return Err(Violation::AfterTransactionEndInBatch);
                 }
+                self.in_batch = true;
                 if let Some([portal]) = cstrs(body) {
                     let portal = server_key(portal);
                     self.ended_in_batch = self.portals.iter().any(|p| **p == *portal);
@@ -204,30 +233,43 @@ impl ReadOnlyPipeline {
         }
     }
 
-    /// The server confirmed the oldest Close not yet answered.
-    pub fn close_complete(&mut self) {
-        if let Some(i) = self
+    /// The server confirmed the oldest Close not yet answered; true when
+    /// that was the batch marker's, which the client must not see.
+    pub fn close_complete(&mut self) -> bool {
+        let Some(i) = self
             .owed
             .iter()
-            .position(|o| matches!(o, Owed::Close { .. }))
-        {
-            if let Some(Owed::Close {
+            .position(|o| matches!(o, Owed::Close { .. } | Owed::Marker))
+        else {
+            return false;
+        };
+        match self.owed.remove(i) {
+            Some(Owed::Close {
                 statement: Some(name),
-            }) = self.owed.remove(i)
-            {
-                mark(&mut self.statements, &name, false);
-            }
+            }) => mark(&mut self.statements, &name, false),
+            Some(Owed::Marker) => return true,
+            _ => {}
         }
+        false
     }
 
-    /// The server reported an error: it skips what is left of the batch,
-    /// so the Parse and Close messages of it not yet answered change
-    /// nothing.
+    /// The server reported an error. It skips what is left of the batch
+    /// up to its Sync: the Parse and Close messages of it not yet answered
+    /// change nothing, and a Query behind a batch marker not yet answered
+    /// is skipped too, with no ReadyForQuery.
     pub fn error(&mut self) {
-        while matches!(
-            self.owed.front(),
-            Some(Owed::Parse { .. } | Owed::Close { .. })
-        ) {
+        while let Some(front) = self.owed.front() {
+            match front {
+                Owed::Parse { .. } | Owed::Close { .. } => {}
+                Owed::Marker => {
+                    self.owed.pop_front();
+                    // Its Query's Ready, which will not come.
+                    if !matches!(self.owed.front(), Some(Owed::Ready { query: true })) {
+                        continue;
+                    }
+                }
+                Owed::Ready { .. } => break,
+            }
             self.owed.pop_front();
         }
     }
@@ -252,6 +294,9 @@ impl ReadOnlyPipeline {
     pub fn copy_in(&mut self) {
         let mut first = true;
         self.owed.retain(|o| match o {
+            // A Query in the batch of an extended-protocol COPY is not
+            // valid protocol; its marker is not waited for.
+            Owed::Marker => false,
             Owed::Ready { query } => {
                 let keep = first && *query;
                 first = false;
@@ -375,6 +420,50 @@ mod tests {
         // Extended-protocol messages before their Sync do not wait.
         run(&mut p, "SELECT 1").unwrap();
         assert_eq!(p.admit(frontend::EXECUTE), Admission::Send);
+    }
+
+    /// The batch marker (see `encode::batch_marker`) tells a Query that
+    /// the server skips after an error earlier in its batch, which gets
+    /// no ReadyForQuery, from one that runs and gets its own.
+    #[test]
+    fn a_query_skipped_after_an_error_in_its_batch_is_owed_nothing() {
+        for skipped in [true, false] {
+            let mut p = ReadOnlyPipeline::default();
+            assert!(!p.in_batch());
+            run(&mut p, "SELECT 1/0").unwrap();
+            assert!(p.in_batch());
+            p.marker_sent();
+            p.sent(frontend::QUERY, b"SELECT 1\0").unwrap();
+            p.sent(frontend::CLOSE, &close(b'P', "c")).unwrap();
+            p.sent(frontend::SYNC, b"").unwrap();
+            assert!(!p.in_batch());
+            p.parse_complete();
+            if skipped {
+                // The Execute failed; the server answers only the Sync.
+                p.error();
+            } else {
+                assert!(p.close_complete(), "the marker's CloseComplete");
+                p.ready();
+                assert!(!p.close_complete(), "the client's Close");
+            }
+            p.ready();
+            assert!(!p.awaiting_ready(), "skipped {skipped}: {p:?}");
+            assert_eq!(p.admit(frontend::QUERY), Admission::Send);
+        }
+        // An error in the Query itself (its marker answered) skips
+        // nothing: its ReadyForQuery and the Sync's both come.
+        let mut p = ReadOnlyPipeline::default();
+        run(&mut p, "SELECT 1").unwrap();
+        p.marker_sent();
+        p.sent(frontend::QUERY, b"SELECT 1/0\0").unwrap();
+        p.sent(frontend::SYNC, b"").unwrap();
+        p.parse_complete();
+        assert!(p.close_complete());
+        p.error();
+        p.ready();
+        assert!(p.awaiting_ready(), "the Sync's is still owed");
+        p.ready();
+        assert!(!p.awaiting_ready());
     }
 
     #[test]
