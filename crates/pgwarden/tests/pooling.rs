@@ -4157,6 +4157,71 @@ async fn psycopg_drops_cached_statements_with_deallocate_in_pipelines() {
     .await;
 }
 
+/// A cancel request that comes while pgwarden sets the client's session
+/// parameters on the server it borrowed, before the client's statement
+/// goes there, cancels that statement: it never runs, and the client gets
+/// 57014, as when cancelled while waiting for a server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        pool(1, WAIT),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    client(&direct)
+        .await
+        .unwrap()
+        .batch_execute("CREATE TABLE cancelled_in_sync (x text)")
+        .await
+        .unwrap();
+    let rw = via(&p, "read_write");
+    let a = client(&format!("{rw} application_name=first"))
+        .await
+        .unwrap();
+    let b = client(&format!("{rw} application_name=second"))
+        .await
+        .unwrap();
+    // The one server last served a: b's statement needs its name set.
+    one(&a, "SELECT 1").await;
+    // The server's answers now come late: b's application_name is set
+    // on the server, and pgwarden waits for the confirmation.
+    relay.set_delay(Duration::ZERO, Duration::from_secs(3));
+    let token = b.cancel_token();
+    let insert = tokio::spawn(async move {
+        b.batch_execute("INSERT INTO cancelled_in_sync VALUES ('ran')")
+            .await
+    });
+    pgwarden_testkit::eventually("b's application_name is being set", WAIT, || async {
+        let q = "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE '%application_name%second%' AND pid <> pg_backend_pid()";
+        if sql_value(&direct, q).await.as_deref() == Some("1") {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    let err = insert.await.unwrap().unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
+    relay.set_delay(Duration::ZERO, Duration::ZERO);
+    assert_eq!(
+        sql_value(&direct, "SELECT count(*) FROM cancelled_in_sync")
+            .await
+            .as_deref(),
+        Some("0"),
+        "the cancelled statement ran"
+    );
+    // The server went back to the pool: a runs on it.
+    one(&a, "SELECT 1").await;
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay

@@ -1092,7 +1092,7 @@ impl Session {
                 self.bind(c);
                 return Ok(true);
             }
-            Some(c) => Box::pin(async move { self.attach_checkout(c).await.map(|()| true) }),
+            Some(c) => Box::pin(self.attach_checkout(c)),
             None => Box::pin(self.attach_new(client)),
         };
         slow.await
@@ -1146,8 +1146,7 @@ impl Session {
         let Some(c) = self.acquire_waiting(client).await? else {
             return Ok(false);
         };
-        self.attach_checkout(c).await?;
-        Ok(true)
+        self.attach_checkout(c).await
     }
 
     /// The client was cancelled while waiting for a server for message
@@ -1197,8 +1196,10 @@ impl Session {
     }
 
     /// Makes `c` the client's server: its session parameters brought in
-    /// line with the client's, cancel requests pointed at it.
-    async fn attach_checkout(&mut self, mut c: Checkout) -> Result<(), Fatal> {
+    /// line with the client's, cancel requests pointed at it. False when
+    /// the client was cancelled while its parameters were being set: `c`
+    /// went back to its pool, and the client's statement is not to run.
+    async fn attach_checkout(&mut self, mut c: Checkout) -> Result<bool, Fatal> {
         let mut sets = String::new();
         // Usually equal: one comparison of six short strings, no hashing.
         if c.conn.tracked != self.params {
@@ -1208,18 +1209,33 @@ impl Session {
                 }
             }
         }
+        // The client's statement waits for these round trips as it waits
+        // for a server, and a cancel request meanwhile cancels it so: with
+        // no backend attached yet, it would otherwise be lost, and the
+        // statement would run after all.
+        let slot = self.cancel_target.clone();
+        let watched = !sets.is_empty() || c.conn.extras != self.extras;
+        if watched {
+            slot.start_waiting();
+        }
         if !sets.is_empty() {
             if let Err(e) = sync_params(&mut c, &sets).await {
+                slot.stop_waiting();
                 c.release(false);
                 return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, e));
             }
         }
         if let Err((fatal, reusable)) = self.apply_extras(&mut c).await {
+            slot.stop_waiting();
             c.release(reusable);
             return Err(fatal);
         }
+        if watched && slot.stop_waiting() {
+            c.release(true);
+            return Ok(false);
+        }
         self.bind(c);
-        Ok(())
+        Ok(true)
     }
 
     /// Makes `c`, whose session matches the client's, the client's server.
