@@ -3422,6 +3422,58 @@ fn msg_describe_statement(name: &[u8]) -> Vec<u8> {
     m
 }
 
+/// A refused statement parsed with parameter types, some left to the
+/// server (0), fails on a read-only service with 25006 when it runs, as
+/// without types: the statement that stands in for it keeps the client's
+/// types (one the server cannot determine would fail the Parse, 42P18).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_statement_with_declared_parameter_types_fails_as_read_only() {
+    let c = TestCluster::builder().replicas(0).start();
+    for pooled in [false, true] {
+        let settings = if pooled { pool(2, WAIT) } else { None };
+        let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), settings, 10_000).await;
+        ready(&e, 1).await;
+        let mut s = RawClient::connect(p.service_addrs()["read_only"], "UTF8");
+        let sql = b"SELECT set_config('default_transaction_read_only', $1, false), $2 + 1";
+        let mut m = vec![b'P'];
+        m.extend_from_slice(&((4 + 2 + sql.len() + 1 + 2 + 8) as u32).to_be_bytes());
+        m.extend_from_slice(b"w\0");
+        m.extend_from_slice(sql);
+        m.push(0);
+        m.extend_from_slice(&2u16.to_be_bytes());
+        m.extend_from_slice(&0u32.to_be_bytes());
+        m.extend_from_slice(&23u32.to_be_bytes());
+        m.extend_from_slice(MSG_SYNC);
+        let r = s.send(&m);
+        assert_eq!(
+            error_code(&r),
+            None,
+            "pooled {pooled}: the Parse stands: {r:?}"
+        );
+        // Bind both parameters as text, Execute.
+        let mut bind = Vec::new();
+        bind.extend_from_slice(b"\0w\0");
+        bind.extend_from_slice(&[0, 0, 0, 2]);
+        for v in [&b"x"[..], b"1"] {
+            bind.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            bind.extend_from_slice(v);
+        }
+        bind.extend_from_slice(&[0, 0]);
+        let mut m = vec![b'B'];
+        m.extend_from_slice(&((4 + bind.len()) as u32).to_be_bytes());
+        m.extend_from_slice(&bind);
+        m.extend_from_slice(&[b'E', 0, 0, 0, 9, 0, 0, 0, 0, 0]);
+        m.extend_from_slice(MSG_SYNC);
+        let r = s.send(&m);
+        assert_eq!(
+            error_code(&r).as_deref(),
+            Some("25006"),
+            "pooled {pooled}: {r:?}"
+        );
+        assert_eq!(value(&s.simple(b"SELECT 'still here'")), "still here");
+    }
+}
+
 /// A client whose encoding is not UTF-8 (LATIN1) sends bytes that are not
 /// UTF-8 text; its statements are checked all the same: switching a
 /// read-only session to read-write is refused, in the relay and in the

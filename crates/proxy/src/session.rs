@@ -799,6 +799,9 @@ fn refusal_sql(message: &str) -> String {
     )
 }
 
+/// The type `text`, fixed in PostgreSQL's catalog.
+const TEXT_OID: u32 = 25;
+
 /// `pg_catalog.set_config(text, text, boolean)`, fixed in PostgreSQL's
 /// catalog.
 pub(crate) const SET_CONFIG_OID: u32 = 2078;
@@ -884,7 +887,12 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
             Err(_) => return malformed("Query"),
         },
         frontend::PARSE => match pgwarden_wire::message::parse_message(body) {
-            Ok(p) => (p.query, Some((p.name, p.param_type_count))),
+            Ok(p) => {
+                // The declared types follow the two strings and the count.
+                let at = p.name.len() + 1 + p.query.len() + 1 + 2;
+                let types = &body[at..at + 4 * usize::from(p.param_type_count)];
+                (p.query, Some((p.name, types)))
+            }
             Err(_) => return malformed("Parse"),
         },
         _ => return None,
@@ -897,7 +905,20 @@ pub(crate) fn guard_message(service: &str, tag: u8, msg: &[u8]) -> Option<BytesM
     let mut out = BytesMut::new();
     match parse {
         None => encode::query(&mut out, &sql),
-        Some((name, n)) => encode::parse(&mut out, name, &sql, &vec![0; usize::from(n)]),
+        Some((name, types)) => {
+            // The client's types, so that its Bind is accepted and the
+            // Execute raises the refusal. A type left to the server (0)
+            // cannot be found from a DO block, and PostgreSQL would refuse
+            // the Parse for it (42P18): text takes any value bound as text.
+            let types: Vec<u32> = types
+                .chunks_exact(4)
+                .map(|t| match u32::from_be_bytes([t[0], t[1], t[2], t[3]]) {
+                    0 => TEXT_OID,
+                    oid => oid,
+                })
+                .collect();
+            encode::parse(&mut out, name, &sql, &types)
+        }
     }
     Some(out)
 }
