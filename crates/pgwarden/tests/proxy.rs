@@ -197,6 +197,25 @@ async fn malformed_startup_packets_get_08p01_and_a_close() {
     let mut b = [0u8; 1];
     s.read_exact(&mut b).unwrap();
     assert_eq!(b[0], b'N');
+    // Each encryption is asked for once, in either order, as PostgreSQL
+    // allows; asked again, the packet is refused as an unknown protocol.
+    const SSL: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+    const GSS: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x30];
+    for (requests, declined, version) in [
+        (&[SSL, SSL][..], 1, "1234.5679"),
+        (&[GSS, GSS], 1, "1234.5680"),
+        (&[SSL, GSS, SSL], 2, "1234.5679"),
+        (&[GSS, SSL, GSS], 2, "1234.5680"),
+    ] {
+        let out = exchange(requests.concat());
+        assert_eq!(&out[..declined], &b"NN"[..declined], "{out:?}");
+        assert_eq!(error_code(&out[declined..]), "0A000");
+        let text = String::from_utf8_lossy(&out);
+        assert!(
+            text.contains(&format!("unsupported frontend protocol {version}")),
+            "{text}"
+        );
+    }
     // The proxy still serves normal clients.
     let db = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&db, "SELECT 1").await, "1");

@@ -246,9 +246,10 @@ async fn tls_sessions_told_to_end_get_the_reason() {
 /// A cancel request sent over TLS, as libpq 17 and later send it on a TLS
 /// connection, is answered as PostgreSQL answers it: the connection ends
 /// with TLS close_notify, not a bare close, which libpq reports as
-/// "SSL error: unexpected eof" although the request was taken.
+/// "SSL error: unexpected eof" although the request was taken. A second
+/// SSLRequest over TLS is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancel_request_over_tls_ends_with_close_notify() {
+async fn start_up_requests_over_tls_are_answered_as_postgresql_does() {
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -269,20 +270,24 @@ async fn a_cancel_request_over_tls_ends_with_close_notify() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    // SSLRequest.
-    tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
-        .await
-        .unwrap();
-    let mut answer = [0u8; 1];
-    tcp.read_exact(&mut answer).await.unwrap();
-    assert_eq!(answer[0], b'S');
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .unwrap();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connect = || async {
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        // SSLRequest.
+        tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+            .await
+            .unwrap();
+        let mut answer = [0u8; 1];
+        tcp.read_exact(&mut answer).await.unwrap();
+        assert_eq!(answer[0], b'S');
+        connector
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap()
+    };
+    let mut tls = connect().await;
     // CancelRequest (code 80877102) for a key nobody has: ignored, and the
     // connection closed.
     let mut cancel = vec![0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
@@ -294,6 +299,23 @@ async fn a_cancel_request_over_tls_ends_with_close_notify() {
         .expect("the connection closes");
     // rustls reports a close without close_notify as UnexpectedEof.
     assert_eq!(read.map_err(|e| e.to_string()).ok(), Some(0), "{rest:?}");
+
+    // Another SSLRequest inside TLS is refused as PostgreSQL refuses it
+    // (an unsupported protocol), not answered as if it came first.
+    let mut tls = connect().await;
+    tls.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(WAIT, tls.read_to_end(&mut rest))
+        .await
+        .expect("the connection closes");
+    assert_eq!(rest.first(), Some(&b'E'), "{rest:?}");
+    let text = String::from_utf8_lossy(&rest);
+    assert!(
+        text.contains("C0A000") && text.contains("unsupported frontend protocol 1234.5679"),
+        "{text}"
+    );
 }
 
 /// How a test client binds SCRAM to the certificate it received.

@@ -575,9 +575,20 @@ async fn read_startup(
     buf: &mut BytesMut,
     shared: &Shared,
 ) -> Result<Option<StartupMessage>, Refusal> {
+    // Each encryption is negotiated at most once, as PostgreSQL allows:
+    // GSS after SSL was declined and the other way round, nothing after
+    // TLS is up. A request past that is no valid start-up packet.
+    let (mut ssl_done, mut gss_done) = (client.is_tls(), client.is_tls());
     loop {
         match parse_startup(buf) {
-            Ok(Some(StartupFrame::SslRequest)) if !client.is_tls() && !client.is_local() => {
+            Ok(Some(StartupFrame::SslRequest)) if ssl_done => {
+                return Err(renegotiation(pgwarden_wire::startup::SSL_REQUEST))
+            }
+            Ok(Some(StartupFrame::GssEncRequest)) if gss_done => {
+                return Err(renegotiation(pgwarden_wire::startup::GSSENC_REQUEST))
+            }
+            Ok(Some(StartupFrame::SslRequest)) if !client.is_local() => {
+                ssl_done = true;
                 let tls = match shared.client_tls() {
                     ClientTlsMode::Disable => None,
                     _ => shared.tls.load_full(),
@@ -628,9 +639,15 @@ async fn read_startup(
                     }
                     return Ok(None);
                 }
+                gss_done = true;
                 continue;
             }
-            Ok(Some(StartupFrame::SslRequest)) | Ok(Some(StartupFrame::GssEncRequest)) => {
+            Ok(Some(frame @ (StartupFrame::SslRequest | StartupFrame::GssEncRequest))) => {
+                if matches!(frame, StartupFrame::SslRequest) {
+                    ssl_done = true;
+                } else {
+                    gss_done = true;
+                }
                 if client
                     .write_all(&[encode::ssl_response(false)])
                     .await
@@ -662,6 +679,20 @@ async fn read_startup(
             Ok(_) => {}
         }
     }
+}
+
+/// A second SSLRequest or GSSENCRequest (`code`), refused as PostgreSQL
+/// refuses a start-up packet of a protocol it does not speak.
+fn renegotiation(code: i32) -> Refusal {
+    Refusal::new(
+        sqlstate::FEATURE_NOT_SUPPORTED,
+        "protocol",
+        format!(
+            "unsupported frontend protocol {}.{}: server supports 3.0 to 3.0",
+            code >> 16,
+            code & 0xffff
+        ),
+    )
 }
 
 async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
