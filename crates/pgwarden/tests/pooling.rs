@@ -3807,6 +3807,29 @@ async fn discard_all_from_one_client_does_not_break_the_others_statements() {
     b.batch_execute("ROLLBACK").await.unwrap();
     let row = a.query_one(&a_stmt, &[&4i32]).await.unwrap();
     assert_eq!(row.get::<_, i32>(0), 5);
+    // One that ran is final: an error pipelined behind it costs no
+    // server (the one server stays, with the same backend), and a's
+    // statement is prepared again on it.
+    drop(b);
+    let mut r = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let pid = value(&r.simple(b"SELECT pg_backend_pid()"));
+    let mut m = msg_query(b"DISCARD ALL");
+    m.extend(msg_query(b"SELECT 1/0"));
+    let replies = r.send(&m);
+    assert_eq!(error_code(&replies), None, "{replies:?}");
+    assert_eq!(error_code(&r.until_ready()).as_deref(), Some("22012"));
+    assert_eq!(value(&r.simple(b"SELECT pg_backend_pid()")), pid);
+    let row = a.query_one(&a_stmt, &[&5i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 6);
+    // One the error made the server skip leaves a's statement there; it
+    // still works.
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_query(b"DISCARD ALL"));
+    m.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&r.send(&m)).as_deref(), Some("22012"));
+    let row = a.query_one(&a_stmt, &[&6i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 7);
 }
 
 /// A client that closes a statement and prepares another under the same

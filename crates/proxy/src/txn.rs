@@ -733,9 +733,10 @@ struct Session {
     /// The timer of the client's waits for a server, kept once it has
     /// waited ([`crate::pool::Pool::checkout_timed`]).
     wait_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-    /// A `DISCARD ALL` / `DEALLOCATE ALL` went to the attached server
-    /// ([`Session::forget_statements`]).
-    discarding: bool,
+    /// `DISCARD ALL` / `DEALLOCATE ALL` statements sent to the attached
+    /// server ([`Session::forget_statements`]) whose CommandComplete has
+    /// not come: until it does, an error may mean the server skipped one.
+    discarding: u32,
     /// The attached server may hold statements pgwarden does not know of
     /// (an error followed a `DISCARD ALL`, a placeholder was not dropped):
     /// it is closed when let go, not given to another client.
@@ -827,7 +828,7 @@ impl Session {
             paused: service.handles.paused.clone(),
             wait_histogram: service.handles.pool_wait.clone(),
             wait_timer: None,
-            discarding: false,
+            discarding: 0,
             stray_statements: false,
             dealloc_portals: Vec::new(),
             parses_named: 0,
@@ -1355,7 +1356,7 @@ impl Session {
         let reusable = reusable && !std::mem::take(&mut self.unsent);
         crate::bufcache::release(&mut self.outbuf);
         let uncertain = std::mem::take(&mut self.stray_statements);
-        self.discarding = false;
+        self.discarding = 0;
         if let Some(c) = self.attached.take() {
             let reusable = reusable && !uncertain;
             self.cancel_target
@@ -2049,8 +2050,8 @@ impl Session {
     ///
     /// Should the statement fail (inside a transaction block, say), the
     /// server keeps statements its cache no longer lists, and preparing
-    /// them again would fail: an error before the server is released
-    /// closes it instead.
+    /// them again would fail: an error before the statement's
+    /// CommandComplete closes the server when it is released.
     /// With `settings` (`DISCARD ALL`), the server's settings return to
     /// its defaults as well. `DEALLOCATE ALL` keeps them: recorded as
     /// gone, the client's start-up settings would stay on the server for
@@ -2062,7 +2063,7 @@ impl Session {
             if settings {
                 c.conn.extras = Extras::default();
             }
-            self.discarding = true;
+            self.discarding += 1;
         }
     }
 
@@ -2150,7 +2151,8 @@ impl Session {
                     | backend::PARAMETER_STATUS
                     | backend::COPY_IN_RESPONSE
             ) || h.tag == backend::ERROR_RESPONSE
-                || (h.tag == backend::COMMAND_COMPLETE && !self.replies.deallocs.is_empty());
+                || (h.tag == backend::COMMAND_COMPLETE
+                    && (self.discarding > 0 || !self.replies.deallocs.is_empty()));
             if !interesting {
                 let n = total.min(avail);
                 pos += n;
@@ -2208,6 +2210,15 @@ impl Session {
                     }
                 }
                 backend::COMMAND_COMPLETE => {
+                    if self.discarding > 0
+                        && (body.starts_with(b"DISCARD ALL\0")
+                            || body.starts_with(b"DEALLOCATE ALL\0"))
+                    {
+                        // The server holds no prepared statement now:
+                        // whatever an earlier error left there is gone.
+                        self.discarding -= 1;
+                        self.stray_statements = false;
+                    }
                     if let Some(i) = self
                         .replies
                         .deallocs
@@ -2231,7 +2242,7 @@ impl Session {
                     if let Some(pipeline) = self.read_only.as_deref_mut() {
                         pipeline.error();
                     }
-                    if self.discarding {
+                    if self.discarding > 0 {
                         self.stray_statements = true;
                     }
                     if ends_session(body) {
