@@ -830,6 +830,13 @@ impl Defaults<'_> {
                         ),
                     ));
                 }
+                if !v_bool && name == READ_ONLY {
+                    return Err(self.src.invalid(
+                        Some(v.span()),
+                        format!("{prefix}.read_only"),
+                        "the read_only service cannot be made writable; define a separate service",
+                    ));
+                }
                 if v_bool && name == READ_WRITE {
                     return Err(self.src.invalid(
                         Some(v.span()),

@@ -565,7 +565,17 @@ fn replica_services_cannot_be_writable() {
         4,
         "services.read_write.read_only",
         "cannot be read-only",
-    );
+    ); // The read-only port stays read-only when pointed at the primary.
+    for select in ["primary", "default"] {
+        fails(
+            &with(&format!(
+                "[services.read_only]\nselect = \"{select}\"\nread_only = false\n"
+            )),
+            5,
+            "services.read_only.read_only",
+            "cannot be made writable",
+        );
+    }
 }
 
 #[test]
