@@ -1992,6 +1992,27 @@ async fn clients_on_a_unix_socket() {
     .await
     .unwrap();
     assert_eq!(one(&again, "SELECT 5").await, "5");
+    // A service that changes address but keeps its port keeps its socket,
+    // which follows the service's later changes like the TCP listener.
+    let mut spec = p.spec().clone();
+    let rw = spec
+        .services
+        .iter_mut()
+        .find(|s| s.name == "read_write")
+        .unwrap();
+    rw.listen = format!("127.0.0.2:{port}").parse().unwrap();
+    p.apply(spec.clone()).await.unwrap();
+    for s in spec.services.iter_mut().filter(|s| s.name == "read_write") {
+        s.read_only = true;
+    }
+    p.apply(spec).await.unwrap();
+    let now = client(&format!(
+        "host={} port={port} user=postgres dbname=postgres",
+        sockets.display()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(one(&now, "SHOW transaction_read_only").await, "on");
 }
 
 /// `spec` with every pooled service's size set to `size`.

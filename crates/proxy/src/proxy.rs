@@ -993,12 +993,15 @@ impl Proxy {
             .filter(|(name, l)| !stays(name, l.addr))
             .map(|(name, _)| name.clone())
             .collect();
-        let mut given_up: HashMap<String, SocketAddr> = HashMap::new();
+        // With the handle their clients' service is read from, which the
+        // new listener takes over: the Unix socket of a service whose
+        // port stays (only the address changes) keeps following it.
+        let mut given_up: HashMap<String, (SocketAddr, Arc<ArcSwap<Service>>)> = HashMap::new();
         for name in moving {
             if let Some(l) = self.listeners.remove(&name) {
                 l.task.stop();
                 if wanted.contains(&name) {
-                    given_up.insert(name, l.addr);
+                    given_up.insert(name, (l.addr, l.service));
                 } else {
                     self.shared.services.lock().expect("poisoned").remove(&name);
                     tracing::info!(service = %name, "service removed; its sessions continue");
@@ -1039,14 +1042,20 @@ impl Proxy {
                 }
                 _ => match bind_or_go_back(
                     svc.listen,
-                    given_up.get(&name).copied(),
+                    given_up.get(&name).map(|(addr, _)| *addr),
                     &name,
                     &mut first_err,
                 )
                 .await
                 {
                     Ok((listener, addr)) => {
-                        let handle = Arc::new(ArcSwap::from_pointee(service));
+                        let handle = match given_up.get(&name) {
+                            Some((_, handle)) => {
+                                handle.store(Arc::new(service));
+                                handle.clone()
+                            }
+                            None => Arc::new(ArcSwap::from_pointee(service)),
+                        };
                         // Accepting on a worker rather than here saves a
                         // thread wake-up per connection: the clients served
                         // by the worker that accepted them need none.
