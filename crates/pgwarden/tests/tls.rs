@@ -318,6 +318,86 @@ async fn start_up_requests_over_tls_are_answered_as_postgresql_does() {
     );
 }
 
+/// A large result read slowly by a TLS client arrives whole, up to its
+/// ReadyForQuery, through the relay's writes to a socket that is often
+/// full (where TLS keeps what it was given in its own buffer until
+/// flushed; the relay's unit tests show the flush).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tls_reader_gets_the_whole_reply() {
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certs(dir.path(), "a");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Require).await;
+    let port = p.service_addrs()["read_write"].port();
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+        .await
+        .unwrap();
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer[0], b'S');
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    let mut startup = Vec::new();
+    startup.extend_from_slice(&196_608u32.to_be_bytes());
+    startup.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
+    let mut packet = ((startup.len() + 4) as u32).to_be_bytes().to_vec();
+    packet.extend(startup);
+    tls.write_all(&packet).await.unwrap();
+    const READY: &[u8] = &[b'Z', 0, 0, 0, 5, b'I'];
+    let mut got = Vec::new();
+    let mut chunk = vec![0u8; 16 * 1024];
+    while !got.ends_with(READY) {
+        let n = tokio::time::timeout(WAIT, tls.read(&mut chunk))
+            .await
+            .expect("the login completes")
+            .unwrap();
+        assert!(n > 0, "closed during login: {got:?}");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    let sql = b"SELECT repeat('x', 8000000) FROM generate_series(1, 2)\0";
+    let mut q = vec![b'Q'];
+    q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
+    q.extend_from_slice(sql);
+    tls.write_all(&q).await.unwrap();
+    // Read a little at a time, so that pgwarden's writes often find the
+    // client's socket full.
+    let mut total = 0usize;
+    let mut tail = Vec::new();
+    while !tail.ends_with(READY) {
+        let n = tokio::time::timeout(WAIT, tls.read(&mut chunk))
+            .await
+            .expect("the whole reply arrives")
+            .unwrap();
+        assert!(n > 0, "closed after {total} bytes");
+        total += n;
+        tail.extend_from_slice(&chunk[..n]);
+        let keep = tail.len().saturating_sub(READY.len());
+        tail.drain(..keep);
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    assert!(total > 16_000_000, "{total} bytes");
+}
+
 /// How a test client binds SCRAM to the certificate it received.
 #[derive(Clone, Copy, Debug)]
 enum Binding {

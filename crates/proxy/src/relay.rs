@@ -126,6 +126,11 @@ async fn send_all<W: AsyncWrite + Direct + Unpin>(
     let n = writer.write_now(buf)?;
     if n < buf.len() {
         writer.write_all(&buf[n..]).await?;
+        // A TLS stream takes bytes it cannot send yet (the socket is
+        // full) into its own buffer and says they were written; only a
+        // flush sends them. Unflushed, the end of a reply could wait there
+        // for good. A plain socket's flush does nothing.
+        writer.flush().await?;
     }
     Ok(())
 }
@@ -348,7 +353,8 @@ where
                 Step::Replace { start, end, with } => {
                     let r = async {
                         writer.write_all(&buf[..start]).await?;
-                        writer.write_all(&with).await
+                        writer.write_all(&with).await?;
+                        writer.flush().await
                     }
                     .await;
                     buf.advance(end);
@@ -369,7 +375,11 @@ where
                     continue;
                 }
                 Step::Stop { start, reason } => {
-                    let r = writer.write_all(&buf[..start]).await;
+                    let r = async {
+                        writer.write_all(&buf[..start]).await?;
+                        writer.flush().await
+                    }
+                    .await;
                     framing.writing = false;
                     framing.pending = 0;
                     return match r {
@@ -444,6 +454,111 @@ mod tests {
         expected.extend(msg(b'Q', b"good\0"));
         assert_eq!(out, expected);
         assert!(framing.at_boundary());
+    }
+
+    /// A writer that keeps what it is given until flushed, as a TLS
+    /// stream does while its socket is full.
+    struct Buffering(std::sync::Arc<std::sync::Mutex<(Vec<u8>, Vec<u8>)>>);
+
+    impl Direct for Buffering {}
+
+    impl AsyncWrite for Buffering {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.0.lock().unwrap().0.extend_from_slice(buf);
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            let mut s = self.0.lock().unwrap();
+            let held = std::mem::take(&mut s.0);
+            s.1.extend(held);
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            self.poll_flush(cx)
+        }
+    }
+
+    /// What a writer took is flushed before the pump waits for more: a
+    /// reply must not stay in a TLS stream's buffer while the peer waits
+    /// for it, plain, replaced or the last before a stop.
+    #[tokio::test]
+    async fn what_is_written_is_flushed_before_waiting() {
+        for (first, stops) in [
+            (&b"good\0"[..], false),
+            (b"bad\0", false),
+            (b"stop\0", true),
+        ] {
+            let state = std::sync::Arc::new(std::sync::Mutex::new((Vec::new(), Vec::new())));
+            let (mut client, mut proxy_in) = tokio::io::duplex(1 << 16);
+            let mut out = Buffering(state.clone());
+            let mut input = msg(b'D', b"row");
+            input.extend(msg(b'Q', first));
+            client.write_all(&input).await.unwrap();
+            let pumping = tokio::spawn(async move {
+                let mut framing = Framing::default();
+                let counter = Counter::default();
+                pump(
+                    &mut proxy_in,
+                    &mut out,
+                    &mut framing,
+                    &counter,
+                    |t| t == b'Q',
+                    |t, m| {
+                        if &m[5..] == b"stop\0" {
+                            Verdict::Stop(
+                                pgwarden_wire::sqlstate::PROTOCOL_VIOLATION,
+                                "stop".into(),
+                            )
+                        } else {
+                            fix_bad(t, m)
+                        }
+                    },
+                    BytesMut::new(),
+                    None,
+                )
+                .await
+            });
+            let mut expected = msg(b'D', b"row");
+            if !stops {
+                expected.extend(msg(
+                    b'Q',
+                    if first == b"bad\0" { b"fixed\0" } else { first },
+                ));
+            }
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+            loop {
+                let (held, flushed) = state.lock().unwrap().clone();
+                if flushed == expected {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{:?}: flushed {flushed:?}, held {held:?}",
+                    String::from_utf8_lossy(first),
+                );
+                tokio::task::yield_now().await;
+            }
+            if stops {
+                assert!(matches!(pumping.await.unwrap(), End::Stopped(..)));
+            } else {
+                // Still waiting for the client, which has not closed.
+                assert!(!pumping.is_finished());
+                pumping.abort();
+            }
+            drop(client);
+        }
     }
 
     /// Two pumps in one task over real sockets, as a session runs them:

@@ -68,6 +68,9 @@ impl ClientStream {
         };
         if n < buf.len() {
             self.write_all(&buf[n..]).await?;
+            // TLS may hold the end in its buffer while the socket is full;
+            // see `relay::send_all`.
+            self.flush().await?;
         }
         Ok(())
     }
@@ -667,6 +670,7 @@ impl ServerStream {
         };
         if n < buf.len() {
             self.write_all(&buf[n..]).await?;
+            self.flush().await?;
         }
         Ok(())
     }
