@@ -1184,6 +1184,36 @@ async fn admin_pause_waits_for_transactions_in_flight() {
         common::metric_sample(http, "pgwarden_service_paused{service=\"read_write\"}").await,
         0.0
     );
+    // Written with a space before its semicolon, it waits all the same;
+    // and a resume from elsewhere (here the HTTP port) ends the wait.
+    busy.batch_execute("BEGIN").await.unwrap();
+    one(&busy, "SELECT 3").await;
+    let pausing = tokio::spawn(async move {
+        admin.simple_query("PAUSE read_write ;").await.unwrap();
+        admin
+    });
+    pgwarden_testkit::eventually("the pause shows", WAIT, || async move {
+        let v =
+            common::metric_sample(http, "pgwarden_service_paused{service=\"read_write\"}").await;
+        (v == 1.0).then_some(()).ok_or(format!("{v}"))
+    })
+    .await;
+    let round = e.snapshot().round;
+    e.wait_round(round + 2).await;
+    assert!(
+        !pausing.is_finished(),
+        "PAUSE answered with a transaction in flight"
+    );
+    let (code, _) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(code, 200);
+    tokio::time::timeout(Duration::from_secs(10), pausing)
+        .await
+        .expect("PAUSE answered once resumed elsewhere")
+        .unwrap();
+    busy.batch_execute("COMMIT").await.unwrap();
 }
 
 /// A client pinned to its server by session state is between transactions

@@ -20,6 +20,10 @@ use crate::stats::{Averages, Totals};
 /// The database name that reaches the console instead of a server.
 pub const ADMIN_DATABASE: &str = "pgwarden";
 
+/// Bytes a console client may have sent and not yet had read as commands
+/// (while a command waits): one message of the largest size taken.
+const MAX_PENDING: usize = 1 << 20;
+
 /// Serves one admin session until the client leaves.
 /// The `SHOW CONFIG` keys a `RELOAD` does not change (the worker threads
 /// are made once): `changeable` says `no` for them.
@@ -88,7 +92,7 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
     let mut portals: HashMap<String, String> = HashMap::new();
     loop {
         let (tag, msg) = loop {
-            match message::split_message(&mut buf, 1 << 20) {
+            match message::split_message(&mut buf, MAX_PENDING) {
                 Ok(Some(m)) => break m,
                 Ok(None) => {}
                 Err(_) => return,
@@ -106,7 +110,9 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 if text.trim().trim_matches(';').trim().is_empty() {
                     encode::empty_query_response(&mut out);
                 } else {
-                    let reloaded = before_command(shared, text).await;
+                    let Ok(reloaded) = before_command(shared, text, client, &mut buf).await else {
+                        return;
+                    };
                     command(shared, text, reloaded, &mut out);
                     if !after_pause(shared, text, &out, client, &mut buf).await {
                         return;
@@ -138,7 +144,10 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 if tag == frontend::EXECUTE {
                     let portal = msg[5..].split(|b| *b == 0).next().unwrap_or_default();
                     if let Some(text) = portals.get(String::from_utf8_lossy(portal).as_ref()) {
-                        reloaded = before_command(shared, text).await;
+                        let Ok(r) = before_command(shared, text, client, &mut buf).await else {
+                            return;
+                        };
+                        reloaded = r;
                     }
                 }
                 let ok = extended(
@@ -707,12 +716,16 @@ async fn after_pause(
     }
     let services = shared.pause_targets(paused);
     let mut closed = false;
-    while shared.in_transaction(&services) > 0 {
+    // Until the transactions are done, or a RESUME (from another console,
+    // the HTTP port, a switchover) has made the wait pointless.
+    while shared.in_transaction(&services) > 0
+        && services.iter().any(|s| *shared.paused(s).borrow())
+    {
         // Rare, operator-driven: polled rather than signalled, to keep the
         // release of a connection free of it.
         tokio::select! {
             () = crate::timer::sleep(std::time::Duration::from_millis(20)) => {}
-            r = client.read_buf(buf) => {
+            r = client.read_buf(buf), if buf.len() < MAX_PENDING => {
                 if matches!(r, Ok(0) | Err(_)) {
                     closed = true;
                     break;
@@ -726,11 +739,17 @@ async fn after_pause(
 /// The waiting a command does before it answers: WAIT_CLOSE's (see
 /// [`wait_close`]), and RELOAD's, which asks whoever owns the configuration
 /// file to reload it and returns how that went (`None`: nobody to ask).
-async fn before_command(shared: &Shared, text: &str) -> Option<Result<(), String>> {
+/// Err when the console's client left while it waited.
+async fn before_command(
+    shared: &Shared,
+    text: &str,
+    client: &mut ClientStream,
+    buf: &mut BytesMut,
+) -> Result<Option<Result<(), String>>, ()> {
     // Only a command [`command`] accepts as written: `RELOAD; SHOW POOLS`
     // or `RELOAD now` is refused there, and must not reload first.
     if several_statements(text) {
-        return None;
+        return Ok(None);
     }
     let words: Vec<&str> = text
         .trim()
@@ -739,15 +758,35 @@ async fn before_command(shared: &Shared, text: &str) -> Option<Result<(), String
         .collect();
     match words.as_slice() {
         [w] | [w, _] if w.eq_ignore_ascii_case("WAIT_CLOSE") => {
-            wait_close(shared, text).await;
-            None
+            // Only the console's own client ends the wait early: the
+            // operator asked to wait.
+            tokio::select! {
+                () = wait_close(shared, text) => Ok(None),
+                () = client_left(client, buf) => Err(()),
+            }
         }
         [w] if w.eq_ignore_ascii_case("RELOAD") => {
             let (reply, answer) = tokio::sync::oneshot::channel();
-            shared.reload.send(reply).await.ok()?;
-            answer.await.ok()
+            if shared.reload.send(reply).await.is_err() {
+                return Ok(None);
+            }
+            Ok(answer.await.ok())
         }
-        _ => None,
+        _ => Ok(None),
+    }
+}
+
+/// Resolves once the client has closed its connection; bytes it sends
+/// meanwhile are kept in `buf` (for the next command), read only while
+/// there is room, so a client that keeps sending cannot grow it.
+async fn client_left(client: &mut ClientStream, buf: &mut BytesMut) {
+    loop {
+        if buf.len() >= MAX_PENDING {
+            std::future::pending::<()>().await;
+        }
+        if matches!(client.read_buf(buf).await, Ok(0) | Err(_)) {
+            return;
+        }
     }
 }
 
@@ -780,10 +819,11 @@ async fn wait_close(shared: &Shared, text: &str) {
     }
 }
 
+/// Read from the words [`command`] reads: `PAUSE svc;`, `PAUSE svc ;` and
+/// `PAUSE` followed by `;` on a line of its own all name what they look
+/// like they name.
 fn argument(text: &str) -> Option<&str> {
-    text.split_whitespace()
-        .nth(1)
-        .map(|d| d.trim_end_matches(';'))
+    text.trim().trim_end_matches(';').split_whitespace().nth(1)
 }
 
 fn unknown_database(out: &mut BytesMut, database: &str) {
@@ -1260,6 +1300,17 @@ const TEXT_COLUMNS: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_argument_is_read_as_the_command_is() {
+        assert_eq!(argument("PAUSE"), None);
+        assert_eq!(argument("PAUSE;"), None);
+        assert_eq!(argument("PAUSE\n;"), None);
+        assert_eq!(argument("  PAUSE ;  "), None);
+        assert_eq!(argument("PAUSE svc;"), Some("svc"));
+        assert_eq!(argument("PAUSE svc ;"), Some("svc"));
+        assert_eq!(argument("WAIT_CLOSE db\n;\n"), Some("db"));
+    }
 
     #[test]
     fn counts_go_out_as_integers_names_and_settings_as_text() {

@@ -141,7 +141,8 @@ fn switch_allowed(
                 ))
             }
         }
-        None if peer.ip().is_loopback() => Ok(()),
+        // A dual-stack listener shows an IPv4 peer as ::ffff:a.b.c.d.
+        None if peer.ip().to_canonical().is_loopback() => Ok(()),
         None => Err((
             StatusCode::FORBIDDEN,
             "pause and resume are taken from this machine only (or, in agent mode, with the REST API's credentials); the admin console's PAUSE and RESUME work from anywhere\n".into(),
@@ -285,6 +286,14 @@ mod tests {
         // No credentials: this machine only, and never a web page.
         assert_eq!(code(switch_allowed(None, local, false, None)), None);
         assert_eq!(code(switch_allowed(None, local6, false, None)), None);
+        // An IPv4 client of a dual-stack listener.
+        let mapped: std::net::SocketAddr = "[::ffff:127.0.0.1]:5000".parse().unwrap();
+        assert_eq!(code(switch_allowed(None, mapped, false, None)), None);
+        let mapped_remote: std::net::SocketAddr = "[::ffff:10.1.2.3]:5000".parse().unwrap();
+        assert_eq!(
+            code(switch_allowed(None, mapped_remote, false, None)),
+            Some(StatusCode::FORBIDDEN)
+        );
         assert_eq!(
             code(switch_allowed(None, remote, false, None)),
             Some(StatusCode::FORBIDDEN)

@@ -1004,6 +1004,18 @@ impl Proxy {
                     given_up.insert(name, (l.addr, l.service));
                 } else {
                     self.shared.services.lock().expect("poisoned").remove(&name);
+                    // A pause ends with its service: clients still waiting
+                    // go on, and a service added again under the name
+                    // does not start paused.
+                    if let Some(switch) = self.shared.paused.lock().expect("poisoned").get(&name) {
+                        switch.send_replace(false);
+                    }
+                    self.shared
+                        .metrics
+                        .service_paused
+                        .remove(&crate::metrics::ServiceLabel {
+                            service: name.clone(),
+                        });
                     tracing::info!(service = %name, "service removed; its sessions continue");
                 }
             }
