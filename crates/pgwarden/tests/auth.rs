@@ -448,3 +448,54 @@ async fn peer_authentication_on_a_unix_socket() {
         assert_eq!(sqlstate(&err).as_deref(), Some("28000"), "{err}");
     }
 }
+
+/// A relayed session that pgwarden logs in to the server itself ([auth])
+/// gives up on a server that takes the connection and never answers,
+/// after `server_connect_timeout`, as the pool's logins do: the client
+/// gets 08006 instead of waiting for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_the_login_is_given_up() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hba = dir.path().join("pg_hba.conf");
+    std::fs::write(&hba, "host all postgres 127.0.0.1/32 trust\n").unwrap();
+    AUTH.with(|a| {
+        *a.borrow_mut() = Some(AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        None,
+        1000,
+    )
+    .await;
+    until(&e, "primary", WAIT, |s| {
+        s.topology.primary().map(|_| ()).ok_or("none".into())
+    })
+    .await;
+    let first = common::client(&common::via(&p, "read_write"))
+        .await
+        .unwrap();
+    assert_eq!(common::one(&first, "SELECT 1").await, "1");
+    // The probe's connection goes on; new ones reach the relay and stop.
+    relay.set_hold_new(true);
+    let started = std::time::Instant::now();
+    let Err(err) = tokio::time::timeout(WAIT, common::client(&common::via(&p, "read_write")))
+        .await
+        .expect("the login is given up")
+    else {
+        panic!("a login without an answering server");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("08006"), "{err}");
+    assert!(started.elapsed() < WAIT, "{:?}", started.elapsed());
+    relay.set_hold_new(false);
+    assert_eq!(common::one(&first, "SELECT 2").await, "2");
+}

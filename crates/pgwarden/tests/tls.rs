@@ -318,24 +318,20 @@ async fn start_up_requests_over_tls_are_answered_as_postgresql_does() {
     );
 }
 
-/// A large result read slowly by a TLS client arrives whole, up to its
-/// ReadyForQuery, through the relay's writes to a socket that is often
-/// full (where TLS keeps what it was given in its own buffer until
-/// flushed; the relay's unit tests show the flush).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_tls_reader_gets_the_whole_reply() {
+/// A raw TLS session through pgwarden's read-write port at `port`, logged
+/// in as postgres (trust) up to its first ReadyForQuery; the server's
+/// certificate checked against `ca`.
+async fn raw_tls_session(
+    port: u16,
+    ca: &Path,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_rustls::rustls::pki_types::pem::PemObject;
     use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
     use tokio_rustls::rustls::{ClientConfig, RootCertStore};
-    let c = TestCluster::builder().replicas(0).start();
-    let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = make_certs(dir.path(), "a");
-    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Require).await;
-    let port = p.service_addrs()["read_write"].port();
     let mut roots = RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(&ca).unwrap() {
+    for c in CertificateDer::pem_file_iter(ca).unwrap() {
         roots.add(c.unwrap()).unwrap();
     }
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
@@ -363,7 +359,6 @@ async fn a_slow_tls_reader_gets_the_whole_reply() {
     let mut packet = ((startup.len() + 4) as u32).to_be_bytes().to_vec();
     packet.extend(startup);
     tls.write_all(&packet).await.unwrap();
-    const READY: &[u8] = &[b'Z', 0, 0, 0, 5, b'I'];
     let mut got = Vec::new();
     let mut chunk = vec![0u8; 16 * 1024];
     while !got.ends_with(READY) {
@@ -374,13 +369,42 @@ async fn a_slow_tls_reader_gets_the_whole_reply() {
         assert!(n > 0, "closed during login: {got:?}");
         got.extend_from_slice(&chunk[..n]);
     }
-    let sql = b"SELECT repeat('x', 8000000) FROM generate_series(1, 2)\0";
+    tls
+}
+
+/// ReadyForQuery, idle.
+const READY: &[u8] = &[b'Z', 0, 0, 0, 5, b'I'];
+
+/// A simple Query of `sql`.
+fn query_message(sql: &str) -> Vec<u8> {
     let mut q = vec![b'Q'];
-    q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
-    q.extend_from_slice(sql);
-    tls.write_all(&q).await.unwrap();
+    q.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
+    q.extend_from_slice(sql.as_bytes());
+    q.push(0);
+    q
+}
+
+/// A large result read slowly by a TLS client arrives whole, up to its
+/// ReadyForQuery, through the relay's writes to a socket that is often
+/// full (where TLS keeps what it was given in its own buffer until
+/// flushed; the relay's unit tests show the flush).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tls_reader_gets_the_whole_reply() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certs(dir.path(), "a");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Require).await;
+    let port = p.service_addrs()["read_write"].port();
+    let mut tls = raw_tls_session(port, &ca).await;
+    tls.write_all(&query_message(
+        "SELECT repeat('x', 8000000) FROM generate_series(1, 2)",
+    ))
+    .await
+    .unwrap();
     // Read a little at a time, so that pgwarden's writes often find the
     // client's socket full.
+    let mut chunk = vec![0u8; 16 * 1024];
     let mut total = 0usize;
     let mut tail = Vec::new();
     while !tail.ends_with(READY) {
@@ -396,6 +420,48 @@ async fn a_slow_tls_reader_gets_the_whole_reply() {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
     assert!(total > 16_000_000, "{total} bytes");
+}
+
+/// A TLS session that is ended (here by the admin console's KILL) while
+/// its client has stopped reading is closed all the same: the close of
+/// TLS, which would wait for the client to take what is buffered, is
+/// bounded, and the server's backend goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_session_ended_while_its_client_does_not_read_is_closed() {
+    use tokio::io::AsyncWriteExt;
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certs(dir.path(), "a");
+    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
+    let port = p.service_addrs()["read_write"].port();
+    let mut tls = raw_tls_session(port, &ca).await;
+    const BIG: &str = "SELECT repeat('x', 1000000) FROM generate_series(1, 200)";
+    tls.write_all(&query_message(BIG)).await.unwrap();
+    let direct = c.conninfo(0);
+    let running = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE query = '{}'",
+        BIG.replace('\'', "''")
+    );
+    pgwarden_testkit::eventually("the query runs", WAIT, || async {
+        (common::sql_value(&direct, &running).await.as_deref() == Some("1"))
+            .then_some(())
+            .ok_or("not yet".to_string())
+    })
+    .await;
+    let admin_info = common::via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = common::client(&admin_info).await.unwrap();
+    admin.simple_query("KILL postgres").await.unwrap();
+    pgwarden_testkit::eventually(
+        "the server's backend goes",
+        Duration::from_secs(10),
+        || async {
+            (common::sql_value(&direct, &running).await.as_deref() == Some("0"))
+                .then_some(())
+                .ok_or("still there".to_string())
+        },
+    )
+    .await;
+    drop(tls);
 }
 
 /// How a test client binds SCRAM to the certificate it received.

@@ -209,7 +209,7 @@ pub(crate) fn run(
             tracing::debug!(reason = r.reason, message = %r.message, "client refused");
             let out = encode::fatal(r.code.code(), &r.message);
             let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
-            let _ = client.shutdown().await;
+            let _ = crate::timer::timeout(SHUTDOWN_WRITE, client.shutdown()).await;
         }
         gauge.dec();
     }
@@ -663,7 +663,7 @@ async fn read_startup(
                 // close_notify; libpq 17 and later report a close without
                 // it as a failed cancel ("SSL error: unexpected eof").
                 if client.is_tls() {
-                    let _ = client.shutdown().await;
+                    let _ = crate::timer::timeout(SHUTDOWN_WRITE, client.shutdown()).await;
                 }
                 return Ok(None);
             }
@@ -819,6 +819,10 @@ async fn connect_server(
         }
     }
 }
+
+/// Longest wait for a connection's shutdown (TLS close_notify) to be
+/// written.
+pub(crate) const SHUTDOWN_WRITE: Duration = Duration::from_secs(1);
 
 /// The DO block that replaces a refused statement on a read-only service:
 /// the server raises the error itself, so the client sees it in its place
@@ -979,7 +983,15 @@ async fn relay(
     // what the client proved, then greets the client as the server would.
     let (mut server, logged_in) = match credential {
         None => (server, None),
-        Some(cred) => match crate::pool::login(server, &startup, &cred).await {
+        // Bounded as the pool's logins are: a server that takes the
+        // connection and never answers must not hold the client for good.
+        Some(cred) => match crate::timer::timeout(
+            shared.server_connect_timeout(),
+            crate::pool::login(server, &startup, &cred),
+        )
+        .await
+        .unwrap_or(Err(crate::pool::ServerError::Timeout))
+        {
             Ok(conn) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
                 let out = encode::fatal(
                     sqlstate::CANNOT_CONNECT_NOW.code(),
@@ -1404,8 +1416,12 @@ impl Io<'_> {
                 let _ = crate::timer::timeout(Duration::from_secs(1), cw.write_all(&out)).await;
             }
         }
-        let _ = cw.shutdown().await;
-        let _ = sw.shutdown().await;
+        // Over TLS a shutdown writes close_notify and whatever the stream
+        // holds: a peer that stopped reading would hold the session (and
+        // its server connection) for good. Past the bound, the sockets
+        // are simply dropped.
+        let _ = crate::timer::timeout(SHUTDOWN_WRITE, cw.shutdown()).await;
+        let _ = crate::timer::timeout(SHUTDOWN_WRITE, sw.shutdown()).await;
         cancel_key
     }
 }

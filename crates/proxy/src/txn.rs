@@ -460,7 +460,7 @@ pub(crate) async fn run(
     // TLS ends with close_notify; a plain socket's close sends the FIN a
     // shutdown would, one system call sooner.
     if client.is_tls() {
-        let _ = client.shutdown().await;
+        let _ = crate::timer::timeout(crate::session::SHUTDOWN_WRITE, client.shutdown()).await;
     }
     // A server mid-transaction cannot be handed to someone else; one that
     // carried a whole session must be reset first (after the client is
