@@ -348,8 +348,17 @@ pub async fn serve(
     // Nothing reloads from here on: an admin console's RELOAD is answered
     // at once rather than left waiting through the shutdown.
     drop(admin_reload);
-    tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions");
-    proxy.shutdown().await;
+    tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions (a second SIGINT or SIGTERM ends them now)");
+    // Once a signal is caught, the process no longer dies of the next
+    // one: without this, an operator's second Ctrl-C would be swallowed
+    // for the whole shutdown_timeout.
+    let again = crate::shutdown_signal()?;
+    proxy
+        .shutdown_unless(async {
+            again.await;
+            tracing::warn!("second signal: ending the sessions now");
+        })
+        .await;
     if let Some(agent) = agent {
         agent.shutdown(Duration::from_secs(90)).await;
     }

@@ -342,6 +342,52 @@ select = "standby"
     );
 }
 
+/// A second SIGINT during the wait for sessions (shutdown_timeout, here an
+/// hour) ends them at once, with 57P01, and the process exits; the first
+/// only stopped new connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_ends_the_wait_for_sessions() {
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    let config = dir.path().join("pgwarden.toml");
+    write(
+        &config,
+        &listening(
+            &[c.addr(0)],
+            (rw, ro, http),
+            "[engine]\nshutdown_timeout = \"1h\"\n",
+        ),
+    );
+    let mut pg = Running::start(&config, dir.path());
+    eventually("read-write port serves", WAIT, || select_one(conninfo(rw))).await;
+    let held = client(&conninfo(rw)).await.unwrap();
+    pg.signal(nix::sys::signal::Signal::SIGINT);
+    eventually("the shutdown begins", WAIT, || {
+        let log = pg.log();
+        async move { log.contains("shutting down").then_some(()).ok_or(log) }
+    })
+    .await;
+    // The held session is waited for.
+    held.simple_query("SELECT 1")
+        .await
+        .expect("the session goes on during the wait");
+    assert!(pg.child.try_wait().unwrap().is_none(), "{}", pg.log());
+    pg.signal(nix::sys::signal::Signal::SIGINT);
+    let status = eventually("process exit", WAIT, || {
+        let s = pg.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", pg.log());
+    let err = held.simple_query("SELECT 1").await.unwrap_err();
+    assert!(
+        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
+        "{err}"
+    );
+    assert!(pg.log().contains("second signal"), "{}", pg.log());
+}
+
 #[test]
 fn invalid_config_at_start_names_file_line_and_key() {
     let dir = tempfile::tempdir().unwrap();

@@ -1203,7 +1203,14 @@ impl Proxy {
 
     /// Stops accepting, lets sessions finish for up to the shutdown
     /// time-out, then ends the rest with an error that says why.
-    pub async fn shutdown(mut self) {
+    pub async fn shutdown(self) {
+        self.shutdown_unless(std::future::pending()).await;
+    }
+
+    /// [`Proxy::shutdown`], with the wait for sessions cut short when
+    /// `hurry` resolves (an operator's second Ctrl-C): the sessions are
+    /// then told to end at once.
+    pub async fn shutdown_unless(mut self, hurry: impl std::future::Future<Output = ()>) {
         self.shared.accepting.store(false, Ordering::SeqCst);
         for (_, l) in self.listeners.drain() {
             l.task.stop();
@@ -1211,10 +1218,12 @@ impl Proxy {
         self.stop_unix();
         let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
         let mut changes = self.shared.changes.clone();
+        let mut hurry = std::pin::pin!(hurry);
         while self.session_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::select! {
                 _ = crate::timer::sleep(Duration::from_millis(50)) => {}
                 _ = changes.changed() => {}
+                () = &mut hurry => break,
             }
         }
         {
