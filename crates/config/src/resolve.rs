@@ -214,6 +214,17 @@ fn tls(
             "server_tls = verify-ca and verify-full need the CA that signed the servers' certificates",
         ));
     }
+    if let (false, Some(ca)) = (server_tls.verifies(), &raw.server_ca) {
+        // Silently unused, it would look like a check that is not made.
+        return Err(src.invalid(
+            Some(ca.span()),
+            "tls.server_ca",
+            format!(
+                "is used only by server_tls = \"verify-ca\" or \"verify-full\"; with \"{}\" servers' certificates are not checked: set one of those, or remove server_ca",
+                server_tls.as_str()
+            ),
+        ));
+    }
     Ok(crate::sections::TlsConfig {
         cert: raw.cert.map(|c| c.into_inner().into()),
         key: raw.key.map(|k| k.into_inner().into()),

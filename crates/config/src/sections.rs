@@ -245,6 +245,17 @@ impl ServerTls {
     pub fn verifies(self) -> bool {
         matches!(self, ServerTls::VerifyCa | ServerTls::VerifyFull)
     }
+
+    /// The mode as written in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServerTls::Disable => "disable",
+            ServerTls::Prefer => "prefer",
+            ServerTls::Require => "require",
+            ServerTls::VerifyCa => "verify-ca",
+            ServerTls::VerifyFull => "verify-full",
+        }
+    }
 }
 
 /// `[auth]`: pgwarden authenticates clients itself.

@@ -841,6 +841,18 @@ fn server_tls_modes_and_their_ca() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("server_tls"), "{err}");
+    // A CA that no mode uses is refused rather than left looking like a
+    // check, with its key and line.
+    for mode in ["disable", "prefer", "require"] {
+        let err = pgwarden_config::parse(
+            &format!("{base}\n[tls]\nserver_tls = \"{mode}\"\nserver_ca = \"ca.pem\"\n"),
+            "pgwarden.toml",
+        )
+        .unwrap_err();
+        assert_eq!(err.key(), Some("tls.server_ca"), "{err}");
+        assert_eq!(err.line(), Some(9), "{err}");
+        assert!(err.to_string().contains(mode), "{err}");
+    }
 }
 
 /// The node file of the HA issue, as written, with the `[listen]` section
