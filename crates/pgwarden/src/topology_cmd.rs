@@ -56,7 +56,7 @@ pub struct Args {
     #[arg(long, default_value_t = 3, value_name = "K")]
     rounds: u64,
     /// RTT window above the fastest host, in milliseconds.
-    #[arg(long, default_value_t = 20.0, value_name = "MS")]
+    #[arg(long, default_value_t = 20.0, value_name = "MS", value_parser = milliseconds)]
     rtt_threshold_ms: f64,
     /// Turn the RTT window off: rotate over every eligible host.
     #[arg(long)]
@@ -203,4 +203,16 @@ async fn every_host_answered(engine: &Engine) {
             return;
         }
     }
+}
+
+/// A number of milliseconds for a duration: finite and not negative (and
+/// below a century), so that it makes a `Duration`.
+fn milliseconds(text: &str) -> Result<f64, String> {
+    let ms: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    if !ms.is_finite() || !(0.0..=3.2e12).contains(&ms) {
+        return Err(format!(
+            "{text} is not a number of milliseconds from 0 to 3.2e12"
+        ));
+    }
+    Ok(ms)
 }

@@ -131,6 +131,16 @@ fn bad_arguments_are_clear_errors() {
     let (ok, _, stderr) = pgwarden(&["topology", "--hosts", "a:1", "--select", "leader"]);
     assert!(!ok);
     assert!(stderr.contains("leader"), "{stderr}");
+    // A window no duration can hold is refused, not a crash.
+    for bad in ["-1", "NaN", "inf", "1e300"] {
+        let flag = format!("--rtt-threshold-ms={bad}");
+        let (ok, _, stderr) = pgwarden(&["topology", "--hosts", "a:1", &flag]);
+        assert!(!ok);
+        assert!(
+            stderr.contains("--rtt-threshold-ms") && !stderr.contains("panicked"),
+            "{bad}: {stderr}"
+        );
+    }
 }
 
 /// `pgwarden run --check` / `agent --check` on `config` written to a file
