@@ -4348,6 +4348,83 @@ async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
     one(&a, "SELECT 1").await;
 }
 
+/// The admin console's PAUSE waits for a transaction whose server was
+/// taken before the pause, also while pgwarden is still setting the
+/// client's session parameters on it (no statement of the client's has
+/// reached the server yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_waits_for_a_transaction_still_setting_its_parameters() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        pool(1, WAIT),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let direct = c.conninfo(0);
+    client(&direct)
+        .await
+        .unwrap()
+        .batch_execute("CREATE TABLE paused_in_sync (x text)")
+        .await
+        .unwrap();
+    let rw = via(&p, "read_write");
+    let a = client(&format!("{rw} application_name=first"))
+        .await
+        .unwrap();
+    let b = client(&format!("{rw} application_name=second"))
+        .await
+        .unwrap();
+    one(&a, "SELECT 1").await;
+    let admin = client(&rw.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    relay.set_delay(Duration::ZERO, Duration::from_secs(2));
+    let insert = tokio::spawn(async move {
+        b.batch_execute("INSERT INTO paused_in_sync VALUES ('ran')")
+            .await
+    });
+    pgwarden_testkit::eventually("b's application_name is being set", WAIT, || async {
+        let q = "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE '%application_name%second%' AND pid <> pg_backend_pid()";
+        if sql_value(&direct, q).await.as_deref() == Some("1") {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    let mut pausing = tokio::spawn(async move {
+        admin.simple_query("PAUSE read_write").await.unwrap();
+        admin
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut pausing)
+            .await
+            .is_err(),
+        "PAUSE answered with a transaction about to run"
+    );
+    insert
+        .await
+        .unwrap()
+        .expect("taken before the pause, it runs");
+    let admin = tokio::time::timeout(WAIT, pausing)
+        .await
+        .expect("PAUSE answered once it ended")
+        .unwrap();
+    relay.set_delay(Duration::ZERO, Duration::ZERO);
+    admin.simple_query("RESUME read_write").await.unwrap();
+    assert_eq!(
+        sql_value(&direct, "SELECT count(*) FROM paused_in_sync")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+}
+
 /// A cancel request still on its way to the server when the client's query
 /// ends must not cancel the next client's query on that server: the server
 /// goes back to the pool only once the request is delivered. The relay

@@ -1382,7 +1382,10 @@ impl Pool {
         let permit = self.permits.clone().try_acquire_owned().ok()?;
         let conn = self.pop_live()?;
         let conn = self.moved_here(conn)?;
-        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        // Sequentially consistent (a locked instruction either way on x86):
+        // a client looks at its service's pause switch after this, and a
+        // pause that then finds no server lent must be seen there.
+        self.stats.active.fetch_add(1, Ordering::SeqCst);
         Some(Checkout {
             conn,
             pool: self.clone(),
@@ -1591,7 +1594,10 @@ impl Pool {
             self.closed(1);
             return Err(ServerError::Retired);
         }
-        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        // Sequentially consistent (a locked instruction either way on x86):
+        // a client looks at its service's pause switch after this, and a
+        // pause that then finds no server lent must be seen there.
+        self.stats.active.fetch_add(1, Ordering::SeqCst);
         let checkout = Checkout {
             conn,
             pool: self.clone(),

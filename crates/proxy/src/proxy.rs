@@ -544,23 +544,50 @@ impl Shared {
         }
     }
 
-    /// Pooled clients of `services` whose server connection is in a
-    /// transaction now. A client that keeps its server between
-    /// transactions (pinned by session state, or session-pooled) is not
-    /// counted while it is between two: a paused service holds its next
-    /// one.
+    /// Server connections lent for transactions that a pause of `services`
+    /// must wait for: those of every pool of the same kind (read-write or
+    /// read-only) as one of them, since pools are shared by services of a
+    /// kind, less the servers kept by clients between two transactions
+    /// (pinned by session state, or session-pooled): a paused service
+    /// holds their next one.
+    ///
+    /// A server counts as lent from its checkout, before the client's
+    /// session parameters are set on it and its first statement goes: the
+    /// client looks at the pause switch only after that count went up.
     pub fn in_transaction(&self, services: &[String]) -> usize {
-        self.sessions
+        // Pairs with the checkout's count and the held clients' switch:
+        // the pause set before this is seen by any client counted after.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let (mut writers, mut readers) = (false, false);
+        let mut kind = HashMap::new();
+        for (name, s) in self.services.lock().expect("poisoned").iter() {
+            let read_only = s.load().spec.read_only;
+            if services.contains(name) {
+                writers |= !read_only;
+                readers |= read_only;
+            }
+            kind.insert(name.clone(), read_only);
+        }
+        let counted = |read_only: bool| if read_only { readers } else { writers };
+        let lent: usize = self
+            .pools
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .filter(|(k, _)| counted(k.read_only))
+            .map(|(_, p)| p.busy_count())
+            .sum();
+        let held = self
+            .sessions
             .lock()
             .expect("poisoned")
             .values()
             .filter(|e| {
-                services.iter().any(|s| **s == *e.service)
-                    && e.pooled
-                        .as_ref()
-                        .is_some_and(|slot| slot.state().0.is_some() && !slot.held_idle())
+                kind.get(&*e.service).is_some_and(|ro| counted(*ro))
+                    && e.pooled.as_ref().is_some_and(|slot| slot.held_idle())
             })
-            .count()
+            .count();
+        lent.saturating_sub(held)
     }
 
     /// Pooled clients of services that write to the primary which keep

@@ -884,13 +884,19 @@ impl Session {
                 .is_ok_and(|i| snap.topology.hosts()[i].config.addr == pool.key.host);
             if same
                 && !pool.is_retired()
-                && !*self.paused.borrow()
                 && !self
                     .shared
                     .any_refusal
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 if let Some(c) = pool.try_checkout() {
+                    // Looked at once the server counts as lent: a pause
+                    // set before that is seen here, and one set after it
+                    // sees the server lent and waits for the transaction.
+                    if *self.paused.borrow() {
+                        c.release(true);
+                        return None;
+                    }
                     selector.advance(&self.service.spec.want);
                     self.wait_histogram.observe(Duration::ZERO);
                     return Some(c);
