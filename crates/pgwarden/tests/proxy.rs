@@ -870,3 +870,81 @@ async fn sessions_stay_when_the_primary_moves_between_two_names_of_it() {
         );
     }
 }
+
+/// A relayed session whose pumps both wait on its server (a client
+/// streaming COPY data to a host that stopped taking bytes) ends once the
+/// host is found down, not when TCP gives up minutes later: the kill shuts
+/// the server's socket down as well as the client's reading side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_stuck_writing_to_a_dead_host_ends_when_it_is_found_down() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = common::proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(10),
+        None,
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    sql_value(&c.conninfo(0), "CREATE TABLE copied_to_the_dead (x text)").await;
+    let addr = p.service_addrs()["read_write"];
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    body.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
+    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    packet.extend(body);
+    s.write_all(&packet).unwrap();
+    // Up to ReadyForQuery, then the COPY's CopyInResponse.
+    let read_until = |s: &mut std::net::TcpStream, want: u8| loop {
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).unwrap();
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        let mut rest = vec![0u8; len - 4];
+        s.read_exact(&mut rest).unwrap();
+        assert_ne!(head[0], b'E', "{}", String::from_utf8_lossy(&rest));
+        if head[0] == want {
+            break;
+        }
+    };
+    read_until(&mut s, b'Z');
+    let sql = b"COPY copied_to_the_dead FROM STDIN\0";
+    let mut q = vec![b'Q'];
+    q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
+    q.extend_from_slice(sql);
+    s.write_all(&q).unwrap();
+    read_until(&mut s, b'G');
+    relay.set_blackhole(true);
+    // Stream rows until pgwarden ends the session (a write fails), with
+    // every write bounded so that a stuck session shows as a timeout.
+    let streaming = tokio::task::spawn_blocking(move || {
+        s.set_write_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut row = vec![b'd'];
+        let line = [b"x".repeat(8191), b"\n".to_vec()].concat();
+        row.extend_from_slice(&((line.len() + 4) as u32).to_be_bytes());
+        row.extend_from_slice(&line);
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(60) {
+            match s.write_all(&row) {
+                Ok(()) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return Ok(started.elapsed()),
+            }
+        }
+        Err(started.elapsed())
+    });
+    until(&e, "the host is down", WAIT, |s| {
+        (!s.topology.hosts()[0].alive)
+            .then_some(())
+            .ok_or("alive".into())
+    })
+    .await;
+    let ended = streaming.await.unwrap();
+    relay.set_blackhole(false);
+    assert!(ended.is_ok(), "the session was still open after {ended:?}");
+}

@@ -451,15 +451,11 @@ async fn a_tls_session_ended_while_its_client_does_not_read_is_closed() {
     let admin_info = common::via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let admin = common::client(&admin_info).await.unwrap();
     admin.simple_query("KILL postgres").await.unwrap();
-    pgwarden_testkit::eventually(
-        "the server's backend goes",
-        Duration::from_secs(10),
-        || async {
-            (common::sql_value(&direct, &running).await.as_deref() == Some("0"))
-                .then_some(())
-                .ok_or("still there".to_string())
-        },
-    )
+    pgwarden_testkit::eventually("the server's backend goes", WAIT, || async {
+        (common::sql_value(&direct, &running).await.as_deref() == Some("0"))
+            .then_some(())
+            .ok_or("still there".to_string())
+    })
     .await;
     drop(tls);
 }

@@ -360,6 +360,10 @@ pub(crate) struct SessionEntry {
     pub killed: Arc<KillState>,
     /// The client's socket (see [`SessionGuard`] for why it is valid).
     pub client_fd: std::os::fd::RawFd,
+    /// A relayed session's server socket, valid as `client_fd` is: shut
+    /// down by a kill, so that a session whose pumps both wait on the
+    /// server (a dead host that takes no more bytes) ends too.
+    pub server_fd: Option<std::os::fd::RawFd>,
 }
 
 impl SessionEntry {
@@ -378,6 +382,12 @@ impl SessionEntry {
             #[allow(unsafe_code)]
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.client_fd) };
             let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Read);
+            if let Some(server) = self.server_fd {
+                // SAFETY: as for the client's socket.
+                #[allow(unsafe_code)]
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(server) };
+                let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Both);
+            }
             self.killed.woken.notify_one();
         }
     }

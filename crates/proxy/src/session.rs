@@ -1046,6 +1046,7 @@ async fn relay(
             pooled: None,
             killed: killed.clone(),
             client_fd: client.raw_fd(),
+            server_fd: Some(server.raw_fd()),
         },
     );
     let label = ServiceLabel {

@@ -662,6 +662,15 @@ impl ServerStream {
         }
     }
 
+    /// The socket's descriptor (for a kill to shut it down).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        match self {
+            ServerStream::Plain(s) => s.as_raw_fd(),
+            ServerStream::Tls(s) => s.get_ref().0.as_raw_fd(),
+        }
+    }
+
     /// See [`ClientStream::send_all`].
     pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
         let n = match self {

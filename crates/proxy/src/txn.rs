@@ -261,6 +261,7 @@ pub(crate) async fn run(
             pooled: Some(session.cancel_target.clone()),
             killed: killed.clone(),
             client_fd: client.raw_fd(),
+            server_fd: None,
         },
     );
     let (from_client, to_client) = (
