@@ -948,3 +948,86 @@ async fn a_session_stuck_writing_to_a_dead_host_ends_when_it_is_found_down() {
     relay.set_blackhole(false);
     assert!(ended.is_ok(), "the session was still open after {ended:?}");
 }
+
+/// A read-write session whose server login was still under way when a
+/// new primary appeared ends at once with 57P01 rather than writing to
+/// the old primary: the topology is looked at again once the session is
+/// registered where route changes find it. (With `[auth]` pgwarden logs
+/// in to the server before registering the session; the login waits in a
+/// relay here while the replica is promoted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_started_across_a_primary_change_does_not_stay_on_the_old_primary() {
+    let mut c = TestCluster::builder().replicas(1).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hba = dir.path().join("pg_hba.conf");
+    std::fs::write(&hba, "host all postgres 127.0.0.1/32 trust\n").unwrap();
+    common::AUTH.with(|a| {
+        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+    common::SERVER_CONNECT_TIMEOUT.with(|t| t.set(WAIT));
+    let (e, p) = common::proxy_with(
+        &[relay.addr().to_string(), c.addr(1)],
+        Duration::from_secs(10),
+        None,
+        10_000,
+    )
+    .await;
+    ready(&e, 2).await;
+    // The probe's connection to the primary goes on; a new one waits in
+    // the relay.
+    relay.set_hold_new(true);
+    let before = relay.connections();
+    let conninfo = via(&p, "read_write");
+    let pending = tokio::spawn(async move { client(&conninfo).await });
+    pgwarden_testkit::eventually(
+        "the session's connection reaches the relay",
+        WAIT,
+        || async {
+            (relay.connections() > before)
+                .then_some(())
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await;
+    c.node(1).promote().unwrap();
+    until(&e, "the promoted replica is the primary", WAIT, |s| {
+        (s.topology.primary() == Some(1))
+            .then_some(())
+            .ok_or(format!("{:?}", s.topology.primary()))
+    })
+    .await;
+    relay.set_hold_new(false);
+    match pending.await.unwrap() {
+        Err(err) => assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err}"),
+        Ok(db) => {
+            // Connected: then not to the old primary, and not for long.
+            let port = db.simple_query("SELECT inet_server_port()").await.map(|m| {
+                m.iter()
+                    .find_map(|m| match m {
+                        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+                        _ => None,
+                    })
+                    .unwrap_or_default()
+            });
+            assert_ne!(
+                port.ok().as_deref(),
+                Some(c.port(0).to_string().as_str()),
+                "a session writes to the old primary"
+            );
+        }
+    }
+    // New sessions reach the new primary.
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(
+        one(&db, "SELECT inet_server_port()").await,
+        c.port(1).to_string()
+    );
+}

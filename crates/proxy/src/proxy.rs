@@ -1600,6 +1600,25 @@ const UNUSED_POOL_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Off the traffic path: on every topology change, end the sessions whose
 /// host is no longer right for them.
+/// Why a relayed session wanting `want`, on the host at `idx` of `topo`
+/// (`None`: no longer listed), must end, if it must.
+pub(crate) fn relayed_kill(
+    topo: &pgwarden_topology::Topology,
+    idx: Option<usize>,
+    want: &Want,
+) -> Option<Kill> {
+    let Some(i) = idx else {
+        return Some(Kill::HostRemoved);
+    };
+    if !topo.hosts()[i].alive {
+        Some(Kill::HostDown)
+    } else if *want == Want::Primary && !topo.reaches_primary(i) {
+        Some(Kill::NotPrimary)
+    } else {
+        None
+    }
+}
+
 async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
     while changes.changed().await.is_ok() {
         let snap = shared.snapshot.load_full();
@@ -1687,18 +1706,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 continue;
             }
             let Some(host) = &e.host else { continue };
-            let idx = index.get(host).copied();
-            let alive = idx.is_some_and(|i| topo.hosts()[i].alive);
-            let kill = if idx.is_none() {
-                Some(Kill::HostRemoved)
-            } else if !alive {
-                Some(Kill::HostDown)
-            } else if e.want == Want::Primary && !idx.is_some_and(|i| topo.reaches_primary(i)) {
-                Some(Kill::NotPrimary)
-            } else {
-                None
-            };
-            if let Some(k) = kill {
+            if let Some(k) = relayed_kill(topo, index.get(host).copied(), &e.want) {
                 tracing::info!(service = %e.service, host = %host, reason = ?k, "ending session");
                 e.kill(k);
             }

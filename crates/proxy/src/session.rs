@@ -1049,6 +1049,21 @@ async fn relay(
             server_fd: Some(server.raw_fd()),
         },
     );
+    // The topology may have changed while the server was connected to and
+    // logged in to, after the routing chose it and before the session was
+    // registered where route changes look: a new primary meanwhile would
+    // leave this session writing to the old one. Looked at once more.
+    {
+        let snap = shared.snapshot.load();
+        let topo = &snap.topology;
+        let idx = topo.hosts().iter().position(|h| h.config.addr == host);
+        if let Some(k) = crate::proxy::relayed_kill(topo, idx, &spec.want) {
+            if let Some(e) = shared.sessions.lock().expect("poisoned").get(&id) {
+                tracing::info!(service = %spec.name, host = %host, reason = ?k, "ending session: the topology changed while it started");
+                e.kill(k);
+            }
+        }
+    }
     let label = ServiceLabel {
         service: spec.name.clone(),
     };

@@ -138,7 +138,7 @@ pub async fn proxy_full(
             svc("standby", Want::SyncStandby, true, true),
         ],
         http: Some(any),
-        server_connect_timeout: Duration::from_secs(2),
+        server_connect_timeout: SERVER_CONNECT_TIMEOUT.with(|t| t.get()),
         shutdown_timeout: Duration::from_secs(5),
         max_client_conn,
         worker_threads: WORKERS.with(|w| w.get()),
@@ -242,6 +242,8 @@ thread_local! {
     pub static AUTH: std::cell::RefCell<Option<pgwarden_proxy::AuthSpec>> = const { std::cell::RefCell::new(None) };
     /// The auth time-out for the next proxy built on this thread.
     pub static AUTH_TIMEOUT: std::cell::RefCell<Duration> = const { std::cell::RefCell::new(Duration::from_secs(30)) };
+    /// `server_connect_timeout` for the next proxy built on this thread.
+    pub static SERVER_CONNECT_TIMEOUT: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::from_secs(2)) };
     /// TLS towards the servers (mode, CA file) for the next proxy built on
     /// this thread.
     pub static SERVER_TLS: std::cell::RefCell<(pgwarden_proxy::ServerTlsMode, Option<std::path::PathBuf>)> = const { std::cell::RefCell::new((pgwarden_proxy::ServerTlsMode::Disable, None)) };
