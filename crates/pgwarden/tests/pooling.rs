@@ -1032,6 +1032,16 @@ async fn admin_console_shows_pools_and_pauses() {
     }
     assert_eq!(row.get("database"), Some("postgres"));
     assert_eq!(row.get("pool_mode"), Some("transaction"));
+    // The client between transactions counts as active, as in PgBouncer;
+    // it holds no server (the admin console is no pooled client).
+    assert_eq!(
+        (
+            row.get("cl_active"),
+            row.get("cl_waiting"),
+            row.get("sv_active")
+        ),
+        (Some("1"), Some("0"), Some("0"))
+    );
     for cmd in ["SHOW CLIENTS", "SHOW SERVERS", "SHOW STATS", "SHOW CONFIG"] {
         admin
             .simple_query(cmd)

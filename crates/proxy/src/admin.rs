@@ -623,7 +623,8 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
     let o = Ordering::Relaxed;
     #[derive(Default)]
     struct Row {
-        cl_active: usize,
+        clients: usize,
+        lent: usize,
         cl_waiting: usize,
         sv_idle: usize,
         sv_total: usize,
@@ -631,12 +632,23 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         mode: Option<&'static str>,
     }
     let mut by_pair: std::collections::BTreeMap<(String, String), Row> = Default::default();
+    // PgBouncer counts a connected client that is not waiting as active,
+    // whether or not it holds a server now: dashboards add cl_active and
+    // cl_waiting up to the clients connected.
+    for e in shared.sessions.lock().expect("poisoned").values() {
+        if e.pooled.is_some() {
+            by_pair
+                .entry((e.database.to_string(), e.user.to_string()))
+                .or_default()
+                .clients += 1;
+        }
+    }
     for p in shared.pools.lock().expect("poisoned").values() {
         let s = &p.stats;
         let r = by_pair
             .entry((p.key.database.clone(), p.key.user.clone()))
             .or_default();
-        r.cl_active += s.active.load(o);
+        r.lent += s.active.load(o);
         r.cl_waiting += s.waiting.load(o) + s.capped.load(o);
         r.sv_idle += p.idle_count();
         r.sv_total += s.total.load(o);
@@ -653,10 +665,9 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
             vec![
                 database,
                 user,
-                r.cl_active.to_string(),
+                r.clients.saturating_sub(r.cl_waiting).to_string(),
                 r.cl_waiting.to_string(),
-                // A lent server connection serves exactly one client.
-                r.cl_active.to_string(),
+                r.lent.to_string(),
                 r.sv_idle.to_string(),
                 r.sv_total.to_string(),
                 (r.max_us / 1_000_000).to_string(),
