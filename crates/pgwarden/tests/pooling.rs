@@ -1750,6 +1750,34 @@ async fn refused_logins_and_unused_pools_leave_nothing_behind() {
         (n == 0).then_some(()).ok_or(format!("{n} pools"))
     })
     .await;
+    // Its transactions still count in SHOW STATS and SHOW TOTALS, whose
+    // totals exporters read as counters.
+    let admin = client(&url.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let stat = |msgs: Vec<tokio_postgres::SimpleQueryMessage>, key: &str, col: &str| {
+        msgs.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some(key) => {
+                    r.get(col).map(str::to_string)
+                }
+                _ => None,
+            })
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let xacts = stat(
+        admin.simple_query("SHOW STATS").await.unwrap(),
+        "postgres",
+        "total_xact_count",
+    );
+    assert!(xacts >= 1, "total_xact_count {xacts} after the pool went");
+    let totals = stat(
+        admin.simple_query("SHOW TOTALS").await.unwrap(),
+        "total_xact_count",
+        "value",
+    );
+    assert!(totals >= 1, "total_xact_count {totals} after the pool went");
     // The next client makes it again.
     let b = client(&url).await.unwrap();
     assert_eq!(one(&b, "SELECT 2").await, "2");

@@ -1111,6 +1111,9 @@ fn averages_row(a: &Averages) -> [u64; 7] {
 fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
     let span = *shared.stats_span.lock().expect("poisoned");
     let mut by_database: std::collections::BTreeMap<String, [Totals; 3]> = Default::default();
+    for (database, gone) in shared.gone_totals.lock().expect("poisoned").iter() {
+        by_database.entry(database.clone()).or_default()[0].add(gone);
+    }
     for p in shared.pools.lock().expect("poisoned").values() {
         let [now, older, newer] = by_database.entry(p.key.database.clone()).or_default();
         let [o, n] = p.stats.last_period();
@@ -1162,6 +1165,9 @@ fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
 fn show_totals(shared: &Shared, out: &mut BytesMut) {
     let span = *shared.stats_span.lock().expect("poisoned");
     let (mut now, mut older, mut newer) = (Totals::default(), Totals::default(), Totals::default());
+    for gone in shared.gone_totals.lock().expect("poisoned").values() {
+        now.add(gone);
+    }
     for p in shared.pools.lock().expect("poisoned").values() {
         now.add(&p.stats.totals());
         let [o, n] = p.stats.last_period();

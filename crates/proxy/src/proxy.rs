@@ -455,6 +455,11 @@ pub(crate) struct Shared {
     /// How long the last complete stats period lasted: what the pools'
     /// [`crate::pool::PoolStats::last_period`] spans.
     pub stats_span: Mutex<Duration>,
+    /// The totals of pools that are gone (idle past their timeout, retired
+    /// by a failover), by database: SHOW STATS and SHOW TOTALS count them,
+    /// so that their totals never go down (exporters read them as
+    /// counters).
+    pub gone_totals: Mutex<std::collections::BTreeMap<String, crate::stats::Totals>>,
 }
 
 impl Shared {
@@ -501,7 +506,19 @@ impl Shared {
             // Retired: a client that still holds it picks the pool again.
             pool.retire();
             pools.remove(&pool.key);
+            self.keep_totals(pool);
         }
+    }
+
+    /// Adds the totals of `pool`, removed from the table, to those of the
+    /// pools that are gone.
+    pub fn keep_totals(&self, pool: &Pool) {
+        self.gone_totals
+            .lock()
+            .expect("poisoned")
+            .entry(pool.key.database.clone())
+            .or_default()
+            .add(&pool.stats.totals());
     }
 
     /// The cap of `kind` on `name`'s connections to `host`, created on
@@ -854,6 +871,7 @@ impl Proxy {
             pool_affinity: spec.pool_affinity,
             stats_period: Mutex::new(spec.stats_period),
             stats_span: Mutex::new(Duration::ZERO),
+            gone_totals: Mutex::new(Default::default()),
         });
         let router = tokio::spawn(route_changes(shared.clone(), changes));
         let stats_roller = tokio::spawn(roll_stats(shared.clone()));
@@ -1645,6 +1663,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 if !keep {
                     tracing::info!(host = %key.host, database = %key.database, user = %key.user, "retiring pool");
                     pool.retire();
+                    shared.keep_totals(pool);
                     return false;
                 }
                 // A pool that has had no server connection and no client
@@ -1657,6 +1676,7 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                 if pool.unused_for(quiet) {
                     tracing::debug!(host = %key.host, database = %key.database, user = %key.user, "removing an unused pool");
                     pool.retire();
+                    shared.keep_totals(pool);
                     return false;
                 }
                 true
