@@ -1031,3 +1031,48 @@ async fn a_session_started_across_a_primary_change_does_not_stay_on_the_old_prim
         c.port(1).to_string()
     );
 }
+
+/// On a read-only service, client messages that are checked are held
+/// whole before they go on; before the login is done none is valid, and
+/// one announcing hundreds of megabytes is refused at once (08P01)
+/// instead of being buffered for a client nobody has authenticated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_message_before_the_login_is_refused_on_a_read_only_service() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    sql_value(
+        &c.conninfo(0),
+        "CREATE ROLE alice LOGIN PASSWORD 'alice-secret'",
+    )
+    .await;
+    c.set_hba(
+        0,
+        "host all alice 127.0.0.1/32 md5\nhost all all 127.0.0.1/32 trust\n",
+    );
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let mut s = std::net::TcpStream::connect(p.service_addrs()["read_only"]).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    body.extend_from_slice(b"user\0alice\0database\0postgres\0\0");
+    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    packet.extend(body);
+    s.write_all(&packet).unwrap();
+    // The server asks for the password; a Query of 200 MB comes instead.
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[0], b'R');
+    let mut rest = vec![0u8; u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4];
+    s.read_exact(&mut rest).unwrap();
+    let mut q = vec![b'Q'];
+    q.extend_from_slice(&200_000_000u32.to_be_bytes());
+    q.extend_from_slice(&[b'x'; 4096]);
+    s.write_all(&q).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    assert_eq!(out.first(), Some(&b'E'), "{text}");
+    assert!(
+        text.contains("C08P01") && text.contains("too long"),
+        "{text}"
+    );
+}

@@ -191,6 +191,10 @@ pub struct Framing {
     pending: usize,
     /// A write to the peer was in progress.
     writing: bool,
+    /// The largest inspected message taken, when not [`MAX_INSPECTED`]:
+    /// a read-only session's client before its login is done, whose
+    /// inspected messages must be held whole, is allowed little.
+    pub limit: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
 }
 
 impl Framing {
@@ -223,7 +227,10 @@ impl Framing {
             let total = len + 1;
             let avail = buf.len() - pos;
             if interesting(tag) {
-                if total > MAX_INSPECTED {
+                let max = self.limit.as_ref().map_or(MAX_INSPECTED, |l| {
+                    l.load(std::sync::atomic::Ordering::Relaxed)
+                });
+                if total > max {
                     return Err(format!("message of {total} bytes is too long"));
                 }
                 if avail < total {

@@ -1239,6 +1239,15 @@ impl Io<'_> {
         let wants_primary = self.spec.want == pgwarden_topology::Want::Primary;
         let name = self.spec.name.clone();
         let mut c2s = Framing::default();
+        // Before the login is done, no inspected message is valid, and
+        // one would be held whole, unauthenticated: little is allowed
+        // until the login's ReadyForQuery.
+        let login_limit = (read_only && self.login_passes_through).then(|| {
+            Arc::new(std::sync::atomic::AtomicUsize::new(
+                pgwarden_wire::startup::MAX_STARTUP_PACKET,
+            ))
+        });
+        c2s.limit = login_limit.clone();
         let mut s2c = Framing::default();
         // Statements pipelined behind a possible change of the read-only
         // default wait for the server's report of it
@@ -1327,7 +1336,15 @@ impl Io<'_> {
                             backend::COPY_IN_RESPONSE => pipeline.copy_in(),
                             // Any report before it was checked (below) and
                             // would have stopped the session.
-                            _ => pipeline.ready(),
+                            _ => {
+                                pipeline.ready();
+                                if let Some(l) = &login_limit {
+                                    l.store(
+                                        crate::relay::MAX_INSPECTED,
+                                        std::sync::atomic::Ordering::Relaxed,
+                                    );
+                                }
+                            }
                         }
                         if !pipeline.awaiting_ready() {
                             gate.notify_one();
