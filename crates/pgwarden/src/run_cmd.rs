@@ -247,8 +247,23 @@ pub async fn serve(
                         Ok((new, probe, spec))
                     });
                 // What the admin console's RELOAD answers.
+                // The connection manager's listeners are bound first: a new
+                // address that cannot be bound rejects the whole reload.
+                let loaded = match loaded {
+                    Ok((new, probe, spec)) => match proxy.apply(spec).await {
+                        Ok(()) => Ok((new, probe)),
+                        // Bound after everything else is applied (its
+                        // path follows the ports): the rest stands.
+                        Err(e @ pgwarden_proxy::ProxyError::BindUnix { .. }) => {
+                            tracing::error!(error = %e, "a Unix-domain socket could not be bound; the rest of the configuration is reloaded");
+                            Ok((new, probe))
+                        }
+                        Err(e) => Err(anyhow::Error::from(e)),
+                    },
+                    Err(e) => Err(e),
+                };
                 let outcome: Result<(), String> = match loaded {
-                    Ok((new, new_probe, spec)) => {
+                    Ok((new, new_probe)) => {
                         if new_probe != running_probe {
                             tracing::info!("probe settings changed: the probe reconnects with them now; server connections opened from now on use a changed password");
                             engine.set_probe_config(new_probe.clone());
@@ -306,19 +321,10 @@ pub async fn serve(
                         }
                         engine.set_topology_config(new.cluster.topology_config());
                         warn_unimplemented(&new);
-                        let applied = match proxy.apply(spec).await {
-                            Ok(()) => {
-                                tracing::info!(file = %path.display(), "configuration reloaded");
-                                Ok(())
-                            }
-                            Err(e) => {
-                                tracing::error!(error = %e, "configuration reloaded, but a listener could not be bound; it keeps its old address");
-                                Err(format!("configuration reloaded, but a listener could not be bound (it keeps its old address): {e}"))
-                            }
-                        };
+                        tracing::info!(file = %path.display(), "configuration reloaded");
                         running = new;
                         running_probe = new_probe;
-                        applied
+                        Ok(())
                     }
                     Err(e) => {
                         tracing::error!("reload rejected, the running configuration stays: {e:#}");

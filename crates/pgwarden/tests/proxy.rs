@@ -1076,3 +1076,49 @@ async fn a_huge_message_before_the_login_is_refused_on_a_read_only_service() {
         "{text}"
     );
 }
+
+/// A reload whose new listen address cannot be bound changes nothing: the
+/// service that was to move keeps serving at its old address, a service
+/// the reload adds does not start, the settings stay, and the error names
+/// the address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_with_an_address_in_use_changes_nothing() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, mut p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 1).await;
+    let before = p.spec().clone();
+    let old = p.service_addrs()["read_write"];
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap();
+    let extra_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pgwarden_testkit::free_port())
+        .parse()
+        .unwrap();
+    let mut spec = before.clone();
+    spec.max_client_conn = 7;
+    let mut extra = spec
+        .services
+        .iter()
+        .find(|s| s.name == "read_only")
+        .unwrap()
+        .clone();
+    extra.name = "extra".into();
+    extra.listen = extra_addr;
+    spec.services.push(extra);
+    for s in spec.services.iter_mut().filter(|s| s.name == "read_write") {
+        s.listen = taken_addr;
+    }
+    let err = p.apply(spec).await.unwrap_err();
+    assert!(err.to_string().contains(&taken_addr.to_string()), "{err}");
+    // As before, all of it.
+    assert_eq!(p.spec().max_client_conn, before.max_client_conn);
+    assert_eq!(p.spec().services.len(), before.services.len());
+    assert_eq!(p.service_addrs()["read_write"], old);
+    assert!(!p.service_addrs().contains_key("extra"));
+    assert!(
+        std::net::TcpStream::connect(extra_addr).is_err(),
+        "the added service listens"
+    );
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+    drop(taken);
+}

@@ -33,8 +33,8 @@ pub use auth::AuthSpec;
 pub use metrics::Metrics;
 pub use pool::PoolSettings;
 pub use proxy::{
-    check_spec, ClientTlsMode, ConnLimits, CredentialSource, PoolOverrides, Proxy, ProxySpec,
-    RefusalSwitch, ReloadReply, ServiceSpec, TlsSpec, WRITERS,
+    check_spec, ClientTlsMode, ConnLimits, CredentialSource, PoolOverrides, Proxy, ProxyError,
+    ProxySpec, RefusalSwitch, ReloadReply, ServiceSpec, TlsSpec, WRITERS,
 };
 pub use stream::{tls_acceptor, ClientTls, ServerStream, ServerTls, ServerTlsMode};
 

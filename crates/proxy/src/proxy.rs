@@ -989,6 +989,126 @@ impl Proxy {
             },
             None => Some(None),
         };
+        // Listeners first: every new address is bound before anything
+        // else changes, so that a reload with an address that cannot be
+        // bound (in use, not local) changes nothing and keeps every
+        // listener where it was.
+        let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
+        // Listeners that go or move are closed before any is bound: in one
+        // reload a service may take the address another gives up (a rename,
+        // two services swapping ports, a service moving onto the HTTP port).
+        let stays = |name: &str, addr: SocketAddr| {
+            spec.services.iter().any(|s| {
+                s.name == name
+                    && (addr == s.listen || (s.listen.port() == 0 && addr.ip() == s.listen.ip()))
+            })
+        };
+        let moving: Vec<String> = self
+            .listeners
+            .iter()
+            .filter(|(name, l)| !stays(name, l.addr))
+            .map(|(name, _)| name.clone())
+            .collect();
+        let mut stopped: Vec<(String, Listener)> = Vec::new();
+        for name in moving {
+            if let Some(l) = self.listeners.remove(&name) {
+                l.task.stop();
+                stopped.push((name, l));
+            }
+        }
+        let http_moves = match (&self.http, spec.http) {
+            (Some((addr, _)), Some(want)) => *addr != want && want.port() != 0,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        let old_http = if http_moves {
+            self.http.take().map(|(addr, t)| {
+                t.abort();
+                addr
+            })
+        } else {
+            None
+        };
+        let mut bound: HashMap<String, (std::net::TcpListener, SocketAddr)> = HashMap::new();
+        let mut failed = None;
+        for svc in &spec.services {
+            if self.listeners.contains_key(&svc.name) {
+                continue;
+            }
+            match bind_for_worker(svc.listen).await {
+                Ok(b) => {
+                    bound.insert(svc.name.clone(), b);
+                }
+                Err(source) => {
+                    tracing::error!(service = %svc.name, addr = %svc.listen, error = %source, "cannot listen");
+                    failed = Some(ProxyError::Bind {
+                        service: svc.name.clone(),
+                        addr: svc.listen,
+                        source,
+                    });
+                    break;
+                }
+            }
+        }
+        let mut http_listener = None;
+        if let (None, Some(want)) = (&failed, spec.http) {
+            let needed = match &self.http {
+                Some((addr, _)) => *addr != want && want.port() != 0,
+                None => true,
+            };
+            if needed {
+                match bind_retrying(want).await {
+                    Ok(l) => http_listener = Some(l),
+                    Err(source) => {
+                        tracing::error!(addr = %want, error = %source, "cannot listen for HTTP");
+                        failed = Some(ProxyError::Bind {
+                            service: "http".into(),
+                            addr: want,
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        if let Some(err) = failed {
+            // Back as it was: the new sockets close, the old ones open again
+            // with the services they served.
+            drop(bound);
+            drop(http_listener);
+            for (name, l) in stopped {
+                match bind_for_worker(l.addr).await {
+                    Ok((listener, addr)) => {
+                        let task = Arc::new(AcceptTask::default());
+                        task.start(
+                            &self.shared,
+                            l.service.clone(),
+                            listener,
+                            crate::workers::NONE,
+                        );
+                        self.listeners.insert(
+                            name,
+                            Listener {
+                                addr,
+                                service: l.service,
+                                task,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        tracing::error!(service = %name, addr = %l.addr, error = %e, "cannot listen at the old address again: the service takes no new clients until a reload binds it");
+                    }
+                }
+            }
+            if let Some(old) = old_http {
+                match bind_retrying(old).await {
+                    Ok(l) => self.serve_http(l, old),
+                    Err(e) => {
+                        tracing::error!(addr = %old, error = %e, "cannot listen for HTTP at the old address again")
+                    }
+                }
+            }
+            return Err(err);
+        }
         self.spec = Some(spec.clone());
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;
         self.shared
@@ -1032,62 +1152,30 @@ impl Proxy {
         }
         self.shutdown_timeout = spec.shutdown_timeout;
         let mut first_err = None;
-        let wanted: Vec<String> = spec.services.iter().map(|s| s.name.clone()).collect();
-        // Listeners that go or move are closed before any is bound: in one
-        // reload a service may take the address another gives up (a rename,
-        // two services swapping ports, a service moving onto the HTTP port).
-        let stays = |name: &str, addr: SocketAddr| {
-            spec.services.iter().any(|s| {
-                s.name == name
-                    && (addr == s.listen || (s.listen.port() == 0 && addr.ip() == s.listen.ip()))
-            })
-        };
-        let moving: Vec<String> = self
-            .listeners
-            .iter()
-            .filter(|(name, l)| !stays(name, l.addr))
-            .map(|(name, _)| name.clone())
-            .collect();
         // With the handle their clients' service is read from, which the
         // new listener takes over: the Unix socket of a service whose
         // port stays (only the address changes) keeps following it.
-        let mut given_up: HashMap<String, (SocketAddr, Arc<ArcSwap<Service>>)> = HashMap::new();
-        for name in moving {
-            if let Some(l) = self.listeners.remove(&name) {
-                l.task.stop();
-                if wanted.contains(&name) {
-                    given_up.insert(name, (l.addr, l.service));
-                } else {
-                    self.shared.services.lock().expect("poisoned").remove(&name);
-                    // A pause ends with its service: clients still waiting
-                    // go on, and a service added again under the name
-                    // does not start paused.
-                    if let Some(switch) = self.shared.paused.lock().expect("poisoned").get(&name) {
-                        switch.send_replace(false);
-                    }
-                    self.shared
-                        .metrics
-                        .service_paused
-                        .remove(&crate::metrics::ServiceLabel {
-                            service: name.clone(),
-                        });
-                    tracing::info!(service = %name, "service removed; its sessions continue");
+        let mut given_up: HashMap<String, Arc<ArcSwap<Service>>> = HashMap::new();
+        for (name, l) in stopped {
+            if wanted.contains(&name) {
+                given_up.insert(name, l.service);
+            } else {
+                self.shared.services.lock().expect("poisoned").remove(&name);
+                // A pause ends with its service: clients still waiting
+                // go on, and a service added again under the name
+                // does not start paused.
+                if let Some(switch) = self.shared.paused.lock().expect("poisoned").get(&name) {
+                    switch.send_replace(false);
                 }
+                self.shared
+                    .metrics
+                    .service_paused
+                    .remove(&crate::metrics::ServiceLabel {
+                        service: name.clone(),
+                    });
+                tracing::info!(service = %name, "service removed; its sessions continue");
             }
         }
-        let http_moves = match (&self.http, spec.http) {
-            (Some((addr, _)), Some(want)) => *addr != want && want.port() != 0,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        let old_http = if http_moves {
-            self.http.take().map(|(addr, t)| {
-                t.abort();
-                addr
-            })
-        } else {
-            None
-        };
         for svc in spec.services {
             let name = svc.name.clone();
             let service = Service {
@@ -1098,99 +1186,65 @@ impl Proxy {
                 handles: ServiceHandles::new(&self.shared, &svc.name),
                 recent_pool: Default::default(),
             };
-            match self.listeners.get(&name) {
-                Some(l)
-                    if l.addr == svc.listen
-                        || (svc.listen.port() == 0 && l.addr.ip() == svc.listen.ip()) =>
-                {
-                    let hint = l.service.load().home_hint.load(Ordering::Relaxed);
-                    service.home_hint.store(hint, Ordering::Relaxed);
-                    l.service.store(Arc::new(service));
-                }
-                _ => match bind_or_go_back(
-                    svc.listen,
-                    given_up.get(&name).map(|(addr, _)| *addr),
-                    &name,
-                    &mut first_err,
-                )
-                .await
-                {
-                    Ok((listener, addr)) => {
-                        let handle = match given_up.get(&name) {
-                            Some((_, handle)) => {
-                                handle.store(Arc::new(service));
-                                handle.clone()
-                            }
-                            None => Arc::new(ArcSwap::from_pointee(service)),
-                        };
-                        // Accepting on a worker rather than here saves a
-                        // thread wake-up per connection: the clients served
-                        // by the worker that accepted them need none.
-                        let task = Arc::new(AcceptTask::default());
-                        task.start(&self.shared, handle.clone(), listener, crate::workers::NONE);
-                        if let Some(old) = self.listeners.insert(
-                            name.clone(),
-                            Listener {
-                                addr,
-                                service: handle.clone(),
-                                task,
-                            },
-                        ) {
-                            old.task.stop();
-                        }
-                        self.shared
-                            .services
-                            .lock()
-                            .expect("poisoned")
-                            .insert(name.clone(), handle);
-                        tracing::info!(service = %name, %addr, "listening");
-                    }
-                    Err(source) => {
-                        tracing::error!(service = %name, addr = %svc.listen, error = %source, "cannot listen");
-                        first_err.get_or_insert(ProxyError::Bind {
-                            service: name,
-                            addr: svc.listen,
-                            source,
-                        });
-                    }
-                },
+            if let Some(l) = self.listeners.get(&name) {
+                let hint = l.service.load().home_hint.load(Ordering::Relaxed);
+                service.home_hint.store(hint, Ordering::Relaxed);
+                l.service.store(Arc::new(service));
+                continue;
             }
+            let Some((listener, addr)) = bound.remove(&name) else {
+                continue;
+            };
+            let handle = match given_up.get(&name) {
+                Some(handle) => {
+                    handle.store(Arc::new(service));
+                    handle.clone()
+                }
+                None => Arc::new(ArcSwap::from_pointee(service)),
+            };
+            // Accepting on a worker rather than here saves a thread
+            // wake-up per connection: the clients served by the worker
+            // that accepted them need none.
+            let task = Arc::new(AcceptTask::default());
+            task.start(&self.shared, handle.clone(), listener, crate::workers::NONE);
+            self.listeners.insert(
+                name.clone(),
+                Listener {
+                    addr,
+                    service: handle.clone(),
+                    task,
+                },
+            );
+            self.shared
+                .services
+                .lock()
+                .expect("poisoned")
+                .insert(name.clone(), handle);
+            tracing::info!(service = %name, %addr, "listening");
         }
         if let Err(e) = self.apply_unix(spec.unix_socket_dir.as_deref()) {
             first_err.get_or_insert(e);
         }
-        match (&self.http, spec.http) {
-            (Some((addr, _)), Some(want)) if *addr == want || want.port() == 0 => {}
-            (_, None) => {}
-            (_, Some(want)) => {
-                let (listener, failed) = match bind_http(want, old_http).await {
-                    Ok(l) => (Some(l), None),
-                    Err((e, back)) => (back, Some(e)),
-                };
-                if let Some(listener) = listener {
-                    let addr = listener.local_addr().unwrap_or(want);
-                    let app = crate::http::router(self.shared.clone())
-                        .into_make_service_with_connect_info::<SocketAddr>();
-                    let task = tokio::spawn(async move {
-                        if let Err(e) = axum::serve(listener, app).await {
-                            tracing::error!(error = %e, "HTTP server failed");
-                        }
-                    });
-                    if let Some((_, old)) = self.http.replace((addr, task)) {
-                        old.abort();
-                    }
-                    tracing::info!(%addr, "HTTP listening");
-                }
-                if let Some(source) = failed {
-                    first_err.get_or_insert(ProxyError::Bind {
-                        service: "http".into(),
-                        addr: want,
-                        source,
-                    });
-                }
-            }
+        if let (Some(listener), Some(want)) = (http_listener, spec.http) {
+            self.serve_http(listener, want);
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Serves the HTTP port on `listener` (bound for `want`).
+    fn serve_http(&mut self, listener: TcpListener, want: SocketAddr) {
+        let addr = listener.local_addr().unwrap_or(want);
+        let app = crate::http::router(self.shared.clone())
+            .into_make_service_with_connect_info::<SocketAddr>();
+        let task = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        if let Some((_, old)) = self.http.replace((addr, task)) {
+            old.abort();
+        }
+        tracing::info!(%addr, "HTTP listening");
     }
 
     /// Brings the Unix-domain listeners in line with the services' TCP
@@ -1404,27 +1458,6 @@ async fn unix_accept_loop(
     }
 }
 
-/// Binds `addr` here, so that errors are reported to the caller, and hands
-/// the socket over for a worker's event loop to register.
-/// Binds the HTTP port at `want`, or, failing, back at `old` (where it
-/// was before this reload) so that it is not left without one; the error
-/// is returned either way.
-async fn bind_http(
-    want: SocketAddr,
-    old: Option<SocketAddr>,
-) -> Result<TcpListener, (std::io::Error, Option<TcpListener>)> {
-    match bind_retrying(want).await {
-        Ok(l) => Ok(l),
-        Err(e) => {
-            let back = match old {
-                Some(old) => bind_retrying(old).await.ok(),
-                None => None,
-            };
-            Err((e, back))
-        }
-    }
-}
-
 /// Binds `addr`, waiting a moment for a listener this process just closed
 /// there (on another thread) to let go of it.
 async fn bind_retrying(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -1440,31 +1473,8 @@ async fn bind_retrying(addr: SocketAddr) -> std::io::Result<TcpListener> {
     }
 }
 
-/// Binds `addr` for a service; when that fails and the service had
-/// `old`, goes back to it and records the error: a listener that cannot
-/// move is not left without an address.
-async fn bind_or_go_back(
-    addr: SocketAddr,
-    old: Option<SocketAddr>,
-    name: &str,
-    first_err: &mut Option<ProxyError>,
-) -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
-    match (bind_for_worker(addr).await, old) {
-        (Err(e), Some(old)) => {
-            tracing::error!(service = %name, %addr, error = %e, "cannot listen; keeping the old address");
-            first_err.get_or_insert(ProxyError::Bind {
-                service: name.to_string(),
-                addr,
-                source: e,
-            });
-            // The old socket may not be closed yet: the worker that
-            // accepted on it drops it when it next runs.
-            bind_for_worker(old).await
-        }
-        (bound, _) => bound,
-    }
-}
-
+/// Binds `addr` here, so that errors are reported to the caller, and hands
+/// the socket over for a worker's event loop to register.
 async fn bind_for_worker(addr: SocketAddr) -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
     let listener = bind_retrying(addr).await?;
     let local = listener.local_addr().unwrap_or(addr);
