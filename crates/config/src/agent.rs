@@ -320,7 +320,7 @@ pub(crate) struct RawAgent {
     maximum_lag_on_failover: Option<u64>,
     #[serde(default)]
     nofailover: bool,
-    replicatefrom: Option<String>,
+    replicatefrom: Option<Spanned<String>>,
     failover_priority: Option<i32>,
     #[serde(default)]
     nosync: bool,
@@ -342,7 +342,7 @@ pub(crate) struct RawAgent {
     watchdog_device: Option<NonEmpty>,
     api_username: Option<NonEmpty>,
     api_password: Option<String>,
-    api_password_file: Option<NonEmpty>,
+    api_password_file: Option<Spanned<NonEmpty>>,
     reclone_on_rewind_failure: Option<bool>,
     use_slots: Option<bool>,
     failsafe: Option<bool>,
@@ -613,10 +613,11 @@ pub(crate) fn agent(
         };
         src.invalid(rto_span.clone(), key, format!("{e} (rto = {rto})"))
     })?;
-    if let Some(from) = &raw.replicatefrom {
+    if let Some(spanned) = &raw.replicatefrom {
+        let from = spanned.get_ref();
         if !valid_member_name(from) || *from == name {
             return Err(src.invalid(
-                None,
+                Some(spanned.span()),
                 "agent.replicatefrom",
                 format!("{from:?} must name another member of the cluster"),
             ));
@@ -626,15 +627,15 @@ pub(crate) fn agent(
         nofailover: raw.nofailover,
         nosync: raw.nosync,
         noloadbalance: raw.noloadbalance,
-        replicatefrom: raw.replicatefrom.clone(),
+        replicatefrom: raw.replicatefrom.as_ref().map(|f| f.get_ref().clone()),
         ..Tags::default()
     };
     if let Some(p) = raw.failover_priority {
         tags.failover_priority = p;
     }
-    if let (Some(_), Some(_)) = (&raw.api_password, &raw.api_password_file) {
+    if let (Some(_), Some(file)) = (&raw.api_password, &raw.api_password_file) {
         return Err(src.invalid(
-            None,
+            Some(file.span()),
             "agent.api_password_file",
             "agent.api_password is set too; keep only one of them",
         ));
@@ -725,7 +726,7 @@ pub(crate) fn agent(
             .api_username
             .map_or_else(|| "pgwarden".to_string(), |s| s.0),
         api_password: raw.api_password,
-        api_password_file: raw.api_password_file.map(Into::into),
+        api_password_file: raw.api_password_file.map(|f| f.into_inner().into()),
         reclone_on_rewind_failure: raw.reclone_on_rewind_failure.unwrap_or(true),
         use_slots: raw.use_slots.unwrap_or(true),
         failsafe: raw.failsafe.unwrap_or(false),

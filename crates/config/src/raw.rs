@@ -60,8 +60,8 @@ pub(crate) struct RawAuth {
 pub(crate) struct RawTls {
     pub cert: Option<Spanned<String>>,
     pub key: Option<Spanned<String>>,
-    pub client_tls: Option<crate::sections::ClientTls>,
-    pub server_tls: Option<crate::sections::ServerTls>,
+    pub client_tls: Option<Spanned<crate::sections::ClientTls>>,
+    pub server_tls: Option<Spanned<crate::sections::ServerTls>>,
     pub server_ca: Option<Spanned<String>>,
     pub client_ca: Option<Spanned<String>>,
 }

@@ -182,13 +182,20 @@ fn tls(
         _ => {}
     }
     let has_cert = raw.cert.is_some();
-    let client_tls = raw.client_tls.unwrap_or(if has_cert {
-        ClientTls::Allow
-    } else {
-        ClientTls::Disable
-    });
+    let client_tls = raw.client_tls.as_ref().map_or(
+        if has_cert {
+            ClientTls::Allow
+        } else {
+            ClientTls::Disable
+        },
+        |v| *v.get_ref(),
+    );
     if client_tls != ClientTls::Disable && !has_cert {
-        return Err(src.invalid(None, "tls.client_tls", "needs tls.cert and tls.key"));
+        return Err(src.invalid(
+            raw.client_tls.as_ref().map(|v| v.span()),
+            "tls.client_tls",
+            "needs tls.cert and tls.key",
+        ));
     }
     if let Some(ca) = &raw.client_ca {
         if !has_cert {
@@ -206,10 +213,13 @@ fn tls(
             ));
         }
     }
-    let server_tls = raw.server_tls.unwrap_or_default();
+    let server_tls = raw
+        .server_tls
+        .as_ref()
+        .map_or_else(Default::default, |v| *v.get_ref());
     if server_tls.verifies() && raw.server_ca.is_none() {
         return Err(src.invalid(
-            None,
+            raw.server_tls.as_ref().map(|v| v.span()),
             "tls.server_ca",
             "server_tls = verify-ca and verify-full need the CA that signed the servers' certificates",
         ));

@@ -887,9 +887,14 @@ fn agent_replicatefrom_names_another_member() {
     assert_eq!(a.tags.replicatefrom.as_deref(), Some("n2"));
     assert!(a.use_slots, "slots are on by default");
     for bad in ["\"n1\"", "\"no such!\""] {
-        let e = parse(&with(bad), FILE).unwrap_err().to_string();
-        assert!(e.contains("agent.replicatefrom"), "{bad}: {e}");
+        fails(&with(bad), 7, "agent.replicatefrom", "another member");
     }
+    // Two places for one password: the line of the file's name.
+    let both = AGENT_MINIMAL.replace(
+        "rto = \"fast\"",
+        "rto = \"fast\"\napi_password = \"x\"\napi_password_file = \"pw\"",
+    );
+    fails(&both, 8, "agent.api_password_file", "keep only one");
 }
 
 #[test]
@@ -1548,4 +1553,21 @@ fn wildcard_agent_addresses_are_advertised_at_the_connect_address() {
     );
     let text = text.replace("http://lb.example:6434/", "lb.example:6434");
     fails(&text, 8, "agent.proxy_url", "must start with http://");
+}
+
+/// TLS settings that need another key name the line they were set on.
+#[test]
+fn tls_modes_that_need_more_name_their_line() {
+    fails(
+        &with("[tls]\nclient_tls = \"require\"\n"),
+        4,
+        "tls.client_tls",
+        "needs tls.cert and tls.key",
+    );
+    fails(
+        &with("[tls]\n\nserver_tls = \"verify-full\"\n"),
+        5,
+        "tls.server_ca",
+        "need the CA",
+    );
 }
