@@ -458,18 +458,10 @@ async fn a_server_that_never_answers_the_login_is_given_up() {
     let c = TestCluster::builder().replicas(0).start();
     let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let hba = dir.path().join("pg_hba.conf");
-    std::fs::write(&hba, "host all postgres 127.0.0.1/32 trust\n").unwrap();
-    AUTH.with(|a| {
-        *a.borrow_mut() = Some(AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    common::authenticate_with(
+        dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\n",
+    );
     let (e, p) = proxy_with(
         &[relay.addr().to_string()],
         Duration::from_secs(3),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{proxy_full, sql, until, AUTH};
-use pgwarden_proxy::{AuthSpec, ClientTlsMode, PoolSettings, TlsSpec};
+use pgwarden_proxy::{ClientTlsMode, PoolSettings, TlsSpec};
 use pgwarden_testkit::{eventually, free_port, TestCluster};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
@@ -499,18 +499,7 @@ async fn sqlstates_and_transaction_pooling() {
     let carol = main.client(Some("carol"), "carol");
     let nameless = main.client(None, "nameless");
     let alice_other = other.client(Some("alice"), "alice-other");
-    let hba = d.join("pg_hba.conf");
-    std::fs::write(&hba, HBA).unwrap();
-    AUTH.with(|a| {
-        *a.borrow_mut() = Some(AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    common::authenticate_with(d.join("pg_hba.conf"), HBA);
     let tls = TlsSpec {
         cert: server_crt,
         key: server_key,

@@ -1963,22 +1963,10 @@ async fn kill_ends_a_databases_clients_and_server_connections() {
 async fn clients_on_a_unix_socket() {
     let c = TestCluster::builder().replicas(0).start();
     let dir = tempfile::tempdir().unwrap();
-    let hba = dir.path().join("hba.conf");
-    std::fs::write(
-        &hba,
+    common::authenticate_with(
+        dir.path().join("hba.conf"),
         "local all postgres trust\nhost all postgres 127.0.0.1/32 reject\n",
-    )
-    .unwrap();
-    common::AUTH.with(|a| {
-        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    );
     let sockets = dir.path().join("run");
     std::fs::create_dir(&sockets).unwrap();
     common::UNIX_SOCKET_DIR.with(|d| *d.borrow_mut() = Some(sockets.clone()));
@@ -4321,13 +4309,20 @@ async fn psycopg_drops_cached_statements_with_deallocate_in_pipelines() {
     .await;
 }
 
-/// A cancel request that comes while pgwarden sets the client's session
-/// parameters on the server it borrowed, before the client's statement
-/// goes there, cancels that statement: it never runs, and the client gets
-/// 57014, as when cancelled while waiting for a server.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
-    let c = TestCluster::builder().replicas(0).start();
+/// A pool of one server in front of `c`'s primary through a relay (to
+/// delay the server's answers), a table `table` on it, and two clients
+/// whose `application_name` differ, the server last used by `a`: `b`'s
+/// next statement needs its name set on the server first.
+struct SyncRig {
+    relay: pgwarden_testkit::Relay,
+    e: pgwarden_probe::Engine,
+    p: pgwarden_proxy::Proxy,
+    direct: String,
+    a: tokio_postgres::Client,
+    b: tokio_postgres::Client,
+}
+
+async fn sync_rig(c: &TestCluster, table: &str) -> SyncRig {
     let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
     let (e, p) = proxy_with(
         &[relay.addr().to_string()],
@@ -4341,7 +4336,7 @@ async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
     client(&direct)
         .await
         .unwrap()
-        .batch_execute("CREATE TABLE cancelled_in_sync (x text)")
+        .batch_execute(&format!("CREATE TABLE {table} (x text)"))
         .await
         .unwrap();
     let rw = via(&p, "read_write");
@@ -4351,8 +4346,32 @@ async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
     let b = client(&format!("{rw} application_name=second"))
         .await
         .unwrap();
-    // The one server last served a: b's statement needs its name set.
     one(&a, "SELECT 1").await;
+    SyncRig {
+        relay,
+        e,
+        p,
+        direct,
+        a,
+        b,
+    }
+}
+
+/// A cancel request that comes while pgwarden sets the client's session
+/// parameters on the server it borrowed, before the client's statement
+/// goes there, cancels that statement: it never runs, and the client gets
+/// 57014, as when cancelled while waiting for a server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
+    let c = TestCluster::builder().replicas(0).start();
+    let SyncRig {
+        relay,
+        e: _e,
+        p: _p,
+        direct,
+        a,
+        b,
+    } = sync_rig(&c, "cancelled_in_sync").await;
     // The server's answers now come late: b's application_name is set
     // on the server, and pgwarden waits for the confirmation.
     relay.set_delay(Duration::ZERO, Duration::from_secs(3));
@@ -4393,30 +4412,15 @@ async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_waits_for_a_transaction_still_setting_its_parameters() {
     let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(3),
-        pool(1, WAIT),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
-    let direct = c.conninfo(0);
-    client(&direct)
-        .await
-        .unwrap()
-        .batch_execute("CREATE TABLE paused_in_sync (x text)")
-        .await
-        .unwrap();
+    let SyncRig {
+        relay,
+        e: _e,
+        p,
+        direct,
+        a: _a,
+        b,
+    } = sync_rig(&c, "paused_in_sync").await;
     let rw = via(&p, "read_write");
-    let a = client(&format!("{rw} application_name=first"))
-        .await
-        .unwrap();
-    let b = client(&format!("{rw} application_name=second"))
-        .await
-        .unwrap();
-    one(&a, "SELECT 1").await;
     let admin = client(&rw.replace("dbname=postgres", "dbname=pgwarden"))
         .await
         .unwrap();

@@ -960,18 +960,10 @@ async fn a_session_started_across_a_primary_change_does_not_stay_on_the_old_prim
     let mut c = TestCluster::builder().replicas(1).start();
     let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let hba = dir.path().join("pg_hba.conf");
-    std::fs::write(&hba, "host all postgres 127.0.0.1/32 trust\n").unwrap();
-    common::AUTH.with(|a| {
-        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    common::authenticate_with(
+        dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\n",
+    );
     common::SERVER_CONNECT_TIMEOUT.with(|t| t.set(WAIT));
     let (e, p) = common::proxy_with(
         &[relay.addr().to_string(), c.addr(1)],

@@ -250,43 +250,13 @@ async fn tls_sessions_told_to_end_get_the_reason() {
 /// SSLRequest over TLS is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_up_requests_over_tls_are_answered_as_postgresql_does() {
-    use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_rustls::rustls::pki_types::pem::PemObject;
-    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
-    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
     let c = TestCluster::builder().replicas(0).start();
     let dir = tempfile::tempdir().unwrap();
     let (ca, cert, key) = make_certs(dir.path(), "a");
     let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
     let port = p.service_addrs()["read_write"].port();
-    let mut roots = RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(&ca).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let connect = || async {
-        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        // SSLRequest.
-        tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
-            .await
-            .unwrap();
-        let mut answer = [0u8; 1];
-        tcp.read_exact(&mut answer).await.unwrap();
-        assert_eq!(answer[0], b'S');
-        connector
-            .connect(ServerName::try_from("localhost").unwrap(), tcp)
-            .await
-            .unwrap()
-    };
+    let connect = || tls_connect(port, &ca);
     let mut tls = connect().await;
     // CancelRequest (code 80877102) for a key nobody has: ignored, and the
     // connection closed.
@@ -318,10 +288,9 @@ async fn start_up_requests_over_tls_are_answered_as_postgresql_does() {
     );
 }
 
-/// A raw TLS session through pgwarden's read-write port at `port`, logged
-/// in as postgres (trust) up to its first ReadyForQuery; the server's
-/// certificate checked against `ca`.
-async fn raw_tls_session(
+/// A TLS connection to pgwarden's port `port` (SSLRequest answered `S`,
+/// then the handshake), the server's certificate checked against `ca`.
+async fn tls_connect(
     port: u16,
     ca: &Path,
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
@@ -349,10 +318,21 @@ async fn raw_tls_session(
     let mut answer = [0u8; 1];
     tcp.read_exact(&mut answer).await.unwrap();
     assert_eq!(answer[0], b'S');
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// A raw TLS session through pgwarden's read-write port at `port`, logged
+/// in as postgres (trust) up to its first ReadyForQuery; the server's
+/// certificate checked against `ca`.
+async fn raw_tls_session(
+    port: u16,
+    ca: &Path,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tls = tls_connect(port, ca).await;
     let mut startup = Vec::new();
     startup.extend_from_slice(&196_608u32.to_be_bytes());
     startup.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
@@ -420,44 +400,6 @@ async fn a_slow_tls_reader_gets_the_whole_reply() {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
     assert!(total > 16_000_000, "{total} bytes");
-}
-
-/// A TLS session that is ended (here by the admin console's KILL) while
-/// its client has stopped reading is closed all the same: the close of
-/// TLS, which would wait for the client to take what is buffered, is
-/// bounded, and the server's backend goes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tls_session_ended_while_its_client_does_not_read_is_closed() {
-    use tokio::io::AsyncWriteExt;
-    let c = TestCluster::builder().replicas(0).start();
-    let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = make_certs(dir.path(), "a");
-    let (_e, p) = tls_proxy(&c, &cert, &key, ClientTlsMode::Allow).await;
-    let port = p.service_addrs()["read_write"].port();
-    let mut tls = raw_tls_session(port, &ca).await;
-    const BIG: &str = "SELECT repeat('x', 1000000) FROM generate_series(1, 200)";
-    tls.write_all(&query_message(BIG)).await.unwrap();
-    let direct = c.conninfo(0);
-    let running = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE query = '{}'",
-        BIG.replace('\'', "''")
-    );
-    pgwarden_testkit::eventually("the query runs", WAIT, || async {
-        (common::sql_value(&direct, &running).await.as_deref() == Some("1"))
-            .then_some(())
-            .ok_or("not yet".to_string())
-    })
-    .await;
-    let admin_info = common::via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
-    let admin = common::client(&admin_info).await.unwrap();
-    admin.simple_query("KILL postgres").await.unwrap();
-    pgwarden_testkit::eventually("the server's backend goes", WAIT, || async {
-        (common::sql_value(&direct, &running).await.as_deref() == Some("0"))
-            .then_some(())
-            .ok_or("still there".to_string())
-    })
-    .await;
-    drop(tls);
 }
 
 /// How a test client binds SCRAM to the certificate it received.
@@ -681,22 +623,10 @@ async fn scram_cluster(dir: &Path) -> TestCluster {
         }
     })
     .await;
-    let hba = dir.join("pg_hba.conf");
-    std::fs::write(
-        &hba,
+    common::authenticate_with(
+        dir.join("pg_hba.conf"),
         "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n",
-    )
-    .unwrap();
-    common::AUTH.with(|a| {
-        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    );
     c
 }
 

@@ -236,6 +236,23 @@ pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
     e.code().map(|c| c.code().to_string())
 }
 
+/// Writes `rules` to the pg_hba.conf file `hba` and has the next proxy
+/// built on this thread authenticate clients itself with it (auth user
+/// `postgres`, the default auth query, a minute's cache).
+pub fn authenticate_with(hba: std::path::PathBuf, rules: &str) {
+    std::fs::write(&hba, rules).unwrap();
+    AUTH.with(|a| {
+        *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
+            hba_file: hba,
+            auth_user: "postgres".into(),
+            auth_password: None,
+            auth_dbname: "postgres".into(),
+            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
+            cache_ttl: Duration::from_secs(60),
+        })
+    });
+}
+
 thread_local! {
     /// Authentication settings for the next proxy built on this thread
     /// (tests that need them set it first).
