@@ -4322,6 +4322,21 @@ struct SyncRig {
     b: tokio_postgres::Client,
 }
 
+/// Waits until the server of a [`SyncRig`] has run the SET of `b`'s
+/// application_name (its answer may still be on its way).
+async fn b_is_being_set(direct: &str) {
+    pgwarden_testkit::eventually("b's application_name is being set", WAIT, || async {
+        let q = "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE '%application_name%second%' AND pid <> pg_backend_pid()";
+        if sql_value(direct, q).await.as_deref() == Some("1") {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+}
+
 async fn sync_rig(c: &TestCluster, table: &str) -> SyncRig {
     let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
     let (e, p) = proxy_with(
@@ -4380,16 +4395,7 @@ async fn a_cancel_while_parameters_are_set_cancels_the_statement() {
         b.batch_execute("INSERT INTO cancelled_in_sync VALUES ('ran')")
             .await
     });
-    pgwarden_testkit::eventually("b's application_name is being set", WAIT, || async {
-        let q = "SELECT count(*) FROM pg_stat_activity \
-                 WHERE query LIKE '%application_name%second%' AND pid <> pg_backend_pid()";
-        if sql_value(&direct, q).await.as_deref() == Some("1") {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    })
-    .await;
+    b_is_being_set(&direct).await;
     token.cancel_query(tokio_postgres::NoTls).await.unwrap();
     let err = insert.await.unwrap().unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
@@ -4429,16 +4435,7 @@ async fn pause_waits_for_a_transaction_still_setting_its_parameters() {
         b.batch_execute("INSERT INTO paused_in_sync VALUES ('ran')")
             .await
     });
-    pgwarden_testkit::eventually("b's application_name is being set", WAIT, || async {
-        let q = "SELECT count(*) FROM pg_stat_activity \
-                 WHERE query LIKE '%application_name%second%' AND pid <> pg_backend_pid()";
-        if sql_value(&direct, q).await.as_deref() == Some("1") {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    })
-    .await;
+    b_is_being_set(&direct).await;
     let mut pausing = tokio::spawn(async move {
         admin.simple_query("PAUSE read_write").await.unwrap();
         admin
