@@ -95,6 +95,22 @@ fn listening(hosts: &[String], (rw, ro, http): (u16, u16, u16), extra: &str) -> 
     )
 }
 
+/// Waits for `pg` to exit successfully, and checks that `held`, a
+/// session through it, was ended (57P01, or closed).
+async fn exits_ending(pg: &mut Running, held: &tokio_postgres::Client) {
+    let status = eventually("process exit", WAIT, || {
+        let s = pg.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", pg.log());
+    let err = held.simple_query("SELECT 1").await.unwrap_err();
+    assert!(
+        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
+        "{err}"
+    );
+}
+
 fn conninfo(port: u16) -> String {
     format!("host=127.0.0.1 port={port} user=postgres dbname=postgres")
 }
@@ -329,17 +345,7 @@ select = "standby"
     // after shutdown_timeout, and the process exits.
     let mut pg = pg;
     pg.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = eventually("process exit", WAIT, || {
-        let s = pg.child.try_wait().unwrap();
-        async move { s.ok_or_else(|| "running".to_string()) }
-    })
-    .await;
-    assert!(status.success(), "{status:?}\n{}", pg.log());
-    let err = held.simple_query("SELECT 1").await.unwrap_err();
-    assert!(
-        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
-        "{err}"
-    );
+    exits_ending(&mut pg, &held).await;
 }
 
 /// A second SIGINT during the wait for sessions (shutdown_timeout, here an
@@ -374,17 +380,7 @@ async fn a_second_signal_ends_the_wait_for_sessions() {
         .expect("the session goes on during the wait");
     assert!(pg.child.try_wait().unwrap().is_none(), "{}", pg.log());
     pg.signal(nix::sys::signal::Signal::SIGINT);
-    let status = eventually("process exit", WAIT, || {
-        let s = pg.child.try_wait().unwrap();
-        async move { s.ok_or_else(|| "running".to_string()) }
-    })
-    .await;
-    assert!(status.success(), "{status:?}\n{}", pg.log());
-    let err = held.simple_query("SELECT 1").await.unwrap_err();
-    assert!(
-        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
-        "{err}"
-    );
+    exits_ending(&mut pg, &held).await;
     assert!(pg.log().contains("second signal"), "{}", pg.log());
 }
 

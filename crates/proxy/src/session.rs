@@ -1291,19 +1291,19 @@ impl Io<'_> {
                     } else {
                         None
                     };
-                    if let Some(replacement) = &refused {
+                    if refused.is_some() {
                         self.refusals.inc();
-                        if !marked {
-                            return Verdict::Replace(replacement.clone());
+                    }
+                    match (refused, marked) {
+                        (None, false) => Verdict::Keep,
+                        (Some(replacement), false) => Verdict::Replace(replacement),
+                        (refused, true) => {
+                            let mut with = BytesMut::new();
+                            encode::batch_marker(&mut with);
+                            with.extend_from_slice(refused.as_deref().unwrap_or(msg));
+                            Verdict::Replace(with)
                         }
                     }
-                    if !marked {
-                        return Verdict::Keep;
-                    }
-                    let mut with = BytesMut::new();
-                    encode::batch_marker(&mut with);
-                    with.extend_from_slice(refused.as_deref().unwrap_or(msg));
-                    Verdict::Replace(with)
                 },
                 early,
                 Some(&gate),
