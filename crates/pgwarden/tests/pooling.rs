@@ -5527,3 +5527,48 @@ async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
         "1"
     );
 }
+
+/// A pooled client whose host refuses a new server connection while the
+/// probes still call it up is not left waiting for a topology change that
+/// does not come: the host is tried again within `query_wait_timeout`, and
+/// the transaction runs once it accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_client_is_served_when_its_host_accepts_again() {
+    use pgwarden_testkit::Listener;
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        pool(2, Duration::from_secs(20)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    relay.set_listener(Listener::Closed);
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move {
+        let db = client(&conninfo).await?;
+        db.simple_query("SELECT 41 + 1").await.map(|m| {
+            m.into_iter()
+                .find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+                    _ => None,
+                })
+                .unwrap_or_default()
+        })
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(800), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while its host refused"
+    );
+    relay.set_listener(Listener::Open);
+    let got = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("the client is served once its host accepts")
+        .unwrap()
+        .expect("the transaction ran");
+    assert_eq!(got, "42");
+}

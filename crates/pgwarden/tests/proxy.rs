@@ -1114,3 +1114,80 @@ async fn a_reload_with_an_address_in_use_changes_nothing() {
     assert_eq!(one(&db, "SELECT 1").await, "1");
     drop(taken);
 }
+
+/// A host the probes still call up but that refuses new connections (a
+/// restart, a full listen queue) is tried again within the client's
+/// `connect_wait_timeout`, not only when the topology changes: the client
+/// connects once the host accepts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_refused_is_tried_again_within_the_wait() {
+    use pgwarden_testkit::Listener;
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = common::proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(20),
+        None,
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    // The probe's connection goes on; new ones are refused.
+    relay.set_listener(Listener::Closed);
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    // Long enough for the first attempt to fail; the client still waits.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(800), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while its host refused"
+    );
+    relay.set_listener(Listener::Open);
+    let db = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("the client is served once its host accepts")
+        .unwrap()
+        .expect("connected");
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+    assert!(
+        e.snapshot().topology.hosts()[0].alive,
+        "the topology never changed"
+    );
+}
+
+/// Hosts that do not answer a connect cost the client at most its
+/// `connect_wait_timeout`, however long `server_connect_timeout` is: it
+/// gets 08006 naming the service when its wait is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
+    use pgwarden_testkit::Listener;
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    common::SERVER_CONNECT_TIMEOUT.with(|t| t.set(Duration::from_secs(8)));
+    let (e, p) = common::proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(2),
+        None,
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    relay.set_listener(Listener::Unanswered);
+    let started = std::time::Instant::now();
+    let err = tokio::time::timeout(WAIT, client(&via(&p, "read_write")))
+        .await
+        .expect("the client is answered")
+        .expect_err("no host answers");
+    let waited = started.elapsed();
+    assert_eq!(sqlstate(&err).as_deref(), Some("08006"), "{err}");
+    let message = err.as_db_error().map(|d| d.message()).unwrap_or_default();
+    assert!(message.contains("\"read_write\""), "{err:?}");
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(5),
+        "answered after {waited:?}"
+    );
+    relay.set_listener(Listener::Open);
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+}

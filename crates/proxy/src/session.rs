@@ -738,7 +738,11 @@ async fn connect_server(
     let deadline = tokio::time::Instant::now() + spec.connect_wait_timeout;
     let mut changes = shared.changes.clone();
     let mut last: Refusal;
+    let mut failed_rounds = 0u32;
     loop {
+        // Seen before the topology is read: a change after the read ends
+        // the wait below at once.
+        changes.borrow_and_update();
         let snap = shared.snapshot.load_full();
         let topo = &snap.topology;
         let mut order: Vec<usize> = Vec::new();
@@ -775,9 +779,16 @@ async fn connect_server(
                 );
             }
         }
+        let tried = !order.is_empty();
         for i in order {
             let addr = topo.hosts()[i].config.addr.clone();
-            let timeout = shared.server_connect_timeout();
+            // Several hosts that time out must not stretch the client's
+            // wait past connect_wait_timeout.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(last);
+            }
+            let timeout = shared.server_connect_timeout().min(left);
             let server_tls = shared.server_tls.load_full();
             let attempt = async {
                 let s = TcpStream::connect((addr.host.as_str(), addr.port))
@@ -809,10 +820,20 @@ async fn connect_server(
                 }
             }
         }
-        // Nothing usable now: wait for the topology to change.
+        // Nothing usable now: wait for the topology to change or, when
+        // eligible hosts failed, try them again a little later; the probes
+        // may still call a host up that refused a moment ago (a restart,
+        // max_connections reached), and it may be back within the wait.
+        let retry = if tried {
+            let pause = crate::timer::retry_pause(failed_rounds);
+            failed_rounds += 1;
+            (tokio::time::Instant::now() + pause).min(deadline)
+        } else {
+            deadline
+        };
         tokio::select! {
             r = changes.changed() => if r.is_err() { return Err(last) },
-            _ = crate::timer::sleep_until(deadline) => return Err(last),
+            _ = crate::timer::sleep_until(retry) => {}
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(last);

@@ -54,6 +54,14 @@ macro_rules! on_driver {
     }};
 }
 
+/// How long to wait before trying servers again after the `round`th
+/// (from 0) round in which every eligible one failed: 100 ms, doubling up
+/// to a second, so a host back from a restart is found soon and one that
+/// stays down is not hammered.
+pub(crate) fn retry_pause(round: u32) -> Duration {
+    Duration::from_millis(100u64 << round.min(4)).min(Duration::from_secs(1))
+}
+
 /// [`tokio::time::sleep`].
 #[allow(clippy::disallowed_methods)]
 pub fn sleep(duration: Duration) -> Sleep {

@@ -947,7 +947,11 @@ impl Session {
         let deadline = tokio::time::Instant::now() + settings.query_wait_timeout;
         let mut changes = self.shared.changes.clone();
         let mut paused = self.paused.clone();
+        let mut failed_rounds = 0u32;
         loop {
+            // Seen before the topology is read: a change after the read
+            // ends the waits below at once.
+            changes.borrow_and_update();
             if let Some(reason) = self.shared.refusal(&spec.name) {
                 return Err(Fatal::new(
                     sqlstate::CANNOT_CONNECT_NOW,
@@ -1054,8 +1058,15 @@ impl Session {
                 Err(ServerError::Failed(e)) => {
                     tracing::warn!(host = %host, error = %e, "pooled server connection failed");
                     self.shared.forget_if_unused(&pool);
+                    // A topology change picks a host again at once; without
+                    // one, the same host is tried again a little later (the
+                    // probes still call it up: a restart, a refused
+                    // connection), within the client's wait.
+                    let retry = crate::timer::retry_pause(failed_rounds);
+                    failed_rounds += 1;
                     tokio::select! {
                         _ = changes.changed() => {}
+                        _ = crate::timer::sleep(retry) => {}
                         _ = crate::timer::sleep_until(deadline) => {
                             return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
                         }

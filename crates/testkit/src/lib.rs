@@ -19,5 +19,5 @@ pub mod wait;
 pub use agents::{AgentCluster, AgentNode};
 pub use cluster::{free_port, TestCluster, TestClusterBuilder};
 pub use pgwarden_pgctl::{StopMode, SyncSpec};
-pub use relay::Relay;
+pub use relay::{Listener, Relay};
 pub use wait::{eventually, Deadline};

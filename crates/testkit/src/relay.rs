@@ -64,6 +64,10 @@ struct Shared {
     /// New connections wait before connecting upstream.
     hold_new: watch::Sender<bool>,
     refuse: AtomicBool,
+    /// What the relay's port does with new connections.
+    listener: watch::Sender<Listener>,
+    /// The state the port is in, once the relay thread has put it there.
+    listener_applied: (Mutex<Listener>, std::sync::Condvar),
     /// Bumped by `reset_all`; each connection subscribes when accepted, so it
     /// only sees resets requested after it was counted.
     reset: watch::Sender<u64>,
@@ -101,6 +105,8 @@ impl Relay {
             blackhole: watch::Sender::new(false),
             hold_new: watch::Sender::new(false),
             refuse: AtomicBool::new(false),
+            listener: watch::Sender::new(Listener::Open),
+            listener_applied: (Mutex::new(Listener::Open), std::sync::Condvar::new()),
             reset: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
             connections: AtomicUsize::new(0),
@@ -134,7 +140,7 @@ impl Relay {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                runtime.block_on(accept_loop(listener, thread_shared));
+                runtime.block_on(listen_loop(listener, addr, thread_shared));
                 // Dropping the runtime here cancels every connection task,
                 // which closes all relayed sockets.
             })?;
@@ -215,6 +221,22 @@ impl Relay {
         self.shared.refuse.store(on, Ordering::SeqCst);
     }
 
+    /// Changes what the relay's port does with new connections, without
+    /// touching the connections it relays: [`Listener::Closed`] refuses
+    /// them at the TCP level (nothing listens), [`Listener::Unanswered`]
+    /// lets their connect hang (a full accept queue drops their SYNs, as
+    /// a host that stopped answering would).
+    ///
+    /// Returns once the port is in that state.
+    pub fn set_listener(&self, state: Listener) {
+        self.shared.listener.send_replace(state);
+        let (applied, changed) = &self.shared.listener_applied;
+        let mut now = lock(applied);
+        while *now != state {
+            now = changed.wait(now).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// Number of client connections currently held by the relay, including
     /// those waiting for a partition to be lifted before connecting upstream.
     pub fn connections(&self) -> usize {
@@ -241,6 +263,92 @@ impl Drop for Relay {
             }
         }
     }
+}
+
+/// What the relay's port does with new connections
+/// ([`Relay::set_listener`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// Accepted and relayed (subject to the other faults).
+    Open,
+    /// Refused: nothing listens on the port, so a connect gets an RST.
+    Closed,
+    /// Never answered: the port listens with a full accept queue, so the
+    /// kernel drops a connect's SYN and the connect waits.
+    Unanswered,
+}
+
+/// Accepts on `listener` while the port is open; otherwise closes it and
+/// holds the port as asked, then listens on `addr` again.
+async fn listen_loop(listener: TcpListener, addr: SocketAddr, shared: Arc<Shared>) {
+    let mut state = shared.listener.subscribe();
+    let mut shutdown = shared.shutdown.subscribe();
+    let mut listener = Some(listener);
+    loop {
+        let now = *state.borrow_and_update();
+        if now == Listener::Open {
+            let l = match listener.take() {
+                Some(l) => l,
+                None => match TcpListener::bind(addr).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::warn!(%addr, error = %e, "relay: cannot listen again");
+                        return;
+                    }
+                },
+            };
+            applied(&shared, now);
+            tokio::select! {
+                () = accept_loop(l, Arc::clone(&shared)) => return,
+                _ = state.changed() => continue,
+            }
+        }
+        listener = None;
+        // Held for as long as the port must not answer: a listener with a
+        // backlog of none, its one queue place taken by a connection
+        // nobody accepts.
+        let _unanswered = if now == Listener::Unanswered {
+            match unanswered(addr).await {
+                Ok(held) => Some(held),
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "relay: cannot fill the accept queue");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        applied(&shared, now);
+        tokio::select! {
+            _ = state.changed() => {}
+            () = until(&mut shutdown, true) => return,
+        }
+    }
+}
+
+/// Tells [`Relay::set_listener`] that the port is in state `now`.
+fn applied(shared: &Shared, now: Listener) {
+    let (applied, changed) = &shared.listener_applied;
+    *lock(applied) = now;
+    changed.notify_all();
+}
+
+/// A listener on `addr` whose accept queue is full, and what fills it.
+async fn unanswered(addr: SocketAddr) -> io::Result<(tokio::net::TcpListener, Vec<TcpStream>)> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    let listener = socket.listen(0)?;
+    let mut fillers = Vec::new();
+    // Linux queues backlog + 1 connections; a spare one makes sure.
+    for _ in 0..2 {
+        match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => fillers.push(s),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => break,
+        }
+    }
+    Ok((listener, fillers))
 }
 
 /// Which way bytes flow, to pick the matching delay.

@@ -444,3 +444,33 @@ fn works_without_a_caller_runtime() {
     drop(stream);
     server.join().unwrap();
 }
+
+#[tokio::test]
+async fn a_closed_or_unanswered_port_keeps_existing_connections() {
+    use pgwarden_testkit::Listener;
+    let echo = Echo::start().await;
+    let relay = Relay::start(echo.addr).unwrap();
+    let mut kept = connect(&relay).await;
+    round_trip(&mut kept, b"before").await;
+
+    relay.set_listener(Listener::Closed);
+    let refused = TcpStream::connect(relay.addr()).await.unwrap_err();
+    assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+    round_trip(&mut kept, b"while closed").await;
+
+    relay.set_listener(Listener::Unanswered);
+    assert!(
+        timeout(HOLD, TcpStream::connect(relay.addr()))
+            .await
+            .is_err(),
+        "a connect completed"
+    );
+    round_trip(&mut kept, b"while unanswered").await;
+
+    relay.set_listener(Listener::Open);
+    let accepted = echo.accepted();
+    let mut fresh = connect(&relay).await;
+    round_trip(&mut fresh, b"after").await;
+    assert_eq!(echo.accepted(), accepted + 1);
+    round_trip(&mut kept, b"still").await;
+}
