@@ -62,6 +62,9 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::Run(_) | Command::Agent(_)) {
         init_logging(None);
     }
+    if matches!(cli.command, Command::Run(_) | Command::Agent(_)) {
+        catch_early_hangup();
+    }
     match cli.command {
         Command::Fence(args) => {
             pgwarden_agent::fence::run(args.agent_pid, args.data_dir);
@@ -105,6 +108,38 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
 /// Resolves on Ctrl-C (SIGINT) or SIGTERM, the two ways operators and
 /// service managers ask a process to stop. Both are caught from the call
 /// on, not from the first poll of the future.
+/// A SIGHUP that came before the running process listened for it.
+static EARLY_HANGUP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn note_hangup(_: nix::libc::c_int) {
+    EARLY_HANGUP.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Until `serve` listens for SIGHUP, its default action would end the
+/// process: a reload sent by a service manager or a log rotation in the
+/// first moments of a start would look like a clean exit. It is noted
+/// instead, and `serve` reloads once it runs ([`early_hangup`]).
+#[allow(unsafe_code)]
+fn catch_early_hangup() {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(
+        SigHandler::Handler(note_hangup),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    // SAFETY: the handler only stores to an atomic, which is
+    // async-signal-safe; tokio's own handler, installed later, calls it
+    // as the previous one, which does no harm.
+    if let Err(e) = unsafe { sigaction(Signal::SIGHUP, &action) } {
+        tracing::warn!(error = %e, "cannot catch SIGHUP during start-up");
+    }
+}
+
+/// Whether a SIGHUP came before the caller listened for it (taken once).
+pub(crate) fn early_hangup() -> bool {
+    EARLY_HANGUP.swap(false, std::sync::atomic::Ordering::SeqCst)
+}
+
 pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;

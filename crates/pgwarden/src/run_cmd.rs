@@ -220,9 +220,15 @@ pub async fn serve(
     let mut running = config;
     let mut running_probe = probe;
     let mut failure = None;
+    // Asked for while starting, after the file may have been read: it is
+    // read again now.
+    let mut early = crate::early_hangup();
     loop {
         tokio::select! {
             reply = async {
+                if std::mem::take(&mut early) {
+                    return None;
+                }
                 tokio::select! {
                     _ = hangup.recv() => None,
                     r = admin_reload.recv() => r,

@@ -384,6 +384,78 @@ async fn a_second_signal_ends_the_wait_for_sessions() {
     assert!(pg.log().contains("second signal"), "{}", pg.log());
 }
 
+/// The FIFO at `path` opened for writing once a reader has it open. Opened
+/// without blocking and tried again: a reader that never comes (the
+/// process died) fails the test instead of hanging it.
+async fn fifo_writer(path: &Path) -> std::fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    eventually("the file is opened for reading", WAIT, || {
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::libc::O_NONBLOCK)
+            .open(path);
+        async move { opened.map_err(|e| e.to_string()) }
+    })
+    .await
+}
+
+/// A SIGHUP sent while pgwarden is still reading its configuration (a
+/// service manager's reload, a log rotation, right after a start) does not
+/// end the process: the file is read again once it runs. The file is a
+/// FIFO here, so the test knows when pgwarden is reading it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_during_start_up_is_a_reload() {
+    let c = TestCluster::builder().replicas(0).start();
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http, extra) = (free_port(), free_port(), free_port(), free_port());
+    let config = dir.path().join("pgwarden.toml");
+    nix::unistd::mkfifo(
+        &config,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .unwrap();
+    let mut pg = Running::start(&config, dir.path());
+    // The FIFO opens for writing once pgwarden opened it to read the file:
+    // it is starting up, and would not survive a hang-up yet.
+    let mut writer = fifo_writer(&config).await;
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    // A small write to a pipe goes in whole.
+    writer
+        .write_all(listening(&[c.addr(0)], (rw, ro, http), "").as_bytes())
+        .unwrap();
+    drop(writer);
+    eventually("read-write port serves", WAIT, || select_one(conninfo(rw))).await;
+    // The reload that follows reads the file again, now with a service
+    // more.
+    let mut writer = fifo_writer(&config).await;
+    writer
+        .write_all(
+            listening(
+                &[c.addr(0)],
+                (rw, ro, http),
+                &format!(
+                    "[services.extra]\nlisten = \"127.0.0.1:{extra}\"\nselect = \"primary\"\n"
+                ),
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    drop(writer);
+    eventually("the reloaded service serves", WAIT, || {
+        select_one(conninfo(extra))
+    })
+    .await;
+    assert!(pg.child.try_wait().unwrap().is_none(), "{}", pg.log());
+    assert!(pg.log().contains("configuration reloaded"), "{}", pg.log());
+    pg.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = eventually("process exit", WAIT, || {
+        let s = pg.child.try_wait().unwrap();
+        async move { s.ok_or_else(|| "running".to_string()) }
+    })
+    .await;
+    assert!(status.success(), "{status:?}\n{}", pg.log());
+}
+
 #[test]
 fn invalid_config_at_start_names_file_line_and_key() {
     let dir = tempfile::tempdir().unwrap();
