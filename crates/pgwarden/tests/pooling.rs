@@ -5572,3 +5572,56 @@ async fn a_pooled_client_is_served_when_its_host_accepts_again() {
         .expect("the transaction ran");
     assert_eq!(got, "42");
 }
+
+/// `POST /pause` with `wait_ms` waits for the transactions of the paused
+/// service's pools only: pausing the read-only service answers at once
+/// while a read-write transaction is open, and pausing the writers waits
+/// for that transaction, not for one open on the read-only service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_waits_for_its_own_services_transactions_only() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(10), pool(2, WAIT), 10_000).await;
+    ready(&e, 2).await;
+    let http = p.http_addr().unwrap();
+    let post = |path: &'static str| async move {
+        tokio::task::spawn_blocking(move || common::http_post(http, path))
+            .await
+            .unwrap()
+    };
+    let writer = client(&via(&p, "read_write")).await.unwrap();
+    writer.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    assert_eq!(
+        post("/pause?service=read_only&wait_ms=2000").await,
+        (
+            200,
+            "paused read_only; no transaction in flight\n".to_string()
+        )
+    );
+    assert_eq!(
+        post("/pause?service=read_write&wait_ms=300").await,
+        (
+            503,
+            "paused read_write; 1 transactions still in flight\n".to_string()
+        )
+    );
+    writer.batch_execute("COMMIT").await.unwrap();
+    post("/resume?service=read_write").await;
+    post("/resume?service=read_only").await;
+    let reader = client(&via(&p, "read_only")).await.unwrap();
+    reader.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    assert_eq!(
+        post("/pause?service=read_write&wait_ms=2000").await,
+        (
+            200,
+            "paused read_write; no transaction in flight\n".to_string()
+        )
+    );
+    assert_eq!(
+        post("/pause?service=read_only&wait_ms=300").await,
+        (
+            503,
+            "paused read_only; 1 transactions still in flight\n".to_string()
+        )
+    );
+    reader.batch_execute("COMMIT").await.unwrap();
+}

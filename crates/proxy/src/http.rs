@@ -91,7 +91,7 @@ async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
 struct ServiceQuery {
     service: String,
     /// With `pause`: wait up to this many milliseconds for the transactions
-    /// in flight on read-write pools to finish.
+    /// in flight on the paused services' pools to finish.
     wait_ms: Option<u64>,
 }
 
@@ -170,19 +170,13 @@ async fn pause(
     // answer, and the deadline cannot overflow the clock.
     let wait = std::time::Duration::from_millis(wait.min(3_600_000));
     let deadline = tokio::time::Instant::now() + wait;
+    // The transactions the pause holds back are those of the pools its
+    // services use (pools are shared by the services of a kind), as the
+    // admin console's PAUSE counts them: a paused read-only service does
+    // not wait for the writers, nor the writers for the readers.
+    let services = shared.pause_targets(Some(&q.service));
     loop {
-        let busy: usize = shared
-            .pools
-            .lock()
-            .expect("poisoned")
-            .iter()
-            .filter(|(k, _)| !k.read_only)
-            .map(|(_, p)| p.busy_count())
-            .sum();
-        // A kept server between transactions is lent but cut by nothing
-        // in flight; the pause holds its client's next transaction. Counted
-        // after the pools, so one that starts meanwhile stays counted.
-        let busy = busy.saturating_sub(shared.held_idle_writers());
+        let busy = shared.in_transaction(&services);
         if busy == 0 {
             return (
                 StatusCode::OK,

@@ -617,28 +617,6 @@ impl Shared {
         lent.saturating_sub(held)
     }
 
-    /// Pooled clients of services that write to the primary which keep
-    /// their server between transactions and are between two now.
-    pub fn held_idle_writers(&self) -> usize {
-        let writers: std::collections::HashSet<String> = self
-            .services
-            .lock()
-            .expect("poisoned")
-            .iter()
-            .filter(|(_, s)| !s.load().spec.read_only)
-            .map(|(n, _)| n.clone())
-            .collect();
-        self.sessions
-            .lock()
-            .expect("poisoned")
-            .values()
-            .filter(|e| {
-                writers.contains(&*e.service)
-                    && e.pooled.as_ref().is_some_and(|slot| slot.held_idle())
-            })
-            .count()
-    }
-
     /// Pauses or resumes a service; false if there is no such service.
     pub fn set_paused(&self, service: &str, on: bool) -> bool {
         if service == WRITERS {
