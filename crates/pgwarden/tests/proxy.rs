@@ -1191,3 +1191,55 @@ async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
     let db = client(&via(&p, "read_write")).await.unwrap();
     assert_eq!(one(&db, "SELECT 1").await, "1");
 }
+
+/// A shutdown waits for clients still logging in, as for sessions: one
+/// waiting for its host when the shutdown begins is served once the host
+/// takes it, and the shutdown ends after it leaves; an admin console
+/// session is not waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_waits_for_clients_still_logging_in() {
+    use pgwarden_testkit::Listener;
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = common::proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(20),
+        None,
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let console = client(&admin_info).await.unwrap();
+    relay.set_listener(Listener::Closed);
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while its host refused"
+    );
+    let mut shutdown = tokio::spawn(p.shutdown());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut shutdown)
+            .await
+            .is_err(),
+        "the shutdown did not wait for the client logging in"
+    );
+    relay.set_listener(Listener::Open);
+    let db = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("the client is served")
+        .unwrap()
+        .expect("connected during the shutdown's wait");
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+    drop(db);
+    // Well within the shutdown_timeout (5 s) that a waited-for console
+    // would run it to.
+    tokio::time::timeout(Duration::from_secs(3), shutdown)
+        .await
+        .expect("the shutdown ends once the client left, console or not")
+        .unwrap();
+    drop(console);
+}

@@ -46,6 +46,20 @@ pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
 }
 
 pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup: &StartupMessage) {
+    // A shutdown waits for clients, not for consoles (one may be where the
+    // shutdown was asked for).
+    struct Console<'a>(&'a Shared);
+    impl Drop for Console<'_> {
+        fn drop(&mut self) {
+            self.0
+                .consoles
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    shared
+        .consoles
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let _console = Console(shared);
     let user = startup.user().unwrap_or_default();
     let mut out = BytesMut::new();
     if !is_admin_user(shared, Some(user)) {

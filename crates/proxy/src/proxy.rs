@@ -329,7 +329,14 @@ pub(crate) struct SessionGuard<'a> {
 impl<'a> SessionGuard<'a> {
     /// Inserts `entry` under `id`.
     pub fn register(shared: &'a Shared, id: u64, entry: SessionEntry) -> Self {
-        shared.sessions.lock().expect("poisoned").insert(id, entry);
+        let mut sessions = shared.sessions.lock().expect("poisoned");
+        // Under the lock the shutdown's sweep takes after setting the flag:
+        // a session either is swept or sees the flag here.
+        if shared.ending.load(Ordering::SeqCst) {
+            entry.kill(Kill::Shutdown);
+        }
+        sessions.insert(id, entry);
+        drop(sessions);
         Self { shared, id }
     }
 }
@@ -409,6 +416,11 @@ pub(crate) struct Shared {
     pub server_connect_timeout: Mutex<Duration>,
     pub services: Mutex<HashMap<String, Arc<ArcSwap<Service>>>>,
     pub accepting: AtomicBool,
+    /// Set when a shutdown ends the sessions: one registered after that
+    /// (a client that was still logging in) is ended as it registers.
+    pub ending: AtomicBool,
+    /// Admin console sessions, which a shutdown does not wait for.
+    pub consoles: AtomicU64,
     pub pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
     /// The caps pools share ([`crate::pool::ConnLimit`]), by server, kind
     /// and name; kept for the life of the process so a reload can change
@@ -823,6 +835,8 @@ impl Proxy {
             server_connect_timeout: Mutex::new(spec.server_connect_timeout),
             services: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
+            ending: AtomicBool::new(false),
+            consoles: AtomicU64::new(0),
             pools: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),
@@ -913,6 +927,16 @@ impl Proxy {
     /// Number of client sessions currently relayed.
     pub fn session_count(&self) -> usize {
         self.shared.sessions.lock().expect("poisoned").len()
+    }
+
+    /// Whether a shutdown still has clients to wait for: sessions, and
+    /// clients still logging in (connected, not yet sessions), but not
+    /// admin console sessions.
+    fn clients_to_wait_for(&self) -> bool {
+        let sessions = self.shared.sessions.lock().expect("poisoned").len() as u64;
+        let connected = self.shared.clients.load(Ordering::SeqCst);
+        let consoles = self.shared.consoles.load(Ordering::SeqCst);
+        sessions > 0 || connected.saturating_sub(consoles) > 0
     }
 
     /// Applies a new spec (a reload): services whose address is unchanged
@@ -1306,13 +1330,14 @@ impl Proxy {
         let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
         let mut changes = self.shared.changes.clone();
         let mut hurry = std::pin::pin!(hurry);
-        while self.session_count() > 0 && tokio::time::Instant::now() < deadline {
+        while self.clients_to_wait_for() && tokio::time::Instant::now() < deadline {
             tokio::select! {
                 _ = crate::timer::sleep(Duration::from_millis(50)) => {}
                 _ = changes.changed() => {}
                 () = &mut hurry => break,
             }
         }
+        self.shared.ending.store(true, Ordering::SeqCst);
         {
             let sessions = self.shared.sessions.lock().expect("poisoned");
             for e in sessions.values() {
@@ -1320,7 +1345,7 @@ impl Proxy {
             }
         }
         let grace = tokio::time::Instant::now() + Duration::from_secs(2);
-        while self.session_count() > 0 && tokio::time::Instant::now() < grace {
+        while self.clients_to_wait_for() && tokio::time::Instant::now() < grace {
             crate::timer::sleep(Duration::from_millis(20)).await;
         }
         self.router.abort();
