@@ -245,11 +245,7 @@ fn host_forms() {
     )
     .unwrap();
     let h = &c.cluster.hosts;
-    assert_eq!(
-        h[0].addr,
-        HostAddr::new("db1", 5432),
-        "one host in any case"
-    );
+    assert_eq!(h[0].addr, HostAddr::new("DB1", 5432));
     assert!(h[1].tags.is_empty() && h[1].application_name.is_none());
     assert_eq!(h[2].tags, ["x"]);
 }
