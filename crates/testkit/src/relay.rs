@@ -66,8 +66,10 @@ struct Shared {
     refuse: AtomicBool,
     /// What the relay's port does with new connections.
     listener: watch::Sender<Listener>,
-    /// The state the port is in, once the relay thread has put it there.
-    listener_applied: (Mutex<Listener>, std::sync::Condvar),
+    /// The state the port is in, once the relay thread has put it there,
+    /// or why it could not.
+    /// `None` while a change is under way.
+    listener_applied: (Mutex<Option<Result<Listener, String>>>, std::sync::Condvar),
     /// Bumped by `reset_all`; each connection subscribes when accepted, so it
     /// only sees resets requested after it was counted.
     reset: watch::Sender<u64>,
@@ -106,7 +108,10 @@ impl Relay {
             hold_new: watch::Sender::new(false),
             refuse: AtomicBool::new(false),
             listener: watch::Sender::new(Listener::Open),
-            listener_applied: (Mutex::new(Listener::Open), std::sync::Condvar::new()),
+            listener_applied: (
+                Mutex::new(Some(Ok(Listener::Open))),
+                std::sync::Condvar::new(),
+            ),
             reset: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
             connections: AtomicUsize::new(0),
@@ -227,13 +232,38 @@ impl Relay {
     /// lets their connect hang (a full accept queue drops their SYNs, as
     /// a host that stopped answering would).
     ///
-    /// Returns once the port is in that state.
+    /// Returns once the port is in that state; panics if the relay could
+    /// not put it there (within ten seconds).
     pub fn set_listener(&self, state: Listener) {
-        self.shared.listener.send_replace(state);
         let (applied, changed) = &self.shared.listener_applied;
         let mut now = lock(applied);
-        while *now != state {
-            now = changed.wait(now).unwrap_or_else(PoisonError::into_inner);
+        // Asked under the lock, so the answer cannot come before the wait.
+        // The same state again changes nothing (and is no new request).
+        let asked = self.shared.listener.send_if_modified(|s| {
+            let new = *s != state;
+            *s = state;
+            new
+        });
+        if asked {
+            *now = None;
+        }
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match &*now {
+                Some(Ok(s)) if *s == state => return,
+                Some(Err(e)) => panic!("relay {}: {e}", self.addr),
+                _ => {}
+            }
+            let left = give_up.saturating_duration_since(std::time::Instant::now());
+            assert!(
+                !left.is_zero(),
+                "relay {}: the port did not become {state:?}",
+                self.addr
+            );
+            now = changed
+                .wait_timeout(now, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -287,38 +317,45 @@ async fn listen_loop(listener: TcpListener, addr: SocketAddr, shared: Arc<Shared
     loop {
         let now = *state.borrow_and_update();
         if now == Listener::Open {
-            let l = match listener.take() {
-                Some(l) => l,
-                None => match TcpListener::bind(addr).await {
-                    Ok(l) => l,
-                    Err(e) => {
-                        tracing::warn!(%addr, error = %e, "relay: cannot listen again");
-                        return;
-                    }
-                },
+            let bound = match listener.take() {
+                Some(l) => Ok(l),
+                None => listen_again(addr).await,
             };
-            applied(&shared, now);
-            tokio::select! {
-                () = accept_loop(l, Arc::clone(&shared)) => return,
-                _ = state.changed() => continue,
-            }
-        }
-        listener = None;
-        // Held for as long as the port must not answer: a listener with a
-        // backlog of none, its one queue place taken by a connection
-        // nobody accepts.
-        let _unanswered = if now == Listener::Unanswered {
-            match unanswered(addr).await {
-                Ok(held) => Some(held),
-                Err(e) => {
-                    tracing::warn!(%addr, error = %e, "relay: cannot fill the accept queue");
-                    None
+            match bound {
+                Ok(l) => {
+                    applied(&shared, Ok(now));
+                    tokio::select! {
+                        () = accept_loop(l, Arc::clone(&shared)) => return,
+                        _ = state.changed() => continue,
+                    }
                 }
+                // Reported to the test; the relayed connections go on.
+                Err(e) => applied(&shared, Err(format!("cannot listen on {addr} again: {e}"))),
             }
         } else {
-            None
-        };
-        applied(&shared, now);
+            listener = None;
+            // Held for as long as the port must not answer.
+            let held = if now == Listener::Unanswered {
+                unanswered(addr).await.map(Some)
+            } else {
+                Ok(None)
+            };
+            match held {
+                Ok(held) => {
+                    applied(&shared, Ok(now));
+                    tokio::select! {
+                        _ = state.changed() => {}
+                        () = until(&mut shutdown, true) => return,
+                    }
+                    drop(held);
+                    continue;
+                }
+                Err(e) => applied(
+                    &shared,
+                    Err(format!("cannot fill the accept queue of {addr}: {e}")),
+                ),
+            }
+        }
         tokio::select! {
             _ = state.changed() => {}
             () = until(&mut shutdown, true) => return,
@@ -326,16 +363,37 @@ async fn listen_loop(listener: TcpListener, addr: SocketAddr, shared: Arc<Shared
     }
 }
 
-/// Tells [`Relay::set_listener`] that the port is in state `now`.
-fn applied(shared: &Shared, now: Listener) {
+/// Listens on `addr` once more. While the port was closed, another socket
+/// may have taken it for a moment (an outgoing connection's local port):
+/// tried for a few seconds.
+async fn listen_again(addr: SocketAddr) -> io::Result<TcpListener> {
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(l) => return Ok(l),
+            Err(e) if Instant::now() >= give_up => return Err(e),
+            Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
+        }
+    }
+}
+
+/// Tells [`Relay::set_listener`] what became of the state it asked for.
+fn applied(shared: &Shared, outcome: Result<Listener, String>) {
     let (applied, changed) = &shared.listener_applied;
-    *lock(applied) = now;
+    *lock(applied) = Some(outcome);
     changed.notify_all();
 }
 
-/// A listener on `addr` whose accept queue is full, and what fills it.
+/// A listener on `addr` whose accept queue is full, and what fills it: a
+/// backlog of none, its one queue place taken by a connection nobody
+/// accepts. (A connect that lands between the two is queued instead of
+/// left unanswered; nothing connects to the port in that instant in the
+/// tests.)
 async fn unanswered(addr: SocketAddr) -> io::Result<(tokio::net::TcpListener, Vec<TcpStream>)> {
-    let socket = tokio::net::TcpSocket::new_v4()?;
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     let listener = socket.listen(0)?;
@@ -347,6 +405,9 @@ async fn unanswered(addr: SocketAddr) -> io::Result<(tokio::net::TcpListener, Ve
             Ok(Err(e)) => return Err(e),
             Err(_) => break,
         }
+    }
+    if fillers.is_empty() {
+        return Err(io::Error::other("no connection could fill the queue"));
     }
     Ok((listener, fillers))
 }
