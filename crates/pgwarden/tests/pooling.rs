@@ -3774,6 +3774,21 @@ async fn admin_console_answers_like_postgres_in_both_protocols() {
     let r = s.send(&m);
     assert_eq!(tags(&r), "12EZ", "{r:?}");
     assert_eq!(error_code(&r).as_deref(), Some("0A000"));
+    // A Query in the skipped part of a batch is skipped too, as on
+    // PostgreSQL: one ErrorResponse, one ReadyForQuery.
+    let mut m = msg_parse(b"", b"SHOW NOTHING");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_query(b"SHOW VERSION"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = s.send(&m);
+    assert_eq!(tags(&r), "12EZ", "{r:?}");
+    // Copy messages outside a COPY are ignored, not answered.
+    let mut m = vec![b'd', 0, 0, 0, 7, b'a', b'b', b'c'];
+    m.extend_from_slice(&[b'c', 0, 0, 0, 4]);
+    m.extend_from_slice(&[b'f', 0, 0, 0, 7, b'n', b'o', 0]);
+    m.extend_from_slice(MSG_SYNC);
+    let r = s.send(&m);
+    assert_eq!(tags(&r), "Z", "{r:?}");
     let mut m = msg_bind_execute(b"closed");
     m.extend_from_slice(MSG_SYNC);
     assert_eq!(error_code(&s.send(&m)).as_deref(), Some("26000"));

@@ -46,20 +46,6 @@ pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
 }
 
 pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup: &StartupMessage) {
-    // A shutdown waits for clients, not for consoles (one may be where the
-    // shutdown was asked for).
-    struct Console<'a>(&'a Shared);
-    impl Drop for Console<'_> {
-        fn drop(&mut self) {
-            self.0
-                .consoles
-                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-    shared
-        .consoles
-        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let _console = Console(shared);
     let user = startup.user().unwrap_or_default();
     let mut out = BytesMut::new();
     if !is_admin_user(shared, Some(user)) {
@@ -119,6 +105,17 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
         let mut out = BytesMut::new();
         match tag {
             frontend::TERMINATE => return,
+            frontend::SYNC => {
+                skipping = false;
+                encode::ready_for_query(&mut out, TxStatus::Idle);
+            }
+            frontend::FLUSH => {}
+            // As PostgreSQL does: after an error in an extended batch
+            // everything up to its Sync is skipped, a Query too; and copy
+            // messages outside a COPY (what a client still sends after a
+            // failed one) are ignored.
+            _ if skipping => {}
+            frontend::COPY_DATA | frontend::COPY_DONE | frontend::COPY_FAIL => {}
             frontend::QUERY => {
                 let text = message::query_text(&msg[5..]).unwrap_or("");
                 if text.trim().trim_matches(';').trim().is_empty() {
@@ -134,12 +131,6 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
                 }
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
-            frontend::SYNC => {
-                skipping = false;
-                encode::ready_for_query(&mut out, TxStatus::Idle);
-            }
-            frontend::FLUSH => {}
-            _ if skipping => {}
             frontend::FUNCTION_CALL => {
                 // A cycle of its own, like a Query: the client waits for
                 // ReadyForQuery after the error.
