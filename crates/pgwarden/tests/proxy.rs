@@ -1195,7 +1195,7 @@ async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
 /// A shutdown waits for clients still logging in, as for sessions: one
 /// waiting for its host when the shutdown begins is served once the host
 /// takes it, and the shutdown ends after it leaves; an admin console
-/// session is not waited for.
+/// session, or a connection that sent nothing, is not waited for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_waits_for_clients_still_logging_in() {
     use pgwarden_testkit::Listener;
@@ -1211,6 +1211,9 @@ async fn a_shutdown_waits_for_clients_still_logging_in() {
     ready(&e, 1).await;
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let console = client(&admin_info).await.unwrap();
+    // A connection that never sends its start-up packet (a port check) is
+    // not waited for either.
+    let silent = std::net::TcpStream::connect(p.service_addrs()["read_write"]).unwrap();
     relay.set_listener(Listener::Closed);
     let conninfo = via(&p, "read_write");
     let mut pending = tokio::spawn(async move { client(&conninfo).await });
@@ -1241,5 +1244,5 @@ async fn a_shutdown_waits_for_clients_still_logging_in() {
         .await
         .expect("the shutdown ends once the client left, console or not")
         .unwrap();
-    drop(console);
+    drop((console, silent));
 }

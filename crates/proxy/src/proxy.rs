@@ -315,6 +315,22 @@ impl KillState {
     }
 }
 
+/// Counts a client in [`Shared::logging_in`] while it lives.
+pub(crate) struct LoggingIn<'a>(&'a Shared);
+
+impl<'a> LoggingIn<'a> {
+    pub fn new(shared: &'a Shared) -> Self {
+        shared.logging_in.fetch_add(1, Ordering::SeqCst);
+        Self(shared)
+    }
+}
+
+impl Drop for LoggingIn<'_> {
+    fn drop(&mut self) {
+        self.0.logging_in.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Registers a session in [`Shared::sessions`] and removes it when dropped.
 ///
 /// The entry holds the raw descriptor of the client socket, so the entry
@@ -419,8 +435,9 @@ pub(crate) struct Shared {
     /// Set when a shutdown ends the sessions: one registered after that
     /// (a client that was still logging in) is ended as it registers.
     pub ending: AtomicBool,
-    /// Admin console sessions, which a shutdown does not wait for.
-    pub consoles: AtomicU64,
+    /// Clients that sent their start-up packet and are not yet sessions
+    /// ([`LoggingIn`]), which a shutdown waits for.
+    pub logging_in: AtomicU64,
     pub pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
     /// The caps pools share ([`crate::pool::ConnLimit`]), by server, kind
     /// and name; kept for the life of the process so a reload can change
@@ -836,7 +853,7 @@ impl Proxy {
             services: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
             ending: AtomicBool::new(false),
-            consoles: AtomicU64::new(0),
+            logging_in: AtomicU64::new(0),
             pools: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),
@@ -930,13 +947,10 @@ impl Proxy {
     }
 
     /// Whether a shutdown still has clients to wait for: sessions, and
-    /// clients still logging in (connected, not yet sessions), but not
-    /// admin console sessions.
+    /// clients logging in (which may go on to be sessions).
     fn clients_to_wait_for(&self) -> bool {
-        let sessions = self.shared.sessions.lock().expect("poisoned").len() as u64;
-        let connected = self.shared.clients.load(Ordering::SeqCst);
-        let consoles = self.shared.consoles.load(Ordering::SeqCst);
-        sessions > 0 || connected.saturating_sub(consoles) > 0
+        self.shared.logging_in.load(Ordering::SeqCst) > 0
+            || !self.shared.sessions.lock().expect("poisoned").is_empty()
     }
 
     /// Applies a new spec (a reload): services whose address is unchanged

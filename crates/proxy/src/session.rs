@@ -282,6 +282,10 @@ async fn serve(
             ))
         }
     };
+    // From here the client is logging in, which a shutdown waits for; a
+    // connection that never sent its start-up packet (a port check, a
+    // scanner) is not waited for.
+    let logging_in = crate::proxy::LoggingIn::new(shared);
     let spec = &service.spec;
     // A Unix-domain socket never leaves the machine: TLS is neither
     // offered nor required there, as in PostgreSQL.
@@ -424,6 +428,9 @@ async fn serve(
                 Err(_) => return Err(auth_timed_out()),
             }
         }
+        // A console session is not waited for: it may be where the
+        // shutdown was asked for.
+        drop(logging_in);
         Box::pin(crate::admin::run(shared, client, &startup)).await;
         return Ok(None);
     }
@@ -720,6 +727,10 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
     drop(guard);
 }
 
+/// The least time a connection attempt gets, however little of the
+/// client's wait is left.
+const MIN_ATTEMPT: Duration = Duration::from_secs(1);
+
 /// Picks a host and connects, waiting up to the service's
 /// `connect_wait_timeout` for one to become available and trying the
 /// other eligible hosts when one fails.
@@ -783,12 +794,11 @@ async fn connect_server(
         for i in order {
             let addr = topo.hosts()[i].config.addr.clone();
             // Several hosts that time out must not stretch the client's
-            // wait past connect_wait_timeout.
+            // wait far past connect_wait_timeout; each still gets a
+            // second (or server_connect_timeout, if shorter), so that a
+            // wait of zero, or one nearly over, still tries the host.
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
-                return Err(last);
-            }
-            let timeout = shared.server_connect_timeout().min(left);
+            let timeout = shared.server_connect_timeout().min(left.max(MIN_ATTEMPT));
             let server_tls = shared.server_tls.load_full();
             let attempt = async {
                 let s = TcpStream::connect((addr.host.as_str(), addr.port))
@@ -800,7 +810,11 @@ async fn connect_server(
             match crate::timer::timeout(timeout, attempt).await {
                 Ok(Ok(s)) => return Ok((s, addr)),
                 Ok(Err(e)) => {
-                    tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
+                    if failed_rounds == 0 {
+                        tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
+                    } else {
+                        tracing::debug!(host = %addr, error = %e, "server connection failed again");
+                    }
                     last = Refusal::new(
                         sqlstate::CONNECTION_FAILURE,
                         "server_connect",
@@ -811,7 +825,11 @@ async fn connect_server(
                     );
                 }
                 Err(_) => {
-                    tracing::warn!(host = %addr, "server connection timed out; trying the next eligible host");
+                    if failed_rounds == 0 {
+                        tracing::warn!(host = %addr, "server connection timed out; trying the next eligible host");
+                    } else {
+                        tracing::debug!(host = %addr, "server connection timed out again");
+                    }
                     last = Refusal::new(
                         sqlstate::CONNECTION_FAILURE,
                         "server_connect",

@@ -949,9 +949,6 @@ impl Session {
         let mut paused = self.paused.clone();
         let mut failed_rounds = 0u32;
         loop {
-            // Seen before the topology is read: a change after the read
-            // ends the waits below at once.
-            changes.borrow_and_update();
             if let Some(reason) = self.shared.refusal(&spec.name) {
                 return Err(Fatal::new(
                     sqlstate::CANNOT_CONNECT_NOW,
@@ -1056,7 +1053,11 @@ impl Session {
                     });
                 }
                 Err(ServerError::Failed(e)) => {
-                    tracing::warn!(host = %host, error = %e, "pooled server connection failed");
+                    if failed_rounds == 0 {
+                        tracing::warn!(host = %host, error = %e, "pooled server connection failed");
+                    } else {
+                        tracing::debug!(host = %host, error = %e, "pooled server connection failed again");
+                    }
                     self.shared.forget_if_unused(&pool);
                     // A topology change picks a host again at once; without
                     // one, the same host is tried again a little later (the
