@@ -131,7 +131,8 @@ fn catch_early_hangup() {
     // async-signal-safe; tokio's own handler, installed later, calls it
     // as the previous one, which does no harm.
     if let Err(e) = unsafe { sigaction(Signal::SIGHUP, &action) } {
-        tracing::warn!(error = %e, "cannot catch SIGHUP during start-up");
+        // Logging is not set up yet.
+        eprintln!("pgwarden: cannot catch SIGHUP during start-up: {e}");
     }
 }
 

@@ -47,6 +47,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     result
 }
 
+/// Host names are case-insensitive: a reload that writes a running host's
+/// name in another case keeps the running spelling, so that the host (its
+/// sessions, pools, probe connection and metric series) goes on instead
+/// of being replaced by a "new" one. A Unix-domain socket directory is a
+/// path, whose case matters.
+fn keep_host_spelling(new: &mut Config, running: &Config) {
+    for h in &mut new.cluster.hosts {
+        if h.addr.host.starts_with('/') {
+            continue;
+        }
+        if let Some(old) =
+            running.cluster.hosts.iter().find(|o| {
+                o.addr.port == h.addr.port && o.addr.host.eq_ignore_ascii_case(&h.addr.host)
+            })
+        {
+            h.addr = old.addr.clone();
+        }
+    }
+}
+
 /// Stops a runtime whose work is done. Dropping it would wait for every
 /// blocking task, and one may be stuck for as long as the system lets it:
 /// a name lookup on a resolver that does not answer, a callback script
@@ -129,6 +149,10 @@ pub async fn serve(
     // process (a reload sent while etcd is still unreachable, say), and a
     // service manager counts that as a clean exit.
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    // One caught before this listened, while the files were read: they
+    // are read again once running. Taken now, so that a hang-up from here
+    // on (which the start-up catcher, chained, also notes) reloads once.
+    let mut early = crate::early_hangup();
     let mut stop = std::pin::pin!(crate::shutdown_signal()?);
     let probe = probe_config(&config, config_dir(path))?;
     let engine = Arc::new(Engine::start(
@@ -220,9 +244,6 @@ pub async fn serve(
     let mut running = config;
     let mut running_probe = probe;
     let mut failure = None;
-    // Asked for while starting, after the file may have been read: it is
-    // read again now.
-    let mut early = crate::early_hangup();
     loop {
         tokio::select! {
             reply = async {
@@ -239,7 +260,8 @@ pub async fn serve(
                 // takes effect whole or not at all.
                 let loaded = pgwarden_config::load(path)
                     .map_err(anyhow::Error::from)
-                    .and_then(|new| {
+                    .and_then(|mut new| {
+                        keep_host_spelling(&mut new, &running);
                         if new.agent.is_some() != running.agent.is_some() {
                             anyhow::bail!(
                                 "{}: adding or removing the [agent] section takes a restart (pgwarden agent, or pgwarden run for standalone mode)",

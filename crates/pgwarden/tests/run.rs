@@ -456,6 +456,63 @@ async fn a_sighup_during_start_up_is_a_reload() {
     assert!(status.success(), "{status:?}\n{}", pg.log());
 }
 
+/// A reload that writes a running host's name in another case keeps the
+/// host: host names are case-insensitive, so its sessions go on and it
+/// keeps its name (and metric series) rather than being replaced by a
+/// "new" host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_a_host_names_case_keeps_the_host() {
+    let c = TestCluster::builder().replicas(0).start();
+    let port = c.addr(0).rsplit_once(':').unwrap().1.to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let (rw, ro, http) = (free_port(), free_port(), free_port());
+    let config = dir.path().join("pgwarden.toml");
+    let with = |host: &str| {
+        listening(&[format!("{host}:{port}")], (rw, ro, http), "")
+            .replace("[listen]", "probe_interval = \"100ms\"\n[listen]")
+    };
+    write(&config, &with("localhost"));
+    let pg = Running::start(&config, dir.path());
+    eventually("read-write port serves", WAIT, || select_one(conninfo(rw))).await;
+    let held = client(&conninfo(rw)).await.unwrap();
+    let cluster = || {
+        let (status, body) = common::http_get(
+            std::net::SocketAddr::from(([127, 0, 0, 1], http)),
+            "/cluster",
+        );
+        assert_eq!(status, 200, "{body}");
+        let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let round = doc["round"].as_u64().unwrap_or_else(|| panic!("{doc}"));
+        (round, body)
+    };
+    write(&config, &with("LocalHost"));
+    pg.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("the reload", WAIT, || {
+        let log = pg.log();
+        async move {
+            log.contains("configuration reloaded")
+                .then_some(())
+                .ok_or(log)
+        }
+    })
+    .await;
+    // A few probe rounds after it, the host is the one it was.
+    let after = cluster().0;
+    eventually("three more rounds", WAIT, || {
+        let (round, _) = cluster();
+        async move { (round >= after + 3).then_some(()).ok_or(round.to_string()) }
+    })
+    .await;
+    let body = cluster().1;
+    assert!(
+        body.contains(&format!("localhost:{port}")) && !body.contains("LocalHost"),
+        "{body}"
+    );
+    held.simple_query("SELECT 1")
+        .await
+        .expect("the session goes on");
+}
+
 #[test]
 fn invalid_config_at_start_names_file_line_and_key() {
     let dir = tempfile::tempdir().unwrap();
