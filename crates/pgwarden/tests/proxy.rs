@@ -1246,3 +1246,31 @@ async fn a_shutdown_waits_for_clients_still_logging_in() {
         .unwrap();
     drop((console, silent));
 }
+
+/// A `connect_wait_timeout` of zero means no waiting for a host to
+/// appear, not no trying: a client is served by an eligible host, and
+/// turned away at once (57P03) when there is none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_connect_wait_still_tries_the_eligible_hosts() {
+    let mut c = TestCluster::builder().replicas(0).start();
+    let (e, p) = common::proxy_with(&c.addrs(), Duration::ZERO, None, 10_000).await;
+    ready(&e, 1).await;
+    let db = client(&via(&p, "read_write")).await.unwrap();
+    assert_eq!(one(&db, "SELECT 1").await, "1");
+    // With no host up, the client is turned away at once.
+    c.node(0).stop(StopMode::Fast).unwrap();
+    until(&e, "the host is down", WAIT, |s| {
+        (!s.topology.hosts()[0].alive)
+            .then_some(())
+            .ok_or("alive".into())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let err = client(&via(&p, "read_write")).await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
