@@ -1081,11 +1081,27 @@ async fn admin_console_shows_pools_and_pauses() {
         "{items:?}"
     );
     let clients = admin.simple_query("SHOW CLIENTS").await.unwrap();
-    let n = clients
+    let mut listed: Vec<(String, String)> = clients
         .iter()
-        .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
-        .count();
-    assert!(n >= 1, "SHOW CLIENTS lists the application client");
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some((
+                r.get("database").unwrap_or_default().to_string(),
+                r.get("state").unwrap_or_default().to_string(),
+            )),
+            _ => None,
+        })
+        .collect();
+    listed.sort();
+    // The application client, and this console session, as PgBouncer
+    // lists its console's clients.
+    assert_eq!(
+        listed,
+        [
+            ("pgwarden".to_string(), "active".to_string()),
+            ("postgres".to_string(), "idle".to_string()),
+        ],
+        "SHOW CLIENTS lists the application client and the console"
+    );
     // A pooled client is active, with its server, while it holds one, and
     // waiting while it waits for one.
     let busy = client(&via(&p, "read_write")).await.unwrap();

@@ -45,7 +45,13 @@ pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
     })
 }
 
-pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup: &StartupMessage) {
+pub(crate) async fn run(
+    shared: &Arc<Shared>,
+    client: &mut ClientStream,
+    startup: &StartupMessage,
+    peer: std::net::SocketAddr,
+    service: &Arc<str>,
+) {
     let user = startup.user().unwrap_or_default();
     let mut out = BytesMut::new();
     if !is_admin_user(shared, Some(user)) {
@@ -62,6 +68,15 @@ pub(crate) async fn run(shared: &Arc<Shared>, client: &mut ClientStream, startup
         let _ = client.write_all(&out).await;
         return;
     }
+    // Listed in SHOW CLIENTS, as PgBouncer lists its console's clients.
+    let _listed = ConsoleGuard::register(
+        shared,
+        Console {
+            user: Arc::from(user),
+            client: peer,
+            service: service.clone(),
+        },
+    );
     encode::authentication_ok(&mut out);
     for (k, v) in [
         ("server_version", "15.0 (pgwarden admin console)"),
@@ -991,8 +1006,50 @@ fn show_lists(shared: &Shared, out: &mut BytesMut) {
     table(out, &["list", "items"], &rows, "SHOW");
 }
 
+/// An admin console session, as SHOW CLIENTS lists it.
+pub(crate) struct Console {
+    pub user: Arc<str>,
+    pub client: std::net::SocketAddr,
+    /// The service whose port it came in on.
+    pub service: Arc<str>,
+}
+
+/// Keeps a console session in [`Shared::consoles`] while it lives.
+struct ConsoleGuard<'a>(&'a Shared, u64);
+
+impl<'a> ConsoleGuard<'a> {
+    fn register(shared: &'a Shared, console: Console) -> Self {
+        let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+        shared
+            .consoles
+            .lock()
+            .expect("poisoned")
+            .insert(id, console);
+        Self(shared, id)
+    }
+}
+
+impl Drop for ConsoleGuard<'_> {
+    fn drop(&mut self) {
+        self.0
+            .consoles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.1);
+    }
+}
+
+/// A client's address as SHOW CLIENTS shows it.
+fn client_addr(client: std::net::SocketAddr) -> String {
+    if client == crate::session::LOCAL_PEER {
+        "unix".to_string()
+    } else {
+        client.ip().to_string()
+    }
+}
+
 fn show_clients(shared: &Shared, out: &mut BytesMut) {
-    let rows: Vec<Vec<String>> = shared
+    let mut rows: Vec<Vec<String>> = shared
         .sessions
         .lock()
         .expect("poisoned")
@@ -1017,17 +1074,27 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
                 e.user.to_string(),
                 e.database.to_string(),
                 state.into(),
-                if e.client == crate::session::LOCAL_PEER {
-                    "unix".to_string()
-                } else {
-                    e.client.ip().to_string()
-                },
+                client_addr(e.client),
                 e.client.port().to_string(),
                 e.service.to_string(),
                 server,
             ]
         })
         .collect();
+    // Console sessions, this one among them, are active and use no
+    // server.
+    rows.extend(shared.consoles.lock().expect("poisoned").values().map(|c| {
+        vec![
+            "C".into(),
+            c.user.to_string(),
+            ADMIN_DATABASE.into(),
+            "active".into(),
+            client_addr(c.client),
+            c.client.port().to_string(),
+            c.service.to_string(),
+            String::new(),
+        ]
+    }));
     table(
         out,
         &[

@@ -451,6 +451,8 @@ pub(crate) struct Shared {
     /// Databases the admin console's DISABLE closed to new clients;
     /// `any_disabled` lets a login skip the set.
     pub disabled: Mutex<std::collections::HashSet<String>>,
+    /// Admin console sessions, by an id from `next_session`.
+    pub consoles: Mutex<HashMap<u64, crate::admin::Console>>,
     pub any_disabled: AtomicBool,
     /// Signalled by the admin console's SHUTDOWN; whoever runs the proxy
     /// shuts it down as on SIGTERM.
@@ -854,6 +856,7 @@ impl Proxy {
             accepting: AtomicBool::new(true),
             ending: AtomicBool::new(false),
             logging_in: AtomicU64::new(0),
+            consoles: Mutex::new(HashMap::new()),
             pools: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),

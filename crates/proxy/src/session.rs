@@ -431,7 +431,14 @@ async fn serve(
         // A console session is not waited for: it may be where the
         // shutdown was asked for.
         drop(logging_in);
-        Box::pin(crate::admin::run(shared, client, &startup)).await;
+        Box::pin(crate::admin::run(
+            shared,
+            client,
+            &startup,
+            peer,
+            &service.name,
+        ))
+        .await;
         return Ok(None);
     }
     if let Some(pool) = pool {
