@@ -877,16 +877,7 @@ async fn sessions_stay_when_the_primary_moves_between_two_names_of_it() {
 /// the server's socket down as well as the client's reading side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_stuck_writing_to_a_dead_host_ends_when_it_is_found_down() {
-    let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = common::proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(10),
-        None,
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (c, relay, e, p) = behind_relay(Duration::from_secs(10)).await;
     sql_value(&c.conninfo(0), "CREATE TABLE copied_to_the_dead (x text)").await;
     let addr = p.service_addrs()["read_write"];
     let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -1122,32 +1113,13 @@ async fn a_reload_with_an_address_in_use_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_refused_is_tried_again_within_the_wait() {
     use pgwarden_testkit::Listener;
-    let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = common::proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(20),
-        None,
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_c, relay, e, p) = behind_relay(Duration::from_secs(20)).await;
     // The probe's connection goes on; new ones are refused.
     relay.set_listener(Listener::Closed);
     let conninfo = via(&p, "read_write");
-    let mut pending = tokio::spawn(async move { client(&conninfo).await });
-    // Long enough for the first attempt to fail; the client still waits.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(800), &mut pending)
-            .await
-            .is_err(),
-        "the client was answered while its host refused"
-    );
-    relay.set_listener(Listener::Open);
-    let db = tokio::time::timeout(WAIT, pending)
+    let pending = tokio::spawn(async move { client(&conninfo).await });
+    let db = common::served_once_open(&relay, pending)
         .await
-        .expect("the client is served once its host accepts")
-        .unwrap()
         .expect("connected");
     assert_eq!(one(&db, "SELECT 1").await, "1");
     assert!(
@@ -1162,17 +1134,8 @@ async fn a_host_that_refused_is_tried_again_within_the_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
     use pgwarden_testkit::Listener;
-    let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
     common::SERVER_CONNECT_TIMEOUT.with(|t| t.set(Duration::from_secs(8)));
-    let (e, p) = common::proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(2),
-        None,
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_c, relay, _e, p) = behind_relay(Duration::from_secs(2)).await;
     relay.set_listener(Listener::Unanswered);
     let started = std::time::Instant::now();
     let err = tokio::time::timeout(WAIT, client(&via(&p, "read_write")))
@@ -1199,16 +1162,7 @@ async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_waits_for_clients_still_logging_in() {
     use pgwarden_testkit::Listener;
-    let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = common::proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(20),
-        None,
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_c, relay, _e, p) = behind_relay(Duration::from_secs(20)).await;
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let console = client(&admin_info).await.unwrap();
     // A connection that never sends its start-up packet (a port check) is
@@ -1273,4 +1227,23 @@ async fn a_zero_connect_wait_still_tries_the_eligible_hosts() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// One primary reached through a fault-injecting relay, and a pgwarden
+/// (session relay, no pool) in front of the relay with `connect_wait` as
+/// its connect_wait_timeout, once the topology engine has seen the
+/// primary.
+async fn behind_relay(
+    connect_wait: Duration,
+) -> (
+    TestCluster,
+    pgwarden_testkit::Relay,
+    pgwarden_probe::Engine,
+    pgwarden_proxy::Proxy,
+) {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = common::proxy_with(&[relay.addr().to_string()], connect_wait, None, 10_000).await;
+    ready(&e, 1).await;
+    (c, relay, e, p)
 }

@@ -388,3 +388,23 @@ pub async fn psql_replication(port: u16) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// For a client `pending` on a host whose relay refuses new connections:
+/// checks that it still waits after long enough for a first attempt to
+/// fail, opens the relay's port, and returns what the client then got.
+pub async fn served_once_open<T>(
+    relay: &pgwarden_testkit::Relay,
+    mut pending: tokio::task::JoinHandle<T>,
+) -> T {
+    assert!(
+        tokio::time::timeout(Duration::from_millis(800), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while its host refused"
+    );
+    relay.set_listener(pgwarden_testkit::Listener::Open);
+    tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the client is served once its host accepts")
+        .unwrap()
+}
