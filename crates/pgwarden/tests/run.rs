@@ -98,17 +98,22 @@ fn listening(hosts: &[String], (rw, ro, http): (u16, u16, u16), extra: &str) -> 
 /// Waits for `pg` to exit successfully, and checks that `held`, a
 /// session through it, was ended (57P01, or closed).
 async fn exits_ending(pg: &mut Running, held: &tokio_postgres::Client) {
+    exits_cleanly(pg).await;
+    let err = held.simple_query("SELECT 1").await.unwrap_err();
+    assert!(
+        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
+        "{err}"
+    );
+}
+
+/// Waits for `pg` to exit, and checks that it exited successfully.
+async fn exits_cleanly(pg: &mut Running) {
     let status = eventually("process exit", WAIT, || {
         let s = pg.child.try_wait().unwrap();
         async move { s.ok_or_else(|| "running".to_string()) }
     })
     .await;
     assert!(status.success(), "{status:?}\n{}", pg.log());
-    let err = held.simple_query("SELECT 1").await.unwrap_err();
-    assert!(
-        err.is_closed() || sqlstate(&err).as_deref() == Some("57P01"),
-        "{err}"
-    );
 }
 
 fn conninfo(port: u16) -> String {
@@ -448,12 +453,7 @@ async fn a_sighup_during_start_up_is_a_reload() {
     assert!(pg.child.try_wait().unwrap().is_none(), "{}", pg.log());
     assert!(pg.log().contains("configuration reloaded"), "{}", pg.log());
     pg.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = eventually("process exit", WAIT, || {
-        let s = pg.child.try_wait().unwrap();
-        async move { s.ok_or_else(|| "running".to_string()) }
-    })
-    .await;
-    assert!(status.success(), "{status:?}\n{}", pg.log());
+    exits_cleanly(&mut pg).await;
 }
 
 /// A reload that writes a running host's name in another case keeps the
