@@ -105,9 +105,6 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
-/// Resolves on Ctrl-C (SIGINT) or SIGTERM, the two ways operators and
-/// service managers ask a process to stop. Both are caught from the call
-/// on, not from the first poll of the future.
 /// A SIGHUP that came before the running process listened for it.
 static EARLY_HANGUP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -141,6 +138,9 @@ pub(crate) fn early_hangup() -> bool {
     EARLY_HANGUP.swap(false, std::sync::atomic::Ordering::SeqCst)
 }
 
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM, the two ways operators and
+/// service managers ask a process to stop. Both are caught from the call
+/// on, not from the first poll of the future.
 pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;

@@ -451,9 +451,9 @@ pub(crate) struct Shared {
     /// Databases the admin console's DISABLE closed to new clients;
     /// `any_disabled` lets a login skip the set.
     pub disabled: Mutex<std::collections::HashSet<String>>,
+    pub any_disabled: AtomicBool,
     /// Admin console sessions, by an id from `next_session`.
     pub consoles: Mutex<HashMap<u64, crate::admin::Console>>,
-    pub any_disabled: AtomicBool,
     /// Signalled by the admin console's SHUTDOWN; whoever runs the proxy
     /// shuts it down as on SIGTERM.
     pub shutdown: Arc<tokio::sync::Notify>,
