@@ -5,8 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{proxy_with, sql, sqlstate, until, AUTH, AUTH_TIMEOUT};
-use pgwarden_proxy::{AuthSpec, PoolSettings};
+use common::{proxy_with, sql, sqlstate, until, AUTH_TIMEOUT};
+use pgwarden_proxy::PoolSettings;
 use pgwarden_testkit::TestCluster;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -52,8 +52,8 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     );
     let dir = tempfile::tempdir().unwrap();
     let hba = dir.path().join("pg_hba.conf");
-    std::fs::write(
-        &hba,
+    common::authenticate_with_ttl(
+        hba,
         "# pgwarden's rules\n\
          host replication all 127.0.0.1/32 reject\n\
          host all alice 127.0.0.1/32 scram-sha-256\n\
@@ -65,18 +65,8 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host template1 +readers 127.0.0.1/32 scram-sha-256\n\
          host all postgres 127.0.0.1/32 trust\n\
          host postgres all 127.0.0.1/32 scram-sha-256\n",
-    )
-    .unwrap();
-    AUTH.with(|a| {
-        *a.borrow_mut() = Some(AuthSpec {
-            hba_file: hba,
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl,
-        })
-    });
+        cache_ttl,
+    );
     AUTH_TIMEOUT.with(|t| *t.borrow_mut() = Duration::from_secs(1));
     let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool, 1000).await;
     until(&e, "primary", WAIT, |s| {
@@ -401,21 +391,10 @@ async fn peer_authentication_on_a_unix_socket() {
     let sockets = dir.path().join("run");
     std::fs::create_dir(&sockets).unwrap();
     let hba = dir.path().join("pg_hba.conf");
-    std::fs::write(
-        &hba,
+    common::authenticate_with(
+        hba.clone(),
         "local all all peer\nhost all postgres 127.0.0.1/32 trust\n",
-    )
-    .unwrap();
-    AUTH.with(|a| {
-        *a.borrow_mut() = Some(AuthSpec {
-            hba_file: hba.clone(),
-            auth_user: "postgres".into(),
-            auth_password: None,
-            auth_dbname: "postgres".into(),
-            auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
-        })
-    });
+    );
     common::UNIX_SOCKET_DIR.with(|d| *d.borrow_mut() = Some(sockets.clone()));
     let pooled = PoolSettings {
         size: 2,

@@ -240,6 +240,11 @@ pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
 /// built on this thread authenticate clients itself with it (auth user
 /// `postgres`, the default auth query, a minute's cache).
 pub fn authenticate_with(hba: std::path::PathBuf, rules: &str) {
+    authenticate_with_ttl(hba, rules, Duration::from_secs(60));
+}
+
+/// [`authenticate_with`], with `cache_ttl` as the verifier cache's life.
+pub fn authenticate_with_ttl(hba: std::path::PathBuf, rules: &str, cache_ttl: Duration) {
     std::fs::write(&hba, rules).unwrap();
     AUTH.with(|a| {
         *a.borrow_mut() = Some(pgwarden_proxy::AuthSpec {
@@ -248,7 +253,7 @@ pub fn authenticate_with(hba: std::path::PathBuf, rules: &str) {
             auth_password: None,
             auth_dbname: "postgres".into(),
             auth_query: pgwarden_config::DEFAULT_AUTH_QUERY.into(),
-            cache_ttl: Duration::from_secs(60),
+            cache_ttl,
         })
     });
 }
