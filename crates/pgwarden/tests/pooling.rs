@@ -5647,3 +5647,55 @@ async fn a_pause_waits_for_its_own_services_transactions_only() {
     );
     reader.batch_execute("COMMIT").await.unwrap();
 }
+
+/// A pooled client that shuts only its sending side after a query gets
+/// its replies, in transaction and in session pooling, and the server
+/// connection goes back to its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_client_that_half_closes_still_gets_its_replies() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e1, txn) = pooled(&c, 1).await;
+    let (_e2, session) = session_pooling_proxy(
+        &c,
+        PoolSettings {
+            size: 1,
+            ..PoolSettings::default()
+        },
+    )
+    .await;
+    for (mode, p) in [("transaction", &txn), ("session", &session)] {
+        let addr = p.service_addrs()["read_write"];
+        for round in 0..2 {
+            let replies = tokio::task::spawn_blocking(move || {
+                let mut raw = RawClient::connect_with(
+                    addr,
+                    &[("user", "postgres"), ("database", "postgres")],
+                );
+                // A server idle in the pool: a client whose input ends
+                // while it waits for one has left the line (as with
+                // PgBouncer), and its statement does not run.
+                raw.simple(b"SELECT 1");
+                raw.0
+                    .write_all(&msg_query(
+                        b"SELECT pg_sleep(0.5), 'answered after the end of input'",
+                    ))
+                    .unwrap();
+                raw.0.shutdown(std::net::Shutdown::Write).unwrap();
+                raw.until_closed()
+            })
+            .await
+            .unwrap();
+            assert!(
+                replies.iter().any(|(t, b)| *t == b'D'
+                    && String::from_utf8_lossy(b).contains("answered after the end of input")),
+                "{mode} round {round}: {replies:?}"
+            );
+            assert_eq!(
+                replies.last().map(|(t, _)| *t),
+                Some(b'Z'),
+                "{mode} round {round}: {replies:?}"
+            );
+        }
+    }
+}

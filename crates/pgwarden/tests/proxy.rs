@@ -1247,3 +1247,85 @@ async fn behind_relay(
     ready(&e, 1).await;
     (c, relay, e, p)
 }
+
+/// A client that shuts only its sending side after a query (as `nc -N`
+/// or a script piping SQL does) still gets the replies, as PostgreSQL
+/// itself would send them, and then the session ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_still_gets_its_replies() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 2).await;
+    for service in ["read_write", "read_only"] {
+        let addr = p.service_addrs()[service];
+        let replies = tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let mut body = 196_608u32.to_be_bytes().to_vec();
+            body.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
+            let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+            packet.extend(body);
+            s.write_all(&packet).unwrap();
+            loop {
+                let mut head = [0u8; 5];
+                s.read_exact(&mut head).unwrap();
+                let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+                let mut rest = vec![0u8; len - 4];
+                s.read_exact(&mut rest).unwrap();
+                assert_ne!(head[0], b'E', "{}", String::from_utf8_lossy(&rest));
+                if head[0] == b'Z' {
+                    break;
+                }
+            }
+            // The reply comes well after the end of the client's input.
+            let sql = b"SELECT pg_sleep(0.5), 'answered after the end of input'\0";
+            let mut q = vec![b'Q'];
+            q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
+            q.extend_from_slice(sql);
+            s.write_all(&q).unwrap();
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut out = Vec::new();
+            s.read_to_end(&mut out).expect("the session ends");
+            out
+        })
+        .await
+        .unwrap();
+        let text = String::from_utf8_lossy(&replies);
+        assert!(
+            text.contains("answered after the end of input"),
+            "{service}: {text:?}"
+        );
+        assert_eq!(replies.last(), Some(&b'I'), "{service}: {text:?}");
+    }
+}
+
+/// A read-only session takes a Bind as long as PostgreSQL takes (its
+/// parameters up to 1 GB), beyond what the relay holds whole to inspect:
+/// only the portal and statement names at its start are needed, and the
+/// rest streams through. The checks still hold afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_longer_than_the_inspection_limit_passes_on_a_read_only_service() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 2).await;
+    let ro = client(&via(&p, "read_only")).await.unwrap();
+    // Past the 256 MiB the relay holds whole to inspect.
+    let len = 272 << 20;
+    let big = vec![7u8; len];
+    let row = ro
+        .query_one(
+            "SELECT length($1::bytea), get_byte($1::bytea, 12345)",
+            &[&big],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0) as usize, len);
+    assert_eq!(row.get::<_, i32>(1), 7);
+    drop(big);
+    let err = ro
+        .batch_execute("SET default_transaction_read_only = off")
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err:?}");
+    assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
+}

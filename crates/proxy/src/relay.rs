@@ -180,6 +180,22 @@ pub enum End {
     Io(std::io::Error),
 }
 
+/// How much of an inspected message longer than the limit inspection
+/// needs ([`Framing::head`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    /// All of it: such a message is refused as too long.
+    Whole,
+    /// More bytes are needed to tell.
+    More,
+    /// Its first this many bytes (header included); the rest streams
+    /// through unexamined, and the message cannot be replaced.
+    Is(usize),
+}
+
+/// Longest head of a long message that is waited for ([`Head::More`]).
+pub const MAX_HEAD: usize = 64 * 1024;
+
 /// Message framing state of one direction, kept outside the pump future so
 /// the session can tell, after cancelling it, whether the peer is at a
 /// message boundary (and may be sent an ErrorResponse).
@@ -195,6 +211,10 @@ pub struct Framing {
     /// a read-only session's client before its login is done, whose
     /// inspected messages must be held whole, is allowed little.
     pub limit: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+    /// For an inspected message over the limit, how much of it inspection
+    /// needs (given the tag and the message's bytes read so far); `None`
+    /// for all of every one.
+    pub head: Option<fn(u8, &[u8]) -> Head>,
 }
 
 impl Framing {
@@ -231,7 +251,29 @@ impl Framing {
                     l.load(std::sync::atomic::Ordering::Relaxed)
                 });
                 if total > max {
-                    return Err(format!("message of {total} bytes is too long"));
+                    let too_long = || format!("message of {total} bytes is too long");
+                    let head = self.head.map_or(Head::Whole, |f| f(tag, &buf[pos..]));
+                    match head {
+                        Head::Whole => return Err(too_long()),
+                        Head::More if avail >= MAX_HEAD => return Err(too_long()),
+                        Head::More => break,
+                        Head::Is(n) => match inspect(tag, &mut buf[pos..pos + n.min(avail)]) {
+                            Verdict::Keep if avail >= total => pos += total,
+                            Verdict::Keep => {
+                                self.skip = total - avail;
+                                pos = buf.len();
+                            }
+                            Verdict::Wait => return Ok(Step::Wait { start: pos }),
+                            Verdict::Stop(code, why) => {
+                                return Ok(Step::Stop {
+                                    start: pos,
+                                    reason: (code, why),
+                                })
+                            }
+                            Verdict::Replace(_) => return Err(too_long()),
+                        },
+                    }
+                    continue;
                 }
                 if avail < total {
                     break;
@@ -747,6 +789,100 @@ mod tests {
             std::task::Poll::Ready(v) => Some(v),
             std::task::Poll::Pending => None,
         }
+    }
+
+    /// The head of a test Bind: up to its second NUL.
+    fn two_names(tag: u8, m: &[u8]) -> Head {
+        if tag != b'B' {
+            return Head::Whole;
+        }
+        match m[5..].iter().enumerate().filter(|(_, &b)| b == 0).nth(1) {
+            Some((i, _)) => Head::Is(5 + i + 1),
+            None => Head::More,
+        }
+    }
+
+    /// Runs `input` through a pump whose inspected messages are 'B' and
+    /// 'Q', limited to 64 bytes, read in small pieces; returns how it
+    /// ended, what it sent and what inspection was shown.
+    async fn pump_limited(input: Vec<u8>) -> (End, Vec<u8>, Vec<Vec<u8>>) {
+        let (mut client, mut proxy_in) = tokio::io::duplex(977);
+        let (mut proxy_out, mut server) = tokio::io::duplex(1 << 20);
+        let writer = tokio::spawn(async move {
+            let _ = client.write_all(&input).await;
+        });
+        let reader = tokio::spawn(async move {
+            let mut out = Vec::new();
+            server.read_to_end(&mut out).await.unwrap();
+            out
+        });
+        let mut framing = Framing {
+            limit: Some(std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(64))),
+            head: Some(two_names),
+            ..Framing::default()
+        };
+        let mut seen = Vec::new();
+        let end = pump(
+            &mut proxy_in,
+            &mut proxy_out,
+            &mut framing,
+            &Counter::default(),
+            |t| t == b'Q' || t == b'B',
+            |t, m| {
+                seen.push(m.to_vec());
+                if t == b'B' && m.windows(3).any(|w| w == b"bad") {
+                    Verdict::Replace(BytesMut::new())
+                } else {
+                    fix_bad(t, m)
+                }
+            },
+            BytesMut::new(),
+            None,
+        )
+        .await;
+        drop((proxy_in, proxy_out));
+        writer.await.unwrap();
+        (end, reader.await.unwrap(), seen)
+    }
+
+    #[tokio::test]
+    async fn a_long_message_with_a_head_is_inspected_by_its_head_and_streamed() {
+        let names = b"portal\0statement\0";
+        let bind = msg(b'B', &[&names[..], &vec![9u8; 100_000]].concat());
+        let mut input = bind.clone();
+        input.extend(msg(b'Q', b"bad\0"));
+        let (end, out, seen) = pump_limited(input).await;
+        assert!(matches!(end, End::Eof), "{end:?}");
+        let mut want = bind.clone();
+        want.extend(msg(b'Q', b"fixed\0"));
+        assert_eq!(out, want);
+        assert_eq!(seen[0], bind[..5 + names.len()]);
+        assert_eq!(seen.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn long_messages_without_a_head_in_reach_are_too_long() {
+        // A Query is needed whole.
+        let (end, out, _) = pump_limited(msg(b'Q', &vec![b'x'; 1000])).await;
+        assert!(
+            matches!(&end, End::Protocol(e) if e.contains("too long")),
+            "{end:?}"
+        );
+        assert!(out.is_empty());
+        // A Bind whose names do not end within MAX_HEAD.
+        let (end, out, seen) = pump_limited(msg(b'B', &vec![b'p'; MAX_HEAD * 2])).await;
+        assert!(
+            matches!(&end, End::Protocol(e) if e.contains("too long")),
+            "{end:?}"
+        );
+        assert!(out.is_empty() && seen.is_empty());
+        // A long message cannot be replaced: only its head was seen.
+        let (end, out, _) = pump_limited(msg(b'B', &[&b"\0bad\0"[..], &[0u8; 100]].concat())).await;
+        assert!(
+            matches!(&end, End::Protocol(e) if e.contains("too long")),
+            "{end:?}"
+        );
+        assert!(out.is_empty());
     }
 
     #[tokio::test]

@@ -900,6 +900,23 @@ fn read_only_replies(tag: u8) -> bool {
     )
 }
 
+/// What the read-only checks need of a Bind too long to hold whole (its
+/// parameters can be large, up to PostgreSQL's 1 GB): the portal and
+/// statement names at its start. Every other inspected message is needed
+/// whole.
+fn bind_head(tag: u8, msg: &[u8]) -> crate::relay::Head {
+    use crate::relay::Head;
+    if tag != frontend::BIND {
+        return Head::Whole;
+    }
+    let body = msg.get(5..).unwrap_or_default();
+    let mut nuls = body.iter().enumerate().filter(|(_, &b)| b == 0);
+    match nuls.nth(1) {
+        Some((i, _)) => Head::Is(5 + i + 1),
+        None => Head::More,
+    }
+}
+
 /// The client messages a read-only service's relay looks at: those the
 /// statement check reads ([`guarded`]) and those that move its pipeline
 /// ([`ReadOnlyPipeline`]).
@@ -1075,6 +1092,14 @@ async fn relay(
         })
         .clone();
     host_gauge.inc();
+    // Released however the session ends, a panic included: a cancel key
+    // left behind would send a later client's cancel to whichever backend
+    // reuses the pid, and the gauge would count a connection for good.
+    let mut release = Release {
+        cancel: &shared.cancel,
+        key: None,
+        gauge: host_gauge,
+    };
     let killed = Arc::new(KillState::default());
     let id = shared
         .next_session
@@ -1128,7 +1153,6 @@ async fn relay(
     } else {
         Default::default()
     };
-    let mut registered_key = None;
     let result = async {
         match &logged_in {
             None => server.write_all(&startup.encode()).await?,
@@ -1146,7 +1170,7 @@ async fn relay(
                         pid: *pid,
                         secret: *secret,
                     });
-                    registered_key = Some((p, s));
+                    release.key = Some((p, s));
                     encode::backend_key_data(&mut hello, p, s);
                 }
                 encode::ready_for_query(&mut hello, TxStatus::Idle);
@@ -1158,8 +1182,6 @@ async fn relay(
     .await;
     if result.is_err() {
         crate::bufcache::release(&mut early);
-        drop(registration);
-        finish(shared, registered_key, &host_gauge);
         return;
     }
 
@@ -1175,26 +1197,26 @@ async fn relay(
         login_passes_through: logged_in.is_none(),
     };
     // Plain TCP splits for free; TLS needs tokio's locking split.
-    let cancel_key = match client {
+    let key = &mut release.key;
+    match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
                 .await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.stream());
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
                 .await
         }
         ClientStream::Local(s) => {
             let (mut cr, mut cw) = s.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early)
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
                 .await
         }
-        ClientStream::Gone => None,
-    };
+        ClientStream::Gone => {}
+    }
     drop(registration);
-    finish(shared, cancel_key.or(registered_key), &host_gauge);
 }
 
 enum Ended {
@@ -1203,15 +1225,22 @@ enum Ended {
     Killed(Option<Kill>),
 }
 
-fn finish(
-    shared: &Shared,
+/// What a relayed session holds outside itself, given back when it ends.
+struct Release<'a> {
+    cancel: &'a crate::cancel::CancelRegistry,
+    /// The cancel key handed to the client, if any.
     key: Option<(i32, i32)>,
-    gauge: &prometheus_client::metrics::gauge::Gauge,
-) {
-    if let Some(k) = key {
-        shared.cancel.remove(k);
+    /// The session's host's count of open server connections.
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take() {
+            self.cancel.remove(k);
+        }
+        self.gauge.dec();
     }
-    gauge.dec();
 }
 
 /// What the two pumps of a session need, apart from the sockets.
@@ -1243,25 +1272,27 @@ impl Io<'_> {
         server: &mut ServerStream,
         killed: &KillState,
         early: BytesMut,
-    ) -> Option<(i32, i32)>
-    where
+        key: &mut Option<(i32, i32)>,
+    ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
         CW: tokio::io::AsyncWrite + Direct + Unpin,
     {
         match server {
             ServerStream::Plain(tcp) => {
                 let (mut sr, mut sw) = tcp.split();
-                self.run(cr, cw, &mut sr, &mut sw, killed, early).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
             }
             ServerStream::Tls(tls) => {
                 let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
-                self.run(cr, cw, &mut sr, &mut sw, killed, early).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
             }
         }
     }
 
-    /// Relays until either side ends or the session is told to end;
-    /// returns the cancel key handed to the client, if any.
+    /// Relays until either side ends or the session is told to end.
+    /// The cancel key handed to the client in place of the server's goes
+    /// in `key` (where the session releases it).
+    #[allow(clippy::too_many_arguments)]
     async fn run<CR, CW, SR, SW>(
         &self,
         cr: &mut CR,
@@ -1270,14 +1301,13 @@ impl Io<'_> {
         mut sw: &mut SW,
         killed: &KillState,
         early: BytesMut,
-    ) -> Option<(i32, i32)>
-    where
+        key_slot: &mut Option<(i32, i32)>,
+    ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
         CW: tokio::io::AsyncWrite + Direct + Unpin,
         SR: tokio::io::AsyncRead + Direct + Unpin,
         SW: tokio::io::AsyncWrite + Direct + Unpin,
     {
-        let mut cancel_key: Option<(i32, i32)> = None;
         let read_only = self.spec.read_only;
         // A read-write session must not start on a standby: during a
         // switchover the old primary comes back as one before every
@@ -1294,6 +1324,7 @@ impl Io<'_> {
             ))
         });
         c2s.limit = login_limit.clone();
+        c2s.head = Some(bind_head);
         let mut s2c = Framing::default();
         // Statements pipelined behind a possible change of the read-only
         // default wait for the server's report of it
@@ -1355,7 +1386,6 @@ impl Io<'_> {
                 Some(&gate),
             );
             let cancel = &self.shared.cancel;
-            let key_slot = &mut cancel_key;
             let downstream = pump(
                 &mut sr,
                 cw,
@@ -1413,7 +1443,11 @@ impl Io<'_> {
                                 pid,
                                 secret,
                             });
-                            *key_slot = Some((p, s));
+                            // A second one (none is sent) would replace
+                            // the first, which must not linger.
+                            if let Some(old) = key_slot.replace((p, s)) {
+                                cancel.remove(old);
+                            }
                             msg[5..9].copy_from_slice(&p.to_be_bytes());
                             msg[9..13].copy_from_slice(&s.to_be_bytes());
                         }
@@ -1450,13 +1484,31 @@ impl Io<'_> {
                 BytesMut::new(),
                 None,
             );
-            let ended = tokio::select! {
+            let mut downstream = std::pin::pin!(downstream);
+            let mut ended = tokio::select! {
                 e = upstream => Ended::Upstream(e),
-                e = downstream => Ended::Downstream(e),
+                e = &mut downstream => Ended::Downstream(e),
                 // Only a client pump held at the gate reads no end of
                 // input when the session is told to end.
                 () = killed.told(), if read_only => Ended::Killed(killed.reason()),
             };
+            // A client that shut only its sending side still reads: the
+            // server answers what it was sent before it sees the end of
+            // input, as it would answer the client directly. The server
+            // is shown the end, and the replies relayed until it closes
+            // (or the session is told to end).
+            if matches!(ended, Ended::Upstream(End::Eof)) && killed.reason().is_none() {
+                let _ = crate::timer::timeout(SHUTDOWN_WRITE, sw.shutdown()).await;
+                ended = tokio::select! {
+                    e = &mut downstream => match e {
+                        // The server closing after the client's end is
+                        // the session's natural end.
+                        End::Eof => Ended::Upstream(End::Eof),
+                        e => Ended::Downstream(e),
+                    },
+                    () = killed.told() => Ended::Killed(killed.reason()),
+                };
+            }
             // Being told to end shows as the end of the client's input
             // (the read side of its socket is shut).
             match (ended, killed.reason()) {
@@ -1501,7 +1553,6 @@ impl Io<'_> {
         // are simply dropped.
         let _ = crate::timer::timeout(SHUTDOWN_WRITE, cw.shutdown()).await;
         let _ = crate::timer::timeout(SHUTDOWN_WRITE, sw.shutdown()).await;
-        cancel_key
     }
 }
 
@@ -1593,6 +1644,34 @@ mod tests {
         // One too short to name a function is refused, not passed on.
         assert!(guard_message("ro", frontend::FUNCTION_CALL, &[b'F', 0, 0, 0, 4]).is_some());
         assert!(guarded(frontend::FUNCTION_CALL) && !guarded(frontend::BIND));
+    }
+
+    /// A relayed session's task that panics is dropped by the runtime,
+    /// and with it what the session held outside itself.
+    #[tokio::test]
+    async fn a_session_that_panics_gives_back_its_cancel_key_and_gauge() {
+        let cancel = Arc::new(crate::cancel::CancelRegistry::default());
+        let gauge = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+        gauge.inc();
+        let key = cancel.register(crate::cancel::BackendKey {
+            server: SocketAddr::from(([127, 0, 0, 1], 5432)),
+            pid: 7,
+            secret: 9,
+        });
+        let (c, g) = (cancel.clone(), gauge.clone());
+        let task = tokio::spawn(async move {
+            let mut release = Release {
+                cancel: &c,
+                key: None,
+                gauge: g,
+            };
+            release.key = Some(key);
+            tokio::task::yield_now().await;
+            panic!("a bug in the relay");
+        });
+        assert!(task.await.unwrap_err().is_panic());
+        assert!(cancel.lookup(key).is_none(), "the cancel key stayed");
+        assert_eq!(gauge.get(), 0, "the server connection is still counted");
     }
 
     #[test]

@@ -188,6 +188,13 @@ struct SentClose {
 }
 
 impl Replies {
+    /// Whether the server owes ReadyForQuery messages it will send
+    /// without more input from the client: not inside an unfinished
+    /// extended batch or a COPY FROM STDIN, which wait for the client.
+    fn answers_owed(&self) -> bool {
+        self.pending > 0 && !self.open_batch && !self.copy_in && !self.query_in_batch
+    }
+
     fn idle(&self) -> bool {
         self.pending == 0
             && !self.open_batch
@@ -276,6 +283,9 @@ pub(crate) async fn run(
     let mut sbuf = BytesMut::new();
     let outcome: Result<(), Fatal> = async {
         let mut client_armed = false;
+        // The client shut its sending side with replies still owed; they
+        // are relayed, and the session ends once they are all in.
+        let mut input_ended = false;
         // Being told to end shows as the end of the client's input.
         let ended = |killed: &KillState| match killed.reason() {
             None => Ok(()),
@@ -323,7 +333,7 @@ pub(crate) async fn run(
             } else {
                 (None, false)
             };
-            let watch_kill = session.unsent || session.held;
+            let watch_kill = session.unsent || session.held || input_ended;
             // Biased, in this order: a server's reply is the likeliest
             // event while attached, and stopping at the ready branch saves
             // polling the client socket (and registering its waker again)
@@ -362,6 +372,9 @@ pub(crate) async fn run(
                             // session ends with the server's, as it would
                             // without pgwarden.
                             session.detach(false);
+                            return Ok(());
+                        }
+                        if input_ended && !session.replies.answers_owed() {
                             return Ok(());
                         }
                         if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
@@ -407,8 +420,19 @@ pub(crate) async fn run(
                         std::future::pending().await
                     }
                 } => return ended(&killed),
-                r = read_client(client, &mut early, &mut client_armed), if !session.unsent && !session.held => {
+                r = read_client(client, &mut early, &mut client_armed), if !session.unsent && !session.held && !input_ended => {
                     match r {
+                        // A client that shut only its sending side still
+                        // reads (it cannot be told from one that closed
+                        // until a write fails): what it sent is answered,
+                        // as PostgreSQL answers it.
+                        Ok(0) if killed.reason().is_none()
+                            && session.attached.is_some()
+                            && session.replies.answers_owed() =>
+                        {
+                            input_ended = true;
+                            continue;
+                        }
                         Ok(0) | Err(_) => return ended(&killed),
                         Ok(n) => {
                             from_client.inc_by(n as u64);
