@@ -6,14 +6,34 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 /// Where a client's cancel key leads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendKey {
     /// The server the backend runs on.
     pub server: SocketAddr,
     /// The backend's process id.
     pub pid: i32,
     /// The backend's secret key.
-    pub secret: i32,
+    pub secret: Secret,
+}
+
+/// A backend's secret key as its server sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Secret {
+    /// Four bytes, as every server sends under protocol 3.0.
+    Four(i32),
+    /// Longer (up to 256 bytes), as PostgreSQL 18 sends under protocol
+    /// 3.2, which a relayed client may ask for.
+    Long(Arc<[u8]>),
+}
+
+impl BackendKey {
+    /// The CancelRequest packet that cancels this backend's query.
+    pub fn cancel_request(&self) -> Vec<u8> {
+        match &self.secret {
+            Secret::Four(s) => pgwarden_wire::encode::cancel_request(self.pid, *s).to_vec(),
+            Secret::Long(s) => pgwarden_wire::encode::cancel_request_long(self.pid, s),
+        }
+    }
 }
 
 /// Client key → backend. Touched once when a session starts, once when it
@@ -135,7 +155,7 @@ impl CancelSlot {
     /// the admin console's `SHOW CLIENTS`).
     pub fn state(&self) -> (Option<BackendKey>, bool) {
         let s = self.lock();
-        (s.backend, s.waiting)
+        (s.backend.clone(), s.waiting)
     }
 
     /// The client now uses `backend`.
@@ -174,7 +194,7 @@ impl CancelSlot {
     /// cancels the client's wait if it is waiting for one.
     fn begin(self: &Arc<Self>) -> Option<(BackendKey, CancelGuard)> {
         let mut s = self.lock();
-        let Some(backend) = s.backend else {
+        let Some(backend) = s.backend.clone() else {
             if s.waiting {
                 s.cancelled = true;
                 let waker = s.waker.take();
@@ -287,7 +307,7 @@ mod tests {
     const BACKEND: BackendKey = BackendKey {
         server: SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 5432),
         pid: 7,
-        secret: 9,
+        secret: Secret::Four(9),
     };
 
     /// 0 = not released, 1 = released for reuse, 2 = released to close.

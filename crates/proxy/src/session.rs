@@ -718,10 +718,7 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
     };
     let timeout = shared.server_connect_timeout();
     if let Ok(Ok(mut s)) = crate::timer::timeout(timeout, TcpStream::connect(key.server)).await {
-        if s.write_all(&encode::cancel_request(key.pid, key.secret))
-            .await
-            .is_ok()
-        {
+        if s.write_all(&key.cancel_request()).await.is_ok() {
             let mut sink = [0u8; 1];
             // The server closes once it has signalled the backend.
             if let Ok(Ok(0)) = crate::timer::timeout(timeout, s.read(&mut sink)).await {
@@ -1168,7 +1165,7 @@ async fn relay(
                     let (p, s) = shared.cancel.register(BackendKey {
                         server,
                         pid: *pid,
-                        secret: *secret,
+                        secret: crate::cancel::Secret::Four(*secret),
                     });
                     release.key = Some((p, s));
                     encode::backend_key_data(&mut hello, p, s);
@@ -1241,6 +1238,48 @@ impl Drop for Release<'_> {
         }
         self.gauge.dec();
     }
+}
+
+/// Puts pgwarden's own cancel key in place of the server's in a relayed
+/// BackendKeyData (`msg`, header included), registering where the
+/// server's leads; the key handed out goes in `key_slot`. A protocol 3.2
+/// server's longer secret is kept for the cancel request, and the client
+/// gets a 4-byte one, which 3.2 allows. A message that is neither is
+/// passed on as it is.
+fn own_backend_key(
+    cancel: &crate::cancel::CancelRegistry,
+    server: SocketAddr,
+    key_slot: &mut Option<(i32, i32)>,
+    msg: &mut [u8],
+) -> Verdict {
+    use crate::cancel::Secret;
+    let body = &msg[5..];
+    let (pid, secret) = match pgwarden_wire::message::backend_key_data(body) {
+        Ok((pid, secret)) => (pid, Secret::Four(secret)),
+        Err(_) => match pgwarden_wire::message::backend_key_data_any(body) {
+            Ok((pid, secret)) => (pid, Secret::Long(secret.into())),
+            Err(_) => return Verdict::Keep,
+        },
+    };
+    let long = matches!(secret, Secret::Long(_));
+    let (p, s) = cancel.register(BackendKey {
+        server,
+        pid,
+        secret,
+    });
+    // A second one (none is sent) would replace the first, which must not
+    // linger.
+    if let Some(old) = key_slot.replace((p, s)) {
+        cancel.remove(old);
+    }
+    if long {
+        let mut out = BytesMut::new();
+        encode::backend_key_data(&mut out, p, s);
+        return Verdict::Replace(out);
+    }
+    msg[5..9].copy_from_slice(&p.to_be_bytes());
+    msg[9..13].copy_from_slice(&s.to_be_bytes());
+    Verdict::Keep
 }
 
 /// What the two pumps of a session need, apart from the sockets.
@@ -1434,24 +1473,10 @@ impl Io<'_> {
                         };
                     }
                     if tag == backend::BACKEND_KEY_DATA {
-                        if let (Ok((pid, secret)), Some(server)) = (
-                            pgwarden_wire::message::backend_key_data(&msg[5..]),
-                            self.server_addr,
-                        ) {
-                            let (p, s) = cancel.register(BackendKey {
-                                server,
-                                pid,
-                                secret,
-                            });
-                            // A second one (none is sent) would replace
-                            // the first, which must not linger.
-                            if let Some(old) = key_slot.replace((p, s)) {
-                                cancel.remove(old);
-                            }
-                            msg[5..9].copy_from_slice(&p.to_be_bytes());
-                            msg[9..13].copy_from_slice(&s.to_be_bytes());
-                        }
-                        return Verdict::Keep;
+                        return match self.server_addr {
+                            Some(server) => own_backend_key(cancel, server, key_slot, msg),
+                            None => Verdict::Keep,
+                        };
                     }
                     match pgwarden_wire::message::parameter_status(&msg[5..]) {
                         Ok(("default_transaction_read_only", v))
@@ -1656,7 +1681,7 @@ mod tests {
         let key = cancel.register(crate::cancel::BackendKey {
             server: SocketAddr::from(([127, 0, 0, 1], 5432)),
             pid: 7,
-            secret: 9,
+            secret: crate::cancel::Secret::Four(9),
         });
         let (c, g) = (cancel.clone(), gauge.clone());
         let task = tokio::spawn(async move {
@@ -1672,6 +1697,69 @@ mod tests {
         assert!(task.await.unwrap_err().is_panic());
         assert!(cancel.lookup(key).is_none(), "the cancel key stayed");
         assert_eq!(gauge.get(), 0, "the server connection is still counted");
+    }
+
+    /// The server's key never reaches the client; a protocol 3.2 key of
+    /// 32 bytes is kept whole for the cancel request, which is sent to the
+    /// server as long as the server sent it.
+    #[test]
+    fn relayed_backend_keys_are_replaced_with_pgwarden_s_own() {
+        use crate::cancel::{CancelRegistry, Secret};
+        let server = SocketAddr::from(([127, 0, 0, 1], 5432));
+        let key_data = |secret: &[u8]| {
+            let mut m = vec![backend::BACKEND_KEY_DATA];
+            m.extend_from_slice(&(8 + secret.len() as u32).to_be_bytes());
+            m.extend_from_slice(&4242i32.to_be_bytes());
+            m.extend_from_slice(secret);
+            m
+        };
+        let cancel = CancelRegistry::default();
+        // Protocol 3.0: four bytes, rewritten in place.
+        let mut slot = None;
+        let mut m = key_data(&77i32.to_be_bytes());
+        assert!(matches!(
+            own_backend_key(&cancel, server, &mut slot, &mut m),
+            Verdict::Keep
+        ));
+        let (p, s) = slot.unwrap();
+        assert_eq!(
+            pgwarden_wire::message::backend_key_data(&m[5..]).unwrap(),
+            (p, s)
+        );
+        let (key, _) = cancel.lookup((p, s)).unwrap();
+        assert_eq!((key.pid, &key.secret), (4242, &Secret::Four(77)));
+        assert_eq!(key.cancel_request().len(), 16);
+        // Protocol 3.2: 32 bytes, replaced by a 4-byte key.
+        let long: Vec<u8> = (1..=32).collect();
+        let mut slot = None;
+        let mut m = key_data(&long);
+        let Verdict::Replace(out) = own_backend_key(&cancel, server, &mut slot, &mut m) else {
+            panic!("a long key must be replaced");
+        };
+        assert_eq!(out[0], backend::BACKEND_KEY_DATA);
+        let (p, s) = slot.unwrap();
+        assert_eq!(
+            pgwarden_wire::message::backend_key_data(&out[5..]).unwrap(),
+            (p, s)
+        );
+        let (key, _) = cancel.lookup((p, s)).unwrap();
+        let packet = key.cancel_request();
+        assert_eq!(packet.len(), 12 + 32);
+        assert_eq!(&packet[0..4], &44u32.to_be_bytes());
+        assert_eq!(&packet[8..12], &4242i32.to_be_bytes());
+        assert_eq!(&packet[12..], &long[..]);
+        // Out of range (over 256 bytes, or under 4): passed on untouched.
+        for bad in [vec![1u8; 257], vec![1u8; 2]] {
+            let mut slot = None;
+            let mut m = key_data(&bad);
+            let before = m.clone();
+            assert!(matches!(
+                own_backend_key(&cancel, server, &mut slot, &mut m),
+                Verdict::Keep
+            ));
+            assert!(slot.is_none());
+            assert_eq!(m, before);
+        }
     }
 
     #[test]

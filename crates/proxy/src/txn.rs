@@ -1287,7 +1287,7 @@ impl Session {
         self.cancel_target.attach(BackendKey {
             server: c.conn.peer,
             pid: c.conn.backend_key.0,
-            secret: c.conn.backend_key.1,
+            secret: crate::cancel::Secret::Four(c.conn.backend_key.1),
         });
         self.replies = Replies {
             status: Some(TxStatus::Idle),

@@ -381,6 +381,17 @@ pub fn cancel_request(pid: i32, secret: i32) -> [u8; 16] {
     out
 }
 
+/// CancelRequest packet with a secret key of any length (protocol 3.2
+/// servers send keys of up to 256 bytes).
+pub fn cancel_request_long(pid: i32, secret: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + secret.len());
+    out.extend_from_slice(&(12 + secret.len() as u32).to_be_bytes());
+    out.extend_from_slice(&CANCEL_REQUEST.to_be_bytes());
+    out.extend_from_slice(&pid.to_be_bytes());
+    out.extend_from_slice(secret);
+    out
+}
+
 /// The single-byte answer to SSLRequest or GSSENCRequest: `S` to go ahead
 /// with the handshake, `N` to continue unencrypted.
 pub fn ssl_response(accept: bool) -> u8 {

@@ -436,6 +436,19 @@ pub fn backend_key_data(body: &[u8]) -> Result<(i32, i32), BodyError> {
     Ok((pid, secret))
 }
 
+/// The process id and secret key of a BackendKeyData body of any
+/// protocol 3.x version: the key is 4 bytes under 3.0 and 4 to 256 bytes
+/// under 3.2.
+pub fn backend_key_data_any(body: &[u8]) -> Result<(i32, &[u8]), BodyError> {
+    let mut r = Reader::new(body);
+    let pid = r.i32()?;
+    let secret = &body[4..];
+    if !(4..=256).contains(&secret.len()) {
+        return Err(BodyError::InvalidValue("secret key length out of range"));
+    }
+    Ok((pid, secret))
+}
+
 /// The request code at the start of an Authentication (`R`) body, such as
 /// 0 for success, 3 for a cleartext password or 10 for SASL.
 pub fn authentication_code(body: &[u8]) -> Result<i32, BodyError> {
@@ -751,6 +764,15 @@ mod tests {
             backend_key_data(&[0, 0, 0, 7, 255, 255, 255, 254]),
             Ok((7, -2))
         );
+        // Protocol 3.2: a secret of 4 to 256 bytes.
+        let long = [&[0, 0, 0, 7][..], &[9; 32]].concat();
+        assert_eq!(backend_key_data_any(&long), Ok((7, &[9u8; 32][..])));
+        assert!(backend_key_data(&long).is_err());
+        for n in [0, 3, 257] {
+            let body = [&[0, 0, 0, 7][..], &vec![9; n]].concat();
+            assert!(backend_key_data_any(&body).is_err(), "{n}");
+        }
+        assert!(backend_key_data_any(&[0, 0, 7]).is_err());
         assert_eq!(authentication_code(&[0, 0, 0, 10, b'x']), Ok(10));
     }
 
