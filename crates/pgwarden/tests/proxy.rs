@@ -1033,31 +1033,38 @@ async fn a_huge_message_before_the_login_is_refused_on_a_read_only_service() {
     );
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
     ready(&e, 1).await;
-    let mut s = std::net::TcpStream::connect(p.service_addrs()["read_only"]).unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    let mut body = 196_608u32.to_be_bytes().to_vec();
-    body.extend_from_slice(b"user\0alice\0database\0postgres\0\0");
-    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-    packet.extend(body);
-    s.write_all(&packet).unwrap();
-    // The server asks for the password; a Query of 200 MB comes instead.
-    let mut head = [0u8; 5];
-    s.read_exact(&mut head).unwrap();
-    assert_eq!(head[0], b'R');
-    let mut rest = vec![0u8; u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4];
-    s.read_exact(&mut rest).unwrap();
-    let mut q = vec![b'Q'];
-    q.extend_from_slice(&200_000_000u32.to_be_bytes());
-    q.extend_from_slice(&[b'x'; 4096]);
-    s.write_all(&q).unwrap();
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out);
-    assert_eq!(out.first(), Some(&b'E'), "{text}");
-    assert!(
-        text.contains("C08P01") && text.contains("too long"),
-        "{text}"
-    );
+    // A Query of 200 MB, and a Bind as long (whose names a long Bind
+    // after the login is let through by), come instead of the password.
+    for (tag, start) in [(b'Q', &b"x"[..]), (b'B', b"\0\0")] {
+        let mut s = std::net::TcpStream::connect(p.service_addrs()["read_only"]).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let mut body = 196_608u32.to_be_bytes().to_vec();
+        body.extend_from_slice(b"user\0alice\0database\0postgres\0\0");
+        let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        packet.extend(body);
+        s.write_all(&packet).unwrap();
+        // The server asks for the password.
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(head[0], b'R');
+        let mut rest =
+            vec![0u8; u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4];
+        s.read_exact(&mut rest).unwrap();
+        let mut q = vec![tag];
+        q.extend_from_slice(&200_000_000u32.to_be_bytes());
+        q.extend_from_slice(start);
+        q.extend_from_slice(&[b'x'; 4096]);
+        s.write_all(&q).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out);
+        assert_eq!(out.first(), Some(&b'E'), "{text}");
+        assert!(
+            text.contains("C08P01") && text.contains("too long"),
+            "{}: {text}",
+            tag as char
+        );
+    }
 }
 
 /// A reload whose new listen address cannot be bound changes nothing: the

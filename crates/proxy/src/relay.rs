@@ -212,9 +212,18 @@ pub struct Framing {
     /// inspected messages must be held whole, is allowed little.
     pub limit: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
     /// For an inspected message over the limit, how much of it inspection
-    /// needs (given the tag and the message's bytes read so far); `None`
-    /// for all of every one.
-    pub head: Option<fn(u8, &[u8]) -> Head>,
+    /// needs (given the tag and the message's bytes read so far, no more
+    /// than the message); `None` for all of every one.
+    pub head: Option<HeadOf>,
+}
+
+/// Tells how much of a long inspected message is needed ([`Framing::head`]).
+pub struct HeadOf(pub Box<dyn Fn(u8, &[u8]) -> Head + Send + Sync>);
+
+impl std::fmt::Debug for HeadOf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HeadOf")
+    }
 }
 
 impl Framing {
@@ -252,12 +261,14 @@ impl Framing {
                 });
                 if total > max {
                     let too_long = || format!("message of {total} bytes is too long");
-                    let head = self.head.map_or(Head::Whole, |f| f(tag, &buf[pos..]));
+                    let seen = &buf[pos..pos + total.min(avail)];
+                    let head = self.head.as_ref().map_or(Head::Whole, |f| (f.0)(tag, seen));
                     match head {
                         Head::Whole => return Err(too_long()),
-                        Head::More if avail >= MAX_HEAD => return Err(too_long()),
+                        Head::More if avail >= MAX_HEAD.min(total) => return Err(too_long()),
                         Head::More => break,
-                        Head::Is(n) => match inspect(tag, &mut buf[pos..pos + n.min(avail)]) {
+                        Head::Is(n) if n > seen.len() => return Err(too_long()),
+                        Head::Is(n) => match inspect(tag, &mut buf[pos..pos + n]) {
                             Verdict::Keep if avail >= total => pos += total,
                             Verdict::Keep => {
                                 self.skip = total - avail;
@@ -818,7 +829,7 @@ mod tests {
         });
         let mut framing = Framing {
             limit: Some(std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(64))),
-            head: Some(two_names),
+            head: Some(HeadOf(Box::new(two_names))),
             ..Framing::default()
         };
         let mut seen = Vec::new();
@@ -871,6 +882,16 @@ mod tests {
         assert!(out.is_empty());
         // A Bind whose names do not end within MAX_HEAD.
         let (end, out, seen) = pump_limited(msg(b'B', &vec![b'p'; MAX_HEAD * 2])).await;
+        assert!(
+            matches!(&end, End::Protocol(e) if e.contains("too long")),
+            "{end:?}"
+        );
+        assert!(out.is_empty() && seen.is_empty());
+        // One whose names do not end within it, followed by a message
+        // whose header holds zero bytes: only its own bytes count.
+        let mut input = msg(b'B', &[&b"p\0"[..], &[b'x'; 100]].concat());
+        input.extend(msg(b'Q', b"good\0"));
+        let (end, out, seen) = pump_limited(input).await;
         assert!(
             matches!(&end, End::Protocol(e) if e.contains("too long")),
             "{end:?}"

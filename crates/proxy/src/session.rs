@@ -1363,7 +1363,18 @@ impl Io<'_> {
             ))
         });
         c2s.limit = login_limit.clone();
-        c2s.head = Some(bind_head);
+        // Before the login, nothing long is taken, not even by its head.
+        let logged_in = login_limit.clone();
+        c2s.head = Some(crate::relay::HeadOf(Box::new(move |tag, msg| {
+            let limit = logged_in.as_ref().map_or(crate::relay::MAX_INSPECTED, |l| {
+                l.load(std::sync::atomic::Ordering::Relaxed)
+            });
+            if limit < crate::relay::MAX_INSPECTED {
+                crate::relay::Head::Whole
+            } else {
+                bind_head(tag, msg)
+            }
+        })));
         let mut s2c = Framing::default();
         // Statements pipelined behind a possible change of the read-only
         // default wait for the server's report of it
@@ -1521,9 +1532,17 @@ impl Io<'_> {
             // server answers what it was sent before it sees the end of
             // input, as it would answer the client directly. The server
             // is shown the end, and the replies relayed until it closes
-            // (or the session is told to end).
-            if matches!(ended, Ended::Upstream(End::Eof)) && killed.reason().is_none() {
-                let _ = crate::timer::timeout(SHUTDOWN_WRITE, sw.shutdown()).await;
+            // (or the session is told to end). A server not shown the end
+            // (a TLS close_notify that could not be written in time)
+            // would wait for more input for good: the session ends then,
+            // as it did before.
+            if matches!(ended, Ended::Upstream(End::Eof))
+                && killed.reason().is_none()
+                && matches!(
+                    crate::timer::timeout(SHUTDOWN_WRITE, sw.shutdown()).await,
+                    Ok(Ok(()))
+                )
+            {
                 ended = tokio::select! {
                     e = &mut downstream => match e {
                         // The server closing after the client's end is

@@ -283,8 +283,9 @@ pub(crate) async fn run(
     let mut sbuf = BytesMut::new();
     let outcome: Result<(), Fatal> = async {
         let mut client_armed = false;
-        // The client shut its sending side with replies still owed; they
-        // are relayed, and the session ends once they are all in.
+        // The client shut its sending side with replies still owed: the
+        // server was shown the end of input too, and what it sends is
+        // relayed until the replies are in or it closes.
         let mut input_ended = false;
         // Being told to end shows as the end of the client's input.
         let ended = |killed: &KillState| match killed.reason() {
@@ -348,6 +349,9 @@ pub(crate) async fn run(
                         match n {
                             Ok(0) | Err(_) => {
                                 session.detach(false);
+                                if input_ended {
+                                    return Ok(());
+                                }
                                 return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, "terminating connection: the server closed the connection"));
                             }
                             Ok(_) => {}
@@ -375,6 +379,8 @@ pub(crate) async fn run(
                             return Ok(());
                         }
                         if input_ended && !session.replies.answers_owed() {
+                            // Its end of input was shown: never reused.
+                            session.detach(false);
                             return Ok(());
                         }
                         if session.attached.is_some() && session.replies.idle() && !session.pinned && !session.settings.hold_session && sbuf.is_empty() && session.skip == 0 && !session.unsent {
@@ -422,18 +428,24 @@ pub(crate) async fn run(
                 } => return ended(&killed),
                 r = read_client(client, &mut early, &mut client_armed), if !session.unsent && !session.held && !input_ended => {
                     match r {
-                        // A client that shut only its sending side still
-                        // reads (it cannot be told from one that closed
-                        // until a write fails): what it sent is answered,
-                        // as PostgreSQL answers it.
-                        Ok(0) if killed.reason().is_none()
-                            && session.attached.is_some()
-                            && session.replies.answers_owed() =>
-                        {
-                            input_ended = true;
-                            continue;
+                        Ok(0) | Err(_) => {
+                            // A client that shut only its sending side
+                            // still reads (it cannot be told from one that
+                            // closed until a write fails): what it sent is
+                            // answered, as PostgreSQL answers it. Shown the
+                            // end too, the server answers and closes, so
+                            // the wait ends even when the replies owed
+                            // cannot be counted exactly (after a COPY).
+                            if matches!(r, Ok(0))
+                                && killed.reason().is_none()
+                                && session.replies.answers_owed()
+                                && session.show_end_of_input().await
+                            {
+                                input_ended = true;
+                                continue;
+                            }
+                            return ended(&killed);
                         }
-                        Ok(0) | Err(_) => return ended(&killed),
                         Ok(n) => {
                             from_client.inc_by(n as u64);
                         }
@@ -1405,6 +1417,19 @@ impl Session {
             self.cancel_target
                 .detach(move |safe| c.release(reusable && safe));
         }
+    }
+
+    /// Shows the attached server the end of the client's input; false
+    /// without a server, or when it could not be shown in time (a TLS
+    /// close_notify the socket would not take).
+    async fn show_end_of_input(&mut self) -> bool {
+        let Some(c) = self.attached.as_mut() else {
+            return false;
+        };
+        matches!(
+            crate::timer::timeout(crate::session::SHUTDOWN_WRITE, c.conn.stream.shutdown()).await,
+            Ok(Ok(()))
+        )
     }
 
     /// Handles every complete client message in `buf`; true = the client
