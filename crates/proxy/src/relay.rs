@@ -217,8 +217,11 @@ pub struct Framing {
     pub head: Option<HeadOf>,
 }
 
+/// How much of a long message with this tag and these bytes is needed.
+pub type HeadFn = dyn Fn(u8, &[u8]) -> Head + Send + Sync;
+
 /// Tells how much of a long inspected message is needed ([`Framing::head`]).
-pub struct HeadOf(pub Box<dyn Fn(u8, &[u8]) -> Head + Send + Sync>);
+pub struct HeadOf(pub Box<HeadFn>);
 
 impl std::fmt::Debug for HeadOf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
