@@ -5723,3 +5723,56 @@ async fn a_pooled_client_that_half_closes_still_gets_its_replies() {
         Some("2")
     );
 }
+
+/// A pooled server shown the end of a client's input is never lent again,
+/// also when the client is gone before its replies are (the write of the
+/// last of them fails): it is closed, not left idle in the pool with its
+/// backend gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_shown_the_end_of_input_is_not_lent_again() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let addr = p.service_addrs()["read_write"];
+    let http = p.http_addr().unwrap();
+    let idle = || common::metric_sample(http, "pgwarden_pool_servers_idle{");
+    let direct = c.conninfo(0);
+    const BACKENDS: &str = "SELECT count(*) FROM pg_stat_activity \
+        WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() \
+        AND application_name <> 'pgwarden-probe'";
+    for size in [100, 20_000, 40_000, 70_000] {
+        for round in 0..5 {
+            tokio::task::spawn_blocking(move || {
+                use std::io::Write;
+                let mut raw = RawClient::connect_with(
+                    addr,
+                    &[("user", "postgres"), ("database", "postgres")],
+                );
+                raw.simple(b"SELECT 1");
+                raw.0
+                    .write_all(&msg_query(format!("SELECT repeat('x', {size})").as_bytes()))
+                    .unwrap();
+                raw.0.shutdown(std::net::Shutdown::Write).unwrap();
+                // Gone before the replies come.
+            })
+            .await
+            .unwrap();
+            // A server idle in the pool has its backend: one shown the end
+            // of input ends its backend, and must be closed, not idle.
+            // (A reply that came before the end of input was read leaves
+            // the server idle, and rightly so.)
+            pgwarden_testkit::eventually(
+                &format!("size {size} round {round}: every idle server has its backend"),
+                Duration::from_secs(10),
+                || async {
+                    let idle = idle().await;
+                    let backends = sql_value(&direct, BACKENDS).await;
+                    let backends: f64 = backends.as_deref().unwrap_or("-1").parse().unwrap();
+                    (idle == backends)
+                        .then_some(())
+                        .ok_or(format!("{idle} idle, {backends} backends"))
+                },
+            )
+            .await;
+        }
+    }
+}

@@ -502,7 +502,9 @@ pub(crate) async fn run(
     // A server mid-transaction cannot be handed to someone else; one that
     // carried a whole session must be reset first (after the client is
     // let go, which need not wait for it).
-    let reusable = if session.settings.hold_session {
+    let reusable = if session.end_shown {
+        false
+    } else if session.settings.hold_session {
         session.replies.idle() && session.reset().await
     } else {
         session.replies.idle() && !session.pinned
@@ -778,6 +780,9 @@ struct Session {
     /// (an error followed a `DISCARD ALL`, a placeholder was not dropped):
     /// it is closed when let go, not given to another client.
     stray_statements: bool,
+    /// The attached server was shown the end of the client's input (its
+    /// write side shut): it must never serve anyone else.
+    end_shown: bool,
     /// Portals of the attached server bound to a client's `DEALLOCATE`
     /// statement ([`Drops::One`]), with the batch of their Bind: the
     /// statement is forgotten when one of them runs.
@@ -867,6 +872,7 @@ impl Session {
             wait_timer: None,
             discarding: 0,
             stray_statements: false,
+            end_shown: false,
             dealloc_portals: Vec::new(),
             parses_named: 0,
             answers: None,
@@ -1408,7 +1414,7 @@ impl Session {
 
     fn detach(&mut self, reusable: bool) {
         // A server with bytes still to send is mid-message: never reused.
-        let reusable = reusable && !std::mem::take(&mut self.unsent);
+        let reusable = reusable && !std::mem::take(&mut self.unsent) && !self.end_shown;
         crate::bufcache::release(&mut self.outbuf);
         let uncertain = std::mem::take(&mut self.stray_statements);
         self.discarding = 0;
@@ -1426,6 +1432,9 @@ impl Session {
         let Some(c) = self.attached.as_mut() else {
             return false;
         };
+        // Set before the attempt: a TLS stream that timed out has the
+        // close_notify queued all the same.
+        self.end_shown = true;
         matches!(
             crate::timer::timeout(crate::session::SHUTDOWN_WRITE, c.conn.stream.shutdown()).await,
             Ok(Ok(()))
