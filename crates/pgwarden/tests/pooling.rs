@@ -1968,6 +1968,17 @@ async fn kill_ends_a_databases_clients_and_server_connections() {
     .await;
     let fresh = client(&url).await.unwrap();
     assert_eq!(one(&fresh, "SELECT 2").await, "2");
+    // Both pooled clients count as sessions ended by the administrator.
+    let http = p.http_addr().unwrap();
+    pgwarden_testkit::eventually("the kills counted", WAIT, || async {
+        let n = common::metric_sample(
+            http,
+            "pgwarden_sessions_terminated_total{service=\"read_write\",reason=\"Admin\"}",
+        )
+        .await;
+        (n == 2.0).then_some(()).ok_or(n.to_string())
+    })
+    .await;
 }
 
 /// With `listen.unix_socket_dir`, every service also listens on

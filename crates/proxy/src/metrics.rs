@@ -322,7 +322,7 @@ impl Metrics {
             (
                 "pgwarden_host_up",
                 "gauge",
-                "1 if the last probe of the host succeeded",
+                "1 while the host counts as up (down after down_after_failures failed probes in a row)",
             ),
             (
                 "pgwarden_host_primary",

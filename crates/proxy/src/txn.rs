@@ -492,6 +492,17 @@ pub(crate) async fn run(
         let out = f.into_message();
         let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
+    // Counted as a relayed session's end is: by why pgwarden ended it.
+    if let Some(k) = killed.reason() {
+        shared
+            .metrics
+            .sessions_terminated
+            .get_or_create(&crate::metrics::ErrorLabel {
+                service: spec.name.clone(),
+                reason: format!("{k:?}"),
+            })
+            .inc();
+    }
     drop(registration);
     shared.cancel.remove(key);
     // TLS ends with close_notify; a plain socket's close sends the FIN a

@@ -25,7 +25,9 @@ use crate::ssn::{self, SyncMethod, SyncStandbyNames};
 pub struct HostState {
     /// The host's configuration.
     pub config: HostConfig,
-    /// Whether the most recent probe succeeded.
+    /// Whether the host counts as up: false once `down_after_failures`
+    /// probes in a row failed (at once for a refused connection), true
+    /// again at the next success.
     pub alive: bool,
     /// Last role the host reported; kept while it is down so operators can
     /// see what went missing.
