@@ -5773,7 +5773,7 @@ async fn a_server_shown_the_end_of_input_is_not_lent_again() {
             // the server idle, and rightly so.)
             pgwarden_testkit::eventually(
                 &format!("size {size} round {round}: every idle server has its backend"),
-                Duration::from_secs(10),
+                WAIT,
                 || async {
                     let idle = idle().await;
                     let backends = sql_value(&direct, BACKENDS).await;

@@ -45,6 +45,8 @@ struct Fatal {
     message: String,
     /// A server's own ErrorResponse to relay instead.
     raw: Option<BytesMut>,
+    /// pgwarden ended the session, for this reason.
+    kill: Option<Kill>,
 }
 
 impl Fatal {
@@ -53,6 +55,15 @@ impl Fatal {
             code,
             message: message.into(),
             raw: None,
+            kill: None,
+        }
+    }
+
+    /// The session ends because pgwarden ended it.
+    fn killed(self, kill: Kill) -> Self {
+        Self {
+            kill: Some(kill),
+            ..self
         }
     }
 
@@ -293,7 +304,8 @@ pub(crate) async fn run(
             Some(Kill::HostDown) => Err(Fatal::new(
                 sqlstate::CONNECTION_FAILURE,
                 "terminating connection: its server is down",
-            )),
+            )
+            .killed(Kill::HostDown)),
             Some(k) => {
                 let why = match k {
                     Kill::Shutdown => "pgwarden is shutting down",
@@ -301,7 +313,7 @@ pub(crate) async fn run(
                     Kill::HostRemoved => "its server was removed from pgwarden's configuration",
                     _ => "the server went away",
                 };
-                Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")))
+                Err(Fatal::new(sqlstate::ADMIN_SHUTDOWN, format!("terminating connection: {why}")).killed(k))
             }
         };
         // A client that left while waiting may have left because it was
@@ -488,12 +500,14 @@ pub(crate) async fn run(
     sbuf.clear();
     crate::bufcache::release(&mut sbuf);
 
+    // Counted as a relayed session's end is: only when pgwarden's kill is
+    // what ended it, by why.
+    let kill = outcome.as_ref().err().and_then(|f| f.kill);
     if let Err(f) = outcome {
         let out = f.into_message();
         let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
-    // Counted as a relayed session's end is: by why pgwarden ended it.
-    if let Some(k) = killed.reason() {
+    if let Some(k) = kill {
         shared
             .metrics
             .sessions_terminated
@@ -1103,6 +1117,7 @@ impl Session {
                         code: sqlstate::CONNECTION_FAILURE,
                         message: String::new(),
                         raw: Some(raw),
+                        kill: None,
                     });
                 }
                 Err(ServerError::Failed(e)) => {
@@ -1383,6 +1398,7 @@ impl Session {
                     code: sqlstate::INVALID_PARAMETER_VALUE,
                     message: String::new(),
                     raw: Some(encode::fatal(&code, &message)),
+                    kill: None,
                 },
                 true,
             )),
