@@ -668,11 +668,12 @@ async fn relayed_connections_have_tcp_keepalive() {
     let mut s = std::net::TcpStream::connect(p.service_addrs()["read_write"]).unwrap();
     let mine = s.local_addr().unwrap().port();
     // A startup packet, so that the server leg exists too.
-    let mut body = 196_608u32.to_be_bytes().to_vec();
-    body.extend_from_slice(b"user\0postgres\0database\0postgres\0application_name\0ka\0\0");
-    s.write_all(&((body.len() + 4) as u32).to_be_bytes())
-        .unwrap();
-    s.write_all(&body).unwrap();
+    s.write_all(&startup_packet(&[
+        ("user", "postgres"),
+        ("database", "postgres"),
+        ("application_name", "ka"),
+    ]))
+    .unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut greeting = [0u8; 1];
     s.read_exact(&mut greeting).unwrap();
@@ -879,32 +880,11 @@ async fn sessions_stay_when_the_primary_moves_between_two_names_of_it() {
 async fn a_session_stuck_writing_to_a_dead_host_ends_when_it_is_found_down() {
     let (c, relay, e, p) = behind_relay(Duration::from_secs(10)).await;
     sql_value(&c.conninfo(0), "CREATE TABLE copied_to_the_dead (x text)").await;
-    let addr = p.service_addrs()["read_write"];
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    let mut body = 196_608u32.to_be_bytes().to_vec();
-    body.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
-    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-    packet.extend(body);
-    s.write_all(&packet).unwrap();
+    let mut s = raw_login(p.service_addrs()["read_write"], "postgres");
     // Up to ReadyForQuery, then the COPY's CopyInResponse.
-    let read_until = |s: &mut std::net::TcpStream, want: u8| loop {
-        let mut head = [0u8; 5];
-        s.read_exact(&mut head).unwrap();
-        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-        let mut rest = vec![0u8; len - 4];
-        s.read_exact(&mut rest).unwrap();
-        assert_ne!(head[0], b'E', "{}", String::from_utf8_lossy(&rest));
-        if head[0] == want {
-            break;
-        }
-    };
     read_until(&mut s, b'Z');
-    let sql = b"COPY copied_to_the_dead FROM STDIN\0";
-    let mut q = vec![b'Q'];
-    q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
-    q.extend_from_slice(sql);
-    s.write_all(&q).unwrap();
+    s.write_all(&query_message("COPY copied_to_the_dead FROM STDIN"))
+        .unwrap();
     read_until(&mut s, b'G');
     relay.set_blackhole(true);
     // Stream rows until pgwarden ends the session (a write fails), with
@@ -1036,13 +1016,7 @@ async fn a_huge_message_before_the_login_is_refused_on_a_read_only_service() {
     // A Query of 200 MB, and a Bind as long (whose names a long Bind
     // after the login is let through by), come instead of the password.
     for (tag, start) in [(b'Q', &b"x"[..]), (b'B', b"\0\0")] {
-        let mut s = std::net::TcpStream::connect(p.service_addrs()["read_only"]).unwrap();
-        s.set_read_timeout(Some(WAIT)).unwrap();
-        let mut body = 196_608u32.to_be_bytes().to_vec();
-        body.extend_from_slice(b"user\0alice\0database\0postgres\0\0");
-        let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-        packet.extend(body);
-        s.write_all(&packet).unwrap();
+        let mut s = raw_login(p.service_addrs()["read_only"], "alice");
         // The server asks for the password.
         let mut head = [0u8; 5];
         s.read_exact(&mut head).unwrap();
@@ -1266,30 +1240,13 @@ async fn a_client_that_half_closes_still_gets_its_replies() {
     for service in ["read_write", "read_only"] {
         let addr = p.service_addrs()[service];
         let replies = tokio::task::spawn_blocking(move || {
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            s.set_read_timeout(Some(WAIT)).unwrap();
-            let mut body = 196_608u32.to_be_bytes().to_vec();
-            body.extend_from_slice(b"user\0postgres\0database\0postgres\0\0");
-            let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-            packet.extend(body);
-            s.write_all(&packet).unwrap();
-            loop {
-                let mut head = [0u8; 5];
-                s.read_exact(&mut head).unwrap();
-                let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-                let mut rest = vec![0u8; len - 4];
-                s.read_exact(&mut rest).unwrap();
-                assert_ne!(head[0], b'E', "{}", String::from_utf8_lossy(&rest));
-                if head[0] == b'Z' {
-                    break;
-                }
-            }
+            let mut s = raw_login(addr, "postgres");
+            read_until(&mut s, b'Z');
             // The reply comes well after the end of the client's input.
-            let sql = b"SELECT pg_sleep(0.5), 'answered after the end of input'\0";
-            let mut q = vec![b'Q'];
-            q.extend_from_slice(&((sql.len() + 4) as u32).to_be_bytes());
-            q.extend_from_slice(sql);
-            s.write_all(&q).unwrap();
+            s.write_all(&query_message(
+                "SELECT pg_sleep(0.5), 'answered after the end of input'",
+            ))
+            .unwrap();
             s.shutdown(std::net::Shutdown::Write).unwrap();
             let mut out = Vec::new();
             s.read_to_end(&mut out).expect("the session ends");
@@ -1335,4 +1292,54 @@ async fn a_bind_longer_than_the_inspection_limit_passes_on_a_read_only_service()
         .unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err:?}");
     assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
+}
+
+/// A protocol 3.0 startup packet with these parameters.
+fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    for (k, v) in params {
+        for part in [k, v] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+    }
+    body.push(0);
+    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    packet.extend(body);
+    packet
+}
+
+/// A socket to `addr` that has sent its startup packet as `user` to the
+/// database postgres, with reads bounded by [`WAIT`].
+fn raw_login(addr: std::net::SocketAddr, user: &str) -> std::net::TcpStream {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(&startup_packet(&[("user", user), ("database", "postgres")]))
+        .unwrap();
+    s
+}
+
+/// Reads messages up to and including one of type `tag`; an
+/// ErrorResponse before it fails the test.
+fn read_until(s: &mut std::net::TcpStream, tag: u8) {
+    loop {
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).unwrap();
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        let mut rest = vec![0u8; len - 4];
+        s.read_exact(&mut rest).unwrap();
+        assert_ne!(head[0], b'E', "{}", String::from_utf8_lossy(&rest));
+        if head[0] == tag {
+            return;
+        }
+    }
+}
+
+/// A Query message.
+fn query_message(sql: &str) -> Vec<u8> {
+    let mut q = vec![b'Q'];
+    q.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
+    q.extend_from_slice(sql.as_bytes());
+    q.push(0);
+    q
 }
