@@ -5,7 +5,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    client, one, proxy_with, ready, sql_value, sqlstate, until, via, POOL_AFFINITY, WORKERS,
+    client, one, proxy_with, ready, sql_value, sqlstate, startup_packet, until, via, POOL_AFFINITY,
+    WORKERS,
 };
 use pgwarden_proxy::PoolSettings;
 use pgwarden_testkit::TestCluster;
@@ -3216,21 +3217,6 @@ async fn a_read_only_session_holding_a_statement_still_ends_with_its_host() {
         );
         ready(&e, 2).await;
     }
-}
-
-/// A startup packet (protocol 3.0) with these parameters.
-fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
-    let mut body = 196_608u32.to_be_bytes().to_vec();
-    for (k, v) in params {
-        for part in [k, v] {
-            body.extend_from_slice(part.as_bytes());
-            body.push(0);
-        }
-    }
-    body.push(0);
-    let mut bytes = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-    bytes.extend(body);
-    bytes
 }
 
 /// A client that pipelines a large statement behind one with a large

@@ -5,7 +5,9 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::{client, http_get, one, proxy, ready, sql_value, sqlstate, until, via};
+use common::{
+    client, http_get, one, proxy, ready, sql_value, sqlstate, startup_packet, until, via,
+};
 use pgwarden_testkit::{StopMode, TestCluster};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -1292,21 +1294,6 @@ async fn a_bind_longer_than_the_inspection_limit_passes_on_a_read_only_service()
         .unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("25006"), "{err:?}");
     assert_eq!(one(&ro, "SHOW transaction_read_only").await, "on");
-}
-
-/// A protocol 3.0 startup packet with these parameters.
-fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
-    let mut body = 196_608u32.to_be_bytes().to_vec();
-    for (k, v) in params {
-        for part in [k, v] {
-            body.extend_from_slice(part.as_bytes());
-            body.push(0);
-        }
-    }
-    body.push(0);
-    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-    packet.extend(body);
-    packet
 }
 
 /// A socket to `addr` that has sent its startup packet as `user` to the

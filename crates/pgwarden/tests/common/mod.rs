@@ -413,3 +413,18 @@ pub async fn served_once_open<T>(
         .expect("the client is served once its host accepts")
         .unwrap()
 }
+
+/// A protocol 3.0 startup packet with these parameters.
+pub fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = 196_608u32.to_be_bytes().to_vec();
+    for (k, v) in params {
+        for part in [k, v] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+    }
+    body.push(0);
+    let mut packet = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    packet.extend(body);
+    packet
+}
