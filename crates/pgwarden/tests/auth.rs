@@ -11,6 +11,9 @@ use pgwarden_testkit::TestCluster;
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// `café-secret` in LATIN1.
+const LATIN1_PASSWORD: &[u8] = b"caf\xe9-secret";
+
 struct Setup {
     c: TestCluster,
     _dir: tempfile::TempDir,
@@ -23,6 +26,15 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     let admin = c.conninfo(0);
     sql(&admin, "CREATE ROLE alice LOGIN PASSWORD 'alice-secret'").await;
     sql(&admin, "CREATE ROLE dave LOGIN PASSWORD 'dave-secret'").await;
+    // A password in LATIN1, not UTF-8: its secret is made here, as a
+    // LATIN1 client's libpq would make it (the server takes only text).
+    let latin =
+        pgwarden_auth::ScramSecret::from_password(LATIN1_PASSWORD, b"latin-salt", 4096).unwrap();
+    sql(
+        &admin,
+        &format!("CREATE ROLE lena LOGIN PASSWORD '{latin}'"),
+    )
+    .await;
     sql(
         &admin,
         "SET password_encryption = 'md5'; CREATE ROLE carol LOGIN PASSWORD 'carol-secret'",
@@ -59,6 +71,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all alice 127.0.0.1/32 scram-sha-256\n\
          host all carol 127.0.0.1/32 md5\n\
          host all dave 127.0.0.1/32 password\n\
+         host all lena 127.0.0.1/32 password\n\
          host all mallory 127.0.0.1/32 reject\n\
          host all sam samehost reject\n\
          host all nat samenet reject\n\
@@ -159,6 +172,24 @@ async fn check_methods(s: &Setup) {
     assert_eq!(login(&s.p, "carol", "carol-secret").await.unwrap(), "carol");
     // cleartext against a SCRAM verifier.
     assert_eq!(login(&s.p, "dave", "dave-secret").await.unwrap(), "dave");
+    // A password that is not UTF-8 (a LATIN1 client's), compared as bytes
+    // and used as bytes to log in to the server, as PostgreSQL does.
+    let lena = |password: &'static [u8]| {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host("127.0.0.1")
+            .port(s.p.service_addrs()["read_write"].port())
+            .user("lena")
+            .dbname("postgres")
+            .password(password);
+        async move {
+            let (db, conn) = cfg.connect(tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            db.simple_query("SELECT 1").await.map(|_| ())
+        }
+    };
+    lena(LATIN1_PASSWORD).await.expect("a LATIN1 password");
+    let wrong = lena(b"caf\xe9-wrong").await.unwrap_err();
+    assert_eq!(sqlstate(&wrong).as_deref(), Some("28P01"), "{wrong:?}");
     // Wrong password, and an unknown role: the same answer.
     let wrong = login(&s.p, "alice", "nope").await.unwrap_err();
     assert_eq!(wrong.0.as_deref(), Some("28P01"), "{wrong:?}");
@@ -212,7 +243,8 @@ async fn session_mode_methods_failures_and_server_login() {
         .await
         .unwrap();
     assert!(
-        body.contains("pgwarden_auth_failures_total{reason=\"bad_password\"} 2"),
+        // alice's and lena's wrong passwords, and the unknown role.
+        body.contains("pgwarden_auth_failures_total{reason=\"bad_password\"} 3"),
         "{body}"
     );
     assert!(

@@ -46,8 +46,10 @@ pub enum Credential {
     /// Nothing that servers could check (`trust`, `cert`): they must not
     /// ask pgwarden for a password.
     None,
-    /// The cleartext password (method `password`).
-    Password(String),
+    /// The cleartext password (method `password`, or the pool's
+    /// configured server password), as bytes: a client whose encoding is
+    /// not UTF-8 sends it in that encoding.
+    Password(Vec<u8>),
     /// The md5 verifier (method `md5` against an md5 secret).
     Md5Secret(String),
     /// The SCRAM ClientKey recovered from the client's proof.
@@ -531,9 +533,9 @@ impl Authenticator {
                 let mut out = BytesMut::new();
                 encode::authentication_cleartext(&mut out);
                 let reply = ask(client, &out).await.map_err(no_answer)?;
-                let password = message::password_message(&reply)
+                let password = message::password_bytes(&reply)
                     .map_err(|_| failed())?
-                    .to_string();
+                    .to_vec();
                 // PBKDF2 with the verifier's iterations: milliseconds or
                 // more, off the event loop that serves other clients.
                 let ok = match verifier {
@@ -752,7 +754,7 @@ fn check_cert_name(name: Result<Option<Vec<u8>>, String>, user: &str) -> Result<
 }
 
 /// Whether a cleartext password matches a verifier of either kind.
-fn password_matches(verifier: &str, user: &str, password: &str) -> bool {
+fn password_matches(verifier: &str, user: &str, password: &[u8]) -> bool {
     if pgwarden_auth::is_md5_secret(verifier) {
         let mine = md5_secret(user, password);
         return subtle_eq(mine.as_bytes(), verifier.as_bytes());

@@ -1524,7 +1524,7 @@ impl Pool {
                 let stored = self.credential.lock().expect("poisoned").clone();
                 let cred = match stored {
                     Credential::None => match self.server_password() {
-                        Some(p) => Credential::Password(p),
+                        Some(p) => Credential::Password(p.into_bytes()),
                         None => Credential::None,
                     },
                     c => c,
@@ -1812,7 +1812,7 @@ pub(crate) async fn login(
                 let mut out = BytesMut::new();
                 match (code, cred) {
                     (0, _) => continue,
-                    (3, Credential::Password(p)) => password_message(&mut out, p.as_bytes()),
+                    (3, Credential::Password(p)) => password_message(&mut out, p),
                     (3, _) => return Err(need("cleartext password")),
                     (5, Credential::Password(_) | Credential::Md5Secret(_)) => {
                         let salt: [u8; 4] = body

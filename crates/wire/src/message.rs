@@ -508,8 +508,15 @@ pub fn sasl_offer_without_binding(msg: &[u8]) -> Option<Vec<u8>> {
 ///
 /// As in PostgreSQL, bytes after the terminator make the message invalid.
 pub fn password_message(body: &[u8]) -> Result<&str, BodyError> {
+    std::str::from_utf8(password_bytes(body)?).map_err(|_| BodyError::InvalidUtf8)
+}
+
+/// The password of a PasswordMessage body as the client sent it: a
+/// client whose encoding is not UTF-8 sends its password in that
+/// encoding, and PostgreSQL compares the bytes.
+pub fn password_bytes(body: &[u8]) -> Result<&[u8], BodyError> {
     let mut r = Reader::new(body);
-    let password = r.cstr()?;
+    let password = r.cstr_bytes()?;
     r.finish()?;
     Ok(password)
 }
@@ -629,6 +636,8 @@ mod tests {
         assert_eq!(password_message(b"secret\0"), Ok("secret"));
         assert_eq!(password_message(b"secret"), Err(BodyError::Truncated));
         assert_eq!(password_message(b"a\0b"), Err(BodyError::TrailingData));
+        assert_eq!(password_bytes(b"caf\xe9\0"), Ok(&b"caf\xe9"[..]));
+        assert_eq!(password_message(b"caf\xe9\0"), Err(BodyError::InvalidUtf8));
         assert_eq!(
             sasl_initial_response(b"SCRAM-SHA-256\0\0\0\0\x03n,,"),
             Ok(("SCRAM-SHA-256", &b"n,,"[..]))
