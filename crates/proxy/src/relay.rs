@@ -805,17 +805,6 @@ mod tests {
         }
     }
 
-    /// The head of a test Bind: up to its second NUL.
-    fn two_names(tag: u8, m: &[u8]) -> Head {
-        if tag != b'B' {
-            return Head::Whole;
-        }
-        match m[5..].iter().enumerate().filter(|(_, &b)| b == 0).nth(1) {
-            Some((i, _)) => Head::Is(5 + i + 1),
-            None => Head::More,
-        }
-    }
-
     /// Runs `input` through a pump whose inspected messages are 'B' and
     /// 'Q', limited to 64 bytes, read in small pieces; returns how it
     /// ended, what it sent and what inspection was shown.
@@ -832,7 +821,7 @@ mod tests {
         });
         let mut framing = Framing {
             limit: Some(std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(64))),
-            head: Some(HeadOf(Box::new(two_names))),
+            head: Some(HeadOf(Box::new(crate::session::bind_head))),
             ..Framing::default()
         };
         let mut seen = Vec::new();

@@ -901,7 +901,7 @@ fn read_only_replies(tag: u8) -> bool {
 /// parameters can be large, up to PostgreSQL's 1 GB): the portal and
 /// statement names at its start. Every other inspected message is needed
 /// whole.
-fn bind_head(tag: u8, msg: &[u8]) -> crate::relay::Head {
+pub(crate) fn bind_head(tag: u8, msg: &[u8]) -> crate::relay::Head {
     use crate::relay::Head;
     if tag != frontend::BIND {
         return Head::Whole;
@@ -1253,13 +1253,10 @@ fn own_backend_key(
     msg: &mut [u8],
 ) -> Verdict {
     use crate::cancel::Secret;
-    let body = &msg[5..];
-    let (pid, secret) = match pgwarden_wire::message::backend_key_data(body) {
-        Ok((pid, secret)) => (pid, Secret::Four(secret)),
-        Err(_) => match pgwarden_wire::message::backend_key_data_any(body) {
-            Ok((pid, secret)) => (pid, Secret::Long(secret.into())),
-            Err(_) => return Verdict::Keep,
-        },
+    let (pid, secret) = match pgwarden_wire::message::backend_key_data_any(&msg[5..]) {
+        Ok((pid, &[a, b, c, d])) => (pid, Secret::Four(i32::from_be_bytes([a, b, c, d]))),
+        Ok((pid, long)) => (pid, Secret::Long(long.into())),
+        Err(_) => return Verdict::Keep,
     };
     let long = matches!(secret, Secret::Long(_));
     let (p, s) = cancel.register(BackendKey {
