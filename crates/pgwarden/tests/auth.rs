@@ -40,6 +40,11 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
         "SET password_encryption = 'md5'; CREATE ROLE carol LOGIN PASSWORD 'carol-secret'",
     )
     .await;
+    // A secret made with more iterations than PostgreSQL 15's 4096, as a
+    // cluster with a raised `scram_iterations` (PostgreSQL 16) makes them.
+    let slow = pgwarden_auth::ScramSecret::from_password(b"ivan-secret", b"ivan-salt-16byte", 8192)
+        .unwrap();
+    sql(&admin, &format!("CREATE ROLE ivan LOGIN PASSWORD '{slow}'")).await;
     sql(&admin, "CREATE ROLE mallory LOGIN PASSWORD 'x'").await;
     sql(&admin, "CREATE ROLE sam LOGIN PASSWORD 'sam-secret'").await;
     sql(&admin, "CREATE ROLE nat LOGIN PASSWORD 'nat-secret'").await;
@@ -72,6 +77,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all carol 127.0.0.1/32 md5\n\
          host all dave 127.0.0.1/32 password\n\
          host all lena 127.0.0.1/32 password\n\
+         host all ivan 127.0.0.1/32 scram-sha-256\n\
          host all mallory 127.0.0.1/32 reject\n\
          host all sam samehost reject\n\
          host all nat samenet reject\n\
@@ -122,6 +128,42 @@ async fn login(
                 .unwrap_or_else(|| e.to_string()),
         )),
     }
+}
+
+/// The server-first-message of a SCRAM exchange pgwarden starts for
+/// `user`, read over a raw connection that then goes away.
+async fn scram_first(p: &pgwarden_proxy::Proxy, user: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
+        .await
+        .unwrap();
+    sock.write_all(&common::startup_packet(&[
+        ("user", user),
+        ("database", "postgres"),
+    ]))
+    .await
+    .unwrap();
+    async fn read_auth(sock: &mut tokio::net::TcpStream) -> Vec<u8> {
+        let tag = sock.read_u8().await.unwrap();
+        let len = sock.read_u32().await.unwrap() as usize;
+        let mut body = vec![0; len - 4];
+        sock.read_exact(&mut body).await.unwrap();
+        assert_eq!(tag, b'R', "{}", String::from_utf8_lossy(&body));
+        body
+    }
+    let sasl = read_auth(&mut sock).await;
+    assert_eq!(sasl[..4], 10u32.to_be_bytes(), "AuthenticationSASL");
+    let first = b"n,,n=,r=fyko+d2lbbFgONRv9qkxdawL";
+    let mut msg = b"SCRAM-SHA-256\0".to_vec();
+    msg.extend_from_slice(&(first.len() as u32).to_be_bytes());
+    msg.extend_from_slice(first);
+    let mut out = vec![b'p'];
+    out.extend_from_slice(&(msg.len() as u32 + 4).to_be_bytes());
+    out.extend_from_slice(&msg);
+    sock.write_all(&out).await.unwrap();
+    let cont = read_auth(&mut sock).await;
+    assert_eq!(cont[..4], 11u32.to_be_bytes(), "AuthenticationSASLContinue");
+    String::from_utf8(cont[4..].to_vec()).unwrap()
 }
 
 async fn check_methods(s: &Setup) {
@@ -200,6 +242,21 @@ async fn check_methods(s: &Setup) {
         unknown.1,
         "password authentication failed for user \"nobody\""
     );
+    // An unknown role is offered the iteration count of the cluster's
+    // real secrets, not a fixed one that would set it apart.
+    let before = scram_first(&s.p, "ghost").await;
+    assert_eq!(login(&s.p, "ivan", "ivan-secret").await.unwrap(), "ivan");
+    assert!(scram_first(&s.p, "ivan").await.ends_with(",i=8192"));
+    let after = scram_first(&s.p, "ghost").await;
+    assert!(after.ends_with(",i=8192"), "{after}");
+    // ... with the same salt as before, as a real role's would be.
+    let salt = |m: &str| {
+        m.split(',')
+            .find(|p| p.starts_with("s="))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(salt(&before), salt(&after));
     // reject, and no matching line.
     // 127.0.0.1 is one of this host's addresses, on its loopback network:
     // `samehost` and `samenet` match it, as in PostgreSQL.

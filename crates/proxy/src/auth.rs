@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -150,6 +151,13 @@ impl<T: Clone> Cache<T> {
             .insert(key.to_string(), (value, Instant::now()));
     }
 }
+
+/// The iteration count an unknown role's mock secret offers: that of the
+/// last real SCRAM secret used. PostgreSQL offers its own
+/// `scram_iterations`, which is what the cluster's secrets are made with;
+/// a fixed 4096 would set unknown roles apart in a cluster that uses
+/// another count. Process-wide, like the seed, so a reload keeps it.
+static MOCK_ITERATIONS: AtomicU32 = AtomicU32::new(pgwarden_auth::scram::DEFAULT_ITERATIONS);
 
 /// The mock seed: one per process, so that a reload (which builds a new
 /// [`Authenticator`]) does not change an unknown role's salt and give it
@@ -576,10 +584,16 @@ impl Authenticator {
                         Err(failed())
                     }
                 } else {
-                    let secret = verifier
-                        .as_deref()
-                        .and_then(|v| ScramSecret::parse(v).ok())
-                        .unwrap_or_else(|| ScramSecret::mock(&user, &self.mock_seed));
+                    let secret = match verifier.as_deref().map(ScramSecret::parse) {
+                        Some(Ok(secret)) => {
+                            MOCK_ITERATIONS.store(secret.iterations, Ordering::Relaxed);
+                            secret
+                        }
+                        _ => ScramSecret {
+                            iterations: MOCK_ITERATIONS.load(Ordering::Relaxed),
+                            ..ScramSecret::mock(&user, &self.mock_seed)
+                        },
+                    };
                     self.scram(client, &secret)
                         .await
                         .map_err(|e| scram_refusal(e, failed()))
