@@ -998,6 +998,32 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
     for h in &held {
         assert_eq!(one(h, "SELECT 1").await, "1");
     }
+    // A cancel request still gets through while no more clients fit: it
+    // is what a client stuck behind a long query needs then.
+    let token = held[0].cancel_token();
+    let sleeper = held.remove(0);
+    let long = tokio::spawn(async move { sleeper.simple_query("SELECT pg_sleep(60)").await });
+    pgwarden_testkit::eventually("the query running", Duration::from_secs(10), || async {
+        let rows = held[1]
+            .simple_query("SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(60)' AND state = 'active'")
+            .await
+            .map_err(|e| e.to_string())?;
+        match rows.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        }) {
+            Some(n) if n == "1" => Ok(()),
+            n => Err(format!("{n:?}")),
+        }
+    })
+    .await;
+    token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), long)
+        .await
+        .expect("the cancel was not delivered")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1458,7 +1458,7 @@ async fn unix_accept_loop(
         };
         let svc = service.load_full();
         if !admit(&shared, &svc) {
-            tokio::spawn(crate::session::refuse_busy(stream));
+            tokio::spawn(crate::session::refuse_busy(shared.clone(), stream));
             continue;
         }
         let target = shared.workers.pick();
@@ -1556,7 +1556,7 @@ async fn accept_loop(
             Ok((stream, peer)) => {
                 let svc = service.load_full();
                 if !admit(&shared, &svc) {
-                    tokio::spawn(crate::session::refuse_busy(stream));
+                    tokio::spawn(crate::session::refuse_busy(shared.clone(), stream));
                     continue;
                 }
                 let hint = if shared.pool_affinity {

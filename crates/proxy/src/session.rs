@@ -46,8 +46,10 @@ impl Refusal {
 /// are not affected. Its SSLRequest (libpq's default `sslmode=prefer`
 /// sends one first) is declined first, so that the client reads the error
 /// as the answer to its start-up rather than as a broken SSL exchange;
-/// all of it within a second.
-pub(crate) async fn refuse_busy<S>(mut client: S)
+/// all of it within a second. A CancelRequest is forwarded, as PostgreSQL
+/// serves cancels whatever its connection count: a pooler full of clients
+/// waiting on long queries is when they are needed most.
+pub(crate) async fn refuse_busy<S>(shared: Arc<Shared>, mut client: S)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -55,26 +57,41 @@ where
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
     );
-    let _ = crate::timer::timeout(Duration::from_secs(1), async {
-        let mut head = [0u8; 8];
-        if client.read_exact(&mut head).await.is_ok() {
+    let read = crate::timer::timeout(Duration::from_secs(1), async {
+        let mut declined = false;
+        loop {
+            let mut head = [0u8; 8];
+            client.read_exact(&mut head).await.ok()?;
+            let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
             let code = i32::from_be_bytes([head[4], head[5], head[6], head[7]]);
-            if code == pgwarden_wire::startup::CANCEL_REQUEST {
-                return;
+            if code == pgwarden_wire::startup::CANCEL_REQUEST && len == 16 {
+                let mut key = [0u8; 8];
+                client.read_exact(&mut key).await.ok()?;
+                return Some(Some((
+                    i32::from_be_bytes([key[0], key[1], key[2], key[3]]),
+                    i32::from_be_bytes([key[4], key[5], key[6], key[7]]),
+                )));
             }
-            if code == pgwarden_wire::startup::SSL_REQUEST
-                || code == pgwarden_wire::startup::GSSENC_REQUEST
+            if !declined
+                && (code == pgwarden_wire::startup::SSL_REQUEST
+                    || code == pgwarden_wire::startup::GSSENC_REQUEST)
             {
-                if client.write_all(b"N").await.is_err() {
-                    return;
-                }
-                // The start-up packet that follows goes unread.
-                let _ = client.read(&mut head).await;
+                client.write_all(b"N").await.ok()?;
+                declined = true;
+                continue;
             }
+            // A start-up packet, whose rest goes unread.
+            return Some(None);
         }
-        let _ = client.write_all(&out).await;
     })
     .await;
+    match read {
+        Ok(Some(Some((pid, secret)))) => forward_cancel(&shared, pid, secret).await,
+        Ok(Some(None)) | Err(_) => {
+            let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
+        }
+        Ok(None) => {}
+    }
     let _ = client.shutdown().await;
 }
 
