@@ -1022,14 +1022,17 @@ fn saslprep(password: &[u8]) -> Cow<'_, [u8]> {
     if text.is_ascii() {
         return Cow::Borrowed(password);
     }
+    // Spaces first: U+200B is on both lists, and PostgreSQL maps it to a
+    // space.
     let mapped: Vec<char> = text
         .chars()
-        .filter(|&c| !tables::commonly_mapped_to_nothing(c))
-        .map(|c| {
+        .filter_map(|c| {
             if tables::non_ascii_space_character(c) {
-                ' '
+                Some(' ')
+            } else if tables::commonly_mapped_to_nothing(c) {
+                None
             } else {
-                c
+                Some(c)
             }
         })
         .collect();
@@ -1703,6 +1706,11 @@ mod tests {
         assert_eq!(&*saslprep(b"\xff\xfe"), b"\xff\xfe");
         // Non-ASCII space maps to space; soft hyphen maps to nothing.
         assert_eq!(&*saslprep("a\u{00A0}b\u{00AD}c".as_bytes()), b"a bc");
+        // Zero-width space is on both lists; PostgreSQL makes it a space.
+        assert_eq!(
+            &*saslprep("\u{E9}\u{200B}x".as_bytes()),
+            "\u{E9} x".as_bytes()
+        );
         // NFKC: the "fi" ligature and a full-width digit.
         assert_eq!(&*saslprep("\u{FB01}\u{FF11}".as_bytes()), b"fi1");
         // Only mapped-to-nothing characters: empty after mapping, so raw.
