@@ -5668,6 +5668,31 @@ async fn a_pause_waits_for_its_own_services_transactions_only() {
             "paused read_only; 1 transactions still in flight\n".to_string()
         )
     );
+    // A resume while a pause waits ends the wait with 409: the service is
+    // not paused, whatever the count of transactions does next.
+    let waiting = tokio::spawn(post("/pause?service=read_only&wait_ms=20000"));
+    pgwarden_testkit::eventually("the pause", WAIT, || async {
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/cluster"))
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let ro = v["services"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["name"] == "read_only"));
+        match ro.and_then(|s| s["paused"].as_bool()) {
+            Some(true) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    post("/resume?service=read_only").await;
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the pause kept waiting after a resume")
+            .unwrap(),
+        (409, "read_only was resumed while waiting\n".to_string())
+    );
     reader.batch_execute("COMMIT").await.unwrap();
 }
 
