@@ -173,16 +173,25 @@ fn status_only(response: Response) -> Response {
     response.status().into_response()
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, then lets
-/// requests in flight finish.
+/// Connections the API serves at once; more are closed as they come. The
+/// port is open to the other members, load balancers and operators, and
+/// shares the process's descriptors with everything else.
+const MAX_CONNECTIONS: usize = 256;
+
+/// How long a connection may take to send a request's head, and may sit
+/// idle between requests, before it is closed (also the TLS handshake's
+/// bound): a client that opens connections and sends nothing, or a byte
+/// at a time, cannot hold them.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the API on `listener` until `shutdown` resolves; requests in
+/// flight then run on until they end.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<ApiState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_connections(listener, state, None, shutdown).await
 }
 
 /// [`serve`] over HTTPS with `tls`. With `writes_need_certificate`, a
@@ -197,7 +206,29 @@ pub async fn serve_tls(
     writes_need_certificate: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_connections(
+        listener,
+        state,
+        Some((tls, writes_need_certificate)),
+        shutdown,
+    )
+    .await
+}
+
+/// The accept loop of [`serve`] and [`serve_tls`]: HTTP/1.1 with a header
+/// read timeout and a cap on connections (`axum::serve` has neither: its
+/// connections have no timer, so hyper's timeout never fires).
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    state: Arc<ApiState>,
+    tls: Option<(
+        Arc<arc_swap::ArcSwap<tokio_rustls::rustls::ServerConfig>>,
+        bool,
+    )>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let app = router(state);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let (tcp, peer) = tokio::select! {
@@ -212,47 +243,67 @@ pub async fn serve_tls(
                 }
             },
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "REST API: connection limit reached, closing");
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         // The configuration in force now: a reload swaps in renewed
         // certificates for the connections that follow.
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.load_full());
+        let tls = tls
+            .as_ref()
+            .map(|(cfg, need)| (tokio_rustls::TlsAcceptor::from(cfg.load_full()), *need));
         let app = app.clone();
         tokio::spawn(async move {
-            // A client that never finishes its handshake holds nothing for
-            // long.
-            let tls =
-                match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "REST API: TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => return,
-                };
-            let certified = tls
-                .get_ref()
-                .1
-                .peer_certificates()
-                .is_some_and(|c| !c.is_empty());
-            let read_only = writes_need_certificate && !certified;
-            let service =
-                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let mut app = app.clone();
-                    async move {
-                        if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
-                            return Ok(text(
-                                StatusCode::FORBIDDEN,
-                                "a client certificate is required for this endpoint",
-                            ));
+            match tls {
+                None => serve_connection(tcp, app, false).await,
+                Some((acceptor, writes_need_certificate)) => {
+                    // A client that never finishes its handshake holds
+                    // nothing for long.
+                    let tls = match tokio::time::timeout(HEAD_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "REST API: TLS handshake failed");
+                            return;
                         }
-                        tower_service::Service::call(&mut app, req).await
-                    }
-                });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                .await;
+                        Err(_) => return,
+                    };
+                    let certified = tls
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .is_some_and(|c| !c.is_empty());
+                    serve_connection(tls, app, writes_need_certificate && !certified).await
+                }
+            }
+            drop(slot);
         });
     }
+}
+
+/// Serves one connection's requests. `read_only`: only `GET` and `HEAD`,
+/// anything else refused with 403.
+async fn serve_connection<Io>(io: Io, app: Router, read_only: bool)
+where
+    Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let mut app = app.clone();
+        async move {
+            if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
+                return Ok(text(
+                    StatusCode::FORBIDDEN,
+                    "a client certificate is required for this endpoint",
+                ));
+            }
+            tower_service::Service::call(&mut app, req).await
+        }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+        .await;
 }
 
 // ---------------------------------------------------------------------------

@@ -13,6 +13,56 @@ use serde::Serialize;
 
 use crate::proxy::Shared;
 
+/// Connections the HTTP port serves at once; more are closed as they
+/// come. Scrapers, health checks and the agents need a handful, and the
+/// port shares the process's descriptors with the database listeners.
+const MAX_HTTP_CONNECTIONS: usize = 256;
+
+/// How long a connection may take to send a request's head, and may sit
+/// idle between requests, before it is closed: a client that opens
+/// connections and sends nothing (or a byte at a time) cannot hold them.
+const HTTP_HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `app` on `listener`, HTTP/1.1, with each request's
+/// `ConnectInfo` set to the peer's address. Not `axum::serve`, whose
+/// connections have no timer, so hyper's header read timeout never fires.
+pub(crate) async fn serve(listener: tokio::net::TcpListener, app: Router) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors and the like: pause rather than spin.
+                tracing::warn!(error = %e, "HTTP: accept failed");
+                crate::timer::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "HTTP: connection limit reached, closing");
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let app = app.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut()
+                        .insert(axum::extract::ConnectInfo(peer));
+                    let mut app = app.clone();
+                    async move { tower_service::Service::call(&mut app, req).await }
+                },
+            );
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HTTP_HEAD_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                .await;
+            drop(slot);
+        });
+    }
+}
+
 /// The HTTP routes, over the proxy's shared state.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     Router::new()

@@ -1253,13 +1253,8 @@ impl Proxy {
     /// Serves the HTTP port on `listener` (bound for `want`).
     fn serve_http(&mut self, listener: TcpListener, want: SocketAddr) {
         let addr = listener.local_addr().unwrap_or(want);
-        let app = crate::http::router(self.shared.clone())
-            .into_make_service_with_connect_info::<SocketAddr>();
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        });
+        let app = crate::http::router(self.shared.clone());
+        let task = tokio::spawn(crate::http::serve(listener, app));
         if let Some((_, old)) = self.http.replace((addr, task)) {
             old.abort();
         }
