@@ -5507,6 +5507,18 @@ async fn an_unknown_message_type_ends_only_its_own_client() {
         assert_eq!(n, 0, "{rest:?}");
         assert_eq!(one(&b, "SELECT 2").await, "2", "round {round}");
     }
+    // The admin console too, rather than ignoring every later query.
+    let mut admin = RawClient::connect_with(rw, &[("user", "postgres"), ("database", "pgwarden")]);
+    std::io::Write::write_all(&mut admin.0, &[b'y', 0, 0, 0, 4]).unwrap();
+    let r = admin.until_error();
+    assert_eq!(error_code(&r).as_deref(), Some("08P01"), "{r:?}");
+    assert_eq!(
+        error_message(&r).as_deref(),
+        Some("invalid frontend message type 121")
+    );
+    let mut rest = Vec::new();
+    let n = std::io::Read::read_to_end(&mut admin.0, &mut rest).unwrap();
+    assert_eq!(n, 0, "{rest:?}");
 }
 
 /// `UPDATE pg_settings` is a session-level SET: the client keeps its

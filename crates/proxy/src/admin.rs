@@ -125,6 +125,29 @@ pub(crate) async fn run(
                 encode::ready_for_query(&mut out, TxStatus::Idle);
             }
             frontend::FLUSH => {}
+            // A type PostgreSQL does not know ends the session, as there:
+            // the stream cannot be trusted to be framed any more.
+            _ if !matches!(
+                tag,
+                frontend::QUERY
+                    | frontend::PARSE
+                    | frontend::BIND
+                    | frontend::DESCRIBE
+                    | frontend::EXECUTE
+                    | frontend::CLOSE
+                    | frontend::FUNCTION_CALL
+                    | frontend::COPY_DATA
+                    | frontend::COPY_DONE
+                    | frontend::COPY_FAIL
+            ) =>
+            {
+                let out = encode::fatal(
+                    sqlstate::PROTOCOL_VIOLATION.code(),
+                    &format!("invalid frontend message type {tag}"),
+                );
+                let _ = client.write_all(&out).await;
+                return;
+            }
             // As PostgreSQL does: after an error in an extended batch
             // everything up to its Sync is skipped, a Query too; and copy
             // messages outside a COPY (what a client still sends after a
