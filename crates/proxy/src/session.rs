@@ -109,6 +109,23 @@ impl Drop for ClientSlot<'_> {
     }
 }
 
+/// A client counted in its service's `pgwarden_client_connections`, until
+/// its session ends, however it ends (a panic included).
+struct ClientGauge(prometheus_client::metrics::gauge::Gauge);
+
+impl ClientGauge {
+    fn new(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for ClientGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// A client connection as the accept loop hands it over.
 pub(crate) enum Accepted {
     /// Accepted by the worker that serves it, already in its epoll.
@@ -154,8 +171,7 @@ pub(crate) fn run(
         if let ClientStream::Plain(tcp) = &client {
             crate::stream::tune(tcp);
         }
-        let gauge = service.handles.client_connections.clone();
-        gauge.inc();
+        let gauge = ClientGauge::new(&service.handles.client_connections);
         let span = tracing::debug_span!("session", service = %service.spec.name, client = %peer);
         // The start-up and authentication phase is boxed and freed once done:
         // a task's future is allocated at its largest, and a pooled client
@@ -207,8 +223,6 @@ pub(crate) fn run(
                                     span,
                                 ),
                             ));
-                        } else {
-                            gauge.dec();
                         }
                         return;
                     }
@@ -228,7 +242,7 @@ pub(crate) fn run(
             let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
             let _ = crate::timer::timeout(SHUTDOWN_WRITE, client.shutdown()).await;
         }
-        gauge.dec();
+        drop(gauge);
     }
 }
 
@@ -242,7 +256,7 @@ fn pooled_on_home(
     client: std::net::TcpStream,
     pooled: Box<Pooled>,
     peer: SocketAddr,
-    gauge: prometheus_client::metrics::gauge::Gauge,
+    gauge: ClientGauge,
     span: tracing::Span,
 ) -> impl std::future::Future<Output = ()> + Send {
     async move {
@@ -254,7 +268,7 @@ fn pooled_on_home(
                 .instrument(span)
                 .await;
         }
-        gauge.dec();
+        drop(gauge);
     }
 }
 
@@ -1707,7 +1721,7 @@ mod tests {
     /// A relayed session's task that panics is dropped by the runtime,
     /// and with it what the session held outside itself.
     #[tokio::test]
-    async fn a_session_that_panics_gives_back_its_cancel_key_and_gauge() {
+    async fn a_session_that_panics_gives_back_its_cancel_key_and_gauges() {
         let cancel = Arc::new(crate::cancel::CancelRegistry::default());
         let gauge = prometheus_client::metrics::gauge::Gauge::<i64>::default();
         gauge.inc();
@@ -1716,8 +1730,10 @@ mod tests {
             pid: 7,
             secret: crate::cancel::Secret::Four(9),
         });
-        let (c, g) = (cancel.clone(), gauge.clone());
+        let clients = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+        let (c, g, cl) = (cancel.clone(), gauge.clone(), clients.clone());
         let task = tokio::spawn(async move {
+            let _client = ClientGauge::new(&cl);
             let mut release = Release {
                 cancel: &c,
                 key: None,
@@ -1730,6 +1746,7 @@ mod tests {
         assert!(task.await.unwrap_err().is_panic());
         assert!(cancel.lookup(key).is_none(), "the cancel key stayed");
         assert_eq!(gauge.get(), 0, "the server connection is still counted");
+        assert_eq!(clients.get(), 0, "the client is still counted");
     }
 
     /// The server's key never reaches the client; a protocol 3.2 key of
