@@ -1206,16 +1206,22 @@ fn averages_row(a: &Averages) -> [u64; 7] {
 fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
     let span = *shared.stats_span.lock().expect("poisoned");
     let mut by_database: std::collections::BTreeMap<String, [Totals; 3]> = Default::default();
+    // The pools' lock first, and the totals of the pools gone under it, as
+    // a pool leaving the table moves its totals under it: otherwise a pool
+    // removed between the two reads would count in neither, and the totals
+    // would go down for one look.
+    let pools = shared.pools.lock().expect("poisoned");
     for (database, gone) in shared.gone_totals.lock().expect("poisoned").iter() {
         by_database.entry(database.clone()).or_default()[0].add(gone);
     }
-    for p in shared.pools.lock().expect("poisoned").values() {
+    for p in pools.values() {
         let [now, older, newer] = by_database.entry(p.key.database.clone()).or_default();
         let [o, n] = p.stats.last_period();
         now.add(&p.stats.totals());
         older.add(&o);
         newer.add(&n);
     }
+    drop(pools);
     let rows: Vec<Vec<String>> = by_database
         .into_iter()
         .map(|(database, [now, older, newer])| {
@@ -1260,15 +1266,18 @@ fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
 fn show_totals(shared: &Shared, out: &mut BytesMut) {
     let span = *shared.stats_span.lock().expect("poisoned");
     let (mut now, mut older, mut newer) = (Totals::default(), Totals::default(), Totals::default());
+    // Both under the pools' lock, as in `show_stats`.
+    let pools = shared.pools.lock().expect("poisoned");
     for gone in shared.gone_totals.lock().expect("poisoned").values() {
         now.add(gone);
     }
-    for p in shared.pools.lock().expect("poisoned").values() {
+    for p in pools.values() {
         now.add(&p.stats.totals());
         let [o, n] = p.stats.last_period();
         older.add(&o);
         newer.add(&n);
     }
+    drop(pools);
     // PgBouncer's names here, which differ from SHOW STATS's for bytes.
     let names = [
         "xact_count",
