@@ -1042,21 +1042,31 @@ async fn admin_console_shows_pools_and_pauses() {
             _ => None,
         })
         .expect("a pool row");
-    for col in [
-        "database",
-        "user",
-        "cl_active",
-        "cl_waiting",
-        "sv_active",
-        "sv_idle",
-        "maxwait",
-        "pool_mode",
-    ] {
-        assert!(
-            row.columns().iter().any(|c| c.name() == col),
-            "SHOW POOLS lacks {col}"
-        );
-    }
+    // PgBouncer 1.18's columns, in its order (tools read them by name or
+    // by position), then pgwarden's own.
+    let names: Vec<&str> = row.columns().iter().map(|c| c.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "database",
+            "user",
+            "cl_active",
+            "cl_waiting",
+            "cl_active_cancel_req",
+            "cl_waiting_cancel_req",
+            "sv_active",
+            "sv_active_cancel",
+            "sv_being_canceled",
+            "sv_idle",
+            "sv_used",
+            "sv_tested",
+            "sv_login",
+            "maxwait",
+            "maxwait_us",
+            "pool_mode",
+            "sv_total",
+        ]
+    );
     assert_eq!(row.get("database"), Some("postgres"));
     assert_eq!(row.get("pool_mode"), Some("transaction"));
     // The client between transactions counts as active, as in PgBouncer;

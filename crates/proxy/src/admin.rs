@@ -670,6 +670,7 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         lent: usize,
         cl_waiting: usize,
         sv_idle: usize,
+        sv_login: usize,
         sv_total: usize,
         max_us: u64,
         mode: Option<&'static str>,
@@ -694,6 +695,7 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
         r.lent += s.active.load(o);
         r.cl_waiting += s.waiting.load(o) + s.capped.load(o);
         r.sv_idle += p.idle_count();
+        r.sv_login += p.opening();
         r.sv_total += s.total.load(o);
         r.max_us = r.max_us.max(p.oldest_wait().as_micros() as u64);
         r.mode = match r.mode {
@@ -705,17 +707,27 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
     let rows: Vec<Vec<String>> = by_pair
         .into_iter()
         .map(|((database, user), r)| {
+            // Cancel requests are forwarded at once, not queued per
+            // pool, and servers are not tested before reuse: those
+            // columns are 0.
             vec![
                 database,
                 user,
                 r.clients.saturating_sub(r.cl_waiting).to_string(),
                 r.cl_waiting.to_string(),
+                "0".into(),
+                "0".into(),
                 r.lent.to_string(),
+                "0".into(),
+                "0".into(),
                 r.sv_idle.to_string(),
-                r.sv_total.to_string(),
+                "0".into(),
+                "0".into(),
+                r.sv_login.to_string(),
                 (r.max_us / 1_000_000).to_string(),
                 (r.max_us % 1_000_000).to_string(),
                 r.mode.unwrap_or_default().into(),
+                r.sv_total.to_string(),
             ]
         })
         .collect();
@@ -726,12 +738,19 @@ fn show_pools(shared: &Shared, out: &mut BytesMut) {
             "user",
             "cl_active",
             "cl_waiting",
+            "cl_active_cancel_req",
+            "cl_waiting_cancel_req",
             "sv_active",
+            "sv_active_cancel",
+            "sv_being_canceled",
             "sv_idle",
-            "sv_total",
+            "sv_used",
+            "sv_tested",
+            "sv_login",
             "maxwait",
             "maxwait_us",
             "pool_mode",
+            "sv_total",
         ],
         &rows,
         "SHOW",

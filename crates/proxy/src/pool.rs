@@ -1220,6 +1220,11 @@ impl Pool {
             .map_or(Duration::ZERO, |(_, since)| since.elapsed())
     }
 
+    /// Server connections being opened (logging in) now.
+    pub fn opening(&self) -> usize {
+        self.opening.load(Ordering::Relaxed)
+    }
+
     /// Whether anything has to do with the pool now: a server connection
     /// open or being opened, a client holding one or waiting for one.
     pub fn in_use(&self) -> bool {
