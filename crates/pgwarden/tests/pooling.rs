@@ -2460,6 +2460,16 @@ async fn database_and_user_connection_limits_span_pools() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiting.is_finished(), "served beyond max_db_connections");
     assert_eq!(on_postgres(direct.clone()).await, 2);
+    // Its wait counts in the pool's maxwait, as a wait in line does.
+    let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+        .await
+        .unwrap();
+    let maxwait: f64 = body
+        .lines()
+        .find(|l| l.starts_with("pgwarden_pool_wait_max_seconds{") && l.contains("user=\"u3\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .expect("u3's maxwait");
+    assert!(maxwait >= 0.5, "maxwait {maxwait} s after 0.5 s of waiting");
     a.batch_execute("COMMIT").await.unwrap();
     let c3 = tokio::time::timeout(WAIT, waiting)
         .await

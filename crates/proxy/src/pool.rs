@@ -691,6 +691,10 @@ pub struct Pool {
     waiters: Mutex<std::collections::VecDeque<(u64, Instant)>>,
     /// The next waiter's ticket.
     next_waiter: AtomicU64,
+    /// The clients past the line waiting for room under
+    /// `max_db_connections` or `max_user_connections`: a ticket and since
+    /// when they began to wait for a server at all.
+    capped_waiters: Mutex<Vec<(u64, Instant)>>,
     /// Since when ([`now_ns`]) the pool has been seen unused, and its
     /// query count then ([`Pool::unused_for`]).
     unused_since: Mutex<Option<(u64, u64)>>,
@@ -730,6 +734,36 @@ impl Drop for Waiting<'_> {
         }
         drop(line);
         self.pool.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A client waiting for room under a connection cap: counted in
+/// `capped` and listed for [`Pool::oldest_wait`] while it lives.
+struct CappedWait<'a> {
+    pool: &'a Pool,
+    ticket: u64,
+}
+
+impl<'a> CappedWait<'a> {
+    fn new(pool: &'a Pool, since: Instant) -> Self {
+        pool.stats.capped.fetch_add(1, Ordering::Relaxed);
+        let ticket = pool.next_waiter.fetch_add(1, Ordering::Relaxed);
+        pool.capped_waiters
+            .lock()
+            .expect("poisoned")
+            .push((ticket, since));
+        CappedWait { pool, ticket }
+    }
+}
+
+impl Drop for CappedWait<'_> {
+    fn drop(&mut self) {
+        self.pool
+            .capped_waiters
+            .lock()
+            .expect("poisoned")
+            .retain(|(t, _)| *t != self.ticket);
+        self.pool.stats.capped.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -1071,6 +1105,7 @@ impl Pool {
             opening: AtomicUsize::new(0),
             waiters: Mutex::new(std::collections::VecDeque::new()),
             next_waiter: AtomicU64::new(0),
+            capped_waiters: Mutex::new(Vec::new()),
             unused_since: Mutex::new(None),
             credential: Mutex::new(Credential::None),
             baseline: Mutex::new(Tracked::default()),
@@ -1119,10 +1154,12 @@ impl Pool {
 
     /// A place under each of the pool's caps, waiting until `deadline`,
     /// or (`free_only`) only if there is one now.
+    /// `since`: when the client began to wait for a server, for `maxwait`.
     async fn slots(
         &self,
         deadline: tokio::time::Instant,
         free_only: bool,
+        since: Instant,
     ) -> Result<[Option<Slot>; 2], ServerError> {
         let mut slots = [None, None];
         for (slot, limit) in slots.iter_mut().zip(&self.limits) {
@@ -1130,7 +1167,7 @@ impl Pool {
                 Some(s) => s,
                 None if free_only => return Err(ServerError::Limit(limit.describe())),
                 None => {
-                    let _capped = Counted::new(&self.stats.capped, Ordering::Relaxed);
+                    let _capped = CappedWait::new(self, since);
                     let retired = self.retired_signal.notified();
                     tokio::pin!(retired);
                     retired.as_mut().enable();
@@ -1211,13 +1248,24 @@ impl Pool {
     }
 
     /// How long the client waiting longest now has waited (PgBouncer's
-    /// `maxwait`); zero with nobody waiting.
+    /// `maxwait`), in line or past it for room under a connection cap;
+    /// zero with nobody waiting.
     pub fn oldest_wait(&self) -> Duration {
-        self.waiters
+        let in_line = self
+            .waiters
             .lock()
             .expect("poisoned")
             .front()
-            .map_or(Duration::ZERO, |(_, since)| since.elapsed())
+            .map_or(Duration::ZERO, |(_, since)| since.elapsed());
+        let capped = self
+            .capped_waiters
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|(_, since)| since.elapsed())
+            .max()
+            .unwrap_or(Duration::ZERO);
+        in_line.max(capped)
     }
 
     /// Server connections being opened (logging in) now.
@@ -1520,7 +1568,7 @@ impl Pool {
         };
         drop(waiting);
         let permit = permit?;
-        let waited = started.elapsed().as_micros() as u64;
+        let mut waited = started.elapsed().as_micros() as u64;
         self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
         let reused = self.pop_live();
         let conn = match reused.and_then(|c| self.moved_here(c)) {
@@ -1534,7 +1582,13 @@ impl Pool {
                     },
                     c => c,
                 };
-                let slots = self.slots(deadline, warming).await?;
+                let slots = self.slots(deadline, warming, started).await?;
+                // A wait for room under a cap is a wait for a server too.
+                let capped = (started.elapsed().as_micros() as u64).saturating_sub(waited);
+                if capped > 0 {
+                    self.stats.wait_us.fetch_add(capped, Ordering::Relaxed);
+                    waited += capped;
+                }
                 // A server that accepts and then says nothing (frozen, or
                 // partitioned before the probes mark it down) costs the
                 // client its connect time-out, not its whole wait: it then
