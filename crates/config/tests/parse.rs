@@ -424,6 +424,12 @@ fn bad_values() {
         "invalid port",
     );
     fails("[cluster]\nhosts = []\n", 2, "hosts", "at least one");
+    fails(
+        "[cluster]\nhosts = [\"/var/run/postgresql:5432\"]\n",
+        2,
+        "hosts",
+        "Unix-domain socket directory is not supported",
+    );
     fails(&with("user = \"\"\n"), 3, "user", "must not be empty");
     fails(
         &with("[services.x]\nlisten = \"127.0.0.1:7000\"\nselect = \"leader\"\n"),

@@ -56,6 +56,9 @@ pub enum AddrParseError {
     UnbracketedIpv6,
     /// The port was not an integer in `1..=65535`.
     InvalidPort(String),
+    /// The host was a path (a Unix-domain socket directory), which the
+    /// connection manager cannot reach servers through.
+    SocketPath,
 }
 
 impl fmt::Display for AddrParseError {
@@ -73,6 +76,9 @@ impl fmt::Display for AddrParseError {
             AddrParseError::InvalidPort(p) => {
                 write!(f, "invalid port {p:?}, expected an integer from 1 to 65535")
             }
+            AddrParseError::SocketPath => f.write_str(
+                "a Unix-domain socket directory is not supported, expected a host name or IP address and port",
+            ),
         }
     }
 }
@@ -109,6 +115,12 @@ impl FromStr for HostAddr {
         };
         if host.is_empty() {
             return Err(AddrParseError::EmptyHost);
+        }
+        // libpq reads a host beginning with `/` as a socket directory; the
+        // probe would follow it while sessions and pools, which speak TCP,
+        // could not, so a cluster would look healthy and serve no one.
+        if host.contains('/') {
+            return Err(AddrParseError::SocketPath);
         }
         // u16::from_str accepts a leading '+', which is not a port anyone writes.
         let port_num = if port.bytes().all(|b| b.is_ascii_digit()) {
@@ -455,6 +467,7 @@ mod tests {
             ("[::1]x:5432", BadBrackets),
             ("[]:5432", EmptyHost),
             ("a]:5", BadBrackets),
+            ("/var/run/postgresql:5432", SocketPath),
         ] {
             assert_eq!(input.parse::<HostAddr>(), Err(err), "{input}");
         }
