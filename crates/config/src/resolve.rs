@@ -505,25 +505,60 @@ fn overrides(
     Ok(out)
 }
 
+/// What is wrong with a `log.level` filter, if anything. Each of its
+/// comma-separated directives must be a level, or `target=level`. The
+/// logging library would read a lone word that is no level as a target to
+/// log at every level, and a filter without a default level logs nothing
+/// else, errors included: `inof,pgwarden_probe=debug` would silence the
+/// log, so such a word is refused (`target=trace` says it on purpose).
+fn log_filter_error(text: &str) -> Option<String> {
+    let is_level = |w: &str| LOG_LEVELS.iter().any(|v| v.eq_ignore_ascii_case(w.trim()));
+    if text.is_empty() {
+        return Some("empty level".into());
+    }
+    for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        // A span filter (`target[span{field=value}]=level`) has `=` inside
+        // its brackets: the level is what follows them.
+        let (target, level) = match directive.rfind(']') {
+            Some(close) => match &directive[close + 1..] {
+                "" => (directive, None),
+                rest => match rest.strip_prefix('=') {
+                    Some(level) => (&directive[..close + 1], Some(level)),
+                    None => return Some(format!("malformed directive {directive:?}")),
+                },
+            },
+            None => match directive.rsplit_once('=') {
+                Some((target, level)) => (target, Some(level)),
+                None => (directive, None),
+            },
+        };
+        match level {
+            None if is_level(target) => {}
+            None => return Some(format!("unknown level {directive:?}")),
+            Some(level) if !is_level(level) => {
+                return Some(format!("unknown level {level:?} in {directive:?}"))
+            }
+            Some(_) if target.trim().is_empty() => {
+                return Some(format!("no target before \"=\" in {directive:?}"))
+            }
+            Some(_) => {}
+        }
+    }
+    None
+}
+
 fn log(raw: RawLog, src: &Source<'_>) -> Result<LogConfig, ConfigError> {
     let d = LogConfig::default();
     let level = match raw.level {
         None => d.level,
         Some(l) => {
             let text = l.get_ref().trim();
-            // A filter with targets is passed through for the logging
-            // library to judge; a lone word must be a level, which catches
-            // the common typo.
-            let is_filter = text.contains('=') || text.contains(',');
-            if text.is_empty()
-                || (!is_filter && !LOG_LEVELS.iter().any(|v| v.eq_ignore_ascii_case(text)))
-            {
+            if let Some(why) = log_filter_error(text) {
                 return Err(src.invalid(
                     Some(l.span()),
                     "log.level",
                     format!(
-                        "unknown level {:?}: expected one of {} or a filter such as \"info,pgwarden_probe=debug\"",
-                        l.get_ref(),
+                        "{why}: expected one of {} or a filter such as \"info,pgwarden_probe=debug\"",
                         LOG_LEVELS.join(", ")
                     ),
                 ));

@@ -734,6 +734,30 @@ fn pool_and_engine_checks() {
     )
     .unwrap();
     assert_eq!(c.log.level, "info,pgwarden_probe=debug");
+    // A typo inside a filter would silence everything else: refused.
+    for (bad, why) in [
+        ("inof,pgwarden_probe=debug", "unknown level \"inof\""),
+        ("info,pgwarden_probe=debgu", "unknown level \"debgu\""),
+        ("info,=debug", "no target"),
+        ("info,pgwarden_probe[x]y", "malformed directive"),
+    ] {
+        fails(
+            &with(&format!("[log]\nlevel = \"{bad}\"\n")),
+            4,
+            "log.level",
+            why,
+        );
+    }
+    for good in [
+        "WARN",
+        "info,pgwarden_proxy=trace,",
+        "warn,pgwarden_proxy[session{service=rw}]=debug",
+        "off",
+    ] {
+        let c = parse(&with(&format!("[log]\nlevel = \"{good}\"\n")), FILE)
+            .unwrap_or_else(|e| panic!("{good}: {e}"));
+        assert_eq!(c.log.level, good);
+    }
 }
 
 #[test]
