@@ -63,8 +63,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let runtime = crate::run_cmd::runtime(&config)?;
     let result = runtime.block_on(async {
-        let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
-        let probe = crate::run_cmd::probe_config(&config, dir)?;
+        let probe = crate::run_cmd::probe_config(&config, &args.config)?;
         // The agent's own server is the one it logs in to (and the one
         // initdb gives this password): its password file line is the
         // line of `pg_listen`, as libpq would pick it.

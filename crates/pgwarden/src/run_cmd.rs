@@ -78,8 +78,8 @@ pub fn finish(runtime: tokio::runtime::Runtime) {
 /// `--check`: loads what starting would load from files, binds and
 /// connects to nothing, and prints a summary on success.
 pub fn check(path: &Path, config: &Config) -> anyhow::Result<()> {
-    let probe = probe_config(config, config_dir(path))?;
-    pgwarden_proxy::check_spec(&proxy_spec(config, config_dir(path), &probe)?)
+    let probe = probe_config(config, path)?;
+    pgwarden_proxy::check_spec(&proxy_spec(config, path, &probe)?)
         .with_context(|| format!("{}", path.display()))?;
     let services: Vec<String> = config
         .services()
@@ -154,7 +154,7 @@ pub async fn serve(
     // on (which the start-up catcher, chained, also notes) reloads once.
     let mut early = crate::early_hangup();
     let mut stop = std::pin::pin!(crate::shutdown_signal()?);
-    let probe = probe_config(&config, config_dir(path))?;
+    let probe = probe_config(&config, path)?;
     let engine = Arc::new(Engine::start(
         config.cluster.host_configs(),
         config.cluster.topology_config(),
@@ -182,7 +182,7 @@ pub async fn serve(
     }
     warn_unimplemented(&config);
     let mut proxy = Proxy::start(
-        proxy_spec(&config, config_dir(path), &probe)?,
+        proxy_spec(&config, path, &probe)?,
         engine.snapshot_handle(),
         engine.changes(),
     )
@@ -268,8 +268,8 @@ pub async fn serve(
                                 path.display()
                             );
                         }
-                        let probe = probe_config(&new, config_dir(path))?;
-                        let spec = proxy_spec(&new, config_dir(path), &probe)?;
+                        let probe = probe_config(&new, path)?;
+                        let spec = proxy_spec(&new, path, &probe)?;
                         pgwarden_proxy::check_spec(&spec)
                             .with_context(|| format!("{}", path.display()))?;
                         Ok((new, probe, spec))
@@ -534,14 +534,14 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
 /// `config_dir`, like the other files it names), `PGPASSWORD`, or else
 /// `~/.pgpass`, looked up for each host as libpq does. A password file
 /// that cannot be read is an error.
-pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeConfig> {
+pub fn probe_config(config: &Config, config_path: &Path) -> anyhow::Result<ProbeConfig> {
     let c = &config.cluster;
     let password = password(
         c.password.as_ref(),
         c.password_file.as_deref(),
         "cluster.password_file",
         "PGPASSWORD",
-        config_dir,
+        config_path,
     )?;
     Ok(ProbeConfig {
         user: c.user.clone(),
@@ -555,23 +555,26 @@ pub fn probe_config(config: &Config, config_dir: &Path) -> anyhow::Result<ProbeC
     })
 }
 
-/// A password given outright, else read from its `file` (relative to
-/// `config_dir`; one that cannot be read is an error naming `key`), else
-/// from the environment variable `env`.
+/// A password given outright, else read from its `file` (relative to the
+/// directory of the configuration file at `config_path`; one that cannot
+/// be read is an error naming that file and `key`), else from the
+/// environment variable `env`.
 fn password(
     given: Option<&String>,
     file: Option<&Path>,
     key: &str,
     env: &str,
-    config_dir: &Path,
+    config_path: &Path,
 ) -> anyhow::Result<Option<String>> {
     Ok(match (given, file) {
         (Some(p), _) => Some(p.clone()),
         (None, Some(file)) => {
-            let file = config_dir.join(file);
+            let file = config_dir(config_path).join(file);
             Some(
                 std::fs::read_to_string(&file)
-                    .with_context(|| format!("{key}: {}", file.display()))?
+                    .with_context(|| {
+                        format!("{}: {key}: {}", config_path.display(), file.display())
+                    })?
                     .trim_end_matches(['\r', '\n'])
                     .to_string(),
             )
@@ -584,9 +587,10 @@ fn password(
 /// connections log in with the probe's password.
 pub fn proxy_spec(
     config: &Config,
-    config_dir: &Path,
+    config_path: &Path,
     probe: &ProbeConfig,
 ) -> anyhow::Result<ProxySpec> {
+    let config_dir = config_dir(config_path);
     let auth_password = match config.auth.as_ref() {
         None => None,
         Some(a) => password(
@@ -594,7 +598,7 @@ pub fn proxy_spec(
             a.auth_password_file.as_deref(),
             "auth.auth_password_file",
             "PGWARDEN_AUTH_PASSWORD",
-            config_dir,
+            config_path,
         )?,
     };
     // A password given outright serves every server; otherwise each pool

@@ -211,7 +211,14 @@ fn check_loads_the_file_and_every_file_it_names_and_starts_nothing() {
         ),
         (
             format!("{standalone}auth_password_file = \"auth.pw\"\n"),
-            vec!["auth.auth_password_file", "auth.pw"],
+            vec!["pgwarden.toml: auth.auth_password_file", "auth.pw"],
+        ),
+        (
+            standalone.replace(
+                "user = \"postgres\"",
+                "user = \"postgres\"\npassword_file = \"probe.pw\"",
+            ),
+            vec!["pgwarden.toml: cluster.password_file", "probe.pw"],
         ),
         (
             format!("{standalone}auth_password = \"x\"\nauth_password_file = \"auth.pw\"\n"),
