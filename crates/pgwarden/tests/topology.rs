@@ -418,6 +418,29 @@ async fn probe_reconnects_after_a_reset() {
     assert_eq!(relay.connections(), 1, "exactly one probe connection");
 }
 
+/// Setting the hosts the engine already has (a reload that changes none,
+/// such as a log rotation's SIGHUP) keeps the probes' connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_hosts_again_keep_the_probe_connections() {
+    let c = TestCluster::builder().replicas(0).start();
+    let addrs = vec![c.addr(0)];
+    let e = engine(&addrs, TopologyConfig::default());
+    all_alive(&e).await;
+    let probe_pid = || async {
+        sql_value(
+            &c.conninfo(0),
+            "SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE application_name = 'pgwarden-probe'",
+        )
+        .await
+    };
+    let before = probe_pid().await;
+    assert!(before.is_some(), "no probe connection");
+    e.set_hosts(common::hosts(&addrs));
+    let r0 = e.snapshot().round;
+    e.wait_round(r0 + 3).await;
+    assert_eq!(probe_pid().await, before, "the probe reconnected");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lagging_replica_is_skipped_and_readmitted_after_hold() {
     let c = TestCluster::builder().replicas(2).start();

@@ -226,6 +226,12 @@ impl Running {
     fn command(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::SetHosts(hosts) => {
+                // A reload that leaves the hosts as they were (a log
+                // rotation's SIGHUP) keeps the probes' connections and
+                // the round under way.
+                if hosts == self.hosts {
+                    return false;
+                }
                 for e in self.topology.set_hosts(hosts.clone()) {
                     log_event(&e);
                 }
