@@ -2192,6 +2192,45 @@ async fn a_reload_resizes_existing_pools() {
     assert_eq!(one(&d, "SELECT 3").await, "3");
 }
 
+/// Pools are shared by the services of a kind: a reload's settings reach
+/// a pool also when the service whose client made it is gone, through
+/// another service of its kind that pools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_reaches_a_pool_whose_first_service_is_gone() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, mut p) = pooled_for(&c, 1, Duration::from_secs(2)).await;
+    let mut spec = p.spec().clone();
+    let mut other = spec
+        .services
+        .iter()
+        .find(|s| s.name == "read_write")
+        .unwrap()
+        .clone();
+    other.name = "other".into();
+    other.listen = format!("127.0.0.1:{}", pgwarden_testkit::free_port())
+        .parse()
+        .unwrap();
+    spec.services.push(other);
+    p.apply(spec.clone()).await.unwrap();
+    // A client of "other" makes the primary's read-write pool.
+    let first = client(&via(&p, "other")).await.unwrap();
+    assert_eq!(one(&first, "SELECT 1").await, "1");
+    drop(first);
+    spec.services.retain(|s| s.name != "other");
+    p.apply(sized(spec, 3)).await.unwrap();
+    // The pool has room for three transactions at once now.
+    let url = via(&p, "read_write");
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let x = client(&url).await.unwrap();
+        x.batch_execute("BEGIN; SELECT 1")
+            .await
+            .unwrap_or_else(|e| panic!("transaction {i}: {e}"));
+        held.push(x);
+    }
+    assert_eq!(server_connections(&c.conninfo(0)).await, 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_thousand_clients_on_a_pool_of_twenty() {
     // Both pgbench and the proxy (in this process) hold 5,000 sockets.

@@ -1138,17 +1138,28 @@ impl Proxy {
         *self.shared.stats_period.lock().expect("poisoned") = spec.stats_period;
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
         // Pools that exist take the new settings too: resolved as for a
-        // client of the service that made them. One whose service is gone,
-        // or no longer pools, keeps its settings for the clients it has.
+        // client of the service that made them. Pools are shared by the
+        // services of a kind (read-write or read-only), so when that
+        // service is gone or no longer pools, another of the same kind
+        // that pools stands in: its clients may well be using the pool.
+        // Only a pool no service pools any more keeps its settings, for
+        // the clients it has.
         for pool in self.shared.pools.lock().expect("poisoned").values() {
-            let svc = pool
-                .service
-                .get()
-                .and_then(|name| spec.services.iter().find(|s| *s.name == **name));
-            let resolved = svc.and_then(|svc| {
+            let resolve = |svc: &ServiceSpec| {
                 spec.pool_overrides
                     .resolve(svc, &pool.key.database, &pool.key.user)
-            });
+            };
+            let resolved = pool
+                .service
+                .get()
+                .and_then(|name| spec.services.iter().find(|s| *s.name == **name))
+                .and_then(resolve)
+                .or_else(|| {
+                    spec.services
+                        .iter()
+                        .filter(|s| s.read_only == pool.key.read_only)
+                        .find_map(resolve)
+                });
             if let Some(settings) = resolved {
                 pool.update(&settings);
             }
