@@ -622,9 +622,29 @@ async fn admin_console_disable_enable_and_shutdown() {
         rejected,
         "a refused command reloaded"
     );
-    write(&config, &good);
+    // A reload shows what it changed, and what needs a restart as it is
+    // in force.
+    write(
+        &config,
+        &good.replace("size = 3", "size = 4").replace(
+            "shutdown_timeout = \"5s\"",
+            "shutdown_timeout = \"5s\"\nworker_threads = 7",
+        ),
+    );
     console.batch_execute("RELOAD").await.unwrap();
     assert_eq!(common::one(&again, "SELECT 9").await, "9");
+    let mut after = std::collections::HashMap::new();
+    for m in console.simple_query("SHOW CONFIG").await.unwrap() {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            after.insert(r.get(0).unwrap().to_string(), r.get(1).unwrap().to_string());
+        }
+    }
+    assert_eq!(after["pool.size"], "4");
+    assert_eq!(
+        after["engine.worker_threads"],
+        shown["engine.worker_threads"].0
+    );
+    assert_ne!(after["engine.worker_threads"], "7");
 
     console.batch_execute("SHUTDOWN").await.unwrap();
     // Sessions may finish (up to shutdown_timeout); a RELOAD meanwhile is

@@ -24,10 +24,10 @@ pub const ADMIN_DATABASE: &str = "pgwarden";
 /// (while a command waits): one message of the largest size taken.
 const MAX_PENDING: usize = 1 << 20;
 
-/// Serves one admin session until the client leaves.
 /// The `SHOW CONFIG` keys a `RELOAD` does not change (the worker threads
-/// are made once): `changeable` says `no` for them.
-const RESTART_ONLY: [&str; 3] = [
+/// are made once): `changeable` says `no` for them, and their value stays
+/// the one in force, whatever the reloaded file says.
+pub(crate) const RESTART_ONLY: [&str; 3] = [
     "engine.worker_threads",
     "engine.worker_fill",
     "engine.pool_affinity",
@@ -45,6 +45,7 @@ pub(crate) fn is_admin_user(shared: &Shared, user: Option<&str>) -> bool {
     })
 }
 
+/// Serves one admin session until the client leaves.
 pub(crate) async fn run(
     shared: &Arc<Shared>,
     client: &mut ClientStream,

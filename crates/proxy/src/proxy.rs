@@ -1134,7 +1134,19 @@ impl Proxy {
             .max_client_conn
             .store(spec.max_client_conn as u64, Ordering::Relaxed);
         *self.shared.admin_users.lock().expect("poisoned") = spec.admin_users.clone();
-        *self.shared.settings_view.lock().expect("poisoned") = spec.settings.clone();
+        {
+            let mut view = self.shared.settings_view.lock().expect("poisoned");
+            let mut fresh = spec.settings.clone();
+            // What a reload cannot change shows what is in force.
+            for (key, value) in &mut fresh {
+                if crate::admin::RESTART_ONLY.contains(&key.as_str()) {
+                    if let Some((_, running)) = view.iter().find(|(k, _)| k == key) {
+                        value.clone_from(running);
+                    }
+                }
+            }
+            *view = fresh;
+        }
         *self.shared.stats_period.lock().expect("poisoned") = spec.stats_period;
         *self.shared.pool_overrides.lock().expect("poisoned") = spec.pool_overrides.clone();
         // Pools that exist take the new settings too: resolved as for a
