@@ -78,6 +78,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all dave 127.0.0.1/32 password\n\
          host all lena 127.0.0.1/32 password\n\
          host all ivan 127.0.0.1/32 scram-sha-256\n\
+         host md5db all 127.0.0.1/32 md5\n\
          host all mallory 127.0.0.1/32 reject\n\
          host all sam samehost reject\n\
          host all nat samenet reject\n\
@@ -164,6 +165,64 @@ async fn scram_first(p: &pgwarden_proxy::Proxy, user: &str) -> String {
     let cont = read_auth(&mut sock).await;
     assert_eq!(cont[..4], 11u32.to_be_bytes(), "AuthenticationSASLContinue");
     String::from_utf8(cont[4..].to_vec()).unwrap()
+}
+
+/// The code of the first authentication request pgwarden sends `user`
+/// for `database` (5: md5, 10: SASL).
+async fn first_auth_request(p: &pgwarden_proxy::Proxy, user: &str, database: &str) -> u32 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
+        .await
+        .unwrap();
+    sock.write_all(&common::startup_packet(&[
+        ("user", user),
+        ("database", database),
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(sock.read_u8().await.unwrap(), b'R');
+    let _len = sock.read_u32().await.unwrap();
+    sock.read_u32().await.unwrap()
+}
+
+/// On an md5 line a role without a verifier (here, one that does not
+/// exist) is asked what PostgreSQL would ask it: what the server's
+/// `password_encryption` makes, so the request does not tell it from a
+/// real role whose password is md5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_role_on_an_md5_line_is_asked_as_the_server_would_ask() {
+    let s = setup(None, Duration::from_secs(60)).await;
+    sql(
+        &s.c.conninfo(0),
+        "ALTER SYSTEM SET password_encryption = 'md5'",
+    )
+    .await;
+    sql(&s.c.conninfo(0), "SELECT pg_reload_conf()").await;
+    // carol's password is md5: she is asked for md5.
+    assert_eq!(first_auth_request(&s.p, "carol", "md5db").await, 5);
+    assert_eq!(first_auth_request(&s.p, "ghost", "md5db").await, 5);
+    // And the exchange fails as a wrong password does.
+    let (ok, stderr) = {
+        let out = tokio::process::Command::new("psql")
+            .env("PGPASSWORD", "nope")
+            .arg(format!(
+                "host=127.0.0.1 port={} user=ghost dbname=md5db",
+                s.p.service_addrs()["read_write"].port()
+            ))
+            .args(["-c", "SELECT 1"])
+            .output()
+            .await
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    assert!(!ok);
+    assert!(
+        stderr.contains("password authentication failed for user \"ghost\""),
+        "{stderr}"
+    );
 }
 
 async fn check_methods(s: &Setup) {

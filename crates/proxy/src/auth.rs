@@ -108,6 +108,9 @@ pub(crate) struct Authenticator {
     /// Role memberships by role, for `+group` and `samerole`.
     roles_cache: Mutex<Cache<Vec<String>>>,
     lookup: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    /// Whether the server's `password_encryption` is `md5`, and when that
+    /// was looked up.
+    md5_encryption: Mutex<Option<(bool, Instant)>>,
     /// Seed of mock verifiers for unknown roles: stable for the process so
     /// that an unknown role always gets the same salt, as a real one would.
     mock_seed: [u8; 16],
@@ -181,6 +184,7 @@ impl Authenticator {
             cache: Mutex::new(Cache::new()),
             roles_cache: Mutex::new(Cache::new()),
             lookup: tokio::sync::Mutex::new(None),
+            md5_encryption: Mutex::new(None),
             mock_seed: mock_seed(),
         })
     }
@@ -235,6 +239,46 @@ impl Authenticator {
             Option::is_some,
         );
         Ok(v)
+    }
+
+    /// Whether the server's `password_encryption` is `md5`: what
+    /// PostgreSQL asks a role without a verifier (one that does not exist,
+    /// or has no password) for on an `md5` line. Looked up on the auth
+    /// connection and kept as long as verifiers are; SCRAM when it cannot
+    /// be.
+    async fn md5_encryption(&self, shared: &Shared, primary_wait: Duration) -> bool {
+        if let Some((md5, at)) = *self.md5_encryption.lock().expect("poisoned") {
+            if at.elapsed() < self.spec.cache_ttl {
+                return md5;
+            }
+        }
+        let Ok(mut guard) = self.lookup_connection(shared, primary_wait).await else {
+            return false;
+        };
+        let client = guard.as_ref().expect("connected");
+        let shown = crate::timer::timeout(
+            Duration::from_secs(5),
+            client.simple_query("SHOW password_encryption"),
+        )
+        .await;
+        let md5 = match shown {
+            Ok(Ok(rows)) => rows.iter().any(|m| {
+                matches!(m, tokio_postgres::SimpleQueryMessage::Row(r)
+                    if r.get(0).is_some_and(|v| v.eq_ignore_ascii_case("md5")))
+            }),
+            Ok(Err(e)) => {
+                if e.as_db_error().is_none() || e.is_closed() {
+                    *guard = None;
+                }
+                return false;
+            }
+            Err(_) => {
+                *guard = None;
+                return false;
+            }
+        };
+        *self.md5_encryption.lock().expect("poisoned") = Some((md5, Instant::now()));
+        md5
     }
 
     /// The roles `user` is a member of (directly or not), itself included.
@@ -566,12 +610,23 @@ impl Authenticator {
                     .verifier(shared, &user, primary_wait)
                     .await
                     .map_err(lookup)?;
-                // As in PostgreSQL, md5 with a SCRAM verifier runs SCRAM.
+                // As in PostgreSQL, md5 with a SCRAM verifier runs SCRAM;
+                // without a verifier (no such role, no password) the
+                // server's password_encryption decides, so that the
+                // exchange does not tell such a role from a real one.
                 let md5 = method == AuthMethod::Md5
-                    && verifier
-                        .as_deref()
-                        .is_some_and(pgwarden_auth::is_md5_secret);
-                if md5 {
+                    && match verifier.as_deref() {
+                        Some(v) => pgwarden_auth::is_md5_secret(v),
+                        None => self.md5_encryption(shared, primary_wait).await,
+                    };
+                if md5 && verifier.is_none() {
+                    let salt: [u8; 4] = rand::random();
+                    let mut out = BytesMut::new();
+                    encode::authentication_md5(&mut out, salt);
+                    let reply = ask(client, &out).await.map_err(no_answer)?;
+                    message::password_message(&reply).map_err(|_| failed())?;
+                    Err(failed())
+                } else if md5 {
                     let secret = verifier.expect("checked");
                     let salt: [u8; 4] = rand::random();
                     let mut out = BytesMut::new();
