@@ -225,6 +225,73 @@ async fn an_unknown_role_on_an_md5_line_is_asked_as_the_server_would_ask() {
     );
 }
 
+/// The SQLSTATE pgwarden ends a raw login with: the start-up with
+/// `params`, then, after the first authentication request, `answer`.
+async fn login_error(p: &pgwarden_proxy::Proxy, params: &[(&str, &str)], answer: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
+        .await
+        .unwrap();
+    sock.write_all(&common::startup_packet(params))
+        .await
+        .unwrap();
+    loop {
+        let tag = sock.read_u8().await.unwrap();
+        let len = sock.read_u32().await.unwrap() as usize;
+        let mut body = vec![0; len - 4];
+        sock.read_exact(&mut body).await.unwrap();
+        match tag {
+            b'R' => sock.write_all(answer).await.unwrap(),
+            b'E' => {
+                let code = body
+                    .split(|b| *b == 0)
+                    .find_map(|f| f.strip_prefix(b"C"))
+                    .unwrap();
+                return String::from_utf8(code.to_vec()).unwrap();
+            }
+            other => panic!("unexpected message {}", other as char),
+        }
+    }
+}
+
+/// Malformed logins are refused with the codes PostgreSQL uses: a bad
+/// `replication` value is an invalid parameter value, a password message
+/// that is not one string a protocol violation (not a wrong password), a
+/// SCRAM authorization identity a feature not supported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_logins_get_postgres_s_codes() {
+    let s = setup(None, Duration::from_secs(60)).await;
+    let code = login_error(
+        &s.p,
+        &[
+            ("user", "dave"),
+            ("database", "postgres"),
+            ("replication", "maybe"),
+        ],
+        b"",
+    )
+    .await;
+    assert_eq!(code, "22023");
+    // `password` method: a body without its NUL.
+    let code = login_error(
+        &s.p,
+        &[("user", "dave"), ("database", "postgres")],
+        &[b'p', 0, 0, 0, 7, b'a', b'b', b'c'],
+    )
+    .await;
+    assert_eq!(code, "08P01");
+    // SCRAM with an authorization identity.
+    let first = b"n,a=bob,n=,r=fyko+d2lbbFgONRv9qkxdawL";
+    let mut msg = b"SCRAM-SHA-256\0".to_vec();
+    msg.extend_from_slice(&(first.len() as u32).to_be_bytes());
+    msg.extend_from_slice(first);
+    let mut out = vec![b'p'];
+    out.extend_from_slice(&(msg.len() as u32 + 4).to_be_bytes());
+    out.extend_from_slice(&msg);
+    let code = login_error(&s.p, &[("user", "alice"), ("database", "postgres")], &out).await;
+    assert_eq!(code, "0A000");
+}
+
 async fn check_methods(s: &Setup) {
     // +group: members of readers may use template1, others may not.
     let on_template1 = |user: &str, pw: &str| {

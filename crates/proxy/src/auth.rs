@@ -426,7 +426,7 @@ impl Authenticator {
             Ok(r) => r == Replication::Physical,
             Err(v) => {
                 return Err(AuthError::new(
-                    sqlstate::PROTOCOL_VIOLATION,
+                    sqlstate::INVALID_PARAMETER_VALUE,
                     "protocol",
                     format!("invalid value for parameter \"replication\": \"{v}\""),
                 ))
@@ -586,7 +586,7 @@ impl Authenticator {
                 encode::authentication_cleartext(&mut out);
                 let reply = ask(client, &out).await.map_err(no_answer)?;
                 let password = message::password_bytes(&reply)
-                    .map_err(|_| failed())?
+                    .map_err(|_| bad_password_packet())?
                     .to_vec();
                 // PBKDF2 with the verifier's iterations: milliseconds or
                 // more, off the event loop that serves other clients.
@@ -624,7 +624,7 @@ impl Authenticator {
                     let mut out = BytesMut::new();
                     encode::authentication_md5(&mut out, salt);
                     let reply = ask(client, &out).await.map_err(no_answer)?;
-                    message::password_message(&reply).map_err(|_| failed())?;
+                    message::password_message(&reply).map_err(|_| bad_password_packet())?;
                     Err(failed())
                 } else if md5 {
                     let secret = verifier.expect("checked");
@@ -632,7 +632,8 @@ impl Authenticator {
                     let mut out = BytesMut::new();
                     encode::authentication_md5(&mut out, salt);
                     let reply = ask(client, &out).await.map_err(no_answer)?;
-                    let response = message::password_message(&reply).map_err(|_| failed())?;
+                    let response =
+                        message::password_message(&reply).map_err(|_| bad_password_packet())?;
                     if verify_md5(&secret, salt, response) {
                         Ok(Credential::Md5Secret(secret))
                     } else {
@@ -744,8 +745,9 @@ impl From<ScramError> for ScramFailure {
 /// What the client is told when its SCRAM exchange fails, with PostgreSQL's
 /// codes: a wrong proof (or an answer of another type) is `failed`, the
 /// password failure; a client that went away is [`AuthError::gone`]; a binding to another certificate, or `y` although
-/// PLUS was offered, refuses the connection (28000); anything else is a
-/// protocol violation (08P01).
+/// PLUS was offered, refuses the connection (28000); an authorization
+/// identity or a mandatory extension is a feature not supported (0A000);
+/// anything else is a protocol violation (08P01).
 fn scram_refusal(e: ScramFailure, failed: AuthError) -> AuthError {
     const MISMATCH: &str = "the client bound SCRAM to another certificate than the one \
         pgwarden presented: its TLS may have been intercepted";
@@ -772,6 +774,12 @@ fn scram_refusal(e: ScramFailure, failed: AuthError) -> AuthError {
                 e.to_string(),
             )
             .with_detail(detail)
+        }
+        // As PostgreSQL: an authorization identity or a mandatory
+        // extension is a feature it lacks, an unknown binding type a
+        // protocol violation.
+        e @ ScramError::Unsupported("authorization identity" | "mandatory extension") => {
+            AuthError::new(sqlstate::FEATURE_NOT_SUPPORTED, "protocol", e.to_string())
         }
         e => AuthError::new(sqlstate::PROTOCOL_VIOLATION, "protocol", e.to_string()),
     }
@@ -904,6 +912,16 @@ pub(crate) enum NoAnswer {
 
 /// The client answered an authentication request with another message
 /// (or one too large): PostgreSQL's 08P01, counted as `protocol`.
+/// A password message that is not one NUL-terminated string, refused as
+/// PostgreSQL refuses it: malformed, not a wrong password.
+fn bad_password_packet() -> AuthError {
+    AuthError::new(
+        sqlstate::PROTOCOL_VIOLATION,
+        "protocol",
+        "invalid password packet size",
+    )
+}
+
 fn protocol_violation(expected: &str) -> AuthError {
     AuthError::new(
         sqlstate::PROTOCOL_VIOLATION,
