@@ -5609,7 +5609,7 @@ async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
     let mut c = TestCluster::builder().replicas(0).start();
     common::sql(
         &format!("host=127.0.0.1 port={} user=postgres", c.port(0)),
-        "ALTER ROLE postgres PASSWORD 'console-pw'",
+        "ALTER ROLE postgres PASSWORD 'console-pw'; CREATE ROLE outsider LOGIN PASSWORD 'outsider-pw'",
     )
     .await;
     // The probe and ordinary sessions stay trusted; the console's database
@@ -5617,7 +5617,7 @@ async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
     c.set_hba(
         0,
         "local all all trust\n\
-         host pgwarden postgres 127.0.0.1/32 scram-sha-256\n\
+         host pgwarden all 127.0.0.1/32 scram-sha-256\n\
          host all all 127.0.0.1/32 trust\n",
     );
     let (e, p) = common::proxy(&c.addrs(), Duration::from_secs(3)).await;
@@ -5646,6 +5646,24 @@ async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
             .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_))),
         "{rows:?}"
     );
+    // A role that is no admin user is asked the same, so the answer does
+    // not tell who the admin users are; only once the server has vouched
+    // for it is it turned away.
+    let outsider = |password: &str| {
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=outsider dbname=pgwarden password={password}",
+            p.service_addrs()["read_write"].port()
+        );
+        async move { client(&conninfo).await }
+    };
+    let Err(wrong) = outsider("nope").await else {
+        panic!("a wrong password was taken");
+    };
+    assert_eq!(sqlstate(&wrong).as_deref(), Some("28P01"), "{wrong}");
+    let Err(refused) = outsider("outsider-pw").await else {
+        panic!("a role that is no admin user got in");
+    };
+    assert_eq!(sqlstate(&refused).as_deref(), Some("28000"), "{refused}");
     // Ordinary sessions are untouched.
     assert_eq!(
         one(&client(&via(&p, "read_write")).await.unwrap(), "SELECT 1").await,

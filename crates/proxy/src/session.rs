@@ -445,10 +445,12 @@ async fn serve(
         },
     };
     if admin {
-        // Without [auth] pgwarden checks no password itself; an admin
-        // user then proves who they are to the primary, as a relayed
-        // session would, before it may pause or shut anything down.
-        if credential.is_none() && crate::admin::is_admin_user(shared, startup.user()) {
+        // Without [auth] pgwarden checks no password itself; a user then
+        // proves who they are to the primary, as a relayed session would,
+        // before it may pause or shut anything down. Every user, not just
+        // the admin users: a refusal before the password would tell which
+        // names are admin users. The console turns the others away after.
+        if credential.is_none() {
             match deadline
                 .run(Box::pin(server_vouches(shared, service, client, &startup)))
                 .await
