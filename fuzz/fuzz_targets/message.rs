@@ -19,7 +19,7 @@ fn accessors(b: &[u8]) {
     let _ = message::backend_key_data(b);
     let _ = message::authentication_code(b);
     let _ = message::password_message(b);
-    if let Ok((_, data)) = message::sasl_initial_response(b) {
+    if let Ok((_, Some(data))) = message::sasl_initial_response(b) {
         assert!(data.len() <= b.len());
     }
     if let Ok(fields) = message::error_fields(b) {

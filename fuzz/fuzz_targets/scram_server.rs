@@ -26,7 +26,9 @@ fuzz_target!(|data: &[u8]| {
         None => (data, &[][..]),
     };
     let firsts = [
-        message::sasl_initial_response(initial).ok().map(|(_, d)| d),
+        message::sasl_initial_response(initial)
+            .ok()
+            .and_then(|(_, d)| d),
         Some(initial),
     ];
     for first in firsts.into_iter().flatten() {

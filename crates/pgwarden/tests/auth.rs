@@ -292,6 +292,62 @@ async fn malformed_logins_get_postgres_s_codes() {
     assert_eq!(code, "0A000");
 }
 
+/// A SASLInitialResponse without an initial response (length -1) gets
+/// an empty challenge, and the client-first-message may follow as a
+/// SASLResponse, as PostgreSQL takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_without_an_initial_response_logs_in() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = setup(None, Duration::from_secs(60)).await;
+    let mut sock = tokio::net::TcpStream::connect(s.p.service_addrs()["read_write"])
+        .await
+        .unwrap();
+    sock.write_all(&common::startup_packet(&[
+        ("user", "alice"),
+        ("database", "postgres"),
+    ]))
+    .await
+    .unwrap();
+    async fn next(sock: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
+        let tag = sock.read_u8().await.unwrap();
+        let len = sock.read_u32().await.unwrap() as usize;
+        let mut body = vec![0; len - 4];
+        sock.read_exact(&mut body).await.unwrap();
+        (tag, body)
+    }
+    fn password_message(body: &[u8]) -> Vec<u8> {
+        let mut out = vec![b'p'];
+        out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        out.extend_from_slice(body);
+        out
+    }
+    let (tag, body) = next(&mut sock).await;
+    assert_eq!((tag, &body[..4]), (b'R', &10u32.to_be_bytes()[..]));
+    let mut initial = b"SCRAM-SHA-256\0".to_vec();
+    initial.extend_from_slice(&(-1i32).to_be_bytes());
+    sock.write_all(&password_message(&initial)).await.unwrap();
+    let (tag, body) = next(&mut sock).await;
+    assert_eq!(
+        (tag, &body[..]),
+        (b'R', &11u32.to_be_bytes()[..]),
+        "an empty challenge"
+    );
+    let mut scram = pgwarden_auth::ScramClient::with_password("alice-secret", [7u8; 18]);
+    let first = scram.client_first().unwrap();
+    sock.write_all(&password_message(&first)).await.unwrap();
+    let (tag, body) = next(&mut sock).await;
+    assert_eq!((tag, &body[..4]), (b'R', &11u32.to_be_bytes()[..]));
+    let fin = scram.server_first(&body[4..]).unwrap();
+    sock.write_all(&password_message(&fin)).await.unwrap();
+    loop {
+        match next(&mut sock).await {
+            (b'Z', _) => break,
+            (b'E', body) => panic!("{}", String::from_utf8_lossy(&body)),
+            _ => {}
+        }
+    }
+}
+
 async fn check_methods(s: &Setup) {
     // +group: members of readers may use template1, others may not.
     let on_template1 = |user: &str, pw: &str| {

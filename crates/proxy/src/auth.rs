@@ -707,6 +707,21 @@ impl Authenticator {
         // violation, as in PostgreSQL, not a wrong password.
         let (mech, data) = message::sasl_initial_response(&initial)
             .map_err(|e| ScramError::Malformed(e.to_string()))?;
+        // No initial response: as PostgreSQL, an empty challenge, and the
+        // client-first-message comes as a SASLResponse.
+        let later;
+        let data = match data {
+            Some(d) => d,
+            None => {
+                if !server.mechanisms().contains(&mech) {
+                    return Err(ScramError::InvalidMechanism.into());
+                }
+                let mut out = BytesMut::new();
+                encode::authentication_sasl_continue(&mut out, b"");
+                later = ask(client, &out).await?;
+                &later[..]
+            }
+        };
         let first = server.initial_response(mech, data)?;
         let mut out = BytesMut::new();
         encode::authentication_sasl_continue(&mut out, &first);

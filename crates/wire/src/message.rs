@@ -522,17 +522,20 @@ pub fn password_bytes(body: &[u8]) -> Result<&[u8], BodyError> {
 }
 
 /// Mechanism and initial client response of a SASLInitialResponse (`p`)
-/// body.
-///
-/// The response length may be -1 on the wire for "no initial response";
-/// SCRAM always sends one, so that is refused here like any other negative
-/// length.
-pub fn sasl_initial_response(body: &[u8]) -> Result<(&str, &[u8]), BodyError> {
+/// body; `None` for a length of -1, "no initial response" (RFC 4422
+/// lets a client send its first message in a SASLResponse instead, after
+/// an empty challenge). Any other negative length is refused.
+pub fn sasl_initial_response(body: &[u8]) -> Result<(&str, Option<&[u8]>), BodyError> {
     let mut r = Reader::new(body);
     let mechanism = r.cstr()?;
-    let len = usize::try_from(r.i32()?)
-        .map_err(|_| BodyError::InvalidValue("negative SASL response length"))?;
-    let data = r.take(len)?;
+    let data = match r.i32()? {
+        -1 => None,
+        len => {
+            let len = usize::try_from(len)
+                .map_err(|_| BodyError::InvalidValue("negative SASL response length"))?;
+            Some(r.take(len)?)
+        }
+    };
     r.finish()?;
     Ok((mechanism, data))
 }
@@ -640,10 +643,14 @@ mod tests {
         assert_eq!(password_message(b"caf\xe9\0"), Err(BodyError::InvalidUtf8));
         assert_eq!(
             sasl_initial_response(b"SCRAM-SHA-256\0\0\0\0\x03n,,"),
-            Ok(("SCRAM-SHA-256", &b"n,,"[..]))
+            Ok(("SCRAM-SHA-256", Some(&b"n,,"[..])))
         );
         assert_eq!(
             sasl_initial_response(b"M\0\xff\xff\xff\xff"),
+            Ok(("M", None))
+        );
+        assert_eq!(
+            sasl_initial_response(b"M\0\xff\xff\xff\xfe"),
             Err(BodyError::InvalidValue("negative SASL response length"))
         );
         assert_eq!(
