@@ -237,7 +237,9 @@ pub struct HbaContext<'a> {
     /// The roles `user` is a member of, directly or indirectly (looked up
     /// by the caller on the primary). Called at most once per
     /// [`Hba::find`], and only if a `+role` or `samerole` entry is reached.
-    /// The user itself always counts as a member of its own role.
+    /// An empty list means there is no such role: it is a member of
+    /// nothing, not even of a role of its own name, as in PostgreSQL.
+    /// Otherwise the user counts as a member of its own role.
     pub roles_of_user: &'a dyn Fn(&str) -> Vec<String>,
     /// The server's own addresses with their network prefix lengths, for
     /// `samehost` and `samenet`.
@@ -348,11 +350,8 @@ impl Hba {
         let addr = ctx.addr.map(|a| a.to_canonical());
         let mut roles: Option<Vec<String>> = None;
         let mut member_of = |role: &str| {
-            role == ctx.user
-                || roles
-                    .get_or_insert_with(|| (ctx.roles_of_user)(ctx.user))
-                    .iter()
-                    .any(|r| r == role)
+            let roles = roles.get_or_insert_with(|| (ctx.roles_of_user)(ctx.user));
+            (role == ctx.user && !roles.is_empty()) || roles.iter().any(|r| r == role)
         };
         self.rules
             .iter()
@@ -1417,6 +1416,14 @@ mod tests {
         assert_eq!(line_of(&hba, &ctx("app", "bob")), None);
         // A role is a member of itself.
         assert_eq!(line_of(&hba, &ctx("app", "admins")), Some(3));
+        // A role that does not exist is a member of nothing, not even of
+        // the role of its own name.
+        let none = |_: &str| Vec::new();
+        let ghost = |db: &'static str, user: &'static str| HbaContext {
+            roles_of_user: &none,
+            ..local(db, user)
+        };
+        assert_eq!(line_of(&hba, &ghost("app", "admins")), None);
         // Memberships are looked up at most once per find.
         calls.set(0);
         hba.find(&ctx("app", "bob"));
