@@ -5913,3 +5913,82 @@ async fn a_server_shown_the_end_of_input_is_not_lent_again() {
         }
     }
 }
+
+/// Close of statement `name`.
+fn msg_close_statement(name: &[u8]) -> Vec<u8> {
+    let mut m = msg_describe_statement(name);
+    m[0] = b'C';
+    m
+}
+
+/// Statements follow the server's word when a batch fails or a name is
+/// taken again: a Close skipped after an error leaves the statement as
+/// PostgreSQL leaves it (there for the client, prepared again where the
+/// server lacks it), a Close of a statement whose Parse failed brings
+/// nothing back, and a Parse the server takes under a name just dropped
+/// (`DEALLOCATE` then `Parse` in one go) is the client's statement from
+/// then on. Each is checked on the server that ran it and, after another
+/// client's `DISCARD ALL` empties that server, where it must be prepared
+/// again from pgwarden's copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_follow_skipped_closes_failed_parses_and_reused_names() {
+    let c = TestCluster::builder().replicas(0).start();
+    // One server: every client shares it.
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let mut other = RawClient::connect(rw, "UTF8");
+    let mut discard = || assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
+
+    // A Close skipped after an error, of a statement pgwarden prepared on
+    // this server in the same batch.
+    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
+    assert_eq!(error_code(&r), None, "{r:?}");
+    discard();
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend(msg_close_statement(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    // On PostgreSQL s1 is still there.
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+    discard();
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+
+    // A Close of a statement whose Parse failed: no such statement.
+    let mut m = msg_parse(b"s2", b"SELEC 2");
+    m.extend(msg_close_statement(b"s2"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r).as_deref(), Some("42601"), "{r:?}");
+    let r = a.send(&[msg_parse(b"s2", b"SELECT 2"), msg_run(b"s2")].concat());
+    assert_eq!(values(&r), ["2"], "{r:?}");
+    discard();
+    assert_eq!(values(&a.send(&msg_run(b"s2"))), ["2"]);
+
+    // DEALLOCATE and a Parse of the same name, in one write.
+    let mut m = msg_query(b"DEALLOCATE s1");
+    m.extend(msg_parse(b"s1", b"SELECT 3"));
+    m.extend(msg_run(b"s1"));
+    std::io::Write::write_all(&mut a.0, &m).unwrap();
+    assert_eq!(tags(&a.until_ready()), ["DEALLOCATE"]);
+    let r = a.until_ready();
+    assert_eq!(values(&r), ["3"], "{r:?}");
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["3"]);
+    discard();
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["3"]);
+
+    // Statements dropped where no check can see it (SQL run at run time)
+    // fail once, under the client's name, and are prepared again after.
+    let r = other.simple(b"DO $$BEGIN EXECUTE 'DEALLOCATE ALL'; END$$");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let r = a.send(&msg_run(b"s1"));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    assert_eq!(
+        error_message(&r).as_deref(),
+        Some("prepared statement \"s1\" does not exist")
+    );
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["3"]);
+}

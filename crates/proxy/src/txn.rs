@@ -156,6 +156,12 @@ struct SentParse {
     forget: bool,
     /// For the unnamed statement, which of the client's unnamed Parses.
     unnamed_seq: u64,
+    /// A client's Parse under a name pgwarden still follows, sent under
+    /// that statement's server-side name for the server to refuse (42P05)
+    /// as PostgreSQL would. Should the server take it (the statement was
+    /// dropped there meanwhile, by a DEALLOCATE or a failed Parse the
+    /// client pipelined before it), this is the client's statement now.
+    renew: Option<Box<(String, Statement)>>,
     batch: u64,
 }
 
@@ -1777,14 +1783,35 @@ impl Session {
                             // (42P05) and keeps the statement it has: the
                             // Parse goes out under that statement's server
                             // name, prepared here first if need be, for
-                            // the server to refuse it likewise.
-                            let (sname, _) = self.ensure(name, out);
+                            // the server to refuse it likewise. Not
+                            // prepared first where a DEALLOCATE of it is on
+                            // its way: the server is to take the Parse once
+                            // that has dropped the statement, as PostgreSQL
+                            // would.
+                            // Binds that follow use the new statement, as
+                            // the server will have it.
+                            let dropping = self.replies.deallocs.iter().any(|d| d.name == name);
+                            let sname = match self.statements.get(name) {
+                                Some(st) if dropping => {
+                                    let sname = st.0.clone();
+                                    if let Some(c) = self.attached.as_mut() {
+                                        c.conn.prepared.insert(&sname);
+                                    }
+                                    sname
+                                }
+                                _ => self.ensure(name, out).0,
+                            };
+                            let renew = (
+                                name.to_string(),
+                                (sname.clone(), Bytes::copy_from_slice(&rest), drops),
+                            );
                             self.replies.parses.push_back(SentParse {
                                 injected: false,
                                 placeholder: None,
                                 name: None,
                                 forget: false,
                                 unnamed_seq: 0,
+                                renew: Some(Box::new(renew)),
                                 batch: self.replies.sent,
                             });
                             self.replies.open_batch = true;
@@ -1805,6 +1832,7 @@ impl Session {
                             name: Some(sname.clone()),
                             forget: true,
                             unnamed_seq: 0,
+                            renew: None,
                             batch: self.replies.sent,
                         });
                         self.replies.open_batch = true;
@@ -1827,6 +1855,7 @@ impl Session {
                         name: None,
                         forget: p.name.is_empty(),
                         unnamed_seq: self.unnamed_seq,
+                        renew: None,
                         batch: self.replies.sent,
                     });
                     self.unnamed_drops = drops;
@@ -2028,6 +2057,7 @@ impl Session {
                     name: Some(sname.clone()),
                     forget: false,
                     unnamed_seq: 0,
+                    renew: None,
                     batch: self.replies.sent,
                 });
                 self.bound_statements(&sname, out);
@@ -2081,6 +2111,7 @@ impl Session {
                 name: None,
                 forget: false,
                 unnamed_seq: 0,
+                renew: None,
                 batch: self.replies.sent,
             });
         }
@@ -2112,6 +2143,7 @@ impl Session {
                 name: None,
                 forget: false,
                 unnamed_seq: self.unnamed_seq,
+                renew: None,
                 batch: self.replies.sent,
             });
         } else {
@@ -2273,24 +2305,47 @@ impl Session {
             match h.tag {
                 backend::PARSE_COMPLETE => {
                     self.drop_stale_parses();
-                    if let Some(SentParse {
-                        injected: true,
-                        placeholder,
-                        ..
-                    }) = self.replies.parses.pop_front()
-                    {
-                        if let Some(sname) = placeholder {
-                            self.placeholder_made(&sname);
+                    match self.replies.parses.pop_front() {
+                        Some(SentParse {
+                            injected: true,
+                            placeholder,
+                            ..
+                        }) => {
+                            if let Some(sname) = placeholder {
+                                self.placeholder_made(&sname);
+                            }
+                            drop_message(&mut out, buf, &mut pos, total);
+                            continue;
                         }
-                        drop_message(&mut out, buf, &mut pos, total);
-                        continue;
+                        // The server took a Parse under a name pgwarden
+                        // thought in use: the statement is the new one,
+                        // unless the client has closed the name (or closed
+                        // and prepared it again) in messages sent since.
+                        Some(SentParse {
+                            renew: Some(renew), ..
+                        }) => {
+                            let (name, st) = *renew;
+                            if let Some(c) = self.attached.as_mut() {
+                                c.conn.prepared.insert(&st.0);
+                            }
+                            let closing = self
+                                .replies
+                                .closes
+                                .iter()
+                                .any(|c| matches!(&c.restore, Some((n, ..)) if *n == name));
+                            let current = self.statements.get(&name).map(|s| s.0.clone());
+                            if !closing && current.is_none_or(|s| s == st.0) {
+                                self.statements.insert(name, st);
+                            }
+                        }
+                        _ => {}
                     }
                     if let Some(pipeline) = self.read_only.as_deref_mut() {
                         pipeline.parse_complete();
                     }
                 }
                 backend::CLOSE_COMPLETE => {
-                    self.drop_stale_closes();
+                    self.drop_stale_closes(&[]);
                     if let Some(&SentClose {
                         own: Some(_),
                         marker,
@@ -2352,6 +2407,7 @@ impl Session {
                     if ends_session(body) {
                         self.replies.fatal = true;
                     }
+                    self.missing_statement(body);
                     // A COPY that failed takes no more data; the Sync
                     // that follows (extended protocol) is answered.
                     self.replies.copy_in = false;
@@ -2409,8 +2465,8 @@ impl Session {
                         // Portals end with their transaction.
                         self.dealloc_portals.retain(|(b, ..)| *b >= done);
                     }
-                    self.drop_stale_parses();
-                    self.drop_stale_closes();
+                    let skipped = self.drop_stale_parses();
+                    self.drop_stale_closes(&skipped);
                 }
                 _ => {
                     if let Ok((k, v)) = message::parameter_status(body) {
@@ -2453,6 +2509,29 @@ impl Session {
         })
     }
 
+    /// An error `body` saying a prepared statement does not exist: where
+    /// pgwarden listed it as prepared on the attached server, its list
+    /// was wrong (a DEALLOCATE in SQL run at run time, say, which no check
+    /// can read), and the statement goes from it, so that the next use
+    /// prepares it there again instead of failing the same way for good.
+    fn missing_statement(&mut self, body: &[u8]) {
+        let Ok(fields) = message::error_fields(body) else {
+            return;
+        };
+        if message::find_field(&fields, b'C') != Some("26000") {
+            return;
+        }
+        let Some(name) = message::find_field(&fields, b'M')
+            .and_then(|m| m.strip_prefix("prepared statement \""))
+            .and_then(|m| m.strip_suffix("\" does not exist"))
+        else {
+            return;
+        };
+        if let Some(c) = self.attached.as_mut() {
+            c.conn.prepared.remove(name);
+        }
+    }
+
     /// The server prepared the placeholder a `DEALLOCATE` of `sname` is to
     /// drop ([`Session::deallocating`]).
     fn placeholder_made(&mut self, sname: &str) {
@@ -2475,8 +2554,11 @@ impl Session {
     }
 
     /// Closes of a completed batch were skipped (an error came first):
-    /// the statements pgwarden meant to close are still on the server.
-    fn drop_stale_closes(&mut self) {
+    /// the statements pgwarden meant to close are still on the server,
+    /// except those whose Parse was skipped or failed too (`skipped`,
+    /// from [`Session::drop_stale_parses`]), which never got there; and a
+    /// client's statement whose own Parse failed was never the client's.
+    fn drop_stale_closes(&mut self, skipped: &[(Arc<str>, bool)]) {
         while let Some(close) = self.replies.closes.front() {
             if close.batch >= self.replies.done {
                 break;
@@ -2488,6 +2570,9 @@ impl Session {
                 SentClose {
                     own: Some(name), ..
                 } if !name.is_empty() => {
+                    if skipped.iter().any(|(s, _)| **s == *name) {
+                        continue;
+                    }
                     if let Some(c) = self.attached.as_mut() {
                         c.conn.prepared.insert(&name);
                     }
@@ -2496,9 +2581,16 @@ impl Session {
                     restore: Some((name, st, here)),
                     ..
                 } => {
+                    let parse = skipped.iter().find(|(s, _)| *s == st.0);
+                    if parse.is_some_and(|(_, forget)| *forget) {
+                        // Its Parse failed: the client has no such
+                        // statement, as on PostgreSQL.
+                        continue;
+                    }
                     // The client's statement is still there, as it is on
-                    // PostgreSQL when an error skips a Close.
-                    if here {
+                    // PostgreSQL when an error skips a Close; on this
+                    // server only if it was before the batch.
+                    if here && parse.is_none() {
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.prepared.insert(&st.0);
                         }
@@ -2510,9 +2602,12 @@ impl Session {
         }
     }
 
-    fn drop_stale_parses(&mut self) {
-        // Parses of a batch that has completed can no longer be answered
-        // (they failed, or an error made the server skip them).
+    /// Parses of a batch that has completed can no longer be answered
+    /// (they failed, or an error made the server skip them). Returns the
+    /// server-side names of those that named a statement pgwarden
+    /// follows, with whether it was the client's own new statement.
+    fn drop_stale_parses(&mut self) -> Vec<(Arc<str>, bool)> {
+        let mut skipped = Vec::new();
         while let Some(p) = self.replies.parses.front() {
             if p.batch >= self.replies.done {
                 break;
@@ -2530,6 +2625,7 @@ impl Session {
                         // not on PostgreSQL.
                         self.statements.retain(|_, st| st.0 != *sname);
                     }
+                    skipped.push((sname.clone(), p.forget));
                 }
                 // The unnamed statement, unless parsed again since.
                 None if p.unnamed_seq == self.unnamed_seq && p.unnamed_seq > 0 => {
@@ -2544,6 +2640,7 @@ impl Session {
                 None => {}
             }
         }
+        skipped
     }
 }
 
