@@ -5991,4 +5991,12 @@ async fn statements_follow_skipped_closes_failed_parses_and_reused_names() {
         Some("prepared statement \"s1\" does not exist")
     );
     assert_eq!(values(&a.send(&msg_run(b"s1"))), ["3"]);
+
+    // DEALLOCATE of a quoted name with a blank, behind a comment.
+    let r = a.send(&[msg_parse(b"my stmt", b"SELECT 4"), msg_run(b"my stmt")].concat());
+    assert_eq!(values(&r), ["4"], "{r:?}");
+    let r = a.simple(b"DEALLOCATE /* done */ \"my stmt\";");
+    assert_eq!(tags(&r), ["DEALLOCATE"], "{r:?}");
+    let r = a.send(&msg_run(b"my stmt"));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
 }

@@ -2208,19 +2208,26 @@ impl Session {
     /// (see [`Effects::drops`]) and for names pgwarden does not follow
     /// (an SQL-level PREPARE's, which the client's own server has).
     fn deallocated(&self, text: &str) -> Option<Target> {
-        let t = text.trim().trim_end_matches(';').trim();
-        let mut words = t.split_whitespace();
-        if !words.next()?.eq_ignore_ascii_case("deallocate") {
+        // Comments anywhere become blanks (`DEALLOCATE /* done */ s1`),
+        // and a quoted name may hold blanks of its own.
+        let blanked =
+            pgwarden_wire::blank_comments(text.as_bytes()).and_then(|b| String::from_utf8(b).ok());
+        let t = blanked.as_deref().unwrap_or(text);
+        let t = t.trim().trim_end_matches(';').trim();
+        let keyword = |s: &'_ str, kw: &str| -> Option<usize> {
+            let head = s.get(..kw.len())?;
+            let next = s[kw.len()..].chars().next();
+            (head.eq_ignore_ascii_case(kw) && next.is_some_and(char::is_whitespace))
+                .then_some(kw.len())
+        };
+        let mut rest = t[keyword(t, "deallocate")?..].trim_start();
+        if let Some(n) = keyword(rest, "prepare") {
+            rest = rest[n..].trim_start();
+        }
+        if rest.eq_ignore_ascii_case("all") {
             return None;
         }
-        let mut name = words.next()?;
-        if name.eq_ignore_ascii_case("prepare") {
-            name = words.next()?;
-        }
-        if words.next().is_some() || name.eq_ignore_ascii_case("all") {
-            return None;
-        }
-        let name = sql_ident(name)?;
+        let name = sql_ident(rest)?;
         let sname = self.statements.get(&name)?.0.clone();
         Some(Target { name, sname })
     }
