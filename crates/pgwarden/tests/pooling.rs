@@ -6000,3 +6000,36 @@ async fn statements_follow_skipped_closes_failed_parses_and_reused_names() {
     let r = a.send(&msg_run(b"my stmt"));
     assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
 }
+
+/// A FunctionCall inside an extended batch that failed is skipped by the
+/// server, as a Query there is: a Bind pipelined behind it, of a statement
+/// pgwarden prepared in that batch, does not wait for a ReadyForQuery
+/// that only the Sync behind the Bind can bring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_call_in_a_failed_batch_holds_nothing_up() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let mut other = RawClient::connect(rw, "UTF8");
+    let oid: u32 = value(&a.simple(b"SELECT 'pg_backend_pid'::regproc::oid"))
+        .parse()
+        .unwrap();
+    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
+    assert_eq!(error_code(&r), None, "{r:?}");
+    // s1 is gone from the server: pgwarden prepares it again in the batch.
+    assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
+    let mut call = vec![b'F'];
+    call.extend_from_slice(&14u32.to_be_bytes());
+    call.extend_from_slice(&oid.to_be_bytes());
+    call.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend(call);
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+}

@@ -114,8 +114,8 @@ struct Replies {
     /// `kinds`. One still marked when a ReadyForQuery comes was skipped
     /// by the server, and gets none.
     marks: u64,
-    /// A Query went out inside an extended-protocol batch (no Sync
-    /// before it), since the server was last idle. After an error there
+    /// A Query or FunctionCall went out inside an extended-protocol batch
+    /// (no Sync before it), since the server was last idle. After an error there
     /// PostgreSQL ignores it, so its ReadyForQuery comes only once the
     /// client has sent the Sync that ends the extended batch (or never,
     /// past 64 pending, where it has no marker).
@@ -1970,7 +1970,7 @@ impl Session {
             // PostgreSQL ignores it: no ReadyForQuery will come.
             frontend::SYNC if self.replies.copy_in => {}
             frontend::QUERY | frontend::SYNC | frontend::FUNCTION_CALL => {
-                self.replies.query_in_batch |= tag == frontend::QUERY && self.replies.open_batch;
+                self.replies.query_in_batch |= tag != frontend::SYNC && self.replies.open_batch;
                 if tag != frontend::SYNC && self.replies.pending < 64 {
                     self.replies.kinds |= 1 << self.replies.pending;
                 }
