@@ -120,6 +120,8 @@ struct Replies {
     /// client has sent the Sync that ends the extended batch (or never,
     /// past 64 pending, where it has no marker).
     query_in_batch: bool,
+    /// Parses and Closes sent so far, which numbers them in order.
+    sent_statement_messages: u64,
 }
 
 /// A client's `DEALLOCATE name`, as sent: the statement is forgotten only
@@ -163,6 +165,8 @@ struct SentParse {
     /// client pipelined before it), this is the client's statement now.
     renew: Option<Box<(String, Statement)>>,
     batch: u64,
+    /// Order among the Parses and Closes sent ([`Replies::push_parse`]).
+    seq: u64,
 }
 
 /// A client's statement as pgwarden follows it: its name on servers, the
@@ -202,9 +206,25 @@ struct SentClose {
     /// `""`, for no statement).
     marker: bool,
     batch: u64,
+    /// Order among the Parses and Closes sent ([`Replies::push_close`]).
+    seq: u64,
 }
 
 impl Replies {
+    /// Records a Parse sent, numbered after everything sent before it.
+    fn push_parse(&mut self, mut p: SentParse) {
+        self.sent_statement_messages += 1;
+        p.seq = self.sent_statement_messages;
+        self.parses.push_back(p);
+    }
+
+    /// Records a Close sent, numbered after everything sent before it.
+    fn push_close(&mut self, mut c: SentClose) {
+        self.sent_statement_messages += 1;
+        c.seq = self.sent_statement_messages;
+        self.closes.push_back(c);
+    }
+
     /// Whether the server owes ReadyForQuery messages it will send
     /// without more input from the client: not inside an unfinished
     /// extended batch or a COPY FROM STDIN, which wait for the client.
@@ -1654,11 +1674,12 @@ impl Session {
             // Skipped after an error earlier in the batch, it would leave
             // a ReadyForQuery owed forever, and the server with the client.
             encode::batch_marker(out);
-            self.replies.closes.push_back(SentClose {
+            self.replies.push_close(SentClose {
                 own: Some(String::new()),
                 restore: None,
                 marker: true,
                 batch: self.replies.sent,
+                seq: 0,
             });
             self.replies.marks |= 1 << self.replies.pending;
             if let Some(pipeline) = self.read_only.as_deref_mut() {
@@ -1710,11 +1731,12 @@ impl Session {
         if tag == frontend::CLOSE {
             // Every Close is answered by a CloseComplete, in order with
             // those of pgwarden's own.
-            self.replies.closes.push_back(SentClose {
+            self.replies.push_close(SentClose {
                 own: None,
                 restore: None,
                 marker: false,
                 batch: self.replies.sent,
+                seq: 0,
             });
         }
         match tag {
@@ -1789,30 +1811,36 @@ impl Session {
                             // that has dropped the statement, as PostgreSQL
                             // would.
                             // Binds that follow use the new statement, as
-                            // the server will have it.
+                            // the server will have it; should the server
+                            // skip the Parse, a statement listed here for it
+                            // goes from the list again.
                             let dropping = self.replies.deallocs.iter().any(|d| d.name == name);
-                            let sname = match self.statements.get(name) {
+                            let (sname, listed) = match self.statements.get(name) {
                                 Some(st) if dropping => {
                                     let sname = st.0.clone();
-                                    if let Some(c) = self.attached.as_mut() {
-                                        c.conn.prepared.insert(&sname);
-                                    }
-                                    sname
+                                    let listed = self.attached.as_mut().is_some_and(|c| {
+                                        !c.conn.prepared.touch(&sname) && {
+                                            c.conn.prepared.insert(&sname);
+                                            true
+                                        }
+                                    });
+                                    (sname, listed)
                                 }
-                                _ => self.ensure(name, out).0,
+                                _ => (self.ensure(name, out).0, false),
                             };
                             let renew = (
                                 name.to_string(),
                                 (sname.clone(), Bytes::copy_from_slice(&rest), drops),
                             );
-                            self.replies.parses.push_back(SentParse {
+                            self.replies.push_parse(SentParse {
                                 injected: false,
                                 placeholder: None,
-                                name: None,
+                                name: listed.then(|| sname.clone()),
                                 forget: false,
                                 unnamed_seq: 0,
                                 renew: Some(Box::new(renew)),
                                 batch: self.replies.sent,
+                                seq: 0,
                             });
                             self.replies.open_batch = true;
                             put_parse(out, &sname, &rest);
@@ -1826,7 +1854,7 @@ impl Session {
                         if let Some(c) = self.attached.as_mut() {
                             c.conn.prepared.insert(&sname);
                         }
-                        self.replies.parses.push_back(SentParse {
+                        self.replies.push_parse(SentParse {
                             injected: false,
                             placeholder: None,
                             name: Some(sname.clone()),
@@ -1834,6 +1862,7 @@ impl Session {
                             unnamed_seq: 0,
                             renew: None,
                             batch: self.replies.sent,
+                            seq: 0,
                         });
                         self.replies.open_batch = true;
                         put_parse(out, &sname, &rest);
@@ -1849,7 +1878,7 @@ impl Session {
                         self.unnamed_uncertain |= self.replies.open_batch;
                         self.unnamed_seq += 1;
                     }
-                    self.replies.parses.push_back(SentParse {
+                    self.replies.push_parse(SentParse {
                         injected: false,
                         placeholder: None,
                         name: None,
@@ -1857,6 +1886,7 @@ impl Session {
                         unnamed_seq: self.unnamed_seq,
                         renew: None,
                         batch: self.replies.sent,
+                        seq: 0,
                     });
                     self.unnamed_drops = drops;
                     if let std::borrow::Cow::Owned(rest) = rest {
@@ -2051,7 +2081,7 @@ impl Session {
             if !c.conn.prepared.touch(&sname) {
                 put_parse(out, &sname, rest);
                 c.conn.prepared.insert(&sname);
-                self.replies.parses.push_back(SentParse {
+                self.replies.push_parse(SentParse {
                     injected: true,
                     placeholder: None,
                     name: Some(sname.clone()),
@@ -2059,6 +2089,7 @@ impl Session {
                     unnamed_seq: 0,
                     renew: None,
                     batch: self.replies.sent,
+                    seq: 0,
                 });
                 self.bound_statements(&sname, out);
             }
@@ -2105,7 +2136,7 @@ impl Session {
             .is_some_and(|c| c.conn.prepared.touch(&t.sname));
         if !here {
             put_parse(out, &t.sname, b"SELECT\0\0\0");
-            self.replies.parses.push_back(SentParse {
+            self.replies.push_parse(SentParse {
                 injected: true,
                 placeholder: Some(t.sname.clone()),
                 name: None,
@@ -2113,6 +2144,7 @@ impl Session {
                 unnamed_seq: 0,
                 renew: None,
                 batch: self.replies.sent,
+                seq: 0,
             });
         }
         self.replies.deallocs.push(SentDealloc {
@@ -2137,7 +2169,7 @@ impl Session {
         self.unnamed_uncertain |= self.replies.open_batch;
         if self.unnamed_set {
             put_parse(out, "", &self.unnamed);
-            self.replies.parses.push_back(SentParse {
+            self.replies.push_parse(SentParse {
                 injected: true,
                 placeholder: None,
                 name: None,
@@ -2145,14 +2177,16 @@ impl Session {
                 unnamed_seq: self.unnamed_seq,
                 renew: None,
                 batch: self.replies.sent,
+                seq: 0,
             });
         } else {
             put_close(out, "");
-            self.replies.closes.push_back(SentClose {
+            self.replies.push_close(SentClose {
                 own: Some(String::new()),
                 restore: None,
                 marker: false,
                 batch: self.replies.sent,
+                seq: 0,
             });
         }
         self.replies.open_batch = true;
@@ -2170,11 +2204,12 @@ impl Session {
         }
         for victim in c.conn.prepared.evict(bound, keep) {
             put_close(out, &victim);
-            self.replies.closes.push_back(SentClose {
+            self.replies.push_close(SentClose {
                 own: Some(victim),
                 restore: None,
                 marker: false,
                 batch: self.replies.sent,
+                seq: 0,
             });
         }
     }
@@ -2534,6 +2569,16 @@ impl Session {
         else {
             return;
         };
+        // A Parse of it still on its way (pgwarden's own, pipelined behind
+        // the failed Bind) will make it.
+        if self
+            .replies
+            .parses
+            .iter()
+            .any(|p| p.name.as_deref() == Some(name))
+        {
+            return;
+        }
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.remove(name);
         }
@@ -2562,10 +2607,12 @@ impl Session {
 
     /// Closes of a completed batch were skipped (an error came first):
     /// the statements pgwarden meant to close are still on the server,
-    /// except those whose Parse was skipped or failed too (`skipped`,
-    /// from [`Session::drop_stale_parses`]), which never got there; and a
-    /// client's statement whose own Parse failed was never the client's.
-    fn drop_stale_closes(&mut self, skipped: &[(Arc<str>, bool)]) {
+    /// except those whose Parse before the Close was skipped or failed too
+    /// (`skipped`, from [`Session::drop_stale_parses`]), which never got
+    /// there (a statement closed first and prepared again after was there
+    /// all along); and a client's statement whose own Parse failed was
+    /// never the client's.
+    fn drop_stale_closes(&mut self, skipped: &[(Arc<str>, bool, u64)]) {
         while let Some(close) = self.replies.closes.front() {
             if close.batch >= self.replies.done {
                 break;
@@ -2575,9 +2622,11 @@ impl Session {
             };
             match close {
                 SentClose {
-                    own: Some(name), ..
+                    own: Some(name),
+                    seq,
+                    ..
                 } if !name.is_empty() => {
-                    if skipped.iter().any(|(s, _)| **s == *name) {
+                    if skipped.iter().any(|(s, _, at)| **s == *name && *at < seq) {
                         continue;
                     }
                     if let Some(c) = self.attached.as_mut() {
@@ -2586,10 +2635,11 @@ impl Session {
                 }
                 SentClose {
                     restore: Some((name, st, here)),
+                    seq,
                     ..
                 } => {
-                    let parse = skipped.iter().find(|(s, _)| *s == st.0);
-                    if parse.is_some_and(|(_, forget)| *forget) {
+                    let parse = skipped.iter().find(|(s, _, at)| *s == st.0 && *at < seq);
+                    if parse.is_some_and(|(_, forget, _)| *forget) {
                         // Its Parse failed: the client has no such
                         // statement, as on PostgreSQL.
                         continue;
@@ -2612,8 +2662,9 @@ impl Session {
     /// Parses of a batch that has completed can no longer be answered
     /// (they failed, or an error made the server skip them). Returns the
     /// server-side names of those that named a statement pgwarden
-    /// follows, with whether it was the client's own new statement.
-    fn drop_stale_parses(&mut self) -> Vec<(Arc<str>, bool)> {
+    /// follows, with whether it was the client's own new statement, and
+    /// where it was sent among the Parses and Closes.
+    fn drop_stale_parses(&mut self) -> Vec<(Arc<str>, bool, u64)> {
         let mut skipped = Vec::new();
         while let Some(p) = self.replies.parses.front() {
             if p.batch >= self.replies.done {
@@ -2632,7 +2683,7 @@ impl Session {
                         // not on PostgreSQL.
                         self.statements.retain(|_, st| st.0 != *sname);
                     }
-                    skipped.push((sname.clone(), p.forget));
+                    skipped.push((sname.clone(), p.forget, p.seq));
                 }
                 // The unnamed statement, unless parsed again since.
                 None if p.unnamed_seq == self.unnamed_seq && p.unnamed_seq > 0 => {
