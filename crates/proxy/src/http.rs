@@ -226,10 +226,10 @@ async fn pause(
     // not wait for the writers, nor the writers for the readers.
     let services = shared.pause_targets(Some(&q.service));
     loop {
-        // A resume (another caller, the admin console) ends the wait: a
-        // 200 "paused" must not tell a switchover it may stop the old
-        // primary while new transactions run there.
-        if !services.iter().any(|s| *shared.paused(s).borrow()) {
+        // A resume of any of them (another caller, the admin console)
+        // ends the wait: a 200 "paused" must not tell a switchover it may
+        // stop the old primary while new transactions run there.
+        if !services.iter().all(|s| *shared.paused(s).borrow()) {
             return (
                 StatusCode::CONFLICT,
                 format!("{} was resumed while waiting\n", q.service),
