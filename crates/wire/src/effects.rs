@@ -255,7 +255,12 @@ impl Effects {
             if is(next, b"PREPARE") {
                 next = w.next();
             }
-            drops = is(next, b"ALL");
+            // `"ALL"` quoted is a statement of that name, not every one.
+            let quoted = |w: &[u8]| {
+                let at = w.as_ptr() as usize - sql.as_ptr() as usize;
+                at > 0 && sql[at - 1] == b'"'
+            };
+            drops = is(next, b"ALL") && !next.is_some_and(quoted);
         }
         let resets = first.eq_ignore_ascii_case(b"RESET") && !resets_replayed(words.clone());
         Effects {
@@ -717,6 +722,8 @@ mod tests {
         assert!(super::drops_statements(b"discard  ALL;"));
         assert!(super::drops_statements(b"/* pool */ DEALLOCATE ALL"));
         assert!(super::drops_statements(b"deallocate prepare all"));
+        assert!(!super::drops_statements(b"DEALLOCATE \"ALL\""));
+        assert!(!super::drops_statements(b"deallocate prepare \"all\""));
         assert!(!super::drops_statements(b"DEALLOCATE s1"));
         assert!(!super::drops_statements(b"DISCARD PLANS"));
         assert!(!super::drops_statements(b"SELECT 'DISCARD ALL'"));
