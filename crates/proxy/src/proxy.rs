@@ -1167,10 +1167,21 @@ impl Proxy {
                 .and_then(|name| spec.services.iter().find(|s| *s.name == **name))
                 .and_then(resolve)
                 .or_else(|| {
-                    spec.services
+                    // One that wants the same kind of host (the primary,
+                    // or not) if there is one, so that the pool's
+                    // settings keep the behaviour its clients had.
+                    let wants_primary = pool.settings().wants_primary;
+                    let same_kind: Vec<Arc<crate::pool::PoolSettings>> = spec
+                        .services
                         .iter()
                         .filter(|s| s.read_only == pool.key.read_only)
-                        .find_map(resolve)
+                        .filter_map(resolve)
+                        .collect();
+                    same_kind
+                        .iter()
+                        .find(|st| st.wants_primary == wants_primary)
+                        .or(same_kind.first())
+                        .cloned()
                 });
             if let Some(settings) = resolved {
                 pool.update(&settings);
