@@ -5758,7 +5758,10 @@ async fn a_pause_waits_for_its_own_services_transactions_only() {
         )
     );
     // A resume while a pause waits ends the wait with 409: the service is
-    // not paused, whatever the count of transactions does next.
+    // not paused, whatever the count of transactions does next. (The
+    // pause above is lifted first, so that the pause seen below is this
+    // one.)
+    post("/resume?service=read_only").await;
     let waiting = tokio::spawn(post("/pause?service=read_only&wait_ms=20000"));
     pgwarden_testkit::eventually("the pause", WAIT, || async {
         let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/cluster"))
@@ -5782,6 +5785,52 @@ async fn a_pause_waits_for_its_own_services_transactions_only() {
             .unwrap(),
         (409, "read_only was resumed while waiting\n".to_string())
     );
+    // Of two services paused together, resuming one ends the wait too.
+    let mut spec = p.spec().clone();
+    let mut second = spec
+        .services
+        .iter()
+        .find(|s| s.name == "read_write")
+        .unwrap()
+        .clone();
+    second.name = "second_writer".into();
+    second.listen = format!("127.0.0.1:{}", pgwarden_testkit::free_port())
+        .parse()
+        .unwrap();
+    spec.services.push(second);
+    let mut p = p;
+    p.apply(spec).await.unwrap();
+    post("/resume?service=read_write").await;
+    writer.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let waiting = tokio::spawn(post("/pause?service=%2Awriters&wait_ms=20000"));
+    pgwarden_testkit::eventually("the writers' pause", WAIT, || async {
+        let (_, body) = tokio::task::spawn_blocking(move || common::http_get(http, "/cluster"))
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let paused = v["services"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|s| s["paused"] == true && s["read_only"] == false)
+                    .count()
+            })
+            .unwrap_or(0);
+        (paused == 2)
+            .then_some(())
+            .ok_or(format!("{paused} paused"))
+    })
+    .await;
+    post("/resume?service=second_writer").await;
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the pause kept waiting after a resume")
+            .unwrap(),
+        (409, "*writers was resumed while waiting\n".to_string())
+    );
+    post("/resume?service=read_write").await;
+    writer.batch_execute("COMMIT").await.unwrap();
     reader.batch_execute("COMMIT").await.unwrap();
 }
 
@@ -6027,6 +6076,74 @@ async fn a_function_call_in_a_failed_batch_holds_nothing_up() {
     m.extend(msg_bind_execute(b""));
     m.extend(msg_bind_execute(b"s1"));
     m.extend(call);
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+}
+
+/// With a bound of one statement per server, a batch that fails before
+/// pgwarden's Closes and Parses of it leaves the server as it was: the
+/// statement closed and prepared again in the skipped part is still
+/// there, and the next use finds it rather than preparing it again over
+/// itself (`42P05` for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_that_evicted_and_prepared_again_leaves_the_cache_true() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 1,
+            query_wait_timeout: WAIT,
+            max_prepared_statements: 1,
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    for (name, sql) in [(&b"s2"[..], &b"SELECT 2"[..]), (b"s1", b"SELECT 1/0")] {
+        let r = a.send(&[msg_parse(name, sql), MSG_SYNC.to_vec()].concat());
+        assert_eq!(error_code(&r), None, "{r:?}");
+    }
+    // The server has s1 only. s1 fails at once; s2 is prepared (s1
+    // closed to make room) and s1 again (s2 closed): all skipped.
+    let mut m = msg_bind_execute(b"s1");
+    m.extend(msg_bind_execute(b"s2"));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    assert_eq!(values(&a.send(&msg_run(b"s2"))), ["2"]);
+    for _ in 0..2 {
+        let r = a.send(&msg_run(b"s1"));
+        assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    }
+}
+
+/// A DEALLOCATE and a Parse of the same name in a batch that fails before
+/// them change nothing: the statement keeps its text and runs at the
+/// next use, prepared again where the server lacks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_deallocate_and_parse_of_a_name_leave_its_statement() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let mut other = RawClient::connect(rw, "UTF8");
+    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
+    // As psycopg pipelines a cache eviction: an extended DEALLOCATE, then
+    // the name prepared anew.
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_parse(b"", b"DEALLOCATE s1"));
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_parse(b"s1", b"SELECT 5"));
     m.extend(msg_bind_execute(b"s1"));
     m.extend_from_slice(MSG_SYNC);
     let r = a.send(&m);
