@@ -28,6 +28,27 @@ async fn pooled(c: &TestCluster, size: usize) -> (pgwarden_probe::Engine, pgward
     pooled_for(c, size, WAIT).await
 }
 
+/// One server connection that keeps at most `bound` prepared statements.
+async fn pooled_bounded(
+    c: &TestCluster,
+    bound: usize,
+) -> (pgwarden_probe::Engine, pgwarden_proxy::Proxy) {
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 1,
+            query_wait_timeout: WAIT,
+            max_prepared_statements: bound,
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    (e, p)
+}
+
 /// [`pooled`] with `wait` as the query_wait_timeout.
 async fn pooled_for(
     c: &TestCluster,
@@ -368,19 +389,7 @@ async fn session_pooling_resets_servers_and_reuses_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_server_keeps_a_bounded_number_of_prepared_statements() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        Some(PoolSettings {
-            size: 1,
-            query_wait_timeout: WAIT,
-            max_prepared_statements: 3,
-            ..PoolSettings::default()
-        }),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_bounded(&c, 3).await;
     let a = client(&via(&p, "read_write")).await.unwrap();
     let b = client(&via(&p, "read_write")).await.unwrap();
     // Two clients, one server: ten statements each, used in turns, the
@@ -6058,16 +6067,11 @@ async fn statements_follow_skipped_closes_failed_parses_and_reused_names() {
 async fn a_function_call_in_a_failed_batch_holds_nothing_up() {
     let c = TestCluster::builder().replicas(0).start();
     let (_e, p) = pooled(&c, 1).await;
-    let rw = p.service_addrs()["read_write"];
-    let mut a = RawClient::connect(rw, "UTF8");
-    let mut other = RawClient::connect(rw, "UTF8");
+    // s1 is gone from the server: pgwarden prepares it again in the batch.
+    let (mut a, _other) = s1_gone_from_the_server(&p);
     let oid: u32 = value(&a.simple(b"SELECT 'pg_backend_pid'::regproc::oid"))
         .parse()
         .unwrap();
-    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
-    assert_eq!(error_code(&r), None, "{r:?}");
-    // s1 is gone from the server: pgwarden prepares it again in the batch.
-    assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
     let mut call = vec![b'F'];
     call.extend_from_slice(&14u32.to_be_bytes());
     call.extend_from_slice(&oid.to_be_bytes());
@@ -6091,19 +6095,7 @@ async fn a_function_call_in_a_failed_batch_holds_nothing_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_batch_that_evicted_and_prepared_again_leaves_the_cache_true() {
     let c = TestCluster::builder().replicas(0).start();
-    let (e, p) = proxy_with(
-        &c.addrs(),
-        Duration::from_secs(3),
-        Some(PoolSettings {
-            size: 1,
-            query_wait_timeout: WAIT,
-            max_prepared_statements: 1,
-            ..PoolSettings::default()
-        }),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (_e, p) = pooled_bounded(&c, 1).await;
     let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
     for (name, sql) in [(&b"s2"[..], &b"SELECT 2"[..]), (b"s1", b"SELECT 1/0")] {
         let r = a.send(&[msg_parse(name, sql), MSG_SYNC.to_vec()].concat());
@@ -6131,12 +6123,7 @@ async fn a_failed_batch_that_evicted_and_prepared_again_leaves_the_cache_true() 
 async fn a_skipped_deallocate_and_parse_of_a_name_leave_its_statement() {
     let c = TestCluster::builder().replicas(0).start();
     let (_e, p) = pooled(&c, 1).await;
-    let rw = p.service_addrs()["read_write"];
-    let mut a = RawClient::connect(rw, "UTF8");
-    let mut other = RawClient::connect(rw, "UTF8");
-    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
-    assert_eq!(error_code(&r), None, "{r:?}");
-    assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
+    let (mut a, _other) = s1_gone_from_the_server(&p);
     // As psycopg pipelines a cache eviction: an extended DEALLOCATE, then
     // the name prepared anew.
     let mut m = msg_parse(b"", b"SELECT 1/0");
@@ -6149,4 +6136,161 @@ async fn a_skipped_deallocate_and_parse_of_a_name_leave_its_statement() {
     let r = a.send(&m);
     assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
     assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+}
+
+/// Two raw clients of one server connection; the first has prepared
+/// `s1` as `SELECT 1`, which the second's `DISCARD ALL` has then dropped
+/// from the server, so that pgwarden prepares it again at its next use.
+fn s1_gone_from_the_server(p: &pgwarden_proxy::Proxy) -> (RawClient, RawClient) {
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let mut other = RawClient::connect(rw, "UTF8");
+    let r = a.send(&[msg_parse(b"s1", b"SELECT 1"), MSG_SYNC.to_vec()].concat());
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert_eq!(tags(&other.simple(b"DISCARD ALL")), ["DISCARD ALL"]);
+    (a, other)
+}
+
+/// A client holding a transaction open on the one of the pool's two
+/// server connections whose backend pid `wanted` picks, so that the
+/// other is the one left idle.
+async fn hold_where(url: &str, wanted: impl Fn(&str) -> bool) -> tokio_postgres::Client {
+    let first = client(url).await.unwrap();
+    first.batch_execute("BEGIN").await.unwrap();
+    if wanted(&one(&first, "SELECT pg_backend_pid()").await) {
+        return first;
+    }
+    let second = client(url).await.unwrap();
+    second.batch_execute("BEGIN").await.unwrap();
+    assert!(wanted(&one(&second, "SELECT pg_backend_pid()").await));
+    first.batch_execute("COMMIT").await.unwrap();
+    second
+}
+
+/// A Parse of a name whose DEALLOCATE ran just before it on one server
+/// makes the client's statement the new one on every server: the server
+/// that still has the old statement under its server-side name does not
+/// run the old text for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_renewed_on_one_server_runs_its_new_text_on_the_others() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 2).await;
+    let url = via(&p, "read_write");
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    // s1 on one server ("first"), with that server's backend.
+    let mut m = msg_parse(b"s1", b"SELECT 1");
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend(msg_parse(b"", b"SELECT pg_backend_pid()"));
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    let first = values(&r)[1].clone();
+    // On the other server: DEALLOCATE s1, and s1 prepared anew.
+    let holder = hold_where(&url, |pid| pid == first).await;
+    let mut m = msg_parse(b"", b"DEALLOCATE s1");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_parse(b"s1", b"SELECT 2"));
+    m.extend(msg_bind_execute(b"s1"));
+    m.extend(msg_parse(b"", b"SELECT pg_backend_pid()"));
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(tags(&r)[0], "DEALLOCATE", "{r:?}");
+    let v = values(&r);
+    assert_eq!(v[0], "2", "{r:?}");
+    assert_ne!(v[1], first, "ran on the first server again");
+    holder.batch_execute("COMMIT").await.unwrap();
+    // Back on the first server, which still has the old statement under
+    // s1's old server-side name: the new text runs.
+    let _holder = hold_where(&url, |pid| pid != first).await;
+    let mut m = msg_bind_execute(b"s1");
+    m.extend(msg_parse(b"", b"SELECT pg_backend_pid()"));
+    m.extend(msg_bind_execute(b""));
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(values(&r), ["2", first.as_str()], "{r:?}");
+}
+
+/// Statements and Closes skipped in one batch and a batch pipelined
+/// behind it: with a bound of one statement, a Bind whose statement
+/// pgwarden closed in the failed batch waits for that batch's end and
+/// finds the statement still there, rather than preparing it over itself
+/// (42P05); and a statement whose Parse failed stays gone after a Close
+/// of it that a later failed batch skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_behind_a_failed_one_see_what_it_left() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_bounded(&c, 1).await;
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    for (name, sql) in [(&b"s2"[..], &b"SELECT 2"[..]), (b"s1", b"SELECT 1")] {
+        let r = a.send(&[msg_parse(name, sql), MSG_SYNC.to_vec()].concat());
+        assert_eq!(error_code(&r), None, "{r:?}");
+    }
+    // The server has s1. The failed batch prepares s2 and closes s1 to
+    // make room (both skipped); the next uses s1.
+    let mut m = msg_parse(b"", b"SELECT 1/0");
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_bind_execute(b"s2"));
+    m.extend_from_slice(MSG_SYNC);
+    m.extend(msg_run(b"s1"));
+    std::io::Write::write_all(&mut a.0, &m).unwrap();
+    let r = a.until_ready();
+    assert_eq!(error_code(&r).as_deref(), Some("22012"), "{r:?}");
+    let r = a.until_ready();
+    assert_eq!(values(&r), ["1"], "{r:?}");
+    assert_eq!(values(&a.send(&msg_run(b"s2"))), ["2"]);
+    assert_eq!(values(&a.send(&msg_run(b"s1"))), ["1"]);
+
+    // A failed Parse, then (pipelined) a failed batch with a Close of it.
+    let mut m = msg_parse(b"s3", b"SELEC 3");
+    m.extend_from_slice(MSG_SYNC);
+    m.extend(msg_parse(b"", b"SELECT 1/0"));
+    m.extend(msg_bind_execute(b""));
+    m.extend(msg_close_statement(b"s3"));
+    m.extend_from_slice(MSG_SYNC);
+    std::io::Write::write_all(&mut a.0, &m).unwrap();
+    assert_eq!(error_code(&a.until_ready()).as_deref(), Some("42601"));
+    assert_eq!(error_code(&a.until_ready()).as_deref(), Some("22012"));
+    for _ in 0..2 {
+        let r = a.send(&msg_run(b"s3"));
+        assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    }
+    let r = a.send(&[msg_parse(b"s3", b"SELECT 3"), msg_run(b"s3")].concat());
+    assert_eq!(values(&r), ["3"], "{r:?}");
+}
+
+/// What one client does to a shared server connection does not cost the
+/// others their statements: a `DISCARD ALL` bound and never run leaves
+/// the server closed rather than lent with statements pgwarden no longer
+/// lists (42P05 for the next client that prepares one there), and an
+/// error any client can raise that names another client's statement does
+/// not make pgwarden think it gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_spoil_the_statements_of_another() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled(&c, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut a = RawClient::connect(rw, "UTF8");
+    let mut b = RawClient::connect(rw, "UTF8");
+    let r = b.send(&[msg_parse(b"sb", b"SELECT 7"), msg_run(b"sb")].concat());
+    assert_eq!(values(&r), ["7"], "{r:?}");
+    // Bound, never executed.
+    let mut m = msg_parse(b"", b"DISCARD ALL");
+    m.extend_from_slice(&[b'B', 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 0]);
+    m.extend_from_slice(MSG_SYNC);
+    let r = a.send(&m);
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert_eq!(values(&b.send(&msg_run(b"sb"))), ["7"]);
+    // A 26000 raised by a naming b's statement as the server knows it.
+    let sname =
+        value(&b.simple(b"SELECT name FROM pg_prepared_statements WHERE statement = 'SELECT 7'"));
+    let fake = format!(
+        "DO $$BEGIN RAISE EXCEPTION USING ERRCODE = '26000', \
+         MESSAGE = 'prepared statement \"{sname}\" does not exist'; END$$"
+    );
+    let r = a.simple(fake.as_bytes());
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    for _ in 0..2 {
+        assert_eq!(values(&b.send(&msg_run(b"sb"))), ["7"]);
+    }
 }

@@ -163,11 +163,16 @@ struct SentParse {
     /// as PostgreSQL would. Should the server take it (the statement was
     /// dropped there meanwhile, by a DEALLOCATE or a failed Parse the
     /// client pipelined before it), this is the client's statement now.
-    renew: Option<Box<(String, Statement)>>,
+    renew: Option<Box<Renewal>>,
     batch: u64,
     /// Order among the Parses and Closes sent ([`Replies::push_parse`]).
     seq: u64,
 }
+
+/// A client's Parse sent under the server-side name of a statement of
+/// the same name it has ([`SentParse::renew`]): the client's name, the
+/// statement as the Parse makes it, and [`Session::forgets`] when sent.
+type Renewal = (String, Statement, u64);
 
 /// A client's statement as pgwarden follows it: its name on servers, the
 /// Parse body after the name (kept to prepare it on other servers) and
@@ -840,6 +845,9 @@ struct Session {
     dealloc_portals: Vec<(u64, String, Arc<Target>)>,
     /// Named Parse messages so far, numbering server-side names.
     parses_named: u64,
+    /// Times the client's statements were all dropped (`DISCARD ALL`,
+    /// `DEALLOCATE ALL`) so far.
+    forgets: u64,
     /// What pgwarden answers the client itself (a statement cancelled
     /// while waiting for a server), sent after the messages at hand.
     /// Boxed: rarely used, and part of every idle client otherwise.
@@ -926,6 +934,7 @@ impl Session {
             end_shown: false,
             dealloc_portals: Vec::new(),
             parses_named: 0,
+            forgets: 0,
             answers: None,
             skip_to_sync: false,
             extras,
@@ -1469,7 +1478,10 @@ impl Session {
         // A server with bytes still to send is mid-message: never reused.
         let reusable = reusable && !std::mem::take(&mut self.unsent) && !self.end_shown;
         crate::bufcache::release(&mut self.outbuf);
-        let uncertain = std::mem::take(&mut self.stray_statements);
+        // A DISCARD ALL or DEALLOCATE ALL whose end never came (skipped
+        // after an error, or bound and never run) may or may not have
+        // dropped the statements pgwarden no longer lists there.
+        let uncertain = std::mem::take(&mut self.stray_statements) || self.discarding > 0;
         self.discarding = 0;
         if let Some(c) = self.attached.take() {
             let reusable = reusable && !uncertain;
@@ -1814,7 +1826,12 @@ impl Session {
                             // the server will have it; should the server
                             // skip the Parse, a statement listed here for it
                             // goes from the list again.
-                            let dropping = self.replies.deallocs.iter().any(|d| d.name == name);
+                            let dropping = self.statements.get(name).is_some_and(|st| {
+                                self.replies
+                                    .deallocs
+                                    .iter()
+                                    .any(|d| d.name == name && d.sname == st.0)
+                            });
                             let (sname, listed) = match self.statements.get(name) {
                                 Some(st) if dropping => {
                                     let sname = st.0.clone();
@@ -1831,6 +1848,7 @@ impl Session {
                             let renew = (
                                 name.to_string(),
                                 (sname.clone(), Bytes::copy_from_slice(&rest), drops),
+                                self.forgets,
                             );
                             self.replies.push_parse(SentParse {
                                 injected: false,
@@ -2059,13 +2077,24 @@ impl Session {
             // statement is taken as prepared.
             return None;
         }
-        self.replies
+        // Likewise a Close of it pgwarden sent to bound the cache: skipped
+        // after an error, it leaves the statement there, and preparing it
+        // again meanwhile would meet it (42P05).
+        let parsed = self
+            .replies
             .parses
             .iter()
             .filter(|p| p.injected && p.batch < self.replies.sent)
             .filter(|p| p.name.as_ref() == Some(sname))
-            .map(|p| p.batch)
-            .max()
+            .map(|p| p.batch);
+        let closed = self
+            .replies
+            .closes
+            .iter()
+            .filter(|c| c.batch < self.replies.sent)
+            .filter(|c| c.own.as_deref() == Some(&**sname))
+            .map(|c| c.batch);
+        parsed.chain(closed).max()
     }
 
     /// Makes sure the client's statement `name` exists on the attached
@@ -2229,6 +2258,7 @@ impl Session {
     /// the next client, which has none, to inherit.
     fn forget_statements(&mut self, settings: bool) {
         self.statements.clear();
+        self.forgets += 1;
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.clear();
             if settings {
@@ -2360,26 +2390,14 @@ impl Session {
                             continue;
                         }
                         // The server took a Parse under a name pgwarden
-                        // thought in use: the statement is the new one,
-                        // unless the client has closed the name (or closed
-                        // and prepared it again) in messages sent since.
+                        // thought in use (its statement had just been
+                        // dropped there): the client's statement is the new
+                        // one, unless dropped since.
                         Some(SentParse {
-                            renew: Some(renew), ..
-                        }) => {
-                            let (name, st) = *renew;
-                            if let Some(c) = self.attached.as_mut() {
-                                c.conn.prepared.insert(&st.0);
-                            }
-                            let closing = self
-                                .replies
-                                .closes
-                                .iter()
-                                .any(|c| matches!(&c.restore, Some((n, ..)) if *n == name));
-                            let current = self.statements.get(&name).map(|s| s.0.clone());
-                            if !closing && current.is_none_or(|s| s == st.0) {
-                                self.statements.insert(name, st);
-                            }
-                        }
+                            renew: Some(renew),
+                            seq,
+                            ..
+                        }) => self.renewed(*renew, seq),
                         _ => {}
                     }
                     if let Some(pipeline) = self.read_only.as_deref_mut() {
@@ -2551,6 +2569,46 @@ impl Session {
         })
     }
 
+    /// The server took the client's Parse `renewal` (sent as the
+    /// `seq`th Parse or Close) under the server-side name of the statement
+    /// the name had. Other servers may hold that server-side name with
+    /// the old text, so the statement takes a fresh one from here on: this
+    /// server's copy under the old name stays listed (to be evicted in
+    /// time) unless a message sent since dropped it. A Close of the name
+    /// sent since, should the server skip it, puts back the new statement,
+    /// not the old; one that ran, or a `DISCARD ALL` / `DEALLOCATE ALL`
+    /// since, leaves the client without it, as on PostgreSQL.
+    fn renewed(&mut self, (name, (old, rest, drops), forgets): Renewal, seq: u64) {
+        if forgets != self.forgets {
+            return;
+        }
+        let closed_since = self.replies.closes.iter().any(|c| {
+            c.seq > seq
+                && (c.own.as_deref() == Some(&*old)
+                    || matches!(&c.restore, Some((_, st, _)) if st.0 == old))
+        });
+        if !closed_since {
+            if let Some(c) = self.attached.as_mut() {
+                c.conn.prepared.insert(&old);
+            }
+        }
+        let st: Statement = (Arc::from(self.server_name(&name)), rest, drops);
+        let mut closing = false;
+        for c in self.replies.closes.iter_mut().filter(|c| c.seq > seq) {
+            if let Some((n, pending, here)) = &mut c.restore {
+                if *n == name {
+                    *pending = st.clone();
+                    *here = false;
+                    closing = true;
+                }
+            }
+        }
+        let current = self.statements.get(&name).map(|s| s.0.clone());
+        if !closing && current.is_none_or(|s| s == old) {
+            self.statements.insert(name, st);
+        }
+    }
+
     /// An error `body` saying a prepared statement does not exist: where
     /// pgwarden listed it as prepared on the attached server, its list
     /// was wrong (a DEALLOCATE in SQL run at run time, say, which no check
@@ -2563,10 +2621,15 @@ impl Session {
         if message::find_field(&fields, b'C') != Some("26000") {
             return;
         }
-        let Some(name) = message::find_field(&fields, b'M')
-            .and_then(|m| m.strip_prefix("prepared statement \""))
-            .and_then(|m| m.strip_suffix("\" does not exist"))
-        else {
+        // Found by this client's own prefix, in any message language; a
+        // name of another client's (in an error any client can raise)
+        // is not this client's to drop.
+        let prefix = format!("\"pgw{}_", self.client_id);
+        let Some(name) = message::find_field(&fields, b'M').and_then(|m| {
+            let start = m.find(&prefix)? + 1;
+            let len = m[start..].find('"')?;
+            Some(&m[start..start + len])
+        }) else {
             return;
         };
         // A Parse of it still on its way (pgwarden's own, pipelined behind
@@ -2680,8 +2743,14 @@ impl Session {
                     }
                     if p.forget {
                         // The client has no such statement, as it would
-                        // not on PostgreSQL.
+                        // not on PostgreSQL, and a Close of it pipelined
+                        // in a later batch brings nothing back if skipped.
                         self.statements.retain(|_, st| st.0 != *sname);
+                        for c in self.replies.closes.iter_mut() {
+                            if matches!(&c.restore, Some((_, st, _)) if st.0 == *sname) {
+                                c.restore = None;
+                            }
+                        }
                     }
                     skipped.push((sname.clone(), p.forget, p.seq));
                 }
