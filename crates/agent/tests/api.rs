@@ -461,36 +461,8 @@ async fn idle_and_excess_connections_are_closed() {
     let d = dcs(&etcd).await;
     let st = status_of(member("n1", MemberRole::Primary, None), true);
     let api = Api::start(d, st, None, T).await;
-    let addr = api.url.strip_prefix("http://").unwrap().to_string();
-    let mut idle = Vec::new();
-    for i in 0..256 {
-        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        if i == 0 {
-            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-                .await
-                .unwrap();
-        }
-        idle.push(s);
-    }
-    let mut excess = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let _ = excess
-        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await;
-    let mut buf = Vec::new();
-    let read = tokio::time::timeout(T, excess.read_to_end(&mut buf)).await;
-    assert!(
-        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "an excess connection was served: {read:?} {:?}",
-        String::from_utf8_lossy(&buf)
-    );
-    for s in idle.iter_mut().take(2) {
-        let mut b = [0u8; 64];
-        let r = tokio::time::timeout(Duration::from_secs(30), s.read(&mut b))
-            .await
-            .expect("an idle connection was kept open");
-        assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
-    }
-    drop(idle);
+    let addr = api.url.strip_prefix("http://").unwrap().parse().unwrap();
+    pgwarden_testkit::http::drops_idle_and_excess_connections(addr).await;
     let raw = raw_http(
         &api.url,
         "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",

@@ -131,58 +131,76 @@ async fn login(
     }
 }
 
-/// The server-first-message of a SCRAM exchange pgwarden starts for
-/// `user`, read over a raw connection that then goes away.
-async fn scram_first(p: &pgwarden_proxy::Proxy, user: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// A raw connection to the read-write port that has sent a start-up
+/// packet with `params`.
+async fn raw_login(p: &pgwarden_proxy::Proxy, params: &[(&str, &str)]) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
     let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
         .await
         .unwrap();
-    sock.write_all(&common::startup_packet(&[
-        ("user", user),
-        ("database", "postgres"),
-    ]))
-    .await
-    .unwrap();
-    async fn read_auth(sock: &mut tokio::net::TcpStream) -> Vec<u8> {
-        let tag = sock.read_u8().await.unwrap();
-        let len = sock.read_u32().await.unwrap() as usize;
-        let mut body = vec![0; len - 4];
-        sock.read_exact(&mut body).await.unwrap();
-        assert_eq!(tag, b'R', "{}", String::from_utf8_lossy(&body));
-        body
-    }
-    let sasl = read_auth(&mut sock).await;
-    assert_eq!(sasl[..4], 10u32.to_be_bytes(), "AuthenticationSASL");
-    let first = b"n,,n=,r=fyko+d2lbbFgONRv9qkxdawL";
+    sock.write_all(&common::startup_packet(params))
+        .await
+        .unwrap();
+    sock
+}
+
+/// The next message on a raw connection: its type and body.
+async fn next_message(sock: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let tag = sock.read_u8().await.unwrap();
+    let len = sock.read_u32().await.unwrap() as usize;
+    let mut body = vec![0; len - 4];
+    sock.read_exact(&mut body).await.unwrap();
+    (tag, body)
+}
+
+/// A password-type message (`p`: PasswordMessage, SASLInitialResponse,
+/// SASLResponse) around `body`.
+fn password_frame(body: &[u8]) -> Vec<u8> {
+    let mut out = vec![b'p'];
+    out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// The body of a SASLInitialResponse choosing SCRAM-SHA-256 with
+/// `first` as its client-first-message.
+fn sasl_initial(first: &[u8]) -> Vec<u8> {
     let mut msg = b"SCRAM-SHA-256\0".to_vec();
     msg.extend_from_slice(&(first.len() as u32).to_be_bytes());
     msg.extend_from_slice(first);
-    let mut out = vec![b'p'];
-    out.extend_from_slice(&(msg.len() as u32 + 4).to_be_bytes());
-    out.extend_from_slice(&msg);
-    sock.write_all(&out).await.unwrap();
-    let cont = read_auth(&mut sock).await;
-    assert_eq!(cont[..4], 11u32.to_be_bytes(), "AuthenticationSASLContinue");
+    msg
+}
+
+/// The server-first-message of a SCRAM exchange pgwarden starts for
+/// `user`, read over a raw connection that then goes away.
+async fn scram_first(p: &pgwarden_proxy::Proxy, user: &str) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut sock = raw_login(p, &[("user", user), ("database", "postgres")]).await;
+    let (tag, sasl) = next_message(&mut sock).await;
+    assert_eq!(
+        (tag, &sasl[..4]),
+        (b'R', &10u32.to_be_bytes()[..]),
+        "AuthenticationSASL"
+    );
+    let initial = sasl_initial(b"n,,n=,r=fyko+d2lbbFgONRv9qkxdawL");
+    sock.write_all(&password_frame(&initial)).await.unwrap();
+    let (tag, cont) = next_message(&mut sock).await;
+    assert_eq!(
+        (tag, &cont[..4]),
+        (b'R', &11u32.to_be_bytes()[..]),
+        "AuthenticationSASLContinue"
+    );
     String::from_utf8(cont[4..].to_vec()).unwrap()
 }
 
 /// The code of the first authentication request pgwarden sends `user`
 /// for `database` (5: md5, 10: SASL).
 async fn first_auth_request(p: &pgwarden_proxy::Proxy, user: &str, database: &str) -> u32 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
-        .await
-        .unwrap();
-    sock.write_all(&common::startup_packet(&[
-        ("user", user),
-        ("database", database),
-    ]))
-    .await
-    .unwrap();
-    assert_eq!(sock.read_u8().await.unwrap(), b'R');
-    let _len = sock.read_u32().await.unwrap();
-    sock.read_u32().await.unwrap()
+    let mut sock = raw_login(p, &[("user", user), ("database", database)]).await;
+    let (tag, body) = next_message(&mut sock).await;
+    assert_eq!(tag, b'R');
+    u32::from_be_bytes(body[..4].try_into().unwrap())
 }
 
 /// On an md5 line a role without a verifier (here, one that does not
@@ -228,28 +246,19 @@ async fn an_unknown_role_on_an_md5_line_is_asked_as_the_server_would_ask() {
 /// The SQLSTATE pgwarden ends a raw login with: the start-up with
 /// `params`, then, after the first authentication request, `answer`.
 async fn login_error(p: &pgwarden_proxy::Proxy, params: &[(&str, &str)], answer: &[u8]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sock = tokio::net::TcpStream::connect(p.service_addrs()["read_write"])
-        .await
-        .unwrap();
-    sock.write_all(&common::startup_packet(params))
-        .await
-        .unwrap();
+    use tokio::io::AsyncWriteExt;
+    let mut sock = raw_login(p, params).await;
     loop {
-        let tag = sock.read_u8().await.unwrap();
-        let len = sock.read_u32().await.unwrap() as usize;
-        let mut body = vec![0; len - 4];
-        sock.read_exact(&mut body).await.unwrap();
-        match tag {
-            b'R' => sock.write_all(answer).await.unwrap(),
-            b'E' => {
+        match next_message(&mut sock).await {
+            (b'R', _) => sock.write_all(answer).await.unwrap(),
+            (b'E', body) => {
                 let code = body
                     .split(|b| *b == 0)
                     .find_map(|f| f.strip_prefix(b"C"))
                     .unwrap();
                 return String::from_utf8(code.to_vec()).unwrap();
             }
-            other => panic!("unexpected message {}", other as char),
+            (other, _) => panic!("unexpected message {}", other as char),
         }
     }
 }
@@ -281,14 +290,13 @@ async fn malformed_logins_get_postgres_s_codes() {
     .await;
     assert_eq!(code, "08P01");
     // SCRAM with an authorization identity.
-    let first = b"n,a=bob,n=,r=fyko+d2lbbFgONRv9qkxdawL";
-    let mut msg = b"SCRAM-SHA-256\0".to_vec();
-    msg.extend_from_slice(&(first.len() as u32).to_be_bytes());
-    msg.extend_from_slice(first);
-    let mut out = vec![b'p'];
-    out.extend_from_slice(&(msg.len() as u32 + 4).to_be_bytes());
-    out.extend_from_slice(&msg);
-    let code = login_error(&s.p, &[("user", "alice"), ("database", "postgres")], &out).await;
+    let authzid = password_frame(&sasl_initial(b"n,a=bob,n=,r=fyko+d2lbbFgONRv9qkxdawL"));
+    let code = login_error(
+        &s.p,
+        &[("user", "alice"), ("database", "postgres")],
+        &authzid,
+    )
+    .await;
     assert_eq!(code, "0A000");
 }
 
@@ -297,36 +305,15 @@ async fn malformed_logins_get_postgres_s_codes() {
 /// SASLResponse, as PostgreSQL takes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scram_without_an_initial_response_logs_in() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let s = setup(None, Duration::from_secs(60)).await;
-    let mut sock = tokio::net::TcpStream::connect(s.p.service_addrs()["read_write"])
-        .await
-        .unwrap();
-    sock.write_all(&common::startup_packet(&[
-        ("user", "alice"),
-        ("database", "postgres"),
-    ]))
-    .await
-    .unwrap();
-    async fn next(sock: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
-        let tag = sock.read_u8().await.unwrap();
-        let len = sock.read_u32().await.unwrap() as usize;
-        let mut body = vec![0; len - 4];
-        sock.read_exact(&mut body).await.unwrap();
-        (tag, body)
-    }
-    fn password_message(body: &[u8]) -> Vec<u8> {
-        let mut out = vec![b'p'];
-        out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
-        out.extend_from_slice(body);
-        out
-    }
-    let (tag, body) = next(&mut sock).await;
+    let mut sock = raw_login(&s.p, &[("user", "alice"), ("database", "postgres")]).await;
+    let (tag, body) = next_message(&mut sock).await;
     assert_eq!((tag, &body[..4]), (b'R', &10u32.to_be_bytes()[..]));
     let mut initial = b"SCRAM-SHA-256\0".to_vec();
     initial.extend_from_slice(&(-1i32).to_be_bytes());
-    sock.write_all(&password_message(&initial)).await.unwrap();
-    let (tag, body) = next(&mut sock).await;
+    sock.write_all(&password_frame(&initial)).await.unwrap();
+    let (tag, body) = next_message(&mut sock).await;
     assert_eq!(
         (tag, &body[..]),
         (b'R', &11u32.to_be_bytes()[..]),
@@ -334,13 +321,13 @@ async fn scram_without_an_initial_response_logs_in() {
     );
     let mut scram = pgwarden_auth::ScramClient::with_password("alice-secret", [7u8; 18]);
     let first = scram.client_first().unwrap();
-    sock.write_all(&password_message(&first)).await.unwrap();
-    let (tag, body) = next(&mut sock).await;
+    sock.write_all(&password_frame(&first)).await.unwrap();
+    let (tag, body) = next_message(&mut sock).await;
     assert_eq!((tag, &body[..4]), (b'R', &11u32.to_be_bytes()[..]));
     let fin = scram.server_first(&body[4..]).unwrap();
-    sock.write_all(&password_message(&fin)).await.unwrap();
+    sock.write_all(&password_frame(&fin)).await.unwrap();
     loop {
-        match next(&mut sock).await {
+        match next_message(&mut sock).await {
             (b'Z', _) => break,
             (b'E', body) => panic!("{}", String::from_utf8_lossy(&body)),
             _ => {}

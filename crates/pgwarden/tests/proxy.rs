@@ -593,43 +593,11 @@ async fn http_health_cluster_and_metrics() {
 /// request is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_port_drops_idle_and_excess_connections() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
     ready(&e, 1).await;
     let http = p.http_addr().unwrap();
-    let mut idle = Vec::new();
-    for i in 0..256 {
-        let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
-        if i == 0 {
-            // Half a request head, then nothing.
-            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-                .await
-                .unwrap();
-        }
-        idle.push(s);
-    }
-    // Every slot is held: the next connection is closed unanswered.
-    let mut excess = tokio::net::TcpStream::connect(http).await.unwrap();
-    let _ = excess
-        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await;
-    let mut buf = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(5), excess.read_to_end(&mut buf)).await;
-    assert!(
-        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "an excess connection was served: {read:?} {:?}",
-        String::from_utf8_lossy(&buf)
-    );
-    // The idle ones are closed by the server, the half-sent head too.
-    for s in idle.iter_mut().take(2) {
-        let mut b = [0u8; 64];
-        let r = tokio::time::timeout(Duration::from_secs(30), s.read(&mut b))
-            .await
-            .expect("an idle HTTP connection was kept open");
-        assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
-    }
-    drop(idle);
+    pgwarden_testkit::http::drops_idle_and_excess_connections(http).await;
     let (status, body) = tokio::task::spawn_blocking(move || http_get(http, "/health"))
         .await
         .unwrap();

@@ -13,6 +13,7 @@
 pub mod agents;
 pub mod cluster;
 pub mod etcd;
+pub mod http;
 pub mod relay;
 pub mod wait;
 
