@@ -158,21 +158,10 @@ struct SentParse {
     forget: bool,
     /// For the unnamed statement, which of the client's unnamed Parses.
     unnamed_seq: u64,
-    /// A client's Parse under a name pgwarden still follows, sent under
-    /// that statement's server-side name for the server to refuse (42P05)
-    /// as PostgreSQL would. Should the server take it (the statement was
-    /// dropped there meanwhile, by a DEALLOCATE or a failed Parse the
-    /// client pipelined before it), this is the client's statement now.
-    renew: Option<Box<Renewal>>,
     batch: u64,
     /// Order among the Parses and Closes sent ([`Replies::push_parse`]).
     seq: u64,
 }
-
-/// A client's Parse sent under the server-side name of a statement of
-/// the same name it has ([`SentParse::renew`]): the client's name, the
-/// statement as the Parse makes it, and [`Session::forgets`] when sent.
-type Renewal = (String, Statement, u64);
 
 /// A client's statement as pgwarden follows it: its name on servers, the
 /// Parse body after the name (kept to prepare it on other servers) and
@@ -845,9 +834,6 @@ struct Session {
     dealloc_portals: Vec<(u64, String, Arc<Target>)>,
     /// Named Parse messages so far, numbering server-side names.
     parses_named: u64,
-    /// Times the client's statements were all dropped (`DISCARD ALL`,
-    /// `DEALLOCATE ALL`) so far.
-    forgets: u64,
     /// What pgwarden answers the client itself (a statement cancelled
     /// while waiting for a server), sent after the messages at hand.
     /// Boxed: rarely used, and part of every idle client otherwise.
@@ -934,7 +920,6 @@ impl Session {
             end_shown: false,
             dealloc_portals: Vec::new(),
             parses_named: 0,
-            forgets: 0,
             answers: None,
             skip_to_sync: false,
             extras,
@@ -1817,46 +1802,14 @@ impl Session {
                             // (42P05) and keeps the statement it has: the
                             // Parse goes out under that statement's server
                             // name, prepared here first if need be, for
-                            // the server to refuse it likewise. Not
-                            // prepared first where a DEALLOCATE of it is on
-                            // its way: the server is to take the Parse once
-                            // that has dropped the statement, as PostgreSQL
-                            // would.
-                            // Binds that follow use the new statement, as
-                            // the server will have it; should the server
-                            // skip the Parse, a statement listed here for it
-                            // goes from the list again.
-                            let dropping = self.statements.get(name).is_some_and(|st| {
-                                self.replies
-                                    .deallocs
-                                    .iter()
-                                    .any(|d| d.name == name && d.sname == st.0)
-                            });
-                            let (sname, listed) = match self.statements.get(name) {
-                                Some(st) if dropping => {
-                                    let sname = st.0.clone();
-                                    let listed = self.attached.as_mut().is_some_and(|c| {
-                                        !c.conn.prepared.touch(&sname) && {
-                                            c.conn.prepared.insert(&sname);
-                                            true
-                                        }
-                                    });
-                                    (sname, listed)
-                                }
-                                _ => (self.ensure(name, out).0, false),
-                            };
-                            let renew = (
-                                name.to_string(),
-                                (sname.clone(), Bytes::copy_from_slice(&rest), drops),
-                                self.forgets,
-                            );
+                            // the server to refuse it likewise.
+                            let (sname, _) = self.ensure(name, out);
                             self.replies.push_parse(SentParse {
                                 injected: false,
                                 placeholder: None,
-                                name: listed.then(|| sname.clone()),
+                                name: None,
                                 forget: false,
                                 unnamed_seq: 0,
-                                renew: Some(Box::new(renew)),
                                 batch: self.replies.sent,
                                 seq: 0,
                             });
@@ -1878,7 +1831,6 @@ impl Session {
                             name: Some(sname.clone()),
                             forget: true,
                             unnamed_seq: 0,
-                            renew: None,
                             batch: self.replies.sent,
                             seq: 0,
                         });
@@ -1902,7 +1854,6 @@ impl Session {
                         name: None,
                         forget: p.name.is_empty(),
                         unnamed_seq: self.unnamed_seq,
-                        renew: None,
                         batch: self.replies.sent,
                         seq: 0,
                     });
@@ -2116,7 +2067,6 @@ impl Session {
                     name: Some(sname.clone()),
                     forget: false,
                     unnamed_seq: 0,
-                    renew: None,
                     batch: self.replies.sent,
                     seq: 0,
                 });
@@ -2171,7 +2121,6 @@ impl Session {
                 name: None,
                 forget: false,
                 unnamed_seq: 0,
-                renew: None,
                 batch: self.replies.sent,
                 seq: 0,
             });
@@ -2204,7 +2153,6 @@ impl Session {
                 name: None,
                 forget: false,
                 unnamed_seq: self.unnamed_seq,
-                renew: None,
                 batch: self.replies.sent,
                 seq: 0,
             });
@@ -2258,7 +2206,6 @@ impl Session {
     /// the next client, which has none, to inherit.
     fn forget_statements(&mut self, settings: bool) {
         self.statements.clear();
-        self.forgets += 1;
         if let Some(c) = self.attached.as_mut() {
             c.conn.prepared.clear();
             if settings {
@@ -2377,28 +2324,17 @@ impl Session {
             match h.tag {
                 backend::PARSE_COMPLETE => {
                     self.drop_stale_parses();
-                    match self.replies.parses.pop_front() {
-                        Some(SentParse {
-                            injected: true,
-                            placeholder,
-                            ..
-                        }) => {
-                            if let Some(sname) = placeholder {
-                                self.placeholder_made(&sname);
-                            }
-                            drop_message(&mut out, buf, &mut pos, total);
-                            continue;
+                    if let Some(SentParse {
+                        injected: true,
+                        placeholder,
+                        ..
+                    }) = self.replies.parses.pop_front()
+                    {
+                        if let Some(sname) = placeholder {
+                            self.placeholder_made(&sname);
                         }
-                        // The server took a Parse under a name pgwarden
-                        // thought in use (its statement had just been
-                        // dropped there): the client's statement is the new
-                        // one, unless dropped since.
-                        Some(SentParse {
-                            renew: Some(renew),
-                            seq,
-                            ..
-                        }) => self.renewed(*renew, seq),
-                        _ => {}
+                        drop_message(&mut out, buf, &mut pos, total);
+                        continue;
                     }
                     if let Some(pipeline) = self.read_only.as_deref_mut() {
                         pipeline.parse_complete();
@@ -2567,46 +2503,6 @@ impl Session {
             }
             None => ToClient::Prefix(pos),
         })
-    }
-
-    /// The server took the client's Parse `renewal` (sent as the
-    /// `seq`th Parse or Close) under the server-side name of the statement
-    /// the name had. Other servers may hold that server-side name with
-    /// the old text, so the statement takes a fresh one from here on: this
-    /// server's copy under the old name stays listed (to be evicted in
-    /// time) unless a message sent since dropped it. A Close of the name
-    /// sent since, should the server skip it, puts back the new statement,
-    /// not the old; one that ran, or a `DISCARD ALL` / `DEALLOCATE ALL`
-    /// since, leaves the client without it, as on PostgreSQL.
-    fn renewed(&mut self, (name, (old, rest, drops), forgets): Renewal, seq: u64) {
-        if forgets != self.forgets {
-            return;
-        }
-        let closed_since = self.replies.closes.iter().any(|c| {
-            c.seq > seq
-                && (c.own.as_deref() == Some(&*old)
-                    || matches!(&c.restore, Some((_, st, _)) if st.0 == old))
-        });
-        if !closed_since {
-            if let Some(c) = self.attached.as_mut() {
-                c.conn.prepared.insert(&old);
-            }
-        }
-        let st: Statement = (Arc::from(self.server_name(&name)), rest, drops);
-        let mut closing = false;
-        for c in self.replies.closes.iter_mut().filter(|c| c.seq > seq) {
-            if let Some((n, pending, here)) = &mut c.restore {
-                if *n == name {
-                    *pending = st.clone();
-                    *here = false;
-                    closing = true;
-                }
-            }
-        }
-        let current = self.statements.get(&name).map(|s| s.0.clone());
-        if !closing && current.is_none_or(|s| s == old) {
-            self.statements.insert(name, st);
-        }
     }
 
     /// An error `body` saying a prepared statement does not exist: where
