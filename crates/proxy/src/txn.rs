@@ -2517,17 +2517,23 @@ impl Session {
         if message::find_field(&fields, b'C') != Some("26000") {
             return;
         }
-        // Found by this client's own prefix, in any message language; a
-        // name of another client's (in an error any client can raise)
-        // is not this client's to drop.
-        let prefix = format!("\"pgw{}_", self.client_id);
-        let Some(name) = message::find_field(&fields, b'M').and_then(|m| {
-            let start = m.find(&prefix)? + 1;
-            let len = m[start..].find('"')?;
-            Some(&m[start..start + len])
-        }) else {
+        // The client's own statement the message names, in whatever
+        // language and quotes (the longest, should one name hold
+        // another): one of another client's (in an error any client can
+        // raise) is not this client's to drop.
+        let Some(msg) = message::find_field(&fields, b'M') else {
             return;
         };
+        let Some(name) = self
+            .statements
+            .values()
+            .map(|st| st.0.clone())
+            .filter(|s| msg.contains(&**s))
+            .max_by_key(|s| s.len())
+        else {
+            return;
+        };
+        let name = &*name;
         // A Parse of it still on its way (pgwarden's own, pipelined behind
         // the failed Bind) will make it.
         if self
