@@ -1609,7 +1609,7 @@ impl Session {
                     break;
                 }
             }
-            if !self.replies.parses.is_empty() {
+            if !self.replies.parses.is_empty() || !self.replies.closes.is_empty() {
                 if let Some(batch) = self.unanswered_parse(tag, &buf[5..total]) {
                     self.parse_wait = Some(batch);
                     self.held = true;
@@ -2002,8 +2002,8 @@ impl Session {
     }
 
     /// For a Bind, Describe or Parse (`tag`, `body`) of a client's statement
-    /// whose Parse pgwarden sent in an earlier batch still unanswered, that
-    /// batch. Whether the statement is on the server depends on that
+    /// whose Parse (or Close, to bound the cache) pgwarden sent in an
+    /// earlier batch still unanswered, that batch. Whether the statement is on the server depends on that
     /// Parse, which an error before it makes the server skip: prepared
     /// again now, it could be refused as a duplicate; not prepared, the
     /// Bind could fail where PostgreSQL would run it. Pipelines rarely
