@@ -5979,12 +5979,12 @@ fn msg_close_statement(name: &[u8]) -> Vec<u8> {
     m
 }
 
-/// Statements follow the server's word when a batch fails: a Close skipped after an error leaves the statement as
-/// PostgreSQL leaves it (there for the client, prepared again where the
-/// server lacks it), and a Close of a statement whose Parse failed brings
-/// nothing back. Each is checked on the server that ran it and, after
-/// another client's `DISCARD ALL` empties that server, where it must be
-/// prepared again from pgwarden's copy.
+/// Statements follow the server's word when a batch fails: a Close skipped
+/// after an error leaves the statement as PostgreSQL leaves it (there for the
+/// client, prepared again where the server lacks it), and a Close of a
+/// statement whose Parse failed brings nothing back. Each is checked on the
+/// server that ran it and, after another client's `DISCARD ALL` empties that
+/// server, where it must be prepared again from pgwarden's copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statements_follow_skipped_closes_and_failed_parses() {
     let c = TestCluster::builder().replicas(0).start();

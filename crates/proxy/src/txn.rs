@@ -114,11 +114,11 @@ struct Replies {
     /// `kinds`. One still marked when a ReadyForQuery comes was skipped
     /// by the server, and gets none.
     marks: u64,
-    /// A Query or FunctionCall went out inside an extended-protocol batch
-    /// (no Sync before it), since the server was last idle. After an error there
-    /// PostgreSQL ignores it, so its ReadyForQuery comes only once the
-    /// client has sent the Sync that ends the extended batch (or never,
-    /// past 64 pending, where it has no marker).
+    /// A Query or FunctionCall went out inside an extended-protocol batch (no
+    /// Sync before it), since the server was last idle. After an error there
+    /// PostgreSQL ignores it, so its ReadyForQuery comes only once the client
+    /// has sent the Sync that ends the extended batch (or never, past 64
+    /// pending, where it has no marker).
     query_in_batch: bool,
     /// Parses and Closes sent so far, which numbers them in order.
     sent_statement_messages: u64,
@@ -2002,12 +2002,12 @@ impl Session {
     }
 
     /// For a Bind, Describe or Parse (`tag`, `body`) of a client's statement
-    /// whose Parse (or Close, to bound the cache) pgwarden sent in an
-    /// earlier batch still unanswered, that batch. Whether the statement is on the server depends on that
-    /// Parse, which an error before it makes the server skip: prepared
-    /// again now, it could be refused as a duplicate; not prepared, the
-    /// Bind could fail where PostgreSQL would run it. Pipelines rarely
-    /// meet this (a statement new to its server, used in batches sent
+    /// whose Parse (or Close, to bound the cache) pgwarden sent in an earlier
+    /// batch still unanswered, that batch. Whether the statement is on the
+    /// server depends on that Parse, which an error before it makes the server
+    /// skip: prepared again now, it could be refused as a duplicate; not
+    /// prepared, the Bind could fail where PostgreSQL would run it. Pipelines
+    /// rarely meet this (a statement new to its server, used in batches sent
     /// before the first is answered) and then wait one round trip.
     fn unanswered_parse(&self, tag: u8, body: &[u8]) -> Option<u64> {
         let name = match tag {
