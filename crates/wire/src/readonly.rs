@@ -426,7 +426,8 @@ fn classify(tok: &Token<'_>) -> Class {
 }
 
 /// Function and relation names: unquoted ones fold to lower case, quoted
-/// ones must match exactly.
+/// ones must match exactly. A setting's name matches in any case, quoted
+/// or not, as PostgreSQL looks settings up.
 fn name_class(w: &[u8], fold: bool) -> Class {
     let is = |name: &str| {
         if fold {
@@ -443,7 +444,7 @@ fn name_class(w: &[u8], fold: bool) -> Class {
         Class::PgCatalog
     } else if is("current_setting") {
         Class::CurrentSetting
-    } else if is("client_encoding") {
+    } else if w.eq_ignore_ascii_case(b"client_encoding") {
         Class::ClientEncoding
     } else {
         Class::Ident
@@ -1331,7 +1332,8 @@ pub fn client_only_encoding(name: &[u8]) -> bool {
 /// packet asks for, through `client_encoding` or `options`, if any.
 pub fn startup_client_only_encoding(msg: &StartupMessage) -> Option<String> {
     msg.params.iter().find_map(|(name, value)| {
-        let asked: Vec<Vec<u8>> = if name == "client_encoding" {
+        // Start-up parameter names are setting names: any case.
+        let asked: Vec<Vec<u8>> = if name.eq_ignore_ascii_case("client_encoding") {
             vec![value.as_bytes().to_vec()]
         } else if name == "options" {
             option_settings(value.as_bytes())
@@ -1529,6 +1531,10 @@ mod tests {
             Some("SJIS".into())
         );
         assert_eq!(
+            startup_client_only_encoding(&with(&[("Client_Encoding", "SJIS")])),
+            Some("SJIS".into())
+        );
+        assert_eq!(
             startup_client_only_encoding(&with(&[("options", "-c client-encoding=big5")])),
             Some("big5".into())
         );
@@ -1600,6 +1606,8 @@ mod tests {
             "SET NAMES 'gbk'",
             "SET SESSION NAMES win936",
             "SELECT 1; SET CLIENT_ENCODING TO 'GB18030'",
+            "SET \"CLIENT_ENCODING\" TO 'SJIS'",
+            "SET U&\"Client_Encoding\" = 'big5'",
         ] {
             assert_eq!(refused(sql), Violation::ClientEncoding, "{sql}");
         }
