@@ -1035,6 +1035,47 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
     assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
 }
 
+/// Refusals at `max_client_conn` are bounded: a flood of connections that
+/// send nothing gets at most 256 answered (each held for up to a second
+/// before its 53300), and the rest closed unanswered, so the refusals
+/// cannot use up the process's descriptors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_at_max_client_conn_are_bounded() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 1).await;
+    ready(&e, 1).await;
+    let held = client(&via(&p, "read_write")).await.unwrap();
+    let addr = p.service_addrs()["read_write"];
+    let (answered, closed) = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let socks: Vec<std::net::TcpStream> = (0..300)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let (mut answered, mut closed) = (0, 0);
+        for mut s in socks {
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            let mut got = Vec::new();
+            let _ = s.read_to_end(&mut got);
+            if got.first() == Some(&b'E') {
+                answered += 1;
+            } else if got.is_empty() {
+                closed += 1;
+            }
+        }
+        (answered, closed)
+    })
+    .await
+    .unwrap();
+    assert!(answered <= 256, "{answered} answered");
+    assert_eq!(
+        answered + closed,
+        300,
+        "{answered} answered, {closed} closed"
+    );
+    assert!(closed >= 44, "{closed} closed unanswered");
+    assert_eq!(one(&held, "SELECT 1").await, "1");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_shows_pools_and_pauses() {
     let c = TestCluster::builder().replicas(0).start();
@@ -1344,6 +1385,293 @@ async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
     // Still its own server, LISTEN and all.
     let listening = one(&pinned, "SELECT count(*) FROM pg_listening_channels()").await;
     assert_eq!(listening, "1");
+}
+
+/// A session-pooled client (`reuse_session_servers`) that has run nothing
+/// since it logged in is between transactions: a switchover's drain
+/// (`POST /pause` with `wait_ms`) does not wait for it, and its first
+/// statement waits for the resume instead of running on the paused
+/// service's host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_session_pooled_client_is_paused_not_waited_for() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = session_pooling_proxy(
+        &c,
+        PoolSettings {
+            size: 2,
+            ..PoolSettings::default()
+        },
+    )
+    .await;
+    let http = p.http_addr().unwrap();
+    let fresh = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
+    let (code, body) = tokio::task::spawn_blocking(move || {
+        common::http_post(http, "/pause?service=read_write&wait_ms=3000")
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (code, body.as_str()),
+        (200, "paused read_write; no transaction in flight\n")
+    );
+    let held = fresh.clone();
+    let first = tokio::spawn(async move { one(&held, "SELECT 1").await });
+    pgwarden_testkit::eventually("the fresh client waits", WAIT, || async move {
+        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+    assert!(!first.is_finished(), "ran while paused");
+    let (code, _) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(code, 200);
+    let got = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("served after the resume")
+        .unwrap();
+    assert_eq!(got, "1");
+}
+
+/// With `max_db_connections` below the pool's size, a client that has the
+/// pool's permit and waits for room under the cap is served by the next
+/// connection given back, ahead of the clients in line behind it; a line
+/// that keeps every connection busy no longer starves it until
+/// `query_wait_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_under_a_cap_is_not_starved_by_the_line() {
+    let c = TestCluster::builder().replicas(0).start();
+    let settings = PoolSettings {
+        size: 2,
+        query_wait_timeout: Duration::from_secs(6),
+        ..PoolSettings::default()
+    };
+    let overrides = pgwarden_proxy::PoolOverrides {
+        db_limits: pgwarden_proxy::ConnLimits {
+            default: 1,
+            by_name: Default::default(),
+        },
+        ..Default::default()
+    };
+    let (e, p) = common::proxy_full(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(settings),
+        10_000,
+        overrides,
+        None,
+    )
+    .await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let rw = via(&p, "read_write");
+    // Logged in before the cap is taken: a login borrows a server too.
+    let holder = client(&rw).await.unwrap();
+    let capped = client(&rw).await.unwrap();
+    let mut busy = Vec::new();
+    for _ in 0..3 {
+        busy.push(client(&rw).await.unwrap());
+    }
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    // The second permit's holder waits under the cap.
+    let served = tokio::spawn(async move {
+        let t = std::time::Instant::now();
+        capped.batch_execute("SELECT 1").await.map(|_| t.elapsed())
+    });
+    pgwarden_testkit::eventually("a client waiting under the cap", WAIT, || async move {
+        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+    // A line behind it that never lets up.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut line = Vec::new();
+    for cl in busy {
+        let stop = stop.clone();
+        line.push(tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                cl.batch_execute("SELECT pg_sleep(0.02)").await?;
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    pgwarden_testkit::eventually("the line waiting", WAIT, || async move {
+        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (n >= 2.0).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let waited = served.await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in line {
+        l.await.unwrap().unwrap();
+    }
+    let waited = waited.expect("the client under the cap was served");
+    assert!(waited < Duration::from_secs(6), "waited {waited:?}");
+}
+
+/// `server_lifetime` also closes connections that sit idle past it (they
+/// were only closed when given back), and `server_idle_timeout` keeps
+/// `min_size` of them open, as PgBouncer's janitor does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_follow_server_lifetime_and_keep_min_size() {
+    let c = TestCluster::builder().replicas(0).start();
+    let target = c.conninfo(0);
+    let count = |n: usize| {
+        let t = target.clone();
+        pgwarden_testkit::eventually("server connections", WAIT, move || {
+            let t = t.clone();
+            async move {
+                let have = server_connections(&t).await;
+                (have == n)
+                    .then_some(())
+                    .ok_or(format!("{have} server connections, want {n}"))
+            }
+        })
+    };
+    // Lifetime: an idle connection goes, with nothing given back.
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 3,
+            server_lifetime: Some(Duration::from_secs(1)),
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let a = client(&via(&p, "read_write")).await.unwrap();
+    one(&a, "SELECT 1").await;
+    count(0).await;
+    // Still served, on a new connection.
+    assert_eq!(one(&a, "SELECT 2").await, "2");
+    drop((a, p, e));
+    count(0).await;
+    // Idle timeout: three opened, two kept.
+    let (e, p) = proxy_with(
+        &c.addrs(),
+        Duration::from_secs(3),
+        Some(PoolSettings {
+            size: 3,
+            min_size: 2,
+            server_idle_timeout: Some(Duration::from_millis(500)),
+            ..PoolSettings::default()
+        }),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let clients = [
+        client(&via(&p, "read_write")).await.unwrap(),
+        client(&via(&p, "read_write")).await.unwrap(),
+        client(&via(&p, "read_write")).await.unwrap(),
+    ];
+    for cl in &clients {
+        cl.batch_execute("BEGIN").await.unwrap();
+    }
+    count(3).await;
+    for cl in &clients {
+        cl.batch_execute("COMMIT").await.unwrap();
+    }
+    count(2).await;
+    // And stays so over several more rounds of the janitor.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(server_connections(&target).await, 2);
+}
+
+/// A read-only pooled service refuses a session whose `client_encoding`
+/// would be a client-only encoding (one whose characters may end in a
+/// backslash or quote): asked for in any case at start-up, or left at a
+/// role's default that the greeting would hand the client. A client that
+/// asks for UTF8 is let in as that role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_pools_refuse_client_only_encodings_from_any_source() {
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(
+        &c.conninfo(0),
+        "CREATE ROLE sj LOGIN; ALTER ROLE sj SET client_encoding = 'SJIS'",
+    )
+    .await;
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let ro = p.service_addrs()["read_only"];
+    let rw = p.service_addrs()["read_write"];
+    let refused = |addr: std::net::SocketAddr, params: Vec<(&'static str, &'static str)>| {
+        let (_, greeting) = RawClient::greeted(addr, &params);
+        match greeting.last() {
+            Some((b'E', body)) => String::from_utf8_lossy(body).contains("C25006"),
+            _ => false,
+        }
+    };
+    let cases = [
+        (
+            ro,
+            vec![
+                ("user", "postgres"),
+                ("database", "postgres"),
+                ("Client_Encoding", "SJIS"),
+            ],
+            true,
+        ),
+        (ro, vec![("user", "sj"), ("database", "postgres")], true),
+        (
+            ro,
+            vec![
+                ("user", "sj"),
+                ("database", "postgres"),
+                ("client_encoding", "UTF8"),
+            ],
+            false,
+        ),
+        (rw, vec![("user", "sj"), ("database", "postgres")], false),
+    ];
+    for (addr, params, want) in cases {
+        let shown = format!("{params:?}");
+        let got = tokio::task::spawn_blocking(move || refused(addr, params))
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{shown} on {addr}");
+    }
+}
+
+/// A pool with `min_size` whose logins fail (here a database that does
+/// not exist) does not try again at every topology change, several times
+/// a second: warm-ups wait after a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_warm_ups_back_off() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let settings = PoolSettings {
+        size: 5,
+        min_size: 3,
+        ..PoolSettings::default()
+    };
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        Some(settings),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let rw = via(&p, "read_write").replace("dbname=postgres", "dbname=nosuchdb");
+    let Err(err) = client(&rw).await else {
+        panic!("logged in to a database that does not exist");
+    };
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME)
+    );
+    // The login and one round of warm-ups; then, over several probe
+    // rounds, nothing more (it was three every round).
+    let before = relay.accepted();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = relay.accepted();
+    assert!(after - before <= 5, "{} connections in 4 s", after - before);
 }
 
 /// A client that closes its connection, or is killed, while it waits for

@@ -796,6 +796,50 @@ async fn a_paused_relay_service_holds_new_sessions_until_resumed() {
     );
 }
 
+/// A relayed client that goes away while it waits (for a paused service
+/// to resume, or for a host) leaves at once: it does not keep its place
+/// under `max_client_conn` for the rest of `connect_wait_timeout`, and no
+/// backend is opened for it when the service resumes. The wait for a
+/// resume and the wait for a host together last `connect_wait_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_client_that_leaves_while_waiting_is_dropped() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(60)).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/pause?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let conninfo = via(&p, "read_write");
+    let clients = move |n: f64| {
+        pgwarden_testkit::eventually(
+            "relayed clients",
+            Duration::from_secs(10),
+            move || async move {
+                let (_, body) =
+                    tokio::task::spawn_blocking(move || common::http_get(http, "/metrics"))
+                        .await
+                        .unwrap();
+                let v: f64 = body
+                    .lines()
+                    .find(|l| l.starts_with("pgwarden_client_connections{service=\"read_write\"}"))
+                    .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                    .unwrap_or(0.0);
+                (v == n)
+                    .then_some(())
+                    .ok_or(format!("{v} clients, want {n}"))
+            },
+        )
+    };
+    let waiting = tokio::spawn(async move { client(&conninfo).await.map(|_| ()) });
+    clients(1.0).await;
+    waiting.abort();
+    // Well within the minute it could wait.
+    clients(0.0).await;
+}
+
 /// A probe that times out once is not a dead host: sessions on the host,
 /// relayed or pooled mid-transaction, go on; only `down_after_failures`
 /// (3 by default) such failures in a row would end them.

@@ -42,6 +42,10 @@ pub struct PoolKey {
 /// Default of `pool.max_prepared_statements`.
 pub const DEFAULT_MAX_PREPARED_STATEMENTS: usize = 1000;
 
+/// How long warm-ups wait after one failed, as PgBouncer's default
+/// `server_login_retry`. Clients still open connections as they need them.
+pub const WARM_RETRY: Duration = Duration::from_secs(15);
+
 /// Pool settings (see `[pool]` in the configuration reference).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolSettings {
@@ -684,6 +688,11 @@ pub struct Pool {
     stale: AtomicUsize,
     /// Warm-up connections being opened now.
     warming: AtomicUsize,
+    /// No warm-up starts before this ([`now_ns`]): set when one failed,
+    /// so that a pool whose logins fail (a database that does not exist,
+    /// a host refusing connections) is not retried at every topology
+    /// change, several times a second.
+    warm_after: AtomicU64,
     /// Connections being opened for clients now.
     opening: AtomicUsize,
     /// The clients waiting for a server connection, in the order they
@@ -695,6 +704,15 @@ pub struct Pool {
     /// `max_db_connections` or `max_user_connections`: a ticket and since
     /// when they began to wait for a server at all.
     capped_waiters: Mutex<Vec<(u64, Instant)>>,
+    /// Idle connections set aside for clients waiting under a cap
+    /// (changed under the `idle` lock): they hold the pool's permits
+    /// already, and a line of clients behind them would otherwise take
+    /// every connection given back while they wait for room that never
+    /// frees up ([`Checkout::release`]).
+    promised: AtomicUsize,
+    /// Wakes a client waiting under a cap when a connection is set aside
+    /// for it.
+    promised_signal: Notify,
     /// Since when ([`now_ns`]) the pool has been seen unused, and its
     /// query count then ([`Pool::unused_for`]).
     unused_since: Mutex<Option<(u64, u64)>>,
@@ -763,8 +781,23 @@ impl Drop for CappedWait<'_> {
             .lock()
             .expect("poisoned")
             .retain(|(t, _)| *t != self.ticket);
-        self.pool.stats.capped.fetch_sub(1, Ordering::Relaxed);
+        let left = self.pool.stats.capped.fetch_sub(1, Ordering::Relaxed) - 1;
+        // A connection set aside for a client that gave up (or got room)
+        // goes back to everyone.
+        let _idle = self.pool.idle.lock().expect("poisoned");
+        let promised = self.pool.promised.load(Ordering::Relaxed);
+        if promised > left {
+            self.pool.promised.store(left, Ordering::Relaxed);
+        }
     }
+}
+
+/// Where a client waiting under a cap got its connection.
+enum Room {
+    /// Places under the caps, to open a new connection in.
+    Slots([Option<Slot>; 2]),
+    /// An idle connection given back while it waited.
+    Idle(Box<ServerConn>),
 }
 
 /// One more in a count while it lives: counted down however the future
@@ -1102,10 +1135,13 @@ impl Pool {
             connect_limit_us: AtomicU64::new(2_000_000),
             stale: AtomicUsize::new(0),
             warming: AtomicUsize::new(0),
+            warm_after: AtomicU64::new(0),
             opening: AtomicUsize::new(0),
             waiters: Mutex::new(std::collections::VecDeque::new()),
             next_waiter: AtomicU64::new(0),
             capped_waiters: Mutex::new(Vec::new()),
+            promised: AtomicUsize::new(0),
+            promised_signal: Notify::new(),
             unused_since: Mutex::new(None),
             credential: Mutex::new(Credential::None),
             baseline: Mutex::new(Tracked::default()),
@@ -1160,7 +1196,7 @@ impl Pool {
         deadline: tokio::time::Instant,
         free_only: bool,
         since: Instant,
-    ) -> Result<[Option<Slot>; 2], ServerError> {
+    ) -> Result<Room, ServerError> {
         let mut slots = [None, None];
         for (slot, limit) in slots.iter_mut().zip(&self.limits) {
             let s = match limit.try_take() {
@@ -1168,23 +1204,36 @@ impl Pool {
                 None if free_only => return Err(ServerError::Limit(limit.describe())),
                 None => {
                     let _capped = CappedWait::new(self, since);
-                    let retired = self.retired_signal.notified();
-                    tokio::pin!(retired);
-                    retired.as_mut().enable();
-                    if self.is_retired() {
-                        return Err(ServerError::Retired);
-                    }
-                    tokio::select! {
-                        _ = retired => return Err(ServerError::Retired),
-                        s = crate::timer::timeout_at(deadline, limit.take()) => {
-                            s.map_err(|_| ServerError::Limit(limit.describe()))?
+                    let take = crate::timer::timeout_at(deadline, limit.take());
+                    tokio::pin!(take);
+                    loop {
+                        let retired = self.retired_signal.notified();
+                        tokio::pin!(retired);
+                        retired.as_mut().enable();
+                        let handed = self.promised_signal.notified();
+                        tokio::pin!(handed);
+                        handed.as_mut().enable();
+                        if self.is_retired() {
+                            return Err(ServerError::Retired);
+                        }
+                        // A connection given back meanwhile serves this
+                        // client: it has the pool's permit already.
+                        if let Some(c) = self.pop_live(true) {
+                            return Ok(Room::Idle(c));
+                        }
+                        tokio::select! {
+                            _ = retired => return Err(ServerError::Retired),
+                            s = take.as_mut() => {
+                                break s.map_err(|_| ServerError::Limit(limit.describe()))?;
+                            }
+                            _ = handed => {}
                         }
                     }
                 }
             };
             *slot = Some(s);
         }
-        Ok(slots)
+        Ok(Room::Slots(slots))
     }
 
     /// Sets how long a new server connection may take to open and log in.
@@ -1310,9 +1359,13 @@ impl Pool {
         }
     }
 
-    /// Opens connections until `min_size` exist, in the background.
+    /// Opens connections until `min_size` exist, in the background; a
+    /// [`WARM_RETRY`] after a warm-up failed.
     pub fn warm(self: &Arc<Self>) {
         let min = self.settings.load().min_size;
+        if min == 0 || now_ns() < self.warm_after.load(Ordering::Relaxed) {
+            return;
+        }
         // Connections being opened count too, or every topology change
         // would start another batch before the last one logged in.
         let have = self.stats.total.load(Ordering::Relaxed) + self.warming.load(Ordering::Relaxed);
@@ -1335,7 +1388,11 @@ impl Pool {
                 pool.warming.fetch_sub(1, Ordering::Relaxed);
                 match r {
                     Ok((c, _)) => c.release(true),
+                    // No room free now: not the server's doing.
+                    Err(ServerError::Timeout | ServerError::Retired | ServerError::Limit(_)) => {}
                     Err(e) => {
+                        pool.warm_after
+                            .store(now_ns() + nanos(WARM_RETRY), Ordering::Relaxed);
                         tracing::debug!(host = %pool.key.host, error = ?e, "warming a pool failed")
                     }
                 }
@@ -1414,15 +1471,33 @@ impl Pool {
         self.idle.lock().expect("poisoned").len()
     }
 
-    /// Closes idle connections past `server_idle_timeout`.
+    /// Closes idle connections past `server_lifetime`, and those past
+    /// `server_idle_timeout` above `min_size` (the longest idle first), as
+    /// PgBouncer's janitor does; [`Pool::warm`] replaces the former.
     pub fn prune(&self) {
-        let Some(limit) = self.settings.load().server_idle_timeout else {
+        let settings = self.settings.load();
+        let (idle_limit, lifetime) = (settings.server_idle_timeout, settings.server_lifetime);
+        if idle_limit.is_none() && lifetime.is_none() {
             return;
-        };
-        let (now, limit) = (now_ns(), nanos(limit));
+        }
+        let now = now_ns();
         let mut idle = self.idle.lock().expect("poisoned");
         let before = idle.len();
-        idle.retain(|c| now.saturating_sub(c.last_used) < limit);
+        if let Some(l) = lifetime {
+            let l = nanos(l);
+            idle.retain(|c| now.saturating_sub(c.created) < l);
+        }
+        if let Some(l) = idle_limit {
+            let l = nanos(l);
+            let total = self.stats.total.load(Ordering::Relaxed) - (before - idle.len());
+            let mut spare = total.saturating_sub(settings.min_size);
+            // Oldest use first: the vector is kept in order of return.
+            idle.retain(|c| {
+                let close = spare > 0 && now.saturating_sub(c.last_used) >= l;
+                spare -= usize::from(close);
+                !close
+            });
+        }
         self.closed(before - idle.len());
     }
 
@@ -1433,7 +1508,7 @@ impl Pool {
             return None;
         }
         let permit = self.permits.clone().try_acquire_owned().ok()?;
-        let conn = self.pop_live()?;
+        let conn = self.pop_live(false)?;
         let conn = self.moved_here(conn)?;
         // Sequentially consistent (a locked instruction either way on x86):
         // a client looks at its service's pause switch after this, and a
@@ -1451,9 +1526,22 @@ impl Pool {
     /// An idle connection ([`pop_idle`]) whose server has not gone away
     /// meanwhile; those that have are closed on the way, so that no client
     /// gets a stale FATAL for its first statement.
-    fn pop_live(&self) -> Option<Box<ServerConn>> {
+    /// `capped`: for a client waiting under a cap, which may take one set
+    /// aside for such clients ([`Pool::promised`]); others may not.
+    fn pop_live(&self, capped: bool) -> Option<Box<ServerConn>> {
         loop {
-            let conn = pop_idle(&mut self.idle.lock().expect("poisoned"))?;
+            let conn = {
+                let mut idle = self.idle.lock().expect("poisoned");
+                let promised = self.promised.load(Ordering::Relaxed);
+                if capped {
+                    if promised > 0 {
+                        self.promised.store(promised - 1, Ordering::Relaxed);
+                    }
+                } else if idle.len() <= promised {
+                    return None;
+                }
+                pop_idle(&mut idle)?
+            };
             if !conn.stream.spoke_while_idle() {
                 return Some(conn);
             }
@@ -1550,27 +1638,36 @@ impl Pool {
         warming: bool,
     ) -> Result<(Checkout, Duration), ServerError> {
         let started = Instant::now();
-        let waiting = self.count_waiting();
-        let timer = match timer {
-            Some(t) => {
-                t.as_mut().reset(deadline);
-                t
-            }
-            None => timer.insert(Box::pin(crate::timer::sleep_until(deadline))),
+        let (permit, mut waited) = if warming {
+            // A warm-up opens a connection only in room free now, and is
+            // no client: not in line (cl_waiting, maxwait, the fast path
+            // that lets a line go first), never given an idle one.
+            let p = self.permits.clone().try_acquire_owned();
+            (p.map_err(|_| ServerError::Timeout)?, 0)
+        } else {
+            let waiting = self.count_waiting();
+            let timer = match timer {
+                Some(t) => {
+                    t.as_mut().reset(deadline);
+                    t
+                }
+                None => timer.insert(Box::pin(crate::timer::sleep_until(deadline))),
+            };
+            let permit = tokio::select! {
+                biased;
+                p = self.permits.clone().acquire_owned() => p.map_err(|_| ServerError::Retired),
+                _ = timer.as_mut() => Err(ServerError::Timeout),
+                // A client that has waited this long may take a connection
+                // of the reserve, while still in line for the pool's own.
+                p = self.from_reserve(started) => p,
+            };
+            drop(waiting);
+            let permit = permit?;
+            let waited = started.elapsed().as_micros() as u64;
+            self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
+            (permit, waited)
         };
-        let permit = tokio::select! {
-            biased;
-            p = self.permits.clone().acquire_owned() => p.map_err(|_| ServerError::Retired),
-            _ = timer.as_mut() => Err(ServerError::Timeout),
-            // A client that has waited this long may take a connection of
-            // the reserve, while still in line for the pool's own.
-            p = self.from_reserve(started) => p,
-        };
-        drop(waiting);
-        let permit = permit?;
-        let mut waited = started.elapsed().as_micros() as u64;
-        self.stats.wait_us.fetch_add(waited, Ordering::Relaxed);
-        let reused = self.pop_live();
+        let reused = if warming { None } else { self.pop_live(false) };
         let conn = match reused.and_then(|c| self.moved_here(c)) {
             Some(c) => c,
             None => {
@@ -1582,69 +1679,78 @@ impl Pool {
                     },
                     c => c,
                 };
-                let slots = self.slots(deadline, warming, started).await?;
-                // A wait for room under a cap is a wait for a server too.
-                let capped = (started.elapsed().as_micros() as u64).saturating_sub(waited);
-                if capped > 0 {
-                    self.stats.wait_us.fetch_add(capped, Ordering::Relaxed);
-                    waited += capped;
+                loop {
+                    let room = self.slots(deadline, warming, started).await?;
+                    // A wait for room under a cap is a wait for a server too.
+                    let capped = (started.elapsed().as_micros() as u64).saturating_sub(waited);
+                    if capped > 0 && !warming {
+                        self.stats.wait_us.fetch_add(capped, Ordering::Relaxed);
+                        waited += capped;
+                    }
+                    let slots = match room {
+                        Room::Slots(slots) => slots,
+                        Room::Idle(c) => match self.moved_here(c) {
+                            Some(c) => break c,
+                            None => continue,
+                        },
+                    };
+                    // A server that accepts and then says nothing (frozen, or
+                    // partitioned before the probes mark it down) costs the
+                    // client its connect time-out, not its whole wait: it then
+                    // picks a host again.
+                    let limit = self.connect_limit();
+                    let remaining = deadline
+                        .saturating_duration_since(tokio::time::Instant::now())
+                        .max(Duration::from_secs(1))
+                        .min(limit);
+                    let retired = self.retired_signal.notified();
+                    tokio::pin!(retired);
+                    retired.as_mut().enable();
+                    if self.is_retired() {
+                        return Err(ServerError::Retired);
+                    }
+                    // Boxed: logging in is rare and its state large, and
+                    // without it every wait for a server would carry it.
+                    let with_app = self.baseline_app.load(Ordering::Relaxed);
+                    // The pool is in use while it opens one, though nothing
+                    // else counts it yet.
+                    let _opening = Counted::new(&self.opening, Ordering::SeqCst);
+                    let server_tls = self.server_tls.load();
+                    let opened = crate::timer::timeout(
+                        remaining,
+                        Box::pin(connect(&self.key, startup, &cred, &server_tls, with_app)),
+                    );
+                    let c = tokio::select! {
+                        // Retired meanwhile (its host failed or was demoted):
+                        // the client picks a host again at once.
+                        _ = retired => return Err(ServerError::Retired),
+                        r = opened => match r {
+                            Ok(r) => r?,
+                            Err(_) if remaining == limit => {
+                                return Err(ServerError::Failed(format!(
+                                    "connecting to {} timed out after {} ms",
+                                    self.key.host,
+                                    limit.as_millis()
+                                )))
+                            }
+                            Err(_) => return Err(ServerError::Timeout),
+                        },
+                    };
+                    if self.settings.load().wants_primary && c.in_hot_standby() {
+                        // The old primary of a switchover, back as a standby
+                        // before the topology shows it: the client waits for
+                        // the new one instead.
+                        return Err(ServerError::Failed(format!(
+                            "{} is a standby, not the primary",
+                            self.key.host
+                        )));
+                    }
+                    self.learn_baseline(&c, with_app);
+                    self.opened();
+                    let mut c = Box::new(c);
+                    c.slots = slots;
+                    break c;
                 }
-                // A server that accepts and then says nothing (frozen, or
-                // partitioned before the probes mark it down) costs the
-                // client its connect time-out, not its whole wait: it then
-                // picks a host again.
-                let limit = self.connect_limit();
-                let remaining = deadline
-                    .saturating_duration_since(tokio::time::Instant::now())
-                    .max(Duration::from_secs(1))
-                    .min(limit);
-                let retired = self.retired_signal.notified();
-                tokio::pin!(retired);
-                retired.as_mut().enable();
-                if self.is_retired() {
-                    return Err(ServerError::Retired);
-                }
-                // Boxed: logging in is rare and its state large, and
-                // without it every wait for a server would carry it.
-                let with_app = self.baseline_app.load(Ordering::Relaxed);
-                // The pool is in use while it opens one, though nothing
-                // else counts it yet.
-                let _opening = Counted::new(&self.opening, Ordering::SeqCst);
-                let server_tls = self.server_tls.load();
-                let opened = crate::timer::timeout(
-                    remaining,
-                    Box::pin(connect(&self.key, startup, &cred, &server_tls, with_app)),
-                );
-                let c = tokio::select! {
-                    // Retired meanwhile (its host failed or was demoted):
-                    // the client picks a host again at once.
-                    _ = retired => return Err(ServerError::Retired),
-                    r = opened => match r {
-                        Ok(r) => r?,
-                        Err(_) if remaining == limit => {
-                            return Err(ServerError::Failed(format!(
-                                "connecting to {} timed out after {} ms",
-                                self.key.host,
-                                limit.as_millis()
-                            )))
-                        }
-                        Err(_) => return Err(ServerError::Timeout),
-                    },
-                };
-                if self.settings.load().wants_primary && c.in_hot_standby() {
-                    // The old primary of a switchover, back as a standby
-                    // before the topology shows it: the client waits for
-                    // the new one instead.
-                    return Err(ServerError::Failed(format!(
-                        "{} is a standby, not the primary",
-                        self.key.host
-                    )));
-                }
-                self.learn_baseline(&c, with_app);
-                self.opened();
-                let mut c = Box::new(c);
-                c.slots = slots;
-                c
             }
         };
         // Retired while the connection was being found or opened (a
@@ -1749,13 +1855,28 @@ impl Checkout {
             || excess;
         if reusable && !expired && !pool.is_retired() {
             conn.last_used = ended;
-            pool.idle.lock().expect("poisoned").push(conn);
-            // Kept idle first, then the caps looked at: a pool that starts
-            // waiting for a slot meanwhile either finds it idle or is
-            // seen here.
-            if pool.stats.waiting.load(Ordering::Relaxed) == 0
+            let promise = {
+                let mut idle = pool.idle.lock().expect("poisoned");
+                idle.push(conn);
+                // Its own clients waiting under a cap come before the
+                // line: they were in it earlier, and room under the cap
+                // may not free up while the line keeps every connection
+                // busy.
+                let promised = pool.promised.load(Ordering::Relaxed);
+                let promise = pool.stats.capped.load(Ordering::Relaxed) > promised;
+                if promise {
+                    pool.promised.store(promised + 1, Ordering::Relaxed);
+                }
+                promise
+            };
+            if promise {
+                pool.promised_signal.notify_one();
+            } else if pool.stats.waiting.load(Ordering::Relaxed) == 0
                 && pool.limits.iter().any(|l| l.wants_room())
             {
+                // Kept idle first, then the caps looked at: a pool that
+                // starts waiting for a slot meanwhile either finds it idle
+                // or is seen here.
                 pool.close_idle();
             }
         } else {

@@ -1752,6 +1752,22 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
         // A pooled client's server is known by its socket address: the
         // addresses of the hosts that are down, looked up here, off the
         // traffic path (and before the sessions lock is taken).
+        // Relayed sessions first: their hosts are known by name, so no
+        // lookup below (up to a second each, for hosts listed by name)
+        // delays ending them.
+        {
+            let sessions = shared.sessions.lock().expect("poisoned");
+            for e in sessions.values() {
+                let Some(host) = &e.host else { continue };
+                if e.is_killed() {
+                    continue;
+                }
+                if let Some(k) = relayed_kill(topo, index.get(host).copied(), &e.want) {
+                    tracing::info!(service = %e.service, host = %host, reason = ?k, "ending session");
+                    e.kill(k);
+                }
+            }
+        }
         let mut down: Vec<std::net::SocketAddr> = Vec::new();
         for h in topo.hosts().iter().filter(|h| !h.alive) {
             let addr = &h.config.addr;
@@ -1766,6 +1782,9 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                     }
                 }
             }
+        }
+        if down.is_empty() {
+            continue;
         }
         let sessions = shared.sessions.lock().expect("poisoned");
         for e in sessions.values() {
@@ -1782,12 +1801,6 @@ async fn route_changes(shared: Arc<Shared>, mut changes: watch::Receiver<u64>) {
                         e.kill(Kill::HostDown);
                     }
                 }
-                continue;
-            }
-            let Some(host) = &e.host else { continue };
-            if let Some(k) = relayed_kill(topo, index.get(host).copied(), &e.want) {
-                tracing::info!(service = %e.service, host = %host, reason = ?k, "ending session");
-                e.kill(k);
             }
         }
     }

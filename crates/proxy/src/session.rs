@@ -53,6 +53,23 @@ pub(crate) async fn refuse_busy<S>(shared: Arc<Shared>, mut client: S)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
+    // Each refusal holds its socket for up to a second or two; a flood of
+    // connections at the limit would otherwise hold descriptors without
+    // bound, until accept and server connections failed for everyone.
+    // Past this many at once, connections are closed unanswered.
+    static REFUSING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    const MAX_REFUSING: usize = 256;
+    struct Refusing;
+    impl Drop for Refusing {
+        fn drop(&mut self) {
+            REFUSING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    if REFUSING.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= MAX_REFUSING {
+        REFUSING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        return;
+    }
+    let _refusing = Refusing;
     let out = encode::fatal(
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
@@ -489,22 +506,27 @@ async fn serve(
     // a pooled client's start-up future would otherwise carry (and copy)
     // them too.
     Box::pin(async move {
-        // A paused service holds new sessions until it resumes, as it
-        // holds a pooled client's new transactions.
-        let mut paused = service.handles.paused.clone();
-        if *paused.borrow() {
-            tokio::select! {
-                _ = paused.wait_for(|p| !*p) => {}
-                _ = crate::timer::sleep(spec.connect_wait_timeout) => {
-                    return Err(Refusal::new(
-                        sqlstate::CANNOT_CONNECT_NOW,
-                        "paused",
-                        format!("service \"{}\" is paused and did not resume within connect_wait_timeout", spec.name),
-                    ));
+        // One wait, for a resume and a host together: a paused service
+        // holds new sessions until it resumes, as it holds a pooled
+        // client's new transactions.
+        let deadline = tokio::time::Instant::now() + spec.connect_wait_timeout;
+        let waited = async {
+            let mut paused = service.handles.paused.clone();
+            if *paused.borrow() {
+                tokio::select! {
+                    _ = paused.wait_for(|p| !*p) => {}
+                    _ = crate::timer::sleep_until(deadline) => {
+                        return Err(Refusal::new(
+                            sqlstate::CANNOT_CONNECT_NOW,
+                            "paused",
+                            format!("service \"{}\" is paused and did not resume within connect_wait_timeout", spec.name),
+                        ));
+                    }
                 }
             }
-        }
-        let (server, host) = connect_server(shared, service).await?;
+            connect_server(shared, service, deadline).await
+        };
+        let (server, host) = unless_gone(client, waited).await?;
         shared
             .metrics
             .routing_decisions
@@ -542,7 +564,8 @@ async fn server_vouches(
     client: &mut ClientStream,
     startup: &StartupMessage,
 ) -> Result<bool, Refusal> {
-    let (mut server, host) = connect_server(shared, service).await?;
+    let deadline = tokio::time::Instant::now() + service.spec.connect_wait_timeout;
+    let (mut server, host) = unless_gone(client, connect_server(shared, service, deadline)).await?;
     let failed = |e: String| {
         Refusal::new(
             sqlstate::CONNECTION_FAILURE,
@@ -764,6 +787,37 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
     drop(guard);
 }
 
+/// Runs a wait for a server unless the client goes away first: a client
+/// that gave up (a driver's own connect timeout, an impatient user) must
+/// not keep its `max_client_conn` slot, hold up a shutdown, or have a
+/// backend opened for it on a primary that has just come up.
+async fn unless_gone<T>(
+    client: &ClientStream,
+    wait: impl std::future::Future<Output = Result<T, Refusal>>,
+) -> Result<T, Refusal> {
+    tokio::select! {
+        biased;
+        () = client.closed() => Err(Refusal::new(
+            sqlstate::CONNECTION_FAILURE,
+            "client_gone",
+            "the client went away while waiting for a server",
+        )),
+        r = wait => r,
+    }
+}
+
+/// The client-only encoding (see
+/// [`pgwarden_wire::readonly::client_only_encoding`]) a server reported as
+/// a session's `client_encoding`, if it did.
+pub(crate) fn client_only_encoding_of(
+    params: &std::collections::HashMap<String, String>,
+) -> Option<&str> {
+    params
+        .get("client_encoding")
+        .map(String::as_str)
+        .filter(|v| pgwarden_wire::readonly::client_only_encoding(v.as_bytes()))
+}
+
 /// The least time a connection attempt gets, however little of the
 /// client's wait is left.
 const MIN_ATTEMPT: Duration = Duration::from_secs(1);
@@ -774,36 +828,72 @@ const MIN_ATTEMPT: Duration = Duration::from_secs(1);
 async fn connect_server(
     shared: &Shared,
     service: &Service,
+    deadline: tokio::time::Instant,
 ) -> Result<(ServerStream, HostAddr), Refusal> {
     let spec = &service.spec;
-    if let Some(reason) = shared.refusal(&spec.name) {
-        return Err(Refusal::new(
-            sqlstate::CANNOT_CONNECT_NOW,
-            "refused",
-            format!("service \"{}\": {reason}", spec.name),
-        ));
-    }
-    let deadline = tokio::time::Instant::now() + spec.connect_wait_timeout;
     let mut changes = shared.changes.clone();
-    let mut last: Refusal;
+    let mut last = Refusal::new(sqlstate::CANNOT_CONNECT_NOW, "no_host", "");
     let mut failed_rounds = 0u32;
+    // The hosts of the last round that all failed, and when to try them
+    // again. The probes publish after every probe result, several times
+    // a round, so a change that leaves the eligible hosts as they were
+    // does not shorten the pause: a host the probes call up but that
+    // refuses connections (a full backlog, max_connections) would
+    // otherwise be hit several times a second by every waiting client.
+    let mut failed: Vec<HostAddr> = Vec::new();
+    let mut retry = deadline;
     loop {
+        // Checked at every round: a refusal switched on while clients
+        // wait (an agent fencing this node) turns them away too.
+        if let Some(reason) = shared.refusal(&spec.name) {
+            return Err(Refusal::new(
+                sqlstate::CANNOT_CONNECT_NOW,
+                "refused",
+                format!("service \"{}\": {reason}", spec.name),
+            ));
+        }
         // Seen before the topology is read: a change after the read ends
         // the wait below at once.
         changes.borrow_and_update();
         let snap = shared.snapshot.load_full();
         let topo = &snap.topology;
         let mut order: Vec<usize> = Vec::new();
-        match service.selector.select(topo, &spec.want) {
-            Ok(i) => {
-                order.push(i);
-                order.extend(
-                    service
-                        .selector
-                        .eligible(topo, &spec.want)
-                        .into_iter()
-                        .filter(|&j| j != i),
-                );
+        // Peeked: a round that is skipped below takes no turn of the
+        // round robin.
+        let picked = service.selector.peek(topo, &spec.want);
+        if let Ok(i) = picked {
+            order.push(i);
+            order.extend(
+                service
+                    .selector
+                    .eligible(topo, &spec.want)
+                    .into_iter()
+                    .filter(|&j| j != i),
+            );
+        }
+        let addrs: Vec<HostAddr> = order
+            .iter()
+            .map(|&i| topo.hosts()[i].config.addr.clone())
+            .collect();
+        // As a set: the round robin turns the order at every pick.
+        let mut set = addrs.clone();
+        set.sort();
+        let now = tokio::time::Instant::now();
+        if !failed.is_empty() && set == failed && now < retry {
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return Err(last) },
+                _ = crate::timer::sleep_until(retry) => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(last);
+            }
+            continue;
+        }
+        if picked.is_ok() {
+            service.selector.advance(&spec.want);
+        }
+        match picked {
+            Ok(_) => {
                 last = Refusal::new(
                     sqlstate::CONNECTION_FAILURE,
                     "server_connect",
@@ -827,9 +917,8 @@ async fn connect_server(
                 );
             }
         }
-        let tried = !order.is_empty();
-        for i in order {
-            let addr = topo.hosts()[i].config.addr.clone();
+        let tried = !addrs.is_empty();
+        for addr in addrs.iter().cloned() {
             // Several hosts that time out must not stretch the client's
             // wait far past connect_wait_timeout; each still gets a
             // second (or server_connect_timeout, if shorter), so that a
@@ -879,13 +968,14 @@ async fn connect_server(
         // eligible hosts failed, try them again a little later; the probes
         // may still call a host up that refused a moment ago (a restart,
         // max_connections reached), and it may be back within the wait.
-        let retry = if tried {
+        retry = if tried {
             let pause = crate::timer::retry_pause(failed_rounds);
             failed_rounds += 1;
             (tokio::time::Instant::now() + pause).min(deadline)
         } else {
             deadline
         };
+        failed = set;
         tokio::select! {
             r = changes.changed() => if r.is_err() { return Err(last) },
             _ = crate::timer::sleep_until(retry) => {}
@@ -1091,6 +1181,18 @@ async fn relay(
                     &format!(
                         "{host} is a standby, not the primary (the primary is changing); reconnect"
                     ),
+                );
+                let _ = client.write_all(&out).await;
+                return;
+            }
+            Ok(conn) if spec.read_only && client_only_encoding_of(&conn.params).is_some() => {
+                // A role's or database's default, which the server's
+                // greeting would hand the client (see `relay`'s check of
+                // ParameterStatus, which this greeting does not pass).
+                let v = client_only_encoding_of(&conn.params).unwrap_or_default();
+                let out = encode::fatal(
+                    sqlstate::READ_ONLY_SQL_TRANSACTION.code(),
+                    &format!("client_encoding {v} is not allowed on a read-only service"),
                 );
                 let _ = client.write_all(&out).await;
                 return;

@@ -596,15 +596,34 @@ async fn greet(
         let _ = client.write_all(&f.into_message()).await;
         return None;
     }
+    // A role's or database's default encoding reaches the client through
+    // the greeting, not through a ParameterStatus the session checks.
+    if session.service.spec.read_only {
+        if let Some(v) = crate::session::client_only_encoding_of(&first.conn.params) {
+            let f = Fatal::new(
+                sqlstate::READ_ONLY_SQL_TRANSACTION,
+                format!("client_encoding {v} is not allowed on a read-only service"),
+            );
+            shared.cancel.remove(key);
+            first.release(true);
+            let _ = client.write_all(&f.into_message()).await;
+            return None;
+        }
+    }
     let hello = hello(session, &mut first, key);
     if session.settings.hold_session {
         // Session pooling: the server that answered the login stays.
-        if let Err(f) = Box::pin(session.attach_checkout(first)).await {
+        if let Err(f) = Box::pin(session.attach_checkout(first, client)).await {
             let _ = client.write_all(&f.into_message()).await;
             shared.cancel.remove(key);
             session.detach(false);
             return None;
         }
+        // Between transactions from the start: a pause does not wait for
+        // a client that has run nothing yet, and holds its first
+        // statement as any other.
+        session.held_idle = true;
+        session.cancel_target.set_held_idle(true);
     } else {
         first.release(true);
     }
@@ -1151,13 +1170,43 @@ impl Session {
                     // one, the same host is tried again a little later (the
                     // probes still call it up: a restart, a refused
                     // connection), within the client's wait.
-                    let retry = crate::timer::retry_pause(failed_rounds);
+                    // The probes publish after every result, several
+                    // times a round: only a change of the eligible hosts
+                    // cuts the pause short, or every waiting client would
+                    // hit the failing host several times a second. (Not
+                    // `select`, which would take turns of the round robin.)
+                    let retry =
+                        tokio::time::Instant::now() + crate::timer::retry_pause(failed_rounds);
                     failed_rounds += 1;
-                    tokio::select! {
-                        _ = changes.changed() => {}
-                        _ = crate::timer::sleep(retry) => {}
-                        _ = crate::timer::sleep_until(deadline) => {
-                            return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
+                    let eligible = |shared: &Shared| {
+                        let snap = shared.snapshot.load_full();
+                        let mut v: Vec<pgwarden_topology::HostAddr> = self
+                            .service
+                            .selector
+                            .eligible(&snap.topology, &spec.want)
+                            .into_iter()
+                            .map(|i| snap.topology.hosts()[i].config.addr.clone())
+                            .collect();
+                        v.sort();
+                        v
+                    };
+                    let before = eligible(&self.shared);
+                    loop {
+                        tokio::select! {
+                            r = changes.changed() => {
+                                if r.is_err() {
+                                    // No more changes (shutting down).
+                                    crate::timer::sleep_until(retry.min(deadline)).await;
+                                    break;
+                                }
+                                if eligible(&self.shared) != before {
+                                    break;
+                                }
+                            }
+                            _ = crate::timer::sleep_until(retry) => break,
+                            _ = crate::timer::sleep_until(deadline) => {
+                                return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
+                            }
                         }
                     }
                 }
@@ -1200,7 +1249,7 @@ impl Session {
                 self.bind(c);
                 return Ok(true);
             }
-            Some(c) => Box::pin(self.attach_checkout(c)),
+            Some(c) => Box::pin(self.attach_checkout(c, client)),
             None => Box::pin(self.attach_new(client)),
         };
         slow.await
@@ -1254,7 +1303,7 @@ impl Session {
         let Some(c) = self.acquire_waiting(client).await? else {
             return Ok(false);
         };
-        self.attach_checkout(c).await
+        self.attach_checkout(c, client).await
     }
 
     /// The client was cancelled while waiting for a server for message
@@ -1307,7 +1356,11 @@ impl Session {
     /// line with the client's, cancel requests pointed at it. False when
     /// the client was cancelled while its parameters were being set: `c`
     /// went back to its pool, and the client's statement is not to run.
-    async fn attach_checkout(&mut self, mut c: Checkout) -> Result<bool, Fatal> {
+    async fn attach_checkout(
+        &mut self,
+        mut c: Checkout,
+        client: &ClientStream,
+    ) -> Result<bool, Fatal> {
         let mut sets = String::new();
         // Usually equal: one comparison of six short strings, no hashing.
         if c.conn.tracked != self.params {
@@ -1326,14 +1379,37 @@ impl Session {
         if watched {
             slot.start_waiting();
         }
-        if !sets.is_empty() {
-            if let Err(e) = sync_params(&mut c, &sets).await {
-                slot.stop_waiting();
-                c.release(false);
-                return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, e));
+        // Bounded, and given up when the client goes (or is killed): a
+        // server cut off while idle answers nothing, and with no backend
+        // attached yet no host-down kill reaches this wait.
+        let outcome = {
+            let this = &*self;
+            let work = async {
+                if !sets.is_empty() {
+                    if let Err(e) = sync_params(&mut c, &sets).await {
+                        return Err((Fatal::new(sqlstate::CONNECTION_FAILURE, e), false));
+                    }
+                }
+                this.apply_extras(&mut c).await
+            };
+            tokio::select! {
+                biased;
+                () = client.closed() => Err((client_gone(), false)),
+                r = crate::timer::timeout(this.settings.query_wait_timeout, work) => r.unwrap_or_else(|_| {
+                    Err((
+                        Fatal::new(
+                            sqlstate::CONNECTION_FAILURE,
+                            format!(
+                                "terminating connection: the server at {} did not answer within query_wait_timeout",
+                                c.pool.key.host
+                            ),
+                        ),
+                        false,
+                    ))
+                }),
             }
-        }
-        if let Err((fatal, reusable)) = self.apply_extras(&mut c).await {
+        };
+        if let Err((fatal, reusable)) = outcome {
             slot.stop_waiting();
             c.release(reusable);
             return Err(fatal);

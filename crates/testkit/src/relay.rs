@@ -75,6 +75,7 @@ struct Shared {
     reset: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     connections: AtomicUsize,
+    accepted: AtomicUsize,
 }
 
 /// Mutex poisoning cannot leave these plain values inconsistent, so a panic
@@ -115,6 +116,7 @@ impl Relay {
             reset: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
             connections: AtomicUsize::new(0),
+            accepted: AtomicUsize::new(0),
         });
 
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<io::Result<()>>();
@@ -271,6 +273,13 @@ impl Relay {
     /// those waiting for a partition to be lifted before connecting upstream.
     pub fn connections(&self) -> usize {
         self.shared.connections.load(Ordering::SeqCst)
+    }
+
+    /// Number of connections accepted since the relay started, those
+    /// reset at once ([`Relay::set_refuse`]) included: how often a client
+    /// tried to connect.
+    pub fn accepted(&self) -> usize {
+        self.shared.accepted.load(Ordering::SeqCst)
     }
 }
 
@@ -465,6 +474,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         };
         match accepted {
             Ok((stream, peer)) => {
+                shared.accepted.fetch_add(1, Ordering::SeqCst);
                 if shared.refuse.load(Ordering::SeqCst) {
                     tracing::debug!(%peer, "relay: refusing connection");
                     abort(stream);
