@@ -219,11 +219,21 @@ impl Effects {
                 .is_some_and(|w| w.eq_ignore_ascii_case(b"DEALLOCATE")),
             ..Effects::default()
         };
-        for e in statements(sql).map(Effects::of_statement) {
-            all.pins |= e.pins;
-            all.drops |= e.drops;
-            all.discards |= e.discards;
-            all.resets |= e.resets;
+        // A backslash reads differently with standard_conforming_strings
+        // off, which a client may have set: both readings count, so a
+        // statement one of them hides in a string is still seen.
+        let readings: &[bool] = if memchr::memchr(b'\\', sql).is_some() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &backslash in readings {
+            for e in statements_lexed(sql, backslash).map(Effects::of_statement) {
+                all.pins |= e.pins;
+                all.drops |= e.drops;
+                all.discards |= e.discards;
+                all.resets |= e.resets;
+            }
         }
         all
     }
@@ -442,7 +452,7 @@ fn set_config_is_local(args: &[u8]) -> bool {
     while i < args.len() {
         match args[i] {
             b'\'' | b'"' | b'$' | b'-' | b'/' => {
-                i = skip_quoted(args, i);
+                i = skip_quoted(args, i, false);
                 continue;
             }
             b'(' | b'[' => depth += 1,
@@ -467,10 +477,17 @@ fn set_config_is_local(args: &[u8]) -> bool {
     false
 }
 
+/// Whether `b` may be part of an identifier or a dollar quote's tag:
+/// PostgreSQL takes every byte from 0x80 up as a letter.
+fn ident_byte(b: u8) -> bool {
+    WORD[b as usize] || b >= 0x80
+}
+
 /// Past the quoted string, quoted identifier, dollar-quoted string or
 /// comment that may start at `sql[i]`; `i + 1` when none does there. An
-/// unterminated one runs to the end.
-fn skip_quoted(sql: &[u8], i: usize) -> usize {
+/// unterminated one runs to the end. `backslash`: plain strings take
+/// backslash escapes too (`standard_conforming_strings` off).
+fn skip_quoted(sql: &[u8], i: usize, backslash: bool) -> usize {
     let rest = &sql[i..];
     let end = |close: &[u8], from: usize| {
         rest[from..]
@@ -482,9 +499,10 @@ fn skip_quoted(sql: &[u8], i: usize) -> usize {
         b'\'' => {
             // E'...' strings take backslash escapes; in others a doubled
             // quote is a quote, which the loop sees as two strings.
-            let escapes = i > 0
-                && sql[i - 1].eq_ignore_ascii_case(&b'e')
-                && (i < 2 || !WORD[sql[i - 2] as usize]);
+            let escapes = backslash
+                || (i > 0
+                    && sql[i - 1].eq_ignore_ascii_case(&b'e')
+                    && (i < 2 || !(ident_byte(sql[i - 2]) || sql[i - 2] == b'$')));
             let mut j = 1;
             while j < rest.len() {
                 match rest[j] {
@@ -499,11 +517,11 @@ fn skip_quoted(sql: &[u8], i: usize) -> usize {
         b'-' if rest.starts_with(b"--") => end(b"\n", 2),
         b'/' if rest.starts_with(b"/*") => i + block_comment_len(rest),
         // $tag$ ... $tag$, the tag empty or an identifier; not $1, and
-        // not a $ inside an identifier (a$b).
-        b'$' if i == 0 || !WORD[sql[i - 1] as usize] => {
+        // not a $ inside an identifier (a$b, é$b).
+        b'$' if i == 0 || !(ident_byte(sql[i - 1]) || sql[i - 1] == b'$') => {
             let tag_len = rest[1..]
                 .iter()
-                .position(|&b| !WORD[b as usize] || b == b'$')
+                .position(|&b| !ident_byte(b))
                 .unwrap_or(rest.len() - 1);
             let tag_ok = rest.get(1 + tag_len) == Some(&b'$')
                 && rest.get(1).map_or(true, |b| !b.is_ascii_digit());
@@ -520,12 +538,18 @@ fn skip_quoted(sql: &[u8], i: usize) -> usize {
 /// The statements of a query: its text split at the semicolons outside
 /// quotes and comments.
 pub fn statements(sql: &[u8]) -> impl Iterator<Item = &[u8]> {
+    statements_lexed(sql, false)
+}
+
+/// [`statements`], with backslash escapes in plain strings if
+/// `backslash` (`standard_conforming_strings` off).
+fn statements_lexed(sql: &[u8], backslash: bool) -> impl Iterator<Item = &[u8]> {
     let mut start = 0;
     let mut i = 0;
     std::iter::from_fn(move || {
         while i < sql.len() {
             match sql[i] {
-                b'\'' | b'"' | b'$' | b'-' | b'/' => i = skip_quoted(sql, i),
+                b'\'' | b'"' | b'$' | b'-' | b'/' => i = skip_quoted(sql, i, backslash),
                 b';' => {
                     let s = &sql[start..i];
                     i += 1;
@@ -546,6 +570,21 @@ pub fn statements(sql: &[u8]) -> impl Iterator<Item = &[u8]> {
 #[cfg(test)]
 mod tests {
     use super::pins_session;
+
+    /// A statement after a string or dollar quote is found wherever
+    /// PostgreSQL's lexer finds it: `$` after a non-ASCII letter is part
+    /// of the identifier, a tag may hold such letters, and a backslash
+    /// may escape a quote (`standard_conforming_strings` off).
+    #[test]
+    fn statements_are_split_as_postgres_lexes_them() {
+        let pins = |sql: &str| super::Effects::of(sql.as_bytes()).pins;
+        assert!(pins("SELECT 1 AS é$a$; SET search_path TO x"));
+        assert!(pins("SELECT $é$ ' $é$; SET search_path TO x"));
+        assert!(pins("SELECT '\\''; SET search_path TO x"));
+        assert!(pins("SELECT 'a\\'; SET search_path TO x"));
+        assert!(!pins("SELECT 1 AS é$a$; SELECT 2"));
+        assert!(!pins("SELECT $é$ ; SET x $é$; SELECT 2"));
+    }
 
     /// The words of `sql` found one byte at a time, as [`super::words`]
     /// must find them.
