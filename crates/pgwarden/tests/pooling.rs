@@ -1035,12 +1035,12 @@ async fn max_client_conn_refuses_new_clients_with_53300() {
     assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
 }
 
-/// Refusals at `max_client_conn` are bounded: a flood of connections that
-/// send nothing gets at most 256 answered (each held for up to a second
-/// before its 53300), and the rest closed unanswered, so the refusals
-/// cannot use up the process's descriptors.
+/// A flood of connections at `max_client_conn` that send nothing: each is
+/// answered with 53300 or, past the refusals served at once (see the
+/// proxy's unit test of the bound), closed unanswered; the clients in
+/// stay served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refusals_at_max_client_conn_are_bounded() {
+async fn a_flood_at_max_client_conn_is_turned_away() {
     let c = TestCluster::builder().replicas(0).start();
     let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 1).await;
     ready(&e, 1).await;
@@ -1066,13 +1066,11 @@ async fn refusals_at_max_client_conn_are_bounded() {
     })
     .await
     .unwrap();
-    assert!(answered <= 256, "{answered} answered");
     assert_eq!(
         answered + closed,
         300,
         "{answered} answered, {closed} closed"
     );
-    assert!(closed >= 44, "{closed} closed unanswered");
     assert_eq!(one(&held, "SELECT 1").await, "1");
 }
 
@@ -1385,6 +1383,64 @@ async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
     // Still its own server, LISTEN and all.
     let listening = one(&pinned, "SELECT count(*) FROM pg_listening_channels()").await;
     assert_eq!(listening, "1");
+}
+
+/// A cancel request for a pinned client whose statement waits for a paused
+/// service to resume cancels that statement (57014): it never runs, and
+/// the client keeps its server and session state. Sent on to the idle
+/// server, it was ignored and the statement ran at the resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_ends_a_pinned_clients_wait_for_the_resume() {
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(&c.conninfo(0), "CREATE TABLE held_cancel (x int)").await;
+    let (e, p) =
+        common::proxy_with(&c.addrs(), Duration::from_secs(10), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let pinned = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
+    pinned.batch_execute("LISTEN held_cancel").await.unwrap();
+    let (code, _) = tokio::task::spawn_blocking(move || {
+        common::http_post(http, "/pause?service=read_write&wait_ms=3000")
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 200);
+    let held = pinned.clone();
+    let insert = tokio::spawn(async move {
+        held.batch_execute("INSERT INTO held_cancel VALUES (1)")
+            .await
+    });
+    pgwarden_testkit::eventually("the pinned client waits", WAIT, || async move {
+        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+    pinned
+        .cancel_token()
+        .cancel_query(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), insert)
+        .await
+        .expect("the cancel ended the wait")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
+    let (code, _) =
+        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
+            .await
+            .unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(
+        one(&pinned, "SELECT count(*) FROM pg_listening_channels()").await,
+        "1"
+    );
+    assert_eq!(
+        common::sql_value(&c.conninfo(0), "SELECT count(*) FROM held_cancel")
+            .await
+            .unwrap(),
+        "0"
+    );
 }
 
 /// A session-pooled client (`reuse_session_servers`) that has run nothing
@@ -1700,6 +1756,7 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
         move || RawClient::connect_with(rw, &[("user", "postgres"), ("database", "postgres")]);
     let mut gone = tokio::task::spawn_blocking(connect).await.unwrap();
     let mut killed = tokio::task::spawn_blocking(connect).await.unwrap();
+    let mut killed_busy = tokio::task::spawn_blocking(connect).await.unwrap();
     let holder = client(&via(&p, "read_write")).await.unwrap();
     holder.batch_execute("BEGIN").await.unwrap();
     one(&holder, "SELECT 1").await;
@@ -1715,7 +1772,14 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
         .0
         .write_all(&msg_query(b"INSERT INTO ghost VALUES (2)"))
         .unwrap();
-    waiting(1.0).await;
+    // One that sent more than pgwarden reads at once: the bytes left in
+    // its socket hide the end a kill shows there.
+    let mut pipeline = Vec::new();
+    for _ in 0..4000 {
+        pipeline.extend(msg_query(b"INSERT INTO ghost VALUES (3)"));
+    }
+    killed_busy.0.write_all(&pipeline).unwrap();
+    waiting(2.0).await;
     let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
     let admin = client(&admin_info).await.unwrap();
     admin.simple_query("KILL postgres").await.unwrap();
@@ -1727,8 +1791,13 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
         Some("57P01"),
         "{replies:?}"
     );
+    // Its FATAL may be lost to the reset that closing a socket with
+    // unread bytes sends: that it ends is what counts.
+    tokio::task::spawn_blocking(move || killed_busy.until_closed())
+        .await
+        .unwrap();
     waiting(0.0).await;
-    // Nothing of either ran, then or later.
+    // Nothing of them ran, then or later.
     let round = e.snapshot().round;
     e.wait_round(round + 2).await;
     let n = common::sql_value(&c.conninfo(0), "SELECT count(*) FROM ghost").await;

@@ -194,17 +194,19 @@ impl CancelSlot {
     /// cancels the client's wait if it is waiting for one.
     fn begin(self: &Arc<Self>) -> Option<(BackendKey, CancelGuard)> {
         let mut s = self.lock();
-        let Some(backend) = s.backend.clone() else {
-            if s.waiting {
-                s.cancelled = true;
-                let waker = s.waker.take();
-                drop(s);
-                if let Some(w) = waker {
-                    w.wake();
-                }
+        // A client that waits (for a server, or with the server it keeps,
+        // for a paused service to resume) has its statement held here: the
+        // wait is what a cancel ends, not the backend, which runs nothing.
+        if s.waiting {
+            s.cancelled = true;
+            let waker = s.waker.take();
+            drop(s);
+            if let Some(w) = waker {
+                w.wake();
             }
             return None;
-        };
+        }
+        let backend = s.backend.clone()?;
         s.in_flight += 1;
         Some((
             backend,

@@ -285,7 +285,7 @@ pub(crate) async fn run(
         return;
     };
 
-    let killed = Arc::new(KillState::default());
+    let killed = session.killed.clone();
     let registration = SessionGuard::register(
         shared,
         session.client_id,
@@ -814,6 +814,10 @@ struct Session {
     /// between transactions; mirrored in `cancel_target` for pauses.
     held_idle: bool,
     cancel_target: Arc<crate::cancel::CancelSlot>,
+    /// Set when the session is told to end (a KILL, a lost host, a
+    /// shutdown). Its waits watch it besides the client's socket, which a
+    /// kill shuts for reading but which still shows bytes sent before.
+    killed: Arc<KillState>,
     /// Bytes of a server message still to pass through unexamined.
     skip: usize,
     /// This client's pool settings (service, database and user combined).
@@ -925,6 +929,7 @@ impl Session {
             pinned: false,
             held_idle: false,
             cancel_target: Arc::default(),
+            killed: Arc::default(),
             skip: 0,
             settings,
             credential,
@@ -1021,13 +1026,19 @@ impl Session {
         // Boxed: the slow path's state is large and rare, and would
         // otherwise be part of every idle client's task.
         let slot = self.cancel_target.clone();
+        let killed = self.killed.clone();
         slot.start_waiting();
         // Biased: a client gone is not served even when a server comes at
         // the same moment. A kill shows here too: it shuts the reading
-        // side of the client's socket down, which reads as its end.
+        // side of the client's socket down, which reads as its end unless
+        // the client had sent more (so it is watched as well).
         let got = tokio::select! {
             biased;
             () = client.closed() => {
+                slot.stop_waiting();
+                return Err(client_gone());
+            }
+            () = killed.told() => {
                 slot.stop_waiting();
                 return Err(client_gone());
             }
@@ -1232,7 +1243,7 @@ impl Session {
             if self.held_idle {
                 // Boxed: rare, and would otherwise be part of every
                 // client's future.
-                Box::pin(self.start_held_transaction(client)).await?;
+                return Box::pin(self.start_held_transaction(client)).await;
             }
             return Ok(true);
         }
@@ -1258,28 +1269,32 @@ impl Session {
     /// A client that kept its server between transactions starts the next
     /// one: while its service is paused it waits for the resume (bounded
     /// by `query_wait_timeout`), as clients that need a server do.
-    async fn start_held_transaction(&mut self, client: &ClientStream) -> Result<(), Fatal> {
+    async fn start_held_transaction(&mut self, client: &ClientStream) -> Result<bool, Fatal> {
         // Marked busy before the pause is looked at: a pause that then
         // found it between transactions must not see it start one.
         self.cancel_target.set_held_idle(false);
         if !*self.paused.borrow() {
             self.held_idle = false;
-            return Ok(());
+            return Ok(true);
         }
         self.cancel_target.set_held_idle(true);
         let pool = self.attached.as_ref().expect("attached").pool.clone();
         let _waiting = pool.count_waiting();
         let deadline = tokio::time::Instant::now() + self.settings.query_wait_timeout;
         let mut paused = self.paused.clone();
-        loop {
+        // A cancel request meanwhile cancels the statement that waits, as
+        // for a client waiting for a server: sent on to the idle server,
+        // it would be ignored, and the statement would run at the resume.
+        let slot = self.cancel_target.clone();
+        slot.start_waiting();
+        let outcome = loop {
             tokio::select! {
                 r = paused.wait_for(|p| !*p) => if r.is_err() {
                     // The switch is gone with its service: nothing to wait for.
-                    self.held_idle = false;
-                    return Ok(());
+                    break Ok(true);
                 },
                 _ = crate::timer::sleep_until(deadline) => {
-                    return Err(Fatal::new(
+                    break Err(Fatal::new(
                         sqlstate::CANNOT_CONNECT_NOW,
                         format!(
                             "service \"{}\" is paused and did not resume within query_wait_timeout",
@@ -1287,14 +1302,30 @@ impl Session {
                         ),
                     ));
                 }
-                () = client.closed() => return Err(client_gone()),
+                () = client.closed() => break Err(client_gone()),
+                () = self.killed.told() => break Err(client_gone()),
+                () = slot.cancelled() => break Ok(false),
             }
             self.cancel_target.set_held_idle(false);
             if !*self.paused.borrow() {
-                self.held_idle = false;
-                return Ok(());
+                break Ok(true);
             }
             self.cancel_target.set_held_idle(true);
+        };
+        let cancelled = slot.stop_waiting();
+        match outcome {
+            Ok(true) if !cancelled => {
+                self.held_idle = false;
+                self.cancel_target.set_held_idle(false);
+                Ok(true)
+            }
+            // Cancelled, also just as the service resumed: nothing ran,
+            // and the client is still between transactions.
+            Ok(_) => {
+                self.cancel_target.set_held_idle(true);
+                Ok(false)
+            }
+            Err(f) => Err(f),
         }
     }
 
@@ -1395,6 +1426,7 @@ impl Session {
             tokio::select! {
                 biased;
                 () = client.closed() => Err((client_gone(), false)),
+                () = this.killed.told() => Err((client_gone(), false)),
                 r = crate::timer::timeout(this.settings.query_wait_timeout, work) => r.unwrap_or_else(|_| {
                     Err((
                         Fatal::new(
