@@ -1985,7 +1985,20 @@ pub(crate) async fn login(
         };
         let body = &msg[5..];
         match tag {
-            backend::ERROR_RESPONSE => return Err(ServerError::Refused(msg)),
+            backend::ERROR_RESPONSE => {
+                // "Starting up", "shutting down", "in recovery mode": the
+                // host, not the login, is not ready (a restart, the old
+                // primary of a switchover). A failure, which the client's
+                // wait tries again or elsewhere, not a refusal to relay.
+                let fields = message::error_fields(body).unwrap_or_default();
+                if message::find_field(&fields, b'C')
+                    == Some(pgwarden_wire::sqlstate::CANNOT_CONNECT_NOW.code())
+                {
+                    let text = message::find_field(&fields, b'M').unwrap_or("not ready");
+                    return Err(ServerError::Failed(format!("{peer}: {text}")));
+                }
+                return Err(ServerError::Refused(msg));
+            }
             backend::AUTHENTICATION_REQUEST => {
                 let code = message::authentication_code(body)
                     .map_err(|e| ServerError::Failed(e.to_string()))?;

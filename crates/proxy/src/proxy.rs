@@ -1028,8 +1028,28 @@ impl Proxy {
             .filter(|(name, l)| !stays(name, l.addr))
             .map(|(name, _)| name.clone())
             .collect();
+        // Only those whose address a new listener needs are closed first;
+        // the others go on taking clients until every new address is
+        // bound, and then close: a reload that fails leaves them as they
+        // were even when their address could not be bound again (an
+        // address taken off the interface still serves its socket).
+        let overlaps = |a: SocketAddr, b: SocketAddr| {
+            a.port() == b.port()
+                && b.port() != 0
+                && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+        };
+        let needed = |addr: SocketAddr| {
+            spec.services.iter().any(|s| overlaps(addr, s.listen))
+                || spec.http.is_some_and(|h| overlaps(addr, h))
+        };
         let mut stopped: Vec<(String, Listener)> = Vec::new();
+        let mut retiring: Vec<String> = Vec::new();
         for name in moving {
+            let in_the_way = self.listeners.get(&name).is_some_and(|l| needed(l.addr));
+            if !in_the_way {
+                retiring.push(name);
+                continue;
+            }
             if let Some(l) = self.listeners.remove(&name) {
                 l.task.stop();
                 stopped.push((name, l));
@@ -1051,7 +1071,7 @@ impl Proxy {
         let mut bound: HashMap<String, (std::net::TcpListener, SocketAddr)> = HashMap::new();
         let mut failed = None;
         for svc in &spec.services {
-            if self.listeners.contains_key(&svc.name) {
+            if self.listeners.contains_key(&svc.name) && !retiring.contains(&svc.name) {
                 continue;
             }
             match bind_for_worker(svc.listen).await {
@@ -1127,6 +1147,12 @@ impl Proxy {
                 }
             }
             return Err(err);
+        }
+        for name in retiring {
+            if let Some(l) = self.listeners.remove(&name) {
+                l.task.stop();
+                stopped.push((name, l));
+            }
         }
         self.spec = Some(spec.clone());
         *self.shared.server_connect_timeout.lock().expect("poisoned") = spec.server_connect_timeout;

@@ -53,23 +53,9 @@ pub(crate) async fn refuse_busy<S>(shared: Arc<Shared>, mut client: S)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    // Each refusal holds its socket for up to a second or two; a flood of
-    // connections at the limit would otherwise hold descriptors without
-    // bound, until accept and server connections failed for everyone.
-    // Past this many at once, connections are closed unanswered.
-    static REFUSING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    const MAX_REFUSING: usize = 256;
-    struct Refusing;
-    impl Drop for Refusing {
-        fn drop(&mut self) {
-            REFUSING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-    if REFUSING.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= MAX_REFUSING {
-        REFUSING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    let Some(_refusing) = Refusing::take() else {
         return;
-    }
-    let _refusing = Refusing;
+    };
     let out = encode::fatal(
         sqlstate::TOO_MANY_CONNECTIONS.code(),
         "no more connections allowed (max_client_conn)",
@@ -110,6 +96,37 @@ where
         Ok(None) => {}
     }
     let _ = client.shutdown().await;
+}
+
+/// Refusals at `max_client_conn` served at once, process-wide.
+static REFUSING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Most refusals served at once: each holds its socket for up to a second
+/// or two, and a flood of connections at the limit would otherwise hold
+/// descriptors without bound, until accept and server connections failed
+/// for everyone. Past this many, connections are closed unanswered.
+const MAX_REFUSING: usize = 256;
+
+/// A refusal being served ([`refuse_busy`]), counted while it lives.
+struct Refusing;
+
+impl Refusing {
+    /// A place, if fewer than [`MAX_REFUSING`] are taken.
+    fn take() -> Option<Refusing> {
+        use std::sync::atomic::Ordering;
+        REFUSING
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < MAX_REFUSING).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Refusing)
+    }
+}
+
+impl Drop for Refusing {
+    fn drop(&mut self) {
+        REFUSING.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// A client's place under `max_client_conn` and on the worker it was
@@ -1207,9 +1224,13 @@ async fn relay(
             }
             Err(e) => {
                 tracing::warn!(host = %host, error = ?e, "server login failed");
+                let why = match e {
+                    crate::pool::ServerError::Failed(why) => format!(": {why}"),
+                    _ => String::new(),
+                };
                 let out = encode::fatal(
                     sqlstate::CONNECTION_FAILURE.code(),
-                    &format!("could not log in to {host}"),
+                    &format!("could not log in to {host}{why}"),
                 );
                 let _ = client.write_all(&out).await;
                 return;
@@ -1735,6 +1756,17 @@ impl Io<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// At most MAX_REFUSING refusals are served at once; a place comes
+    /// back when one ends. (The only test of this process to take any.)
+    #[test]
+    fn refusals_at_the_limit_are_bounded() {
+        let held: Vec<Refusing> = (0..MAX_REFUSING).map_while(|_| Refusing::take()).collect();
+        assert_eq!(held.len(), MAX_REFUSING);
+        assert!(Refusing::take().is_none());
+        drop(held.into_iter().next());
+        assert!(Refusing::take().is_some());
+    }
 
     #[test]
     fn refused_statements_become_a_server_side_error_and_others_pass() {
