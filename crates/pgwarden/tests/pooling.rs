@@ -1804,6 +1804,32 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
     assert_eq!(n.as_deref(), Some("0"));
 }
 
+/// A Terminate sent with the start-up packet, before the greeting, ends
+/// the session once the client is greeted (the connection was left open
+/// until more bytes came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminate_with_the_start_up_packet_ends_the_session() {
+    use std::io::{Read, Write};
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let terminate = [b'X', 0, 0, 0, 4];
+    let got = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(rw).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut bytes = startup_packet(&[("user", "postgres"), ("database", "postgres")]);
+        bytes.extend_from_slice(&terminate);
+        s.write_all(&bytes).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).map(|_| got)
+    })
+    .await
+    .unwrap()
+    .expect("closed after the greeting");
+    assert_eq!(got.first(), Some(&b'R'), "greeted first");
+}
+
 /// A server that accepts a connection and then says nothing (frozen, or
 /// cut off before the probes notice) costs a pooled client its
 /// `server_connect_timeout` (2 s here), not its whole `query_wait_timeout`

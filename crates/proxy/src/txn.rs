@@ -340,9 +340,11 @@ pub(crate) async fn run(
         // told to end: it is told why. (Mapped after the await, so that no
         // closure lives in every idle client's future.)
         if !early.is_empty() {
-            session.client_bytes(&mut early, client).await
-                .map_err(|f| ended(&killed).err().unwrap_or(f))?;
-            if session.answer_client(client).await.is_err() {
+            // A Terminate among them ends the session as anywhere else.
+            if session.client_bytes(&mut early, client).await
+                .map_err(|f| ended(&killed).err().unwrap_or(f))?
+                || session.answer_client(client).await.is_err()
+            {
                 return Ok(());
             }
         }
@@ -556,6 +558,10 @@ pub(crate) async fn run(
     };
     session.detach(reusable);
 }
+
+/// Longest the messages a client sent before its Terminate may take to
+/// reach the server.
+const TERMINATE_FLUSH: Duration = Duration::from_secs(60);
 
 /// A waiting client closed its connection (or was killed): its statement
 /// is dropped with the session.
@@ -1686,8 +1692,16 @@ impl Session {
                 break;
             }
             if tag == frontend::TERMINATE {
-                self.flush(out, true).await?;
-                return Ok(true);
+                // Bounded: nothing reads the server's replies any more, and
+                // a server blocked writing them (a large result pipelined
+                // before) would never take the rest.
+                return match crate::timer::timeout(TERMINATE_FLUSH, self.flush(out, true)).await {
+                    Ok(r) => r.map(|()| true),
+                    Err(_) => Err(Fatal::new(
+                        sqlstate::CONNECTION_FAILURE,
+                        "terminating connection: the server did not take the messages sent before Terminate",
+                    )),
+                };
             }
             // pgwarden passes replies on as they come, so a Flush between
             // transactions has nothing to push; libpq's pipeline mode
