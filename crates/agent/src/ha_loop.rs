@@ -94,6 +94,12 @@ pub(crate) struct HaLoop {
     /// This data directory has run as a primary since it last streamed from
     /// a leader, so its history may have forked: rewind before following.
     former_primary: bool,
+    /// The data directory was just rewound (or found not to need it) onto
+    /// the leader's history, and is to start as its replica as it is. A
+    /// second rejoin would find the state pg_rewind leaves (not a clean
+    /// shutdown), run crash recovery on it as a primary, writing WAL of
+    /// its own on the leader's timeline, and then need no rewind.
+    rejoined: bool,
     /// Why a former primary last waited to rejoin, logged once.
     rejoin_wait: Option<String>,
     start_failed_since: Option<Instant>,
@@ -241,6 +247,7 @@ impl HaLoop {
             last_dcs_ok: Instant::now(),
             snapshot: ClusterSnapshot::default(),
             former_primary: false,
+            rejoined: false,
             rejoin_wait: None,
             start_failed_since: None,
             activity: None,
@@ -1966,7 +1973,7 @@ impl HaLoop {
                 let Some(addr) = self.member_address(leader) else {
                     return;
                 };
-                if self.former_primary {
+                if self.former_primary && !self.rejoined {
                     match self.rejoin(&addr, None).await {
                         Ok(true) => {}
                         // The leader is not ready yet: the next round.
@@ -2196,10 +2203,12 @@ impl HaLoop {
         {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
             if let Ok(true) = self.rejoin(&addr, None).await {
+                self.rejoined = true;
                 self.start(&StartMode::ReplicaOf {
                     leader: leader.to_string(),
                 })
                 .await;
+                self.rejoined = false;
             }
             return;
         }

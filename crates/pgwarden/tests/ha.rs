@@ -3507,10 +3507,11 @@ async fn a_replica_that_replayed_past_the_new_leaders_fork_rewinds_and_follows()
         },
     )
     .await;
-    assert!(c
-        .node(other)
-        .log_tail()
-        .contains("the leader's timeline does not have; it must rewind"));
+    let log = c.node(other).log_tail();
+    assert!(log.contains("the leader's timeline does not have; it must rewind"));
+    // Rewound once, and started from there: a second rejoin would have
+    // run crash recovery on what pg_rewind left, as a primary.
+    assert_eq!(log.matches("rewound onto the history").count(), 1, "{log}");
     let rows = one(&c.node(other).pg_conninfo(), "SELECT count(*) FROM forked")
         .await
         .unwrap();
