@@ -1674,6 +1674,11 @@ impl HaLoop {
 
     async fn acquire(&mut self, reason: &AcquireReason, view: &ClusterView) {
         if !self.try_acquire(reason, view).await
+            // A key this primary could not take back was gone or changed
+            // since the view was read (a failsafe leader's lease ran out
+            // in an outage): the next round, on a fresh view, takes it in
+            // an election or follows whoever has it, demoting then.
+            && *reason != AcquireReason::OwnKey
             && self.obs.pg.running
             && !self.obs.pg.in_recovery
             && !self.holds_leader_key()
@@ -1710,6 +1715,8 @@ impl HaLoop {
                 self.fresh_check(view, false).await
             }
             AcquireReason::FailoverRequested { .. } => true,
+            // Already the primary the key names: nothing to check.
+            AcquireReason::OwnKey => true,
         };
         if !checked {
             return false;
@@ -1756,6 +1763,12 @@ impl HaLoop {
                     .take_over_leader(&from, &self.cfg.name, lease)
                     .await
             }
+            AcquireReason::OwnKey => match self.snapshot.leader.as_ref() {
+                Some(k) if k.name == self.cfg.name => {
+                    self.dcs.rebind_leader(&self.cfg.name, k.lease, lease).await
+                }
+                _ => Ok(false),
+            },
         };
         match won {
             Ok(true) => {
@@ -1768,6 +1781,7 @@ impl HaLoop {
                 let why = match reason {
                     AcquireReason::BestCandidate => "automatic failover: the leader key was free",
                     AcquireReason::FailoverRequested { .. } => "manual failover or switchover",
+                    AcquireReason::OwnKey => "the key named this node already",
                 };
                 if record::standby_cluster(&self.snapshot).is_some() {
                     self.follow_remote().await;

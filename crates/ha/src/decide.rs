@@ -143,6 +143,13 @@ pub enum AcquireReason {
         /// Eligibility checks were skipped on the operator's word.
         forced: bool,
     },
+    /// The key names this node, a running primary, but is bound to a
+    /// lease this process does not hold (an earlier run's, or one a failed
+    /// lease change left behind): bound to this process's lease instead,
+    /// in one transaction on the name and that lease, as Patroni takes its
+    /// own key back. Waiting for it to expire would leave the primary
+    /// taking writes with no lease held, and no deadline to stop by.
+    OwnKey,
 }
 
 impl fmt::Display for AcquireReason {
@@ -154,6 +161,9 @@ impl fmt::Display for AcquireReason {
             }
             AcquireReason::FailoverRequested { forced: true } => {
                 f.write_str("a forced manual failover named this node, eligibility not checked")
+            }
+            AcquireReason::OwnKey => {
+                f.write_str("the key names this primary under a lease it no longer holds")
             }
         }
     }
@@ -418,6 +428,10 @@ pub fn decide(
                 stand_by(&view, local, WaitReason::DcsUnreachable)
             } else if view.paused {
                 Decision::Paused { renew_lease: false }
+            } else if local.is_running_primary() {
+                Decision::AcquireLeader {
+                    reason: AcquireReason::OwnKey,
+                }
             } else {
                 Decision::WaitForLeader {
                     reason: WaitReason::StaleOwnKey,
@@ -999,10 +1013,13 @@ mod tests {
             Decision::RenewLease
         );
         // The key was gone or bound to another lease, and the view does not
-        // show it yet: no longer carried out as the leader.
+        // show it yet: no longer carried out as the leader; the primary
+        // takes the key back under its lease (or, failing, demotes).
         assert_eq!(
             redecide(false, &after(0, true, false)),
-            wait(WaitReason::StaleOwnKey)
+            Decision::AcquireLeader {
+                reason: AcquireReason::OwnKey
+            }
         );
         // A renewal that went through changes nothing, even late.
         assert_eq!(redecide(true, &after(10, true, true)), Decision::RenewLease);
@@ -1345,9 +1362,19 @@ mod tests {
                 says: "starting PostgreSQL as a replica of n1",
             },
             Case {
-                name: "own name in a key this process cannot renew",
+                name: "own name in a key this process cannot renew, as a primary",
                 cluster: cluster().leader("n1").build(),
                 local: local("n1").primary().build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::OwnKey,
+                },
+                says: "acquiring the leader key: the key names this primary under a lease it \
+                       no longer holds",
+            },
+            Case {
+                name: "own name in a key this process cannot renew",
+                cluster: cluster().leader("n1").build(),
+                local: local("n1").stopped().build(),
                 want: wait(WaitReason::StaleOwnKey),
                 says: "waiting for a leader: the leader key names this node but belongs to an \
                        earlier lease; waiting for it to expire",

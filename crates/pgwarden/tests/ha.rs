@@ -3376,6 +3376,58 @@ async fn agents_restarting_during_an_election_elect_exactly_one_leader() {
     assert_eq!(writable(&c).await, vec![np]);
 }
 
+/// A leader that finds its key bound to a lease it does not hold (a lease
+/// change whose answer was lost leaves it so) takes the key back at once,
+/// bound to its own lease, in place: the key is never deleted (the same
+/// leadership), no failover happens and the primary is never demoted. It
+/// waited for that lease to run out, leading meanwhile with no lease held
+/// and no deadline to stop by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_takes_back_its_key_bound_to_a_lease_it_does_not_hold() {
+    let c = cluster().start();
+    let checker = healthy_and_checked(&c).await;
+    let dcs = cluster_dcs(&c).await;
+    let before = dcs.read_cluster().await.unwrap().leader.expect("a leader");
+    assert_eq!(before.name, c.node(0).name);
+    let stray = dcs.grant_lease(Duration::from_secs(6)).await.unwrap();
+    assert!(dcs
+        .rebind_leader(&before.name, before.lease, stray)
+        .await
+        .unwrap());
+    eventually(
+        "the key bound to the leader's own lease again",
+        Duration::from_secs(20),
+        || async {
+            let now = dcs
+                .read_cluster()
+                .await
+                .map_err(|e| e.to_string())?
+                .leader
+                .ok_or("no leader key")?;
+            assert_eq!(
+                now.generation, before.generation,
+                "a new leadership: {now:?}"
+            );
+            (now.lease != stray)
+                .then_some(())
+                .ok_or(format!("still the stray lease: {now:?}"))
+        },
+    )
+    .await;
+    let log = c.node(0).log_tail();
+    assert!(
+        log.contains("the key names this primary under a lease it no longer holds"),
+        "{log}"
+    );
+    // Past the time the stray lease would have run out: still the same
+    // leadership, never two writable members.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let now = dcs.read_cluster().await.unwrap().leader.expect("a leader");
+    assert_eq!(now.generation, before.generation, "{now:?}");
+    checker.finish().await;
+    assert_eq!(writable(&c).await, vec![0]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_cut_off_from_its_replicas_but_not_from_etcd_keeps_leading_alone() {
     let c = cluster().start();
