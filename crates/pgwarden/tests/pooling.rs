@@ -713,6 +713,22 @@ async fn clients_waiting(http: std::net::SocketAddr) -> f64 {
     pool_metric(http, "pgwarden_pool_clients_waiting").await
 }
 
+/// Waits until `enough` holds for the clients waiting in every pool.
+async fn until_waiting(http: std::net::SocketAddr, what: &str, enough: fn(f64) -> bool) {
+    pgwarden_testkit::eventually(what, WAIT, || async move {
+        let n = clients_waiting(http).await;
+        enough(n).then_some(()).ok_or(format!("{n} waiting"))
+    })
+    .await;
+}
+
+/// A POST to the HTTP port: status and body.
+async fn post(http: std::net::SocketAddr, path: &'static str) -> (u16, String) {
+    tokio::task::spawn_blocking(move || common::http_post(http, path))
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();
@@ -1368,11 +1384,7 @@ async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
     // Its next transaction waits for the resume, counted as waiting.
     let held = pinned.clone();
     let next = tokio::spawn(async move { one(&held, "SELECT 2").await });
-    pgwarden_testkit::eventually("the pinned client waits", WAIT, || async move {
-        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
-    })
-    .await;
+    until_waiting(http, "the pinned client waits", |n| n == 1.0).await;
     assert!(!next.is_finished(), "ran while paused");
     admin.simple_query("RESUME read_write").await.unwrap();
     let got = tokio::time::timeout(Duration::from_secs(10), next)
@@ -1399,22 +1411,14 @@ async fn a_cancel_ends_a_pinned_clients_wait_for_the_resume() {
     let http = p.http_addr().unwrap();
     let pinned = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
     pinned.batch_execute("LISTEN held_cancel").await.unwrap();
-    let (code, _) = tokio::task::spawn_blocking(move || {
-        common::http_post(http, "/pause?service=read_write&wait_ms=3000")
-    })
-    .await
-    .unwrap();
+    let (code, _) = post(http, "/pause?service=read_write&wait_ms=3000").await;
     assert_eq!(code, 200);
     let held = pinned.clone();
     let insert = tokio::spawn(async move {
         held.batch_execute("INSERT INTO held_cancel VALUES (1)")
             .await
     });
-    pgwarden_testkit::eventually("the pinned client waits", WAIT, || async move {
-        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
-    })
-    .await;
+    until_waiting(http, "the pinned client waits", |n| n == 1.0).await;
     pinned
         .cancel_token()
         .cancel_query(tokio_postgres::NoTls)
@@ -1426,11 +1430,7 @@ async fn a_cancel_ends_a_pinned_clients_wait_for_the_resume() {
         .unwrap()
         .unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("57014"), "{err}");
-    let (code, _) =
-        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
-            .await
-            .unwrap();
-    assert_eq!(code, 200);
+    assert_eq!(post(http, "/resume?service=read_write").await.0, 200);
     assert_eq!(
         one(&pinned, "SELECT count(*) FROM pg_listening_channels()").await,
         "1"
@@ -1461,28 +1461,16 @@ async fn a_fresh_session_pooled_client_is_paused_not_waited_for() {
     .await;
     let http = p.http_addr().unwrap();
     let fresh = std::sync::Arc::new(client(&via(&p, "read_write")).await.unwrap());
-    let (code, body) = tokio::task::spawn_blocking(move || {
-        common::http_post(http, "/pause?service=read_write&wait_ms=3000")
-    })
-    .await
-    .unwrap();
+    let (code, body) = post(http, "/pause?service=read_write&wait_ms=3000").await;
     assert_eq!(
         (code, body.as_str()),
         (200, "paused read_write; no transaction in flight\n")
     );
     let held = fresh.clone();
     let first = tokio::spawn(async move { one(&held, "SELECT 1").await });
-    pgwarden_testkit::eventually("the fresh client waits", WAIT, || async move {
-        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
-    })
-    .await;
+    until_waiting(http, "the fresh client waits", |n| n == 1.0).await;
     assert!(!first.is_finished(), "ran while paused");
-    let (code, _) =
-        tokio::task::spawn_blocking(move || common::http_post(http, "/resume?service=read_write"))
-            .await
-            .unwrap();
-    assert_eq!(code, 200);
+    assert_eq!(post(http, "/resume?service=read_write").await.0, 200);
     let got = tokio::time::timeout(Duration::from_secs(10), first)
         .await
         .expect("served after the resume")
@@ -1536,11 +1524,7 @@ async fn a_client_waiting_under_a_cap_is_not_starved_by_the_line() {
         let t = std::time::Instant::now();
         capped.batch_execute("SELECT 1").await.map(|_| t.elapsed())
     });
-    pgwarden_testkit::eventually("a client waiting under the cap", WAIT, || async move {
-        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        (n == 1.0).then_some(()).ok_or(format!("{n} waiting"))
-    })
-    .await;
+    until_waiting(http, "a client waiting under the cap", |n| n == 1.0).await;
     // A line behind it that never lets up.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut line = Vec::new();
@@ -1553,11 +1537,7 @@ async fn a_client_waiting_under_a_cap_is_not_starved_by_the_line() {
             Ok::<_, tokio_postgres::Error>(())
         }));
     }
-    pgwarden_testkit::eventually("the line waiting", WAIT, || async move {
-        let n = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
-        (n >= 2.0).then_some(()).ok_or(format!("{n} waiting"))
-    })
-    .await;
+    until_waiting(http, "the line waiting", |n| n >= 2.0).await;
     holder.batch_execute("COMMIT").await.unwrap();
     let waited = served.await.unwrap();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
