@@ -218,6 +218,23 @@ pub(crate) struct Service {
     pub recent_pool: arc_swap::ArcSwapOption<Pool>,
 }
 
+impl Service {
+    /// The addresses of the hosts the service could be served by in
+    /// `topo`, sorted: compared from one wait for a server to the next, as
+    /// a set (the round robin turns their order at every pick, and the
+    /// probes publish topologies that change nothing of it).
+    pub fn eligible_addrs(&self, topo: &pgwarden_topology::Topology) -> Vec<HostAddr> {
+        let mut v: Vec<HostAddr> = self
+            .selector
+            .eligible(topo, &self.spec.want)
+            .into_iter()
+            .map(|i| topo.hosts()[i].config.addr.clone())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
 /// Per-service metric series and pause switch, resolved when the service
 /// is (re)built.
 pub(crate) struct ServiceHandles {

@@ -892,9 +892,7 @@ async fn connect_server(
             .iter()
             .map(|&i| topo.hosts()[i].config.addr.clone())
             .collect();
-        // As a set: the round robin turns the order at every pick.
-        let mut set = addrs.clone();
-        set.sort();
+        let set = service.eligible_addrs(topo);
         let now = tokio::time::Instant::now();
         if !failed.is_empty() && set == failed && now < retry {
             tokio::select! {

@@ -1196,16 +1196,8 @@ impl Session {
                         tokio::time::Instant::now() + crate::timer::retry_pause(failed_rounds);
                     failed_rounds += 1;
                     let eligible = |shared: &Shared| {
-                        let snap = shared.snapshot.load_full();
-                        let mut v: Vec<pgwarden_topology::HostAddr> = self
-                            .service
-                            .selector
-                            .eligible(&snap.topology, &spec.want)
-                            .into_iter()
-                            .map(|i| snap.topology.hosts()[i].config.addr.clone())
-                            .collect();
-                        v.sort();
-                        v
+                        self.service
+                            .eligible_addrs(&shared.snapshot.load().topology)
                     };
                     let before = eligible(&self.shared);
                     loop {
