@@ -2987,35 +2987,86 @@ async fn a_switchover_whose_caller_hangs_up_still_resumes_the_pools() {
         .api_url()
         .trim_start_matches("http://")
         .to_string();
-    tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
+    // The request is accepted only once n2's record shows it streaming
+    // (records are written once per loop).
+    eventually(
+        "n2's record shows it streaming",
+        Duration::from_secs(30),
+        || async {
+            let v: serde_json::Value = serde_json::from_str(&api_get_text(&c, 0, "/cluster").await)
+                .map_err(|e| e.to_string())?;
+            let n2 = v["members"]
+                .as_array()
+                .and_then(|m| m.iter().find(|m| m["name"] == "n2"))
+                .cloned()
+                .unwrap_or_default();
+            (n2["state"] == "streaming")
+                .then_some(())
+                .ok_or(format!("{n2}"))
+        },
+    )
+    .await;
+    // A transaction in flight through n1's pool holds the switchover in
+    // its drain, so the caller surely hangs up in the middle of it.
+    let (tx, conn) = tokio_postgres::connect(&c.node(0).rw_conninfo(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    tx.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let mut caller = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
         let body = r#"{"leader": "n1", "candidate": "n2"}"#;
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let mut s = std::net::TcpStream::connect(&api).unwrap();
-            write!(
-                s,
-                "POST /switchover HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cGd3YXJkZW46c2VjcmV0\r\n\
-                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-            // An answer at once is a refusal (the candidate's record does
-            // not show it streaming yet, 412): ask again. No answer yet:
-            // the switchover runs, and the caller hangs up on it.
-            s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-            let mut answer = [0u8; 64];
-            match s.read(&mut answer) {
-                Ok(n) if n > 0 => {
-                    assert!(std::time::Instant::now() < deadline, "{}", String::from_utf8_lossy(&answer[..n]));
-                    std::thread::sleep(Duration::from_millis(500));
-                }
-                _ => return,
-            }
-        }
+        let mut s = std::net::TcpStream::connect(&api).unwrap();
+        write!(
+            s,
+            "POST /switchover HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cGd3YXJkZW46c2VjcmV0\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        s
     })
     .await
     .unwrap();
+    let proxy = format!("http://127.0.0.1:{}/cluster", c.node(0).http_port);
+    eventually(
+        "n1's read-write pool is paused",
+        Duration::from_secs(20),
+        || async {
+            let r = pgwarden_agent::http_client::request(
+                "GET",
+                &proxy,
+                None,
+                None,
+                Duration::from_secs(5),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            let v: serde_json::Value = serde_json::from_str(&r.body).map_err(|e| e.to_string())?;
+            let rw = v["services"]
+                .as_array()
+                .and_then(|s| s.iter().find(|s| s["name"] == "read_write"))
+                .map(|s| s["paused"].clone());
+            (rw == Some(serde_json::json!(true)))
+                .then_some(())
+                .ok_or(format!("{rw:?}"))
+        },
+    )
+    .await;
+    // Nothing answered yet: the drain still waits for the transaction.
+    caller.set_nonblocking(true).unwrap();
+    let mut answer = [0u8; 1];
+    let unanswered = matches!(
+        std::io::Read::read(&mut caller, &mut answer),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+    );
+    assert!(
+        unanswered,
+        "the switchover answered while a transaction was in flight"
+    );
+    caller.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(caller);
+    tx.batch_execute("COMMIT").await.unwrap();
     eventually("n2 leads", Duration::from_secs(60), || async {
         let w = writable(&c).await;
         (w == [1]).then_some(()).ok_or(format!("{w:?}"))
