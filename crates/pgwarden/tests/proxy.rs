@@ -759,6 +759,49 @@ async fn a_read_write_session_never_starts_on_a_standby() {
     }
 }
 
+/// With `[auth]` pgwarden logs a relayed session in itself, so a standby
+/// where the primary is wanted is found before the client is greeted: the
+/// client waits for the primary within its `connect_wait_timeout`, and is
+/// served by it once new connections reach it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_login_that_lands_on_a_standby_waits_for_the_primary() {
+    let c = TestCluster::builder().replicas(1).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    common::authenticate_with(
+        dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\n",
+    );
+    let (e, p) = proxy(&[relay.addr().to_string()], Duration::from_secs(20)).await;
+    ready(&e, 1).await;
+    // The probe's connection stays on the primary; new ones reach the
+    // standby.
+    relay.set_target(c.addr(1).parse().unwrap());
+    let before = relay.accepted();
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    // Tried twice: the first login found the standby.
+    pgwarden_testkit::eventually("the login is tried again", WAIT, || async {
+        let n = relay.accepted() - before;
+        (n >= 2).then_some(()).ok_or(format!("{n} attempts"))
+    })
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while only the standby was reached"
+    );
+    relay.set_target(c.addr(0).parse().unwrap());
+    let db = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("served once the primary is reached")
+        .unwrap()
+        .expect("connected");
+    assert_eq!(one(&db, "SELECT pg_is_in_recovery()").await, "f");
+    assert!(e.snapshot().topology.primary().is_some());
+}
+
 /// Pausing a service that relays sessions (no pooling) holds new sessions
 /// until it resumes, as it holds a pooled client's transactions; sessions
 /// already open go on.
@@ -1170,6 +1213,43 @@ async fn a_host_that_refused_is_tried_again_within_the_wait() {
         e.snapshot().topology.hosts()[0].alive,
         "the topology never changed"
     );
+}
+
+/// A host that takes the connection but turns sessions away for now
+/// (57P03: a server in a smart shutdown, starting up, not yet consistent)
+/// is passed over for the next eligible host within the client's wait, as
+/// a refused connect is: the client never sees the refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_not_accepting_sessions_is_passed_over_for_the_next() {
+    let mut c = TestCluster::builder().replicas(2).start();
+    let (e, p) = proxy(&c.addrs(), Duration::from_secs(10)).await;
+    ready(&e, 3).await;
+    // A smart shutdown lets the sessions it finds (this one, the probe's)
+    // go on, and turns new ones away until they end.
+    let held = client(&c.conninfo(1)).await.unwrap();
+    c.node(1).signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    let direct = c.conninfo(1);
+    pgwarden_testkit::eventually("replica 1 turns sessions away", WAIT, || async {
+        match client(&direct).await {
+            Err(e) if sqlstate(&e).as_deref() == Some("57P03") => Ok(()),
+            other => Err(format!("{:?}", other.map(|_| "connected"))),
+        }
+    })
+    .await;
+    for _ in 0..6 {
+        let ro = client(&via(&p, "read_only"))
+            .await
+            .expect("the read-only service passes replica 1 over");
+        assert_eq!(
+            one(&ro, "SELECT inet_server_port()").await,
+            c.port(2).to_string()
+        );
+    }
+    assert!(
+        e.snapshot().topology.hosts()[1].alive,
+        "the probes still call replica 1 up"
+    );
+    drop(held);
 }
 
 /// Hosts that do not answer a connect cost the client at most its

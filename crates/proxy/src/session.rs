@@ -541,9 +541,20 @@ async fn serve(
                     }
                 }
             }
-            connect_server(shared, service, deadline).await
+            let open = |s: ServerStream, host: HostAddr| {
+                let (startup, credential) = (&startup, &credential);
+                async move {
+                    match credential {
+                        None => first_answer(s, startup)
+                            .await
+                            .map(|(s, answer)| Opened::Relayed(s, answer)),
+                        Some(cred) => relay_login(spec, s, &host, startup, cred).await,
+                    }
+                }
+            };
+            connect_server(shared, service, deadline, open).await
         };
-        let (server, host) = unless_gone(client, waited).await?;
+        let (opened, host) = unless_gone(client, waited).await?;
         shared
             .metrics
             .routing_decisions
@@ -552,10 +563,7 @@ async fn serve(
                 host: host.to_string(),
             })
             .inc();
-        relay(
-            shared, service, client, buf, server, host, startup, peer, credential,
-        )
-        .await;
+        relay(shared, service, client, buf, opened, host, startup, peer).await;
         Ok(None)
     })
     .await
@@ -582,7 +590,9 @@ async fn server_vouches(
     startup: &StartupMessage,
 ) -> Result<bool, Refusal> {
     let deadline = tokio::time::Instant::now() + service.spec.connect_wait_timeout;
-    let (mut server, host) = unless_gone(client, connect_server(shared, service, deadline)).await?;
+    let open = |s: ServerStream, _: HostAddr| first_answer(s, startup);
+    let ((mut server, mut buf), host) =
+        unless_gone(client, connect_server(shared, service, deadline, open)).await?;
     let failed = |e: String| {
         Refusal::new(
             sqlstate::CONNECTION_FAILURE,
@@ -590,11 +600,6 @@ async fn server_vouches(
             format!("could not authenticate with {host}: {e}"),
         )
     };
-    server
-        .write_all(&startup.encode())
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    let mut buf = BytesMut::with_capacity(1024);
     loop {
         let (tag, msg) = match pgwarden_wire::message::split_message(&mut buf, 64 * 1024) {
             Ok(Some(m)) => m,
@@ -839,14 +844,36 @@ pub(crate) fn client_only_encoding_of(
 /// client's wait is left.
 const MIN_ATTEMPT: Duration = Duration::from_secs(1);
 
-/// Picks a host and connects, waiting up to the service's
-/// `connect_wait_timeout` for one to become available and trying the
-/// other eligible hosts when one fails.
-async fn connect_server(
+/// Why a host that took the connection cannot serve the session: the
+/// client's wait goes on to the next eligible host, or a later round.
+struct Unusable {
+    code: SqlState,
+    why: String,
+}
+
+impl Unusable {
+    fn failed(why: impl Into<String>) -> Self {
+        Unusable {
+            code: sqlstate::CONNECTION_FAILURE,
+            why: why.into(),
+        }
+    }
+}
+
+/// Picks a host, connects, and has `open` start the session on it (send
+/// the start-up, log in), waiting up to the service's
+/// `connect_wait_timeout` for a host to become available and trying the
+/// other eligible hosts when one fails or `open` finds it unusable.
+async fn connect_server<T, F, Fut>(
     shared: &Shared,
     service: &Service,
     deadline: tokio::time::Instant,
-) -> Result<(ServerStream, HostAddr), Refusal> {
+    mut open: F,
+) -> Result<(T, HostAddr), Refusal>
+where
+    F: FnMut(ServerStream, HostAddr) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Unusable>>,
+{
     let spec = &service.spec;
     let mut changes = shared.changes.clone();
     let mut last = Refusal::new(sqlstate::CANNOT_CONNECT_NOW, "no_host", "");
@@ -944,20 +971,24 @@ async fn connect_server(
             let attempt = async {
                 let s = TcpStream::connect((addr.host.as_str(), addr.port))
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| Unusable::failed(e.to_string()))?;
                 crate::stream::tune(&s);
-                server_tls.start(s, &addr.host).await
+                let s = server_tls
+                    .start(s, &addr.host)
+                    .await
+                    .map_err(Unusable::failed)?;
+                open(s, addr.clone()).await
             };
             match crate::timer::timeout(timeout, attempt).await {
-                Ok(Ok(s)) => return Ok((s, addr)),
-                Ok(Err(e)) => {
+                Ok(Ok(t)) => return Ok((t, addr)),
+                Ok(Err(Unusable { code, why: e })) => {
                     if failed_rounds == 0 {
                         tracing::warn!(host = %addr, error = %e, "server connection failed; trying the next eligible host");
                     } else {
                         tracing::debug!(host = %addr, error = %e, "server connection failed again");
                     }
                     last = Refusal::new(
-                        sqlstate::CONNECTION_FAILURE,
+                        code,
                         "server_connect",
                         format!(
                             "service \"{}\": could not connect to {addr}: {e}",
@@ -998,6 +1029,107 @@ async fn connect_server(
         if tokio::time::Instant::now() >= deadline {
             return Err(last);
         }
+    }
+}
+
+/// A relayed session's server connection, as [`connect_server`] leaves it.
+enum Opened {
+    /// The client's start-up went to the server; the bytes of its first
+    /// answer (at least the first message's type) are in the buffer.
+    Relayed(ServerStream, BytesMut),
+    /// pgwarden logged in with what the client proved (`[auth]`).
+    LoggedIn(Box<crate::pool::ServerConn>),
+    /// The server refused that login: its ErrorResponse, for the client.
+    Refused(BytesMut),
+}
+
+/// Longest first message a server's refusal may take to be read whole.
+const MAX_FIRST_ERROR: usize = 64 * 1024;
+
+/// Sends the client's start-up packet to a server just connected to and
+/// reads its first answer. A server that turns every connection away
+/// for now (57P03: starting up, shutting down, not yet consistent, hot
+/// standby off) is unusable: the client's wait goes on to another host,
+/// as it would for a refused connect, instead of relaying the refusal.
+/// The bytes read are returned, for the relay to pass on.
+async fn first_answer(
+    mut server: ServerStream,
+    startup: &StartupMessage,
+) -> Result<(ServerStream, BytesMut), Unusable> {
+    let fail = |e: std::io::Error| Unusable::failed(e.to_string());
+    server.write_all(&startup.encode()).await.map_err(fail)?;
+    let mut buf = BytesMut::with_capacity(1024);
+    // Where the message looked at starts: past a NegotiateProtocolVersion,
+    // which a server sends before its refusal to a client asking for a
+    // newer protocol.
+    let mut at = 0;
+    loop {
+        if let Some(&tag) = buf.get(at) {
+            // Only an error needs reading whole; anything else (an
+            // authentication request) is the client's to answer.
+            let skipped = tag == backend::NEGOTIATE_PROTOCOL_VERSION && at == 0;
+            if tag != backend::ERROR_RESPONSE && !skipped {
+                return Ok((server, buf));
+            }
+            if let Some(head) = buf.get(at + 1..at + 5) {
+                let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
+                if len > MAX_FIRST_ERROR {
+                    return Ok((server, buf));
+                }
+                if let Some(body) = buf.get(at + 5..at + 1 + len.max(4)) {
+                    if skipped {
+                        at += 1 + len.max(4);
+                        continue;
+                    }
+                    let fields = pgwarden_wire::message::error_fields(body).unwrap_or_default();
+                    let code = pgwarden_wire::message::find_field(&fields, b'C');
+                    if code == Some(sqlstate::CANNOT_CONNECT_NOW.code()) {
+                        let text = pgwarden_wire::message::find_field(&fields, b'M');
+                        return Err(Unusable {
+                            code: sqlstate::CANNOT_CONNECT_NOW,
+                            why: text.unwrap_or("not accepting connections").to_string(),
+                        });
+                    }
+                    return Ok((server, buf));
+                }
+            }
+        }
+        match server.read_buf(&mut buf).await {
+            Ok(0) => {
+                return Err(Unusable::failed(
+                    "the server closed the connection at start-up",
+                ))
+            }
+            Ok(_) => {}
+            Err(e) => return Err(fail(e)),
+        }
+    }
+}
+
+/// Logs in to a server with what a relayed client proved (`[auth]`). A
+/// host that is not ready, or is a standby where the primary is wanted
+/// (the old primary of a switchover, back before every connection
+/// manager saw it go), is unusable; a refused login is the client's.
+async fn relay_login(
+    spec: &crate::proxy::ServiceSpec,
+    server: ServerStream,
+    host: &HostAddr,
+    startup: &StartupMessage,
+    cred: &Credential,
+) -> Result<Opened, Unusable> {
+    match crate::pool::login(server, startup, cred).await {
+        Ok(conn) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
+            Err(Unusable {
+                code: sqlstate::CANNOT_CONNECT_NOW,
+                why: format!("{host} is a standby, not the primary (the primary is changing)"),
+            })
+        }
+        Ok(conn) => Ok(Opened::LoggedIn(Box::new(conn))),
+        Err(crate::pool::ServerError::Refused(raw)) => Ok(Opened::Refused(raw)),
+        Err(crate::pool::ServerError::Failed(why)) => {
+            Err(Unusable::failed(format!("could not log in: {why}")))
+        }
+        Err(e) => Err(Unusable::failed(format!("could not log in: {e:?}"))),
     }
 }
 
@@ -1162,13 +1294,40 @@ async fn relay(
     service: &Arc<Service>,
     client: &mut ClientStream,
     mut early: BytesMut,
-    server: ServerStream,
+    opened: Opened,
     host: HostAddr,
     startup: StartupMessage,
     peer: SocketAddr,
-    credential: Option<Credential>,
 ) {
     let spec = &service.spec;
+    // With pgwarden authenticating, it has logged in to the server itself
+    // with what the client proved, and greets the client as the server
+    // would.
+    let (mut server, logged_in, server_early) = match opened {
+        Opened::Relayed(server, answer) => (server, None, answer),
+        Opened::Refused(raw) => {
+            let _ = client.write_all(&raw).await;
+            return;
+        }
+        Opened::LoggedIn(conn)
+            if spec.read_only && client_only_encoding_of(&conn.params).is_some() =>
+        {
+            // A role's or database's default, which the server's
+            // greeting would hand the client (see `relay`'s check of
+            // ParameterStatus, which this greeting does not pass).
+            let v = client_only_encoding_of(&conn.params).unwrap_or_default();
+            let out = encode::fatal(
+                sqlstate::READ_ONLY_SQL_TRANSACTION.code(),
+                &format!("client_encoding {v} is not allowed on a read-only service"),
+            );
+            let _ = client.write_all(&out).await;
+            return;
+        }
+        Opened::LoggedIn(conn) => {
+            let key = (conn.backend_key, conn.params);
+            (conn.stream, Some(key), BytesMut::new())
+        }
+    };
     let server_addr = server.peer_addr().ok();
     // A plaintext client cannot use the server's channel binding (libpq
     // refuses a -PLUS offer outside TLS). A TLS client binds to
@@ -1176,65 +1335,7 @@ async fn relay(
     // it presents the same one; that offer is left as it is, since
     // without it libpq's default (prefer) would answer in a way the server
     // must refuse.
-    let unbind_sasl = credential.is_none() && server.is_tls() && !client.is_tls();
-    // With pgwarden authenticating, it logs in to the server itself with
-    // what the client proved, then greets the client as the server would.
-    let (mut server, logged_in) = match credential {
-        None => (server, None),
-        // Bounded as the pool's logins are: a server that takes the
-        // connection and never answers must not hold the client for good.
-        Some(cred) => match crate::timer::timeout(
-            shared.server_connect_timeout(),
-            crate::pool::login(server, &startup, &cred),
-        )
-        .await
-        .unwrap_or(Err(crate::pool::ServerError::Timeout))
-        {
-            Ok(conn) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
-                let out = encode::fatal(
-                    sqlstate::CANNOT_CONNECT_NOW.code(),
-                    &format!(
-                        "{host} is a standby, not the primary (the primary is changing); reconnect"
-                    ),
-                );
-                let _ = client.write_all(&out).await;
-                return;
-            }
-            Ok(conn) if spec.read_only && client_only_encoding_of(&conn.params).is_some() => {
-                // A role's or database's default, which the server's
-                // greeting would hand the client (see `relay`'s check of
-                // ParameterStatus, which this greeting does not pass).
-                let v = client_only_encoding_of(&conn.params).unwrap_or_default();
-                let out = encode::fatal(
-                    sqlstate::READ_ONLY_SQL_TRANSACTION.code(),
-                    &format!("client_encoding {v} is not allowed on a read-only service"),
-                );
-                let _ = client.write_all(&out).await;
-                return;
-            }
-            Ok(conn) => {
-                let key = (conn.backend_key, conn.params);
-                (conn.stream, Some(key))
-            }
-            Err(crate::pool::ServerError::Refused(raw)) => {
-                let _ = client.write_all(&raw).await;
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(host = %host, error = ?e, "server login failed");
-                let why = match e {
-                    crate::pool::ServerError::Failed(why) => format!(": {why}"),
-                    _ => String::new(),
-                };
-                let out = encode::fatal(
-                    sqlstate::CONNECTION_FAILURE.code(),
-                    &format!("could not log in to {host}{why}"),
-                );
-                let _ = client.write_all(&out).await;
-                return;
-            }
-        },
-    };
+    let unbind_sasl = logged_in.is_none() && server.is_tls() && !client.is_tls();
     let host_gauge = shared
         .metrics
         .server_connections
@@ -1306,7 +1407,8 @@ async fn relay(
     };
     let result = async {
         match &logged_in {
-            None => server.write_all(&startup.encode()).await?,
+            // The start-up went to the server as the connection opened.
+            None => {}
             Some(((pid, secret), params)) => {
                 let mut hello = BytesMut::new();
                 encode::authentication_ok(&mut hello);
@@ -1335,6 +1437,8 @@ async fn relay(
         crate::bufcache::release(&mut early);
         return;
     }
+    // Read as the connection opened, and counted as the pump counts.
+    to_client.inc_by(server_early.len() as u64);
 
     let io = Io {
         shared,
@@ -1352,18 +1456,42 @@ async fn relay(
     match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
-                .await
+            io.run_to(
+                &mut cr,
+                &mut cw,
+                &mut server,
+                &killed,
+                early,
+                server_early,
+                key,
+            )
+            .await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.stream());
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
-                .await
+            io.run_to(
+                &mut cr,
+                &mut cw,
+                &mut server,
+                &killed,
+                early,
+                server_early,
+                key,
+            )
+            .await
         }
         ClientStream::Local(s) => {
             let (mut cr, mut cw) = s.split();
-            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
-                .await
+            io.run_to(
+                &mut cr,
+                &mut cw,
+                &mut server,
+                &killed,
+                early,
+                server_early,
+                key,
+            )
+            .await
         }
         ClientStream::Gone => {}
     }
@@ -1455,6 +1583,7 @@ struct Io<'a> {
 impl Io<'_> {
     /// Splits the server connection (plain TCP for free, TLS with tokio's
     /// locking split) and relays.
+    #[allow(clippy::too_many_arguments)]
     async fn run_to<CR, CW>(
         &self,
         cr: &mut CR,
@@ -1462,6 +1591,7 @@ impl Io<'_> {
         server: &mut ServerStream,
         killed: &KillState,
         early: BytesMut,
+        server_early: BytesMut,
         key: &mut Option<(i32, i32)>,
     ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1470,11 +1600,13 @@ impl Io<'_> {
         match server {
             ServerStream::Plain(tcp) => {
                 let (mut sr, mut sw) = tcp.split();
-                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, server_early, key)
+                    .await
             }
             ServerStream::Tls(tls) => {
                 let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
-                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, server_early, key)
+                    .await
             }
         }
     }
@@ -1491,6 +1623,7 @@ impl Io<'_> {
         mut sw: &mut SW,
         killed: &KillState,
         early: BytesMut,
+        server_early: BytesMut,
         key_slot: &mut Option<(i32, i32)>,
     ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1668,7 +1801,7 @@ impl Io<'_> {
                         _ => Verdict::Keep,
                     }
                 },
-                BytesMut::new(),
+                server_early,
                 None,
             );
             let mut downstream = std::pin::pin!(downstream);
