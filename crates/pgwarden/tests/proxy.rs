@@ -1222,9 +1222,19 @@ async fn a_host_that_refused_is_tried_again_within_the_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_not_accepting_sessions_is_passed_over_for_the_next() {
     let mut c = TestCluster::builder().replicas(2).start();
+    // Relayed as it is, and with pgwarden logging in itself ([auth]),
+    // both probing before the shutdown below (a new probe connection
+    // would be turned away too).
     let (e, p) = proxy(&c.addrs(), Duration::from_secs(10)).await;
+    let dir = tempfile::tempdir().unwrap();
+    common::authenticate_with(
+        dir.path().join("pg_hba.conf"),
+        "host all postgres 127.0.0.1/32 trust\n",
+    );
+    let (auth_e, auth_p) = proxy(&c.addrs(), Duration::from_secs(10)).await;
     ready(&e, 3).await;
-    // A smart shutdown lets the sessions it finds (this one, the probe's)
+    ready(&auth_e, 3).await;
+    // A smart shutdown lets the sessions it finds (this one, the probes')
     // go on, and turns new ones away until they end.
     let held = client(&c.conninfo(1)).await.unwrap();
     c.node(1).signal(nix::sys::signal::Signal::SIGTERM).unwrap();
@@ -1236,19 +1246,22 @@ async fn a_host_not_accepting_sessions_is_passed_over_for_the_next() {
         }
     })
     .await;
-    for _ in 0..6 {
-        let ro = client(&via(&p, "read_only"))
-            .await
-            .expect("the read-only service passes replica 1 over");
-        assert_eq!(
-            one(&ro, "SELECT inet_server_port()").await,
-            c.port(2).to_string()
+    for (e, p, what) in [(&e, &p, "relayed"), (&auth_e, &auth_p, "[auth]")] {
+        for _ in 0..6 {
+            let ro = client(&via(p, "read_only"))
+                .await
+                .unwrap_or_else(|err| panic!("{what}: replica 1 not passed over: {err}"));
+            assert_eq!(
+                one(&ro, "SELECT inet_server_port()").await,
+                c.port(2).to_string(),
+                "{what}"
+            );
+        }
+        assert!(
+            e.snapshot().topology.hosts()[1].alive,
+            "{what}: the probes still call replica 1 up"
         );
     }
-    assert!(
-        e.snapshot().topology.hosts()[1].alive,
-        "the probes still call replica 1 up"
-    );
     drop(held);
 }
 

@@ -575,6 +575,10 @@ pub enum ServerError {
     Limit(String),
     /// Network or protocol failure.
     Failed(String),
+    /// The server turned the connection away before authentication, as
+    /// not ready for any (57P03: starting up, shutting down, not yet
+    /// consistent); its message. The host, not the login, is at fault.
+    NotReady(String),
 }
 
 /// Counters of one pool, for `SHOW POOLS`/`SHOW STATS` and metrics.
@@ -1995,7 +1999,7 @@ pub(crate) async fn login(
                     == Some(pgwarden_wire::sqlstate::CANNOT_CONNECT_NOW.code())
                 {
                     let text = message::find_field(&fields, b'M').unwrap_or("not ready");
-                    return Err(ServerError::Failed(format!("{peer}: {text}")));
+                    return Err(ServerError::NotReady(text.to_string()));
                 }
                 return Err(ServerError::Refused(msg));
             }

@@ -541,14 +541,14 @@ async fn serve(
                     }
                 }
             }
-            let open = |s: ServerStream, host: HostAddr| {
+            let open = |s: ServerStream, host: HostAddr, bound: Duration| {
                 let (startup, credential) = (&startup, &credential);
                 async move {
                     match credential {
-                        None => first_answer(s, startup)
+                        None => first_answer(s, startup, bound)
                             .await
                             .map(|(s, answer)| Opened::Relayed(s, answer)),
-                        Some(cred) => relay_login(spec, s, &host, startup, cred).await,
+                        Some(cred) => relay_login(shared, spec, s, &host, startup, cred).await,
                     }
                 }
             };
@@ -590,7 +590,7 @@ async fn server_vouches(
     startup: &StartupMessage,
 ) -> Result<bool, Refusal> {
     let deadline = tokio::time::Instant::now() + service.spec.connect_wait_timeout;
-    let open = |s: ServerStream, _: HostAddr| first_answer(s, startup);
+    let open = |s: ServerStream, _: HostAddr, bound: Duration| first_answer(s, startup, bound);
     let ((mut server, mut buf), host) =
         unless_gone(client, connect_server(shared, service, deadline, open)).await?;
     let failed = |e: String| {
@@ -864,6 +864,9 @@ impl Unusable {
 /// the start-up, log in), waiting up to the service's
 /// `connect_wait_timeout` for a host to become available and trying the
 /// other eligible hosts when one fails or `open` finds it unusable.
+/// `open` is given the time the connect itself was allowed, and bounds
+/// its own steps: what it may retry (a login whose password went out may
+/// not be) is its business.
 async fn connect_server<T, F, Fut>(
     shared: &Shared,
     service: &Service,
@@ -871,7 +874,7 @@ async fn connect_server<T, F, Fut>(
     mut open: F,
 ) -> Result<(T, HostAddr), Refusal>
 where
-    F: FnMut(ServerStream, HostAddr) -> Fut,
+    F: FnMut(ServerStream, HostAddr, Duration) -> Fut,
     Fut: std::future::Future<Output = Result<T, Unusable>>,
 {
     let spec = &service.spec;
@@ -973,13 +976,17 @@ where
                     .await
                     .map_err(|e| Unusable::failed(e.to_string()))?;
                 crate::stream::tune(&s);
-                let s = server_tls
+                server_tls
                     .start(s, &addr.host)
                     .await
-                    .map_err(Unusable::failed)?;
-                open(s, addr.clone()).await
+                    .map_err(Unusable::failed)
             };
-            match crate::timer::timeout(timeout, attempt).await {
+            let opened = match crate::timer::timeout(timeout, attempt).await {
+                Ok(Ok(s)) => Ok(open(s, addr.clone(), timeout).await),
+                Ok(Err(u)) => Ok(Err(u)),
+                Err(elapsed) => Err(elapsed),
+            };
+            match opened {
                 Ok(Ok(t)) => return Ok((t, addr)),
                 Ok(Err(Unusable { code, why: e })) => {
                     if failed_rounds == 0 {
@@ -1053,6 +1060,21 @@ const MAX_FIRST_ERROR: usize = 64 * 1024;
 /// as it would for a refused connect, instead of relaying the refusal.
 /// The bytes read are returned, for the relay to pass on.
 async fn first_answer(
+    server: ServerStream,
+    startup: &StartupMessage,
+    bound: Duration,
+) -> Result<(ServerStream, BytesMut), Unusable> {
+    crate::timer::timeout(bound, read_first_answer(server, startup))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Unusable::failed(format!(
+                "no answer to the start-up within {} ms",
+                bound.as_millis()
+            )))
+        })
+}
+
+async fn read_first_answer(
     mut server: ServerStream,
     startup: &StartupMessage,
 ) -> Result<(ServerStream, BytesMut), Unusable> {
@@ -1106,30 +1128,53 @@ async fn first_answer(
     }
 }
 
-/// Logs in to a server with what a relayed client proved (`[auth]`). A
-/// host that is not ready, or is a standby where the primary is wanted
-/// (the old primary of a switchover, back before every connection
-/// manager saw it go), is unusable; a refused login is the client's.
+/// Logs in to a server with what a relayed client proved (`[auth]`),
+/// within `server_connect_timeout` as the pool's logins. A server not
+/// ready for any login (57P03, answered before authentication), or a
+/// standby where the primary is wanted (the old primary of a switchover,
+/// back before every connection manager saw it go), is unusable: the
+/// client's wait goes on. Any other failure is the client's at once, as
+/// a refused login is: retrying one whose password may have gone out
+/// would turn one client's login into several failed ones on the server.
 async fn relay_login(
+    shared: &Shared,
     spec: &crate::proxy::ServiceSpec,
     server: ServerStream,
     host: &HostAddr,
     startup: &StartupMessage,
     cred: &Credential,
 ) -> Result<Opened, Unusable> {
-    match crate::pool::login(server, startup, cred).await {
-        Ok(conn) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
+    use crate::pool::ServerError;
+    let login = crate::pool::login(server, startup, cred);
+    let failed = |why: String| {
+        let out = encode::fatal(
+            sqlstate::CONNECTION_FAILURE.code(),
+            &format!("could not log in to {host}: {why}"),
+        );
+        Ok(Opened::Refused(BytesMut::from(&out[..])))
+    };
+    match crate::timer::timeout(shared.server_connect_timeout(), login).await {
+        Ok(Ok(conn)) if spec.want == pgwarden_topology::Want::Primary && conn.in_hot_standby() => {
             Err(Unusable {
                 code: sqlstate::CANNOT_CONNECT_NOW,
-                why: format!("{host} is a standby, not the primary (the primary is changing)"),
+                why: "it is a standby, not the primary (the primary is changing)".into(),
             })
         }
-        Ok(conn) => Ok(Opened::LoggedIn(Box::new(conn))),
-        Err(crate::pool::ServerError::Refused(raw)) => Ok(Opened::Refused(raw)),
-        Err(crate::pool::ServerError::Failed(why)) => {
-            Err(Unusable::failed(format!("could not log in: {why}")))
+        Ok(Ok(conn)) => Ok(Opened::LoggedIn(Box::new(conn))),
+        Ok(Err(ServerError::Refused(raw))) => Ok(Opened::Refused(raw)),
+        Ok(Err(ServerError::NotReady(why))) => Err(Unusable {
+            code: sqlstate::CANNOT_CONNECT_NOW,
+            why,
+        }),
+        Ok(Err(ServerError::Failed(why))) => {
+            tracing::warn!(host = %host, error = %why, "server login failed");
+            failed(why)
         }
-        Err(e) => Err(Unusable::failed(format!("could not log in: {e:?}"))),
+        Ok(Err(e)) => failed(format!("{e:?}")),
+        Err(_) => {
+            tracing::warn!(host = %host, "server login timed out");
+            failed("timed out".into())
+        }
     }
 }
 

@@ -1176,7 +1176,7 @@ impl Session {
                         kill: None,
                     });
                 }
-                Err(ServerError::Failed(e)) => {
+                Err(ServerError::Failed(e) | ServerError::NotReady(e)) => {
                     if failed_rounds == 0 {
                         tracing::warn!(host = %host, error = %e, "pooled server connection failed");
                     } else {
