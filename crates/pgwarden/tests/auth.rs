@@ -613,8 +613,9 @@ async fn verifier_cache_expires_and_slow_clients_are_dropped() {
     })
     .await
     .unwrap();
+    // auth_timeout is 1 s here, 30 s by default.
     assert!(
-        started.elapsed() < Duration::from_secs(5),
+        started.elapsed() < Duration::from_secs(10),
         "slow client kept for {:?}",
         started.elapsed()
     );

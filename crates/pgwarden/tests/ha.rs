@@ -134,7 +134,7 @@ async fn all_see_the_pause(c: &AgentCluster) {
         Duration::from_secs(10),
         || async {
             (0..c.len())
-                .all(|i| c.node(i).log_tail().contains("paused:"))
+                .all(|i| c.node(i).agent_log().contains("paused:"))
                 .then_some(())
                 .ok_or("not yet".to_string())
         },
@@ -158,9 +158,24 @@ async fn switch_over(c: &AgentCluster, leader: &str, candidate: &str) {
                 Some(("pgwarden", "secret")),
                 Duration::from_secs(40),
             )
-            .await
-            .map_err(|e| e.to_string())?;
-            (r.status == 200).then_some(()).ok_or(r.body)
+            .await;
+            if let Ok(r) = &r {
+                if r.status == 200 {
+                    return Ok(());
+                }
+            }
+            // A request given up on (a time-out, a 503 while the new
+            // leader was still starting) may have gone through all the
+            // same: asked again, it would be refused for ever, as the
+            // leader it names no longer leads.
+            let leader = read_cluster(c).await.leader.map(|l| l.name);
+            if leader.as_deref() == Some(candidate) {
+                return Ok(());
+            }
+            Err(match r {
+                Ok(r) => r.body,
+                Err(e) => e.to_string(),
+            })
         },
     )
     .await;
@@ -434,7 +449,7 @@ async fn leader_cut_off_from_etcd_demotes_before_anyone_is_promoted() {
     // once the lease has run out (ttl = 6 s).
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
     assert_ne!(np, 0);
-    let log = c.node(0).log_tail();
+    let log = c.node(0).agent_log();
     assert!(
         log.contains("demoting: the leader lease was last renewed"),
         "the old leader demoted itself:\n{log}"
@@ -539,7 +554,7 @@ async fn crashed_postgres_is_restarted_in_place_and_handed_over_when_it_cannot_s
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
     assert!(
         c.node(0)
-            .log_tail()
+            .agent_log()
             .contains("releasing the leader key: PostgreSQL did not start within 8 s"),
         "the key was released, not left to expire:\n{}",
         c.node(0).log_tail()
@@ -608,7 +623,7 @@ async fn no_automatic_failover_to_a_lagging_or_nofailover_member_but_a_forced_on
         "both survivors say why they do not take over",
         Duration::from_secs(30),
         || async {
-            let (l2, l3) = (c.node(1).log_tail(), c.node(2).log_tail());
+            let (l2, l3) = (c.node(1).agent_log(), c.node(2).agent_log());
             (l2.contains("not eligible (tagged nofailover)")
                 && l3.contains("not eligible (lagging"))
             .then_some(())
@@ -656,7 +671,7 @@ async fn no_automatic_failover_to_a_lagging_or_nofailover_member_but_a_forced_on
     .unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
     // 200 means the key moved; the promotion follows in the same loop.
-    assert_eq!(new_primary(&c, 0, Duration::from_secs(10)).await, 2);
+    assert_eq!(new_primary(&c, 0, Duration::from_secs(30)).await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -861,10 +876,10 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     .await;
     healthy(&c, 2, Duration::from_secs(30)).await;
     assert_eq!(
-        c.node(r).log_tail().matches("cloning the leader").count(),
+        c.node(r).agent_log().matches("cloning the leader").count(),
         1
     );
-    let log = c.node(0).log_tail();
+    let log = c.node(0).agent_log();
     assert!(
         log.contains("rewound onto the history of the leader"),
         "{log}"
@@ -1187,7 +1202,7 @@ async fn leader_stands_through_an_etcd_outage(c: &mut AgentCluster) {
     }
     assert!(c
         .node(0)
-        .log_tail()
+        .agent_log()
         .contains("every member acknowledges this leader"));
 }
 
@@ -1383,12 +1398,19 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
     .await;
 
     let pid = c.node(1).postmaster_pid().unwrap();
-    let due_ms = pgwarden_agent::record::unix_ms() + 4000;
+    let due_ms = pgwarden_agent::record::unix_ms() + 8000;
     let second = pgwarden_ha::format_timestamp(due_ms as i64);
     assert_eq!(write(1, "POST", order(&second)).await.status, 202);
-    // A second before its time, nothing has happened yet.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
-    assert_eq!(c.node(1).postmaster_pid(), Some(pid), "restarted early");
+    // Two seconds before its time (by the clock, whatever the request
+    // took), nothing has happened yet.
+    let early = due_ms.saturating_sub(2000);
+    let now = pgwarden_agent::record::unix_ms();
+    tokio::time::sleep(Duration::from_millis(early.saturating_sub(now))).await;
+    let looked_at = pgwarden_agent::record::unix_ms();
+    let seen = c.node(1).postmaster_pid();
+    if looked_at < due_ms {
+        assert_eq!(seen, Some(pid), "restarted early");
+    }
     eventually("n2 restarted", Duration::from_secs(30), || async {
         let v = patroni(1).await?;
         let restarted = c.node(1).postmaster_pid().is_some_and(|p| p != pid);
@@ -2618,7 +2640,7 @@ async fn a_stopped_leader_agent_hands_over_without_waiting_for_its_lease() {
         "a stopped agent stops its PostgreSQL"
     );
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
-    assert!(c.node(0).log_tail().contains("released the leader key"));
+    assert!(c.node(0).agent_log().contains("released the leader key"));
     survivors_route_to(&c, np).await;
 }
 
@@ -2687,7 +2709,7 @@ async fn a_required_watchdog_is_fed_while_leading_and_members_without_one_never_
     );
     assert!(c
         .node(1)
-        .log_tail()
+        .agent_log()
         .contains("watchdog required but unusable"));
     // A new device in n3's file, reloaded: it is armed before the old one
     // is let go with the magic close; n3 keeps leading.
@@ -3053,7 +3075,9 @@ async fn a_switchover_whose_caller_hangs_up_still_resumes_the_pools() {
         },
     )
     .await;
-    // Nothing answered yet: the drain still waits for the transaction.
+    let paused_at = std::time::Instant::now();
+    // Nothing answered yet: the drain still waits for the transaction (up
+    // to five seconds, after which it goes ahead without it).
     caller.set_nonblocking(true).unwrap();
     let mut answer = [0u8; 1];
     let unanswered = matches!(
@@ -3061,12 +3085,13 @@ async fn a_switchover_whose_caller_hangs_up_still_resumes_the_pools() {
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
     );
     assert!(
-        unanswered,
+        unanswered || paused_at.elapsed() > Duration::from_secs(4),
         "the switchover answered while a transaction was in flight"
     );
     caller.shutdown(std::net::Shutdown::Both).unwrap();
     drop(caller);
-    tx.batch_execute("COMMIT").await.unwrap();
+    // Ended by the switchover if the drain gave up on it meanwhile.
+    let _ = tx.batch_execute("COMMIT").await;
     eventually("n2 leads", Duration::from_secs(60), || async {
         let w = writable(&c).await;
         (w == [1]).then_some(()).ok_or(format!("{w:?}"))
@@ -3187,7 +3212,7 @@ async fn a_leader_whose_agent_dies_stops_taking_writes_before_anyone_is_promoted
     let orphan = c.node(0).pg_conninfo();
     eventually(
         "the orphaned primary stops taking writes",
-        Duration::from_secs(5),
+        Duration::from_secs(15),
         || async {
             match one(&orphan, "SELECT pg_is_in_recovery()").await {
                 Err(_) => Ok(()),
@@ -3224,7 +3249,7 @@ async fn without_failsafe_losing_etcd_demotes_the_leader() {
     // time-outs.
     eventually(
         "the demoted leader's health checks fail",
-        Duration::from_secs(3),
+        Duration::from_secs(6),
         || async {
             let s = (c.api_status(0, "/primary"), c.api_status(0, "/health"));
             (s == (Some(503), Some(503)))
@@ -3266,7 +3291,7 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
     }
     assert!(c
         .node(0)
-        .log_tail()
+        .agent_log()
         .contains("every member acknowledges this leader"));
     // One member stops answering: the leader can no longer be sure and
     // demotes.
@@ -3279,7 +3304,7 @@ async fn with_failsafe_an_etcd_outage_is_no_outage_while_every_member_answers() 
     .await;
     assert!(c
         .node(0)
-        .log_tail()
+        .agent_log()
         .contains("not every member acknowledges"));
 }
 
@@ -3465,7 +3490,7 @@ async fn a_leader_takes_back_its_key_bound_to_a_lease_it_does_not_hold() {
         },
     )
     .await;
-    let log = c.node(0).log_tail();
+    let log = c.node(0).agent_log();
     assert!(
         log.contains("the key names this primary under a lease it no longer holds"),
         "{log}"
@@ -3610,7 +3635,7 @@ async fn a_replica_that_replayed_past_the_new_leaders_fork_rewinds_and_follows()
         },
     )
     .await;
-    let log = c.node(other).log_tail();
+    let log = c.node(other).agent_log();
     assert!(log.contains("the leader's timeline does not have; it must rewind"));
     // Rewound once, and started from there: a second rejoin would have
     // run crash recovery on what pg_rewind left, as a primary.
@@ -3701,8 +3726,9 @@ async fn a_scheduled_switchover_happens_at_its_time_and_a_cancelled_one_never() 
     .await;
 
     // Scheduled through a replica's API, then withdrawn: nothing happens,
-    // not at its time and not once it would be overdue.
-    let at = unix_ms() as i64 + 3_000;
+    // not at its time and not once it would be overdue. (Far enough ahead
+    // that both requests surely land before it.)
+    let at = unix_ms() as i64 + 8_000;
     let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": format_timestamp(at)});
     let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
     assert_eq!((r.status, r.body.trim()), (202, "Switchover scheduled"));
@@ -3723,14 +3749,16 @@ async fn a_scheduled_switchover_happens_at_its_time_and_a_cancelled_one_never() 
 
     // Scheduled through a replica's API again: the leader learns of it from
     // the watch, keeps leading until the time, then hands over.
-    let at = unix_ms() as i64 + 3_000;
+    let at = unix_ms() as i64 + 8_000;
     let stamp = format_timestamp(at);
     let body = serde_json::json!({"leader": "n1", "candidate": "n2", "scheduled_at": stamp});
     let r = api_write(&c, 2, "POST", "/switchover", Some(body)).await;
     assert_eq!(r.status, 202, "{}", r.body);
     // The leader's own view shows it as soon as it has read it.
     let shown = format!("Switchover scheduled at {stamp}: from n1 to n2");
-    eventually("ctl list shows it", Duration::from_secs(2), || async {
+    // Before its time comes.
+    let shown_within = Duration::from_millis((at - unix_ms() as i64 - 1_000).max(1_000) as u64);
+    eventually("ctl list shows it", shown_within, || async {
         let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
             .args(["ctl", "--api", &c.node(0).api_url(), "list"])
             .output()
@@ -3766,14 +3794,16 @@ async fn a_scheduled_switchover_happens_at_its_time_and_a_cancelled_one_never() 
         "the key moved {} ms after the scheduled time",
         moved_at - at
     );
+    // A loop's wait, the checkpoint and the stop, with room for a loaded
+    // machine.
     assert!(
-        moved_at - at < 10_000,
+        moved_at - at < 20_000,
         "the switchover happened {} ms after its time",
         moved_at - at
     );
     assert!(c
         .node(0)
-        .log_tail()
+        .agent_log()
         .contains(&format!("awaiting the switchover scheduled at {stamp}")));
     assert_eq!(new_primary(&c, 0, Duration::from_secs(20)).await, 1);
     // The history entry and the consumed request are two writes.

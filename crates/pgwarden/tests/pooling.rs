@@ -662,12 +662,15 @@ async fn query_wait_timeout_errors_only_the_waiting_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
     let c = TestCluster::builder().replicas(0).start();
-    let wait = Duration::from_secs(2);
+    // The second wait is served a quarter of a wait after the first
+    // wait's deadline and as long before its own: room for a loaded
+    // machine either way.
+    let wait = Duration::from_secs(4);
     let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, wait), 10_000).await;
     ready(&e, 1).await;
     let holder = client(&via(&p, "read_write")).await.unwrap();
     let waiter = client(&via(&p, "read_write")).await.unwrap();
-    // First wait: served after 0.5 s.
+    // First wait: served after half a wait.
     holder.batch_execute("BEGIN").await.unwrap();
     one(&holder, "SELECT 1").await;
     let t0 = tokio::time::Instant::now();
@@ -675,7 +678,7 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
         let r = one(&waiter, "SELECT 3").await;
         (waiter, r)
     });
-    tokio::time::sleep_until(t0 + Duration::from_millis(500)).await;
+    tokio::time::sleep_until(t0 + wait / 2).await;
     holder.batch_execute("COMMIT").await.unwrap();
     let (waiter, r) = first.await.unwrap();
     assert_eq!(r, "3");
@@ -686,7 +689,7 @@ async fn each_wait_for_a_server_gets_its_own_query_wait_timeout() {
         let r = waiter.simple_query("SELECT 4").await.map(|_| ());
         (waiter, r)
     });
-    tokio::time::sleep_until(t0 + wait + Duration::from_millis(250)).await;
+    tokio::time::sleep_until(t0 + wait + wait / 4).await;
     holder.batch_execute("COMMIT").await.unwrap();
     let (waiter, r) = second.await.unwrap();
     r.expect("a wait is measured from its own start, not from an earlier one");
@@ -1216,13 +1219,14 @@ async fn admin_console_shows_pools_and_pauses() {
     busy.batch_execute("COMMIT").await.unwrap();
     admin.simple_query("PAUSE read_write").await.unwrap();
     let waiting = tokio::spawn(async move { one(&app, "SELECT 5").await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pgwarden_testkit::eventually("the client waits for the resume", WAIT, || async {
+        let seen = client_states(&admin).await;
+        seen.contains(&("waiting".into(), String::new()))
+            .then_some(())
+            .ok_or(format!("{seen:?}"))
+    })
+    .await;
     assert!(!waiting.is_finished(), "ran while paused");
-    let seen = client_states(&admin).await;
-    assert!(
-        seen.contains(&("waiting".into(), String::new())),
-        "{seen:?}"
-    );
     admin.simple_query("RESUME read_write").await.unwrap();
     assert_eq!(
         tokio::time::timeout(Duration::from_secs(5), waiting)

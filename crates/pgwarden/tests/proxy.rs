@@ -1284,7 +1284,9 @@ async fn unanswered_hosts_do_not_stretch_the_connect_wait() {
     let message = err.as_db_error().map(|d| d.message()).unwrap_or_default();
     assert!(message.contains("\"read_write\""), "{err:?}");
     assert!(
-        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(5),
+        // Below the 8 s server_connect_timeout, with room for a loaded
+        // machine.
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(7),
         "answered after {waited:?}"
     );
     relay.set_listener(Listener::Open);

@@ -72,8 +72,9 @@ async fn roles_probe_marking_and_dead_detection_after_kill9() {
 
     // kill -9 of a replica: dead within two probe rounds, keeps its role,
     // shows the error, and is no longer selected.
-    let before = e.snapshot().round;
+    // Counted once the kill is done: a whole round after it.
     c.node(2).kill9();
+    let before = e.snapshot().round;
     e.wait_round(before + 2).await;
     let snap = e.snapshot();
     let h = &snap.topology.hosts()[2];
@@ -86,8 +87,8 @@ async fn roles_probe_marking_and_dead_detection_after_kill9() {
         .all(|&i| i == 1));
 
     // kill -9 of the primary: no primary is selectable any more.
-    let before = e.snapshot().round;
     c.node(0).kill9();
+    let before = e.snapshot().round;
     e.wait_round(before + 2).await;
     let snap = e.snapshot();
     assert!(!snap.topology.hosts()[0].alive);
@@ -301,8 +302,9 @@ async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
     let limit = TopologyConfig::default().down_after_failures;
     assert_eq!(snap.topology.hosts()[1].failed_probes, limit);
     let each = probe.query_timeout.max(probe.connect_timeout) + probe.interval;
+    // With room for a loaded machine's late wake-ups.
     assert!(
-        took <= each * limit + Duration::from_millis(750),
+        took <= each * limit + Duration::from_secs(2),
         "dead after {took:?}"
     );
     assert!(snap.topology.hosts()[1]
@@ -313,13 +315,15 @@ async fn black_holed_host_is_dead_within_timeout_without_stalling_others() {
     // Meanwhile the other host's rounds went on at the normal pace.
     let rounds = snap.round - round0;
     let expected = (took.as_millis() / probe.interval.as_millis()) as u64;
+    // A stalled engine would manage one round per time-out (3 here, of
+    // some 20); late ticks on a loaded machine cost a few.
     assert!(
-        rounds + 2 >= expected,
+        rounds * 10 >= expected * 7,
         "{rounds} rounds in {took:?}: the hung host stalled the others"
     );
     let last_ok = snap.topology.hosts()[0].last_ok.expect("primary probed");
     assert!(
-        last_ok.elapsed() < probe.interval * 3,
+        last_ok.elapsed() < probe.interval * 3 + Duration::from_secs(1),
         "primary not probed recently"
     );
     assert!(snap.topology.hosts()[0].alive);

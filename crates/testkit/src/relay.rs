@@ -76,6 +76,8 @@ struct Shared {
     shutdown: watch::Sender<bool>,
     connections: AtomicUsize,
     accepted: AtomicUsize,
+    /// Bytes read from clients and queued (stamped with their delay).
+    queued_up: AtomicUsize,
 }
 
 /// Mutex poisoning cannot leave these plain values inconsistent, so a panic
@@ -117,6 +119,7 @@ impl Relay {
             shutdown: watch::Sender::new(false),
             connections: AtomicUsize::new(0),
             accepted: AtomicUsize::new(0),
+            queued_up: AtomicUsize::new(0),
         });
 
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<io::Result<()>>();
@@ -281,6 +284,13 @@ impl Relay {
     pub fn accepted(&self) -> usize {
         self.shared.accepted.load(Ordering::SeqCst)
     }
+
+    /// Bytes read from clients so far, each already stamped with the
+    /// upstream delay in force when it was read: a test that changes the
+    /// delay can first wait for the bytes it sent to be counted here.
+    pub fn queued_upstream(&self) -> usize {
+        self.shared.queued_up.load(Ordering::SeqCst)
+    }
 }
 
 impl fmt::Debug for Relay {
@@ -422,7 +432,7 @@ async fn unanswered(addr: SocketAddr) -> io::Result<(tokio::net::TcpListener, Ve
 }
 
 /// Which way bytes flow, to pick the matching delay.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Direction {
     Upstream,
     Downstream,
@@ -602,6 +612,9 @@ async fn pump_read(
             due: Instant::now() + delay,
             data: (n > 0).then(|| buf[..n].to_vec()),
         };
+        if direction == Direction::Upstream {
+            shared.queued_up.fetch_add(n, Ordering::SeqCst);
+        }
         if queue.send(chunk).await.is_err() || n == 0 {
             // Either EOF was queued, or the writer has stopped and its error
             // (if any) ends the connection.
