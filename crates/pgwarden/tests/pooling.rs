@@ -4541,6 +4541,42 @@ async fn a_flush_between_transactions_does_not_hold_a_server() {
     assert_eq!(error_code(&r), None, "{r:?}");
 }
 
+/// A lone Flush (libpq's pipeline mode sends one after each Sync) or a
+/// stray CopyDone from a pinned client between transactions asks its
+/// server for nothing: it starts no transaction that a switchover's drain
+/// would wait for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_clients_lone_flush_starts_no_transaction() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 2, WAIT).await;
+    let http = p.http_addr().unwrap();
+    let mut a = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    let r = a.simple(b"LISTEN pgwarden_flush");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    let received = "pgwarden_client_received_bytes_total";
+    let before = pool_metric(http, received).await;
+    std::io::Write::write_all(&mut a.0, MSG_FLUSH).unwrap();
+    std::io::Write::write_all(&mut a.0, &[b'c', 0, 0, 0, 4]).unwrap();
+    pgwarden_testkit::eventually("pgwarden read them", WAIT, || async {
+        let n = pool_metric(http, received).await;
+        (n >= before + 10.0).then_some(()).ok_or(format!("{n}"))
+    })
+    .await;
+    let (code, body) = post(http, "/pause?service=read_write&wait_ms=1000").await;
+    assert_eq!(
+        (code, body.as_str()),
+        (200, "paused read_write; no transaction in flight\n")
+    );
+    assert_eq!(post(http, "/resume?service=read_write").await.0, 200);
+    // Still its own server, LISTEN and all.
+    let r = a.simple(b"SELECT count(*) FROM pg_listening_channels()");
+    assert_eq!(error_code(&r), None, "{r:?}");
+    assert!(
+        r.iter().any(|(t, body)| *t == b'D' && body.ends_with(b"1")),
+        "{r:?}"
+    );
+}
+
 /// A client may prepare `DISCARD ALL` in one batch and run it in another
 /// (psycopg 3 does, with `prepare_threshold=0`): the two can land on
 /// different servers. The statements are gone from the server it ran on,

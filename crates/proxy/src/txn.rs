@@ -1700,11 +1700,15 @@ impl Session {
             // sends one after each Sync, and it must not take a server.
             // COPY data after the server gave up on the COPY (an error,
             // the transaction over): PostgreSQL ignores it outside a COPY,
-            // and it must not take a server either.
+            // and it must not take a server either. Nor, from a client
+            // that keeps its server between transactions (pinned, session
+            // pooled), start a transaction that a pause would hold and a
+            // switchover's drain wait for: its server has nothing to push
+            // and no COPY open.
             if matches!(
                 tag,
                 frontend::FLUSH | frontend::COPY_DATA | frontend::COPY_DONE | frontend::COPY_FAIL
-            ) && self.attached.is_none()
+            ) && (self.attached.is_none() || self.held_idle)
             {
                 buf.advance(total);
                 continue;
