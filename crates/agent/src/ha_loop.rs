@@ -1198,10 +1198,12 @@ impl HaLoop {
             || matches!(decision, Decision::AcquireLeader { .. })
             || std::mem::take(&mut self.kept_key);
         if self.holds_leader_key() && leading {
-            // Fed once per renewal that succeeded, never for a round whose
-            // renewal failed: the watchdog's time-out (ttl − safety_margin)
-            // then runs from about the last renewal, and resets a hung
-            // leader before its lease can run out.
+            // Fed once per renewal that succeeded (as it succeeded, see
+            // `fed_on_renewal`; here when the watchdog was not yet armed
+            // then), never for a round whose renewal failed: the
+            // watchdog's time-out (ttl − safety_margin) then runs from the
+            // last renewal, and resets a hung leader before its lease can
+            // run out.
             // In maintenance mode the leader stays what it is even with
             // etcd out of reach, as documented: fed every round then.
             if !self.watchdog.armed()
@@ -1424,6 +1426,18 @@ impl HaLoop {
     /// times out marks etcd unreachable, as a failed read does: the round
     /// is decided again from that, and the next one comes at the retry
     /// pace rather than a whole `loop_wait` later.
+    /// Feeds an armed watchdog as soon as a renewal succeeds: fed only at
+    /// the round's end, its time-out (ttl − safety_margin) would run from
+    /// however late in the round that is (steps after the renewal can take
+    /// seconds on a struggling server), and could end after the lease it
+    /// is there to outrun.
+    fn fed_on_renewal(&mut self) {
+        if self.watchdog.armed() {
+            self.watchdog.keepalive();
+            self.watchdog_fed_for = self.last_renewal;
+        }
+    }
+
     async fn renew(&mut self) -> bool {
         let Some(lease) = self.lease else {
             return false;
@@ -1438,6 +1452,7 @@ impl HaLoop {
         match tokio::time::timeout(budget, renewal).await {
             Ok(Ok(true)) => {
                 self.last_renewal = Some(t0);
+                self.fed_on_renewal();
                 if let Some(lsn) = self.obs.pg.received_lsn {
                     let mut status = serde_json::json!({ "lsn": lsn });
                     if !self.logical_positions.is_empty() {
@@ -1460,6 +1475,7 @@ impl HaLoop {
                         self.lease = Some(moved);
                         self.lease_ttl = timing.ttl;
                         self.last_renewal = Some(t0);
+                        self.fed_on_renewal();
                         self.adopt_timing(timing);
                         return true;
                     }
