@@ -1484,6 +1484,10 @@ async fn relay(
     }
     // Read as the connection opened, and counted as the pump counts.
     to_client.inc_by(server_early.len() as u64);
+    let early = Early {
+        client: early,
+        server: server_early,
+    };
 
     let io = Io {
         shared,
@@ -1501,46 +1505,31 @@ async fn relay(
     match client {
         ClientStream::Plain(tcp) => {
             let (mut cr, mut cw) = tcp.split();
-            io.run_to(
-                &mut cr,
-                &mut cw,
-                &mut server,
-                &killed,
-                early,
-                server_early,
-                key,
-            )
-            .await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
+                .await
         }
         ClientStream::Tls(tls) => {
             let (mut cr, mut cw) = tokio::io::split(tls.stream());
-            io.run_to(
-                &mut cr,
-                &mut cw,
-                &mut server,
-                &killed,
-                early,
-                server_early,
-                key,
-            )
-            .await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
+                .await
         }
         ClientStream::Local(s) => {
             let (mut cr, mut cw) = s.split();
-            io.run_to(
-                &mut cr,
-                &mut cw,
-                &mut server,
-                &killed,
-                early,
-                server_early,
-                key,
-            )
-            .await
+            io.run_to(&mut cr, &mut cw, &mut server, &killed, early, key)
+                .await
         }
         ClientStream::Gone => {}
     }
     drop(registration);
+}
+
+/// Bytes read from each side before a relayed session's relay began,
+/// which go through it before anything more is read.
+struct Early {
+    /// The client's, pipelined behind its start-up packet.
+    client: BytesMut,
+    /// The server's first answer to the start-up (see [`first_answer`]).
+    server: BytesMut,
 }
 
 enum Ended {
@@ -1628,15 +1617,13 @@ struct Io<'a> {
 impl Io<'_> {
     /// Splits the server connection (plain TCP for free, TLS with tokio's
     /// locking split) and relays.
-    #[allow(clippy::too_many_arguments)]
     async fn run_to<CR, CW>(
         &self,
         cr: &mut CR,
         cw: &mut CW,
         server: &mut ServerStream,
         killed: &KillState,
-        early: BytesMut,
-        server_early: BytesMut,
+        early: Early,
         key: &mut Option<(i32, i32)>,
     ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1645,13 +1632,11 @@ impl Io<'_> {
         match server {
             ServerStream::Plain(tcp) => {
                 let (mut sr, mut sw) = tcp.split();
-                self.run(cr, cw, &mut sr, &mut sw, killed, early, server_early, key)
-                    .await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
             }
             ServerStream::Tls(tls) => {
                 let (mut sr, mut sw) = tokio::io::split(tls.as_mut());
-                self.run(cr, cw, &mut sr, &mut sw, killed, early, server_early, key)
-                    .await
+                self.run(cr, cw, &mut sr, &mut sw, killed, early, key).await
             }
         }
     }
@@ -1667,8 +1652,7 @@ impl Io<'_> {
         mut sr: &mut SR,
         mut sw: &mut SW,
         killed: &KillState,
-        early: BytesMut,
-        server_early: BytesMut,
+        early: Early,
         key_slot: &mut Option<(i32, i32)>,
     ) where
         CR: tokio::io::AsyncRead + Direct + Unpin,
@@ -1761,7 +1745,7 @@ impl Io<'_> {
                         }
                     }
                 },
-                early,
+                early.client,
                 Some(&gate),
             );
             let cancel = &self.shared.cancel;
@@ -1846,7 +1830,7 @@ impl Io<'_> {
                         _ => Verdict::Keep,
                     }
                 },
-                server_early,
+                early.server,
                 None,
             );
             let mut downstream = std::pin::pin!(downstream);
