@@ -80,8 +80,9 @@ pub(crate) struct HaLoop {
     /// bound to it already.
     lease_moving: Option<(LeaseId, Timing)>,
     last_renewal: Option<Instant>,
-    /// A switchover this leader abandoned kept it leading this round
-    /// ([`Self::release`]): the watchdog and fence stay armed.
+    /// A switchover this leader abandoned, or did not begin for want of a
+    /// renewal, kept it leading this round ([`Self::release`]): the
+    /// watchdog and fence stay armed.
     kept_key: bool,
     /// The renewal ([`Self::last_renewal`]) the watchdog was last fed for.
     watchdog_fed_for: Option<Instant>,
@@ -2602,6 +2603,11 @@ impl HaLoop {
                     if !self.renew().await {
                         tracing::warn!("not switching over: the leader lease could not be renewed");
                         handover::resume_proxies(&paused, &self.credentials).await;
+                        // Still the running primary, under the lease it
+                        // last renewed: the watchdog stays armed with the
+                        // deadline that renewal set (disarmed here, a later
+                        // round would arm it afresh, as if renewed now).
+                        self.kept_key = true;
                         return;
                     }
                 }
