@@ -6663,3 +6663,53 @@ async fn one_client_cannot_spoil_the_statements_of_another() {
         assert_eq!(values(&b.send(&msg_run(b"sb"))), ["7"]);
     }
 }
+
+/// A server lost while a pooled client is in the middle of one of its
+/// messages (a long row) ends the client's connection without a word:
+/// an ErrorResponse written there would be read as the rest of the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_lost_mid_row_closes_the_client_without_a_message() {
+    use std::io::{Read, Write};
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(&[relay.addr().to_string()], WAIT, pool(2, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let rw = p.service_addrs()["read_write"];
+    let mut raw = tokio::task::spawn_blocking(move || RawClient::connect(rw, "UTF8"))
+        .await
+        .unwrap();
+    // Far more than the sockets and the relay hold, so the server is still
+    // sending the row when its connection is cut.
+    raw.0
+        .write_all(&msg_query(b"SELECT repeat('x', 50000000)"))
+        .unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    raw.0.read_exact(&mut got).unwrap();
+    relay.reset_all();
+    let rest = tokio::task::spawn_blocking(move || {
+        let mut rest = Vec::new();
+        let mut chunk = vec![0u8; 1 << 16];
+        loop {
+            match raw.0.read(&mut chunk) {
+                Ok(0) | Err(_) => break rest,
+                Ok(n) => rest.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    got.extend_from_slice(&rest);
+    // RowDescription, then the DataRow that was cut short.
+    assert_eq!(got[0], b'T');
+    let t_len = u32::from_be_bytes(got[1..5].try_into().unwrap()) as usize;
+    let row = &got[1 + t_len..];
+    assert_eq!(row[0], b'D');
+    let row_len = u32::from_be_bytes(row[1..5].try_into().unwrap()) as usize;
+    assert!(row.len() < 1 + row_len, "the whole row came: {}", row.len());
+    let tail = &row[row.len().saturating_sub(4096)..];
+    assert!(
+        tail.iter().all(|&b| b == b'x'),
+        "bytes that are not the row's follow it: {:?}",
+        String::from_utf8_lossy(&tail[tail.len().saturating_sub(200)..])
+    );
+}

@@ -525,7 +525,11 @@ pub(crate) async fn run(
     // Counted as a relayed session's end is: only when pgwarden's kill is
     // what ended it, by why.
     let kill = outcome.as_ref().err().and_then(|f| f.kill);
-    if let Err(f) = outcome {
+    // A client in the middle of a message the server began cannot be told
+    // anything: an ErrorResponse there would read as the rest of that
+    // message. Its connection is just closed, as a server that dies
+    // mid-row closes it.
+    if let (Err(f), 0) = (outcome, session.skip) {
         let out = f.into_message();
         let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
     }
