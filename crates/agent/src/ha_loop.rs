@@ -462,8 +462,13 @@ impl HaLoop {
         if self.snapshot.initialize.is_none() && self.snapshot.leader.is_none() && !fresh {
             tracing::debug!("the cluster has members but no initialize key: waiting for a leader");
         }
-        if self.snapshot.initialize.is_none() && fresh {
-            let claim = pgwarden_ha::identity::claim(&self.cfg.name);
+        let claim = pgwarden_ha::identity::claim(&self.cfg.name);
+        // This member's own claim in a cluster still without data: it won
+        // the race before (an answer lost on its way back, or the agent
+        // stopped before the data was made), and no one else creates the
+        // cluster while the claim stands. It goes on as the winner.
+        let claimed = fresh && self.snapshot.initialize.as_deref() == Some(claim.as_str());
+        if (self.snapshot.initialize.is_none() && fresh) || claimed {
             // A standby cluster is named in the dynamic configuration (set
             // before any member started) or in the first member's file.
             let standby = match record::standby_cluster(&self.snapshot) {
@@ -474,7 +479,7 @@ impl HaLoop {
                 }
                 None => self.cfg.standby_cluster.clone(),
             };
-            if self.dcs.initialize_race(&claim).await? {
+            if claimed || self.dcs.initialize_race(&claim).await? {
                 self.busy("initializing").await;
                 let res = match &standby {
                     None => match self.cfg.bootstrap.clone() {
@@ -562,7 +567,7 @@ impl HaLoop {
             self.sync_applied_at = None;
         }
         self.pg.start(Duration::from_secs(60)).await?;
-        self.lead_new_cluster(claim).await?;
+        self.lead_new_cluster(claim).await;
         self.former_primary = true;
         Ok(())
     }
@@ -601,7 +606,7 @@ impl HaLoop {
                 ));
             }
         }
-        self.lead_new_cluster(claim).await?;
+        self.lead_new_cluster(claim).await;
         Ok(())
     }
 
@@ -825,7 +830,7 @@ impl HaLoop {
                 i.reload()
             })
             .await?;
-        self.lead_new_cluster(claim).await?;
+        self.lead_new_cluster(claim).await;
         self.former_primary = true;
         Ok(())
     }
@@ -833,20 +838,44 @@ impl HaLoop {
     /// The last steps of creating a cluster, once its first server runs:
     /// take the leader key and swap the initialize claim for the system
     /// identifier.
-    async fn lead_new_cluster(&mut self, claim: &str) -> Result<(), AgentStepError> {
-        let lease = self.ensure_lease().await?;
-        let t0 = Instant::now();
-        self.dcs.keep_alive_once(lease).await?;
-        if self.dcs.acquire_leader(&self.cfg.name, lease).await? {
-            self.last_renewal = Some(t0);
+    ///
+    /// Neither step can fail the creation. An etcd that times out may
+    /// still have made the write, and a creation given up wipes the data
+    /// directory: with the leader key or the identifier then in etcd and
+    /// no data anywhere, no member could ever create or clone the
+    /// cluster. What is not done here the loop does at its next turn, as
+    /// for any running primary: it takes the key when no one holds it,
+    /// and replaces this member's own claim with the identifier.
+    async fn lead_new_cluster(&mut self, claim: &str) {
+        match self.ensure_lease().await {
+            Ok(lease) => {
+                let t0 = Instant::now();
+                let led = match self.dcs.keep_alive_once(lease).await {
+                    Ok(_) => self.dcs.acquire_leader(&self.cfg.name, lease).await,
+                    Err(e) => Err(e),
+                };
+                match led {
+                    Ok(true) => self.last_renewal = Some(t0),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot take the new cluster's leader key yet")
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot grant a lease for the new cluster yet"),
         }
         let sysid = self
             .controldata("Database system identifier")
             .await
             .unwrap_or_default();
-        self.dcs.finish_initialize(claim, &sysid).await?;
-        self.identity_known = true;
-        Ok(())
+        match self.dcs.finish_initialize(claim, &sysid).await {
+            Ok(true) => self.identity_known = true,
+            // Compared (and recorded) by the loop's identity check.
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot record the new cluster's system identifier yet")
+            }
+        }
     }
 
     /// Creates this replica's data from `source` with the configured

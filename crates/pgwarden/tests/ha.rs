@@ -1058,6 +1058,25 @@ async fn a_new_member_clones_the_leader_when_etcd_lost_the_identifier() {
     identifier_recorded(&c, &ours, Duration::from_secs(30)).await;
 }
 
+/// A member that finds its own claim on a cluster without data (its race
+/// won, but etcd's answer lost on the way back, or the agent stopped
+/// before initdb) creates the cluster: no one else will while the claim
+/// stands, and waiting for a leader would wait for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_holds_the_claim_creates_the_cluster() {
+    let mut c = cluster().nodes(2).hold_back(0).hold_back(1).start();
+    let dcs = cluster_dcs(&c).await;
+    let claim = pgwarden_ha::identity::claim("n1");
+    assert!(dcs.initialize_race(&claim).await.unwrap());
+    c.launch_held_back(0);
+    c.launch_held_back(1);
+    healthy(&c, 1, BOOTSTRAP).await;
+    assert_eq!(writable(&c).await, vec![0]);
+    let ours = system_identifier(&c.node(0).data_dir);
+    identifier_recorded(&c, &ours, Duration::from_secs(30)).await;
+    assert_eq!(system_identifier(&c.node(1).data_dir), ours);
+}
+
 /// A CA, a certificate naming 127.0.0.1 for etcd, and a client
 /// certificate (files), all in `dir`.
 fn etcd_certs(
