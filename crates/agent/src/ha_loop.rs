@@ -4181,21 +4181,28 @@ impl HaLoop {
     }
 
     fn record(&self) -> MemberRecord {
-        let pg = &self.obs.pg;
-        let role = match (pg.running, pg.in_recovery, self.obs.process) {
+        // While a step replaces or rewrites the data directory (creating,
+        // cloning, rewinding it) the last observation no longer holds: the
+        // member is shown stopped with no WAL, or an election would count
+        // it as a candidate, perhaps the best one, until the step ends.
+        let in_flux = pgwarden_ha::LocalPg::default();
+        let (pg, process) = if self.activity.is_some() {
+            (&in_flux, false)
+        } else {
+            (&self.obs.pg, self.obs.process)
+        };
+        let role = match (pg.running, pg.in_recovery, process) {
             (true, true, _) => MemberRole::Replica,
             (true, false, _) => MemberRole::Primary,
             (false, _, true) => MemberRole::Unknown,
             (false, _, false) => MemberRole::Stopped,
         };
-        let status = self
-            .activity
-            .unwrap_or(match (pg.running, self.obs.process) {
-                (true, _) => "running",
-                (false, true) => "starting",
-                (false, false) if self.start_failed_since.is_some() => "start failed",
-                (false, false) => "stopped",
-            });
+        let status = self.activity.unwrap_or(match (pg.running, process) {
+            (true, _) => "running",
+            (false, true) => "starting",
+            (false, false) if self.start_failed_since.is_some() => "start failed",
+            (false, false) => "stopped",
+        });
         let last_leader_lsn = cluster_view(&self.snapshot, 0).last_leader_lsn;
         MemberRecord {
             state: MemberState {

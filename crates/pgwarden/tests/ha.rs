@@ -2586,6 +2586,105 @@ async fn reinitialize_clones_a_replica_afresh_and_is_refused_on_the_leader() {
     assert_eq!(writable(&c).await, vec![0]);
 }
 
+/// A member whose data directory is being replaced is no candidate: while
+/// it re-clones, its record and its API show it stopped with no WAL, not
+/// the running replica it was (an election would count that, perhaps as
+/// the best candidate, for as long as the clone takes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_being_recloned_is_shown_stopped_without_wal() {
+    let tools = shared_dir();
+    let dir = tools.path().display().to_string();
+    let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
+        .unwrap()
+        .path("pg_basebackup");
+    // Clones at once, unless told to hold.
+    let script = tools.path().join("held.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
+             i=0; while [ -e {dir}/hold ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n\
+             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
+            pg_basebackup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let c = cluster()
+        .nodes(2)
+        .node_settings(
+            1,
+            &format!(
+                "create_replica_methods = [\"held\"]\n\
+                 replica_methods = {{ held = {{ command = \"{}\" }} }}",
+                script.display()
+            ),
+        )
+        .start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    let n2_record = || async {
+        let snapshot = read_cluster(&c).await;
+        pgwarden_agent::record::records(&snapshot)
+            .into_iter()
+            .find(|m| m.state.name == "n2")
+    };
+    eventually(
+        "n2 is published running",
+        Duration::from_secs(20),
+        || async {
+            match n2_record().await {
+                Some(r) if r.state.running && r.state.wal_position().is_some() => Ok(()),
+                r => Err(format!("{r:?}")),
+            }
+        },
+    )
+    .await;
+    std::fs::write(tools.path().join("hold"), "").unwrap();
+    let r = api_call(&c, 1, "POST", "/reinitialize", serde_json::json!({})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let record = eventually("n2 is listed as reinitializing", BOOTSTRAP, || async {
+        match n2_record().await {
+            Some(r) if r.status == "reinitializing" => Ok(r),
+            r => Err(format!("{r:?}")),
+        }
+    })
+    .await;
+    assert!(
+        !record.state.running
+            && record.state.role == pgwarden_ha::MemberRole::Stopped
+            && record.state.wal_position().is_none(),
+        "{record:?}"
+    );
+    // What the other members ask for during an election says the same.
+    let patroni: serde_json::Value =
+        serde_json::from_str(&api_get_text(&c, 1, "/patroni").await).unwrap();
+    assert!(
+        patroni
+            .get("received_lsn")
+            .and_then(|v| v.as_u64())
+            .is_none()
+            && patroni
+                .get("replayed_lsn")
+                .and_then(|v| v.as_u64())
+                .is_none(),
+        "{patroni}"
+    );
+    std::fs::remove_file(tools.path().join("hold")).unwrap();
+    healthy(&c, 1, Duration::from_secs(60)).await;
+    eventually(
+        "n2 is published running again",
+        Duration::from_secs(20),
+        || async {
+            match n2_record().await {
+                Some(r) if r.state.running && r.state.wal_position().is_some() => Ok(()),
+                r => Err(format!("{r:?}")),
+            }
+        },
+    )
+    .await;
+}
+
 #[test]
 fn a_lease_too_short_for_the_retry_window_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
