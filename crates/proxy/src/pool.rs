@@ -1994,12 +1994,17 @@ pub(crate) async fn login(
                 // host, not the login, is not ready (a restart, the old
                 // primary of a switchover). A failure, which the client's
                 // wait tries again or elsewhere, not a refusal to relay.
-                let fields = message::error_fields(body).unwrap_or_default();
-                if message::find_field(&fields, b'C')
-                    == Some(pgwarden_wire::sqlstate::CANNOT_CONNECT_NOW.code())
+                let fields = message::error_fields_raw(body).unwrap_or_default();
+                if message::find_raw_field(&fields, b'C')
+                    == Some(
+                        pgwarden_wire::sqlstate::CANNOT_CONNECT_NOW
+                            .code()
+                            .as_bytes(),
+                    )
                 {
-                    let text = message::find_field(&fields, b'M').unwrap_or("not ready");
-                    return Err(ServerError::NotReady(text.to_string()));
+                    let text = message::find_raw_field(&fields, b'M')
+                        .map_or("not ready".into(), String::from_utf8_lossy);
+                    return Err(ServerError::NotReady(text.into_owned()));
                 }
                 return Err(ServerError::Refused(msg));
             }

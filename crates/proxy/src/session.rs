@@ -1103,13 +1103,15 @@ async fn read_first_answer(
                         at += 1 + len.max(4);
                         continue;
                     }
-                    let fields = pgwarden_wire::message::error_fields(body).unwrap_or_default();
-                    let code = pgwarden_wire::message::find_field(&fields, b'C');
-                    if code == Some(sqlstate::CANNOT_CONNECT_NOW.code()) {
-                        let text = pgwarden_wire::message::find_field(&fields, b'M');
+                    let fields = pgwarden_wire::message::error_fields_raw(body).unwrap_or_default();
+                    let code = pgwarden_wire::message::find_raw_field(&fields, b'C');
+                    if code == Some(sqlstate::CANNOT_CONNECT_NOW.code().as_bytes()) {
+                        let text = pgwarden_wire::message::find_raw_field(&fields, b'M');
                         return Err(Unusable {
                             code: sqlstate::CANNOT_CONNECT_NOW,
-                            why: text.unwrap_or("not accepting connections").to_string(),
+                            why: text.map_or("not accepting connections".into(), |t| {
+                                String::from_utf8_lossy(t).into_owned()
+                            }),
                         });
                     }
                     return Ok((server, buf));

@@ -2633,24 +2633,24 @@ impl Session {
     /// can read), and the statement goes from it, so that the next use
     /// prepares it there again instead of failing the same way for good.
     fn missing_statement(&mut self, body: &[u8]) {
-        let Ok(fields) = message::error_fields(body) else {
+        let Ok(fields) = message::error_fields_raw(body) else {
             return;
         };
-        if message::find_field(&fields, b'C') != Some("26000") {
+        if message::find_raw_field(&fields, b'C') != Some(b"26000") {
             return;
         }
         // The client's own statement the message names, in whatever
         // language and quotes (the longest, should one name hold
         // another): one of another client's (in an error any client can
         // raise) is not this client's to drop.
-        let Some(msg) = message::find_field(&fields, b'M') else {
+        let Some(msg) = message::find_raw_field(&fields, b'M') else {
             return;
         };
         let Some(name) = self
             .statements
             .values()
             .map(|st| st.0.clone())
-            .filter(|s| msg.contains(&**s))
+            .filter(|s| memchr::memmem::find(msg, s.as_bytes()).is_some())
             .max_by_key(|s| s.len())
         else {
             return;
@@ -2872,10 +2872,10 @@ fn frontend_message(tag: u8) -> bool {
 fn ends_session(body: &[u8]) -> bool {
     // 'V' is the severity never translated; servers before 9.6 send 'S'
     // only.
-    let fields = message::error_fields(body).unwrap_or_default();
+    let fields = message::error_fields_raw(body).unwrap_or_default();
     let severity =
-        message::find_field(&fields, b'V').or_else(|| message::find_field(&fields, b'S'));
-    matches!(severity, Some("FATAL" | "PANIC"))
+        message::find_raw_field(&fields, b'V').or_else(|| message::find_raw_field(&fields, b'S'));
+    matches!(severity, Some(b"FATAL" | b"PANIC"))
 }
 
 /// Sets session parameters on a freshly borrowed server before the client's
@@ -2914,13 +2914,13 @@ async fn run_on_server(c: &mut Checkout, sql: &str) -> Result<Option<(String, St
                 }
             }
             Ok(Some((backend::ERROR_RESPONSE, m))) => {
-                let fields = message::error_fields(&m[5..]).unwrap_or_default();
-                let text = message::find_field(&fields, b'M')
-                    .unwrap_or("error")
-                    .to_string();
-                let code = message::find_field(&fields, b'C')
-                    .unwrap_or(sqlstate::INTERNAL_ERROR.code())
-                    .to_string();
+                let fields = message::error_fields_raw(&m[5..]).unwrap_or_default();
+                let text = message::find_raw_field(&fields, b'M')
+                    .map_or("error".into(), |m| String::from_utf8_lossy(m).into_owned());
+                let code = message::find_raw_field(&fields, b'C')
+                    .map_or(sqlstate::INTERNAL_ERROR.code().into(), |c| {
+                        String::from_utf8_lossy(c).into_owned()
+                    });
                 error = Some((code, text));
             }
             Ok(Some(_)) => {}
@@ -3015,6 +3015,21 @@ fn sql_ident(word: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+
+    /// A server's FATAL ends the client's session with the server's own
+    /// words whatever their encoding: read as anything else, a LATIN1
+    /// message (a German server) was followed by pgwarden's own FATAL.
+    #[test]
+    fn a_fatal_in_any_encoding_ends_the_session() {
+        use super::ends_session;
+        let latin1 = b"SFATAL\0VFATAL\0C57P01\0Mbeende Verbindung \xbbauf Anweisung\xab\0\0";
+        assert!(ends_session(latin1));
+        assert!(ends_session(b"SPANIC\0C XX000\0M\xe9\0\0"));
+        // Servers before 9.6 send only the localized severity.
+        assert!(ends_session(b"SFATAL\0Mx\0\0"));
+        assert!(!ends_session(b"SFEHLER\0VERROR\0C42P01\0M\xbbt\xab\0\0"));
+        assert!(!ends_session(b"garbage"));
+    }
 
     #[test]
     fn statement_names_in_sql_are_read_and_written_as_postgresql_does() {

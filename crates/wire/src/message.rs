@@ -561,6 +561,31 @@ pub fn find_field<'a>(fields: &[(u8, &'a str)], ty: u8) -> Option<&'a str> {
     fields.iter().rev().find(|(t, _)| *t == ty).map(|(_, v)| *v)
 }
 
+/// Fields of an ErrorResponse or NoticeResponse body as bytes, for a
+/// server whose messages may not be UTF-8 (they are in the client's
+/// encoding, or the server's during a login): severity and SQLSTATE are
+/// ASCII whatever the encoding, and a message must still be told a FATAL
+/// when its text is in LATIN1.
+pub fn error_fields_raw(body: &[u8]) -> Result<Vec<(u8, &[u8])>, BodyError> {
+    let mut r = Reader::new(body);
+    let mut fields = Vec::new();
+    loop {
+        let ty = r.u8()?;
+        if ty == 0 {
+            break;
+        }
+        fields.push((ty, r.cstr_bytes()?));
+    }
+    r.finish()?;
+    Ok(fields)
+}
+
+/// The value of the last field of type `ty` in [`error_fields_raw`]
+/// output, if present.
+pub fn find_raw_field<'a>(fields: &[(u8, &'a [u8])], ty: u8) -> Option<&'a [u8]> {
+    fields.iter().rev().find(|(t, _)| *t == ty).map(|(_, v)| *v)
+}
+
 /// The fields of an error or notice that the proxy acts on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ErrorSummary<'a> {
@@ -803,5 +828,18 @@ mod tests {
         assert_eq!(s.message, Some("no such table"));
         assert_eq!(error_fields(b"Sx\0"), Err(BodyError::Truncated));
         assert_eq!(error_fields(b"\0x"), Err(BodyError::TrailingData));
+    }
+
+    #[test]
+    fn error_fields_in_another_encoding_are_read_as_bytes() {
+        // A German server's message in LATIN1: not UTF-8.
+        let b = b"SFATAL\0VFATAL\0C57P01\0Mbeende Verbindung auf Anweisung des Administrators \xbbx\xab\0\0";
+        assert_eq!(error_fields(b), Err(BodyError::InvalidUtf8));
+        let f = error_fields_raw(b).unwrap();
+        assert_eq!(find_raw_field(&f, b'V'), Some(&b"FATAL"[..]));
+        assert_eq!(find_raw_field(&f, b'C'), Some(&b"57P01"[..]));
+        assert!(find_raw_field(&f, b'M').unwrap().ends_with(b"\xbbx\xab"));
+        assert_eq!(error_fields_raw(b"Sx\0"), Err(BodyError::Truncated));
+        assert_eq!(error_fields_raw(b"\0x"), Err(BodyError::TrailingData));
     }
 }

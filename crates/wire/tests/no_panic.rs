@@ -52,6 +52,9 @@ fn all_body_accessors(b: &[u8]) {
     if let Ok(f) = message::error_fields(b) {
         let _ = message::ErrorSummary::from_fields(&f);
     }
+    if let Ok(f) = message::error_fields_raw(b) {
+        let _ = message::find_raw_field(&f, b'C');
+    }
 }
 
 fn startup_bytes(buf: &[u8]) {
