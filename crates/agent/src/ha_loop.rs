@@ -3051,9 +3051,7 @@ impl HaLoop {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    /// Runs `CHECKPOINT` on the primary at `addr` if its control file
-    /// still names an earlier timeline than the one it writes (it was
-    /// promoted since its last checkpoint).
+
     /// Readies the source of a rewind at `addr`: `CHECKPOINT` when its
     /// control file still names an earlier timeline than the one it
     /// writes. Returns the timeline it is on, or `None` when `must_lead`
