@@ -1031,7 +1031,13 @@ impl HaLoop {
     fn retry_budget(&self) -> Duration {
         let op = self.etcd.op_timeout;
         match (self.holds_leader_key(), self.last_renewal) {
-            (true, Some(at)) => {
+            // In maintenance mode nothing demotes a leader whose lease
+            // ran out: it goes on reading (and renewing) as a member does,
+            // or it would never see etcd again, nor the resume.
+            (true, Some(at))
+                if !(record::paused(&self.snapshot)
+                    && at.elapsed() >= self.timing.demote_after()) =>
+            {
                 let left =
                     (at + self.timing.demote_after()).saturating_duration_since(Instant::now());
                 // With failsafe on, a read retried up to the deadline would
@@ -1724,7 +1730,7 @@ impl HaLoop {
             // since the view was read (a failsafe leader's lease ran out
             // in an outage): the next round, on a fresh view, takes it in
             // an election or follows whoever has it, demoting then.
-            && *reason != AcquireReason::OwnKey
+            && !matches!(reason, AcquireReason::OwnKey | AcquireReason::PausedPrimary)
             && self.obs.pg.running
             && !self.obs.pg.in_recovery
             && !self.holds_leader_key()
@@ -1763,6 +1769,9 @@ impl HaLoop {
             AcquireReason::FailoverRequested { .. } => true,
             // Already the primary the key names: nothing to check.
             AcquireReason::OwnKey => true,
+            // The operator owns the cluster; this primary already takes
+            // the writes.
+            AcquireReason::PausedPrimary => true,
         };
         if !checked {
             return false;
@@ -1798,7 +1807,9 @@ impl HaLoop {
             return false;
         }
         let won = match reason {
-            AcquireReason::BestCandidate => self.dcs.acquire_leader(&self.cfg.name, lease).await,
+            AcquireReason::BestCandidate | AcquireReason::PausedPrimary => {
+                self.dcs.acquire_leader(&self.cfg.name, lease).await
+            }
             AcquireReason::FailoverRequested { .. } => {
                 let from = view
                     .failover_request
@@ -1828,6 +1839,9 @@ impl HaLoop {
                     AcquireReason::BestCandidate => "automatic failover: the leader key was free",
                     AcquireReason::FailoverRequested { .. } => "manual failover or switchover",
                     AcquireReason::OwnKey => "the key named this node already",
+                    AcquireReason::PausedPrimary => {
+                        "maintenance mode: the primary took the free key"
+                    }
                 };
                 if record::standby_cluster(&self.snapshot).is_some() {
                     self.follow_remote().await;
@@ -4319,13 +4333,17 @@ impl HaLoop {
             self.last_role = Some(role);
         }
         let leader = self.snapshot.leader.as_ref();
-        let leads = self.holds_leader_key() && self.obs.pg.running && self.lease_fresh();
+        // In maintenance mode a primary that holds the key (as last read)
+        // leads whether or not etcd answers, as nothing demotes it.
+        let paused = record::paused(&self.snapshot);
+        let leads =
+            self.holds_leader_key() && self.obs.pg.running && (self.lease_fresh() || paused);
         let status = AgentStatus {
             is_leader: leads && !self.obs.pg.in_recovery,
             standby_leader: leads
                 && self.obs.pg.in_recovery
                 && record::standby_cluster(&self.snapshot).is_some(),
-            holds_leader_key: self.holds_leader_key() && self.lease_fresh(),
+            holds_leader_key: self.holds_leader_key() && (self.lease_fresh() || paused),
             leader: leader.map(|l| l.name.clone()),
             leader_generation: leader.map_or(0, |l| l.generation),
             routing_ready: self.routing_ready,
@@ -4335,7 +4353,7 @@ impl HaLoop {
             } else {
                 self.last_dcs_ok.elapsed().as_millis() as u64
             },
-            paused: crate::record::paused(&self.snapshot),
+            paused,
             last_decision: self.last_decision.clone(),
             settings: self.cluster_settings(),
             node_settings: ClusterSettings::of(&self.cfg),

@@ -150,12 +150,20 @@ pub enum AcquireReason {
     /// own key back. Waiting for it to expire would leave the primary
     /// taking writes with no lease held, and no deadline to stop by.
     OwnKey,
+    /// In maintenance mode the key is free and this node is a running
+    /// primary (its lease ran out in an etcd outage, say): it takes the
+    /// key back, as Patroni does, without an election's checks; nothing
+    /// is promoted, and failing to take it demotes nothing.
+    PausedPrimary,
 }
 
 impl fmt::Display for AcquireReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AcquireReason::BestCandidate => f.write_str("this node is the best candidate"),
+            AcquireReason::PausedPrimary => {
+                f.write_str("maintenance mode: the key is free and this node is a running primary")
+            }
             AcquireReason::FailoverRequested { forced: false } => {
                 f.write_str("a manual failover named this node")
             }
@@ -700,6 +708,11 @@ fn without_leader(
         }
     }
     if view.paused {
+        // Without a key holder the next resume would hold an election
+        // beside a primary that still takes writes.
+        if local.is_running_primary() {
+            return acquire(view, local, AcquireReason::PausedPrimary);
+        }
         return Decision::Paused { renew_lease: false };
     }
     if !local.postgres.running {
@@ -1459,6 +1472,22 @@ mod tests {
                 name: "no election for a free key",
                 cluster: cluster().replica("n2", 0).paused().build(),
                 local: local("n2").build(),
+                want: Decision::Paused { renew_lease: false },
+                says: "paused: no automatic failover",
+            },
+            Case {
+                name: "a running primary takes a free key back",
+                cluster: cluster().replica("n2", 0).paused().build(),
+                local: local("n1").primary().build(),
+                want: Decision::AcquireLeader {
+                    reason: AcquireReason::PausedPrimary,
+                },
+                says: "acquiring the leader key: maintenance mode: the key is free and this node is a running primary",
+            },
+            Case {
+                name: "a stopped former primary does not",
+                cluster: cluster().replica("n2", 0).paused().build(),
+                local: local("n1").stopped().build(),
                 want: Decision::Paused { renew_lease: false },
                 says: "paused: no automatic failover",
             },

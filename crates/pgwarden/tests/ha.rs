@@ -716,6 +716,65 @@ async fn maintenance_mode_suppresses_failover_until_resumed() {
     new_primary(&c, 0, Duration::from_secs(30)).await;
 }
 
+/// In maintenance mode a leader is never demoted, so an etcd outage past
+/// its lease leaves it primary and still answering `/primary` (as Patroni's
+/// does); once etcd is back it reads and renews again, and a key that ran
+/// out is taken back by the running primary, not left for an election
+/// beside it at the resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_outlives_an_etcd_outage_and_keeps_the_key() {
+    let mut c = cluster().nodes(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    assert_eq!(api_post(&c, 0, "/pause").await, 200);
+    all_see_the_pause(&c).await;
+    c.etcd().stop(0);
+    // Well past the lease (demotion is due 3 s after the last renewal).
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(8);
+    while tokio::time::Instant::now() < quiet {
+        assert_eq!(writable(&c).await, vec![0], "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(c.api_status(0, "/primary"), Some(200));
+    assert_eq!(c.api_status(1, "/primary"), Some(503));
+    c.etcd().start_again(0);
+    eventually(
+        "n1 reads etcd again and holds the key",
+        Duration::from_secs(30),
+        || n1_reads_etcd_and_holds_the_key(&c),
+    )
+    .await;
+    // The key gone (its lease ran out in the outage, or removed by hand):
+    // the running primary takes it back while paused.
+    let dcs = cluster_dcs(&c).await;
+    assert!(dcs.release_leader("n1").await.unwrap());
+    eventually(
+        "n1 takes the free key back",
+        Duration::from_secs(30),
+        || n1_reads_etcd_and_holds_the_key(&c),
+    )
+    .await;
+    assert_eq!(api_post(&c, 0, "/resume").await, 200);
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(4);
+    while tokio::time::Instant::now() < quiet {
+        assert_eq!(writable(&c).await, vec![0], "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(
+        read_cluster(&c).await.leader.map(|l| l.name).as_deref(),
+        Some("n1")
+    );
+}
+
+/// Whether n1's agent reads etcd and the leader key names n1.
+async fn n1_reads_etcd_and_holds_the_key(c: &AgentCluster) -> Result<(), String> {
+    let status: serde_json::Value =
+        serde_json::from_str(&api_get_text(c, 0, "/patroni").await).unwrap();
+    let leader = read_cluster(c).await.leader.map(|l| l.name);
+    (status["dcs_reachable"] == true && leader.as_deref() == Some("n1"))
+        .then_some(())
+        .ok_or(format!("leader {leader:?}, n1 {status}"))
+}
+
 /// An ordered restart restarts a server that runs, in its role: it never
 /// starts one that is stopped, such as a leader a switchover stopped in
 /// maintenance mode, which would come back as a second primary.
