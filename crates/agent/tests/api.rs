@@ -851,7 +851,8 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         "refused requests write nothing"
     );
 
-    // Nobody acts on the request here, so the answer is "unknown", quickly.
+    // Nobody acts on the request here: it is withdrawn at the deadline,
+    // so that no leader carries it out later, when nobody expects it.
     let r = quick
         .write(
             "POST",
@@ -860,12 +861,17 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         )
         .await;
     assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.body.contains("status unknown"), "{}", r.body);
+    assert!(r.body.contains("the request was withdrawn"), "{}", r.body);
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
+    // One still pending (its API waiting yet, say) is withdrawn by hand.
+    d.put_failover(&json!({"candidate": "n2", "from_leader": "n1"}))
+        .await
+        .unwrap();
+    let r = quick.write("DELETE", "/switchover", None).await;
     assert_eq!(
-        d.read_cluster().await.unwrap().failover,
-        Some(json!({"candidate": "n2", "from_leader": "n1"}))
+        (r.status, r.body.trim()),
+        (200, "pending switchover cancelled")
     );
-    assert_eq!(quick.write("DELETE", "/switchover", None).await.status, 200);
     assert!(d.read_cluster().await.unwrap().failover.is_none());
     let r = quick.write("DELETE", "/switchover", None).await;
     assert_eq!(r.status, 404, "{}", r.body);
@@ -1019,12 +1025,15 @@ async fn failover_needs_a_leaderless_cluster_unless_forced() {
             Some(json!({"candidate": "n2", "force": true})),
         )
         .await;
+    // Written, and withdrawn when nobody took it up: a forced request
+    // left behind would depose whoever led when n2 next qualified.
     assert_eq!(r.status, 503, "{}", r.body);
-    assert_eq!(
-        d.read_cluster().await.unwrap().failover,
-        Some(json!({"candidate": "n2", "forced": true}))
+    assert!(
+        r.body.contains("failover not carried out") && r.body.contains("withdrawn"),
+        "{}",
+        r.body
     );
-    d.delete_failover().await.unwrap();
+    assert!(d.read_cluster().await.unwrap().failover.is_none());
     // `member` names the candidate too, as in Patroni; and force does not
     // override fencing, the operator's own word.
     d.put_config(&json!({"fenced": {"n2": true}}))
