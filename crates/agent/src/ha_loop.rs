@@ -2259,12 +2259,15 @@ impl HaLoop {
             return;
         };
         let leader_tl = self.member_record(leader).map_or(0, |r| r.state.timeline);
-        let diverged = !self.former_primary
-            && !self.obs.streaming
+        // Asked of a former primary too: a WAL receiver that connected once
+        // fetched the leader's history file, and the timeline the server
+        // reports counts it, so comparing timelines alone would have such a
+        // former primary follow, never rewound, with WAL the leader lacks.
+        let diverged = !self.obs.streaming
             && self.obs.pg.in_recovery
             && leader_tl > 1
             && self.replayed_past_fork(&addr, leader_tl).await;
-        if diverged {
+        if diverged && !self.former_primary {
             tracing::warn!(
                 leader,
                 "this replica replayed WAL that the leader's timeline does not have; it must rewind"
