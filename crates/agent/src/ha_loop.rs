@@ -1214,8 +1214,13 @@ impl HaLoop {
             }
             _ => None,
         };
-        if matches!(decision, Decision::RenewLease)
-            && self.holds_leader_key()
+        // In maintenance mode too, as Patroni's leader does: a leader made
+        // by hand there must list its synchronous standbys (routing waits
+        // for that key), and one that lost its standby must degrade.
+        if matches!(
+            decision,
+            Decision::RenewLease | Decision::Paused { renew_lease: true }
+        ) && self.holds_leader_key()
             && self.obs.pg.running
             && !self.obs.pg.in_recovery
         {

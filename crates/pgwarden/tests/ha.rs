@@ -3052,6 +3052,41 @@ fn start_writer(
     })
 }
 
+/// In maintenance mode the leader still manages its synchronous standbys:
+/// after a switchover by hand, the new leader lists its own, so the
+/// connection managers route writes to it (they wait for its key), and
+/// commits are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_in_maintenance_mode_keeps_synchronous_writes_flowing() {
+    let c = cluster()
+        .nodes(2)
+        .agent_settings("protection = \"maximum_availability\"")
+        .start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    routes_writes_to(&c, 1, 0, Duration::from_secs(30)).await;
+    assert_eq!(api_post(&c, 0, "/pause").await, 200);
+    all_see_the_pause(&c).await;
+    switch_over(&c, "n1", "n2").await;
+    eventually(
+        "n2 lists its synchronous standby",
+        Duration::from_secs(30),
+        || async {
+            let key = sync_key(&c).await;
+            (key["leader"] == "n2")
+                .then_some(())
+                .ok_or(format!("{key}"))
+        },
+    )
+    .await;
+    routes_writes_to(&c, 0, 1, Duration::from_secs(30)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_standbys() {
     let mut c = cluster()
