@@ -407,6 +407,7 @@ impl HaLoop {
     /// member clones the leader.
     async fn bootstrap(&mut self, leader_watch: &mut LeaderWatch) {
         if self.pg.has_data().await {
+            self.adopt_sync_setting().await;
             let state = self.control_state().await;
             // A data directory last shut down (or crashed) as a primary may
             // have diverged from whoever leads now.
@@ -442,6 +443,41 @@ impl HaLoop {
             tokio::select! {
                 _ = tokio::time::sleep(RETRY_PACE) => {}
                 _ = leader_watch.next() => {}
+            }
+        }
+    }
+
+    /// Takes back what an earlier run of the agent made PostgreSQL wait
+    /// for. The settings file it rewrites holds every setting it knows of:
+    /// without this, the first rewrite (dynamic parameters, say) would
+    /// drop `synchronous_standby_names` from a primary still running, and
+    /// commits would be acknowledged without a standby while the sync key
+    /// says otherwise.
+    async fn adopt_sync_setting(&mut self) {
+        if !self.sync.protection.synchronous() {
+            return;
+        }
+        let written = self
+            .pg
+            .with(|i| Ok(i.adopt_written_setting("synchronous_standby_names")))
+            .await
+            .ok()
+            .flatten();
+        let Some(written) = written else {
+            return;
+        };
+        match pgwarden_topology::ssn::parse(&written) {
+            Ok(Some(ssn)) => {
+                tracing::info!(synchronous_standby_names = %written, "synchronous standbys taken over from the last run");
+                self.sync_applied = SyncConfig {
+                    names: ssn.names,
+                    num: ssn.num_sync as usize,
+                };
+                self.sync_applied_at = None;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(synchronous_standby_names = %written, error = %e, "cannot read the synchronous standbys the last run set")
             }
         }
     }

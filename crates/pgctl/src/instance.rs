@@ -550,6 +550,29 @@ impl Instance {
         self.write_settings()
     }
 
+    /// Takes `key` back from the settings file a previous run left in the
+    /// data directory, as that run wrote it, so that the next write keeps
+    /// it; its value, if the file has one. The file is not rewritten.
+    pub fn adopt_written_setting(&mut self, key: &str) -> Option<String> {
+        let text = fs::read_to_string(self.spec.datadir.join(SETTINGS_FILE)).ok()?;
+        let prefix = format!("{key} = '");
+        let quoted = text
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix(&prefix)?.strip_suffix('\''))?;
+        // Undoes write_settings' escapes.
+        let mut value = String::with_capacity(quoted.len());
+        let mut chars = quoted.chars().peekable();
+        while let Some(c) = chars.next() {
+            if matches!(c, '\\' | '\'') && chars.peek() == Some(&c) {
+                chars.next();
+            }
+            value.push(c);
+        }
+        self.spec.settings.insert(key.into(), value.clone());
+        Some(value)
+    }
+
     /// Removes a setting from pgwarden's settings file.
     pub fn remove_setting(&mut self, key: &str) -> Result<()> {
         self.spec.settings.remove(key);
@@ -930,6 +953,42 @@ mod tests {
             ["restore_command = 'cp /own/%f %p'"]
         );
         assert!(settings_lines(&i, "recovery_target_time").is_empty());
+    }
+
+    #[test]
+    fn a_setting_written_by_an_earlier_run_is_taken_back_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = InstanceSpec::new("n1", dir.path(), 5432);
+        let mut i = Instance::new(
+            spec.clone(),
+            PgBinaries::at("/nonexistent"),
+            RunAs::current(),
+        );
+        let names = r#"FIRST 1 ("n2", "it's \ odd")"#;
+        i.set_setting("synchronous_standby_names", names).unwrap();
+        i.set_setting("work_mem", "4MB").unwrap();
+        // A new run knows nothing of it, and would write the file without
+        // it, until it takes it back.
+        let mut next = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        assert_eq!(next.adopt_written_setting("missing"), None);
+        assert_eq!(
+            next.adopt_written_setting("synchronous_standby_names")
+                .as_deref(),
+            Some(names)
+        );
+        next.set_setting("shared_buffers", "16MB").unwrap();
+        let mut again = Instance::new(
+            InstanceSpec::new("n1", dir.path(), 5432),
+            PgBinaries::at("/nonexistent"),
+            RunAs::current(),
+        );
+        assert_eq!(
+            again
+                .adopt_written_setting("synchronous_standby_names")
+                .as_deref(),
+            Some(names)
+        );
+        assert_eq!(again.adopt_written_setting("work_mem"), None);
     }
 
     #[test]

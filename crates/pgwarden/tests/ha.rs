@@ -3087,6 +3087,79 @@ async fn a_switchover_in_maintenance_mode_keeps_synchronous_writes_flowing() {
     routes_writes_to(&c, 0, 1, Duration::from_secs(30)).await;
 }
 
+/// A primary that outlives its agent (its fence gone too) keeps waiting
+/// for its synchronous standby when a new agent takes it over: the
+/// settings file the agent rewrites (here for a dynamic parameter) keeps
+/// what the last run set, so no commit is acknowledged without the
+/// standby the sync key names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_agent_keeps_the_synchronous_standbys_of_the_primary_it_adopts() {
+    let mut c = cluster()
+        .nodes(2)
+        .agent_settings("protection = \"maximum_availability\"")
+        .start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    query(
+        &c.node(0).pg_conninfo(),
+        "CREATE TABLE ha_log (id serial PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    let conninfo = c.node(0).pg_conninfo();
+    let names = || async { one(&conninfo, "SHOW synchronous_standby_names").await };
+    let want = "FIRST 1 (\"n2\")";
+    eventually(
+        "n2 is the synchronous standby",
+        Duration::from_secs(20),
+        || async {
+            let now = names().await?;
+            (now == want).then_some(()).ok_or(now)
+        },
+    )
+    .await;
+    patch_config_ok(
+        &c,
+        0,
+        serde_json::json!({"postgresql": {"parameters": {"work_mem": "8MB"}}}),
+    )
+    .await;
+    everywhere(&c, "work_mem", "8MB").await;
+    // The agent dies with its fence: PostgreSQL runs on alone.
+    let data_dir = c.node(0).data_dir.display().to_string();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(" fence ") && cmdline.contains(&data_dir) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+    let pid = c.node(0).postmaster_pid().unwrap();
+    c.kill_agent(0);
+    c.start_agent(0);
+    // Through the new agent's first rounds: never without the standby.
+    let watch = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::Instant::now() < watch {
+        if let Ok(now) = names().await {
+            assert_eq!(now, want, "{}", c.node(0).agent_log());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        c.node(0).postmaster_pid(),
+        Some(pid),
+        "the same server ran on"
+    );
+    let log = c.node(0).agent_log();
+    assert!(log.contains("taken over from the last run"), "{log}");
+    routes_writes_to(&c, 1, 0, Duration::from_secs(30)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn maximum_availability_loses_no_acknowledged_write_and_degrades_without_standbys() {
     let mut c = cluster()
