@@ -1515,6 +1515,23 @@ impl HaLoop {
         }
     }
 
+    /// Renews the key after a long step (a standby leader's rewind or
+    /// clone), with a budget of its own: the step's presence task kept the
+    /// lease alive, but the loop judges the lease by its last renewal, made
+    /// before the step, and would stop the server it just rebuilt. A key no
+    /// longer held on this lease is not renewed, and the loop acts on that.
+    async fn renew_after_step(&mut self) {
+        let (Some(lease), true) = (self.lease, self.holds_leader_key()) else {
+            return;
+        };
+        let t0 = Instant::now();
+        let renewal = self.dcs.renew_leader(&self.cfg.name, lease);
+        if let Ok(Ok(true)) = tokio::time::timeout(self.etcd.op_timeout * 2, renewal).await {
+            self.last_renewal = Some(t0);
+            self.fed_on_renewal();
+        }
+    }
+
     async fn renew(&mut self) -> bool {
         let Some(lease) = self.lease else {
             return false;
@@ -2605,7 +2622,15 @@ impl HaLoop {
                     source = %remote.address(),
                     "this standby leader replayed WAL that its source's history does not have; it must rewind"
                 );
-                if !matches!(self.rejoin(&addr, Some(&remote)).await, Ok(true)) {
+                // A rewind, or the clone that replaces a failed one, holds
+                // the loop for as long as it takes, its presence task
+                // keeping the lease (and so the key) alive: unfed, the
+                // watchdog would reset the node mid-step. A standby leader
+                // takes no writes for it to stop.
+                self.watchdog.disarm();
+                let rejoined = self.rejoin(&addr, Some(&remote)).await;
+                self.renew_after_step().await;
+                if !matches!(rejoined, Ok(true)) {
                     return;
                 }
                 if let Err(e) = self.point_at_remote(&remote, true).await {
