@@ -1835,9 +1835,13 @@ impl HaLoop {
             return false;
         }
         // Before the lease is refreshed: the demotion deadline runs from
-        // the refresh, and a long catch-up must not eat into it.
-        if let (AcquireReason::FailoverRequested { forced: false }, Some(target)) =
-            (reason, view.last_leader_lsn)
+        // the refresh, and a long catch-up must not eat into it. Only a
+        // switchover's: the stopped leader's final position is on its way.
+        // A failover's leader is gone, its last published position up to a
+        // loop old; WAL not received by now will not come, and waiting a
+        // ttl for it would only hold the failover up.
+        if let (AcquireReason::FailoverRequested { forced: false }, Some(target), true) =
+            (reason, view.last_leader_lsn, switchover)
         {
             self.catch_up(target).await;
         }
