@@ -34,13 +34,19 @@ pub const MIN_LOOP_WAIT: Duration = Duration::from_secs(1);
 /// would demote a healthy primary.
 pub const MIN_RETRY_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// Smallest `safety_margin` that [`Timing::for_target`] will produce: the
+/// watchdog's time-out is `ttl − safety_margin` from a feed that follows the
+/// renewal's answer, so without room it could fire after the lease has
+/// already run out in etcd.
+pub const MIN_SAFETY_MARGIN: Duration = Duration::from_millis(500);
+
 /// Shortest `ttl` that [`Timing::for_target`] will produce: one loop plus two
-/// retry windows at their minimums.
-pub const MIN_TTL: Duration = Duration::from_secs(3);
+/// retry windows at their minimums, plus the least safety margin.
+pub const MIN_TTL: Duration = Duration::from_millis(3_500);
 
 /// The smallest target [`Timing::for_target`] accepts: the expected passive
-/// RTO of the minimum timings (`3 s − 1 s / 2 + 1 s`).
-pub const MIN_TARGET_RTO: Duration = Duration::from_millis(3_500);
+/// RTO of the minimum timings (`3.5 s − 1 s / 2 + 1 s`).
+pub const MIN_TARGET_RTO: Duration = Duration::from_millis(4_000);
 
 /// The largest target [`Timing::for_target`] accepts.
 ///
@@ -434,7 +440,7 @@ pub enum TimingError {
     /// No timings meet the target while keeping the minimum timer values.
     #[error(
         "an RTO target of {} cannot be met: with loop_wait ≥ 1 s, retry_timeout ≥ 1 s and \
-         ttl ≥ 3 s the expected recovery after a node loss is at least {}",
+         ttl ≥ 3.5 s (0.5 s for the watchdog) the expected recovery after a node loss is at least {}",
         Secs(*target),
         Secs(*minimum)
     )]
@@ -750,6 +756,7 @@ mod tests {
             assert!(t.loop_wait >= MIN_LOOP_WAIT && t.retry_timeout >= MIN_RETRY_TIMEOUT);
             assert!(t.ttl >= MIN_TTL);
             assert!(t.loop_wait + 2 * t.retry_timeout + t.safety_margin <= t.ttl);
+            assert!(t.safety_margin >= MIN_SAFETY_MARGIN, "{target:?} {t:?}");
             assert!(t.ttl >= previous_ttl, "ttl must grow with the target");
             previous_ttl = t.ttl;
             target += ms(1_700);
@@ -774,12 +781,12 @@ mod tests {
                 minimum: MIN_TARGET_RTO,
             }
         );
-        assert!(err.to_string().contains("at least 3.5 s"), "{err}");
-        assert!(Timing::for_target(ms(3_499)).is_err());
+        assert!(err.to_string().contains("at least 4 s"), "{err}");
+        assert!(Timing::for_target(ms(3_999)).is_err());
         let min = Timing::for_target(MIN_TARGET_RTO).unwrap();
         assert_eq!(
-            (min.ttl, min.loop_wait, min.retry_timeout),
-            (MIN_TTL, secs(1), secs(1))
+            (min.ttl, min.loop_wait, min.retry_timeout, min.safety_margin),
+            (MIN_TTL, secs(1), secs(1), MIN_SAFETY_MARGIN)
         );
         assert_eq!(
             MIN_TARGET_RTO,
