@@ -291,7 +291,8 @@ where
     let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
         let mut app = app.clone();
         async move {
-            if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
+            // OPTIONS too: what HAProxy's health checks send.
+            if read_only && !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
                 return Ok(text(
                     StatusCode::FORBIDDEN,
                     "a client certificate is required for this endpoint",
@@ -371,27 +372,55 @@ fn passes(
         })
     };
     let leads = st.is_leader || st.standby_leader;
+    // A standby leader runs in recovery, but is no replica of this
+    // cluster's: Patroni gives it a role of its own.
+    let plain_replica = || !st.standby_leader && replica();
+    // As Patroni names them: under quorum commit the listed standbys are
+    // quorum standbys, otherwise synchronous ones.
+    let sync_standby = || st.dcs_reachable && in_sync() && !quorum() && plain_replica();
+    let quorum_standby = || st.dcs_reachable && in_sync() && quorum() && plain_replica();
     Ok(match path {
         "/" | "/primary" | "/master" | "/read-write" => st.is_leader,
         // As in Patroni: whoever holds the leader key, primary or standby
         // leader of a standby cluster, whether PostgreSQL runs or not.
         "/leader" => st.holds_leader_key,
         "/standby-leader" | "/standby_leader" => st.standby_leader,
-        "/replica" => !st.standby_leader && replica(),
+        "/replica" => plain_replica(),
         "/read-only" => st.is_leader || st.standby_leader || replica(),
-        "/sync" | "/synchronous" => st.dcs_reachable && in_sync() && replica(),
-        "/quorum" => st.dcs_reachable && in_sync() && quorum() && replica(),
-        "/read-only-sync" => leads || (st.dcs_reachable && in_sync() && replica()),
-        "/read-only-quorum" => leads || (st.dcs_reachable && in_sync() && quorum() && replica()),
-        "/async" | "/asynchronous" => st.dcs_reachable && !in_sync() && replica(),
+        "/sync" | "/synchronous" => sync_standby(),
+        "/quorum" => quorum_standby(),
+        "/read-only-sync" => leads || sync_standby(),
+        "/read-only-quorum" => leads || quorum_standby(),
+        "/async" | "/asynchronous" => st.dcs_reachable && !in_sync() && plain_replica(),
         "/health" => st.member.status == "running",
         "/liveness" => true,
         "/readiness" => {
+            // `mode=write`: the lag of what the replica received rather
+            // than of what it replayed.
+            let write = query
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "mode")
+                .is_some_and(|(_, v)| v == "write");
+            let limit = lag_limit.unwrap_or(default_lag);
+            let lag_ok = if write {
+                let leader_lsn = st
+                    .cluster
+                    .as_ref()
+                    .and_then(|c| record::cluster_view(c, 0).last_leader_lsn);
+                match (leader_lsn, st.member.state.received_lsn) {
+                    (Some(l), Some(r)) => l.saturating_sub(r) <= limit,
+                    _ => lag_within(&st.member, limit),
+                }
+            } else {
+                lag_within(&st.member, limit)
+            };
             st.is_leader
                 || st.standby_leader
                 || (st.member.status == "running"
                     && st.member.state.role == MemberRole::Replica
-                    && lag_within(&st.member, lag_limit.unwrap_or(default_lag)))
+                    && st.member.replication_state.as_deref() == Some("streaming")
+                    && lag_ok)
         }
         _ => false,
     })
@@ -546,6 +575,25 @@ fn member_json(state: &ApiState, st: &AgentStatus) -> Value {
     if !st.replication.is_empty() {
         v["replication"] = json!(st.replication);
     }
+    // Patroni's fields, present only when true (check_patroni reads them).
+    if st.paused {
+        v["pause"] = json!(true);
+    }
+    if let Some(c) = st.cluster.as_ref() {
+        let listed = sync_members(c);
+        if !st.standby_leader && m.state.role == MemberRole::Replica && listed.contains(&state.name)
+        {
+            let quorum = record::sync_state(c)
+                .and_then(|s| s.quorum)
+                .is_some_and(|q| q < listed.len());
+            let field = if quorum {
+                "quorum_standby"
+            } else {
+                "sync_standby"
+            };
+            v[field] = json!(true);
+        }
+    }
     v
 }
 
@@ -583,10 +631,11 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
                 r.state.role.to_string()
             };
             let (host, port) = split_address(&r.pg_address);
+            // Patroni's word for a replica's lag not known.
             let lag = if role.ends_with("leader") {
-                None
+                Value::Null
             } else {
-                r.lag_bytes
+                r.lag_bytes.map_or_else(|| json!("unknown"), |l| json!(l))
             };
             json!({
                 "name": name,
@@ -616,6 +665,10 @@ pub fn cluster_json(snap: &ClusterSnapshot, scope: &str) -> Value {
         "failover": snap.failover,
         "sync": snap.sync,
     });
+    // Patroni's field, present only when paused.
+    if record::paused(snap) {
+        out["pause"] = json!(true);
+    }
     // In Patroni's form, so tools that read it find it.
     if let Some(f) = snap
         .failover

@@ -41,6 +41,7 @@ fn member(name: &str, role: MemberRole, lag: Option<u64>) -> MemberRecord {
         status: "running".into(),
         updated_ms: unix_ms(),
         lag_bytes: lag,
+        replication_state: (role == MemberRole::Replica).then(|| "streaming".into()),
         ..MemberRecord::default()
     }
 }
@@ -291,6 +292,25 @@ async fn health_checks_answer_for_the_local_role() {
         api.code("GET", "/replica?replication_state=bogus").await,
         503
     );
+    // Ready only while streaming, as in Patroni: a replica that replays
+    // from the archive alone is no place for a load balancer to send reads.
+    let mut archive = status_of(member("n1", MemberRole::Replica, Some(0)), false);
+    archive.member.replication_state = Some("in archive recovery".into());
+    api.set(archive);
+    assert_eq!(api.code("GET", "/readiness").await, 503);
+    assert_eq!(api.code("GET", "/replica").await, 200);
+    // `mode=write` judges the lag by what was received: here 10 000 bytes
+    // replayed behind the leader's 15 000, but all of it received.
+    let mut write = status_of(member("n1", MemberRole::Replica, Some(10_000)), false);
+    write.member.state.received_lsn = Some(15_000);
+    write.cluster = Some(pgwarden_dcs::ClusterSnapshot {
+        status: Some(json!({"lsn": 15_000})),
+        ..Default::default()
+    });
+    api.set(write);
+    assert_eq!(api.code("GET", "/readiness?lag=1kB").await, 503);
+    assert_eq!(api.code("GET", "/readiness?lag=1kB&mode=write").await, 200);
+    assert_eq!(api.code("GET", "/readiness?lag=1kB&mode=apply").await, 503);
     api.set(status_of(
         member("n1", MemberRole::Replica, Some(10_000)),
         false,
@@ -335,7 +355,20 @@ async fn health_checks_answer_for_the_local_role() {
     api.set(quorum);
     assert_eq!(api.code("GET", "/quorum").await, 200);
     assert_eq!(api.code("GET", "/read-only-quorum").await, 200);
+    // ... and not a synchronous one, as Patroni has it.
+    assert_eq!(api.code("GET", "/sync").await, 503);
+    assert_eq!(api.code("GET", "/read-only-sync").await, 503);
+    let p = get_json(&format!("{}/patroni", api.url), T).await.unwrap();
+    assert_eq!(
+        (p["quorum_standby"].clone(), p["sync_standby"].clone()),
+        (json!(true), Value::Null)
+    );
     api.set(st.clone());
+    let p = get_json(&format!("{}/patroni", api.url), T).await.unwrap();
+    assert_eq!(
+        (p["sync_standby"].clone(), p["quorum_standby"].clone()),
+        (json!(true), Value::Null)
+    );
     // Without the DCS the sync role cannot be vouched for.
     st.dcs_reachable = false;
     api.set(st);
@@ -356,6 +389,19 @@ async fn health_checks_answer_for_the_local_role() {
     assert_eq!(api.code("GET", "/replica").await, 503);
     assert_eq!(api.code("GET", "/read-only").await, 503);
     assert_eq!(api.code("GET", "/health").await, 200);
+
+    // A standby cluster's leader: in recovery, but no replica of this
+    // cluster's (Patroni gives it a role of its own).
+    let mut st = status_of(member("n1", MemberRole::Replica, Some(0)), false);
+    st.standby_leader = true;
+    st.holds_leader_key = true;
+    api.set(st);
+    for path in ["/standby-leader", "/leader", "/read-only", "/readiness"] {
+        assert_eq!(api.code("GET", path).await, 200, "standby leader {path}");
+    }
+    for path in ["/primary", "/replica", "/async", "/asynchronous", "/sync"] {
+        assert_eq!(api.code("GET", path).await, 503, "standby leader {path}");
+    }
 
     // PostgreSQL down.
     let mut rec = member("n1", MemberRole::Stopped, None);
@@ -382,7 +428,8 @@ async fn state_endpoints_report_member_cluster_history_and_config() {
     let mut n2 = member("n2", MemberRole::Replica, Some(2 * 1024 * 1024));
     n2.pg_address = "10.0.0.2:5433".into();
     n2.problem = Some("rewind failed".into());
-    publish(&d, &[&n1, &n2], Some("n1")).await;
+    let n3 = member("n3", MemberRole::Replica, None);
+    publish(&d, &[&n1, &n2, &n3], Some("n1")).await;
     d.put_config(&json!({"ttl": 30, "pause": true}))
         .await
         .unwrap();
@@ -397,6 +444,7 @@ async fn state_endpoints_report_member_cluster_history_and_config() {
     .unwrap();
     let mut st = status_of(n2.clone(), false);
     st.cluster = Some(d.read_cluster().await.unwrap());
+    st.paused = true;
     let api = Api::start(d, st, None, T).await;
 
     let p = get_json(&format!("{}/patroni", api.url), T).await.unwrap();
@@ -408,16 +456,23 @@ async fn state_endpoints_report_member_cluster_history_and_config() {
     assert_eq!(p["leader"], "n1");
     assert_eq!(p["pg_address"], "10.0.0.2:5433");
     assert_eq!(p["problem"], "rewind failed");
+    assert_eq!(
+        (p["paused"].clone(), p["pause"].clone()),
+        (json!(true), json!(true))
+    );
     assert_eq!(p["tags"]["failover_priority"], 1);
     assert_eq!(p["patroni"]["scope"], "c");
 
     let c = get_json(&format!("{}/cluster", api.url), T).await.unwrap();
     assert_eq!(c["leader"], "n1");
     assert_eq!(c["paused"], true);
+    assert_eq!(c["pause"], true, "Patroni's name for it");
     assert_eq!(c["scope"], "c");
     assert_eq!(c["failover"], Value::Null);
     let members = c["members"].as_array().unwrap();
-    assert_eq!(members.len(), 2);
+    assert_eq!(members.len(), 3);
+    // Patroni's word for a replica whose lag is not known.
+    assert_eq!(members[2]["lag"], "unknown");
     assert_eq!(members[0]["name"], "n1");
     assert_eq!(members[0]["role"], "leader");
     assert_eq!(members[0]["lag"], Value::Null);
@@ -1138,6 +1193,9 @@ async fn with_optional_client_certificates_reads_need_none_and_writes_need_one()
     // Trusting the CA, without a certificate: reading works, writing not.
     pgwarden_agent::http_client::trust(&ca).unwrap();
     assert_eq!(api.code("GET", "/patroni").await, 200);
+    // HAProxy's health check (`option httpchk OPTIONS /primary`) too.
+    assert_eq!(api.code("OPTIONS", "/primary").await, 200);
+    assert_eq!(api.code("OPTIONS", "/replica").await, 503);
     let r = api.write("POST", "/reload", None).await;
     assert_eq!(r.status, 403, "{}", r.body);
     assert!(r.body.contains("client certificate"), "{}", r.body);
