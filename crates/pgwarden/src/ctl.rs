@@ -331,6 +331,8 @@ async fn restart_all(api: &Api, body: &Value) -> anyhow::Result<()> {
             )
             .await
         {
+            // Scheduled: every member gets its order, as patronictl does.
+            Ok(r) if r.status == 202 => println!("{name}: {}", r.body.trim()),
             Ok(r) if r.status == 200 => {
                 let deadline = tokio::time::Instant::now() + MOVE_TIMEOUT;
                 loop {

@@ -1474,6 +1474,30 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
             .ok_or(v.to_string())
     })
     .await;
+    // `ctl restart --all --scheduled`: an order for every member.
+    let later = at(600);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .args(["restart", "--all", "--scheduled", &later])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for i in 0..2 {
+        eventually("the restart scheduled", Duration::from_secs(10), || async {
+            let v = patroni(i).await?;
+            (v["scheduled_restart"]["schedule"] == later.as_str())
+                .then_some(())
+                .ok_or(v.to_string())
+        })
+        .await;
+        assert_eq!(write(i, "DELETE", serde_json::json!({})).await.status, 200);
+    }
 
     let pid = c.node(1).postmaster_pid().unwrap();
     let due_ms = pgwarden_agent::record::unix_ms() + 8000;
