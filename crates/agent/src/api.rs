@@ -1079,7 +1079,7 @@ async fn restart(
             }
             // Settings changed a moment ago may not be applied or seen yet,
             // so only the role is judged here; the loop settles the rest.
-            if let Some(why) = order.unmet(role, true) {
+            if let Some(why) = order.unmet(role, st.standby_leader, true) {
                 return Err(ApiError::unavailable(format!(
                     "restart conditions are not satisfied: {why}"
                 )));
@@ -1161,9 +1161,10 @@ fn restart_order(body: &Map<String, Value>) -> Result<RestartOrder, ApiError> {
         None => None,
         Some("primary" | "master") => Some("primary".to_string()),
         Some("replica") => Some("replica".to_string()),
+        Some("standby_leader" | "standby-leader") => Some("standby_leader".to_string()),
         Some(other) => {
             return Err(ApiError::bad_request(format!(
-                "role {other:?}: use primary or replica"
+                "role {other:?}: use primary, standby_leader or replica"
             )))
         }
     };

@@ -4162,9 +4162,12 @@ impl HaLoop {
             self.catch_up_settings().await;
         }
         let role = self.record().state.role;
+        let standby_leader = self.holds_leader_key()
+            && self.obs.pg.in_recovery
+            && record::standby_cluster(&self.snapshot).is_some();
         let refused = self
             .restart_refusal()
-            .or_else(|| order.unmet(role, self.obs.pending_restart));
+            .or_else(|| order.unmet(role, standby_leader, self.obs.pending_restart));
         if let Some(why) = refused {
             tracing::info!("restart not carried out: {why}");
             reply.send(Err(why));

@@ -85,7 +85,8 @@ pub struct RestartOrder {
     /// The same instant, Unix milliseconds.
     #[serde(skip)]
     pub at_ms: Option<u64>,
-    /// Only if the member is then `primary` or `replica`.
+    /// Only if the member is then `primary`, `standby_leader` or
+    /// `replica`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
     /// Only if PostgreSQL then has settings waiting for a restart.
@@ -94,11 +95,22 @@ pub struct RestartOrder {
 }
 
 impl RestartOrder {
-    /// Why the order's conditions do not hold for a member in `role` with
-    /// (or without) `pending_restart`; `None` when they do.
-    pub fn unmet(&self, role: MemberRole, pending_restart: bool) -> Option<String> {
+    /// Why the order's conditions do not hold for a member in `role` (a
+    /// standby cluster's leader when `standby_leader`, whatever its server
+    /// reports) with (or without) `pending_restart`; `None` when they do.
+    pub fn unmet(
+        &self,
+        role: MemberRole,
+        standby_leader: bool,
+        pending_restart: bool,
+    ) -> Option<String> {
         if let Some(want) = &self.role {
-            if *want != role.to_string() {
+            let role = if standby_leader {
+                "standby_leader".to_string()
+            } else {
+                role.to_string()
+            };
+            if *want != role {
                 return Some(format!("the member is {role}, not {want}"));
             }
         }

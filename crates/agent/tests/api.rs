@@ -739,6 +739,23 @@ async fn restart_and_reload_reach_the_ha_loop() {
     let (order, r) = restart_answered(&mut api, json!({"role": "master"}), Ok(())).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(order.role.as_deref(), Some("primary"));
+    // A standby cluster's leader is a role of its own, as in Patroni: an
+    // order for the replicas passes it over.
+    let mut standby_leader = status_of(member("n1", MemberRole::Replica, Some(0)), false);
+    standby_leader.standby_leader = true;
+    standby_leader.holds_leader_key = true;
+    api.set(standby_leader);
+    let r = post_restart(&api, json!({"role": "replica"})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(
+        r.body.contains("is standby_leader, not replica"),
+        "{}",
+        r.body
+    );
+    let (order, r) = restart_answered(&mut api, json!({"role": "standby_leader"}), Ok(())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(order.role.as_deref(), Some("standby_leader"));
+    api.set(st.clone());
     // Refused outright: a time in the past or without an offset, an
     // unknown role, a condition pgwarden does not check.
     for bad in [

@@ -119,7 +119,8 @@ enum Command {
         /// restarts then, if the conditions still hold.
         #[arg(long, value_name = "TIME")]
         scheduled: Option<String>,
-        /// Only if the member is `primary` or `replica` (then).
+        /// Only if the member is `primary`, `standby_leader` or `replica`
+        /// (then).
         #[arg(long)]
         role: Option<String>,
         /// Only if settings are waiting for a restart (then).
