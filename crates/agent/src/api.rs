@@ -1802,8 +1802,19 @@ const FAILSAFE_CHECK: Duration = Duration::from_secs(1);
 /// keep leading. A member answers yes only while it cannot reach etcd
 /// either and does not lead itself: one that reaches etcd follows etcd,
 /// where another leader may be elected, so it must refuse.
-async fn failsafe(State(state): State<Arc<ApiState>>) -> Response {
+async fn failsafe(State(state): State<Arc<ApiState>>, headers: HeaderMap) -> Response {
     let st = state.status.load_full();
+    // An acknowledgement holds this member back from taking the key after
+    // an outage: only the members (which send the API's credentials, as
+    // Patroni's do) may give it one, and only in failsafe mode.
+    if state.credentials.get().is_some() {
+        if let Err(e) = authorize(&state, &headers) {
+            return e.into_response();
+        }
+    }
+    if !st.settings.failsafe {
+        return text(StatusCode::BAD_GATEWAY, "failsafe mode is not enabled");
+    }
     if st.is_leader {
         return text(StatusCode::CONFLICT, "this member leads");
     }

@@ -3197,8 +3197,10 @@ impl HaLoop {
             .filter(|r| r.state.name != self.cfg.name)
             .map(|r| (r.state.name, r.state.api_url))
             .collect();
+        let credentials = self.credentials.get();
+        let auth = credentials.as_ref().map(|(u, p)| (u.as_str(), p.as_str()));
         let calls = peers.iter().map(|(_, url)| async move {
-            crate::http_client::request("POST", &format!("{url}/failsafe"), None, None, budget)
+            crate::http_client::request("POST", &format!("{url}/failsafe"), None, auth, budget)
                 .await
                 .map(|r| r.status)
         });

@@ -1223,3 +1223,21 @@ async fn with_optional_client_certificates_reads_need_none_and_writes_need_one()
     assert_eq!(api.drain(), [Command::Reload]);
     assert_eq!(api.code("POST", "/reload").await, 401);
 }
+
+/// `POST /failsafe` holds a member back from taking the key after an
+/// outage: only in failsafe mode, and only for callers with the API's
+/// credentials (the members send them).
+#[tokio::test]
+async fn failsafe_acknowledgements_need_the_mode_and_the_credentials() {
+    let etcd = EtcdServer::start();
+    let mut st = status_of(member("n2", MemberRole::Replica, Some(0)), false);
+    let api = Api::start(dcs(&etcd).await, st.clone(), Some((USER, PASSWORD)), T).await;
+    assert_eq!(api.write("POST", "/failsafe", None).await.status, 502);
+    st.settings.failsafe = true;
+    api.set(st);
+    assert_eq!(api.code("POST", "/failsafe").await, 401);
+    // Past the checks: etcd answers here, so the member follows etcd.
+    let r = api.write("POST", "/failsafe", None).await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(r.body.contains("etcd is reachable"), "{}", r.body);
+}
