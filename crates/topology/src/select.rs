@@ -387,10 +387,14 @@ fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
                 && matches!(h.sync_state, Some(SyncState::Sync | SyncState::Quorum))
         }
         Want::Tagged(tag) => {
+            // A primary that is not the cluster's (left on an old timeline
+            // by a promotion, one of two in conflict, one without the
+            // leader key) holds data that diverged: no reads there either.
             let h = &hosts[i];
             h.alive
                 && h.config.has_tag(tag)
                 && !(h.role == Role::Replica && h.off_primary.is_some())
+                && !(h.role == Role::Primary && !topo.reaches_primary(i))
                 && (tag == FENCED_TAG || !fenced(i))
         }
     };
@@ -866,6 +870,36 @@ mod tests {
         ] {
             assert_eq!(sel.eligible(&t, &want), expect, "{want}");
         }
+    }
+
+    #[test]
+    fn a_tagged_service_reads_from_no_primary_but_the_clusters() {
+        let tag = |mut s: Spec| {
+            s.config.tags = vec!["offline".into()];
+            s
+        };
+        let on_timeline_2 = |mut s: Spec| {
+            if let Some(o) = s.probe.as_mut() {
+                o.timeline = Some(2);
+            }
+            s
+        };
+        // The old primary, left on timeline 1 by a promotion, still runs.
+        let t = cluster(vec![tag(primary("old")), on_timeline_2(primary("new"))]);
+        assert_eq!(t.primary(), Some(1));
+        let sel = Selector::default();
+        let offline = Want::Tagged("offline".into());
+        // Only by the fallback to the cluster's primary.
+        assert_eq!(sel.eligible(&t, &offline), [1]);
+        assert_eq!(sel.select(&t, &offline), Ok(1));
+        // Two primaries on one timeline: neither is the cluster's.
+        let t = cluster(vec![tag(primary("a")), primary("b")]);
+        assert!(t.conflict());
+        assert!(sel.eligible(&t, &offline).is_empty());
+        assert!(sel.select(&t, &offline).is_err());
+        // The cluster's own primary, tagged, still serves the tag.
+        let t = cluster(vec![tag(primary("p")), replica("r", 1)]);
+        assert_eq!(sel.eligible(&t, &offline), [0]);
     }
 
     #[test]
