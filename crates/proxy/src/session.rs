@@ -908,14 +908,15 @@ where
         // Peeked: a round that is skipped below takes no turn of the
         // round robin.
         let picked = service.selector.peek(topo, &spec.want);
-        if let Ok(i) = picked {
-            order.push(i);
+        if let Ok(p) = picked {
+            // The next hosts tried are the next the strategy prefers.
+            order.push(p.index);
             order.extend(
                 service
                     .selector
-                    .eligible(topo, &spec.want)
+                    .preference_order(topo, &spec.want)
                     .into_iter()
-                    .filter(|&j| j != i),
+                    .filter(|&j| j != p.index),
             );
         }
         let addrs: Vec<HostAddr> = order
@@ -934,8 +935,8 @@ where
             }
             continue;
         }
-        if picked.is_ok() {
-            service.selector.advance(&spec.want);
+        if let Ok(p) = picked {
+            service.selector.advance(&spec.want, p);
         }
         match picked {
             Ok(_) => {

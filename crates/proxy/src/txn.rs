@@ -1001,16 +1001,17 @@ impl Session {
             // each transaction takes one turn of the round robin. Two turns
             // would send a client back to its last host every time.
             let selector = &self.service.selector;
-            let same = selector
+            let peeked = selector
                 .peek(&snap.topology, &self.service.spec.want)
-                .is_ok_and(|i| snap.topology.hosts()[i].config.addr == pool.key.host);
-            if same
-                && !pool.is_retired()
-                && !self
-                    .shared
-                    .any_refusal
-                    .load(std::sync::atomic::Ordering::Relaxed)
-            {
+                .ok()
+                .filter(|p| snap.topology.hosts()[p.index].config.addr == pool.key.host);
+            if let Some(peeked) = peeked.filter(|_| {
+                !pool.is_retired()
+                    && !self
+                        .shared
+                        .any_refusal
+                        .load(std::sync::atomic::Ordering::Relaxed)
+            }) {
                 if let Some(c) = pool.try_checkout() {
                     // Looked at once the server counts as lent: a pause
                     // set before that is seen here, and one set after it
@@ -1019,7 +1020,7 @@ impl Session {
                         c.release(true);
                         return None;
                     }
-                    selector.advance(&self.service.spec.want);
+                    selector.advance(&self.service.spec.want, peeked);
                     self.wait_histogram.observe(Duration::ZERO);
                     return Some(c);
                 }

@@ -24,6 +24,8 @@ pub use model::{
     parse_lsn, AddrParseError, HostAddr, HostConfig, InstanceId, LagLimit, Observation,
     ProbeResult, ReplicationRow, Role, SyncState, TopologyConfig,
 };
-pub use select::{NoTarget, ParseValueError, SelectPolicy, Selector, Strategy, Want, FENCED_TAG};
+pub use select::{
+    NoTarget, ParseValueError, Peeked, SelectPolicy, Selector, Strategy, Want, FENCED_TAG,
+};
 pub use ssn::{SsnError, SsnErrorKind, SyncMethod, SyncStandbyNames};
 pub use state::{HostState, PrimaryGate, Topology, TopologyEvent};

@@ -195,6 +195,15 @@ impl fmt::Display for NoTarget {
 
 impl std::error::Error for NoTarget {}
 
+/// A host [`Selector::peek`] chose, and the round-robin turn it chose it
+/// at, which [`Selector::advance`] takes once it is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peeked {
+    /// Index of the host in the topology.
+    pub index: usize,
+    turn: usize,
+}
+
 /// Picks hosts according to a [`SelectPolicy`].
 ///
 /// Shared between connection handlers: the round-robin position is atomic,
@@ -278,22 +287,73 @@ impl Selector {
     /// The host [`select`](Self::select) would choose now, without taking
     /// a turn of the round robin: for a caller that may not use it, and
     /// calls [`advance`](Self::advance) when it does.
-    pub fn peek(&self, topo: &Topology, want: &Want) -> Result<usize, NoTarget> {
-        self.choose(topo, want, false)
+    pub fn peek(&self, topo: &Topology, want: &Want) -> Result<Peeked, NoTarget> {
+        let turn = self.counter.load(Ordering::Relaxed);
+        self.choose_at(topo, want, turn)
+            .map(|index| Peeked { index, turn })
     }
 
-    /// Takes the turn of the round robin that a host got by
-    /// [`peek`](Self::peek) for `want` was used. Nothing for the primary
-    /// or the nearest host, which take no turns: the counter is shared by
-    /// every worker thread, and writing it on each transaction would move
-    /// its cache line between cores for nothing.
-    pub fn advance(&self, want: &Want) {
+    /// Takes the turn of the round robin at which `peeked` was chosen for
+    /// `want`, now that it was used. Taken once however many callers
+    /// peeked at that turn at the same moment (each thread has its own),
+    /// so that they move the round on by one host, not by one each, which
+    /// would skip hosts for good when clients come in pairs. Nothing for
+    /// the primary or the nearest host, which take no turns: the counter
+    /// is shared by every worker thread, and writing it on each
+    /// transaction would move its cache line between cores for nothing.
+    pub fn advance(&self, want: &Want, peeked: Peeked) {
         if *want != Want::Primary && self.policy.strategy == Strategy::RoundRobin {
-            self.counter.fetch_add(1, Ordering::Relaxed);
+            let _ = self.counter.compare_exchange(
+                peeked.turn,
+                peeked.turn.wrapping_add(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         }
     }
 
+    /// The hosts eligible for `want` (as [`eligible`](Self::eligible)), in
+    /// the order the strategy prefers them: with round robin, those within
+    /// the RTT window first, then the others by RTT; with `nearest`, by
+    /// RTT. Hosts of unknown RTT come after those of known RTT. For trying
+    /// the next host when the one chosen fails.
+    pub fn preference_order(&self, topo: &Topology, want: &Want) -> Vec<usize> {
+        let mut hosts = self.eligible(topo, want);
+        let rtt = |i: usize| topo.hosts()[i].rtt.get();
+        let window: Vec<usize> = match self.policy.strategy {
+            Strategy::RoundRobin if self.rtt_threshold_enabled() => {
+                rtt_window(topo, &hosts, self.rtt_threshold())
+            }
+            Strategy::RoundRobin => hosts.clone(),
+            Strategy::Nearest => Vec::new(),
+        };
+        hosts.sort_by(|&a, &b| {
+            let key = |i: usize| (!window.contains(&i), rtt(i).is_none());
+            key(a).cmp(&key(b)).then_with(|| {
+                if window.contains(&a) {
+                    // Within the window the round robin treats all alike.
+                    a.cmp(&b)
+                } else {
+                    rtt(a)
+                        .unwrap_or(f64::INFINITY)
+                        .total_cmp(&rtt(b).unwrap_or(f64::INFINITY))
+                        .then(a.cmp(&b))
+                }
+            })
+        });
+        hosts
+    }
+
     fn choose(&self, topo: &Topology, want: &Want, advance: bool) -> Result<usize, NoTarget> {
+        if *want != Want::Primary && advance && self.policy.strategy == Strategy::RoundRobin {
+            let turn = self.counter.fetch_add(1, Ordering::Relaxed);
+            return self.choose_at(topo, want, turn);
+        }
+        self.choose_at(topo, want, self.counter.load(Ordering::Relaxed))
+    }
+
+    /// The host chosen for `want` at round-robin turn `turn`.
+    fn choose_at(&self, topo: &Topology, want: &Want, turn: usize) -> Result<usize, NoTarget> {
         if *want == Want::Primary {
             return primary_or_reason(topo);
         }
@@ -312,12 +372,7 @@ impl Selector {
                 } else {
                     candidates
                 };
-                let n = if advance {
-                    self.counter.fetch_add(1, Ordering::Relaxed)
-                } else {
-                    self.counter.load(Ordering::Relaxed)
-                };
-                window[n % window.len()]
+                window[turn % window.len()]
             }
         })
     }
@@ -394,7 +449,7 @@ fn candidates(topo: &Topology, want: &Want) -> Vec<usize> {
             h.alive
                 && h.config.has_tag(tag)
                 && !(h.role == Role::Replica && h.off_primary.is_some())
-                && !(h.role == Role::Primary && !topo.reaches_primary(i))
+                && (h.role != Role::Primary || topo.reaches_primary(i))
                 && (tag == FENCED_TAG || !fenced(i))
         }
     };
@@ -749,11 +804,54 @@ mod tests {
             Ok(first),
             "a peek moves nothing"
         );
-        assert_eq!(sel.select(&t, &Want::Replica), Ok(first));
+        assert_eq!(sel.select(&t, &Want::Replica), Ok(first.index));
         let second = sel.peek(&t, &Want::Replica).unwrap();
-        assert_ne!(second, first, "select took the turn");
-        sel.advance(&Want::Replica);
-        assert_eq!(sel.peek(&t, &Want::Replica), Ok(first), "advance took one");
+        assert_ne!(second.index, first.index, "select took the turn");
+        sel.advance(&Want::Replica, second);
+        assert_eq!(
+            sel.peek(&t, &Want::Replica).map(|p| p.index),
+            Ok(first.index),
+            "advance took one"
+        );
+    }
+
+    /// Clients that peek at the same moment get the same host, but move
+    /// the round on by one, not one each: in pairs they would otherwise
+    /// skip every other host for good.
+    #[test]
+    fn simultaneous_peeks_take_one_turn_between_them() {
+        let t = cluster(vec![primary("p"), replica("a", 1), replica("b", 1)]);
+        let sel = Selector::default();
+        let mut seen = BTreeMap::new();
+        for _ in 0..6 {
+            let x = sel.peek(&t, &Want::Replica).unwrap();
+            let y = sel.peek(&t, &Want::Replica).unwrap();
+            assert_eq!(x, y);
+            sel.advance(&Want::Replica, x);
+            sel.advance(&Want::Replica, y);
+            *seen.entry(x.index).or_insert(0) += 2;
+        }
+        assert_eq!(seen, BTreeMap::from([(1, 6), (2, 6)]));
+    }
+
+    /// After a failed connection the next host tried is the next the
+    /// strategy prefers: within the RTT window first, then by RTT.
+    #[test]
+    fn the_hosts_to_try_next_come_in_the_strategys_order() {
+        let t = cluster(vec![
+            primary("p"),
+            replica("r1", 1),
+            replica("r2", 80),
+            replica("r3", 2),
+            replica("r4", 40),
+        ]);
+        let sel = Selector::default();
+        assert_eq!(sel.preference_order(&t, &Want::Replica), [1, 3, 4, 2]);
+        let nearest = policy(|p| p.strategy = Strategy::Nearest);
+        assert_eq!(nearest.preference_order(&t, &Want::Replica), [1, 3, 4, 2]);
+        let no_window = policy(|p| p.rtt_threshold_enabled = false);
+        assert_eq!(no_window.preference_order(&t, &Want::Replica), [1, 2, 3, 4]);
+        assert_eq!(sel.preference_order(&t, &Want::Primary), [0]);
     }
 
     #[test]
