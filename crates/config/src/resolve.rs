@@ -915,6 +915,7 @@ impl Defaults<'_> {
                 .and_then(|r| r.fallback_to_primary)
                 .unwrap_or(kind.default_fallback()),
         };
+        let direct = kind == ServiceKind::Default && raw.and_then(|r| r.pool_mode).is_none();
         Ok(ServiceConfig {
             name: name.to_string(),
             kind,
@@ -922,7 +923,12 @@ impl Defaults<'_> {
             want: kind.want(),
             policy,
             read_only,
-            pool_mode: raw.and_then(|r| r.pool_mode).unwrap_or(self.pool.mode),
+            pool_mode: if direct {
+                crate::PoolMode::Session
+            } else {
+                raw.and_then(|r| r.pool_mode).unwrap_or(self.pool.mode)
+            },
+            direct,
             connect_wait_timeout: raw
                 .and_then(|r| r.connect_wait_timeout)
                 .map_or(self.engine.connect_wait_timeout, |v| v.0),

@@ -98,6 +98,10 @@ pub struct ServiceConfig {
     /// Pool mode for this service's clients, before per-database and
     /// per-user exceptions (see [`crate::PoolConfig::mode_for`]).
     pub pool_mode: PoolMode,
+    /// Never pooled, whatever `[pool]` says: a `default` service without a
+    /// `pool_mode` of its own, the direct way in for administrators, who
+    /// must bypass the pool (each client its own server connection).
+    pub direct: bool,
     /// How long a client waits for an eligible host.
     pub connect_wait_timeout: Duration,
 }

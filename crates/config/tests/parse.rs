@@ -107,6 +107,24 @@ fn minimal_file() {
         c.service("standby").unwrap().pool_mode,
         PoolMode::Transaction
     );
+
+    // The `default` service bypasses the pool, as administrators expect,
+    // unless it asks for a pool mode of its own.
+    let c = parse(
+        &format!(
+            "{MINIMAL}\n[pool]\nmode = \"transaction\"\n\n[services.admin]\nlisten = \"127.0.0.1:6440\"\nselect = \"default\"\n\n[services.admin_pooled]\nlisten = \"127.0.0.1:6441\"\nselect = \"default\"\npool_mode = \"transaction\"\n"
+        ),
+        FILE,
+    )
+    .unwrap();
+    let admin = c.service("admin").unwrap();
+    assert_eq!((admin.pool_mode, admin.direct), (PoolMode::Session, true));
+    let pooled = c.service("admin_pooled").unwrap();
+    assert_eq!(
+        (pooled.pool_mode, pooled.direct),
+        (PoolMode::Transaction, false)
+    );
+    assert!(!c.service(READ_WRITE).unwrap().direct);
 }
 
 #[test]

@@ -647,6 +647,7 @@ pub fn proxy_spec(
                 policy: s.policy,
                 read_only: s.read_only,
                 connect_wait_timeout: s.connect_wait_timeout,
+                direct: s.direct,
             })
             .collect(),
         http: Some(config.listen.http),

@@ -41,6 +41,10 @@ pub struct ServiceSpec {
     /// (each client session relayed to its own server connection).
     /// Shared by every client of the service that no override touches.
     pub pool: Option<Arc<crate::pool::PoolSettings>>,
+    /// Never pooled, whatever the per-database and per-user settings and
+    /// `reuse_session_servers` say (the `default` service: administrators
+    /// bypass the pool).
+    pub direct: bool,
 }
 
 /// Where a reload's outcome goes: `Err` carries what the client is told.
@@ -172,6 +176,9 @@ impl PoolOverrides {
         database: &str,
         user: &str,
     ) -> Option<Arc<PoolSettings>> {
+        if service.direct {
+            return None;
+        }
         let u = self.users.get(user).copied().unwrap_or_default();
         let d = self.databases.get(database).copied().unwrap_or_default();
         let transaction = u.0.or(d.0).unwrap_or(service.pool.is_some());
@@ -1869,5 +1876,35 @@ mod unix_tests {
         let err = bind_unix(&path).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "not a socket");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `default` service bypasses the pool: no per-database or
+    /// per-user pool mode, nor reused session servers, pools its clients.
+    #[test]
+    fn a_direct_service_is_never_pooled() {
+        let spec = |direct| ServiceSpec {
+            name: "admin".into(),
+            listen: "127.0.0.1:1".parse().unwrap(),
+            want: Want::Primary,
+            policy: SelectPolicy::default(),
+            read_only: false,
+            connect_wait_timeout: Duration::from_secs(1),
+            pool: None,
+            direct,
+        };
+        let overrides = PoolOverrides {
+            databases: HashMap::from([("app".to_string(), (Some(true), None))]),
+            reuse_session_servers: true,
+            ..PoolOverrides::default()
+        };
+        assert!(overrides.resolve(&spec(false), "app", "u").is_some());
+        assert!(overrides.resolve(&spec(false), "other", "u").is_some());
+        assert!(overrides.resolve(&spec(true), "app", "u").is_none());
+        assert!(overrides.resolve(&spec(true), "other", "u").is_none());
     }
 }

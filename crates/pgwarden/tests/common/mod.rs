@@ -130,6 +130,7 @@ pub async fn proxy_full(
         },
         read_only,
         connect_wait_timeout: connect_wait,
+        direct: false,
     };
     let spec = ProxySpec {
         services: vec![
