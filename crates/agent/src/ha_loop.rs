@@ -2235,7 +2235,12 @@ impl HaLoop {
             }
         };
         self.busy("rewinding").await;
-        let _ = self.pg.stop(StopMode::Fast).await;
+        // A fast stop that runs out of time (a long shutdown checkpoint)
+        // leaves the server running; the steps that follow rewrite its
+        // data directory, and refuse to under a live server.
+        if self.pg.stop(StopMode::Fast).await.is_err() {
+            let _ = self.pg.stop(StopMode::Immediate).await;
+        }
         let state = self.control_state().await;
         let source = self.pg.source_conninfo(leader);
         let crashed = !matches!(
@@ -4065,7 +4070,12 @@ impl HaLoop {
         };
         tracing::info!(from = %source, "reinitializing: wiping the data directory and cloning the leader");
         self.busy("reinitializing").await;
-        let _ = self.pg.stop(StopMode::Fast).await;
+        // A fast stop that runs out of time (a long shutdown checkpoint)
+        // leaves the server running; the steps that follow rewrite its
+        // data directory, and refuse to under a live server.
+        if self.pg.stop(StopMode::Fast).await.is_err() {
+            let _ = self.pg.stop(StopMode::Immediate).await;
+        }
         self.run_callback(
             self.cfg.callbacks.on_stop.clone(),
             "on_stop",

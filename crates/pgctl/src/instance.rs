@@ -468,13 +468,44 @@ impl Instance {
     }
 
     /// Removes the data directory's contents, so it can be cloned afresh.
+    /// The directory itself stays: it may be a mount point (a volume of
+    /// its own) or a symbolic link to one, which removing and creating
+    /// again would break or bypass. Refused while a postmaster runs there.
     pub fn wipe(&mut self) -> Result<()> {
+        self.refuse_while_running("wiping the data directory")?;
         let dir = &self.spec.datadir;
-        if dir.exists() {
-            fs::remove_dir_all(dir).map_err(io_err(dir))?;
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.set_upstream(None);
+                return Ok(());
+            }
+            Err(e) => return Err(io_err(dir)(e)),
+        };
+        for entry in entries {
+            let path = entry.map_err(io_err(dir))?.path();
+            let is_dir = fs::symlink_metadata(&path).map_err(io_err(&path))?.is_dir();
+            if is_dir {
+                fs::remove_dir_all(&path).map_err(io_err(&path))?;
+            } else {
+                fs::remove_file(&path).map_err(io_err(&path))?;
+            }
         }
         self.set_upstream(None);
         Ok(())
+    }
+
+    /// An error if a postmaster runs in the data directory: `what` would
+    /// rewrite files under a live server.
+    fn refuse_while_running(&mut self, what: &str) -> Result<()> {
+        match self.postmaster_pid() {
+            Some(pid) => Err(PgCtlError::StillRunning {
+                what: what.to_string(),
+                pid,
+                datadir: self.spec.datadir.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Fields of `pg_controldata`, e.g. "Database cluster state" or
@@ -517,6 +548,7 @@ impl Instance {
     /// mode), leaving a cleanly shut down data directory, which `pg_rewind`
     /// requires.
     pub fn recover_single_user(&mut self) -> Result<()> {
+        self.refuse_while_running("crash recovery in single-user mode")?;
         let mut cmd = self.command("postgres");
         cmd.arg("--single")
             .arg("-F")
@@ -530,6 +562,7 @@ impl Instance {
     /// Resynchronises this (stopped) data directory with `source`, a
     /// libpq connection string of the new primary, after timelines forked.
     pub fn rewind(&mut self, source: &str) -> Result<()> {
+        self.refuse_while_running("pg_rewind")?;
         let mut cmd = self.command("pg_rewind");
         cmd.arg("-D")
             .arg(&self.spec.datadir)
@@ -699,10 +732,16 @@ impl Instance {
         let pidfile = self.spec.datadir.join("postmaster.pid");
         let text = fs::read_to_string(pidfile).ok()?;
         let pid: i32 = text.lines().next()?.trim().parse().ok()?;
-        kill(Pid::from_raw(pid), None).ok().map(|_| pid)
+        kill(Pid::from_raw(pid), None).ok()?;
+        postmaster_of(pid, &self.spec.datadir).then_some(pid)
     }
 
     /// Whether a postmaster runs for this data directory.
+    ///
+    /// A `postmaster.pid` left by a server that did not stop (a power loss)
+    /// may name a pid that now belongs to another process: such a file
+    /// does not count, or the server would never be started again and the
+    /// other process would be signalled in its place.
     pub fn is_running(&mut self) -> bool {
         self.postmaster_pid().is_some()
     }
@@ -889,9 +928,113 @@ fn tail(path: &Path, max: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// Whether `pid` is a postmaster of `datadir`: not this process or its
+/// parent (PostgreSQL ignores those in a lock file too), and working in
+/// that directory, where a postmaster changes to at start.
+fn postmaster_of(pid: i32, datadir: &Path) -> bool {
+    if pid <= 0 || pid as u32 == std::process::id() || pid == nix::unistd::getppid().as_raw() {
+        return false;
+    }
+    let Ok(cwd) = fs::read_link(format!("/proc/{pid}/cwd")) else {
+        return false;
+    };
+    fs::canonicalize(datadir).is_ok_and(|dir| dir == cwd)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `postmaster.pid` naming a process that is not this directory's
+    /// postmaster (its pid reused after a power loss) is no server: it is
+    /// neither adopted nor signalled.
+    #[test]
+    fn a_stale_pid_file_naming_another_process_is_no_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = InstanceSpec::new("n1", dir.path(), 5432);
+        let mut i = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        let mut other = Command::new("sleep").arg("60").spawn().unwrap();
+        fs::write(
+            dir.path().join("postmaster.pid"),
+            format!("{}\n{}\n", other.id(), dir.path().display()),
+        )
+        .unwrap();
+        assert_eq!(i.postmaster_pid(), None);
+        assert!(!i.is_running());
+        i.stop(StopMode::Immediate).unwrap();
+        assert_eq!(
+            other.try_wait().unwrap(),
+            None,
+            "the other process was signalled"
+        );
+        // Nor this process itself.
+        fs::write(
+            dir.path().join("postmaster.pid"),
+            format!("{}\n", std::process::id()),
+        )
+        .unwrap();
+        assert_eq!(i.postmaster_pid(), None);
+        // A process working in the directory, as a postmaster does, is one.
+        let mut inside = Command::new("sleep")
+            .arg("60")
+            .current_dir(dir.path())
+            .spawn()
+            .unwrap();
+        fs::write(
+            dir.path().join("postmaster.pid"),
+            format!("{}\n", inside.id()),
+        )
+        .unwrap();
+        assert_eq!(i.postmaster_pid(), Some(inside.id() as i32));
+        let _ = other.kill();
+        let _ = inside.kill();
+        let _ = other.wait();
+        let _ = inside.wait();
+    }
+
+    /// Wiping empties the data directory but keeps it, and the symbolic
+    /// link it may be (a volume mounted elsewhere); never under a live
+    /// postmaster.
+    #[test]
+    fn wiping_keeps_the_directory_and_never_runs_under_a_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let volume = dir.path().join("volume");
+        fs::create_dir_all(volume.join("base/1")).unwrap();
+        fs::write(volume.join("PG_VERSION"), "15\n").unwrap();
+        std::os::unix::fs::symlink(volume.join("base"), volume.join("linked")).unwrap();
+        let data = dir.path().join("data");
+        std::os::unix::fs::symlink(&volume, &data).unwrap();
+        let spec = InstanceSpec::new("n1", &data, 5432);
+        let mut i = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        // A server running there: nothing is touched.
+        let mut server = Command::new("sleep")
+            .arg("60")
+            .current_dir(&volume)
+            .spawn()
+            .unwrap();
+        fs::write(volume.join("postmaster.pid"), format!("{}\n", server.id())).unwrap();
+        let e = i.wipe().unwrap_err();
+        assert!(matches!(e, PgCtlError::StillRunning { .. }), "{e}");
+        assert!(volume.join("PG_VERSION").exists());
+        assert!(matches!(
+            i.rewind("host=x").unwrap_err(),
+            PgCtlError::StillRunning { .. }
+        ));
+        let _ = server.kill();
+        let _ = server.wait();
+        i.wipe().unwrap();
+        assert!(fs::symlink_metadata(&data)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(fs::read_dir(&volume).unwrap().count(), 0);
+        // Emptied or missing alike.
+        i.wipe().unwrap();
+        let gone = InstanceSpec::new("n2", dir.path().join("none"), 5432);
+        Instance::new(gone, PgBinaries::at("/nonexistent"), RunAs::current())
+            .wipe()
+            .unwrap();
+    }
 
     fn settings_lines(i: &Instance, key: &str) -> Vec<String> {
         let text = fs::read_to_string(i.datadir().join(SETTINGS_FILE)).unwrap();

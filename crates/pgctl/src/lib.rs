@@ -79,6 +79,17 @@ pub enum PgCtlError {
     /// The unprivileged user could not be found or created.
     #[error("cannot run PostgreSQL as an unprivileged user: {0}")]
     User(String),
+    /// A step that rewrites the data directory was asked for while its
+    /// postmaster still runs (a stop that did not finish in time).
+    #[error("{what}: the postmaster (pid {pid}) of {} still runs", datadir.display())]
+    StillRunning {
+        /// The step refused.
+        what: String,
+        /// The running postmaster.
+        pid: i32,
+        /// Its data directory.
+        datadir: PathBuf,
+    },
 }
 
 /// Result alias of this crate.
