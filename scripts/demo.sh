@@ -4,6 +4,8 @@
 # topology. Ctrl-C stops and removes everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where rustup puts cargo, if install-deps.sh installed it.
+export PATH="$HOME/.cargo/bin:$PATH"
 scripts/install-deps.sh
 cargo build --release --quiet
 exec target/release/pgwarden demo "$@"

@@ -4,6 +4,8 @@
 # tests (real PostgreSQL clusters on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where rustup puts cargo, if install-deps.sh installed it.
+export PATH="$HOME/.cargo/bin:$PATH"
 scripts/install-deps.sh --tests
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The fuzz targets (fuzz/, outside the workspace) are run by hand with

@@ -1,7 +1,7 @@
 //! `pgwarden demo`: a local cluster behind pgwarden, for newcomers.
 //!
 //! By default an HA cluster: a local etcd and three `pgwarden agent`
-//! processes, each managing its own PostgreSQL and serving its own
+//! processes (`--replicas` + 1), each managing its own PostgreSQL and serving its own
 //! connection manager, so a newcomer can kill the primary and watch the
 //! failover. `--standalone` runs the connection manager in front of a
 //! plain streaming cluster instead (what the benchmarks use).
@@ -20,13 +20,14 @@ pub struct Args {
     /// removed on exit).
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Number of streaming replicas.
+    /// Number of streaming replicas (with agents: nodes besides the first).
     #[arg(long, default_value_t = 2)]
     replicas: usize,
     /// Port of the first PostgreSQL; the others take the next ones. The
     /// connection manager's ports follow from it (PORT+1000, +1001, +1002;
     /// with agents, node i's at PORT+1000+3i..), and the agents' APIs take
-    /// Patroni's 8008, 8009, 8010. Default: free ports chosen by the OS.
+    /// Patroni's 8008, 8009, 8010 and on. Default: free ports chosen by the
+    /// OS.
     #[arg(long)]
     port: Option<u16>,
     /// Start the cluster and wait for Ctrl-C without printing the topology.
@@ -166,7 +167,8 @@ impl Drop for HaDemo {
 }
 
 fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
-    const NODES: usize = 3;
+    // A leader and the replicas asked for, each node under an agent.
+    let nodes = args.replicas + 1;
     let bins = PgBinaries::discover()?;
     let run_as = RunAs::unprivileged()?;
     let etcd_bin = etcd_binary().context(
@@ -219,11 +221,11 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
     })?;
     eprintln!(
-        "etcd on 127.0.0.1:{client}; starting {NODES} agents under {}",
+        "etcd on 127.0.0.1:{client}; starting {nodes} agents under {}",
         base.display()
     );
     let mut apis = Vec::new();
-    for i in 0..NODES as u16 {
+    for i in 0..nodes as u16 {
         let name = format!("n{}", i + 1);
         let pg = port(i, 0)?;
         let (rw, ro, http) = match args.port {
