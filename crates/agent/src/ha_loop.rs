@@ -741,9 +741,12 @@ impl HaLoop {
                         self.ensure_remote_slot(&HostAddr::new(h.as_str(), *p), slot)
                             .await;
                     }
-                    let connstring = upstream
-                        .as_ref()
-                        .map(|(h, p)| format!("host={h} port={p} user={user} dbname=postgres"));
+                    let connstring = upstream.as_ref().map(|(h, p)| {
+                        format!(
+                            "host={h} port={p} user={} dbname=postgres",
+                            pgwarden_pgctl::conninfo_value(&user)
+                        )
+                    });
                     let args = self.method_args(no_params, Some("replica"), connstring);
                     self.pg
                         .with(move |i| {
@@ -964,7 +967,10 @@ impl HaLoop {
                 keep_data,
                 no_params,
             } => {
-                let connstring = format!("host={h} port={p} user={user} dbname=postgres");
+                let connstring = format!(
+                    "host={h} port={p} user={} dbname=postgres",
+                    pgwarden_pgctl::conninfo_value(&user)
+                );
                 let args = self.method_args(no_params, Some("replica"), Some(connstring));
                 self.pg
                     .with(move |i| {
@@ -2242,7 +2248,8 @@ impl HaLoop {
             let _ = self.pg.stop(StopMode::Immediate).await;
         }
         let state = self.control_state().await;
-        let source = self.pg.source_conninfo(leader);
+        let source = self.pg.tool_conninfo(leader);
+        let password = self.pg.password().map(str::to_string);
         let crashed = !matches!(
             state.as_deref(),
             Some("shut down" | "shut down in recovery")
@@ -2287,7 +2294,7 @@ impl HaLoop {
                     i.clear_standby()?;
                     i.recover_single_user()?;
                 }
-                i.rewind(&source)
+                i.rewind(&source, password.as_deref())
             })
             .await;
         // former_primary stays set until the replica streams from the

@@ -318,17 +318,31 @@ impl LocalPostgres {
         Some(client)
     }
 
-    /// A libpq connection string for `pg_rewind` and `pg_basebackup` to
-    /// reach another member.
+    /// A connection string for this process to reach another member as
+    /// the superuser, password included.
     pub fn source_conninfo(&self, addr: &HostAddr) -> String {
-        let mut s = format!(
-            "host={} port={} user={} dbname=postgres connect_timeout=5",
-            addr.host, addr.port, self.superuser
-        );
+        let mut s = self.tool_conninfo(addr);
         if let Some(p) = &self.password {
-            s.push_str(&format!(" password='{}'", p.replace('\'', "\\'")));
+            s.push_str(&format!(" password={}", pgwarden_pgctl::conninfo_value(p)));
         }
         s
+    }
+
+    /// The same without the password, for a program run here (`pg_rewind`):
+    /// its command line is visible to every local user, so the password
+    /// ([`Self::password`]) goes through its environment.
+    pub fn tool_conninfo(&self, addr: &HostAddr) -> String {
+        format!(
+            "host={} port={} user={} dbname=postgres connect_timeout=5",
+            addr.host,
+            addr.port,
+            pgwarden_pgctl::conninfo_value(&self.superuser)
+        )
+    }
+
+    /// The superuser's password, if one is configured.
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
     }
 }
 
@@ -342,4 +356,40 @@ fn text_rows(msgs: Vec<tokio_postgres::SimpleQueryMessage>) -> Vec<Vec<Option<St
             _ => None,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pgwarden_pgctl::{InstanceSpec, PgBinaries, RunAs};
+
+    /// A superuser name or password with spaces, quotes and backslashes
+    /// reaches the server as written, in this process's connections as in
+    /// the tools' (which get the password apart, out of their command
+    /// line).
+    #[test]
+    fn connection_strings_carry_names_and_passwords_as_written() {
+        let instance = Instance::new(
+            InstanceSpec::new("n1", "/nonexistent", 5432),
+            PgBinaries::at("/nonexistent"),
+            RunAs::current(),
+        );
+        let password = r"p\a'ss w\";
+        let pg = LocalPostgres::new(
+            instance,
+            HostAddr::new("127.0.0.1", 5432),
+            "super user".into(),
+            Some(password.into()),
+            "replicator".into(),
+        );
+        let to = HostAddr::new("10.0.0.2", 5433);
+        let cfg: tokio_postgres::Config = pg.source_conninfo(&to).parse().unwrap();
+        assert_eq!(cfg.get_user(), Some("super user"));
+        assert_eq!(cfg.get_password(), Some(password.as_bytes()));
+        assert_eq!(cfg.get_ports(), [5433]);
+        let tool: tokio_postgres::Config = pg.tool_conninfo(&to).parse().unwrap();
+        assert_eq!(tool.get_user(), Some("super user"));
+        assert_eq!(tool.get_password(), None);
+        assert!(!pg.tool_conninfo(&to).contains("ss w"));
+    }
 }

@@ -101,7 +101,24 @@ pub struct Instance {
     /// while this instance follows that source, and go when it follows
     /// another or stops following.
     source_settings: BTreeMap<String, String>,
+    /// Values raised to what the primary had ([`STANDBY_MINIMUMS`]) for a
+    /// start in recovery; they win over both maps above.
+    standby_floors: BTreeMap<String, String>,
 }
+
+/// Settings a server in recovery must hold at no less than the primary's
+/// values, which its control file records (with the `pg_controldata`
+/// field): below them PostgreSQL 15 refuses to start ("recovery aborted
+/// because of insufficient parameter settings"). A new replica of a
+/// primary whose `max_connections` was raised, or a replica restarted
+/// before its primary when the value is lowered, would never start.
+const STANDBY_MINIMUMS: [(&str, &str); 5] = [
+    ("max_connections", "max_connections setting"),
+    ("max_worker_processes", "max_worker_processes setting"),
+    ("max_wal_senders", "max_wal_senders setting"),
+    ("max_prepared_transactions", "max_prepared_xacts setting"),
+    ("max_locks_per_transaction", "max_locks_per_xact setting"),
+];
 
 impl Instance {
     /// Describes an instance; nothing is created or started yet.
@@ -113,6 +130,7 @@ impl Instance {
             child: None,
             upstream: None,
             source_settings: BTreeMap::new(),
+            standby_floors: BTreeMap::new(),
         }
     }
 
@@ -338,8 +356,9 @@ impl Instance {
         self.spec.settings.insert(
             "primary_conninfo".into(),
             format!(
-                "host={h} port={p} user={user} application_name={}",
-                self.spec.name
+                "host={h} port={p} user={} application_name={}",
+                conninfo_value(user),
+                conninfo_value(&self.spec.name)
             ),
         );
         match &self.spec.primary_slot {
@@ -561,9 +580,14 @@ impl Instance {
 
     /// Resynchronises this (stopped) data directory with `source`, a
     /// libpq connection string of the new primary, after timelines forked.
-    pub fn rewind(&mut self, source: &str) -> Result<()> {
+    /// `password`, if any, goes through the environment: on the command
+    /// line every local user could read it (`ps`).
+    pub fn rewind(&mut self, source: &str, password: Option<&str>) -> Result<()> {
         self.refuse_while_running("pg_rewind")?;
         let mut cmd = self.command("pg_rewind");
+        if let Some(p) = password {
+            cmd.env("PGPASSWORD", p);
+        }
         cmd.arg("-D")
             .arg(&self.spec.datadir)
             .arg(format!("--source-server={source}"));
@@ -620,13 +644,10 @@ impl Instance {
         // instance to a path of this machine.
         let _ = writeln!(text, "unix_socket_directories = ''");
         let _ = writeln!(text, "cluster_name = '{}'", self.spec.name);
-        let source = self.source_settings.iter();
-        let own = self
-            .spec
-            .settings
-            .iter()
-            .filter(|(k, _)| !self.source_settings.contains_key(*k));
-        for (k, v) in own.chain(source) {
+        let mut all: BTreeMap<&String, &String> = self.spec.settings.iter().collect();
+        all.extend(self.source_settings.iter());
+        all.extend(self.standby_floors.iter());
+        for (k, v) in all {
             // The configuration file reads a backslash in a quoted value
             // as an escape.
             let v = v.replace('\\', "\\\\").replace('\'', "''");
@@ -656,6 +677,14 @@ impl Instance {
         if self.is_running() {
             return Ok(());
         }
+        let floors = self.standby_floors();
+        if floors != self.standby_floors {
+            for (k, v) in &floors {
+                tracing::info!(name = %self.spec.name, setting = %k, value = %v, "starting in recovery with the primary's value, which is higher");
+            }
+            self.standby_floors = floors;
+            self.write_settings()?;
+        }
         let log = self.log_path();
         let log_file = fs::OpenOptions::new()
             .create(true)
@@ -682,6 +711,55 @@ impl Instance {
         })?;
         self.child = Some(child);
         Ok(())
+    }
+
+    /// What [`STANDBY_MINIMUMS`] must be raised to for a start: nothing
+    /// outside recovery, or where the configured value is high enough.
+    fn standby_floors(&self) -> BTreeMap<String, String> {
+        let dir = &self.spec.datadir;
+        let mut floors = BTreeMap::new();
+        if !dir.join("standby.signal").exists() && !dir.join("recovery.signal").exists() {
+            return floors;
+        }
+        let Ok(control) = self.controldata() else {
+            return floors;
+        };
+        for (setting, field) in STANDBY_MINIMUMS {
+            let Some(needed) = control.get(field).and_then(|v| v.parse::<i64>().ok()) else {
+                continue;
+            };
+            // The files' value, unless it is the one raised here before
+            // (the settings file holds it until the next write).
+            let own = self
+                .source_settings
+                .get(setting)
+                .or_else(|| self.spec.settings.get(setting))
+                .and_then(|v| v.parse::<i64>().ok())
+                .or_else(|| {
+                    (!self.standby_floors.contains_key(setting))
+                        .then(|| self.config_value(setting))
+                        .flatten()
+                });
+            if own.is_none_or(|v| v < needed) {
+                floors.insert(setting.to_string(), needed.to_string());
+            }
+        }
+        floors
+    }
+
+    /// An integer setting as the configuration files give it
+    /// (`postgres -C`).
+    fn config_value(&self, setting: &str) -> Option<i64> {
+        let mut cmd = self.command("postgres");
+        cmd.arg("-D")
+            .arg(&self.spec.datadir)
+            .args(["-C", setting])
+            .stdin(Stdio::null());
+        let out = cmd.output().ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
     }
 
     /// Waits until the server accepts connections (`pg_isready`), failing
@@ -928,6 +1006,21 @@ fn tail(path: &Path, max: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
+/// `value` as a libpq connection string takes it: as it is when it holds
+/// nothing special, else in single quotes with backslashes and single
+/// quotes escaped, so that a password or a name with spaces, quotes or
+/// backslashes reaches the server as written.
+pub fn conninfo_value(value: &str) -> String {
+    let plain = !value.is_empty()
+        && !value
+            .chars()
+            .any(|c| c.is_whitespace() || matches!(c, '\'' | '\\' | '='));
+    if plain {
+        return value.to_string();
+    }
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
 /// Whether `pid` is a postmaster of `datadir`: not this process or its
 /// parent (PostgreSQL ignores those in a lock file too), and working in
 /// that directory, where a postmaster changes to at start.
@@ -1017,7 +1110,7 @@ mod tests {
         assert!(matches!(e, PgCtlError::StillRunning { .. }), "{e}");
         assert!(volume.join("PG_VERSION").exists());
         assert!(matches!(
-            i.rewind("host=x").unwrap_err(),
+            i.rewind("host=x", None).unwrap_err(),
             PgCtlError::StillRunning { .. }
         ));
         let _ = server.kill();

@@ -19,7 +19,7 @@ mod run_as;
 
 pub use binaries::PgBinaries;
 pub use cluster::{node_name, ClusterSpec, LocalCluster, SyncSpec};
-pub use instance::{Instance, InstanceSpec, StopMode};
+pub use instance::{conninfo_value, Instance, InstanceSpec, StopMode};
 pub use run_as::RunAs;
 
 use std::path::PathBuf;

@@ -1587,6 +1587,65 @@ async fn patch_config_ok(c: &AgentCluster, i: usize, patch: serde_json::Value) {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// A member that joins after a setting was raised that a standby must
+/// hold at no less than its primary's value (here
+/// `max_locks_per_transaction`) starts with the primary's value, which its
+/// cloned control file records: with its own lower default PostgreSQL
+/// would refuse to start in recovery, and the clone would be made again
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_member_starts_with_the_primarys_raised_standby_minimums() {
+    let mut c = cluster().nodes(3).hold_back(2).start();
+    healthy(&c, 1, BOOTSTRAP).await;
+    patch_config_ok(
+        &c,
+        0,
+        serde_json::json!({"postgresql": {"parameters": {"max_locks_per_transaction": 128}}}),
+    )
+    .await;
+    for i in 0..2 {
+        eventually("a pending restart", Duration::from_secs(20), || async {
+            let v = member_status(&c, i).await?;
+            (v["pending_restart"] == true)
+                .then_some(())
+                .ok_or(v.to_string())
+        })
+        .await;
+    }
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .args(["restart", "--all", "--pending"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    gives(
+        &c.node(0).pg_conninfo(),
+        "SHOW max_locks_per_transaction",
+        "128",
+        Duration::from_secs(30),
+    )
+    .await;
+    // The primary's control file records 128 after a checkpoint.
+    query(&c.node(0).pg_conninfo(), "CHECKPOINT").await.unwrap();
+    c.launch_held_back(2);
+    healthy(&c, 2, BOOTSTRAP).await;
+    gives(
+        &c.node(2).pg_conninfo(),
+        "SHOW max_locks_per_transaction",
+        "128",
+        Duration::from_secs(30),
+    )
+    .await;
+    let log = c.node(2).agent_log();
+    assert!(!log.contains("insufficient parameter settings"), "{log}");
+}
+
 /// Waits until `SHOW name` on every node gives `want`.
 async fn everywhere(c: &AgentCluster, name: &str, want: &str) {
     for i in 0..c.len() {
