@@ -686,11 +686,14 @@ impl Instance {
             self.write_settings()?;
         }
         let log = self.log_path();
-        let log_file = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .map_err(io_err(&log))?;
+        // The server log holds failed statements' text (an ALTER ROLE's
+        // password, say): for its owner only.
+        let log_file = std::os::unix::fs::OpenOptionsExt::mode(
+            fs::OpenOptions::new().create(true).append(true),
+            0o600,
+        )
+        .open(&log)
+        .map_err(io_err(&log))?;
         let log_err = log_file.try_clone().map_err(io_err(&log))?;
         let mut cmd = self.command("postgres");
         cmd.arg("-D")
