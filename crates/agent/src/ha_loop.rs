@@ -2115,7 +2115,14 @@ impl HaLoop {
                 let Some(addr) = self.member_address(leader) else {
                     return;
                 };
-                if self.former_primary && !self.rejoined {
+                // A postmaster still starting (a rewound server replaying
+                // up to consistency, which takes longer than a loop after
+                // a long divergence) is left to finish: a rejoin would stop
+                // it, rewind again (nothing to do) and start it from its
+                // last restart point, every round, and an unclean stop
+                // before consistency would leave single-user recovery an
+                // inconsistent data directory to finish.
+                if self.former_primary && !self.rejoined && !self.obs.process {
                     match self.rejoin(&addr, None).await {
                         Ok(true) => {}
                         // The leader is not ready yet: the next round.
