@@ -56,9 +56,9 @@
 //!
 //! A switchover or failover is written to the DCS as a request that the
 //! members' HA loops carry out; the API then waits for the leader key to
-//! name the new leader and answers 200, or 503 when that takes longer than
-//! [`ApiState::switchover_wait`] (withdrawing the request if no agent took
-//! it up, "status unknown" if one did). A switchover with
+//! name the new leader and answers 200, or 503 "status unknown" when that
+//! takes longer than [`ApiState::switchover_wait`] (the leader withdraws a
+//! request nobody carried out by then). A switchover with
 //! `scheduled_at` (ISO 8601 with a UTC offset) is only written, answered
 //! 202, and carried out by the leader's loop at that time; `DELETE
 //! /switchover` withdraws it.
@@ -1340,10 +1340,16 @@ impl Goal<'_> {
 /// Writes the failover key, then waits for the leader key to move.
 async fn request_and_wait(
     state: &ApiState,
-    request: Value,
+    mut request: Value,
     goal: Goal<'_>,
     what: &str,
 ) -> Result<Response, ApiError> {
+    // Dated: the leader withdraws a request nobody carried out within
+    // [`pgwarden_ha::UNATTENDED_REQUEST`] (as long as this waits), which a
+    // later leader would otherwise carry out whenever its candidate
+    // qualified. The leader, which acts on it, decides: never a race with
+    // a hand-over under way.
+    request["requested_ms"] = json!(record::unix_ms());
     let leader_before = state
         .dcs
         .read_cluster()
@@ -1397,26 +1403,6 @@ async fn request_and_wait(
             return Err(ApiError::unavailable(format!(
                 "{what} status unknown: the request was withdrawn (cancelled, or refused \
                  by the cluster) and the leader did not change"
-            )));
-        }
-    }
-    // A request left behind would be carried out whenever its candidate
-    // qualified, hours later perhaps, by a leader nobody asked (and, forced,
-    // without the checks that keep acknowledged writes): it is withdrawn,
-    // unless an agent took it up meanwhile (a released request, or one
-    // replaced, has another revision).
-    if let Ok(snap) = state.dcs.read_cluster().await {
-        if snap.failover.as_ref() == Some(&request)
-            && state
-                .dcs
-                .delete_failover_if(snap.failover_revision)
-                .await
-                .unwrap_or(false)
-        {
-            tracing::info!(%request, "{what} request withdrawn: not carried out in time");
-            return Err(ApiError::unavailable(format!(
-                "{what} not carried out: the leader did not change within {:?}; the request was withdrawn",
-                state.switchover_wait
             )));
         }
     }

@@ -101,6 +101,10 @@ pub(crate) struct HaLoop {
     /// shutdown), run crash recovery on it as a primary, writing WAL of
     /// its own on the leader's timeline, and then need no rewind.
     rejoined: bool,
+    /// This agent started the server as a replica right after a rejoin,
+    /// and it has not answered yet: it replays up to consistency, which
+    /// after a long divergence takes more than a round, and is left to.
+    recovering_after_rejoin: bool,
     /// Why a former primary last waited to rejoin, logged once.
     rejoin_wait: Option<String>,
     start_failed_since: Option<Instant>,
@@ -249,6 +253,7 @@ impl HaLoop {
             snapshot: ClusterSnapshot::default(),
             former_primary: false,
             rejoined: false,
+            recovering_after_rejoin: false,
             rejoin_wait: None,
             start_failed_since: None,
             activity: None,
@@ -453,10 +458,11 @@ impl HaLoop {
     /// drop `synchronous_standby_names` from a primary still running, and
     /// commits would be acknowledged without a standby while the sync key
     /// says otherwise.
+    ///
+    /// Whatever the protection mode this node's file says: the cluster's
+    /// may be set in etcd, not read yet, and keeping what runs is safe
+    /// either way (the synchronous-standby step relaxes it in its order).
     async fn adopt_sync_setting(&mut self) {
-        if !self.sync.protection.synchronous() {
-            return;
-        }
         let written = self
             .pg
             .with(|i| Ok(i.adopt_written_setting("synchronous_standby_names")))
@@ -1105,6 +1111,9 @@ impl HaLoop {
         let began_ms = unix_ms();
         let probe_timeout = Duration::from_secs(2).min(self.timing.loop_wait.max(RETRY_PACE));
         self.obs = self.pg.observe(probe_timeout).await;
+        if self.obs.pg.running || !self.obs.process {
+            self.recovering_after_rejoin = false;
+        }
         if self.obs.pg.running {
             self.start_failed_since = None;
             if !self.obs.pg.in_recovery {
@@ -1911,7 +1920,11 @@ impl HaLoop {
                         "maintenance mode: the primary took the free key"
                     }
                 };
-                if record::standby_cluster(&self.snapshot).is_some() {
+                if *reason == AcquireReason::PausedPrimary {
+                    // The operator's primary, in maintenance mode: only the
+                    // key changes hands (a standby cluster's leader
+                    // promoted by hand is not turned back into a standby).
+                } else if record::standby_cluster(&self.snapshot).is_some() {
                     self.follow_remote().await;
                 } else if self.obs.pg.running && self.obs.pg.in_recovery {
                     self.promote(why).await;
@@ -2115,16 +2128,18 @@ impl HaLoop {
                 let Some(addr) = self.member_address(leader) else {
                     return;
                 };
-                // A postmaster still starting (a rewound server replaying
-                // up to consistency, which takes longer than a loop after
-                // a long divergence) is left to finish: a rejoin would stop
-                // it, rewind again (nothing to do) and start it from its
-                // last restart point, every round, and an unclean stop
-                // before consistency would leave single-user recovery an
-                // inconsistent data directory to finish.
-                if self.former_primary && !self.rejoined && !self.obs.process {
+                // A rewound server still starting (replaying up to
+                // consistency, which takes longer than a round after a long
+                // divergence) is left to finish: a rejoin would stop it,
+                // rewind again (nothing to do) and start it from its last
+                // restart point, every round, and an unclean stop before
+                // consistency would leave single-user recovery an
+                // inconsistent data directory to finish. Any other
+                // postmaster (one started as a primary, say) is rejoined.
+                let left_to_finish = self.obs.process && self.recovering_after_rejoin;
+                if self.former_primary && !self.rejoined && !left_to_finish {
                     match self.rejoin(&addr, None).await {
-                        Ok(true) => {}
+                        Ok(true) => self.recovering_after_rejoin = true,
                         // The leader is not ready yet: the next round.
                         Ok(false) => return,
                         Err(e) => {
@@ -2362,6 +2377,7 @@ impl HaLoop {
             tracing::info!(leader, "this former primary must rejoin the new timeline");
             if let Ok(true) = self.rejoin(&addr, None).await {
                 self.rejoined = true;
+                self.recovering_after_rejoin = true;
                 self.start(&StartMode::ReplicaOf {
                     leader: leader.to_string(),
                 })

@@ -248,7 +248,13 @@ pub fn cluster_view(snapshot: &ClusterSnapshot, now_ms: u64) -> ClusterView {
         failover_request: snapshot
             .failover
             .as_ref()
-            .and_then(|v| serde_json::from_value::<FailoverRequest>(v.clone()).ok()),
+            .and_then(|v| serde_json::from_value::<FailoverRequest>(v.clone()).ok())
+            .map(|r| FailoverRequest {
+                age: r
+                    .requested_ms
+                    .map(|t| std::time::Duration::from_millis(now_ms.saturating_sub(t))),
+                ..r
+            }),
         // The claim's members: a key claiming nothing lets nobody be
         // promoted while it restricts promotion.
         sync_members: claim.members,

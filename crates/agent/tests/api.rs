@@ -923,8 +923,10 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         "refused requests write nothing"
     );
 
-    // Nobody acts on the request here: it is withdrawn at the deadline,
-    // so that no leader carries it out later, when nobody expects it.
+    // Nobody acts on the request here, so the answer is "unknown", quickly;
+    // the request is dated, for the leader to withdraw it once nobody
+    // carried it out in time.
+    let before = unix_ms();
     let r = quick
         .write(
             "POST",
@@ -933,12 +935,12 @@ async fn switchover_requests_are_checked_written_and_awaited() {
         )
         .await;
     assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.body.contains("the request was withdrawn"), "{}", r.body);
-    assert!(d.read_cluster().await.unwrap().failover.is_none());
-    // One still pending (its API waiting yet, say) is withdrawn by hand.
-    d.put_failover(&json!({"candidate": "n2", "from_leader": "n1"}))
-        .await
-        .unwrap();
+    assert!(r.body.contains("status unknown"), "{}", r.body);
+    let mut written = d.read_cluster().await.unwrap().failover.unwrap();
+    let at = written["requested_ms"].as_u64().unwrap();
+    assert!(at >= before && at <= unix_ms(), "{written}");
+    written.as_object_mut().unwrap().remove("requested_ms");
+    assert_eq!(written, json!({"candidate": "n2", "from_leader": "n1"}));
     let r = quick.write("DELETE", "/switchover", None).await;
     assert_eq!(
         (r.status, r.body.trim()),
@@ -1097,15 +1099,12 @@ async fn failover_needs_a_leaderless_cluster_unless_forced() {
             Some(json!({"candidate": "n2", "force": true})),
         )
         .await;
-    // Written, and withdrawn when nobody took it up: a forced request
-    // left behind would depose whoever led when n2 next qualified.
     assert_eq!(r.status, 503, "{}", r.body);
-    assert!(
-        r.body.contains("failover not carried out") && r.body.contains("withdrawn"),
-        "{}",
-        r.body
-    );
-    assert!(d.read_cluster().await.unwrap().failover.is_none());
+    let mut written = d.read_cluster().await.unwrap().failover.unwrap();
+    assert!(written["requested_ms"].is_u64(), "{written}");
+    written.as_object_mut().unwrap().remove("requested_ms");
+    assert_eq!(written, json!({"candidate": "n2", "forced": true}));
+    d.delete_failover().await.unwrap();
     // `member` names the candidate too, as in Patroni; and force does not
     // override fencing, the operator's own word.
     d.put_config(&json!({"fenced": {"n2": true}}))

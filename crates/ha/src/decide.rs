@@ -124,7 +124,7 @@ impl fmt::Display for Decision {
             }
             Decision::Paused { renew_lease: false } => f.write_str("paused: no automatic failover"),
             Decision::CancelSwitchover {
-                reason: r @ CancelReason::Stale { .. },
+                reason: r @ (CancelReason::Stale { .. } | CancelReason::Unattended { .. }),
             } => write!(f, "withdrawing the switchover request: {r}"),
             Decision::CancelSwitchover { reason } => {
                 write!(f, "cancelling the scheduled switchover: {reason}")
@@ -278,7 +278,22 @@ pub enum CancelReason {
         /// Whether that leader had handed its key over.
         released: bool,
     },
+    /// Not carried out within [`UNATTENDED_REQUEST`] of its writing (its
+    /// candidate not ready, or a failover meant for a cluster without a
+    /// leader): the API has given up on it. Left in place, it would be
+    /// carried out whenever the candidate qualified, by whoever led then,
+    /// and a forced one without the checks that keep acknowledged writes.
+    Unattended {
+        /// The member it named.
+        candidate: String,
+        /// How long ago it was written.
+        age: Duration,
+    },
 }
+
+/// How long an immediate switchover or failover request may wait to be
+/// carried out: as long as the API waits for it.
+pub const UNATTENDED_REQUEST: Duration = Duration::from_secs(30);
 
 impl fmt::Display for CancelReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -291,6 +306,12 @@ impl fmt::Display for CancelReason {
             CancelReason::Unreadable { scheduled_at } => {
                 write!(f, "its time {scheduled_at:?} cannot be read")
             }
+            CancelReason::Unattended { candidate, age } => write!(
+                f,
+                "nobody carried it out within {} of its request ({} ago; {candidate} was not ready)",
+                Secs(UNATTENDED_REQUEST),
+                Secs(*age)
+            ),
             CancelReason::Stale {
                 from_leader,
                 released: true,
@@ -533,7 +554,9 @@ fn as_leader(
         }
     }
     if cancel.is_none() {
-        if let Some(reason) = stale_request(view, local) {
+        if let Some(reason) =
+            stale_request(view, local).or_else(|| unattended_request(view, local, ranking))
+        {
             return Decision::CancelSwitchover { reason };
         }
     }
@@ -589,6 +612,26 @@ fn stale_request(view: &ClusterView, local: &LocalView) -> Option<CancelReason> 
     (from != local.name || req.released).then(|| CancelReason::Stale {
         from_leader: from.to_string(),
         released: req.released,
+    })
+}
+
+/// Why the leader should withdraw a request nobody carried out in time,
+/// if it is one: see [`CancelReason::Unattended`]. A switchover this
+/// leader can carry out now still goes ahead.
+fn unattended_request(
+    view: &ClusterView,
+    local: &LocalView,
+    ranking: &Ranking,
+) -> Option<CancelReason> {
+    let req = view.failover_request.as_ref()?;
+    let age = req.age.filter(|a| *a > UNATTENDED_REQUEST)?;
+    if req.scheduled_at.is_some() {
+        return None;
+    }
+    let actionable = req.from_leader.is_some() && switchover_target(view, local, ranking).is_some();
+    (!actionable).then(|| CancelReason::Unattended {
+        candidate: req.candidate.clone().unwrap_or_default(),
+        age,
     })
 }
 
@@ -1584,6 +1627,72 @@ mod tests {
                     reason: AcquireReason::BestCandidate,
                 },
                 says: "acquiring the leader key: this node is the best candidate",
+            },
+        ]);
+    }
+
+    /// A request nobody carried out within the API's wait is withdrawn by
+    /// the leader, not left to be carried out whenever its candidate
+    /// qualifies; one the leader can carry out now still goes ahead.
+    #[test]
+    fn a_request_left_unattended_is_withdrawn_by_the_leader() {
+        let late = Duration::from_secs(31);
+        let stopped_n2 = || {
+            cluster()
+                .leader("n1")
+                .replica("n2", 0)
+                .with("n2", |m| m.running = false)
+        };
+        check(vec![
+            Case {
+                name: "a switchover whose candidate is not ready, past the wait",
+                cluster: stopped_n2().switchover("n1", "n2").requested_ago(late).build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Unattended {
+                        candidate: "n2".into(),
+                        age: late,
+                    },
+                },
+                says: "withdrawing the switchover request: nobody carried it out within 30 s of its request (31 s ago; n2 was not ready)",
+            },
+            Case {
+                name: "the same within the wait",
+                cluster: stopped_n2()
+                    .switchover("n1", "n2")
+                    .requested_ago(Duration::from_secs(5))
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::RenewLease,
+                says: "no action: I am the leader with the lock",
+            },
+            Case {
+                name: "a forced failover whose candidate is down, past the wait",
+                cluster: stopped_n2().failover_to("n2", true).requested_ago(late).build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::CancelSwitchover {
+                    reason: CancelReason::Unattended {
+                        candidate: "n2".into(),
+                        age: late,
+                    },
+                },
+                says: "withdrawing the switchover request: nobody carried it out within 30 s of its request (31 s ago; n2 was not ready)",
+            },
+            Case {
+                name: "a switchover the leader can carry out now",
+                cluster: cluster()
+                    .leader("n1")
+                    .replica("n2", 0)
+                    .switchover("n1", "n2")
+                    .requested_ago(late)
+                    .build(),
+                local: local("n1").primary().holding_lease().build(),
+                want: Decision::ReleaseLeader {
+                    reason: ReleaseReason::Switchover {
+                        candidate: "n2".into(),
+                    },
+                },
+                says: "releasing the leader key: switching over to n2",
             },
         ]);
     }

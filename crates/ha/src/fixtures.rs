@@ -85,6 +85,7 @@ impl ClusterBuilder {
             forced,
             scheduled_at: None,
             released: false,
+            ..FailoverRequest::default()
         });
         self
     }
@@ -96,7 +97,16 @@ impl ClusterBuilder {
             forced: false,
             scheduled_at: None,
             released: false,
+            ..FailoverRequest::default()
         });
+        self
+    }
+
+    /// The pending request was written `age` ago.
+    pub(crate) fn requested_ago(mut self, age: Duration) -> Self {
+        if let Some(r) = self.view.failover_request.as_mut() {
+            r.age = Some(age);
+        }
         self
     }
 

@@ -53,7 +53,7 @@ mod fixtures;
 
 pub use decide::{
     after_renewal, decide, AcquireReason, CancelReason, Decision, DemoteReason, ReleaseReason,
-    StartMode, WaitReason,
+    StartMode, WaitReason, UNATTENDED_REQUEST,
 };
 pub use election::{
     is_best, rank_candidates, ElectionSettings, ExclusionReason, Ranking,

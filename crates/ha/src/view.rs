@@ -42,6 +42,12 @@ pub struct FailoverRequest {
     /// checks. A switchover request still pending when the leader died or
     /// lost its key is judged like any failover.
     pub released: bool,
+    /// When the API wrote it (Unix milliseconds); `None` for a request
+    /// written otherwise.
+    pub requested_ms: Option<u64>,
+    /// How long ago that was when the view was read (not stored).
+    #[serde(skip)]
+    pub age: Option<Duration>,
 }
 
 /// The cluster as published in the DCS at the start of this iteration.

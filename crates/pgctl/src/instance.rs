@@ -644,9 +644,28 @@ impl Instance {
         // instance to a path of this machine.
         let _ = writeln!(text, "unix_socket_directories = ''");
         let _ = writeln!(text, "cluster_name = '{}'", self.spec.name);
-        let mut all: BTreeMap<&String, &String> = self.spec.settings.iter().collect();
-        all.extend(self.source_settings.iter());
-        all.extend(self.standby_floors.iter());
+        let mut all: BTreeMap<&String, String> = self
+            .spec
+            .settings
+            .iter()
+            .chain(self.source_settings.iter())
+            .map(|(k, v)| (k, v.clone()))
+            .collect();
+        // The primary's minimums hold only for a start in recovery, and
+        // never lower a value configured higher since (which then shows
+        // as pending a restart, as it should).
+        let in_recovery = ["standby.signal", "recovery.signal"]
+            .iter()
+            .any(|f| self.spec.datadir.join(f).exists());
+        if in_recovery {
+            for (k, floor) in &self.standby_floors {
+                let own = all.get(k).and_then(|v| v.parse::<i64>().ok());
+                let floor_n = floor.parse::<i64>().ok();
+                if own.is_none() || own < floor_n {
+                    all.insert(k, floor.clone());
+                }
+            }
+        }
         for (k, v) in all {
             // The configuration file reads a backslash in a quoted value
             // as an escape.
@@ -814,7 +833,8 @@ impl Instance {
         let text = fs::read_to_string(pidfile).ok()?;
         let pid: i32 = text.lines().next()?.trim().parse().ok()?;
         kill(Pid::from_raw(pid), None).ok()?;
-        postmaster_of(pid, &self.spec.datadir).then_some(pid)
+        let file_start = text.lines().nth(2).and_then(|l| l.trim().parse().ok());
+        postmaster_of(pid, &self.spec.datadir, file_start).then_some(pid)
     }
 
     /// Whether a postmaster runs for this data directory.
@@ -1024,17 +1044,73 @@ pub fn conninfo_value(value: &str) -> String {
     format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
-/// Whether `pid` is a postmaster of `datadir`: not this process or its
-/// parent (PostgreSQL ignores those in a lock file too), and working in
-/// that directory, where a postmaster changes to at start.
-fn postmaster_of(pid: i32, datadir: &Path) -> bool {
+/// Whether `pid` is a postmaster of `datadir`, whose `postmaster.pid`
+/// gives `file_start` as its start time (Unix seconds): not this process
+/// or its parent (PostgreSQL ignores those in a lock file too), and see
+/// [`judge_postmaster`].
+fn postmaster_of(pid: i32, datadir: &Path, file_start: Option<i64>) -> bool {
     if pid <= 0 || pid as u32 == std::process::id() || pid == nix::unistd::getppid().as_raw() {
         return false;
     }
-    let Ok(cwd) = fs::read_link(format!("/proc/{pid}/cwd")) else {
-        return false;
+    let seen = SeenProcess {
+        cwd: fs::read_link(format!("/proc/{pid}/cwd")),
+        name_and_start: process_name_and_start(pid),
     };
-    fs::canonicalize(datadir).is_ok_and(|dir| dir == cwd)
+    judge_postmaster(&seen, fs::canonicalize(datadir).ok().as_deref(), file_start)
+}
+
+/// What can be read of a process in `/proc`.
+struct SeenProcess {
+    /// Its working directory; unreadable (`EACCES`) for another user's
+    /// process without `CAP_SYS_PTRACE`, which containers often lack.
+    cwd: std::io::Result<PathBuf>,
+    /// Its executable's name and start time (Unix seconds), readable by all.
+    name_and_start: Option<(String, i64)>,
+}
+
+/// How far a postmaster's start time in its `postmaster.pid` may be from
+/// its process's (the file is written a moment after the start).
+const START_TIME_SLACK: i64 = 5;
+
+/// Whether the process seen is the postmaster of the data directory
+/// `datadir`: one working there, where a postmaster changes to at start;
+/// where that cannot be read, a `postgres` process started when the file
+/// says. A process that cannot be judged at all counts as one: taking a
+/// live server for none would start a second on its data directory, or
+/// rewrite it under the first.
+fn judge_postmaster(seen: &SeenProcess, datadir: Option<&Path>, file_start: Option<i64>) -> bool {
+    match &seen.cwd {
+        Ok(cwd) => datadir.is_some_and(|d| d == cwd),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(_) => match (&seen.name_and_start, file_start) {
+            (Some((name, started)), Some(file)) => {
+                name == "postgres" && (started - file).abs() <= START_TIME_SLACK
+            }
+            (Some((name, _)), None) => name == "postgres",
+            (None, _) => true,
+        },
+    }
+}
+
+/// `pid`'s executable name and start time in Unix seconds, from
+/// `/proc/PID/stat` (clock ticks since boot) and `/proc/stat` (boot time).
+fn process_name_and_start(pid: i32) -> Option<(String, i64)> {
+    // Linux reports process times in USER_HZ, 100 on every architecture
+    // pgwarden runs on.
+    const TICKS_PER_SECOND: i64 = 100;
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1.to_string();
+    // Field 22, starttime; `rest` begins with field 3.
+    let ticks: i64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let boot: i64 = fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some((name, boot + ticks / TICKS_PER_SECOND))
 }
 
 #[cfg(test)]
@@ -1130,6 +1206,68 @@ mod tests {
         Instance::new(gone, PgBinaries::at("/nonexistent"), RunAs::current())
             .wipe()
             .unwrap();
+    }
+
+    /// Where a process's working directory cannot be read (another user's,
+    /// without CAP_SYS_PTRACE), its name and start time decide; where
+    /// nothing can be read, it counts as the server.
+    #[test]
+    fn a_postmaster_is_judged_by_what_can_be_read_of_it() {
+        use std::io::{Error, ErrorKind};
+        let dir = Path::new("/data/n1");
+        let seen = |cwd: std::io::Result<PathBuf>, name: Option<(&str, i64)>| SeenProcess {
+            cwd,
+            name_and_start: name.map(|(n, s)| (n.to_string(), s)),
+        };
+        let denied = || Err(Error::from(ErrorKind::PermissionDenied));
+        let gone = || Err(Error::from(ErrorKind::NotFound));
+        assert!(judge_postmaster(
+            &seen(Ok(dir.into()), None),
+            Some(dir),
+            None
+        ));
+        assert!(!judge_postmaster(
+            &seen(Ok("/".into()), None),
+            Some(dir),
+            None
+        ));
+        assert!(!judge_postmaster(
+            &seen(gone(), Some(("postgres", 100))),
+            Some(dir),
+            Some(100)
+        ));
+        assert!(judge_postmaster(
+            &seen(denied(), Some(("postgres", 102))),
+            Some(dir),
+            Some(100)
+        ));
+        // A pid reused after a reboot: started long after the file says.
+        assert!(!judge_postmaster(
+            &seen(denied(), Some(("postgres", 9_000))),
+            Some(dir),
+            Some(100)
+        ));
+        assert!(!judge_postmaster(
+            &seen(denied(), Some(("sshd", 100))),
+            Some(dir),
+            Some(100)
+        ));
+        assert!(judge_postmaster(
+            &seen(denied(), None),
+            Some(dir),
+            Some(100)
+        ));
+        // The time this process reads of itself is its start.
+        let (name, started) = process_name_and_start(std::process::id() as i32).unwrap();
+        assert!(!name.is_empty());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        assert!(
+            started <= now + 1 && started > now - 3600,
+            "{started} vs {now}"
+        );
     }
 
     fn settings_lines(i: &Instance, key: &str) -> Vec<String> {
@@ -1228,6 +1366,28 @@ mod tests {
             Some(names)
         );
         assert_eq!(again.adopt_written_setting("work_mem"), None);
+    }
+
+    /// A primary's minimum raised for a start in recovery never lowers a
+    /// value configured higher since, and goes once out of recovery.
+    #[test]
+    fn raised_minimums_hold_only_below_the_configured_value_and_in_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = InstanceSpec::new("n1", dir.path(), 5432);
+        let mut i = Instance::new(spec, PgBinaries::at("/nonexistent"), RunAs::current());
+        fs::write(dir.path().join("standby.signal"), "").unwrap();
+        i.standby_floors =
+            BTreeMap::from([("max_locks_per_transaction".to_string(), "128".to_string())]);
+        let locks = |i: &Instance| settings_lines(i, "max_locks_per_transaction");
+        i.set_setting("work_mem", "4MB").unwrap();
+        assert_eq!(locks(&i), ["max_locks_per_transaction = '128'"]);
+        i.set_setting("max_locks_per_transaction", "256").unwrap();
+        assert_eq!(locks(&i), ["max_locks_per_transaction = '256'"]);
+        i.set_setting("max_locks_per_transaction", "64").unwrap();
+        assert_eq!(locks(&i), ["max_locks_per_transaction = '128'"]);
+        fs::remove_file(dir.path().join("standby.signal")).unwrap();
+        i.set_setting("work_mem", "8MB").unwrap();
+        assert_eq!(locks(&i), ["max_locks_per_transaction = '64'"]);
     }
 
     #[test]
