@@ -1476,18 +1476,8 @@ async fn a_scheduled_restart_happens_at_its_time_when_its_conditions_hold() {
     .await;
     // `ctl restart --all --scheduled`: an order for every member.
     let later = at(600);
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
-        .args(["restart", "--all", "--scheduled", &later])
-        .output()
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text, err) = ctl_restart(&c, &["--all", "--scheduled", &later]).await;
+    assert!(ok, "{text}{err}");
     for i in 0..2 {
         eventually("the restart scheduled", Duration::from_secs(10), || async {
             let v = patroni(i).await?;
@@ -1603,27 +1593,9 @@ async fn a_new_member_starts_with_the_primarys_raised_standby_minimums() {
         serde_json::json!({"postgresql": {"parameters": {"max_locks_per_transaction": 128}}}),
     )
     .await;
-    for i in 0..2 {
-        eventually("a pending restart", Duration::from_secs(20), || async {
-            let v = member_status(&c, i).await?;
-            (v["pending_restart"] == true)
-                .then_some(())
-                .ok_or(v.to_string())
-        })
-        .await;
-    }
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
-        .args(["restart", "--all", "--pending"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    restart_pending_on(&c, 2).await;
+    let (ok, text, err) = ctl_restart(&c, &["--all", "--pending"]).await;
+    assert!(ok, "{text}{err}");
     gives(
         &c.node(0).pg_conninfo(),
         "SHOW max_locks_per_transaction",
@@ -1644,6 +1616,36 @@ async fn a_new_member_starts_with_the_primarys_raised_standby_minimums() {
     .await;
     let log = c.node(2).agent_log();
     assert!(!log.contains("insufficient parameter settings"), "{log}");
+}
+
+/// Runs `pgwarden ctl restart ARGS` through node 0's API; its success,
+/// and what it printed on its output and on its error output.
+async fn ctl_restart(c: &AgentCluster, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
+        .arg("restart")
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Waits until each of nodes `0..n` reports settings waiting for a restart.
+async fn restart_pending_on(c: &AgentCluster, n: usize) {
+    for i in 0..n {
+        eventually("a pending restart", Duration::from_secs(20), || async {
+            let v = member_status(c, i).await?;
+            (v["pending_restart"] == true)
+                .then_some(())
+                .ok_or(v.to_string())
+        })
+        .await;
+    }
 }
 
 /// Waits until `SHOW name` on every node gives `want`.
@@ -1689,29 +1691,11 @@ async fn dynamic_parameters_reach_every_member() {
         params(serde_json::json!({"max_prepared_transactions": 5})),
     )
     .await;
-    for i in 0..2 {
-        eventually("a pending restart", Duration::from_secs(20), || async {
-            let v = patroni(i).await?;
-            (v["pending_restart"] == true)
-                .then_some(())
-                .ok_or(v.to_string())
-        })
-        .await;
-    }
+    restart_pending_on(&c, 2).await;
     // `ctl restart --all --pending`: one member after the other, replicas
     // first, each back before the next.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
-        .args(["restart", "--all", "--pending"])
-        .output()
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text, err) = ctl_restart(&c, &["--all", "--pending"]).await;
+    assert!(ok, "{text}{err}");
     let (n2, n1) = (
         text.find("n2: restarted").expect(&text),
         text.find("n1: restarted").expect(&text),
@@ -1730,14 +1714,8 @@ async fn dynamic_parameters_reach_every_member() {
         params(serde_json::json!({"max_prepared_transactions": 7})),
     )
     .await;
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
-        .args(["restart", "--all", "--pending"])
-        .output()
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{text}");
+    let (ok, text, err) = ctl_restart(&c, &["--all", "--pending"]).await;
+    assert!(ok, "{text}{err}");
     assert!(
         text.contains("n2: restarted") && text.contains("n1: restarted"),
         "{text}"
@@ -1766,13 +1744,7 @@ async fn dynamic_parameters_reach_every_member() {
         )
         .await;
     }
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgwarden"))
-        .args(["ctl", "--api", &c.node(0).api_url(), "--password", "secret"])
-        .args(["restart", "--all"])
-        .output()
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (_, text, _) = ctl_restart(&c, &["--all"]).await;
     assert!(!text.contains("restarted"), "{text}");
     assert!(text.contains("fix the setting first"), "{text}");
     assert_eq!(writable(&c).await, vec![0]);
@@ -2736,23 +2708,14 @@ async fn reinitialize_clones_a_replica_afresh_and_is_refused_on_the_leader() {
 async fn a_member_being_recloned_is_shown_stopped_without_wal() {
     let tools = shared_dir();
     let dir = tools.path().display().to_string();
-    let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
-        .unwrap()
-        .path("pg_basebackup");
     // Clones at once, unless told to hold.
-    let script = tools.path().join("held.sh");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n\
-             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
-             i=0; while [ -e {dir}/hold ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n\
-             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
-            pg_basebackup.display()
+    let script = backup_tool(
+        &tools,
+        "held.sh",
+        &format!(
+            "i=0; while [ -e {dir}/hold ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n"
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     let c = cluster()
         .nodes(2)
         .node_settings(
@@ -2771,17 +2734,15 @@ async fn a_member_being_recloned_is_shown_stopped_without_wal() {
             .into_iter()
             .find(|m| m.state.name == "n2")
     };
-    eventually(
-        "n2 is published running",
-        Duration::from_secs(20),
-        || async {
+    let published_running = |what: &'static str| {
+        eventually(what, Duration::from_secs(20), move || async move {
             match n2_record().await {
                 Some(r) if r.state.running && r.state.wal_position().is_some() => Ok(()),
                 r => Err(format!("{r:?}")),
             }
-        },
-    )
-    .await;
+        })
+    };
+    published_running("n2 is published running").await;
     std::fs::write(tools.path().join("hold"), "").unwrap();
     let r = api_call(&c, 1, "POST", "/reinitialize", serde_json::json!({})).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -2814,17 +2775,7 @@ async fn a_member_being_recloned_is_shown_stopped_without_wal() {
     );
     std::fs::remove_file(tools.path().join("hold")).unwrap();
     healthy(&c, 1, Duration::from_secs(60)).await;
-    eventually(
-        "n2 is published running again",
-        Duration::from_secs(20),
-        || async {
-            match n2_record().await {
-                Some(r) if r.state.running && r.state.wal_position().is_some() => Ok(()),
-                r => Err(format!("{r:?}")),
-            }
-        },
-    )
-    .await;
+    published_running("n2 is published running again").await;
 }
 
 #[test]
@@ -4854,6 +4805,29 @@ async fn a_standby_leader_rewinds_onto_its_source_only_when_their_histories_fork
 
 /// A directory that PostgreSQL's user, and the commands the agents run as
 /// it, may write to: a shared WAL archive, a backup tool's files.
+/// A "backup tool" for `replica_methods`: a script `name` in `tools` that
+/// reads `--datadir` and `--connstring` as Patroni passes them (into `$d`
+/// and `$c`), runs `middle` (shell lines), then clones with pg_basebackup.
+fn backup_tool(tools: &tempfile::TempDir, name: &str, middle: &str) -> std::path::PathBuf {
+    let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
+        .unwrap()
+        .path("pg_basebackup");
+    let script = tools.path().join(name);
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
+             {middle}\
+             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
+            pg_basebackup.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    script
+}
+
 fn shared_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(
@@ -5183,43 +5157,28 @@ async fn a_replica_is_created_by_the_first_method_that_works() {
     // found in the data directory; and one that fails.
     let tools = shared_dir();
     let dir = tools.path().display().to_string();
-    let pg_basebackup = pgwarden_pgctl::PgBinaries::discover()
-        .unwrap()
-        .path("pg_basebackup");
-    let script = tools.path().join("restore.sh");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n\
-             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
-             echo \"$*\" > {dir}/restore.args\n\
+    let script = backup_tool(
+        &tools,
+        "restore.sh",
+        &format!(
+            "echo \"$*\" > {dir}/restore.args\n\
              ls -A \"$d\" | wc -l > {dir}/restore.found\n\
-             i=0; while [ ! -e {dir}/gate ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n\
-             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
-            pg_basebackup.display()
+             i=0; while [ ! -e {dir}/gate ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done\n"
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     // A tool that refreshes an existing copy (as a delta restore does),
     // so it fails on an empty data directory; `keep_data` hands it the
     // old one.
-    let delta = tools.path().join("delta.sh");
-    std::fs::write(
-        &delta,
-        format!(
-            "#!/bin/sh\n\
-             for a in \"$@\"; do case $a in --datadir=*) d=${{a#--datadir=}};; --connstring=*) c=${{a#--connstring=}};; esac; done\n\
-             n=$(ls -A \"$d\" | wc -l)\n\
+    let delta = backup_tool(
+        &tools,
+        "delta.sh",
+        &format!(
+            "n=$(ls -A \"$d\" | wc -l)\n\
              [ \"$n\" -gt 0 ] || exit 1\n\
              test -f \"$d/PG_VERSION\" && echo \"$n\" > {dir}/delta.found\n\
-             find \"$d\" -mindepth 1 -delete\n\
-             exec {} -D \"$d\" -d \"$c\" -X stream -c fast --no-sync\n",
-            pg_basebackup.display()
+             find \"$d\" -mindepth 1 -delete\n"
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&delta, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     let c = cluster()
         .nodes(2)
         .node_settings(

@@ -543,17 +543,14 @@ pub fn sasl_initial_response(body: &[u8]) -> Result<(&str, Option<&[u8]>), BodyE
 /// Fields of an ErrorResponse (`E`) or NoticeResponse (`N`) body, as
 /// `(field type, value)` pairs in wire order.
 pub fn error_fields(body: &[u8]) -> Result<Vec<(u8, &str)>, BodyError> {
-    let mut r = Reader::new(body);
-    let mut fields = Vec::new();
-    loop {
-        let ty = r.u8()?;
-        if ty == 0 {
-            break;
-        }
-        fields.push((ty, r.cstr()?));
-    }
-    r.finish()?;
-    Ok(fields)
+    error_fields_raw(body)?
+        .into_iter()
+        .map(|(ty, v)| {
+            std::str::from_utf8(v)
+                .map(|v| (ty, v))
+                .map_err(|_| BodyError::InvalidUtf8)
+        })
+        .collect()
 }
 
 /// The value of the last field of type `ty` (see [`field`]), if present.
