@@ -696,7 +696,7 @@ impl Instance {
         if self.is_running() {
             return Ok(());
         }
-        let floors = self.standby_floors();
+        let floors = self.floors_for_start();
         if floors != self.standby_floors {
             for (k, v) in &floors {
                 tracing::info!(name = %self.spec.name, setting = %k, value = %v, "starting in recovery with the primary's value, which is higher");
@@ -737,7 +737,7 @@ impl Instance {
 
     /// What [`STANDBY_MINIMUMS`] must be raised to for a start: nothing
     /// outside recovery, or where the configured value is high enough.
-    fn standby_floors(&self) -> BTreeMap<String, String> {
+    fn floors_for_start(&self) -> BTreeMap<String, String> {
         let dir = &self.spec.datadir;
         let mut floors = BTreeMap::new();
         if !dir.join("standby.signal").exists() && !dir.join("recovery.signal").exists() {

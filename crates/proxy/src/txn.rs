@@ -1005,13 +1005,12 @@ impl Session {
                 .peek(&snap.topology, &self.service.spec.want)
                 .ok()
                 .filter(|p| snap.topology.hosts()[p.index].config.addr == pool.key.host);
-            if let Some(peeked) = peeked.filter(|_| {
-                !pool.is_retired()
-                    && !self
-                        .shared
-                        .any_refusal
-                        .load(std::sync::atomic::Ordering::Relaxed)
-            }) {
+            let serves = !pool.is_retired()
+                && !self
+                    .shared
+                    .any_refusal
+                    .load(std::sync::atomic::Ordering::Relaxed);
+            if let (Some(peeked), true) = (peeked, serves) {
                 if let Some(c) = pool.try_checkout() {
                     // Looked at once the server counts as lent: a pause
                     // set before that is seen here, and one set after it
