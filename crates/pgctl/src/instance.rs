@@ -568,14 +568,161 @@ impl Instance {
     /// requires.
     pub fn recover_single_user(&mut self) -> Result<()> {
         self.refuse_while_running("crash recovery in single-user mode")?;
+        self.archive_ready_wal();
+        // The end of crash recovery removes every segment it may: with
+        // archiving off, those still waiting for the archive too, and with
+        // archive status files cleared, also those the archive has, which
+        // pg_rewind may need to read back to where the histories forked.
+        // Archiving on with a command that never succeeds (and no archiver
+        // in single-user mode anyway) keeps them all.
+        self.clear_archive_status();
         let mut cmd = self.command("postgres");
         cmd.arg("--single")
             .arg("-F")
             .arg("-D")
             .arg(&self.spec.datadir)
-            .args(["-c", "archive_mode=off", "postgres"])
+            .args(["-c", "archive_mode=on", "-c", "archive_command=false"])
+            .arg("postgres")
             .stdin(Stdio::null());
         run(cmd, "postgres --single")
+    }
+
+    /// Hands the archive the WAL files this (stopped) data directory still
+    /// holds for it (`.ready` in `pg_wal/archive_status`), running the
+    /// configured `archive_command` as PostgreSQL's archiver would. A
+    /// former primary whose archiving lagged is about to lose them: to
+    /// `pg_rewind`, to the end of single-user crash recovery, or to a
+    /// standby's restart points, which remove them unarchived unless
+    /// `archive_mode = always`; the archive would then have a gap no
+    /// point-in-time recovery can cross. Failures are logged and leave the
+    /// file waiting, as the archiver leaves it. Returns how many files
+    /// went to the archive.
+    pub fn archive_ready_wal(&self) -> usize {
+        let status_dir = self.spec.datadir.join("pg_wal").join("archive_status");
+        let mut ready: Vec<String> = match fs::read_dir(&status_dir) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter_map(|n| n.strip_suffix(".ready").map(str::to_string))
+                .filter(|n| is_archivable_wal_name(n))
+                .collect(),
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(dir = %status_dir.display(), error = %e, "cannot list the WAL waiting for the archive");
+                }
+                return 0;
+            }
+        };
+        if ready.is_empty() {
+            return 0;
+        }
+        // Segments in the order the archiver takes them; a timeline's
+        // history file before the segments of that timeline.
+        ready.sort_by_key(|n| (!n.ends_with(".history"), n.clone()));
+        let setting = |name: &str| {
+            let mut cmd = self.command("postgres");
+            cmd.arg("-D")
+                .arg(&self.spec.datadir)
+                .args(["-C", name])
+                .stdin(Stdio::null());
+            cmd.output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        };
+        let mode = setting("archive_mode");
+        if !matches!(mode.as_deref(), Some("on" | "always")) {
+            return 0;
+        }
+        if setting("archive_library").is_some_and(|l| !l.is_empty()) {
+            tracing::warn!(
+                name = %self.spec.name,
+                waiting = ready.len(),
+                "WAL files still wait for the archive, and archive_library cannot be run outside the server: they may be removed unarchived"
+            );
+            return 0;
+        }
+        let Some(command) = setting("archive_command").filter(|c| !c.is_empty()) else {
+            return 0;
+        };
+        let mut archived = 0;
+        for name in &ready {
+            let segment = self.spec.datadir.join("pg_wal").join(name);
+            let flag = status_dir.join(format!("{name}.ready"));
+            if !segment.exists() || !flag.exists() {
+                continue;
+            }
+            let line = archive_command_line(&command, &format!("pg_wal/{name}"), name);
+            tracing::info!(name = %self.spec.name, file = %name, command = %line, "archiving WAL the server had not archived");
+            match self.run_archive_command(&line) {
+                Ok(()) => {
+                    if let Err(e) = fs::rename(&flag, status_dir.join(format!("{name}.done"))) {
+                        tracing::warn!(file = %name, error = %e, "archived, but cannot mark it done");
+                    }
+                    archived += 1;
+                }
+                Err(why) => {
+                    tracing::warn!(name = %self.spec.name, file = %name, "archive_command failed: {why}");
+                }
+            }
+        }
+        archived
+    }
+
+    /// Runs one archive command line through the shell in the data
+    /// directory, as the archiver does; one that hangs is stopped after
+    /// [`ARCHIVE_COMMAND_TIMEOUT`].
+    fn run_archive_command(&self, line: &str) -> std::result::Result<(), String> {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(line)
+            .current_dir(&self.spec.datadir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        self.run_as.apply(&mut cmd);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + ARCHIVE_COMMAND_TIMEOUT;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => return Ok(()),
+                Ok(Some(status)) => {
+                    let mut err = String::new();
+                    if let Some(mut e) = child.stderr.take() {
+                        let _ = e.read_to_string(&mut err);
+                    }
+                    return Err(format!("{status}: {}", err.trim()));
+                }
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(None) => {
+                    let _ = kill(Pid::from_raw(-(child.id() as i32)), Signal::SIGKILL);
+                    let _ = child.wait();
+                    return Err(format!(
+                        "still running after {}s, stopped",
+                        ARCHIVE_COMMAND_TIMEOUT.as_secs()
+                    ));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// Removes the archive status files, so that the end of single-user
+    /// crash recovery keeps every segment (see
+    /// [`Instance::recover_single_user`]).
+    fn clear_archive_status(&self) {
+        let status_dir = self.spec.datadir.join("pg_wal").join("archive_status");
+        let Ok(entries) = fs::read_dir(&status_dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if let Err(err) = fs::remove_file(&path) {
+                tracing::warn!(file = %path.display(), error = %err, "cannot remove an archive status file");
+            }
+        }
     }
 
     /// Resynchronises this (stopped) data directory with `source`, a
@@ -584,6 +731,8 @@ impl Instance {
     /// line every local user could read it (`ps`).
     pub fn rewind(&mut self, source: &str, password: Option<&str>) -> Result<()> {
         self.refuse_while_running("pg_rewind")?;
+        // pg_rewind removes WAL the source does not have.
+        self.archive_ready_wal();
         let mut cmd = self.command("pg_rewind");
         if let Some(p) = password {
             cmd.env("PGPASSWORD", p);
@@ -695,6 +844,14 @@ impl Instance {
     pub fn spawn(&mut self) -> Result<()> {
         if self.is_running() {
             return Ok(());
+        }
+        let in_recovery = ["standby.signal", "recovery.signal"]
+            .iter()
+            .any(|f| self.spec.datadir.join(f).exists());
+        if in_recovery {
+            // A former primary starting as a standby: its restart points
+            // would remove what it never archived.
+            self.archive_ready_wal();
         }
         let floors = self.floors_for_start();
         if floors != self.standby_floors {
@@ -989,6 +1146,61 @@ fn die_with_parent(cmd: &mut Command) {
     }
 }
 
+/// How long one `archive_command` run by the agent may take.
+const ARCHIVE_COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Whether `name` is a WAL file the archiver takes: a segment, a segment's
+/// `.partial` remainder, a timeline history file or a backup history file.
+fn is_archivable_wal_name(name: &str) -> bool {
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_lowercase())
+    };
+    if let Some(tli) = name.strip_suffix(".history") {
+        return hex(tli, 8);
+    }
+    if let Some(seg) = name.strip_suffix(".partial") {
+        return hex(seg, 24);
+    }
+    if let Some(rest) = name.strip_suffix(".backup") {
+        return rest
+            .split_once('.')
+            .is_some_and(|(seg, off)| hex(seg, 24) && hex(off, 8));
+    }
+    hex(name, 24)
+}
+
+/// `archive_command` with its placeholders filled in as PostgreSQL's
+/// archiver fills them: `%p` the file's path from the data directory, `%f`
+/// its name, `%%` a percent sign; any other `%` stays as it is.
+fn archive_command_line(command: &str, path: &str, file: &str) -> String {
+    let mut out = String::with_capacity(command.len() + path.len());
+    let mut chars = command.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.peek() {
+            Some('p') => {
+                out.push_str(path);
+                chars.next();
+            }
+            Some('f') => {
+                out.push_str(file);
+                chars.next();
+            }
+            Some('%') => {
+                out.push('%');
+                chars.next();
+            }
+            _ => out.push('%'),
+        }
+    }
+    out
+}
+
 fn run(mut cmd: Command, program: &str) -> Result<()> {
     let out = cmd.output().map_err(|source| PgCtlError::Spawn {
         program: program.into(),
@@ -1116,6 +1328,149 @@ fn process_name_and_start(pid: i32) -> Option<(String, i64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn archive_commands_are_filled_in_as_the_archiver_fills_them() {
+        assert_eq!(
+            archive_command_line("cp %p /a/%f && echo 100%% %x%", "pg_wal/F", "F"),
+            "cp pg_wal/F /a/F && echo 100% %x%"
+        );
+        for ok in [
+            "000000010000000000000003",
+            "000000010000000000000003.partial",
+            "00000002.history",
+            "000000010000000000000003.00000028.backup",
+        ] {
+            assert!(is_archivable_wal_name(ok), "{ok}");
+        }
+        for not in [
+            "00000001000000000000000",
+            "000000010000000000000003.tmp",
+            "0000000a0000000000000003",
+            "xlogtemp.123",
+            "0000002.history",
+        ] {
+            assert!(!is_archivable_wal_name(not), "{not}");
+        }
+    }
+
+    /// A data directory whose fake `postgres -C` answers with `settings`,
+    /// and WAL files: `ready` wait for the archive, `done` are archived.
+    fn archiving_rig(
+        settings: &[(&str, &str)],
+        ready: &[&str],
+        done: &[&str],
+    ) -> (tempfile::TempDir, Instance) {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        fs::create_dir(&bin).unwrap();
+        let mut script = String::from("#!/bin/sh\ncase \"$4\" in\n");
+        for (k, v) in settings {
+            script.push_str(&format!("{k}) printf '%s\\n' '{v}' ;;\n"));
+        }
+        script.push_str("*) exit 1 ;;\nesac\n");
+        let postgres = bin.join("postgres");
+        fs::write(&postgres, script).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&postgres, fs::Permissions::from_mode(0o755)).unwrap();
+        let data = dir.path().join("data");
+        let status = data.join("pg_wal/archive_status");
+        fs::create_dir_all(&status).unwrap();
+        fs::create_dir(dir.path().join("archive")).unwrap();
+        for (names, flag) in [(ready, "ready"), (done, "done")] {
+            for n in names {
+                fs::write(data.join("pg_wal").join(n), format!("wal {n}")).unwrap();
+                fs::write(status.join(format!("{n}.{flag}")), "").unwrap();
+            }
+        }
+        let spec = InstanceSpec::new("n1", &data, 5432);
+        (
+            dir,
+            Instance::new(spec, PgBinaries::at(bin), RunAs::current()),
+        )
+    }
+
+    #[test]
+    fn wal_waiting_for_the_archive_is_archived_and_marked_done() {
+        let ready = [
+            "000000010000000000000004",
+            "000000010000000000000003",
+            "00000002.history",
+        ];
+        let (dir, i) = archiving_rig(
+            &[
+                ("archive_mode", "on"),
+                ("archive_library", ""),
+                (
+                    "archive_command",
+                    "test ! -f ../archive/%f && cp %p ../archive/%f",
+                ),
+            ],
+            &ready,
+            &["000000010000000000000002"],
+        );
+        // A flag without its file (removed by hand) is left alone.
+        let status = dir.path().join("data/pg_wal/archive_status");
+        fs::write(status.join("000000010000000000000009.ready"), "").unwrap();
+        assert_eq!(i.archive_ready_wal(), 3);
+        for n in ready {
+            assert_eq!(
+                fs::read_to_string(dir.path().join("archive").join(n)).unwrap(),
+                format!("wal {n}")
+            );
+            assert!(status.join(format!("{n}.done")).exists(), "{n}");
+            assert!(!status.join(format!("{n}.ready")).exists(), "{n}");
+        }
+        assert!(!dir.path().join("archive/000000010000000000000002").exists());
+        assert!(status.join("000000010000000000000009.ready").exists());
+        // Nothing left to do.
+        assert_eq!(i.archive_ready_wal(), 0);
+    }
+
+    #[test]
+    fn wal_stays_waiting_when_the_archive_fails_or_archiving_is_off() {
+        let seg = "000000010000000000000003";
+        let ready = |dir: &tempfile::TempDir| {
+            dir.path()
+                .join("data/pg_wal/archive_status")
+                .join(format!("{seg}.ready"))
+                .exists()
+        };
+        let (dir, i) = archiving_rig(
+            &[
+                ("archive_mode", "on"),
+                ("archive_library", ""),
+                ("archive_command", "exit 1"),
+            ],
+            &[seg],
+            &[],
+        );
+        assert_eq!(i.archive_ready_wal(), 0);
+        assert!(ready(&dir));
+        let (dir, i) = archiving_rig(
+            &[
+                ("archive_mode", "off"),
+                ("archive_library", ""),
+                ("archive_command", "cp %p ../archive/%f"),
+            ],
+            &[seg],
+            &[],
+        );
+        assert_eq!(i.archive_ready_wal(), 0);
+        assert!(ready(&dir) && !dir.path().join("archive").join(seg).exists());
+        // A library cannot be run from here.
+        let (dir, i) = archiving_rig(
+            &[
+                ("archive_mode", "always"),
+                ("archive_library", "basic_archive"),
+                ("archive_command", ""),
+            ],
+            &[seg],
+            &[],
+        );
+        assert_eq!(i.archive_ready_wal(), 0);
+        assert!(ready(&dir));
+    }
 
     /// A `postmaster.pid` naming a process that is not this directory's
     /// postmaster (its pid reused after a power loss) is no server: it is

@@ -945,6 +945,148 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     );
 }
 
+/// An archive that refuses every WAL file until `open` exists, and the
+/// settings that archive into it.
+struct RefusingArchive {
+    scratch: tempfile::TempDir,
+    parameters: String,
+}
+
+impl RefusingArchive {
+    fn new() -> RefusingArchive {
+        use std::os::unix::fs::PermissionsExt;
+        let scratch = tempfile::tempdir().unwrap();
+        let archive = scratch.path().join("archive");
+        std::fs::create_dir(&archive).unwrap();
+        std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&archive, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let command = format!(
+            "test -f {} && cp %p {}/%f",
+            scratch.path().join("open").display(),
+            archive.display()
+        );
+        RefusingArchive {
+            parameters: format!("archive_mode = \"on\", archive_command = \"{command}\""),
+            scratch,
+        }
+    }
+
+    fn open(&self) {
+        std::fs::write(self.scratch.path().join("open"), "").unwrap();
+    }
+
+    fn holds(&self, name: &str) -> bool {
+        self.scratch.path().join("archive").join(name).exists()
+    }
+}
+
+/// Writes two WAL segments on node `i` and waits until it has at least two
+/// waiting for the archive; their names.
+async fn unarchived_segments(c: &AgentCluster, i: usize) -> Vec<String> {
+    let conninfo = c.node(i).pg_conninfo();
+    for _ in 0..2 {
+        query(
+            &conninfo,
+            "CREATE TABLE IF NOT EXISTS archived (id int); \
+             INSERT INTO archived SELECT generate_series(1, 1000); SELECT pg_switch_wal()",
+        )
+        .await
+        .unwrap();
+    }
+    let status = c.node(i).data_dir.join("pg_wal/archive_status");
+    eventually(
+        "segments wait for the archive",
+        Duration::from_secs(20),
+        || async {
+            let names: Vec<String> = std::fs::read_dir(&status)
+                .map_err(|e| e.to_string())?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter_map(|n| n.strip_suffix(".ready").map(str::to_string))
+                .collect();
+            (names.len() >= 2)
+                .then_some(names)
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await
+}
+
+/// A former primary whose archiving lagged hands the archive what it still
+/// held before its rewind: crash recovery, pg_rewind and a standby's
+/// restart points would remove those WAL files unarchived, and the archive
+/// would have a gap no point-in-time recovery crosses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_primary_archives_its_waiting_wal_before_it_rewinds() {
+    let archive = RefusingArchive::new();
+    let mut c = cluster().pg_parameters(&archive.parameters).start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let mut receivers = Vec::new();
+    for i in [1, 2] {
+        let pid: i32 = one(
+            &c.node(i).pg_conninfo(),
+            "SELECT pid FROM pg_stat_wal_receiver",
+        )
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+        signal(pid, nix::sys::signal::Signal::SIGSTOP);
+        receivers.push(pid);
+    }
+    // Segments only the old primary has, completed and waiting.
+    let waiting = unarchived_segments(&c, 0).await;
+    c.kill_node(0);
+    for pid in receivers {
+        signal(pid, nix::sys::signal::Signal::SIGCONT);
+    }
+    new_primary(&c, 0, Duration::from_secs(30)).await;
+    archive.open();
+    c.start_agent(0);
+    healthy(&c, 2, Duration::from_secs(60)).await;
+    let log = c.node(0).agent_log();
+    assert!(
+        log.contains("rewound onto the history of the leader"),
+        "{log}"
+    );
+    for name in &waiting {
+        assert!(
+            archive.holds(name),
+            "{name} never reached the archive\n{log}"
+        );
+    }
+}
+
+/// A primary handed over cleanly with its archive down keeps its waiting
+/// WAL as a standby, whose restart points would remove it unarchived: the
+/// next start archives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_start_archives_wal_its_primary_days_left_waiting() {
+    let archive = RefusingArchive::new();
+    let mut c = cluster().pg_parameters(&archive.parameters).start();
+    healthy(&c, 2, BOOTSTRAP).await;
+    let waiting = unarchived_segments(&c, 0).await;
+    let (n1, n2) = (c.node(0).name.clone(), c.node(1).name.clone());
+    switch_over(&c, &n1, &n2).await;
+    healthy(&c, 2, Duration::from_secs(60)).await;
+    assert_eq!(writable(&c).await, vec![1]);
+    // Still waiting: the archive refused them at the shutdown and at the
+    // start as a standby.
+    for name in &waiting {
+        assert!(!archive.holds(name), "{name}");
+    }
+    c.kill_node(0);
+    archive.open();
+    c.start_agent(0);
+    healthy(&c, 2, Duration::from_secs(60)).await;
+    let log = c.node(0).agent_log();
+    for name in &waiting {
+        assert!(
+            archive.holds(name),
+            "{name} never reached the archive\n{log}"
+        );
+    }
+}
+
 /// Waits until node `i`'s agent has published its record at least `n`
 /// loop waits (1 s here) after `since_ms`: rounds of its loop ran in
 /// between.
