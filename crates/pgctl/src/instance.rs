@@ -570,12 +570,18 @@ impl Instance {
         self.refuse_while_running("crash recovery in single-user mode")?;
         self.archive_ready_wal();
         // The end of crash recovery removes every segment it may: with
-        // archiving off, those still waiting for the archive too, and with
-        // archive status files cleared, also those the archive has, which
-        // pg_rewind may need to read back to where the histories forked.
-        // Archiving on with a command that never succeeds (and no archiver
-        // in single-user mode anyway) keeps them all.
-        self.clear_archive_status();
+        // archiving off, those still waiting for the archive too, and
+        // those marked archived, which pg_rewind may need to read back to
+        // where the histories forked. With archiving on (a command that
+        // never succeeds; no archiver runs in single-user mode anyway) and
+        // no segment marked archived, it keeps them all.
+        let archived = self.archive_status_names(".done");
+        for name in &archived {
+            let flag = self.archive_status_dir().join(format!("{name}.done"));
+            if let Err(e) = fs::remove_file(&flag) {
+                tracing::warn!(file = %flag.display(), error = %e, "cannot remove an archive status file");
+            }
+        }
         let mut cmd = self.command("postgres");
         cmd.arg("--single")
             .arg("-F")
@@ -584,7 +590,51 @@ impl Instance {
             .args(["-c", "archive_mode=on", "-c", "archive_command=false"])
             .arg("postgres")
             .stdin(Stdio::null());
-        run(cmd, "postgres --single")
+        let res = run(cmd, "postgres --single");
+        // Archived all the same: waiting again, they would go to the
+        // archive a second time (a command that refuses to overwrite
+        // would then fail on them for ever).
+        self.mark_archived(&archived);
+        res
+    }
+
+    /// `pg_wal/archive_status`.
+    fn archive_status_dir(&self) -> PathBuf {
+        self.spec.datadir.join("pg_wal").join("archive_status")
+    }
+
+    /// The WAL files whose archive status file ends in `suffix` (`.ready`
+    /// or `.done`).
+    fn archive_status_names(&self, suffix: &str) -> Vec<String> {
+        fs::read_dir(self.archive_status_dir())
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter_map(|n| n.strip_suffix(suffix).map(str::to_string))
+                    .filter(|n| is_archivable_wal_name(n))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Marks `names` archived (`.done`), whatever their status file says.
+    fn mark_archived(&self, names: &[String]) {
+        let dir = self.archive_status_dir();
+        for name in names {
+            let done = dir.join(format!("{name}.done"));
+            let ready = dir.join(format!("{name}.ready"));
+            let res = if ready.exists() {
+                fs::rename(&ready, &done)
+            } else if !done.exists() && self.spec.datadir.join("pg_wal").join(name).exists() {
+                fs::write(&done, "")
+                    .and_then(|()| self.run_as.own(&done).map_err(std::io::Error::other))
+            } else {
+                Ok(())
+            };
+            if let Err(e) = res {
+                tracing::warn!(file = %done.display(), error = %e, "cannot mark a WAL file archived");
+            }
+        }
     }
 
     /// Hands the archive the WAL files this (stopped) data directory still
@@ -598,20 +648,8 @@ impl Instance {
     /// file waiting, as the archiver leaves it. Returns how many files
     /// went to the archive.
     pub fn archive_ready_wal(&self) -> usize {
-        let status_dir = self.spec.datadir.join("pg_wal").join("archive_status");
-        let mut ready: Vec<String> = match fs::read_dir(&status_dir) {
-            Ok(entries) => entries
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter_map(|n| n.strip_suffix(".ready").map(str::to_string))
-                .filter(|n| is_archivable_wal_name(n))
-                .collect(),
-            Err(e) => {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(dir = %status_dir.display(), error = %e, "cannot list the WAL waiting for the archive");
-                }
-                return 0;
-            }
-        };
+        let status_dir = self.archive_status_dir();
+        let mut ready = self.archive_status_names(".ready");
         if ready.is_empty() {
             return 0;
         }
@@ -709,22 +747,6 @@ impl Instance {
         }
     }
 
-    /// Removes the archive status files, so that the end of single-user
-    /// crash recovery keeps every segment (see
-    /// [`Instance::recover_single_user`]).
-    fn clear_archive_status(&self) {
-        let status_dir = self.spec.datadir.join("pg_wal").join("archive_status");
-        let Ok(entries) = fs::read_dir(&status_dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let path = e.path();
-            if let Err(err) = fs::remove_file(&path) {
-                tracing::warn!(file = %path.display(), error = %err, "cannot remove an archive status file");
-            }
-        }
-    }
-
     /// Resynchronises this (stopped) data directory with `source`, a
     /// libpq connection string of the new primary, after timelines forked.
     /// `password`, if any, goes through the environment: on the command
@@ -733,6 +755,7 @@ impl Instance {
         self.refuse_while_running("pg_rewind")?;
         // pg_rewind removes WAL the source does not have.
         self.archive_ready_wal();
+        let own = self.archive_status_names(".ready");
         let mut cmd = self.command("pg_rewind");
         if let Some(p) = password {
             cmd.env("PGPASSWORD", p);
@@ -744,6 +767,17 @@ impl Instance {
             cmd.arg("--no-sync");
         }
         run(cmd, "pg_rewind")?;
+        // The source's archive status files came along: what waits there
+        // is its archiver's to send, and sent from here too it would reach
+        // the archive twice (a command that refuses to overwrite would then
+        // fail on the source for ever). Done here, as a standby's received
+        // WAL is.
+        let copied: Vec<String> = self
+            .archive_status_names(".ready")
+            .into_iter()
+            .filter(|n| !own.contains(n))
+            .collect();
+        self.mark_archived(&copied);
         // pg_rewind copies the source's files, ours included.
         self.write_settings()
     }
@@ -1364,7 +1398,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bin = dir.path().join("bin");
         fs::create_dir(&bin).unwrap();
-        let mut script = String::from("#!/bin/sh\ncase \"$4\" in\n");
+        // Single-user mode notes which status files it found.
+        let mut script = String::from(
+            "#!/bin/sh\nif [ \"$1\" = --single ]; then ls \"$4/pg_wal/archive_status\" > \"$4/../during\"; exit 0; fi\ncase \"$4\" in\n",
+        );
         for (k, v) in settings {
             script.push_str(&format!("{k}) printf '%s\\n' '{v}' ;;\n"));
         }
@@ -1425,6 +1462,30 @@ mod tests {
         assert!(status.join("000000010000000000000009.ready").exists());
         // Nothing left to do.
         assert_eq!(i.archive_ready_wal(), 0);
+    }
+
+    #[test]
+    fn crash_recovery_keeps_every_segment_and_sends_none_twice() {
+        let (dir, mut i) = archiving_rig(
+            &[
+                ("archive_mode", "on"),
+                ("archive_library", ""),
+                ("archive_command", "cp %p ../archive/%f"),
+            ],
+            &["000000010000000000000003"],
+            &["000000010000000000000002"],
+        );
+        i.recover_single_user().unwrap();
+        // The waiting one archived first, then nothing marked archived
+        // while it ran (the end of recovery would remove those segments).
+        assert!(dir.path().join("archive/000000010000000000000003").exists());
+        let during = fs::read_to_string(dir.path().join("during")).unwrap();
+        assert_eq!(during.trim(), "");
+        let status = dir.path().join("data/pg_wal/archive_status");
+        // And marked archived again after, so they are never sent twice.
+        assert!(status.join("000000010000000000000002.done").exists());
+        assert!(status.join("000000010000000000000003.done").exists());
+        assert!(!dir.path().join("archive/000000010000000000000002").exists());
     }
 
     #[test]

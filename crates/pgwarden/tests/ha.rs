@@ -946,7 +946,8 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
 }
 
 /// An archive that refuses every WAL file until `open` exists, and the
-/// settings that archive into it.
+/// settings that archive into it; like the archive commands PostgreSQL's
+/// documentation shows, it refuses to overwrite a file.
 struct RefusingArchive {
     scratch: tempfile::TempDir,
     parameters: String,
@@ -961,9 +962,9 @@ impl RefusingArchive {
         std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::set_permissions(&archive, std::fs::Permissions::from_mode(0o777)).unwrap();
         let command = format!(
-            "test -f {} && cp %p {}/%f",
+            "test -f {} && test ! -f {dir}/%f && cp %p {dir}/%f",
             scratch.path().join("open").display(),
-            archive.display()
+            dir = archive.display()
         );
         RefusingArchive {
             parameters: format!("archive_mode = \"on\", archive_command = \"{command}\""),
@@ -1048,6 +1049,20 @@ async fn a_former_primary_archives_its_waiting_wal_before_it_rewinds() {
         log.contains("rewound onto the history of the leader"),
         "{log}"
     );
+    // Only its own files, each once: what the new leader's archiver has to
+    // send (its history file, say) came over with pg_rewind and is not
+    // sent from here, and what was archived before the crash recovery is
+    // not sent again after it.
+    let sent: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("archiving WAL the server had not archived"))
+        .filter_map(|l| l.split("file=").nth(1)?.split_whitespace().next())
+        .collect();
+    assert!(!log.contains("archive_command failed"), "{log}");
+    for (i, f) in sent.iter().enumerate() {
+        assert!(f.starts_with("00000001"), "{f} is the new leader's\n{log}");
+        assert!(!sent[..i].contains(f), "{f} sent twice\n{log}");
+    }
     for name in &waiting {
         assert!(
             archive.holds(name),
