@@ -310,6 +310,12 @@ impl Instance {
                 output: format!("left no data directory in {}", self.spec.datadir.display()),
             });
         }
+        // A copy of a running server (a snapshot, rsync) brings along what
+        // waited there for its archiver, which sends it itself: sent from
+        // here as well, it would reach the archive twice, and an archive
+        // command that refuses to overwrite would fail on one of the two
+        // for ever. Done here, as pg_basebackup marks the WAL it copies.
+        self.mark_archived(&self.archive_status_names(".ready"));
         let conf = self.spec.datadir.join("postgresql.conf");
         let text = fs::read_to_string(&conf).map_err(io_err(&conf))?;
         if !text.contains(SETTINGS_FILE) {
@@ -569,33 +575,20 @@ impl Instance {
     pub fn recover_single_user(&mut self) -> Result<()> {
         self.refuse_while_running("crash recovery in single-user mode")?;
         self.archive_ready_wal();
-        // The end of crash recovery removes every segment it may: with
-        // archiving off, those still waiting for the archive too, and
-        // those marked archived, which pg_rewind may need to read back to
-        // where the histories forked. With archiving on (a command that
-        // never succeeds; no archiver runs in single-user mode anyway) and
-        // no segment marked archived, it keeps them all.
-        let archived = self.archive_status_names(".done");
-        for name in &archived {
-            let flag = self.archive_status_dir().join(format!("{name}.done"));
-            if let Err(e) = fs::remove_file(&flag) {
-                tracing::warn!(file = %flag.display(), error = %e, "cannot remove an archive status file");
-            }
-        }
+        // The end of crash recovery removes or recycles the segments before
+        // its checkpoint (with archiving off, those still waiting for the
+        // archive too), and pg_rewind may have to read them back to where
+        // the histories forked: every one is kept.
         let mut cmd = self.command("postgres");
         cmd.arg("--single")
             .arg("-F")
             .arg("-D")
             .arg(&self.spec.datadir)
-            .args(["-c", "archive_mode=on", "-c", "archive_command=false"])
+            .args(["-c", "archive_mode=off"])
+            .args(["-c", &format!("wal_keep_size={}", i32::MAX)])
             .arg("postgres")
             .stdin(Stdio::null());
-        let res = run(cmd, "postgres --single");
-        // Archived all the same: waiting again, they would go to the
-        // archive a second time (a command that refuses to overwrite
-        // would then fail on them for ever).
-        self.mark_archived(&archived);
-        res
+        run(cmd, "postgres --single")
     }
 
     /// `pg_wal/archive_status`.
@@ -617,21 +610,13 @@ impl Instance {
             .unwrap_or_default()
     }
 
-    /// Marks `names` archived (`.done`), whatever their status file says.
+    /// Marks `names`, waiting for the archive, archived (`.done`).
     fn mark_archived(&self, names: &[String]) {
         let dir = self.archive_status_dir();
         for name in names {
             let done = dir.join(format!("{name}.done"));
             let ready = dir.join(format!("{name}.ready"));
-            let res = if ready.exists() {
-                fs::rename(&ready, &done)
-            } else if !done.exists() && self.spec.datadir.join("pg_wal").join(name).exists() {
-                fs::write(&done, "")
-                    .and_then(|()| self.run_as.own(&done).map_err(std::io::Error::other))
-            } else {
-                Ok(())
-            };
-            if let Err(e) = res {
+            if let Err(e) = fs::rename(&ready, &done) {
                 tracing::warn!(file = %done.display(), error = %e, "cannot mark a WAL file archived");
             }
         }
@@ -648,6 +633,13 @@ impl Instance {
     /// file waiting, as the archiver leaves it. Returns how many files
     /// went to the archive.
     pub fn archive_ready_wal(&self) -> usize {
+        self.archive_waiting_wal(false)
+    }
+
+    /// [`Instance::archive_ready_wal`]; with `unless_always`, nothing when
+    /// `archive_mode = always`, under which a standby keeps what waits and
+    /// its own archiver sends it.
+    fn archive_waiting_wal(&self, unless_always: bool) -> usize {
         let status_dir = self.archive_status_dir();
         let mut ready = self.archive_status_names(".ready");
         if ready.is_empty() {
@@ -668,7 +660,9 @@ impl Instance {
                 .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         };
         let mode = setting("archive_mode");
-        if !matches!(mode.as_deref(), Some("on" | "always")) {
+        if !matches!(mode.as_deref(), Some("on" | "always"))
+            || (unless_always && mode.as_deref() == Some("always"))
+        {
             return 0;
         }
         if setting("archive_library").is_some_and(|l| !l.is_empty()) {
@@ -683,11 +677,22 @@ impl Instance {
             return 0;
         };
         let mut archived = 0;
+        let budget = Instant::now() + ARCHIVE_BUDGET;
         for name in &ready {
             let segment = self.spec.datadir.join("pg_wal").join(name);
             let flag = status_dir.join(format!("{name}.ready"));
             if !segment.exists() || !flag.exists() {
                 continue;
+            }
+            if Instant::now() >= budget {
+                tracing::warn!(
+                    name = %self.spec.name,
+                    archived,
+                    waiting = ready.len() - archived,
+                    "stopped archiving the WAL the server had not archived after {}s: the rest may be removed unarchived",
+                    ARCHIVE_BUDGET.as_secs()
+                );
+                break;
             }
             let line = archive_command_line(&command, &format!("pg_wal/{name}"), name);
             tracing::info!(name = %self.spec.name, file = %name, command = %line, "archiving WAL the server had not archived");
@@ -699,7 +704,10 @@ impl Instance {
                     archived += 1;
                 }
                 Err(why) => {
-                    tracing::warn!(name = %self.spec.name, file = %name, "archive_command failed: {why}");
+                    // As the archiver does: the next file waits for this
+                    // one, and a failing archive fails again at once.
+                    tracing::warn!(name = %self.spec.name, file = %name, waiting = ready.len() - archived, "archive_command failed: {why}; the WAL still waiting may be removed unarchived");
+                    break;
                 }
             }
         }
@@ -707,42 +715,63 @@ impl Instance {
     }
 
     /// Runs one archive command line through the shell in the data
-    /// directory, as the archiver does; one that hangs is stopped after
-    /// [`ARCHIVE_COMMAND_TIMEOUT`].
+    /// directory, as the archiver does. One that hangs is asked to stop
+    /// (SIGTERM) after [`ARCHIVE_COMMAND_TIMEOUT`] and killed a little
+    /// later.
     fn run_archive_command(&self, line: &str) -> std::result::Result<(), String> {
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(line)
             .current_dir(&self.spec.datadir)
+            .env("LC_ALL", "C")
+            .env_remove("PGDATA")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         self.run_as.apply(&mut cmd);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
-        let deadline = Instant::now() + ARCHIVE_COMMAND_TIMEOUT;
-        loop {
+        // Read while it runs: a command that writes more than a pipe holds
+        // would otherwise wait on it.
+        let stderr = child.stderr.take().map(|mut e| {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                let _ = e.read_to_end(&mut bytes);
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+        });
+        let group = Pid::from_raw(-(child.id() as i32));
+        let started = Instant::now();
+        let mut asked_to_stop = false;
+        let status = loop {
             match child.try_wait() {
-                Ok(Some(status)) if status.success() => return Ok(()),
-                Ok(Some(status)) => {
-                    let mut err = String::new();
-                    if let Some(mut e) = child.stderr.take() {
-                        let _ = e.read_to_string(&mut err);
+                Ok(Some(status)) => break Ok(status),
+                Ok(None) => {
+                    let waited = started.elapsed();
+                    if waited >= ARCHIVE_COMMAND_TIMEOUT + Duration::from_secs(10) {
+                        let _ = kill(group, Signal::SIGKILL);
+                    } else if waited >= ARCHIVE_COMMAND_TIMEOUT && !asked_to_stop {
+                        let _ = kill(group, Signal::SIGTERM);
+                        asked_to_stop = true;
                     }
-                    return Err(format!("{status}: {}", err.trim()));
-                }
-                Ok(None) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(20));
                 }
-                Ok(None) => {
-                    let _ = kill(Pid::from_raw(-(child.id() as i32)), Signal::SIGKILL);
-                    let _ = child.wait();
-                    return Err(format!(
-                        "still running after {}s, stopped",
-                        ARCHIVE_COMMAND_TIMEOUT.as_secs()
-                    ));
-                }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        let err = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
+        match status? {
+            s if s.success() => Ok(()),
+            _ if asked_to_stop => Err(format!(
+                "still running after {}s, stopped",
+                ARCHIVE_COMMAND_TIMEOUT.as_secs()
+            )),
+            s => {
+                let tail = err.trim();
+                let from = (tail.len().saturating_sub(500)..tail.len())
+                    .find(|&i| tail.is_char_boundary(i))
+                    .unwrap_or(0);
+                Err(format!("{s}: {}", &tail[from..]))
             }
         }
     }
@@ -755,7 +784,6 @@ impl Instance {
         self.refuse_while_running("pg_rewind")?;
         // pg_rewind removes WAL the source does not have.
         self.archive_ready_wal();
-        let own = self.archive_status_names(".ready");
         let mut cmd = self.command("pg_rewind");
         if let Some(p) = password {
             cmd.env("PGPASSWORD", p);
@@ -766,18 +794,17 @@ impl Instance {
         if self.spec.no_sync {
             cmd.arg("--no-sync");
         }
-        run(cmd, "pg_rewind")?;
-        // The source's archive status files came along: what waits there
-        // is its archiver's to send, and sent from here too it would reach
-        // the archive twice (a command that refuses to overwrite would then
-        // fail on the source for ever). Done here, as a standby's received
-        // WAL is.
-        let copied: Vec<String> = self
-            .archive_status_names(".ready")
-            .into_iter()
-            .filter(|n| !own.contains(n))
-            .collect();
-        self.mark_archived(&copied);
+        let res = run(cmd, "pg_rewind");
+        // Whatever still waits for the archive now, pg_rewind done or cut
+        // short, is not this server's to send: the source's archive status
+        // files came along, and what waits there is its archiver's (sent
+        // from here too, it would reach the archive twice, and a command
+        // that refuses to overwrite would fail on the source for ever),
+        // and a segment of this server's own that could not be archived
+        // just now may have been replaced by the source's copy. Done here,
+        // as a standby's received WAL is.
+        self.mark_archived(&self.archive_status_names(".ready"));
+        res?;
         // pg_rewind copies the source's files, ours included.
         self.write_settings()
     }
@@ -885,7 +912,7 @@ impl Instance {
         if in_recovery {
             // A former primary starting as a standby: its restart points
             // would remove what it never archived.
-            self.archive_ready_wal();
+            self.archive_waiting_wal(true);
         }
         let floors = self.floors_for_start();
         if floors != self.standby_floors {
@@ -1183,6 +1210,10 @@ fn die_with_parent(cmd: &mut Command) {
 /// How long one `archive_command` run by the agent may take.
 const ARCHIVE_COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long the agent goes on archiving what a server left waiting before
+/// it gives up on the rest: a start or a rewind waits for it.
+const ARCHIVE_BUDGET: Duration = Duration::from_secs(120);
+
 /// Whether `name` is a WAL file the archiver takes: a segment, a segment's
 /// `.partial` remainder, a timeline history file or a backup history file.
 fn is_archivable_wal_name(name: &str) -> bool {
@@ -1398,9 +1429,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bin = dir.path().join("bin");
         fs::create_dir(&bin).unwrap();
-        // Single-user mode notes which status files it found.
+        // Single-user mode notes its arguments; pg_rewind brings over a
+        // file waiting for the source's archiver, then exits with the
+        // status in ../rewind_status.
         let mut script = String::from(
-            "#!/bin/sh\nif [ \"$1\" = --single ]; then ls \"$4/pg_wal/archive_status\" > \"$4/../during\"; exit 0; fi\ncase \"$4\" in\n",
+            "#!/bin/sh\nif [ \"$1\" = --single ]; then echo \"$@\" > \"$4/../during\"; exit 0; fi\ncase \"$4\" in\n",
         );
         for (k, v) in settings {
             script.push_str(&format!("{k}) printf '%s\\n' '{v}' ;;\n"));
@@ -1408,8 +1441,17 @@ mod tests {
         script.push_str("*) exit 1 ;;\nesac\n");
         let postgres = bin.join("postgres");
         fs::write(&postgres, script).unwrap();
+        let rewind = bin.join("pg_rewind");
+        fs::write(
+            &rewind,
+            "#!/bin/sh\nd=$2\necho source > $d/pg_wal/00000002.history\n\
+             touch $d/pg_wal/archive_status/00000002.history.ready\nexit $(cat $d/../rewind_status)\n",
+        )
+        .unwrap();
         use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&postgres, fs::Permissions::from_mode(0o755)).unwrap();
+        for f in [&postgres, &rewind] {
+            fs::set_permissions(f, fs::Permissions::from_mode(0o755)).unwrap();
+        }
         let data = dir.path().join("data");
         let status = data.join("pg_wal/archive_status");
         fs::create_dir_all(&status).unwrap();
@@ -1464,28 +1506,102 @@ mod tests {
         assert_eq!(i.archive_ready_wal(), 0);
     }
 
+    const ARCHIVING: [(&str, &str); 3] = [
+        ("archive_mode", "on"),
+        ("archive_library", ""),
+        (
+            "archive_command",
+            "test ! -f ../archive/%f && cp %p ../archive/%f",
+        ),
+    ];
+
     #[test]
-    fn crash_recovery_keeps_every_segment_and_sends_none_twice() {
+    fn crash_recovery_keeps_every_segment_and_archives_what_waits_first() {
         let (dir, mut i) = archiving_rig(
-            &[
-                ("archive_mode", "on"),
-                ("archive_library", ""),
-                ("archive_command", "cp %p ../archive/%f"),
-            ],
+            &ARCHIVING,
             &["000000010000000000000003"],
             &["000000010000000000000002"],
         );
         i.recover_single_user().unwrap();
-        // The waiting one archived first, then nothing marked archived
-        // while it ran (the end of recovery would remove those segments).
         assert!(dir.path().join("archive/000000010000000000000003").exists());
+        // Archiving off (nothing is sent from single-user mode), and no
+        // segment removed or recycled at the end of recovery.
         let during = fs::read_to_string(dir.path().join("during")).unwrap();
-        assert_eq!(during.trim(), "");
+        assert!(
+            during.contains("-c archive_mode=off -c wal_keep_size=2147483647"),
+            "{during}"
+        );
         let status = dir.path().join("data/pg_wal/archive_status");
-        // And marked archived again after, so they are never sent twice.
         assert!(status.join("000000010000000000000002.done").exists());
         assert!(status.join("000000010000000000000003.done").exists());
-        assert!(!dir.path().join("archive/000000010000000000000002").exists());
+    }
+
+    #[test]
+    fn a_rewind_archives_what_waits_and_never_sends_what_the_source_brought() {
+        for exit in [0, 1] {
+            let (dir, mut i) = archiving_rig(&ARCHIVING, &["000000010000000000000003"], &[]);
+            fs::write(dir.path().join("rewind_status"), exit.to_string()).unwrap();
+            assert_eq!(i.rewind("host=x", None).is_ok(), exit == 0);
+            assert!(dir.path().join("archive/000000010000000000000003").exists());
+            // The source's history file, still waiting for its archiver,
+            // came along: done here, done or not the rewind.
+            let status = dir.path().join("data/pg_wal/archive_status");
+            assert!(status.join("00000002.history.done").exists(), "exit {exit}");
+            assert_eq!(i.archive_ready_wal(), 0);
+            assert!(!dir.path().join("archive/00000002.history").exists());
+        }
+    }
+
+    #[test]
+    fn a_directory_filled_by_a_command_sends_nothing_its_source_had_waiting() {
+        let (dir, mut i) = archiving_rig(&ARCHIVING, &[], &[]);
+        let data = dir.path().join("data");
+        fs::remove_dir_all(&data).unwrap();
+        let fill = "d=$1; mkdir -p $d/pg_wal/archive_status; echo 15 > $d/PG_VERSION; \
+                    touch $d/postgresql.conf $d/pg_wal/000000010000000000000005 \
+                    $d/pg_wal/archive_status/000000010000000000000005.ready";
+        i.restore_with(
+            "snapshot",
+            fill,
+            &[data.display().to_string()],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        assert!(data
+            .join("pg_wal/archive_status/000000010000000000000005.done")
+            .exists());
+        assert_eq!(i.archive_ready_wal(), 0);
+    }
+
+    #[test]
+    fn archiving_stops_at_the_first_failure_as_the_archiver_does() {
+        let (dir, i) = archiving_rig(
+            &[
+                ("archive_mode", "on"),
+                ("archive_library", ""),
+                // Fails on the first, with more output than a pipe holds.
+                (
+                    "archive_command",
+                    "if [ %f = 000000010000000000000003 ]; then head -c 200000 /dev/zero | tr '\\0' x >&2; exit 3; fi; cp %p ../archive/%f",
+                ),
+            ],
+            &["000000010000000000000003", "000000010000000000000004"],
+            &[],
+        );
+        assert_eq!(i.archive_ready_wal(), 0);
+        assert!(!dir.path().join("archive/000000010000000000000004").exists());
+        let status = dir.path().join("data/pg_wal/archive_status");
+        assert!(status.join("000000010000000000000004.ready").exists());
+    }
+
+    #[test]
+    fn a_standby_start_leaves_what_waits_to_its_own_archiver_under_always() {
+        let mut settings = ARCHIVING;
+        settings[0] = ("archive_mode", "always");
+        let (dir, i) = archiving_rig(&settings, &["000000010000000000000003"], &[]);
+        assert_eq!(i.archive_waiting_wal(true), 0);
+        assert!(!dir.path().join("archive/000000010000000000000003").exists());
+        assert_eq!(i.archive_waiting_wal(false), 1);
     }
 
     #[test]

@@ -1084,10 +1084,17 @@ async fn a_standby_start_archives_wal_its_primary_days_left_waiting() {
     switch_over(&c, &n1, &n2).await;
     healthy(&c, 2, Duration::from_secs(60)).await;
     assert_eq!(writable(&c).await, vec![1]);
-    // Still waiting: the archive refused them at the shutdown and at the
-    // start as a standby.
+    // Still waiting, and still there: the archive refused them at the
+    // shutdown and at the start as a standby, and no restart point has
+    // removed them yet.
+    let wal = c.node(0).data_dir.join("pg_wal");
     for name in &waiting {
         assert!(!archive.holds(name), "{name}");
+        assert!(wal.join(name).exists(), "{name} removed");
+        assert!(
+            wal.join(format!("archive_status/{name}.ready")).exists(),
+            "{name} not waiting"
+        );
     }
     c.kill_node(0);
     archive.open();
