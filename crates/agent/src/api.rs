@@ -1104,15 +1104,9 @@ async fn restart(
                     "Can't schedule restart in the paused state",
                 ));
             }
-            if let Some(earlier) = &st.member.scheduled_restart {
-                return Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    format!(
-                        "a restart is already scheduled at {}; DELETE /restart first",
-                        earlier.schedule.as_deref().unwrap_or("?")
-                    ),
-                ));
-            }
+            // Whether one is scheduled already is the loop's to say: the
+            // published status may not show a DELETE or POST answered a
+            // moment ago.
             let at = order.schedule.clone().unwrap_or_default();
             let (reply, answer) = Reply::new();
             send_command(&state, Command::Restart(order, reply)).await?;
@@ -1239,15 +1233,17 @@ async fn cancel_restart(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let st = state.status.load_full();
-    if st.member.scheduled_restart.is_none() {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "no restart is scheduled",
-        ));
+    // Answered by the loop once its status no longer shows the restart, so
+    // that a new order right after is not refused as a second one.
+    let (reply, answer) = Reply::new();
+    send_command(&state, Command::CancelRestart(reply)).await?;
+    match tokio::time::timeout(RESTART_CHECK_TIMEOUT, answer).await {
+        Ok(Ok(Ok(()))) => Ok(text(StatusCode::OK, "scheduled restart cancelled")),
+        Ok(Ok(Err(why))) => Err(ApiError::new(StatusCode::NOT_FOUND, why)),
+        _ => Err(ApiError::unavailable(
+            "the HA loop did not take the cancellation in time; it may still withdraw the restart",
+        )),
     }
-    send_command(&state, Command::CancelRestart).await?;
-    Ok(text(StatusCode::OK, "scheduled restart cancelled"))
 }
 
 async fn reload(

@@ -373,10 +373,19 @@ impl HaLoop {
                                 "a restart is already scheduled at {}; DELETE /restart first",
                                 earlier.schedule.as_deref().unwrap_or("?")
                             )));
-                        } else if reply.send(Ok(())) {
-                            tracing::info!(at = order.schedule.as_deref().unwrap_or_default(), "restart scheduled");
+                        } else {
+                            // Published before the answer, so that the
+                            // caller's next look finds it; taken back if
+                            // the caller stopped waiting.
+                            let at = order.schedule.clone().unwrap_or_default();
                             self.scheduled_restart = Some(order);
                             self.publish_status();
+                            if reply.send(Ok(())) {
+                                tracing::info!(at, "restart scheduled");
+                            } else {
+                                self.scheduled_restart = None;
+                                self.publish_status();
+                            }
                         }
                     }
                     Some(Command::Restart(order, reply)) => self.restart_if(order, reply).await,
@@ -386,10 +395,13 @@ impl HaLoop {
                         self.reinitializing
                             .store(false, std::sync::atomic::Ordering::SeqCst);
                     }
-                    Some(Command::CancelRestart) => {
+                    Some(Command::CancelRestart(reply)) => {
                         if self.scheduled_restart.take().is_some() {
                             tracing::info!("scheduled restart cancelled");
                             self.publish_status();
+                            reply.send(Ok(()));
+                        } else {
+                            reply.send(Err("no restart is scheduled".into()));
                         }
                     }
                     Some(Command::Reload) => {

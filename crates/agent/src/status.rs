@@ -153,8 +153,9 @@ pub enum Command {
     /// given at once is answered through its [`Reply`] once its conditions
     /// are checked.
     Restart(crate::record::RestartOrder, Reply),
-    /// Forget the scheduled restart.
-    CancelRestart,
+    /// Forget the scheduled restart; answered once the published status
+    /// no longer shows it, or with why not (none is scheduled).
+    CancelRestart(Reply),
     /// Throw the replica's data away and clone the leader again.
     Reinitialize,
     /// The node's file was reloaded: take its tags, parameters and
