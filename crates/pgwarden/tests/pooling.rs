@@ -1216,6 +1216,72 @@ async fn admin_console_shows_pools_and_pauses() {
         seen.contains(&("active".into(), format!("127.0.0.1:{}", c.port(0)))),
         "{seen:?}"
     );
+    // PgBouncer's columns in its order (tools read them by position),
+    // pgwarden's after them; the busy client's own row says where it came
+    // in and which backend serves it.
+    let busy_pid = one(&busy, "SELECT pg_backend_pid()").await;
+    for cmd in ["SHOW CLIENTS", "SHOW SERVERS"] {
+        let msgs = admin.simple_query(cmd).await.unwrap();
+        let columns: Vec<String> = msgs
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::RowDescription(d) => {
+                    Some(d.iter().map(|c| c.name().to_string()).collect())
+                }
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(
+            columns,
+            [
+                "type",
+                "user",
+                "database",
+                "state",
+                "addr",
+                "port",
+                "local_addr",
+                "local_port",
+                "connect_time",
+                "request_time",
+                "wait",
+                "wait_us",
+                "close_needed",
+                "ptr",
+                "link",
+                "remote_pid",
+                "tls",
+                "application_name",
+                "service",
+                "server"
+            ],
+            "{cmd}"
+        );
+    }
+    let rows = admin.simple_query("SHOW CLIENTS").await.unwrap();
+    let row = rows
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r)
+                if r.get("remote_pid") == Some(busy_pid.as_str()) =>
+            {
+                Some(r)
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no row for backend {busy_pid}"));
+    let rw_port = p.service_addrs()["read_write"].port().to_string();
+    assert_eq!(row.get("local_port"), Some(rw_port.as_str()));
+    assert_eq!(row.get("local_addr"), Some("127.0.0.1"));
+    assert_eq!(
+        row.get("link"),
+        Some(format!("127.0.0.1:{}", c.port(0)).as_str())
+    );
+    let connected = row.get("connect_time").unwrap();
+    assert!(
+        connected.len() == 23 && connected.ends_with(" UTC") && connected.starts_with("20"),
+        "{connected}"
+    );
     busy.batch_execute("COMMIT").await.unwrap();
     admin.simple_query("PAUSE read_write").await.unwrap();
     let waiting = tokio::spawn(async move { one(&app, "SELECT 5").await });

@@ -75,6 +75,7 @@ pub(crate) async fn run(
         Console {
             user: Arc::from(user),
             client: peer,
+            connected_s: crate::proxy::unix_now_s(),
             service: service.clone(),
         },
     );
@@ -1053,6 +1054,8 @@ fn show_lists(shared: &Shared, out: &mut BytesMut) {
 pub(crate) struct Console {
     pub user: Arc<str>,
     pub client: std::net::SocketAddr,
+    /// When it logged in, Unix seconds.
+    pub connected_s: u64,
     /// The service whose port it came in on.
     pub service: Arc<str>,
 }
@@ -1091,13 +1094,81 @@ fn client_addr(client: std::net::SocketAddr) -> String {
     }
 }
 
+/// SHOW CLIENTS' and SHOW SERVERS' columns: PgBouncer's (1.18), in its
+/// order, so that tools reading them by position work; pgwarden's own
+/// (the service, the server a client uses) after them.
+const CONNECTION_COLUMNS: [&str; 20] = [
+    "type",
+    "user",
+    "database",
+    "state",
+    "addr",
+    "port",
+    "local_addr",
+    "local_port",
+    "connect_time",
+    "request_time",
+    "wait",
+    "wait_us",
+    "close_needed",
+    "ptr",
+    "link",
+    "remote_pid",
+    "tls",
+    "application_name",
+    "service",
+    "server",
+];
+
+/// A time as PgBouncer's SHOW CLIENTS prints it (`2026-12-07 15:04:05
+/// UTC`), from Unix seconds; empty for none.
+fn show_time(unix_s: u64) -> String {
+    if unix_s == 0 {
+        return String::new();
+    }
+    // Days to a civil date (Howard Hinnant's algorithm).
+    let days = (unix_s / 86_400) as i64;
+    let secs = unix_s % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        secs / 3_600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+/// The local end of a client's socket, as SHOW CLIENTS shows it.
+fn local_end(fd: std::os::fd::RawFd) -> (String, String) {
+    // SAFETY: called with the sessions lock held, while the entry, and so
+    // the socket (see SessionGuard), lives.
+    #[allow(unsafe_code)]
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    match socket2::SockRef::from(&fd)
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+    {
+        Some(a) => (a.ip().to_string(), a.port().to_string()),
+        None => (String::new(), String::new()),
+    }
+}
+
 fn show_clients(shared: &Shared, out: &mut BytesMut) {
     let mut rows: Vec<Vec<String>> = shared
         .sessions
         .lock()
         .expect("poisoned")
-        .values()
-        .map(|e| {
+        .iter()
+        .map(|(id, e)| {
             // A pooled client is active while it holds a server.
             let (lent, waiting) = e.pooled.as_ref().map_or((None, false), |s| s.state());
             let server = match (&e.host, &lent) {
@@ -1112,6 +1183,8 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
             } else {
                 "idle"
             };
+            let (local_addr, local_port) = local_end(e.client_fd);
+            let connected = show_time(e.connected_s);
             vec![
                 "C".into(),
                 e.user.to_string(),
@@ -1119,6 +1192,19 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
                 state.into(),
                 client_addr(e.client),
                 e.client.port().to_string(),
+                local_addr,
+                local_port,
+                connected.clone(),
+                connected,
+                "0".into(),
+                "0".into(),
+                "0".into(),
+                format!("{id:x}"),
+                lent.as_ref()
+                    .map_or(String::new(), |b| b.server.to_string()),
+                lent.as_ref().map_or("0".into(), |b| b.pid.to_string()),
+                if e.tls { "TLS".into() } else { String::new() },
+                String::new(),
                 e.service.to_string(),
                 server,
             ]
@@ -1126,26 +1212,39 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
         .collect();
     // Console sessions, this one among them, are active and use no
     // server.
-    rows.extend(shared.consoles.lock().expect("poisoned").values().map(|c| {
-        vec![
-            "C".into(),
-            c.user.to_string(),
-            ADMIN_DATABASE.into(),
-            "active".into(),
-            client_addr(c.client),
-            c.client.port().to_string(),
-            c.service.to_string(),
-            String::new(),
-        ]
-    }));
-    table(
-        out,
-        &[
-            "type", "user", "database", "state", "addr", "port", "service", "server",
-        ],
-        &rows,
-        "SHOW",
+    rows.extend(
+        shared
+            .consoles
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|(id, c)| {
+                let connected = show_time(c.connected_s);
+                vec![
+                    "C".into(),
+                    c.user.to_string(),
+                    ADMIN_DATABASE.into(),
+                    "active".into(),
+                    client_addr(c.client),
+                    c.client.port().to_string(),
+                    String::new(),
+                    String::new(),
+                    connected.clone(),
+                    connected,
+                    "0".into(),
+                    "0".into(),
+                    "0".into(),
+                    format!("c{id:x}"),
+                    String::new(),
+                    "0".into(),
+                    String::new(),
+                    String::new(),
+                    c.service.to_string(),
+                    String::new(),
+                ]
+            }),
     );
+    table(out, &CONNECTION_COLUMNS, &rows, "SHOW");
 }
 
 fn show_servers(shared: &Shared, out: &mut BytesMut) {
@@ -1154,23 +1253,23 @@ fn show_servers(shared: &Shared, out: &mut BytesMut) {
     for p in shared.pools.lock().expect("poisoned").values() {
         for (state, n) in [("active", p.stats.active.load(o)), ("idle", p.idle_count())] {
             for _ in 0..n {
-                rows.push(vec![
+                let mut row: Vec<String> = vec![
                     "S".into(),
                     p.key.user.clone(),
                     p.key.database.clone(),
                     state.into(),
                     p.key.host.host.clone(),
                     p.key.host.port.to_string(),
-                ]);
+                ];
+                // Per-connection details are not kept: PgBouncer's
+                // columns stay in place, empty.
+                row.extend(["", "", "", "", "0", "0", "0", "", "", "0", "", ""].map(String::from));
+                row.extend([String::new(), p.key.host.to_string()]);
+                rows.push(row);
             }
         }
     }
-    table(
-        out,
-        &["type", "user", "database", "state", "addr", "port"],
-        &rows,
-        "SHOW",
-    );
+    table(out, &CONNECTION_COLUMNS, &rows, "SHOW");
 }
 
 /// Which of a pool's figures a `SHOW STATS` variant lists.

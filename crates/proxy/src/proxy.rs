@@ -411,6 +411,17 @@ pub(crate) struct SessionEntry {
     /// down by a kill, so that a session whose pumps both wait on the
     /// server (a dead host that takes no more bytes) ends too.
     pub server_fd: Option<std::os::fd::RawFd>,
+    /// When the session was registered, Unix seconds (SHOW CLIENTS).
+    pub connected_s: u64,
+    /// Whether the client's connection is TLS (SHOW CLIENTS).
+    pub tls: bool,
+}
+
+/// Now, Unix seconds.
+pub(crate) fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl SessionEntry {

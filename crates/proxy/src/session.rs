@@ -1418,6 +1418,8 @@ async fn relay(
             killed: killed.clone(),
             client_fd: client.raw_fd(),
             server_fd: Some(server.raw_fd()),
+            connected_s: crate::proxy::unix_now_s(),
+            tls: client.is_tls(),
         },
     );
     // The topology may have changed while the server was connected to and

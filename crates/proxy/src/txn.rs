@@ -300,6 +300,8 @@ pub(crate) async fn run(
             killed: killed.clone(),
             client_fd: client.raw_fd(),
             server_fd: None,
+            connected_s: crate::proxy::unix_now_s(),
+            tls: client.is_tls(),
         },
     );
     let (from_client, to_client) = (
