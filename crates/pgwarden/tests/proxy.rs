@@ -1340,6 +1340,39 @@ async fn a_shutdown_waits_for_clients_still_logging_in() {
     drop((console, silent));
 }
 
+/// A client still waiting for its host when the shutdown time-out runs out
+/// is told why it is turned away (57P01), like the sessions, rather than
+/// left to find its connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_for_a_host_at_the_end_of_a_shutdown_is_told_why() {
+    use pgwarden_testkit::Listener;
+    let (_c, relay, _e, p) = behind_relay(Duration::from_secs(60)).await;
+    relay.set_listener(Listener::Closed);
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while its host refused"
+    );
+    let shutdown = tokio::spawn(p.shutdown());
+    let Err(err) = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("the client is answered once the shutdown's wait is over")
+        .unwrap()
+    else {
+        panic!("connected to a closed host");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err:?}");
+    let message = err.as_db_error().map(|d| d.message()).unwrap_or_default();
+    assert!(message.contains("shutting down"), "{message}");
+    tokio::time::timeout(Duration::from_secs(3), shutdown)
+        .await
+        .expect("the shutdown ends once the client is told")
+        .unwrap();
+}
+
 /// A `connect_wait_timeout` of zero means no waiting for a host to
 /// appear, not no trying: a client is served by an eligible host, and
 /// turned away at once (57P03) when there is none.

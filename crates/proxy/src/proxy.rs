@@ -470,6 +470,9 @@ pub(crate) struct Shared {
     /// Set when a shutdown ends the sessions: one registered after that
     /// (a client that was still logging in) is ended as it registers.
     pub ending: AtomicBool,
+    /// `ending`, to wait on: a client still waiting for a server when the
+    /// sessions are ended is told so too.
+    pub ending_signal: tokio::sync::watch::Sender<bool>,
     /// Clients that sent their start-up packet and are not yet sessions
     /// ([`LoggingIn`]), which a shutdown waits for.
     pub logging_in: AtomicU64,
@@ -890,6 +893,7 @@ impl Proxy {
             services: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
             ending: AtomicBool::new(false),
+            ending_signal: tokio::sync::watch::Sender::new(false),
             logging_in: AtomicU64::new(0),
             consoles: Mutex::new(HashMap::new()),
             pools: Mutex::new(HashMap::new()),
@@ -1445,6 +1449,7 @@ impl Proxy {
             }
         }
         self.shared.ending.store(true, Ordering::SeqCst);
+        self.shared.ending_signal.send_replace(true);
         {
             let sessions = self.shared.sessions.lock().expect("poisoned");
             for e in sessions.values() {

@@ -554,7 +554,7 @@ async fn serve(
             };
             connect_server(shared, service, deadline, open).await
         };
-        let (opened, host) = unless_gone(client, waited).await?;
+        let (opened, host) = unless_gone(shared, client, waited).await?;
         shared
             .metrics
             .routing_decisions
@@ -591,8 +591,12 @@ async fn server_vouches(
 ) -> Result<bool, Refusal> {
     let deadline = tokio::time::Instant::now() + service.spec.connect_wait_timeout;
     let open = |s: ServerStream, _: HostAddr, bound: Duration| first_answer(s, startup, bound);
-    let ((mut server, mut buf), host) =
-        unless_gone(client, connect_server(shared, service, deadline, open)).await?;
+    let ((mut server, mut buf), host) = unless_gone(
+        shared,
+        client,
+        connect_server(shared, service, deadline, open),
+    )
+    .await?;
     let failed = |e: String| {
         Refusal::new(
             sqlstate::CONNECTION_FAILURE,
@@ -814,15 +818,24 @@ async fn forward_cancel(shared: &Shared, pid: i32, secret: i32) {
 /// not keep its `max_client_conn` slot, hold up a shutdown, or have a
 /// backend opened for it on a primary that has just come up.
 async fn unless_gone<T>(
+    shared: &Shared,
     client: &ClientStream,
     wait: impl std::future::Future<Output = Result<T, Refusal>>,
 ) -> Result<T, Refusal> {
+    // A shutdown past its time-out ends the sessions; a client still
+    // waiting for a server is not one yet, and is told here.
+    let mut ending = shared.ending_signal.subscribe();
     tokio::select! {
         biased;
         () = client.closed() => Err(Refusal::new(
             sqlstate::CONNECTION_FAILURE,
             "client_gone",
             "the client went away while waiting for a server",
+        )),
+        _ = ending.wait_for(|e| *e) => Err(Refusal::new(
+            sqlstate::ADMIN_SHUTDOWN,
+            "shutdown",
+            "terminating connection: pgwarden is shutting down",
         )),
         r = wait => r,
     }
