@@ -35,6 +35,18 @@ pub enum ConfigError {
         /// large and errors travel through every `?` of the loader.
         error: Box<toml::de::Error>,
     },
+    /// The file is not UTF-8, as TOML must be.
+    #[error("{origin}:{line}: not valid UTF-8 at column {column} (TOML files are UTF-8){}", key.as_ref().map(|k| format!(", in {k}")).unwrap_or_default())]
+    Encoding {
+        /// The file.
+        origin: String,
+        /// 1-based line of the first byte that is not UTF-8.
+        line: usize,
+        /// 1-based byte column of it.
+        column: usize,
+        /// Dotted path of the key on that line, when it can be told.
+        key: Option<String>,
+    },
     /// Each value is fine on its own but the combination is not, e.g. two
     /// listeners on one address.
     #[error("{origin}:{}{key}: {message}", line.map(|l| format!("{l}: ")).unwrap_or_else(|| " ".into()))]
@@ -56,7 +68,7 @@ impl ConfigError {
     pub fn key(&self) -> Option<&str> {
         match self {
             ConfigError::Read { .. } => None,
-            ConfigError::Syntax { key, .. } => key.as_deref(),
+            ConfigError::Syntax { key, .. } | ConfigError::Encoding { key, .. } => key.as_deref(),
             ConfigError::Invalid { key, .. } => Some(key),
         }
     }
@@ -66,6 +78,7 @@ impl ConfigError {
         match self {
             ConfigError::Read { .. } => None,
             ConfigError::Syntax { line, .. } | ConfigError::Invalid { line, .. } => *line,
+            ConfigError::Encoding { line, .. } => Some(*line),
         }
     }
 }

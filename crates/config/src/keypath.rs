@@ -109,6 +109,54 @@ pub(crate) fn key_at(text: &str, at: &Range<usize>) -> Option<String> {
     (!path.is_empty()).then_some(path)
 }
 
+/// The dotted path of the key written on the line holding byte `at`, from
+/// the line's `key =` and the table header above it: for errors that stop
+/// the text from being reparsed (a number too large for any integer type).
+/// `None` when the line assigns no key.
+pub(crate) fn key_on_line(text: &str, at: usize) -> Option<String> {
+    let at = at.min(text.len());
+    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next().unwrap_or_default();
+    let (key, _) = line.split_once('=')?;
+    let key = dotted(key.trim())?;
+    let table = text[..start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .and_then(|h| {
+            let h = h.split('#').next().unwrap_or_default().trim();
+            let h = h.trim_start_matches('[').trim_end_matches(']');
+            dotted(h.trim())
+        });
+    Some(match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key,
+    })
+}
+
+/// A TOML key as written (bare, quoted or dotted) as a dotted path; `None`
+/// if it is not one.
+fn dotted(written: &str) -> Option<String> {
+    let mut parts = Vec::new();
+    for part in written.split('.') {
+        let p = part.trim();
+        let p = p
+            .strip_prefix('"')
+            .and_then(|q| q.strip_suffix('"'))
+            .or_else(|| p.strip_prefix('\'').and_then(|q| q.strip_suffix('\'')))
+            .unwrap_or(p);
+        let bare_ok = !p.is_empty()
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !bare_ok && !part.trim().starts_with(['"', '\'']) {
+            return None;
+        }
+        parts.push(segment(p));
+    }
+    (!parts.is_empty()).then(|| parts.join("."))
+}
+
 /// A key as it must be written in a dotted path.
 pub(crate) fn segment(name: &str) -> String {
     let bare = !name.is_empty()

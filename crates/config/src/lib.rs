@@ -78,11 +78,33 @@ impl Config {
 
 /// Reads and checks the configuration file at `path`.
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+    let text = read_text(path)?;
+    parse(&text, &path.display().to_string())
+}
+
+/// The file at `path` as text; one that is not UTF-8 is refused with the
+/// line and column of the first byte that is not.
+pub fn read_text(path: &Path) -> Result<String, ConfigError> {
+    let bytes = std::fs::read(path).map_err(|error| ConfigError::Read {
         path: path.to_path_buf(),
         error,
     })?;
-    parse(&text, &path.display().to_string())
+    String::from_utf8(bytes).map_err(|e| {
+        let bytes = e.as_bytes();
+        let at = e.utf8_error().valid_up_to();
+        let line_start = bytes[..at]
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        // The valid part, to name the key the bad byte belongs to.
+        let before = String::from_utf8_lossy(&bytes[..at]);
+        ConfigError::Encoding {
+            origin: path.display().to_string(),
+            line: bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1,
+            column: at - line_start + 1,
+            key: keypath::key_on_line(&before, at),
+        }
+    })
 }
 
 /// Checks configuration text; `origin` names it in error messages, and is
@@ -92,7 +114,9 @@ pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     let raw: raw::RawFile = toml::from_str(text).map_err(|error| ConfigError::Syntax {
         origin: origin.to_string(),
         line: error.span().map(|s| src.line_of(s.start)),
-        key: error.span().and_then(|s| keypath::key_at(text, &s)),
+        key: error.span().and_then(|s| {
+            keypath::key_at(text, &s).or_else(|| keypath::key_on_line(text, s.start))
+        }),
         error: Box::new(error),
     })?;
     resolve::resolve(raw, &src)

@@ -593,11 +593,17 @@ struct Listener {
 /// one of them a wildcard that covers the other (`[::]` covers IPv4 too on
 /// a dual-stack system, which is the common default).
 fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
-    let covers = |w: SocketAddr, x: SocketAddr| match w.ip() {
+    // `[::ffff:127.0.0.1]` is 127.0.0.1 on a dual-stack socket.
+    let plain = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let (ia, ib) = (plain(a.ip()), plain(b.ip()));
+    let covers = |w: IpAddr, x: IpAddr| match w {
         IpAddr::V6(ip) => ip.is_unspecified(),
         IpAddr::V4(ip) => ip.is_unspecified() && x.is_ipv4(),
     };
-    a.port() == b.port() && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+    a.port() == b.port() && (ia == ib || covers(ia, ib) || covers(ib, ia))
 }
 
 fn check_distinct(listeners: &[Listener], src: &Source<'_>) -> Result<(), ConfigError> {

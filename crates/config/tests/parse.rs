@@ -541,6 +541,60 @@ fn duplicate_listen_addresses() {
 }
 
 #[test]
+fn ipv4_mapped_addresses_are_their_ipv4_address() {
+    fails(
+        &MINIMAL.replace("127.0.0.1:6435", "[::ffff:127.0.0.1]:6432"),
+        11,
+        "services.standby.listen",
+        "overlaps 127.0.0.1:6432 of listen.read_write",
+    );
+    fails(
+        &MINIMAL.replace(
+            "read_only = \"127.0.0.1:6433\"",
+            "read_only = \"[::ffff:0.0.0.0]:6434\"",
+        ),
+        8,
+        "listen.http",
+        "overlaps",
+    );
+}
+
+#[test]
+fn numbers_too_large_for_any_integer_name_their_key() {
+    fails(
+        &with("[pool]\nmax_client_conn = 9223372036854775808\n"),
+        4,
+        "pool.max_client_conn",
+        "number too large",
+    );
+    fails(
+        &with("[cluster.probe]\n\"interval\" = 99999999999999999999\n"),
+        4,
+        "cluster.probe.interval",
+        "",
+    );
+}
+
+#[test]
+fn a_file_that_is_not_utf8_is_refused_with_its_line_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("latin.toml");
+    let mut text = MINIMAL.as_bytes().to_vec();
+    // "user = "postgres" # é" in Latin-1 on line 3.
+    let at = text.iter().position(|&b| b == b'#').unwrap();
+    text.splice(at..at + 1, b"# caf\xe9 ".iter().copied());
+    std::fs::write(&path, &text).unwrap();
+    let err = pgwarden_config::load(&path).unwrap_err();
+    let msg = err.to_string();
+    assert_eq!(err.line(), Some(3), "{msg}");
+    assert!(
+        msg.starts_with(&format!("{}:3: not valid UTF-8 at column", path.display())),
+        "{msg}"
+    );
+    assert!(msg.contains("cluster.user"), "{msg}");
+}
+
+#[test]
 fn derived_port_overflow() {
     fails(
         "[cluster]\nhosts = [\n  \"db1:64536\",\n  \"db2:5432\",\n]\n",
