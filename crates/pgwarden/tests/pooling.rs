@@ -2807,6 +2807,28 @@ async fn database_override_warm_connections_idle_clients_and_wait_histogram() {
         body.contains("pgwarden_pool_wait_seconds_bucket{"),
         "{body}"
     );
+    // The same wait per pool: every transaction counted once, the last
+    // bucket holding them all.
+    let sample = |prefix: &str| -> f64 {
+        body.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in {body}"))
+    };
+    let checkouts = sample("pgwarden_pool_checkout_wait_seconds_count{");
+    assert!(checkouts >= 1.0, "{body}");
+    let all = body
+        .lines()
+        .find(|l| {
+            l.starts_with("pgwarden_pool_checkout_wait_seconds_bucket{")
+                && l.contains("le=\"+Inf\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(all, Some(checkouts), "{body}");
+    assert!(
+        body.contains("# TYPE pgwarden_pool_checkout_wait_seconds histogram"),
+        "{body}"
+    );
     // A client idle between transactions past client_idle_timeout is closed.
     pgwarden_testkit::eventually("idle client closed", WAIT, || {
         let closed = a.is_closed();

@@ -69,6 +69,21 @@ impl WaitHistogram {
     }
 }
 
+impl WaitHistogram {
+    /// Each bucket's upper bound in seconds (the last is `f64::MAX`, shown
+    /// as `+Inf`) with its count, not cumulative; and the sum in seconds.
+    fn snapshot(&self) -> (Vec<(f64, u64)>, f64) {
+        let buckets = self
+            .0
+            .bounds
+            .iter()
+            .zip(&self.0.counts)
+            .map(|(b, c)| (*b, c.load(Ordering::Relaxed)))
+            .collect();
+        (buckets, self.0.sum_ns.load(Ordering::Relaxed) as f64 / 1e9)
+    }
+}
+
 impl Default for WaitHistogram {
     fn default() -> Self {
         Self::new()
@@ -81,15 +96,8 @@ impl TypedMetric for WaitHistogram {
 
 impl EncodeMetric for WaitHistogram {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let buckets: Vec<(f64, u64)> = self
-            .0
-            .bounds
-            .iter()
-            .zip(&self.0.counts)
-            .map(|(b, c)| (*b, c.load(Ordering::Relaxed)))
-            .collect();
+        let (buckets, sum) = self.snapshot();
         let count = buckets.iter().map(|(_, c)| c).sum();
-        let sum = self.0.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
         encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
     }
 
@@ -472,6 +480,36 @@ impl Metrics {
                     p.key.read_only
                 ));
             }
+        }
+        // The same wait, per pool: the service's histogram mixes the pools
+        // of all its hosts, databases and users.
+        let name = "pgwarden_pool_checkout_wait_seconds";
+        out.push_str(&format!(
+            "# HELP {name} Time each client waited for one of the pool's server connections.\n# TYPE {name} histogram\n"
+        ));
+        for p in pools {
+            let labels = format!(
+                "host=\"{}\",database=\"{}\",user=\"{}\",read_only=\"{}\"",
+                escape_label(&p.key.host.to_string()),
+                escape_label(&p.key.database),
+                escape_label(&p.key.user),
+                p.key.read_only
+            );
+            let (buckets, sum) = p.stats.wait.snapshot();
+            let mut cumulative = 0;
+            for (bound, n) in buckets {
+                cumulative += n;
+                let le = if bound == f64::MAX {
+                    "+Inf".to_string()
+                } else {
+                    bound.to_string()
+                };
+                out.push_str(&format!(
+                    "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}\n"
+                ));
+            }
+            out.push_str(&format!("{name}_sum{{{labels}}} {sum}\n"));
+            out.push_str(&format!("{name}_count{{{labels}}} {cumulative}\n"));
         }
         out.push_str(&format!(
             "# HELP pgwarden_topology_rounds_total Completed probe rounds.\n# TYPE pgwarden_topology_rounds_total counter\npgwarden_topology_rounds_total {}\n",

@@ -584,6 +584,9 @@ pub enum ServerError {
 /// Counters of one pool, for `SHOW POOLS`/`SHOW STATS` and metrics.
 #[derive(Debug, Default)]
 pub struct PoolStats {
+    /// How long each client waited for one of the pool's server
+    /// connections (0 for an idle one at hand).
+    pub wait: crate::metrics::WaitHistogram,
     /// Clients waiting for a server connection now.
     pub waiting: AtomicUsize,
     /// Clients that have the pool's permit and wait for room under a

@@ -1023,6 +1023,7 @@ impl Session {
                     }
                     selector.advance(&self.service.spec.want, peeked);
                     self.wait_histogram.observe(Duration::ZERO);
+                    c.pool.stats.wait.observe(Duration::ZERO);
                     return Some(c);
                 }
             }
@@ -1153,6 +1154,7 @@ impl Session {
                         continue;
                     }
                     self.wait_histogram.observe(waited);
+                    pool.stats.wait.observe(waited);
                     return Ok(c);
                 }
                 Err(ServerError::Retired) => continue,
