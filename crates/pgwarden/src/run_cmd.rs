@@ -421,7 +421,79 @@ fn config_dir(path: &Path) -> &Path {
     path.parent().unwrap_or(Path::new("."))
 }
 
-/// The effective settings, as the admin console's SHOW CONFIG lists them.
+/// SHOW CONFIG's rows: each setting in force, with the value it has when
+/// the file does not set it (`""` where there is none, such as a service of
+/// the file's own), pgwarden's keys first, then PgBouncer's names for the
+/// settings that have a PgBouncer counterpart, in PgBouncer's units
+/// (seconds, 0 for off), for tools that read those.
+fn config_rows(config: &Config) -> Vec<(String, String, String)> {
+    // The defaults a file naming only these hosts gets: derived values
+    // (the listen ports) follow the hosts.
+    let hosts = config
+        .cluster
+        .hosts
+        .iter()
+        .map(|h| format!("{:?}", h.addr.to_string()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let defaults =
+        pgwarden_config::parse(&format!("[cluster]\nhosts = [{hosts}]\n"), "defaults").ok();
+    let default_of: std::collections::HashMap<String, String> = defaults
+        .as_ref()
+        .map(|d| settings_view(d).into_iter().collect())
+        .unwrap_or_default();
+    let mut rows: Vec<(String, String, String)> = settings_view(config)
+        .into_iter()
+        .map(|(k, v)| {
+            let d = default_of.get(&k).cloned().unwrap_or_default();
+            (k, v, d)
+        })
+        .collect();
+    let bouncer_default: std::collections::HashMap<&str, String> = defaults
+        .as_ref()
+        .map(|d| pgbouncer_view(&d.pool).into_iter().collect())
+        .unwrap_or_default();
+    rows.extend(pgbouncer_view(&config.pool).into_iter().map(|(k, v)| {
+        let d = bouncer_default.get(k).cloned().unwrap_or_default();
+        (k.to_string(), v, d)
+    }));
+    rows
+}
+
+/// The pool settings under PgBouncer's names and in its units.
+fn pgbouncer_view(p: &pgwarden_config::PoolConfig) -> Vec<(&'static str, String)> {
+    let secs = |d: Duration| {
+        if d.subsec_nanos() == 0 {
+            d.as_secs().to_string()
+        } else {
+            let s = format!("{:.3}", d.as_secs_f64());
+            s.trim_end_matches('0').to_string()
+        }
+    };
+    let off = |d: Option<Duration>| d.map_or("0".to_string(), secs);
+    vec![
+        ("pool_mode", p.mode.to_string()),
+        ("default_pool_size", p.size.to_string()),
+        ("min_pool_size", p.min_size.to_string()),
+        ("reserve_pool_size", p.reserve_size.to_string()),
+        ("reserve_pool_timeout", secs(p.reserve_timeout)),
+        ("max_client_conn", p.max_client_conn.to_string()),
+        ("max_db_connections", p.max_db_connections.to_string()),
+        ("max_user_connections", p.max_user_connections.to_string()),
+        (
+            "max_prepared_statements",
+            p.max_prepared_statements.to_string(),
+        ),
+        ("server_idle_timeout", off(p.server_idle_timeout)),
+        ("server_lifetime", off(p.server_lifetime)),
+        ("query_wait_timeout", off(p.query_wait_timeout)),
+        ("client_idle_timeout", off(p.client_idle_timeout)),
+        ("idle_transaction_timeout", off(p.idle_transaction_timeout)),
+        ("stats_period", secs(p.stats_period)),
+    ]
+}
+
+/// The effective settings under pgwarden's keys.
 fn settings_view(config: &Config) -> Vec<(String, String)> {
     let d = |v: Option<Duration>| v.map_or("0".to_string(), pgwarden_config::format_duration);
     let c = &config.cluster;
@@ -661,7 +733,7 @@ pub fn proxy_spec(
             .engine
             .effective_worker_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),
         admin_users: p.admin_users.clone(),
-        settings: settings_view(config),
+        settings: config_rows(config),
         stats_period: p.stats_period,
         auth_timeout: config
             .auth

@@ -564,8 +564,12 @@ async fn admin_console_disable_enable_and_shutdown() {
     for m in console.simple_query("SHOW CONFIG").await.unwrap() {
         if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
             shown.insert(
-                r.get(0).unwrap().to_string(),
-                (r.get(1).unwrap().to_string(), r.get(2).unwrap().to_string()),
+                r.get("key").unwrap().to_string(),
+                (
+                    r.get("value").unwrap().to_string(),
+                    r.get("changeable").unwrap().to_string(),
+                    r.get("default").unwrap().to_string(),
+                ),
             );
         }
     }
@@ -576,6 +580,20 @@ async fn admin_console_disable_enable_and_shutdown() {
     assert_eq!(shown["pool.size"].1, "yes");
     assert_eq!(shown["cluster.probe_interval"].1, "yes");
     assert_eq!(shown["engine.worker_threads"].1, "no");
+    // The value a key has when the file does not set it, as PgBouncer's
+    // SHOW CONFIG has it.
+    assert_eq!(shown["pool.size"].2, "20");
+    assert_eq!(shown["pool.mode"].2, "session");
+    assert_eq!(shown["engine.shutdown_timeout"].2, "30s");
+    // And under PgBouncer's own names and units, for tools that read those
+    // (pgbouncer_exporter's max_client_conn, say).
+    assert_eq!(shown["max_db_connections"].0, "2");
+    assert_eq!(
+        shown["default_pool_size"],
+        ("3".into(), "yes".into(), "20".into())
+    );
+    assert_eq!(shown["pool_mode"].0, "transaction");
+    assert_eq!(shown["max_client_conn"].2, shown["pool.max_client_conn"].2);
     assert_eq!(
         shown["services.read_write"].0,
         format!("listen=127.0.0.1:{rw} select=primary read_only=false pool_mode=transaction")
@@ -636,7 +654,10 @@ async fn admin_console_disable_enable_and_shutdown() {
     let mut after = std::collections::HashMap::new();
     for m in console.simple_query("SHOW CONFIG").await.unwrap() {
         if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
-            after.insert(r.get(0).unwrap().to_string(), r.get(1).unwrap().to_string());
+            after.insert(
+                r.get("key").unwrap().to_string(),
+                r.get("value").unwrap().to_string(),
+            );
         }
     }
     assert_eq!(after["pool.size"], "4");

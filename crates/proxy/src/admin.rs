@@ -529,16 +529,21 @@ fn command(
                 .lock()
                 .expect("poisoned")
                 .iter()
-                .map(|(k, v)| {
+                .map(|(k, v, d)| {
                     let changeable = if RESTART_ONLY.contains(&k.as_str()) {
                         "no"
                     } else {
                         "yes"
                     };
-                    vec![k.clone(), v.clone(), changeable.into()]
+                    vec![k.clone(), v.clone(), d.clone(), changeable.into()]
                 })
                 .collect();
-            table(out, &["key", "value", "changeable"], &rows, "SHOW");
+            table(
+                out,
+                &["key", "value", "default", "changeable"],
+                &rows,
+                "SHOW",
+            );
         }
         ["PAUSE"] | ["RESUME"] | ["PAUSE", _] | ["RESUME", _] => {
             let on = words[0] == "PAUSE";

@@ -78,8 +78,9 @@ pub struct ProxySpec {
     pub worker_fill: usize,
     /// Roles allowed into the admin console.
     pub admin_users: Vec<String>,
-    /// The effective configuration as `SHOW CONFIG` lists it.
-    pub settings: Vec<(String, String)>,
+    /// The effective configuration as `SHOW CONFIG` lists it: key, value,
+    /// default.
+    pub settings: Vec<(String, String, String)>,
     /// Pool mode and size exceptions by database and by user.
     pub pool_overrides: PoolOverrides,
     /// TLS towards clients: certificate and key files, and the mode.
@@ -501,7 +502,7 @@ pub(crate) struct Shared {
     /// Where the HTTP port's pause and resume find the credentials they
     /// require; without, they are taken from this machine only.
     pub http_credentials: Mutex<Option<CredentialSource>>,
-    pub settings_view: Mutex<Vec<(String, String)>>,
+    pub settings_view: Mutex<Vec<(String, String, String)>>,
     /// The admin console's RELOAD requests, each with where to answer:
     /// whoever owns the configuration file reloads it and says how it went.
     pub reload: tokio::sync::mpsc::Sender<ReloadReply>,
@@ -1203,9 +1204,9 @@ impl Proxy {
             let mut view = self.shared.settings_view.lock().expect("poisoned");
             let mut fresh = spec.settings.clone();
             // What a reload cannot change shows what is in force.
-            for (key, value) in &mut fresh {
+            for (key, value, _) in &mut fresh {
                 if crate::admin::RESTART_ONLY.contains(&key.as_str()) {
-                    if let Some((_, running)) = view.iter().find(|(k, _)| k == key) {
+                    if let Some((_, running, _)) = view.iter().find(|(k, _, _)| k == key) {
                         value.clone_from(running);
                     }
                 }

@@ -146,7 +146,7 @@ pub async fn proxy_full(
         pool_affinity: POOL_AFFINITY.with(|a| a.get()),
         worker_fill: WORKER_FILL.with(|a| a.get()),
         admin_users: vec!["postgres".into()],
-        settings: vec![("pool.size".into(), "test".into())],
+        settings: vec![("pool.size".into(), "test".into(), "20".into())],
         // Short, so that tests see averages change.
         stats_period: Duration::from_secs(1),
         pool_overrides,
