@@ -1094,6 +1094,54 @@ async fn a_flood_at_max_client_conn_is_turned_away() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_console_counts_each_transaction_of_a_pinned_client() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let stats = || async {
+        let rows = admin.simple_query("SHOW STATS").await.unwrap();
+        rows.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r)
+                    if r.get("database") == Some("postgres") =>
+                {
+                    Some((
+                        r.get("total_xact_count").unwrap().parse::<u64>().unwrap(),
+                        r.get("total_xact_time").unwrap().parse::<u64>().unwrap(),
+                    ))
+                }
+                _ => None,
+            })
+            .unwrap_or((0, 0))
+    };
+    let (count, time) = stats().await;
+    // LISTEN pins the client to its server: every later transaction is on
+    // one loan, with time between them that is no transaction's.
+    let app = client(&via(&p, "read_write")).await.unwrap();
+    app.batch_execute("LISTEN pinned").await.unwrap();
+    for i in 0..3 {
+        assert_eq!(one(&app, &format!("SELECT {i}")).await, i.to_string());
+        // Idle between transactions: the gap being measured, not a wait.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    drop(app);
+    let (after, after_time) = pgwarden_testkit::eventually("the loan is counted", WAIT, || async {
+        let (n, t) = stats().await;
+        (n > count)
+            .then_some((n, t))
+            .ok_or(format!("{n} transactions"))
+    })
+    .await;
+    assert_eq!(after - count, 4, "LISTEN and three SELECTs");
+    assert!(
+        after_time - time < 600_000,
+        "{} µs in transactions: the idle time between them counted",
+        after_time - time
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_shows_pools_and_pauses() {
     let c = TestCluster::builder().replicas(0).start();
     let (_e, p) = pooled_for(&c, 2, Duration::from_secs(30)).await;
@@ -1303,6 +1351,14 @@ async fn admin_console_shows_pools_and_pauses() {
     );
     let err = admin.simple_query("SHOW NONSENSE").await.unwrap_err();
     assert_eq!(sqlstate(&err).as_deref(), Some("0A000"));
+    // A PgBouncer habit, pausing a database, is told what pgwarden pauses.
+    let err = admin.simple_query("PAUSE postgres").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("22023"));
+    let hint = err.as_db_error().and_then(|d| d.hint()).unwrap_or_default();
+    assert!(
+        hint.contains("service name") && hint.contains("read_write"),
+        "{hint}"
+    );
     // Only configured admin users get in.
     let Err(err) = client(&admin_info.replace("user=postgres", "user=intruder")).await else {
         panic!("a non-admin user got into the console");
@@ -2240,7 +2296,7 @@ async fn pool_series(http: std::net::SocketAddr) -> usize {
         .await
         .unwrap();
     body.lines()
-        .filter(|l| l.starts_with("pgwarden_pool_servers_total{"))
+        .filter(|l| l.starts_with("pgwarden_pool_servers_open{"))
         .count()
 }
 

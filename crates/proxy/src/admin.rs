@@ -553,7 +553,14 @@ fn command(
             };
             for n in &names {
                 if !shared.set_paused(n, on) {
-                    encode::error_response(out, Severity::Error, sqlstate::INVALID_PARAMETER_VALUE.code(), &format!("no service named \"{n}\""), None, None);
+                    // PgBouncer pauses a database; pgwarden pauses services.
+                    let services = {
+                        let mut v: Vec<String> = shared.services.lock().expect("poisoned").keys().cloned().collect();
+                        v.sort();
+                        v.join(", ")
+                    };
+                    let hint = format!("PAUSE and RESUME take a service name (pgwarden pauses per service, not per database): {services}");
+                    encode::error_response(out, Severity::Error, sqlstate::INVALID_PARAMETER_VALUE.code(), &format!("no service named \"{n}\""), None, Some(&hint));
                     return;
                 }
             }

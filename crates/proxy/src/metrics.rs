@@ -399,7 +399,7 @@ impl Metrics {
                 "Idle server connections",
             ),
             (
-                "pgwarden_pool_servers_total",
+                "pgwarden_pool_servers_open",
                 "gauge",
                 "Server connections open",
             ),

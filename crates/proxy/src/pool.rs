@@ -1043,8 +1043,15 @@ pub struct Traffic {
     pub sent: u64,
     /// Microseconds the server spent on queries during the loan.
     pub query_us: u64,
-    /// When the connection was lent.
-    lent_at: u64,
+    /// Transactions that ended during the loan (a ReadyForQuery `I`): one
+    /// for a transaction-pooled loan, several for a pinned client's.
+    transactions: u64,
+    /// Nanoseconds of the loan spent in those transactions, from the
+    /// message that began each to the `I` that ended it: a pinned
+    /// client's time between transactions is none.
+    xact_ns: u64,
+    /// When the transaction under way began; 0 between transactions.
+    xact_start: u64,
     /// With [`BUSY`]: since when the server has had a query to answer.
     /// Without: when the last ReadyForQuery came.
     mark: u64,
@@ -1063,29 +1070,57 @@ impl Traffic {
             received: 0,
             sent: 0,
             query_us: 0,
-            lent_at: now,
+            transactions: 0,
+            xact_ns: 0,
+            xact_start: now,
             mark: now | BUSY,
         }
     }
 
     /// Bytes were sent to the server: it is busy from now on, unless it
-    /// already was.
+    /// already was; a transaction begins, unless one is under way.
     pub fn sending(&mut self) {
         if self.mark & BUSY == 0 {
-            self.mark = now_ns() | BUSY;
+            let now = now_ns();
+            self.mark = now | BUSY;
+            if self.xact_start == 0 {
+                self.xact_start = now;
+            }
         }
     }
 
-    /// A ReadyForQuery came; `idle`: the server has answered everything.
-    pub fn ready(&mut self, idle: bool) {
+    /// A ReadyForQuery came; `idle`: the server has answered everything;
+    /// `ended`: its status is `I`, no transaction is open.
+    pub fn ready(&mut self, idle: bool, ended: bool) {
         self.queries += 1;
-        if idle {
+        if idle || ended {
             let now = now_ns();
-            if self.mark & BUSY != 0 {
-                self.query_us += now.saturating_sub(self.mark & !BUSY) / 1000;
+            if idle {
+                if self.mark & BUSY != 0 {
+                    self.query_us += now.saturating_sub(self.mark & !BUSY) / 1000;
+                }
+                self.mark = now;
             }
-            self.mark = now;
+            if ended && self.xact_start != 0 {
+                self.transactions += 1;
+                self.xact_ns += now.saturating_sub(self.xact_start);
+                // More already sent begins the next one at once.
+                self.xact_start = if idle { 0 } else { now };
+            }
         }
+    }
+
+    /// Transactions of the loan, and microseconds spent in them: one under
+    /// way when the loan ended (a client gone mid-transaction) counts up
+    /// to then.
+    fn transaction_totals(&self) -> (u64, u64) {
+        let mut n = self.transactions;
+        let mut ns = self.xact_ns;
+        if self.xact_start != 0 && self.queries > 0 {
+            n += 1;
+            ns += self.ended().saturating_sub(self.xact_start);
+        }
+        (n, ns / 1000)
     }
 
     /// When the loan ended: at the last ReadyForQuery, unless the server
@@ -1816,8 +1851,11 @@ impl Checkout {
         pool.stats.active.fetch_sub(1, Ordering::Relaxed);
         // A loan that ran nothing (a login's greeting, a wait cancelled
         // as the server came) is no transaction.
-        if traffic.queries > 0 {
-            pool.stats.transactions.fetch_add(1, Ordering::Relaxed);
+        let (transactions, xact_us) = traffic.transaction_totals();
+        if transactions > 0 {
+            pool.stats
+                .transactions
+                .fetch_add(transactions, Ordering::Relaxed);
         }
         pool.stats
             .queries
@@ -1828,10 +1866,7 @@ impl Checkout {
         pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
         let ended = traffic.ended();
         if traffic.queries > 0 {
-            pool.stats.xact_us.fetch_add(
-                ended.saturating_sub(traffic.lent_at) / 1000,
-                Ordering::Relaxed,
-            );
+            pool.stats.xact_us.fetch_add(xact_us, Ordering::Relaxed);
             pool.stats
                 .query_us
                 .fetch_add(traffic.query_us, Ordering::Relaxed);

@@ -2569,9 +2569,12 @@ impl Session {
                     self.replies.marks >>= 1;
                     self.replies.copy_ended = false;
                     self.replies.done += 1;
+                    let status = message::ready_for_query_status(body).ok();
                     if let Some(c) = self.attached.as_mut() {
-                        c.traffic
-                            .ready(self.replies.pending == 0 && !self.replies.open_batch);
+                        c.traffic.ready(
+                            self.replies.pending == 0 && !self.replies.open_batch,
+                            status == Some(TxStatus::Idle),
+                        );
                     }
                     // A DEALLOCATE whose batch ended without dropping the
                     // statement (an error) leaves it where it was.
@@ -2582,7 +2585,7 @@ impl Session {
                         d.batch >= done
                     });
                     self.stray_statements |= stray;
-                    self.replies.status = message::ready_for_query_status(body).ok();
+                    self.replies.status = status;
                     if self.replies.status == Some(TxStatus::Idle) {
                         // Portals end with their transaction.
                         self.dealloc_portals.retain(|(b, ..)| *b >= done);
