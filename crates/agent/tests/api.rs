@@ -713,10 +713,15 @@ async fn cancel_answered(api: &mut Api, answer: Result<(), String>) -> Response 
             .await
             .unwrap()
     });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let reply = loop {
         if let Some(Command::CancelRestart(reply)) = api.drain().pop() {
             break reply;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the withdrawal never reached the loop"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(reply.send(answer), "the API stopped waiting");

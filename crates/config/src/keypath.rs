@@ -114,7 +114,10 @@ pub(crate) fn key_at(text: &str, at: &Range<usize>) -> Option<String> {
 /// the text from being reparsed (a number too large for any integer type).
 /// `None` when the line assigns no key.
 pub(crate) fn key_on_line(text: &str, at: usize) -> Option<String> {
-    let at = at.min(text.len());
+    let at = (0..=at.min(text.len()))
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
     let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
     let line = text[start..].lines().next().unwrap_or_default();
     let (key, _) = line.split_once('=')?;
@@ -123,7 +126,7 @@ pub(crate) fn key_on_line(text: &str, at: usize) -> Option<String> {
         .lines()
         .rev()
         .map(str::trim)
-        .find(|l| l.starts_with('['))
+        .find(|l| l.starts_with('[') && !l.contains('=') && !l.contains(','))
         .and_then(|h| {
             let h = h.split('#').next().unwrap_or_default().trim();
             let h = h.trim_start_matches('[').trim_end_matches(']');
@@ -149,7 +152,11 @@ fn dotted(written: &str) -> Option<String> {
         let bare_ok = !p.is_empty()
             && p.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !bare_ok && !part.trim().starts_with(['"', '\'']) {
+        let t = part.trim();
+        let quoted = t.len() >= 2
+            && ((t.starts_with('"') && t.ends_with('"'))
+                || (t.starts_with('\'') && t.ends_with('\'')));
+        if !bare_ok && !quoted {
             return None;
         }
         parts.push(segment(p));

@@ -647,7 +647,7 @@ impl Instance {
         }
         // Segments in the order the archiver takes them; a timeline's
         // history file before the segments of that timeline.
-        ready.sort_by_key(|n| (!n.ends_with(".history"), n.clone()));
+        ready.sort_by_cached_key(|n| (!n.ends_with(".history"), n.clone()));
         let setting = |name: &str| {
             let mut cmd = self.command("postgres");
             cmd.arg("-D")
@@ -732,14 +732,17 @@ impl Instance {
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
         // Read while it runs: a command that writes more than a pipe holds
-        // would otherwise wait on it.
-        let stderr = child.stderr.take().map(|mut e| {
+        // would otherwise wait on it. Through a channel, not a join: a
+        // child the command left running in the background may hold the
+        // pipe open long after.
+        let (tx, rx) = std::sync::mpsc::channel();
+        if let Some(mut e) = child.stderr.take() {
             std::thread::spawn(move || {
                 let mut bytes = Vec::new();
                 let _ = e.read_to_end(&mut bytes);
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
-        });
+                let _ = tx.send(String::from_utf8_lossy(&bytes).into_owned());
+            });
+        }
         let group = Pid::from_raw(-(child.id() as i32));
         let started = Instant::now();
         let mut asked_to_stop = false;
@@ -759,7 +762,9 @@ impl Instance {
                 Err(e) => break Err(e.to_string()),
             }
         };
-        let err = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
+        let err = rx
+            .recv_timeout(Duration::from_millis(500))
+            .unwrap_or_default();
         match status? {
             s if s.success() => Ok(()),
             _ if asked_to_stop => Err(format!(
@@ -784,6 +789,7 @@ impl Instance {
         self.refuse_while_running("pg_rewind")?;
         // pg_rewind removes WAL the source does not have.
         self.archive_ready_wal();
+        let own = self.archive_status_names(".ready");
         let mut cmd = self.command("pg_rewind");
         if let Some(p) = password {
             cmd.env("PGPASSWORD", p);
@@ -795,15 +801,22 @@ impl Instance {
             cmd.arg("--no-sync");
         }
         let res = run(cmd, "pg_rewind");
-        // Whatever still waits for the archive now, pg_rewind done or cut
-        // short, is not this server's to send: the source's archive status
-        // files came along, and what waits there is its archiver's (sent
-        // from here too, it would reach the archive twice, and a command
-        // that refuses to overwrite would fail on the source for ever),
-        // and a segment of this server's own that could not be archived
-        // just now may have been replaced by the source's copy. Done here,
-        // as a standby's received WAL is.
-        self.mark_archived(&self.archive_status_names(".ready"));
+        // The source's archive status files come along: what waits there
+        // is its archiver's to send (sent from here too, it would reach
+        // the archive twice, and a command that refuses to overwrite would
+        // fail on the source for ever), done here as a standby's received
+        // WAL is. After a rewind that went through, this server's own
+        // files that could not be archived just before may have been
+        // replaced by the source's copies: done too. After one that
+        // failed (often before touching anything: the source out of
+        // reach), they are still this server's, and still wait.
+        let after = self.archive_status_names(".ready");
+        let done: Vec<String> = if res.is_ok() {
+            after
+        } else {
+            after.into_iter().filter(|n| !own.contains(n)).collect()
+        };
+        self.mark_archived(&done);
         res?;
         // pg_rewind copies the source's files, ours included.
         self.write_settings()
@@ -1550,6 +1563,42 @@ mod tests {
             assert_eq!(i.archive_ready_wal(), 0);
             assert!(!dir.path().join("archive/00000002.history").exists());
         }
+    }
+
+    #[test]
+    fn a_failed_rewind_leaves_what_could_not_be_archived_waiting() {
+        let mut settings = ARCHIVING;
+        settings[2] = ("archive_command", "exit 1");
+        let (dir, mut i) = archiving_rig(&settings, &["000000010000000000000003"], &[]);
+        fs::write(dir.path().join("rewind_status"), "1").unwrap();
+        assert!(i.rewind("host=x", None).is_err());
+        let status = dir.path().join("data/pg_wal/archive_status");
+        assert!(status.join("000000010000000000000003.ready").exists());
+        assert!(status.join("00000002.history.done").exists());
+    }
+
+    #[test]
+    fn an_archive_command_leaving_a_child_behind_does_not_hold_the_agent() {
+        let mut settings = ARCHIVING;
+        settings[2] = (
+            "archive_command",
+            "sleep 30 & echo $! > ../background; cp %p ../archive/%f",
+        );
+        let (dir, i) = archiving_rig(&settings, &["000000010000000000000003"], &[]);
+        let started = Instant::now();
+        assert_eq!(i.archive_ready_wal(), 1);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(dir.path().join("archive/000000010000000000000003").exists());
+        let pid: i32 = fs::read_to_string(dir.path().join("background"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
     }
 
     #[test]

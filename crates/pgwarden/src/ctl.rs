@@ -252,7 +252,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             api.write("POST", "/reinitialize", None, TIMEOUT).await?
         ),
         Command::FlushRestart => {
-            println!("{}", api.write("DELETE", "/restart", None, TIMEOUT).await?)
+            // The API answers once the loop has withdrawn it.
+            println!(
+                "{}",
+                api.write("DELETE", "/restart", None, RESTART_TIMEOUT)
+                    .await?
+            )
         }
         Command::Reload => println!("{}", api.write("POST", "/reload", None, TIMEOUT).await?),
         Command::Fence { member } => fence(&api, &member, true).await?,

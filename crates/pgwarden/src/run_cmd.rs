@@ -467,7 +467,13 @@ fn pgbouncer_view(p: &pgwarden_config::PoolConfig) -> Vec<(&'static str, String)
             d.as_secs().to_string()
         } else {
             let s = format!("{:.3}", d.as_secs_f64());
-            s.trim_end_matches('0').to_string()
+            let s = s.trim_end_matches('0').trim_end_matches('.');
+            if s == "0" {
+                // Less than a millisecond, which is not off.
+                "0.001".to_string()
+            } else {
+                s.to_string()
+            }
         }
     };
     let off = |d: Option<Duration>| d.map_or("0".to_string(), secs);

@@ -441,7 +441,7 @@ impl Metrics {
             (
                 "pgwarden_pool_transaction_seconds_total",
                 "counter",
-                "Time the pool's server connections were lent to clients, for transactions that ran at least one query",
+                "Time spent in transactions on the pool's servers, from the message that began each to its end",
             ),
             (
                 "pgwarden_pool_query_seconds_total",

@@ -1089,6 +1089,14 @@ impl Traffic {
         }
     }
 
+    /// Nothing in flight and no transaction under way from now: a loan
+    /// kept from the login on (session pooling), whose first transaction
+    /// begins with the client's first message.
+    pub fn settle(&mut self) {
+        self.mark = now_ns();
+        self.xact_start = 0;
+    }
+
     /// A ReadyForQuery came; `idle`: the server has answered everything;
     /// `ended`: its status is `I`, no transaction is open.
     pub fn ready(&mut self, idle: bool, ended: bool) {

@@ -588,8 +588,19 @@ async fn greet(
     session: &mut Session,
     client: &mut ClientStream,
 ) -> Option<(i32, i32)> {
-    // No cancel key is out yet, so nothing can cancel this wait.
-    let mut first = match Box::pin(session.acquire(client)).await {
+    // No cancel key is out yet, so nothing can cancel this wait. The
+    // client is no session yet either, which a shutdown would end: it
+    // watches the shutdown itself.
+    let mut ending = shared.ending_signal.subscribe();
+    let acquired = tokio::select! {
+        biased;
+        _ = ending.wait_for(|e| *e) => Err(Fatal::new(
+            sqlstate::ADMIN_SHUTDOWN,
+            "terminating connection: pgwarden is shutting down",
+        )),
+        r = Box::pin(session.acquire(client)) => r,
+    };
+    let mut first = match acquired {
         Ok(Some(c)) => c,
         Ok(None) => return None,
         Err(f) => {
@@ -634,6 +645,9 @@ async fn greet(
         // Between transactions from the start: a pause does not wait for
         // a client that has run nothing yet, and holds its first
         // statement as any other.
+        if let Some(c) = session.attached.as_mut() {
+            c.traffic.settle();
+        }
         session.held_idle = true;
         session.cancel_target.set_held_idle(true);
     } else {
