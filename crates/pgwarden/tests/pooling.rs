@@ -1093,6 +1093,40 @@ async fn a_flood_at_max_client_conn_is_turned_away() {
     assert_eq!(one(&held, "SELECT 1").await, "1");
 }
 
+/// A pooled client still logging in (waiting for the server its login
+/// needs) when the shutdown time-out runs out is told why it is turned
+/// away, as the sessions are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_client_still_logging_in_at_the_end_of_a_shutdown_is_told_why() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = pooled_for(&c, 1, Duration::from_secs(60)).await;
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let conninfo = via(&p, "read_write");
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut pending)
+            .await
+            .is_err(),
+        "logged in while the pool's only server was in a transaction"
+    );
+    let shutdown = tokio::spawn(p.shutdown());
+    let Err(err) = tokio::time::timeout(WAIT, pending)
+        .await
+        .expect("the client is answered once the shutdown's wait is over")
+        .unwrap()
+    else {
+        panic!("logged in");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err:?}");
+    tokio::time::timeout(Duration::from_secs(5), shutdown)
+        .await
+        .expect("the shutdown ends")
+        .unwrap();
+    drop(holder);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_counts_each_transaction_of_a_pinned_client() {
     let c = TestCluster::builder().replicas(0).start();
