@@ -405,6 +405,32 @@ async fn healthy_and_checked(c: &AgentCluster) -> SplitBrainChecker {
     SplitBrainChecker::start(c)
 }
 
+/// Stops (SIGSTOP) the WAL receivers of `nodes`, so that what their
+/// primary writes next exists only there; their pids, for [`thaw`].
+async fn freeze_wal_receivers(c: &AgentCluster, nodes: &[usize]) -> Vec<i32> {
+    let mut receivers = Vec::new();
+    for &i in nodes {
+        let pid: i32 = one(
+            &c.node(i).pg_conninfo(),
+            "SELECT pid FROM pg_stat_wal_receiver",
+        )
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+        signal(pid, nix::sys::signal::Signal::SIGSTOP);
+        receivers.push(pid);
+    }
+    receivers
+}
+
+/// Lets processes stopped by [`freeze_wal_receivers`] go on.
+fn thaw(pids: &[i32]) {
+    for &pid in pids {
+        signal(pid, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
 /// Waits until a node other than `old` is the only writable one.
 async fn new_primary(c: &AgentCluster, old: usize, within: Duration) -> usize {
     let r = tokio::time::timeout(within, async {
@@ -849,19 +875,7 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     .unwrap();
     // Freeze the replicas' WAL receivers so the old primary's last writes
     // exist only there: its history forks from the new leader's.
-    let mut receivers = Vec::new();
-    for i in [1, 2] {
-        let pid: i32 = one(
-            &c.node(i).pg_conninfo(),
-            "SELECT pid FROM pg_stat_wal_receiver",
-        )
-        .await
-        .unwrap()
-        .parse()
-        .unwrap();
-        signal(pid, nix::sys::signal::Signal::SIGSTOP);
-        receivers.push(pid);
-    }
+    let receivers = freeze_wal_receivers(&c, &[1, 2]).await;
     query(
         &c.node(0).pg_conninfo(),
         "INSERT INTO ha_log SELECT FROM generate_series(1, 100)",
@@ -869,9 +883,7 @@ async fn former_primary_rejoins_as_a_replica_after_a_rewind() {
     .await
     .unwrap();
     c.kill_node(0);
-    for pid in receivers {
-        signal(pid, nix::sys::signal::Signal::SIGCONT);
-    }
+    thaw(&receivers);
     let np = new_primary(&c, 0, Duration::from_secs(30)).await;
     query(
         &c.node(np).pg_conninfo(),
@@ -1021,25 +1033,11 @@ async fn a_former_primary_archives_its_waiting_wal_before_it_rewinds() {
     let archive = RefusingArchive::new();
     let mut c = cluster().pg_parameters(&archive.parameters).start();
     healthy(&c, 2, BOOTSTRAP).await;
-    let mut receivers = Vec::new();
-    for i in [1, 2] {
-        let pid: i32 = one(
-            &c.node(i).pg_conninfo(),
-            "SELECT pid FROM pg_stat_wal_receiver",
-        )
-        .await
-        .unwrap()
-        .parse()
-        .unwrap();
-        signal(pid, nix::sys::signal::Signal::SIGSTOP);
-        receivers.push(pid);
-    }
+    let receivers = freeze_wal_receivers(&c, &[1, 2]).await;
     // Segments only the old primary has, completed and waiting.
     let waiting = unarchived_segments(&c, 0).await;
     c.kill_node(0);
-    for pid in receivers {
-        signal(pid, nix::sys::signal::Signal::SIGCONT);
-    }
+    thaw(&receivers);
     new_primary(&c, 0, Duration::from_secs(30)).await;
     archive.open();
     c.start_agent(0);
@@ -3994,27 +3992,13 @@ async fn a_leader_cut_off_from_its_replicas_but_not_from_etcd_keeps_leading_alon
     // Replication stops reaching the replicas (their WAL receivers frozen),
     // while every agent still reaches etcd: the leader keeps its lease,
     // so nobody may take over, however far the replicas fall behind.
-    let mut receivers = Vec::new();
-    for i in [1, 2] {
-        let pid: i32 = one(
-            &c.node(i).pg_conninfo(),
-            "SELECT pid FROM pg_stat_wal_receiver",
-        )
-        .await
-        .unwrap()
-        .parse()
-        .unwrap();
-        signal(pid, nix::sys::signal::Signal::SIGSTOP);
-        receivers.push(pid);
-    }
+    let receivers = freeze_wal_receivers(&c, &[1, 2]).await;
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     while tokio::time::Instant::now() < until {
         assert_eq!(writable(&c).await, vec![0]);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    for pid in receivers {
-        signal(pid, nix::sys::signal::Signal::SIGCONT);
-    }
+    thaw(&receivers);
     checker.finish().await;
     healthy(&c, 2, Duration::from_secs(30)).await;
 }

@@ -1103,27 +1103,12 @@ async fn a_pooled_client_still_logging_in_at_the_end_of_a_shutdown_is_told_why()
     let holder = client(&via(&p, "read_write")).await.unwrap();
     holder.batch_execute("BEGIN").await.unwrap();
     one(&holder, "SELECT 1").await;
-    let conninfo = via(&p, "read_write");
-    let mut pending = tokio::spawn(async move { client(&conninfo).await });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), &mut pending)
-            .await
-            .is_err(),
-        "logged in while the pool's only server was in a transaction"
-    );
-    let shutdown = tokio::spawn(p.shutdown());
-    let Err(err) = tokio::time::timeout(WAIT, pending)
-        .await
-        .expect("the client is answered once the shutdown's wait is over")
-        .unwrap()
-    else {
-        panic!("logged in");
-    };
-    assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err:?}");
-    tokio::time::timeout(Duration::from_secs(5), shutdown)
-        .await
-        .expect("the shutdown ends")
-        .unwrap();
+    let pending = common::waiting_client(
+        via(&p, "read_write"),
+        "the pool's only server was in a transaction",
+    )
+    .await;
+    common::told_at_shutdown(p, pending).await;
     drop(holder);
 }
 

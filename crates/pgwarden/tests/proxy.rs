@@ -1308,14 +1308,7 @@ async fn a_shutdown_waits_for_clients_still_logging_in() {
     // not waited for either.
     let silent = std::net::TcpStream::connect(p.service_addrs()["read_write"]).unwrap();
     relay.set_listener(Listener::Closed);
-    let conninfo = via(&p, "read_write");
-    let mut pending = tokio::spawn(async move { client(&conninfo).await });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), &mut pending)
-            .await
-            .is_err(),
-        "the client was answered while its host refused"
-    );
+    let pending = common::waiting_client(via(&p, "read_write"), "its host refused").await;
     let mut shutdown = tokio::spawn(p.shutdown());
     assert!(
         tokio::time::timeout(Duration::from_millis(300), &mut shutdown)
@@ -1348,29 +1341,8 @@ async fn a_client_waiting_for_a_host_at_the_end_of_a_shutdown_is_told_why() {
     use pgwarden_testkit::Listener;
     let (_c, relay, _e, p) = behind_relay(Duration::from_secs(60)).await;
     relay.set_listener(Listener::Closed);
-    let conninfo = via(&p, "read_write");
-    let mut pending = tokio::spawn(async move { client(&conninfo).await });
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), &mut pending)
-            .await
-            .is_err(),
-        "the client was answered while its host refused"
-    );
-    let shutdown = tokio::spawn(p.shutdown());
-    let Err(err) = tokio::time::timeout(WAIT, pending)
-        .await
-        .expect("the client is answered once the shutdown's wait is over")
-        .unwrap()
-    else {
-        panic!("connected to a closed host");
-    };
-    assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err:?}");
-    let message = err.as_db_error().map(|d| d.message()).unwrap_or_default();
-    assert!(message.contains("shutting down"), "{message}");
-    tokio::time::timeout(Duration::from_secs(3), shutdown)
-        .await
-        .expect("the shutdown ends once the client is told")
-        .unwrap();
+    let pending = common::waiting_client(via(&p, "read_write"), "its host refused").await;
+    common::told_at_shutdown(p, pending).await;
 }
 
 /// A `connect_wait_timeout` of zero means no waiting for a host to

@@ -429,3 +429,43 @@ pub fn startup_packet(params: &[(&str, &str)]) -> Vec<u8> {
     packet.extend(body);
     packet
 }
+
+/// A client connecting to `conninfo` in the background, once it is seen
+/// waiting (not answered within 300 ms) for the reason `why_waiting`.
+pub async fn waiting_client(
+    conninfo: String,
+    why_waiting: &str,
+) -> tokio::task::JoinHandle<Result<tokio_postgres::Client, tokio_postgres::Error>> {
+    let mut pending = tokio::spawn(async move { client(&conninfo).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut pending)
+            .await
+            .is_err(),
+        "the client was answered while {why_waiting}"
+    );
+    pending
+}
+
+/// Shuts `proxy` down with `pending` still waiting to be let in, and checks
+/// that the client is told why it is turned away (57P01) once the
+/// shutdown time-out runs out, and that the shutdown then ends.
+pub async fn told_at_shutdown(
+    proxy: pgwarden_proxy::Proxy,
+    pending: tokio::task::JoinHandle<Result<tokio_postgres::Client, tokio_postgres::Error>>,
+) {
+    let shutdown = tokio::spawn(proxy.shutdown());
+    let Err(err) = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the client is answered once the shutdown's wait is over")
+        .unwrap()
+    else {
+        panic!("the client was let in");
+    };
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P01"), "{err:?}");
+    let message = err.as_db_error().map(|d| d.message()).unwrap_or_default();
+    assert!(message.contains("shutting down"), "{message}");
+    tokio::time::timeout(Duration::from_secs(5), shutdown)
+        .await
+        .expect("the shutdown ends once the client is told")
+        .unwrap();
+}
