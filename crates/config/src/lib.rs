@@ -84,7 +84,7 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 
 /// The file at `path` as text; one that is not UTF-8 is refused with the
 /// line and column of the first byte that is not.
-pub fn read_text(path: &Path) -> Result<String, ConfigError> {
+fn read_text(path: &Path) -> Result<String, ConfigError> {
     let bytes = std::fs::read(path).map_err(|error| ConfigError::Read {
         path: path.to_path_buf(),
         error,
