@@ -133,7 +133,7 @@ backends() {
 }
 pool_metrics() {
   curl -fsS "http://$HOST:$HTTP_PORT/metrics" 2>/dev/null |
-    grep -E '^pgwarden_pool_(clients_waiting|servers_total|transactions_total|wait_max_seconds)' |
+    grep -E '^pgwarden_pool_(clients_waiting|servers_open|transactions_total|wait_max_seconds)' |
     sed -E 's/\{[^}]*\}//' | awk '{printf "%s=%s ", substr($1, 15), $2}'
 }
 warn_lines=0
