@@ -257,7 +257,7 @@ pub(crate) struct RawPool {
     pub max_prepared_statements: Option<Spanned<u32>>,
     pub stats_period: Option<PositiveDur>,
     pub reuse_session_servers: Option<bool>,
-    pub admin_users: Option<Vec<String>>,
+    pub admin_users: Option<Vec<Spanned<String>>>,
     #[serde(default)]
     pub databases: BTreeMap<Spanned<String>, RawPoolOverride>,
     #[serde(default)]

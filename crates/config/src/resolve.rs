@@ -414,6 +414,25 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
             ));
         }
     }
+    let admin_users = match raw.admin_users {
+        None => d.admin_users,
+        Some(names) => {
+            // No role has an empty name; an empty entry is a slip (a
+            // stray comma inside quotes, an unset template variable).
+            if let Some((i, name)) = names
+                .iter()
+                .enumerate()
+                .find(|(_, n)| n.get_ref().is_empty())
+            {
+                return Err(src.invalid(
+                    Some(name.span()),
+                    format!("pool.admin_users[{i}]"),
+                    "a role name must not be empty",
+                ));
+            }
+            names.into_iter().map(Spanned::into_inner).collect()
+        }
+    };
     let databases = overrides("databases", raw.databases, min_size, src)?;
     let users = overrides("users", raw.users, min_size, src)?;
     Ok(PoolConfig {
@@ -444,7 +463,7 @@ fn pool(raw: RawPool, src: &Source<'_>) -> Result<PoolConfig, ConfigError> {
             .map_or(d.max_prepared_statements, Spanned::into_inner),
         stats_period: raw.stats_period.map_or(d.stats_period, |v| v.0),
         reuse_session_servers: raw.reuse_session_servers.unwrap_or(d.reuse_session_servers),
-        admin_users: raw.admin_users.unwrap_or(d.admin_users),
+        admin_users,
         databases,
         users,
     })
@@ -462,6 +481,23 @@ fn overrides(
         let prefix = format!("pool.{table}.{}", key_segment(name.get_ref()));
         if name.get_ref().is_empty() {
             return Err(src.invalid(Some(name.span()), prefix, "name must not be empty"));
+        }
+        if o.mode.is_none()
+            && o.size.is_none()
+            && o.max_db_connections.is_none()
+            && o.max_user_connections.is_none()
+        {
+            // An override that overrides nothing is a mistake: most often
+            // its keys were written under the next table's header.
+            let keys = match table {
+                "databases" => "mode, size or max_db_connections",
+                _ => "mode, size or max_user_connections",
+            };
+            return Err(src.invalid(
+                Some(name.span()),
+                prefix,
+                format!("sets nothing: give it {keys}, or remove the table"),
+            ));
         }
         if let Some(s) = &o.size {
             let key = format!("{prefix}.size");
@@ -607,6 +643,10 @@ fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
 }
 
 fn check_distinct(listeners: &[Listener], src: &Source<'_>) -> Result<(), ConfigError> {
+    // Services arrive in name order; the operator reads the file top down
+    // and expects the second of two clashing lines to be the one blamed.
+    let mut listeners: Vec<&Listener> = listeners.iter().collect();
+    listeners.sort_by_key(|l| l.span.as_ref().map_or(usize::MAX, |s| s.start));
     for (j, later) in listeners.iter().enumerate() {
         let Some(earlier) = listeners[..j].iter().find(|e| overlaps(e.addr, later.addr)) else {
             continue;

@@ -453,27 +453,87 @@ fn bad_values() {
         &with("[services.x]\nlisten = \"127.0.0.1:7000\"\nselect = \"leader\"\n"),
         5,
         "select",
-        "unknown variant `leader`",
+        "unknown value `leader`",
     );
     fails(
         &with("[services.x]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\nstrategy = \"fastest\"\n"),
         6,
         "strategy",
-        "unknown variant",
+        "unknown value",
     );
     fails(
         &with("[pool]\nmode = \"statement\"\n"),
         4,
         "mode",
-        "unknown variant",
+        "unknown value",
     );
-    fails(&with("[pool]\nsize = -1\n"), 4, "size", "u32");
+    fails(
+        &with("[pool]\nsize = -1\n"),
+        4,
+        "size",
+        "expected a whole number from 0 to 4294967295",
+    );
     fails(
         &with("[log]\nformat = \"xml\"\n"),
         4,
         "format",
-        "unknown variant",
+        "unknown value",
     );
+}
+
+/// Type mistakes are told in the file's terms (whole numbers, tables,
+/// arrays), never with the names of the Rust types behind them.
+#[test]
+fn type_mistakes_name_no_rust_type() {
+    for (extra, line, key, why) in [
+        (
+            "[pool]\nsize = 2.5\n",
+            4,
+            "pool.size",
+            "expected a whole number from 0",
+        ),
+        (
+            "[pool]\nsize = [1]\n",
+            4,
+            "pool.size",
+            "invalid type: array",
+        ),
+        ("[pool]\nmode = 3\n", 4, "pool.mode", "expected a string"),
+        (
+            "[pool]\ndatabases = 3\n",
+            4,
+            "pool.databases",
+            "expected a table",
+        ),
+        ("[services]\na = 3\n", 4, "services.a", "expected a table"),
+        (
+            "[engine]\nworker_threads = \"4\"\n",
+            4,
+            "worker_threads",
+            "whole number",
+        ),
+    ] {
+        let msg = fails(&with(extra), line, key, why);
+        for rust in [
+            "u32", "usize", "u64", "struct", "Raw", "sequence", "a map", "variant",
+        ] {
+            assert!(!msg.contains(rust), "{rust:?} in:\n{msg}");
+        }
+    }
+    let msg = fails(
+        "pool = 3\n[cluster]\nhosts = [\"db1:5432\"]\n",
+        1,
+        "pool",
+        "expected a table",
+    );
+    assert!(!msg.contains("struct"), "{msg}");
+    let msg = fails(
+        "[cluster]\nhosts = \"db1:5432\"\n",
+        2,
+        "hosts",
+        "expected an array",
+    );
+    assert!(!msg.contains("sequence"), "{msg}");
 }
 
 #[test]
@@ -537,6 +597,14 @@ fn duplicate_listen_addresses() {
         6,
         "services.read_write.listen",
         "keep only one",
+    );
+    // Of two services on one address, the one further down the file is
+    // blamed, whatever their names.
+    fails(
+        &with("[services.zeta]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\n[services.alpha]\nlisten = \"127.0.0.1:7000\"\nselect = \"replica\"\n"),
+        7,
+        "services.alpha.listen",
+        "already used by services.zeta.listen",
     );
 }
 
@@ -756,6 +824,26 @@ fn pool_and_engine_checks() {
         "larger than pool.size (5)",
     );
     fails(&with("[pool]\nmin_size = 21\n"), 4, "pool.min_size", "(20)");
+    fails(
+        &with("[pool]\nadmin_users = [\"admin\", \"\"]\n"),
+        4,
+        "pool.admin_users[1]",
+        "must not be empty",
+    );
+    // An override table with no key in it overrides nothing: its keys went
+    // elsewhere.
+    fails(
+        &with("[pool.databases.app]\n[pool.users.alice]\nsize = 5\n"),
+        3,
+        "pool.databases.app",
+        "sets nothing: give it mode, size or max_db_connections",
+    );
+    fails(
+        &with("[pool.users.alice]\n"),
+        3,
+        "pool.users.alice",
+        "mode, size or max_user_connections",
+    );
     fails(
         &with("[pool]\nmin_size = 3\n[pool.databases.\"my.db\"]\nsize = 2\n"),
         6,
