@@ -1160,6 +1160,69 @@ async fn admin_console_counts_each_transaction_of_a_pinned_client() {
     );
 }
 
+/// A relayed (session-mode) client's own server connection is listed by
+/// SHOW SERVERS too, linked to the client, as PgBouncer lists every server
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_servers_lists_relayed_sessions_servers() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), None, 10_000).await;
+    ready(&e, 1).await;
+    let relayed = client(&format!(
+        "{} application_name=relayed",
+        via(&p, "read_write")
+    ))
+    .await
+    .unwrap();
+    let pid = one(&relayed, "SELECT pg_backend_pid()").await;
+    let local_port = one(
+        &relayed,
+        "SELECT client_port FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+    )
+    .await;
+    let admin_info = via(&p, "read_write").replace("dbname=postgres", "dbname=pgwarden");
+    let admin = client(&admin_info).await.unwrap();
+    let rows =
+        |msgs: Vec<tokio_postgres::SimpleQueryMessage>| -> Vec<tokio_postgres::SimpleQueryRow> {
+            msgs.into_iter()
+                .filter_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                    _ => None,
+                })
+                .collect()
+        };
+    let servers = rows(admin.simple_query("SHOW SERVERS").await.unwrap());
+    let [server] = &servers[..] else {
+        panic!("{} server rows", servers.len());
+    };
+    let port = c.port(0).to_string();
+    assert_eq!(
+        (
+            server.get("state"),
+            server.get("addr"),
+            server.get("port"),
+            server.get("local_port"),
+            server.get("application_name"),
+        ),
+        (
+            Some("active"),
+            Some("127.0.0.1"),
+            Some(port.as_str()),
+            Some(local_port.as_str()),
+            Some("relayed")
+        ),
+        "the backend {pid} sees pgwarden's end as its client"
+    );
+    let clients = rows(admin.simple_query("SHOW CLIENTS").await.unwrap());
+    let client_row = clients
+        .iter()
+        .find(|r| r.get("database") == Some("postgres"))
+        .expect("the relayed client");
+    assert_eq!(client_row.get("ptr"), server.get("link"));
+    assert_eq!(client_row.get("link"), server.get("ptr"));
+    assert_eq!(client_row.get("application_name"), Some("relayed"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_console_shows_pools_and_pauses() {
     let c = TestCluster::builder().replicas(0).start();
@@ -1275,7 +1338,9 @@ async fn admin_console_shows_pools_and_pauses() {
     );
     // A pooled client is active, with its server, while it holds one, and
     // waiting while it waits for one.
-    let busy = client(&via(&p, "read_write")).await.unwrap();
+    let busy = client(&format!("{} application_name=busy", via(&p, "read_write")))
+        .await
+        .unwrap();
     busy.batch_execute("BEGIN").await.unwrap();
     one(&busy, "SELECT 1").await;
     let seen = client_states(&admin).await;
@@ -1340,16 +1405,71 @@ async fn admin_console_shows_pools_and_pauses() {
     let rw_port = p.service_addrs()["read_write"].port().to_string();
     assert_eq!(row.get("local_port"), Some(rw_port.as_str()));
     assert_eq!(row.get("local_addr"), Some("127.0.0.1"));
-    assert_eq!(
-        row.get("link"),
-        Some(format!("127.0.0.1:{}", c.port(0)).as_str())
-    );
+    // `link` is the server connection's `ptr` in SHOW SERVERS, and that
+    // row's `link` the client's `ptr`, as in PgBouncer.
+    let backend = format!("127.0.0.1:{}/{busy_pid}", c.port(0));
+    assert_eq!(row.get("link"), Some(backend.as_str()));
+    assert_eq!(row.get("application_name"), Some("busy"));
+    let client_ptr = row.get("ptr").unwrap().to_string();
     let connected = row.get("connect_time").unwrap();
     assert!(
         connected.len() == 23 && connected.ends_with(" UTC") && connected.starts_with("20"),
         "{connected}"
     );
+    let server_row = |msgs: Vec<tokio_postgres::SimpleQueryMessage>| {
+        msgs.into_iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r)
+                if r.get("remote_pid") == Some(busy_pid.as_str()) =>
+            {
+                Some(r)
+            }
+            _ => None,
+        })
+    };
+    let lent = server_row(admin.simple_query("SHOW SERVERS").await.unwrap())
+        .expect("SHOW SERVERS lists the lent server");
+    let port = c.port(0).to_string();
+    assert_eq!(
+        (
+            lent.get("state"),
+            lent.get("addr"),
+            lent.get("port"),
+            lent.get("ptr"),
+            lent.get("link"),
+        ),
+        (
+            Some("active"),
+            Some("127.0.0.1"),
+            Some(port.as_str()),
+            Some(backend.as_str()),
+            Some(client_ptr.as_str())
+        )
+    );
     busy.batch_execute("COMMIT").await.unwrap();
+    // Given back, it is idle, linked to no client, with its own details.
+    let idle = pgwarden_testkit::eventually("the server is idle", WAIT, || async {
+        let row = server_row(admin.simple_query("SHOW SERVERS").await.unwrap());
+        match row {
+            Some(r) if r.get("state") == Some("idle") => Ok(r),
+            other => Err(format!(
+                "{:?}",
+                other.map(|r| r.get("state").map(String::from))
+            )),
+        }
+    })
+    .await;
+    assert_eq!(idle.get("link"), Some(""));
+    assert_eq!(idle.get("ptr"), Some(backend.as_str()));
+    assert_eq!(idle.get("local_addr"), Some("127.0.0.1"));
+    assert!(
+        idle.get("local_port").unwrap().parse::<u16>().unwrap() > 0,
+        "{:?}",
+        idle.get("local_port")
+    );
+    for time in ["connect_time", "request_time"] {
+        assert!(idle.get(time).unwrap().ends_with(" UTC"), "{time}");
+    }
+    assert_eq!(idle.get("application_name"), Some("busy"));
     admin.simple_query("PAUSE read_write").await.unwrap();
     let waiting = tokio::spawn(async move { one(&app, "SELECT 5").await });
     pgwarden_testkit::eventually("the client waits for the resume", WAIT, || async {
@@ -1359,6 +1479,27 @@ async fn admin_console_shows_pools_and_pauses() {
             .ok_or(format!("{seen:?}"))
     })
     .await;
+    // SHOW CLIENTS says for how long, in seconds and microseconds.
+    let waited = pgwarden_testkit::eventually("the wait is timed", WAIT, || async {
+        let rows = admin.simple_query("SHOW CLIENTS").await.unwrap();
+        let waits: Vec<u64> = rows
+            .iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) if r.get("state") == Some("waiting") => {
+                    let s: u64 = r.get("wait")?.parse().ok()?;
+                    let us: u64 = r.get("wait_us")?.parse().ok()?;
+                    Some(s * 1_000_000 + us)
+                }
+                _ => None,
+            })
+            .collect();
+        match waits[..] {
+            [us] if us > 0 => Ok(us),
+            _ => Err(format!("{waits:?}")),
+        }
+    })
+    .await;
+    assert!(waited < 60_000_000, "{waited} µs");
     assert!(!waiting.is_finished(), "ran while paused");
     admin.simple_query("RESUME read_write").await.unwrap();
     assert_eq!(

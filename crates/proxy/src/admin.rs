@@ -1158,20 +1158,17 @@ fn show_time(unix_s: u64) -> String {
     )
 }
 
-/// The local end of a client's socket, as SHOW CLIENTS shows it.
-fn local_end(fd: std::os::fd::RawFd) -> (String, String) {
+/// The local end of a session's socket (the client's, or a relayed
+/// session's server socket), as SHOW CLIENTS and SHOW SERVERS show it.
+fn local_end(fd: std::os::fd::RawFd) -> Option<std::net::SocketAddr> {
     // SAFETY: called with the sessions lock held, while the entry, and so
     // the socket (see SessionGuard), lives.
     #[allow(unsafe_code)]
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match socket2::SockRef::from(&fd)
+    socket2::SockRef::from(&fd)
         .local_addr()
         .ok()
         .and_then(|a| a.as_socket())
-    {
-        Some(a) => (a.ip().to_string(), a.port().to_string()),
-        None => (String::new(), String::new()),
-    }
 }
 
 fn show_clients(shared: &Shared, out: &mut BytesMut) {
@@ -1182,7 +1179,9 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
         .iter()
         .map(|(id, e)| {
             // A pooled client is active while it holds a server.
-            let (lent, waiting) = e.pooled.as_ref().map_or((None, false), |s| s.state());
+            let (lent, since) = e.pooled.as_ref().map_or((None, None), |s| s.state());
+            let waiting = since.is_some();
+            let waited = since.map_or(std::time::Duration::ZERO, |t| t.elapsed());
             let server = match (&e.host, &lent) {
                 (Some(h), _) => h.to_string(),
                 (None, Some(b)) => b.server.to_string(),
@@ -1195,7 +1194,10 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
             } else {
                 "idle"
             };
-            let (local_addr, local_port) = local_end(e.client_fd);
+            let (local_addr, local_port) = local_end(e.client_fd)
+                .map_or((String::new(), String::new()), |a| {
+                    (a.ip().to_string(), a.port().to_string())
+                });
             let connected = show_time(e.connected_s);
             vec![
                 "C".into(),
@@ -1208,15 +1210,21 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
                 local_port,
                 connected.clone(),
                 connected,
-                "0".into(),
-                "0".into(),
+                waited.as_secs().to_string(),
+                waited.subsec_micros().to_string(),
                 "0".into(),
                 format!("{id:x}"),
-                lent.as_ref()
-                    .map_or(String::new(), |b| b.server.to_string()),
+                match (&lent, &e.host) {
+                    (Some(b), _) => server_ptr(b.server, b.pid),
+                    (None, Some(_)) => relayed_server_ptr(*id),
+                    (None, None) => String::new(),
+                },
                 lent.as_ref().map_or("0".into(), |b| b.pid.to_string()),
                 if e.tls { "TLS".into() } else { String::new() },
-                String::new(),
+                e.application_name
+                    .as_deref()
+                    .unwrap_or_default()
+                    .to_string(),
                 e.service.to_string(),
                 server,
             ]
@@ -1259,26 +1267,153 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
     table(out, &CONNECTION_COLUMNS, &rows, "SHOW");
 }
 
+/// A server connection's `ptr` in SHOW SERVERS, and the `link` of the
+/// client that holds it in SHOW CLIENTS: the backend, which is unique.
+fn server_ptr(server: std::net::SocketAddr, pid: i32) -> String {
+    format!("{server}/{pid}")
+}
+
+/// The same for a relayed session's server connection, whose backend the
+/// session table does not know: named after its client.
+fn relayed_server_ptr(client_id: u64) -> String {
+    format!("r{client_id:x}")
+}
+
+/// The remote end of a session's socket, as [`local_end`] finds the local
+/// one.
+fn peer_end(fd: std::os::fd::RawFd) -> Option<std::net::SocketAddr> {
+    // SAFETY: as for `local_end`.
+    #[allow(unsafe_code)]
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    socket2::SockRef::from(&fd)
+        .peer_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+}
+
+/// One SHOW SERVERS row; what is not known stays empty.
+#[derive(Default)]
+struct ServerRow<'a> {
+    user: &'a str,
+    database: &'a str,
+    state: &'static str,
+    peer: Option<std::net::SocketAddr>,
+    local: Option<std::net::SocketAddr>,
+    connected_s: u64,
+    used_s: u64,
+    ptr: String,
+    link: String,
+    pid: i32,
+    tls: bool,
+    application_name: &'a str,
+    service: &'a str,
+    server: String,
+}
+
+impl ServerRow<'_> {
+    fn cells(self) -> Vec<String> {
+        let split = |a: Option<std::net::SocketAddr>| {
+            a.map_or((String::new(), String::new()), |a| {
+                (a.ip().to_string(), a.port().to_string())
+            })
+        };
+        let ((addr, port), (local_addr, local_port)) = (split(self.peer), split(self.local));
+        vec![
+            "S".into(),
+            self.user.into(),
+            self.database.into(),
+            self.state.into(),
+            addr,
+            port,
+            local_addr,
+            local_port,
+            show_time(self.connected_s),
+            show_time(self.used_s),
+            "0".into(),
+            "0".into(),
+            "0".into(),
+            self.ptr,
+            self.link,
+            self.pid.to_string(),
+            if self.tls {
+                "TLS".into()
+            } else {
+                String::new()
+            },
+            self.application_name.into(),
+            self.service.into(),
+            self.server,
+        ]
+    }
+}
+
+/// Every server connection: those lent to clients and relayed sessions'
+/// own, found from the clients that hold them (`link` names the client),
+/// then each pool's idle ones.
 fn show_servers(shared: &Shared, out: &mut BytesMut) {
-    let o = Ordering::Relaxed;
     let mut rows = Vec::new();
-    for p in shared.pools.lock().expect("poisoned").values() {
-        for (state, n) in [("active", p.stats.active.load(o)), ("idle", p.idle_count())] {
-            for _ in 0..n {
-                let mut row: Vec<String> = vec![
-                    "S".into(),
-                    p.key.user.clone(),
-                    p.key.database.clone(),
-                    state.into(),
-                    p.key.host.host.clone(),
-                    p.key.host.port.to_string(),
-                ];
-                // Per-connection details are not kept: PgBouncer's
-                // columns stay in place, empty.
-                row.extend(["", "", "", "", "0", "0", "0", "", "", "0", "", ""].map(String::from));
-                row.extend([String::new(), p.key.host.to_string()]);
-                rows.push(row);
+    for (id, e) in shared.sessions.lock().expect("poisoned").iter() {
+        let base = ServerRow {
+            user: &e.user,
+            database: &e.database,
+            state: "active",
+            link: format!("{id:x}"),
+            service: &e.service,
+            ..ServerRow::default()
+        };
+        match (&e.host, &e.pooled, e.server_fd) {
+            (Some(host), _, Some(fd)) => rows.push(
+                ServerRow {
+                    peer: peer_end(fd),
+                    local: local_end(fd),
+                    connected_s: e.connected_s,
+                    used_s: e.connected_s,
+                    ptr: relayed_server_ptr(*id),
+                    application_name: e.application_name.as_deref().unwrap_or_default(),
+                    server: host.to_string(),
+                    ..base
+                }
+                .cells(),
+            ),
+            (None, Some(slot), _) => {
+                if let (Some(b), _) = slot.state() {
+                    rows.push(
+                        ServerRow {
+                            peer: Some(b.server),
+                            ptr: server_ptr(b.server, b.pid),
+                            pid: b.pid,
+                            server: b.server.to_string(),
+                            ..base
+                        }
+                        .cells(),
+                    );
+                }
             }
+            _ => {}
+        }
+    }
+    for p in shared.pools.lock().expect("poisoned").values() {
+        let service = p.service.get().map_or("", |s| &**s);
+        for c in p.idle_servers() {
+            rows.push(
+                ServerRow {
+                    user: &p.key.user,
+                    database: &p.key.database,
+                    state: "idle",
+                    peer: Some(c.peer),
+                    local: c.local,
+                    connected_s: c.opened_s,
+                    used_s: c.used_s,
+                    ptr: server_ptr(c.peer, c.pid),
+                    pid: c.pid,
+                    tls: c.tls,
+                    application_name: c.application_name.as_deref().unwrap_or_default(),
+                    service,
+                    server: p.key.host.to_string(),
+                    ..ServerRow::default()
+                }
+                .cells(),
+            );
         }
     }
     table(out, &CONNECTION_COLUMNS, &rows, "SHOW");

@@ -84,6 +84,9 @@ struct SlotState {
     parked: Option<Box<dyn FnOnce(bool) + Send>>,
     /// The client waits for a server, and whether it was cancelled.
     waiting: bool,
+    /// Since when it waits (SHOW CLIENTS' `wait`); set only on the slow
+    /// path, where a client has to wait.
+    waiting_since: Option<std::time::Instant>,
     cancelled: bool,
     /// Wakes the waiting client when it is cancelled (one per client, so
     /// a waker, lighter than a `Notify`).
@@ -112,6 +115,7 @@ impl CancelSlot {
     pub fn start_waiting(&self) {
         let mut s = self.lock();
         s.waiting = true;
+        s.waiting_since = Some(std::time::Instant::now());
         s.cancelled = false;
     }
 
@@ -119,6 +123,7 @@ impl CancelSlot {
     pub fn stop_waiting(&self) -> bool {
         let mut s = self.lock();
         s.waiting = false;
+        s.waiting_since = None;
         s.waker = None;
         std::mem::take(&mut s.cancelled)
     }
@@ -151,11 +156,11 @@ impl CancelSlot {
         self.held_idle.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// The backend the client uses now, and whether it waits for one (for
-    /// the admin console's `SHOW CLIENTS`).
-    pub fn state(&self) -> (Option<BackendKey>, bool) {
+    /// The backend the client uses now, and since when it waits for one,
+    /// if it does (for the admin console's `SHOW CLIENTS`).
+    pub fn state(&self) -> (Option<BackendKey>, Option<std::time::Instant>) {
         let s = self.lock();
-        (s.backend.clone(), s.waiting)
+        (s.backend.clone(), s.waiting_since)
     }
 
     /// The client now uses `backend`.

@@ -203,6 +203,12 @@ impl Tracked {
         tracked
     }
 
+    /// The client's `application_name`, shared rather than copied (the
+    /// session table keeps one per client).
+    pub(crate) fn application_name(&self) -> Option<Arc<str>> {
+        Self::index("application_name").and_then(|i| self.0[i].clone())
+    }
+
     /// The value of a tracked parameter, if known.
     pub fn get(&self, name: &str) -> Option<&str> {
         Self::index(name).and_then(|i| self.0[i].as_deref())
@@ -443,6 +449,23 @@ pub struct ServerConn {
     /// Its places under the pool's [`ConnLimit`]s, given back when the
     /// connection is dropped.
     slots: [Option<Slot>; 2],
+}
+
+/// An idle server connection as SHOW SERVERS lists it.
+pub(crate) struct IdleServer {
+    /// The server's address.
+    pub peer: SocketAddr,
+    /// pgwarden's end of the connection.
+    pub local: Option<SocketAddr>,
+    /// The backend's process id.
+    pub pid: i32,
+    /// When it was opened and last given back, Unix seconds.
+    pub opened_s: u64,
+    pub used_s: u64,
+    /// Whether it is encrypted.
+    pub tls: bool,
+    /// The `application_name` the server last reported for it.
+    pub application_name: Option<String>,
 }
 
 /// The statements prepared on one server connection, by server-side name,
@@ -1519,6 +1542,28 @@ impl Pool {
     /// Idle connections now.
     pub fn idle_count(&self) -> usize {
         self.idle.lock().expect("poisoned").len()
+    }
+
+    /// What the admin console's SHOW SERVERS tells of each idle
+    /// connection.
+    pub(crate) fn idle_servers(&self) -> Vec<IdleServer> {
+        let now = now_ns();
+        let wall = crate::proxy::unix_now_s();
+        let at = |t: u64| wall.saturating_sub(now.saturating_sub(t) / 1_000_000_000);
+        self.idle
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|c| IdleServer {
+                peer: c.peer,
+                local: c.stream.local_addr(),
+                pid: c.backend_key.0,
+                opened_s: at(c.created),
+                used_s: at(c.last_used),
+                tls: c.stream.is_tls(),
+                application_name: c.params.get("application_name").cloned(),
+            })
+            .collect()
     }
 
     /// Closes idle connections past `server_lifetime`, and those past

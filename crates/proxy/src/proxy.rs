@@ -416,6 +416,8 @@ pub(crate) struct SessionEntry {
     pub connected_s: u64,
     /// Whether the client's connection is TLS (SHOW CLIENTS).
     pub tls: bool,
+    /// The client's `application_name` at login (SHOW CLIENTS).
+    pub application_name: Option<Arc<str>>,
 }
 
 /// Now, Unix seconds.

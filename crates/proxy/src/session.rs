@@ -1433,6 +1433,7 @@ async fn relay(
             server_fd: Some(server.raw_fd()),
             connected_s: crate::proxy::unix_now_s(),
             tls: client.is_tls(),
+            application_name: startup.get("application_name").map(Arc::from),
         },
     );
     // The topology may have changed while the server was connected to and

@@ -743,6 +743,14 @@ impl ServerStream {
     pub fn is_tls(&self) -> bool {
         matches!(self, ServerStream::Tls(_))
     }
+
+    /// The local end of the connection (SHOW SERVERS).
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        match self {
+            ServerStream::Plain(s) => s.local_addr().ok(),
+            ServerStream::Tls(s) => s.get_ref().0.local_addr().ok(),
+        }
+    }
 }
 
 impl AsyncRead for ServerStream {

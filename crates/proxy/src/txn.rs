@@ -302,6 +302,7 @@ pub(crate) async fn run(
             server_fd: None,
             connected_s: crate::proxy::unix_now_s(),
             tls: client.is_tls(),
+            application_name: session.params.application_name(),
         },
     );
     let (from_client, to_client) = (
