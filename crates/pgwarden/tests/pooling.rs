@@ -2529,6 +2529,24 @@ async fn refused_logins_and_unused_pools_leave_nothing_behind() {
         "value",
     );
     assert!(totals >= 1, "total_xact_count {totals} after the pool went");
+    // Databases that do not exist, chosen by clients, leave no SHOW STATS
+    // row for ever: the rows would grow with every name tried.
+    for i in 0..20 {
+        let bogus = url.replace("dbname=postgres", &format!("dbname=nosuchdb{i}"));
+        let err = client(&bogus).await.unwrap_err();
+        assert_eq!(sqlstate(&err).as_deref(), Some("3D000"), "{err:?}");
+    }
+    let rows: Vec<String> = admin
+        .simple_query("SHOW STATS")
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get("database").map(String::from),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rows, ["postgres"], "SHOW STATS rows");
     // The next client makes it again.
     let b = client(&url).await.unwrap();
     assert_eq!(one(&b, "SELECT 2").await, "2");

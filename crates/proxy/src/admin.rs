@@ -1477,7 +1477,13 @@ fn show_stats(shared: &Shared, out: &mut BytesMut, columns: StatsColumns) {
     // removed between the two reads would count in neither, and the totals
     // would go down for one look.
     let pools = shared.pools.lock().expect("poisoned");
-    for (database, gone) in shared.gone_totals.lock().expect("poisoned").iter() {
+    for (database, gone) in shared
+        .gone_totals
+        .lock()
+        .expect("poisoned")
+        .by_database
+        .iter()
+    {
         by_database.entry(database.clone()).or_default()[0].add(gone);
     }
     for p in pools.values() {
@@ -1534,9 +1540,11 @@ fn show_totals(shared: &Shared, out: &mut BytesMut) {
     let (mut now, mut older, mut newer) = (Totals::default(), Totals::default(), Totals::default());
     // Both under the pools' lock, as in `show_stats`.
     let pools = shared.pools.lock().expect("poisoned");
-    for gone in shared.gone_totals.lock().expect("poisoned").values() {
-        now.add(gone);
+    let gone = shared.gone_totals.lock().expect("poisoned");
+    for t in gone.by_database.values().chain([&gone.unlisted]) {
+        now.add(t);
     }
+    drop(gone);
     for p in pools.values() {
         now.add(&p.stats.totals());
         let [o, n] = p.stats.last_period();

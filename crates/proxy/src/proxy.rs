@@ -531,7 +531,19 @@ pub(crate) struct Shared {
     /// by a failover), by database: SHOW STATS and SHOW TOTALS count them,
     /// so that their totals never go down (exporters read them as
     /// counters).
-    pub gone_totals: Mutex<std::collections::BTreeMap<String, crate::stats::Totals>>,
+    pub gone_totals: Mutex<GoneTotals>,
+}
+
+/// [`Shared::gone_totals`].
+#[derive(Default)]
+pub(crate) struct GoneTotals {
+    /// By database, for SHOW STATS.
+    pub by_database: std::collections::BTreeMap<String, crate::stats::Totals>,
+    /// Pools that never ran a query (logins refused: a database that does
+    /// not exist) get no row of their own, since clients choose database
+    /// names and a row kept for ever for each would grow without bound;
+    /// their figures count in SHOW TOTALS only.
+    pub unlisted: crate::stats::Totals,
 }
 
 impl Shared {
@@ -585,12 +597,18 @@ impl Shared {
     /// Adds the totals of `pool`, removed from the table, to those of the
     /// pools that are gone.
     pub fn keep_totals(&self, pool: &Pool) {
-        self.gone_totals
-            .lock()
-            .expect("poisoned")
-            .entry(pool.key.database.clone())
-            .or_default()
-            .add(&pool.stats.totals());
+        let totals = pool.stats.totals();
+        let mut gone = self.gone_totals.lock().expect("poisoned");
+        let gone = &mut *gone;
+        match gone.by_database.get_mut(&pool.key.database) {
+            Some(kept) => kept.add(&totals),
+            None if totals.xact_count == 0 && totals.query_count == 0 => gone.unlisted.add(&totals),
+            None => gone
+                .by_database
+                .entry(pool.key.database.clone())
+                .or_default()
+                .add(&totals),
+        }
     }
 
     /// The cap of `kind` on `name`'s connections to `host`, created on
