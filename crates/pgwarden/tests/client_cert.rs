@@ -451,6 +451,17 @@ async fn certificate_logins_with_psql_and_psycopg_and_a_ca_reload() {
     assert_eq!(failures("cert_name_mismatch"), 3, "{body}");
     assert_eq!(failures("cert_missing"), 2, "{body}");
     assert_eq!(failures("cert_invalid"), 1, "{body}");
+    // A failed login counts as a connection error of its service too, the
+    // certificate refused in the handshake included.
+    for reason in ["cert_name_mismatch", "cert_missing", "cert_invalid"] {
+        let errors = metric(
+            &body,
+            &format!(
+                "pgwarden_connection_errors_total{{service=\"read_write\",reason=\"{reason}\"}}"
+            ),
+        );
+        assert_eq!(errors, failures(reason), "{reason}: {body}");
+    }
     let log = pg.log();
     assert!(
         log.contains(r#"the certificate's common name \"bob\" is not the user name \"alice\""#),

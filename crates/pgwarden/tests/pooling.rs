@@ -732,6 +732,41 @@ async fn post(http: std::net::SocketAddr, path: &'static str) -> (u16, String) {
         .unwrap()
 }
 
+/// Pooled clients turned away count in `pgwarden_connection_errors_total`
+/// by reason, as relayed ones do: no host within `query_wait_timeout`, and
+/// a pause that outlasts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_clients_turned_away_are_counted_by_reason() {
+    let c = TestCluster::builder().replicas(1).start();
+    // The replica alone: the read-write service has no host.
+    let (e, p) = proxy_with(
+        &c.addrs()[1..],
+        Duration::from_secs(3),
+        pool(2, Duration::from_millis(500)),
+        10_000,
+    )
+    .await;
+    common::until(&e, "the replica probed", WAIT, |s| {
+        let alive = s.topology.hosts().iter().filter(|h| h.alive).count();
+        (alive == 1).then_some(()).ok_or(format!("{alive} alive"))
+    })
+    .await;
+    let http = p.http_addr().unwrap();
+    let err = client(&via(&p, "read_write")).await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err}");
+    let reader = client(&via(&p, "read_only")).await.unwrap();
+    assert_eq!(one(&reader, "SELECT 1").await, "1");
+    assert_eq!(post(http, "/pause?service=read_only").await.0, 200);
+    let err = reader.simple_query("SELECT 2").await.unwrap_err();
+    assert_eq!(sqlstate(&err).as_deref(), Some("57P03"), "{err}");
+    for (service, reason) in [("read_write", "no_host"), ("read_only", "paused")] {
+        let sample = format!(
+            "pgwarden_connection_errors_total{{service=\"{service}\",reason=\"{reason}\"}} "
+        );
+        assert_eq!(common::metric_sample(http, &sample).await, 1.0, "{sample}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_new_transactions_and_resume_releases_them() {
     let c = TestCluster::builder().replicas(0).start();

@@ -335,7 +335,10 @@ async fn serve(
     // costs a bounded amount.
     let auth_timeout = *shared.auth_timeout.lock().expect("poisoned");
     let deadline = crate::timer::Deadline::after(auth_timeout);
-    let mut startup = match deadline.run(read_startup(client, &mut buf, shared)).await {
+    let mut startup = match deadline
+        .run(read_startup(client, &mut buf, shared, &service.spec.name))
+        .await
+    {
         Ok(Ok(Some(s))) => s,
         Ok(Ok(None)) => return Ok(None),
         Ok(Err(r)) => return Err(r),
@@ -670,6 +673,7 @@ async fn read_startup(
     client: &mut ClientStream,
     buf: &mut BytesMut,
     shared: &Shared,
+    service: &str,
 ) -> Result<Option<StartupMessage>, Refusal> {
     // Each encryption is negotiated at most once, as PostgreSQL allows:
     // GSS after SSL was declined and the other way round, nothing after
@@ -730,6 +734,9 @@ async fn read_startup(
                                 reason: "cert_invalid".into(),
                             })
                             .inc();
+                        // The handshake ends the connection before any
+                        // refusal is sent, so it is counted here.
+                        shared.metrics.error(service, "cert_invalid");
                     } else {
                         tracing::debug!(error = %e, "TLS handshake failed");
                     }

@@ -1095,6 +1095,7 @@ impl Session {
         let mut failed_rounds = 0u32;
         loop {
             if let Some(reason) = self.shared.refusal(&spec.name) {
+                self.shared.metrics.error(&spec.name, "refused");
                 return Err(Fatal::new(
                     sqlstate::CANNOT_CONNECT_NOW,
                     format!("service \"{}\": {reason}", spec.name),
@@ -1122,6 +1123,7 @@ impl Session {
                             tokio::select! {
                                 r = changes.changed() => if r.is_err() { return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, e.to_string())) },
                                 _ = crate::timer::sleep_until(deadline) => {
+                                    self.shared.metrics.error(&spec.name, "no_host");
                                     return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\": {e}", spec.name)));
                                 }
                             }
@@ -1150,6 +1152,7 @@ impl Session {
                     // The host is picked again once resumed.
                     _ = paused.wait_for(|p| !*p) => continue,
                     _ = crate::timer::sleep_until(deadline) => {
+                        self.shared.metrics.error(&spec.name, "paused");
                         return Err(Fatal::new(sqlstate::CANNOT_CONNECT_NOW, format!("service \"{}\" is paused and did not resume within query_wait_timeout", spec.name)));
                     }
                 }
@@ -1237,6 +1240,7 @@ impl Session {
                             }
                             _ = crate::timer::sleep_until(retry) => break,
                             _ = crate::timer::sleep_until(deadline) => {
+                                self.shared.metrics.error(&spec.name, "server_connect");
                                 return Err(Fatal::new(sqlstate::CONNECTION_FAILURE, format!("service \"{}\": {e}", spec.name)));
                             }
                         }
@@ -1315,6 +1319,7 @@ impl Session {
                     break Ok(true);
                 },
                 _ = crate::timer::sleep_until(deadline) => {
+                    self.shared.metrics.error(&self.service.spec.name, "paused");
                     break Err(Fatal::new(
                         sqlstate::CANNOT_CONNECT_NOW,
                         format!(
