@@ -568,6 +568,25 @@ async fn http_health_cluster_and_metrics() {
     let ro = services.iter().find(|s| s["name"] == "read_only").unwrap();
     assert_eq!(ro["targets"], serde_json::json!([c.addr(1)]));
     assert_eq!(ro["read_only"], true);
+    assert_eq!(rw["refused"], serde_json::Value::Null);
+    // A service that refuses new sessions (writes blocked by the HA agent)
+    // says why, beside targets it does not serve.
+    p.refusal_switch()
+        .set("read_write", Some("writes are refused: test".into()));
+    let (_, body) = tokio::task::spawn_blocking(move || http_get(http, "/cluster"))
+        .await
+        .unwrap();
+    let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let rw = doc["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "read_write")
+        .unwrap()
+        .clone();
+    assert_eq!(rw["refused"], "writes are refused: test");
+    assert_eq!(rw["targets"], serde_json::json!([c.addr(0)]));
+    p.refusal_switch().set("read_write", None);
     let (status, body) = tokio::task::spawn_blocking(move || http_get(http, "/metrics"))
         .await
         .unwrap();

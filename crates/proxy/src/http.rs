@@ -93,6 +93,10 @@ struct ServiceView {
     paused: bool,
     /// Hosts a new session could be routed to now, in `host:port` form.
     targets: Vec<String>,
+    /// Why the service refuses new sessions and transactions now (writes
+    /// blocked by the HA agent), or null: its targets are then reachable
+    /// but not served.
+    refused: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -126,6 +130,7 @@ async fn cluster(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
                     .into_iter()
                     .map(|i| topo.hosts()[i].config.addr.to_string())
                     .collect(),
+                refused: shared.refusal(&s.spec.name).map(|r| r.to_string()),
             }
         })
         .collect();
@@ -293,20 +298,20 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
-    let services: Vec<String> = shared
-        .services
-        .lock()
-        .expect("poisoned")
-        .keys()
-        .cloned()
-        .collect();
-    for name in services {
-        let paused = *shared.paused(&name).borrow();
-        shared
-            .metrics
-            .service_paused
-            .get_or_create(&crate::metrics::ServiceLabel { service: name })
-            .set(i64::from(paused));
+    {
+        // Under the lock a reload removes services with: a series set
+        // here for a service removed meanwhile would stay for ever.
+        let services = shared.services.lock().expect("poisoned");
+        for name in services.keys() {
+            let paused = *shared.paused(name).borrow();
+            shared
+                .metrics
+                .service_paused
+                .get_or_create(&crate::metrics::ServiceLabel {
+                    service: name.clone(),
+                })
+                .set(i64::from(paused));
+        }
     }
     // Taken out of the table first: logins look pools up under its lock,
     // and must not wait for the page to be rendered.

@@ -409,7 +409,7 @@ impl Metrics {
                 "Transactions served by the pool",
             ),
             (
-                "pgwarden_pool_wait_seconds_total",
+                "pgwarden_pool_waited_seconds_total",
                 "counter",
                 "Time clients spent waiting for a server connection",
             ),

@@ -1299,7 +1299,11 @@ impl Proxy {
             if wanted.contains(&name) {
                 given_up.insert(name, l.service);
             } else {
-                self.shared.services.lock().expect("poisoned").remove(&name);
+                // The series goes under the services' lock, which a
+                // scrape holds while it sets the series of the services
+                // it finds: one racing this reload cannot bring it back.
+                let mut services = self.shared.services.lock().expect("poisoned");
+                services.remove(&name);
                 // A pause ends with its service: clients still waiting
                 // go on, and a service added again under the name
                 // does not start paused.
@@ -1312,6 +1316,7 @@ impl Proxy {
                     .remove(&crate::metrics::ServiceLabel {
                         service: name.clone(),
                     });
+                drop(services);
                 tracing::info!(service = %name, "service removed; its sessions continue");
             }
         }

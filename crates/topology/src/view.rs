@@ -15,7 +15,9 @@ pub struct HostView {
     pub port: u16,
     /// `primary`, `replica` or `unknown`; a dead host shows its last known role.
     pub role: Role,
-    /// Whether the last probe succeeded.
+    /// Whether the host counts as up: false once `down_after_failures`
+    /// probes in a row failed (at once for a refused connection), true
+    /// again at the next success.
     pub alive: bool,
     /// `sync`, `quorum`, `potential`, `async`, or null (primary, dead, or not
     /// streaming from the primary).
