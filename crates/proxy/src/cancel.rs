@@ -70,18 +70,30 @@ pub struct CancelSlot {
     held_idle: std::sync::atomic::AtomicBool,
 }
 
+/// A backend let go of while cancel requests to it were in flight.
+struct Parked {
+    attachment: u64,
+    in_flight: u32,
+    unconfirmed: bool,
+    /// Called with whether the server may be reused.
+    release: Box<dyn FnOnce(bool) + Send>,
+}
+
 #[derive(Default)]
 struct SlotState {
     backend: Option<BackendKey>,
-    /// Cancel requests being forwarded to the backend (or to one the
-    /// client let go of, whose release waits in `parked`).
+    /// Counts attachments: a cancel request is tied to the one it was
+    /// sent for, whose server alone it may reach.
+    attachment: u64,
+    /// Cancel requests being forwarded to the current backend.
     in_flight: u32,
-    /// A cancel request of this attachment was not confirmed delivered:
-    /// it may still arrive.
+    /// A cancel request to the current backend was not confirmed
+    /// delivered: it may still arrive.
     unconfirmed: bool,
-    /// Releases held back until the cancel requests in flight are done;
-    /// called with whether the server may be reused.
-    parked: Option<Box<dyn FnOnce(bool) + Send>>,
+    /// Backends the client let go of with cancel requests still in flight
+    /// to them, each released once its own requests are done (rare: a
+    /// cancel request crossing the end of a transaction).
+    parked: Vec<Parked>,
     /// The client waits for a server, and whether it was cancelled.
     waiting: bool,
     /// Since when it waits (SHOW CLIENTS' `wait`); set only on the slow
@@ -167,9 +179,9 @@ impl CancelSlot {
     pub fn attach(&self, backend: BackendKey) {
         let mut s = self.lock();
         s.backend = Some(backend);
-        if s.parked.is_none() {
-            s.unconfirmed = false;
-        }
+        s.attachment += 1;
+        s.in_flight = 0;
+        s.unconfirmed = false;
     }
 
     /// The client lets its backend go. `release(reusable)` runs now, or,
@@ -178,20 +190,20 @@ impl CancelSlot {
     pub fn detach(&self, release: impl FnOnce(bool) + Send + 'static) {
         let mut s = self.lock();
         s.backend = None;
-        if s.in_flight == 0 {
-            let safe = !std::mem::take(&mut s.unconfirmed);
+        let in_flight = std::mem::take(&mut s.in_flight);
+        let unconfirmed = std::mem::take(&mut s.unconfirmed);
+        if in_flight == 0 {
             drop(s);
-            release(safe);
+            release(!unconfirmed);
             return;
         }
-        // Rare (a cancel request crossing the end of a transaction): the
-        // allocation is only paid here.
-        s.parked = Some(match s.parked.take() {
-            None => Box::new(release),
-            Some(earlier) => Box::new(move |safe| {
-                earlier(safe);
-                release(safe);
-            }),
+        // Rare: the allocation is only paid here.
+        let attachment = s.attachment;
+        s.parked.push(Parked {
+            attachment,
+            in_flight,
+            unconfirmed,
+            release: Box::new(release),
         });
     }
 
@@ -217,6 +229,7 @@ impl CancelSlot {
             backend,
             CancelGuard {
                 slot: self.clone(),
+                attachment: s.attachment,
                 delivered: false,
             },
         ))
@@ -228,6 +241,8 @@ impl CancelSlot {
 #[derive(Debug)]
 pub struct CancelGuard {
     slot: Arc<CancelSlot>,
+    /// The attachment whose backend the request went to.
+    attachment: u64,
     delivered: bool,
 }
 
@@ -241,19 +256,29 @@ impl CancelGuard {
 impl Drop for CancelGuard {
     fn drop(&mut self) {
         let mut s = self.slot.lock();
-        s.in_flight -= 1;
-        if !self.delivered {
-            s.unconfirmed = true;
-        }
-        if s.in_flight > 0 {
+        if s.backend.is_some() && s.attachment == self.attachment {
+            s.in_flight -= 1;
+            s.unconfirmed |= !self.delivered;
             return;
         }
-        let Some(release) = s.parked.take() else {
+        // Its backend was let go of: the request may hold only that one's
+        // release, never the server the client uses now.
+        let Some(i) = s
+            .parked
+            .iter()
+            .position(|p| p.attachment == self.attachment)
+        else {
             return;
         };
-        let safe = !std::mem::take(&mut s.unconfirmed);
+        let p = &mut s.parked[i];
+        p.in_flight -= 1;
+        p.unconfirmed |= !self.delivered;
+        if p.in_flight > 0 {
+            return;
+        }
+        let p = s.parked.swap_remove(i);
         drop(s);
-        release(safe);
+        (p.release)(!p.unconfirmed);
     }
 }
 
@@ -408,15 +433,54 @@ mod tests {
         let mut guard = slot.begin().unwrap().1;
         let (first, release) = recorder();
         slot.detach(release);
-        // The client borrows another server while the request is in flight.
+        // The client borrows another server while the request is in
+        // flight: that one, which no request went to, is not held.
         slot.attach(BACKEND);
         let (second, release) = recorder();
         slot.detach(release);
         assert_eq!(first.load(Ordering::SeqCst), 0);
-        assert_eq!(second.load(Ordering::SeqCst), 0);
+        assert_eq!(second.load(Ordering::SeqCst), 1);
         guard.delivered();
         drop(guard);
         assert_eq!(first.load(Ordering::SeqCst), 1);
+    }
+
+    /// An unconfirmed request to the server a client uses now closes that
+    /// server, even when a request to the one before is settled meanwhile
+    /// (it may still reach the next client's statement there).
+    #[test]
+    fn each_attachment_answers_for_its_own_cancel_requests() {
+        let slot = Arc::new(CancelSlot::default());
+        slot.attach(BACKEND);
+        let mut first_request = slot.begin().unwrap().1;
+        let (first, release) = recorder();
+        slot.detach(release);
+        slot.attach(BACKEND);
+        let second_request = slot.begin().unwrap().1;
+        // Not confirmed: it may still arrive at the second server.
+        drop(second_request);
+        first_request.delivered();
+        drop(first_request);
+        assert_eq!(first.load(Ordering::SeqCst), 1, "the first server is safe");
+        let (second, release) = recorder();
+        slot.detach(release);
+        assert_eq!(
+            second.load(Ordering::SeqCst),
+            2,
+            "the second server must be closed"
+        );
+
+        // And the other way round: a failed request to the first server
+        // closes it, not the second.
+        slot.attach(BACKEND);
+        let first_request = slot.begin().unwrap().1;
+        let (first, release) = recorder();
+        slot.detach(release);
+        slot.attach(BACKEND);
+        drop(first_request);
+        assert_eq!(first.load(Ordering::SeqCst), 2);
+        let (second, release) = recorder();
+        slot.detach(release);
         assert_eq!(second.load(Ordering::SeqCst), 1);
     }
 }
