@@ -13,9 +13,9 @@
 //! and refuses the rest when parsing, with the file and line, rather than
 //! matching differently from PostgreSQL at connection time:
 //!
-//! * methods `trust`, `reject`, `password`, `md5`, `scram-sha-256` and
-//!   `cert`; `peer`, `ident`, `gss`, `sspi`, `pam`, `bsd`, `ldap` and
-//!   `radius` are refused;
+//! * methods `trust`, `reject`, `password`, `md5`, `scram-sha-256`,
+//!   `cert` and `peer` (on `local` lines); `ident`, `gss`, `sspi`, `pam`,
+//!   `bsd`, `ldap` and `radius` are refused;
 //! * addresses in CIDR or address-and-mask form, `all`, `samehost` and
 //!   `samenet`; host names are refused;
 //! * options `clientcert` and `clientname=CN`; `clientname=DN` (matching

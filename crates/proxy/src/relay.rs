@@ -250,7 +250,9 @@ impl Framing {
             let tag = buf[pos];
             let len = u32::from_be_bytes([buf[pos + 1], buf[pos + 2], buf[pos + 3], buf[pos + 4]])
                 as usize;
-            if len < 4 {
+            // PostgreSQL reads the length as a signed 32-bit number: above
+            // i32::MAX it is negative, and refused.
+            if len < 4 || len > i32::MAX as usize {
                 return Err(format!(
                     "invalid message length {len} for message type {:?}",
                     tag as char
@@ -477,6 +479,26 @@ mod tests {
         v.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
         v.extend_from_slice(body);
         v
+    }
+
+    /// A length PostgreSQL reads as negative is refused, not streamed (on
+    /// a 32-bit target, adding the tag's byte would wrap it to zero).
+    #[test]
+    fn lengths_above_i32_max_are_refused() {
+        for len in [0x8000_0000u32, u32::MAX] {
+            let mut buf = vec![b'D'];
+            buf.extend_from_slice(&len.to_be_bytes());
+            buf.extend_from_slice(&[0; 16]);
+            let r = Framing::default().scan(&mut buf, &|_| false, &mut |_, _| Verdict::Keep);
+            assert!(
+                matches!(&r, Err(e) if e.contains("invalid message length")),
+                "{len}"
+            );
+        }
+        let mut ok = msg(b'D', &[1, 2, 3]);
+        assert!(Framing::default()
+            .scan(&mut ok, &|_| false, &mut |_, _| Verdict::Keep)
+            .is_ok());
     }
 
     #[tokio::test]

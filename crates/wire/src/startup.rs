@@ -18,8 +18,9 @@ use crate::encode::{put_cstr, untagged_packet};
 use crate::message::backend;
 use crate::sqlstate::{self, SqlState};
 
-/// Largest startup packet PostgreSQL accepts, length field included.
-pub const MAX_STARTUP_PACKET: usize = 10_000;
+/// Largest startup packet PostgreSQL accepts, length field included: it
+/// allows 10,000 bytes after the four of the length.
+pub const MAX_STARTUP_PACKET: usize = 10_004;
 /// Protocol version 3.0 as sent in a startup packet.
 pub const PROTOCOL_3_0: i32 = 196_608;
 /// Request to upgrade the connection to TLS.
@@ -416,10 +417,13 @@ mod tests {
     fn length_bounds() {
         let mut b = BytesMut::from(&[0u8, 0, 0, 7][..]);
         assert_eq!(parse_startup(&mut b), Err(StartupError::InvalidLength(7)));
-        let mut b = BytesMut::from(&[0u8, 0, 0x27, 0x11][..]);
+        // PostgreSQL's 10,000 bytes after the length field, and no more.
+        let mut b = BytesMut::from(&[0u8, 0, 0x27, 0x14][..]);
+        assert_eq!(parse_startup(&mut b), Ok(None), "10,004 waits for the rest");
+        let mut b = BytesMut::from(&[0u8, 0, 0x27, 0x15][..]);
         assert_eq!(
             parse_startup(&mut b),
-            Err(StartupError::InvalidLength(10_001))
+            Err(StartupError::InvalidLength(10_005))
         );
         let mut b = BytesMut::from(&[0xffu8, 0xff, 0xff, 0xff][..]);
         assert!(parse_startup(&mut b).is_err());
