@@ -48,6 +48,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     sql(&admin, "CREATE ROLE mallory LOGIN PASSWORD 'x'").await;
     sql(&admin, "CREATE ROLE sam LOGIN PASSWORD 'sam-secret'").await;
     sql(&admin, "CREATE ROLE nat LOGIN PASSWORD 'nat-secret'").await;
+    sql(&admin, "CREATE ROLE trudy LOGIN").await;
     sql(
         &admin,
         &format!(
@@ -65,7 +66,8 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
     // login by pgwarden only works with what the client proved.
     c.set_hba(
         0,
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 md5\n",
+        "host all postgres 127.0.0.1/32 trust\nhost all trudy 127.0.0.1/32 trust\n\
+         host all all 127.0.0.1/32 md5\n",
     );
     let dir = tempfile::tempdir().unwrap();
     let hba = dir.path().join("pg_hba.conf");
@@ -84,6 +86,7 @@ async fn setup(pool: Option<PoolSettings>, cache_ttl: Duration) -> Setup {
          host all nat samenet reject\n\
          host template1 +readers 127.0.0.1/32 scram-sha-256\n\
          host all postgres 127.0.0.1/32 trust\n\
+         host all trudy 127.0.0.1/32 trust\n\
          host postgres all 127.0.0.1/32 scram-sha-256\n",
         cache_ttl,
     );
@@ -533,6 +536,47 @@ async fn an_expired_password_is_refused_by_the_pool() {
         refused.1,
         "password authentication failed for user \"alice\""
     );
+}
+
+/// On a `trust` line too, a role made NOLOGIN or dropped is refused
+/// through a transaction pool, whose open connections would serve it
+/// without a login of its own, as PostgreSQL refuses it at every login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_may_no_longer_log_in_is_refused_by_the_pool() {
+    let s = setup(
+        Some(PoolSettings {
+            size: 2,
+            ..PoolSettings::default()
+        }),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(login(&s.p, "trudy", "unused").await.unwrap(), "trudy");
+    let admin = s.c.conninfo(0);
+    for (change, message) in [
+        (
+            "ALTER ROLE trudy NOLOGIN",
+            "role \"trudy\" is not permitted to log in",
+        ),
+        ("DROP ROLE trudy", "role \"trudy\" does not exist"),
+    ] {
+        sql(&admin, change).await;
+        let refused = pgwarden_testkit::eventually(
+            "the role refused once the cache TTL is over",
+            WAIT,
+            || async {
+                match login(&s.p, "trudy", "unused").await {
+                    Ok(u) => Err(format!("logged in as {u}")),
+                    // The answer to the change before, still cached.
+                    Err(e) if e.1 != message => Err(e.1),
+                    Err(e) => Ok(e),
+                }
+            },
+        )
+        .await;
+        assert_eq!(refused.0.as_deref(), Some("28000"), "{change}: {refused:?}");
+        assert_eq!(refused.1, message, "{change}");
+    }
 }
 
 /// An authentication request answered with another message is a protocol

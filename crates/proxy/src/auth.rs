@@ -107,6 +107,9 @@ pub(crate) struct Authenticator {
     cache: Mutex<Cache<Option<String>>>,
     /// Role memberships by role, for `+group` and `samerole`.
     roles_cache: Mutex<Cache<Vec<String>>>,
+    /// Whether each role may log in (`None`: no such role), for the
+    /// methods that ask nothing of it ([`Authenticator::check_login`]).
+    login_cache: Mutex<Cache<Option<bool>>>,
     lookup: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
     /// Whether the server's `password_encryption` is `md5`, and when that
     /// was looked up.
@@ -183,6 +186,7 @@ impl Authenticator {
             hba,
             cache: Mutex::new(Cache::new()),
             roles_cache: Mutex::new(Cache::new()),
+            login_cache: Mutex::new(Cache::new()),
             lookup: tokio::sync::Mutex::new(None),
             md5_encryption: Mutex::new(None),
             mock_seed: mock_seed(),
@@ -279,6 +283,83 @@ impl Authenticator {
         };
         *self.md5_encryption.lock().expect("poisoned") = Some((md5, Instant::now()));
         md5
+    }
+
+    /// After `trust`, `cert` or `peer`, which ask nothing of the role:
+    /// whether it exists and may log in (`rolcanlogin`), as PostgreSQL
+    /// checks at every login. A pooled client may be served by a server
+    /// connection another client's login opened, so without this a role
+    /// dropped or made `NOLOGIN` would go on being served until those
+    /// connections close. A lookup that fails (no primary to ask, within
+    /// `primary_wait`) lets the client in: servers still check the logins
+    /// they see, and refusing would make a read-only pool depend on the
+    /// primary for these methods.
+    pub async fn check_login(
+        &self,
+        shared: &Shared,
+        user: &str,
+        primary_wait: Duration,
+    ) -> Result<(), AuthError> {
+        let cached = self
+            .login_cache
+            .lock()
+            .expect("poisoned")
+            .get(user, self.spec.cache_ttl);
+        let may = match cached {
+            Some(v) => v,
+            None => match self.look_up_login(shared, user, primary_wait).await {
+                Ok(v) => {
+                    self.login_cache.lock().expect("poisoned").insert(
+                        user,
+                        v,
+                        self.spec.cache_ttl,
+                        Option::is_some,
+                    );
+                    v
+                }
+                Err(e) => {
+                    tracing::warn!(user, error = %e, "could not check that the role may log in; letting it in");
+                    return Ok(());
+                }
+            },
+        };
+        match may {
+            Some(true) => Ok(()),
+            Some(false) => Err(AuthError::new(
+                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                "role_login",
+                format!("role \"{user}\" is not permitted to log in"),
+            )),
+            None => Err(AuthError::new(
+                sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
+                "role_login",
+                format!("role \"{user}\" does not exist"),
+            )),
+        }
+    }
+
+    async fn look_up_login(
+        &self,
+        shared: &Shared,
+        user: &str,
+        primary_wait: Duration,
+    ) -> Result<Option<bool>, String> {
+        let mut guard = self.lookup_connection(shared, primary_wait).await?;
+        let client = guard.as_ref().expect("connected");
+        let q = "SELECT rolcanlogin FROM pg_catalog.pg_roles WHERE rolname = $1::text";
+        match crate::timer::timeout(Duration::from_secs(5), client.query_opt(q, &[&user])).await {
+            Ok(Ok(row)) => Ok(row.and_then(|r| r.try_get::<_, bool>(0).ok())),
+            Ok(Err(e)) => {
+                if e.as_db_error().is_none() || e.is_closed() {
+                    *guard = None;
+                }
+                Err(format!("role lookup failed: {}", pg_error(&e)))
+            }
+            Err(_) => {
+                *guard = None;
+                Err("role lookup timed out".into())
+            }
+        }
     }
 
     /// The roles `user` is a member of (directly or not), itself included.

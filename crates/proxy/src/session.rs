@@ -441,13 +441,23 @@ async fn serve(
     let credential = match shared.auth.load_full() {
         None => None,
         Some(auth) => match deadline
-            .run(Box::pin(auth.authenticate(
-                shared,
-                client,
-                &startup,
-                peer,
-                spec.connect_wait_timeout,
-            )))
+            .run(Box::pin(async {
+                let credential = auth
+                    .authenticate(shared, client, &startup, peer, spec.connect_wait_timeout)
+                    .await?;
+                // A pooled client may get a server another client's login
+                // opened: a method that asked nothing of the role leaves
+                // PostgreSQL's login check to pgwarden.
+                if pool.is_some() && matches!(credential, Credential::None) {
+                    auth.check_login(
+                        shared,
+                        startup.user().unwrap_or_default(),
+                        spec.connect_wait_timeout,
+                    )
+                    .await?;
+                }
+                Ok::<_, crate::auth::AuthError>(credential)
+            }))
             .await
         {
             Ok(Ok(c)) => Some(c),
