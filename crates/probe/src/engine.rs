@@ -563,8 +563,16 @@ async fn probe_on(client: &mut Option<Client>, addr: &HostAddr, cfg: &ProbeConfi
         }
         Err(_) => {
             // The connection may be wedged behind a partition; a fresh one
-            // is the only way to learn when the host is back.
-            *client = None;
+            // is the only way to learn when the host is back. The statement
+            // may still run on a server that is only slow: cancelled, so
+            // that a stall does not leave one busy backend per probe.
+            if let Some(old) = client.take() {
+                let token = old.cancel_token();
+                let limit = cfg.connect_timeout;
+                tokio::spawn(async move {
+                    let _ = timeout(limit, token.cancel_query(NoTls)).await;
+                });
+            }
             return Attempt::Done(ProbeResult::Err(format!(
                 "probe query timed out after {} ms",
                 cfg.query_timeout.as_millis()

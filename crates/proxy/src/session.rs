@@ -944,7 +944,7 @@ where
             order.extend(
                 service
                     .selector
-                    .preference_order(topo, &spec.want)
+                    .preference_order(topo, &spec.want, Some(p.index))
                     .into_iter()
                     .filter(|&j| j != p.index),
             );

@@ -316,8 +316,17 @@ impl Selector {
     /// the order the strategy prefers them: with round robin, those within
     /// the RTT window first, then the others by RTT; with `nearest`, by
     /// RTT. Hosts of unknown RTT come after those of known RTT. For trying
-    /// the next host when the one chosen fails.
-    pub fn preference_order(&self, topo: &Topology, want: &Want) -> Vec<usize> {
+    /// the next host when the one chosen fails: `after` is that one, and
+    /// the window's hosts follow it in turn (those after it, then those
+    /// before), so that clients moving off a failing host spread over the
+    /// window as the round robin would, rather than all landing on its
+    /// first host.
+    pub fn preference_order(
+        &self,
+        topo: &Topology,
+        want: &Want,
+        after: Option<usize>,
+    ) -> Vec<usize> {
         let mut hosts = self.eligible(topo, want);
         let rtt = |i: usize| topo.hosts()[i].rtt.get();
         let window: Vec<usize> = match self.policy.strategy {
@@ -331,8 +340,10 @@ impl Selector {
             let key = |i: usize| (!window.contains(&i), rtt(i).is_none());
             key(a).cmp(&key(b)).then_with(|| {
                 if window.contains(&a) {
-                    // Within the window the round robin treats all alike.
-                    a.cmp(&b)
+                    // Within the window the round robin treats all alike:
+                    // the turn goes on from the host that failed.
+                    let turn = |i: usize| (after.is_some_and(|f| i <= f), i);
+                    turn(a).cmp(&turn(b))
                 } else {
                     rtt(a)
                         .unwrap_or(f64::INFINITY)
@@ -846,12 +857,33 @@ mod tests {
             replica("r4", 40),
         ]);
         let sel = Selector::default();
-        assert_eq!(sel.preference_order(&t, &Want::Replica), [1, 3, 4, 2]);
+        assert_eq!(sel.preference_order(&t, &Want::Replica, None), [1, 3, 4, 2]);
         let nearest = policy(|p| p.strategy = Strategy::Nearest);
-        assert_eq!(nearest.preference_order(&t, &Want::Replica), [1, 3, 4, 2]);
+        assert_eq!(
+            nearest.preference_order(&t, &Want::Replica, None),
+            [1, 3, 4, 2]
+        );
         let no_window = policy(|p| p.rtt_threshold_enabled = false);
-        assert_eq!(no_window.preference_order(&t, &Want::Replica), [1, 2, 3, 4]);
-        assert_eq!(sel.preference_order(&t, &Want::Primary), [0]);
+        assert_eq!(
+            no_window.preference_order(&t, &Want::Replica, None),
+            [1, 2, 3, 4]
+        );
+        assert_eq!(sel.preference_order(&t, &Want::Primary, None), [0]);
+        // After a failing host, the window's next ones in turn, so that
+        // clients leaving it do not all land on the window's first host.
+        assert_eq!(
+            no_window.preference_order(&t, &Want::Replica, Some(2)),
+            [3, 4, 1, 2]
+        );
+        assert_eq!(
+            sel.preference_order(&t, &Want::Replica, Some(1)),
+            [3, 1, 4, 2]
+        );
+        assert_eq!(
+            nearest.preference_order(&t, &Want::Replica, Some(1)),
+            [1, 3, 4, 2],
+            "nearest takes no turns"
+        );
     }
 
     #[test]

@@ -862,9 +862,12 @@ impl Topology {
     /// After a promotion the old primary may keep running, and replicas
     /// still streaming from it stay on the old timeline: their WAL
     /// positions look current, yet they lack what the new primary wrote.
-    /// A replica on the primary's timeline (or a later one) may still
-    /// stream from another server claiming primary, for instance a rogue
-    /// without the leader key: its upstream tells, see [`Topology::feeder`].
+    /// A replica on a later timeline than the primary's followed a
+    /// promotion the primary never saw (the primary chosen is an old one,
+    /// its successor gone): it cannot stream from it. A replica on the
+    /// primary's timeline may still stream from another server claiming
+    /// primary, for instance a rogue without the leader key: its upstream
+    /// tells, see [`Topology::feeder`].
     fn compute_upstream(&mut self, events: &mut Vec<TopologyEvent>) {
         let primary = self.primary.map(|p| {
             let h = &self.hosts[p];
@@ -878,26 +881,33 @@ impl Topology {
                 if !h.is_live_replica() {
                     return None;
                 }
-                if let (Some(tl), Some(ptl)) = (h.timeline, *ptl) {
-                    if tl < ptl {
-                        return Some(format!(
-                            "on timeline {tl}, the primary {paddr} is on timeline {ptl}"
-                        ));
-                    }
+                let timeline = match (h.timeline, *ptl) {
+                    (Some(tl), Some(ptl)) if tl != ptl => Some((
+                        tl < ptl,
+                        format!("on timeline {tl}, the primary {paddr} is on timeline {ptl}"),
+                    )),
+                    _ => None,
+                };
+                if let Some((true, behind)) = timeline {
+                    return Some(behind);
                 }
-                let (s, how) = self.feeder(i, &listed)?;
-                let source = &self.hosts[s];
-                // Another name of the primary is the primary; a replica
-                // feeding it is a cascade, which is fine.
-                (source.alive
-                    && source.role == Role::Primary
-                    && self.counted_as(s) != self.counted_as(*p))
-                .then(|| {
-                    format!(
-                        "streams from {}{how}, which is not the primary {paddr}",
-                        source.config.addr
-                    )
-                })
+                // The server it streams from, when known, says more than
+                // a later timeline does.
+                let fed = self.feeder(i, &listed).and_then(|(s, how)| {
+                    let source = &self.hosts[s];
+                    // Another name of the primary is the primary; a replica
+                    // feeding it is a cascade, which is fine.
+                    (source.alive
+                        && source.role == Role::Primary
+                        && self.counted_as(s) != self.counted_as(*p))
+                    .then(|| {
+                        format!(
+                            "streams from {}{how}, which is not the primary {paddr}",
+                            source.config.addr
+                        )
+                    })
+                });
+                fed.or(timeline.map(|(_, ahead)| ahead))
             })
             .collect();
         for (h, reason) in self.hosts.iter_mut().zip(reasons) {
@@ -2194,6 +2204,25 @@ pub(crate) mod tests {
         assert!(reason.contains("timeline 1"), "{reason}");
     }
 
+    /// The primary chosen is an old one whose successor went down: a
+    /// replica that followed the successor onto its timeline cannot stream
+    /// from it, whatever its positions say.
+    #[test]
+    fn a_replica_on_a_later_timeline_than_the_primary_is_flagged() {
+        let t0 = Instant::now();
+        let mut t = topo(&["old", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        let mut r = replica_obs("r", 4000, 1);
+        r.timeline = Some(2);
+        t.apply(1, ProbeResult::Ok(r), t0);
+        assert_eq!(t.primary(), Some(0));
+        let reason = t.hosts()[1].off_primary.clone().expect("flagged");
+        assert!(reason.contains("on timeline 2"), "{reason}");
+        assert_eq!(t.hosts()[1].lag_bytes, None);
+        let sel = crate::Selector::default();
+        assert_eq!(sel.eligible(&t, &crate::Want::Replica), [0]);
+    }
+
     #[test]
     fn replicas_not_following_the_primary_are_flagged() {
         let t0 = Instant::now();
@@ -2288,7 +2317,11 @@ pub(crate) mod tests {
         r.upstream_ips = vec![ip("::1"), ip("127.0.0.1")];
         t.apply(2, ProbeResult::Ok(r.clone()), t0);
         assert!(t.hosts()[2].off_primary.is_some());
-        // Unresolved, the name says nothing: not flagged.
+        // Unresolved, the name says nothing: not flagged (on the key
+        // holder's timeline; a later one alone would flag it).
+        r.timeline = Some(1);
+        t.apply(2, ProbeResult::Ok(r.clone()), t0);
+        assert!(t.hosts()[2].off_primary.is_some(), "still fed by the rogue");
         r.upstream_ips.clear();
         t.apply(2, ProbeResult::Ok(r.clone()), t0);
         assert_eq!(t.hosts()[2].off_primary, None);
