@@ -501,41 +501,59 @@ async fn transaction_pooling_logs_in_with_the_clients_proof() {
     }
 }
 
-/// A password that expires (`VALID UNTIL`) stops working through a
-/// transaction pool too, where the pool's open connection to the server
-/// would let the client in without a login of its own.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_expired_password_is_refused_by_the_pool() {
-    let s = setup(
+/// [`setup`] with a transaction pool of two and verifiers cached for
+/// 300 ms.
+async fn pooled_setup() -> Setup {
+    setup(
         Some(PoolSettings {
             size: 2,
             ..PoolSettings::default()
         }),
         Duration::from_millis(300),
     )
+    .await
+}
+
+/// Logs in as `user` until the login is refused with `message` (the
+/// verifier cache holds a change back for up to its TTL), and checks the
+/// refusal's SQLSTATE.
+async fn refused_with(s: &Setup, user: &str, password: &str, code: &str, message: &str) {
+    let refused = pgwarden_testkit::eventually(
+        "the login refused once the cache TTL is over",
+        WAIT,
+        || async {
+            match login(&s.p, user, password).await {
+                Ok(u) => Err(format!("logged in as {u}")),
+                // An earlier answer, still cached.
+                Err(e) if e.1 != message => Err(e.1),
+                Err(e) => Ok(e),
+            }
+        },
+    )
     .await;
+    assert_eq!(refused.0.as_deref(), Some(code), "{message}: {refused:?}");
+}
+
+/// A password that expires (`VALID UNTIL`) stops working through a
+/// transaction pool too, where the pool's open connection to the server
+/// would let the client in without a login of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_password_is_refused_by_the_pool() {
+    let s = pooled_setup().await;
     assert_eq!(login(&s.p, "alice", "alice-secret").await.unwrap(), "alice");
     sql(
         &s.c.conninfo(0),
         "ALTER ROLE alice VALID UNTIL '2000-01-01'",
     )
     .await;
-    let refused = pgwarden_testkit::eventually(
-        "the expired password refused once the cache TTL is over",
-        WAIT,
-        || async {
-            match login(&s.p, "alice", "alice-secret").await {
-                Ok(u) => Err(format!("logged in as {u}")),
-                Err(e) => Ok(e),
-            }
-        },
+    refused_with(
+        &s,
+        "alice",
+        "alice-secret",
+        "28P01",
+        "password authentication failed for user \"alice\"",
     )
     .await;
-    assert_eq!(refused.0.as_deref(), Some("28P01"), "{refused:?}");
-    assert_eq!(
-        refused.1,
-        "password authentication failed for user \"alice\""
-    );
 }
 
 /// On a `trust` line too, a role made NOLOGIN or dropped is refused
@@ -543,40 +561,27 @@ async fn an_expired_password_is_refused_by_the_pool() {
 /// without a login of its own, as PostgreSQL refuses it at every login.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_that_may_no_longer_log_in_is_refused_by_the_pool() {
-    let s = setup(
-        Some(PoolSettings {
-            size: 2,
-            ..PoolSettings::default()
-        }),
-        Duration::from_millis(300),
-    )
-    .await;
+    let s = pooled_setup().await;
     assert_eq!(login(&s.p, "trudy", "unused").await.unwrap(), "trudy");
     let admin = s.c.conninfo(0);
-    for (change, message) in [
-        (
-            "ALTER ROLE trudy NOLOGIN",
-            "role \"trudy\" is not permitted to log in",
-        ),
-        ("DROP ROLE trudy", "role \"trudy\" does not exist"),
-    ] {
-        sql(&admin, change).await;
-        let refused = pgwarden_testkit::eventually(
-            "the role refused once the cache TTL is over",
-            WAIT,
-            || async {
-                match login(&s.p, "trudy", "unused").await {
-                    Ok(u) => Err(format!("logged in as {u}")),
-                    // The answer to the change before, still cached.
-                    Err(e) if e.1 != message => Err(e.1),
-                    Err(e) => Ok(e),
-                }
-            },
-        )
-        .await;
-        assert_eq!(refused.0.as_deref(), Some("28000"), "{change}: {refused:?}");
-        assert_eq!(refused.1, message, "{change}");
-    }
+    sql(&admin, "ALTER ROLE trudy NOLOGIN").await;
+    refused_with(
+        &s,
+        "trudy",
+        "unused",
+        "28000",
+        "role \"trudy\" is not permitted to log in",
+    )
+    .await;
+    sql(&admin, "DROP ROLE trudy").await;
+    refused_with(
+        &s,
+        "trudy",
+        "unused",
+        "28000",
+        "role \"trudy\" does not exist",
+    )
+    .await;
 }
 
 /// An authentication request answered with another message is a protocol

@@ -299,6 +299,43 @@ async fn pooled_transactions_take_turns_over_the_replicas() {
     assert_eq!(ports.len(), 2, "transactions stayed on {ports:?}");
 }
 
+/// A session-pooled client that ran `LOAD` leaves a server with the module
+/// loaded, which `DISCARD ALL` does not undo: the server is closed, not
+/// passed to the next client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_pooling_closes_a_server_that_loaded_a_module() {
+    let c = TestCluster::builder().replicas(0).start();
+    let (_e, p) = session_pooling_proxy(
+        &c,
+        PoolSettings {
+            size: 1,
+            ..PoolSettings::default()
+        },
+    )
+    .await;
+    let url = via(&p, "read_write");
+    let plain = client(&url).await.unwrap();
+    let pid = one(&plain, "SELECT pg_backend_pid()").await;
+    drop(plain);
+    // Reset and kept: the next client has the same backend.
+    let loader = pgwarden_testkit::eventually("the server back in the pool", WAIT, || async {
+        let c = client(&url).await.map_err(|e| e.to_string())?;
+        let again = one(&c, "SELECT pg_backend_pid()").await;
+        (again == pid)
+            .then_some(c)
+            .ok_or(format!("{again} after {pid}"))
+    })
+    .await;
+    loader.batch_execute("LOAD 'auto_explain'").await.unwrap();
+    drop(loader);
+    let next = pgwarden_testkit::eventually("the next client served", WAIT, || async {
+        client(&url).await.map_err(|e| e.to_string())
+    })
+    .await;
+    let other = one(&next, "SELECT pg_backend_pid()").await;
+    assert_ne!(other, pid, "the server that loaded a module was passed on");
+}
+
 /// Session pooling (`reuse_session_servers`): a session-mode client keeps
 /// one server connection with all its session state across transactions;
 /// when it leaves, the connection is reset with DISCARD ALL and the next
@@ -2103,6 +2140,49 @@ async fn a_client_that_leaves_while_waiting_is_not_served() {
     e.wait_round(round + 2).await;
     let n = common::sql_value(&c.conninfo(0), "SELECT count(*) FROM ghost").await;
     assert_eq!(n.as_deref(), Some("0"));
+}
+
+/// A statement pipelined with a Terminate behind it (sent in one go, the
+/// connection then closed) still waits its turn and runs, as on a direct
+/// connection: the client ended its session, it did not give up on the
+/// statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_pipelined_before_a_terminate_runs_after_its_wait() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    common::sql(&c.conninfo(0), "CREATE TABLE piped (x int)").await;
+    let (e, p) = proxy_with(&c.addrs(), Duration::from_secs(3), pool(1, WAIT), 10_000).await;
+    ready(&e, 1).await;
+    let http = p.http_addr().unwrap();
+    let rw = p.service_addrs()["read_write"];
+    let connect =
+        move || RawClient::connect_with(rw, &[("user", "postgres"), ("database", "postgres")]);
+    let piped = tokio::task::spawn_blocking(connect).await.unwrap();
+    let holder = client(&via(&p, "read_write")).await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    one(&holder, "SELECT 1").await;
+    let mut bytes = msg_query(b"INSERT INTO piped VALUES (1)");
+    bytes.extend([b'X', 0, 0, 0, 4]);
+    (&piped.0).write_all(&bytes).unwrap();
+    piped.0.shutdown(std::net::Shutdown::Write).unwrap();
+    pgwarden_testkit::eventually("the statement waits", WAIT, || async move {
+        let v = common::metric_sample(http, "pgwarden_pool_clients_waiting{").await;
+        (v == 1.0).then_some(()).ok_or(format!("{v} waiting"))
+    })
+    .await;
+    drop(piped);
+    holder.batch_execute("COMMIT").await.unwrap();
+    let conninfo = c.conninfo(0);
+    pgwarden_testkit::eventually("the statement ran", WAIT, || {
+        let conninfo = conninfo.clone();
+        async move {
+            let n = common::sql_value(&conninfo, "SELECT count(*) FROM piped").await;
+            (n.as_deref() == Some("1"))
+                .then_some(())
+                .ok_or(format!("{n:?}"))
+        }
+    })
+    .await;
 }
 
 /// A Terminate sent with the start-up packet, before the greeting, ends
@@ -6238,6 +6318,14 @@ async fn the_unnamed_statement_never_crosses_clients() {
     let mut bad = msg_parse(b"", b"SELEC 1");
     bad.extend_from_slice(MSG_SYNC);
     assert_eq!(error_code(&a.send(&bad)).as_deref(), Some("42601"));
+    let r = a.send(&msg_run(b""));
+    assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
+    // A simple Query drops the unnamed statement, as PostgreSQL's does:
+    // not parsed again for a later Bind.
+    let mut parse = msg_parse(b"", b"SELECT 'dropped'");
+    parse.extend_from_slice(MSG_SYNC);
+    assert_eq!(error_code(&a.send(&parse)), None);
+    assert_eq!(error_code(&a.send(&msg_query(b"SELECT 1"))), None);
     let r = a.send(&msg_run(b""));
     assert_eq!(error_code(&r).as_deref(), Some("26000"), "{r:?}");
 }

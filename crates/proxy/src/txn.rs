@@ -559,7 +559,7 @@ pub(crate) async fn run(
     let reusable = if session.end_shown {
         false
     } else if session.settings.hold_session {
-        session.replies.idle() && session.reset().await
+        session.replies.idle() && !session.loaded && session.reset().await
     } else {
         session.replies.idle() && !session.pinned
     };
@@ -569,6 +569,26 @@ pub(crate) async fn run(
 /// Longest the messages a client sent before its Terminate may take to
 /// reach the server.
 const TERMINATE_FLUSH: Duration = Duration::from_secs(60);
+
+/// Whether `ahead`, what the client sent after the message being handled,
+/// holds a Terminate among its complete messages. Bounded: a longer
+/// pipeline is not searched to its end.
+fn terminate_ahead(mut ahead: &[u8]) -> bool {
+    for _ in 0..1024 {
+        let Some(head) = ahead.get(..5) else {
+            return false;
+        };
+        if head[0] == frontend::TERMINATE {
+            return true;
+        }
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        match ahead.get(len.max(4) + 1..) {
+            Some(rest) => ahead = rest,
+            None => return false,
+        }
+    }
+    false
+}
 
 /// A waiting client closed its connection (or was killed): its statement
 /// is dropped with the session.
@@ -853,6 +873,15 @@ struct Session {
     /// The client keeps its server (pinned, or session-pooled) and is
     /// between transactions; mirrored in `cancel_target` for pauses.
     held_idle: bool,
+    /// The client had already sent a Terminate behind the statement that
+    /// waits for a server: it pipelined the statement and ended its
+    /// session, so the end of its input that follows is no sign it gave
+    /// up on it, and the statement runs, as on a direct connection.
+    ended_ahead: bool,
+    /// The client ran `LOAD`: its server keeps the module, which a
+    /// session pool's reset does not unload, so the server is closed
+    /// rather than passed on.
+    loaded: bool,
     cancel_target: Arc<crate::cancel::CancelSlot>,
     /// Set when the session is told to end (a KILL, a lost host, a
     /// shutdown). Its waits watch it besides the client's socket, which a
@@ -968,6 +997,8 @@ impl Session {
             unnamed_seq: 0,
             pinned: false,
             held_idle: false,
+            ended_ahead: false,
+            loaded: false,
             cancel_target: Arc::default(),
             killed: Arc::default(),
             skip: 0,
@@ -1075,7 +1106,7 @@ impl Session {
         // the client had sent more (so it is watched as well).
         let got = tokio::select! {
             biased;
-            () = client.closed() => {
+            () = client.closed(), if !self.ended_ahead => {
                 slot.stop_waiting();
                 return Err(client_gone());
             }
@@ -1341,7 +1372,7 @@ impl Session {
                         ),
                     ));
                 }
-                () = client.closed() => break Err(client_gone()),
+                () = client.closed(), if !self.ended_ahead => break Err(client_gone()),
                 () = self.killed.told() => break Err(client_gone()),
                 () = slot.cancelled() => break Ok(false),
             }
@@ -1464,7 +1495,7 @@ impl Session {
             };
             tokio::select! {
                 biased;
-                () = client.closed() => Err((client_gone(), false)),
+                () = client.closed(), if !this.ended_ahead => Err((client_gone(), false)),
                 () = this.killed.told() => Err((client_gone(), false)),
                 r = crate::timer::timeout(this.settings.query_wait_timeout, work) => r.unwrap_or_else(|_| {
                     Err((
@@ -1775,6 +1806,10 @@ impl Session {
                     break;
                 }
             }
+            // Looked for only where the client may have to wait: at the
+            // start of a transaction.
+            self.ended_ahead =
+                (self.attached.is_none() || self.held_idle) && terminate_ahead(&buf[total..]);
             if !self.attach(client).await? {
                 self.cancelled_in_line(tag);
                 buf.advance(total);
@@ -1897,12 +1932,18 @@ impl Session {
         }
         match tag {
             frontend::QUERY => {
+                // PostgreSQL drops the unnamed statement at a simple
+                // Query, as a Close of it would: the client has none.
+                self.unnamed_set = false;
+                self.unnamed_here = true;
+                self.unnamed_uncertain |= self.replies.open_batch;
                 // Raw bytes: the client's encoding need not be UTF-8.
                 let text = message::query_bytes(body).unwrap_or_default();
                 let effects = Effects::of(text);
                 if effects.pins || (effects.resets && !self.extras.is_empty()) {
                     self.pinned = true;
                 }
+                self.loaded |= effects.loads;
                 if effects.drops {
                     self.forget_statements(effects.discards);
                 }
@@ -1925,6 +1966,7 @@ impl Session {
                     if effects.pins || (effects.resets && !self.extras.is_empty()) {
                         self.pinned = true;
                     }
+                    self.loaded |= effects.loads;
                     // Forgotten when run, not here: the Bind may come in a
                     // later batch, on another server.
                     let mut drops = if effects.drops {

@@ -197,6 +197,9 @@ pub struct Effects {
     /// (which the server reports): it returns settings to the session's
     /// defaults, start-up settings included.
     pub resets: bool,
+    /// Some statement is `LOAD`: the module stays loaded in the server
+    /// process, which no reset (`DISCARD ALL`) undoes.
+    pub loads: bool,
 }
 
 impl Effects {
@@ -233,6 +236,7 @@ impl Effects {
                 all.drops |= e.drops;
                 all.discards |= e.discards;
                 all.resets |= e.resets;
+                all.loads |= e.loads;
             }
         }
         all
@@ -279,6 +283,7 @@ impl Effects {
             deallocate,
             discards,
             resets,
+            loads: first.eq_ignore_ascii_case(b"LOAD"),
         }
     }
 }
@@ -309,11 +314,13 @@ fn drops_statements(sql: &[u8]) -> bool {
 
 /// Names a `SET` or `RESET` may change without pinning: the tracked
 /// parameters, whose new values the server reports and pgwarden replays
-/// on every server the client lands on, and `SET LOCAL`/`SET TRANSACTION`,
-/// which end with the transaction.
-const REPLAYED: [&str; 9] = [
+/// on every server the client lands on, and `SET LOCAL`, `SET
+/// TRANSACTION` and `SET CONSTRAINTS`, which end with the transaction.
+const REPLAYED: [&str; 11] = [
     "LOCAL",
     "TRANSACTION",
+    "CONSTRAINTS",
+    "STANDARD_CONFORMING_STRINGS",
     "APPLICATION_NAME",
     "CLIENT_ENCODING",
     "DATESTYLE",
@@ -330,7 +337,7 @@ fn resets_replayed<'a>(mut words: impl Iterator<Item = &'a [u8]>) -> bool {
     name.is_some_and(|n| {
         REPLAYED
             .iter()
-            .filter(|k| !matches!(**k, "LOCAL" | "TRANSACTION"))
+            .filter(|k| !matches!(**k, "LOCAL" | "TRANSACTION" | "CONSTRAINTS"))
             .any(|k| n.eq_ignore_ascii_case(k.as_bytes()))
     })
 }
@@ -577,6 +584,10 @@ mod tests {
     /// may escape a quote (`standard_conforming_strings` off).
     #[test]
     fn statements_are_split_as_postgres_lexes_them() {
+        let loads = |sql: &str| super::Effects::of(sql.as_bytes()).loads;
+        assert!(loads("LOAD 'auto_explain'"));
+        assert!(loads("SELECT 1; /* x */ load 'auto_explain'"));
+        assert!(!loads("SELECT 'LOAD'"));
         let pins = |sql: &str| super::Effects::of(sql.as_bytes()).pins;
         assert!(pins("SELECT 1 AS é$a$; SET search_path TO x"));
         assert!(pins("SELECT $é$ ' $é$; SET search_path TO x"));
@@ -684,6 +695,11 @@ mod tests {
             "SELECT 1",
             "SET LOCAL search_path TO x",
             "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            // Ends with its transaction (Django's check_constraints).
+            "SET CONSTRAINTS ALL IMMEDIATE",
+            "set constraints all deferred",
+            // Tracked and replayed, as application_name is.
+            "SET standard_conforming_strings = off",
             "SET application_name = 'x'",
             "SET TIME ZONE 'UTC'",
             "select pg_advisory_xact_lock(1)",
