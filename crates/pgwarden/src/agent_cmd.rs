@@ -34,18 +34,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     // Files named in [etcd] and [agent] are relative to the configuration
     // file.
-    let dir = args.config.parent().unwrap_or(std::path::Path::new("."));
     etcd = etcd_files_resolved(&etcd, &args.config);
-    for f in [
-        &mut agent.api_cert_file,
-        &mut agent.api_key_file,
-        &mut agent.api_ca_file,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        *f = dir.join(&*f);
-    }
+    agent = agent_files_resolved(&agent, &args.config);
     if args.check {
         pgwarden_agent::check_files(&agent, &etcd)
             .with_context(|| format!("{}", args.config.display()))?;
@@ -108,6 +98,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// `etcd` with the files it names resolved against the directory of the
 /// configuration file at `config_path`.
+/// `agent` with the API's certificate, key and CA files resolved against
+/// the configuration file's directory.
+pub(crate) fn agent_files_resolved(
+    agent: &pgwarden_config::AgentConfig,
+    config_path: &std::path::Path,
+) -> pgwarden_config::AgentConfig {
+    let dir = config_path.parent().unwrap_or(std::path::Path::new("."));
+    let mut agent = agent.clone();
+    for f in [
+        &mut agent.api_cert_file,
+        &mut agent.api_key_file,
+        &mut agent.api_ca_file,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *f = dir.join(&*f);
+    }
+    agent
+}
+
 pub(crate) fn etcd_files_resolved(
     etcd: &pgwarden_config::EtcdConfig,
     config_path: &std::path::Path,

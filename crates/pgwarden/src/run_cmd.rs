@@ -241,6 +241,12 @@ pub async fn serve(
         .reload_requests()
         .expect("the reload requests are taken once, here");
     let admin_shutdown = proxy.shutdown_requests();
+    // What a restart would change is compared with the start's values, so
+    // that every reload says it again until the restart.
+    let started = config.clone();
+    // The etcd settings in force: a reload that could not reconnect
+    // leaves them, and the next one tries again.
+    let mut applied_etcd = config.etcd.clone();
     let mut running = config;
     let mut running_probe = probe;
     let mut failure = None;
@@ -272,67 +278,106 @@ pub async fn serve(
                         let spec = proxy_spec(&new, path, &probe)?;
                         pgwarden_proxy::check_spec(&spec)
                             .with_context(|| format!("{}", path.display()))?;
-                        Ok((new, probe, spec))
+                        // The agent's files too (the API's password and
+                        // certificates, etcd's), as `agent --check` reads
+                        // them: a bad one rejects the reload before
+                        // anything of it is applied.
+                        let credentials = match (&new.agent, &new.etcd) {
+                            (Some(a), Some(e)) => {
+                                pgwarden_agent::check_files(
+                                    &crate::agent_cmd::agent_files_resolved(a, path),
+                                    &crate::agent_cmd::etcd_files_resolved(e, path),
+                                )
+                                .with_context(|| format!("{}", path.display()))?;
+                                Some(crate::agent_cmd::api_credentials(a, path)?)
+                            }
+                            _ => None,
+                        };
+                        Ok((new, probe, spec, credentials))
                     });
                 // What the admin console's RELOAD answers.
                 // The connection manager's listeners are bound first: a new
                 // address that cannot be bound rejects the whole reload.
                 let loaded = match loaded {
-                    Ok((new, probe, spec)) => match proxy.apply(spec).await {
-                        Ok(()) => Ok((new, probe)),
+                    Ok((new, probe, spec, credentials)) => match proxy.apply(spec).await {
+                        Ok(()) => Ok((new, probe, credentials)),
                         // Bound after everything else is applied (its
-                        // path follows the ports): the rest stands.
+                        // path follows the ports): the rest stands, and
+                        // the old socket still serves.
                         Err(e @ pgwarden_proxy::ProxyError::BindUnix { .. }) => {
-                            tracing::error!(error = %e, "a Unix-domain socket could not be bound; the rest of the configuration is reloaded");
-                            Ok((new, probe))
+                            tracing::error!(error = %e, "a Unix-domain socket could not be bound; the old one stays, the rest of the configuration is reloaded");
+                            Ok((new, probe, credentials))
                         }
                         Err(e) => Err(anyhow::Error::from(e)),
                     },
                     Err(e) => Err(e),
                 };
                 let outcome: Result<(), String> = match loaded {
-                    Ok((new, new_probe)) => {
+                    Ok((new, new_probe, credentials)) => {
                         if new_probe != running_probe {
                             tracing::info!("probe settings changed: the probe reconnects with them now; server connections opened from now on use a changed password");
                             engine.set_probe_config(new_probe.clone());
                         }
-                        if new.engine.worker_threads != running.engine.worker_threads
-                            || new.engine.worker_fill != running.engine.worker_fill
-                            || new.engine.pool_affinity != running.engine.pool_affinity
+                        if new.engine.worker_threads != started.engine.worker_threads
+                            || new.engine.worker_fill != started.engine.worker_fill
+                            || new.engine.pool_affinity != started.engine.pool_affinity
                         {
                             tracing::warn!("engine.worker_threads, worker_fill and pool_affinity take effect at the next restart");
                         }
-                        if new.log != running.log {
+                        if new.log != started.log {
                             tracing::warn!("log.level and log.format take effect at the next restart");
                         }
-                        if let (Some(handle), Some(old), Some(fresh)) = (&agent, &running.agent, &new.agent) {
-                            match crate::agent_cmd::api_credentials(fresh, path) {
-                                Ok(c) => {
-                                    if handle.api_credentials.set(c) {
-                                        tracing::info!("REST API credentials reloaded");
-                                    }
+                        if let (Some(handle), Some(old), Some(fresh)) = (&agent, &started.agent, &new.agent) {
+                            if let Some(c) = credentials {
+                                if handle.api_credentials.set(c) {
+                                    tracing::info!("REST API credentials reloaded");
                                 }
-                                Err(e) => tracing::error!("REST API credentials not reloaded, the old ones stay: {e:#}"),
                             }
                             match handle.reload_api_tls() {
                                 Ok(true) => tracing::info!("REST API certificates reloaded"),
                                 Ok(false) => {}
                                 Err(e) => tracing::error!("REST API certificates not reloaded, the old ones stay: {e}"),
                             }
-                            let pending = pgwarden_agent::restart_needed(old, fresh);
+                            let mut pending = pgwarden_agent::restart_needed(old, fresh);
+                            // The other members pause this node's pools at
+                            // the address published at the start.
+                            if fresh.proxy_url.is_none() && new.listen.http != started.listen.http {
+                                pending.push("listen.http (where the other members pause this node's pools; or set agent.proxy_url)");
+                            }
                             if !pending.is_empty() {
                                 tracing::warn!(keys = %pending.join(", "), "changed settings that take effect at the next restart of the agent (the others are reloaded; the API's certificate files are read again, at the same paths)");
                             }
-                            if let (Some(old_etcd), Some(new_etcd)) = (&running.etcd, &new.etcd) {
-                                let files = new_etcd.ca_file.is_some() || new_etcd.password_file.is_some();
-                                if !pgwarden_agent::etcd_reloadable(old_etcd, new_etcd) {
-                                    tracing::warn!("etcd.namespace, etcd.cluster and etcd.op_timeout take effect at the next restart");
-                                } else if old_etcd != new_etcd || files {
+                            if let (Some(old_etcd), Some(new_etcd)) = (applied_etcd.clone(), &new.etcd) {
+                                // Namespace, cluster and time-out stay until
+                                // a restart; endpoints, credentials and TLS
+                                // are reloaded whatever else changed.
+                                let mut wanted = new_etcd.clone();
+                                let mut held = Vec::new();
+                                if wanted.namespace != old_etcd.namespace {
+                                    held.push("etcd.namespace");
+                                    wanted.namespace = old_etcd.namespace.clone();
+                                }
+                                if wanted.cluster != old_etcd.cluster {
+                                    held.push("etcd.cluster");
+                                    wanted.cluster = old_etcd.cluster.clone();
+                                }
+                                if wanted.op_timeout != old_etcd.op_timeout {
+                                    held.push("etcd.op_timeout");
+                                    wanted.op_timeout = old_etcd.op_timeout;
+                                }
+                                if !held.is_empty() {
+                                    tracing::warn!(keys = %held.join(", "), "take effect at the next restart; the other etcd settings are reloaded");
+                                }
+                                let files = wanted.ca_file.is_some() || wanted.password_file.is_some();
+                                if wanted != old_etcd || files {
                                     // Also unchanged, for renewed certificate and password files.
-                                    let resolved = crate::agent_cmd::etcd_files_resolved(new_etcd, path);
+                                    let resolved = crate::agent_cmd::etcd_files_resolved(&wanted, path);
                                     match handle.reconnect_etcd(&resolved).await {
-                                        Ok(()) => tracing::info!(endpoints = ?resolved.endpoints, "etcd connection reloaded"),
-                                        Err(e) => tracing::error!("etcd settings not reloaded, the old connection stays: {e}"),
+                                        Ok(()) => {
+                                            tracing::info!(endpoints = ?resolved.endpoints, "etcd connection reloaded");
+                                            applied_etcd = Some(wanted);
+                                        }
+                                        Err(e) => tracing::error!("etcd settings not reloaded, the old connection stays (a later reload tries again): {e}"),
                                     }
                                 }
                             }

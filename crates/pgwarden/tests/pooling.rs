@@ -2943,6 +2943,26 @@ async fn clients_on_a_unix_socket() {
     .await
     .unwrap();
     assert_eq!(one(&again, "SELECT 5").await, "5");
+    // A directory that cannot be bound (a typo) leaves the sockets where
+    // they are, serving: the new path is bound before the old one goes.
+    let mut typo = p.spec().clone();
+    typo.unix_socket_dir = Some(sockets.join("no-such-dir"));
+    assert!(matches!(
+        p.apply(typo).await,
+        Err(pgwarden_proxy::ProxyError::BindUnix { .. })
+    ));
+    assert!(path.exists(), "{} removed by a failed move", path.display());
+    let still = client(&format!(
+        "host={} port={port} user=postgres dbname=postgres",
+        sockets.display()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(one(&still, "SELECT 6").await, "6");
+    drop(still);
+    let mut back = p.spec().clone();
+    back.unix_socket_dir = Some(sockets.clone());
+    p.apply(back).await.unwrap();
     // A service that changes address but keeps its port keeps its socket,
     // which follows the service's later changes like the TCP listener.
     let mut spec = p.spec().clone();

@@ -1402,21 +1402,25 @@ impl Proxy {
                 })
                 .collect(),
         };
-        let stale: Vec<String> = self
+        // Sockets no longer wanted at all go.
+        let unwanted: Vec<String> = self
             .unix
-            .iter()
-            .filter(|(name, (path, _))| wanted.get(*name) != Some(path))
-            .map(|(name, _)| name.clone())
+            .keys()
+            .filter(|name| !wanted.contains_key(*name))
+            .cloned()
             .collect();
-        for name in stale {
+        for name in unwanted {
             if let Some((path, task)) = self.unix.remove(&name) {
                 task.abort();
                 let _ = std::fs::remove_file(&path);
             }
         }
+        // A socket that moves is bound at its new path before the old one
+        // goes: a path that cannot be bound (a directory that does not
+        // exist) leaves the old socket serving.
         let mut first_err = None;
         for (name, path) in wanted {
-            if self.unix.contains_key(&name) {
+            if self.unix.get(&name).is_some_and(|(old, _)| *old == path) {
                 continue;
             }
             let Some(service) = self.listeners.get(&name).map(|l| l.service.clone()) else {
@@ -1427,7 +1431,10 @@ impl Proxy {
                     tracing::info!(service = %name, path = %path.display(), "listening");
                     let task =
                         tokio::spawn(unix_accept_loop(self.shared.clone(), service, listener));
-                    self.unix.insert(name, (path, task));
+                    if let Some((old, task)) = self.unix.insert(name, (path, task)) {
+                        task.abort();
+                        let _ = std::fs::remove_file(&old);
+                    }
                 }
                 Err(source) => {
                     tracing::error!(service = %name, path = %path.display(), error = %source, "cannot listen");
