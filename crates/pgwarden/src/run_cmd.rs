@@ -205,17 +205,17 @@ pub async fn serve(
                 h = start => match h {
                     Ok(h) => h,
                     Err(e) => {
-                        proxy.shutdown().await;
+                        drain(proxy, config.engine.shutdown_timeout).await?;
                         return Err(e);
                     }
                 },
                 _ = &mut stop => {
-                    proxy.shutdown().await;
+                    drain(proxy, config.engine.shutdown_timeout).await?;
                     return Ok(());
                 }
                 _ = admin_shutdown.notified() => {
                     tracing::info!("admin console: SHUTDOWN");
-                    proxy.shutdown().await;
+                    drain(proxy, config.engine.shutdown_timeout).await?;
                     return Ok(());
                 }
             };
@@ -427,17 +427,7 @@ pub async fn serve(
     // Nothing reloads from here on: an admin console's RELOAD is answered
     // at once rather than left waiting through the shutdown.
     drop(admin_reload);
-    tracing::info!(timeout = ?running.engine.shutdown_timeout, "shutting down: no new connections, waiting for sessions (a second SIGINT or SIGTERM ends them now)");
-    // Once a signal is caught, the process no longer dies of the next
-    // one: without this, an operator's second Ctrl-C would be swallowed
-    // for the whole shutdown_timeout.
-    let again = crate::shutdown_signal()?;
-    proxy
-        .shutdown_unless(async {
-            again.await;
-            tracing::warn!("second signal: ending the sessions now");
-        })
-        .await;
+    drain(proxy, running.engine.shutdown_timeout).await?;
     if let Some(agent) = agent {
         agent.shutdown(Duration::from_secs(90)).await;
     }
@@ -445,6 +435,22 @@ pub async fn serve(
         Some(why) => Err(anyhow::anyhow!("the HA agent gave up: {why}")),
         None => Ok(()),
     }
+}
+
+/// Stops accepting and lets sessions finish for up to `timeout`; a second
+/// SIGINT or SIGTERM ends them at once. Once a signal is caught, the
+/// process no longer dies of the next one: without this, an operator's
+/// second Ctrl-C would be swallowed for the whole time-out.
+async fn drain(proxy: pgwarden_proxy::Proxy, timeout: Duration) -> anyhow::Result<()> {
+    tracing::info!(?timeout, "shutting down: no new connections, waiting for sessions (a second SIGINT or SIGTERM ends them now)");
+    let again = crate::shutdown_signal()?;
+    proxy
+        .shutdown_unless(async {
+            again.await;
+            tracing::warn!("second signal: ending the sessions now");
+        })
+        .await;
+    Ok(())
 }
 
 fn warn_unimplemented(config: &Config) {
