@@ -43,14 +43,50 @@ pub struct Args {
 }
 
 pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    let stop = Interrupt::catch(runtime)?;
     if args.standalone {
-        run_standalone(args, runtime)
+        run_standalone(args, runtime, &stop)
     } else {
-        run_ha(args, runtime)
+        run_ha(args, runtime, &stop)
     }
 }
 
-fn run_standalone(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+/// Ctrl-C or SIGTERM, caught from the demo's first step: the default
+/// action would kill the process in the middle of starting the cluster,
+/// before anything stops its servers or removes its directory. The
+/// start-up steps look at it and give up, which runs the cleanup.
+struct Interrupt(tokio::sync::watch::Receiver<bool>);
+
+impl Interrupt {
+    fn catch(runtime: &tokio::runtime::Runtime) -> anyhow::Result<Interrupt> {
+        let signal = runtime.block_on(async { crate::shutdown_signal() })?;
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        runtime.spawn(async move {
+            signal.await;
+            let _ = tx.send(true);
+        });
+        Ok(Interrupt(rx))
+    }
+
+    /// An error once a stop was asked for.
+    fn check(&self) -> anyhow::Result<()> {
+        if *self.0.borrow() {
+            anyhow::bail!("interrupted while starting the demo cluster");
+        }
+        Ok(())
+    }
+
+    /// Resolves once a stop is asked for.
+    async fn asked(&self) {
+        let _ = self.0.clone().wait_for(|s| *s).await;
+    }
+}
+
+fn run_standalone(
+    args: Args,
+    runtime: &tokio::runtime::Runtime,
+    stop: &Interrupt,
+) -> anyhow::Result<()> {
     let bins = PgBinaries::discover()?;
     let run_as = RunAs::unprivileged()?;
     let (base, _tmp) = match &args.dir {
@@ -77,6 +113,10 @@ fn run_standalone(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Resu
     spec.die_with_parent = true;
     let mut cluster =
         LocalCluster::start(spec, &bins, &run_as).context("starting the demo cluster")?;
+    if let Err(e) = stop.check() {
+        let _ = cluster.stop_all();
+        return Err(e);
+    }
     for n in cluster.nodes() {
         println!(
             "{:<6} psql -h {} -p {} -U postgres",
@@ -166,7 +206,7 @@ impl Drop for HaDemo {
     }
 }
 
-fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+fn run_ha(args: Args, runtime: &tokio::runtime::Runtime, stop: &Interrupt) -> anyhow::Result<()> {
     // A leader and the replicas asked for, each node under an agent.
     let nodes = args.replicas + 1;
     let bins = PgBinaries::discover()?;
@@ -217,7 +257,7 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         run_as,
         bins,
     };
-    wait_for(Duration::from_secs(30), "etcd", || {
+    wait_for(stop, Duration::from_secs(30), "etcd", || {
         std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
     })?;
     eprintln!(
@@ -226,6 +266,7 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     );
     let mut apis = Vec::new();
     for i in 0..nodes as u16 {
+        stop.check()?;
         let name = format!("n{}", i + 1);
         let pg = port(i, 0)?;
         let (rw, ro, http) = match args.port {
@@ -274,7 +315,7 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         });
         if i == 0 {
             // The first node creates the cluster; the others clone it.
-            wait_for(Duration::from_secs(60), "n1 to lead", || {
+            wait_for(stop, Duration::from_secs(60), "n1 to lead", || {
                 http_status(&apis[0], "/primary") == Some(200)
             })?;
         }
@@ -294,9 +335,9 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let api_list = apis.clone();
     let result: anyhow::Result<()> = runtime.block_on(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(2));
-        // Listening from here on, not only while the loop waits: a signal
-        // that arrives while another branch runs is not lost.
-        let mut stop = std::pin::pin!(crate::shutdown_signal()?);
+        // Caught since the start: a signal that arrives while another
+        // branch runs is not lost.
+        let mut stop = std::pin::pin!(stop.asked());
         loop {
             tokio::select! {
                 _ = &mut stop => return Ok(()),
@@ -322,9 +363,15 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     result
 }
 
-fn wait_for(within: Duration, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
+fn wait_for(
+    stop: &Interrupt,
+    within: Duration,
+    what: &str,
+    mut ready: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
     let until = Instant::now() + within;
     while !ready() {
+        stop.check()?;
         if Instant::now() > until {
             anyhow::bail!("timed out waiting for {what}");
         }

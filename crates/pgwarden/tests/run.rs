@@ -1151,3 +1151,70 @@ async fn the_log_section_sets_level_and_format() {
         assert_ne!(v["level"], "INFO", "{line}");
     }
 }
+
+/// Ctrl-C while `pgwarden demo` still starts its cluster (the first agent
+/// creating it) stops every process it started and removes its directory,
+/// as it does once the cluster runs.
+#[test]
+fn a_demo_interrupted_while_it_starts_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let stderr = dir.path().join("demo.stderr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
+        .args(["demo", "--replicas", "1", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .expect("start pgwarden demo");
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let until = |what: &str, mut done: Box<dyn FnMut() -> bool + '_>| {
+        while !done() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {}",
+                std::fs::read_to_string(&stderr).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // "etcd on ...; starting 2 agents under BASE"
+    let mut base = None;
+    until(
+        "the agents to start",
+        Box::new(|| {
+            let log = std::fs::read_to_string(&stderr).unwrap_or_default();
+            base = log.lines().find_map(|l| {
+                l.split_once(" agents under ")
+                    .map(|(_, b)| b.trim().to_string())
+            });
+            base.is_some()
+        }),
+    );
+    let base = std::path::PathBuf::from(base.unwrap());
+    // Once the first node's PostgreSQL runs, so that there is a server
+    // to stop; the first node may or may not lead yet.
+    until(
+        "the first node's server",
+        Box::new(|| base.join("n1").join("postmaster.pid").exists()),
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    until(
+        "the demo to exit",
+        Box::new(|| child.try_wait().unwrap().is_some()),
+    );
+    assert!(!base.exists(), "{} left behind", base.display());
+    // Nothing it started runs on: no process names its directory.
+    let needle = base.to_string_lossy().into_owned();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let cmdline = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            cmdline.contains(&needle).then_some(cmdline)
+        })
+        .collect();
+    assert!(left.is_empty(), "still running: {left:?}");
+}
