@@ -177,12 +177,16 @@ struct DemoNode {
 
 /// Everything the HA demo started, stopped in reverse on drop: agents,
 /// then their PostgreSQL servers (which outlive an agent by design), then
-/// etcd.
+/// etcd, then whatever an agent had running in the demo's directory
+/// (`initdb`, `pg_basebackup`), before the directory goes.
 struct HaDemo {
     nodes: Vec<DemoNode>,
     etcd: Option<Child>,
     run_as: RunAs,
     bins: PgBinaries,
+    base: PathBuf,
+    /// The directory, when the demo made it: removed last.
+    tmp: Option<tempfile::TempDir>,
 }
 
 impl Drop for HaDemo {
@@ -203,6 +207,49 @@ impl Drop for HaDemo {
             let _ = e.kill();
             let _ = e.wait();
         }
+        // An agent killed while it ran initdb or pg_basebackup leaves it
+        // running, and it would write into the directory being removed.
+        kill_leftovers(&self.base);
+        if let Some(tmp) = self.tmp.take() {
+            let path = tmp.keep();
+            // A process ending meanwhile may still create a file: again.
+            for _ in 0..5 {
+                if std::fs::remove_dir_all(&path).is_ok() || !path.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// Kills every process whose command line names `dir`, and waits (up to
+/// 10 s) for them to be gone.
+fn kill_leftovers(dir: &Path) {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    let own = std::process::id();
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        let pids: Vec<i32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .filter_map(|e| {
+                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                (pid != own && cmdline.windows(needle.len()).any(|w| w == needle))
+                    .then_some(pid as i32)
+            })
+            .collect();
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -215,7 +262,7 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime, stop: &Interrupt) -> an
         "etcd not found: install Debian's etcd-server package (scripts/install-deps.sh does)",
     )?;
     let exe = std::env::current_exe().context("locating the pgwarden binary")?;
-    let (base, _tmp) = match &args.dir {
+    let (base, tmp) = match &args.dir {
         Some(d) => {
             std::fs::create_dir_all(d)?;
             (d.clone(), None)
@@ -256,6 +303,8 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime, stop: &Interrupt) -> an
         etcd: Some(cmd.spawn().context("starting etcd")?),
         run_as,
         bins,
+        base: base.clone(),
+        tmp,
     };
     wait_for(stop, Duration::from_secs(30), "etcd", || {
         std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()

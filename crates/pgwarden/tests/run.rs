@@ -1190,8 +1190,9 @@ fn a_demo_interrupted_while_it_starts_cleans_up() {
         }),
     );
     let base = std::path::PathBuf::from(base.unwrap());
-    // Once the first node's PostgreSQL runs, so that there is a server
-    // to stop; the first node may or may not lead yet.
+    // Once a PostgreSQL process works in the first node's directory (the
+    // single-user server of its initdb, or the server itself): there is
+    // something to stop, which the agent's death alone does not.
     until(
         "the first node's server",
         Box::new(|| base.join("n1").join("postmaster.pid").exists()),
@@ -1205,7 +1206,12 @@ fn a_demo_interrupted_while_it_starts_cleans_up() {
         "the demo to exit",
         Box::new(|| child.try_wait().unwrap().is_some()),
     );
-    assert!(!base.exists(), "{} left behind", base.display());
+    assert!(
+        !base.exists(),
+        "{} left behind: {}",
+        base.display(),
+        std::fs::read_to_string(&stderr).unwrap_or_default()
+    );
     // Nothing it started runs on: no process names its directory.
     let needle = base.to_string_lossy().into_owned();
     let left: Vec<String> = std::fs::read_dir("/proc")
