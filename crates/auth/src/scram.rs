@@ -353,19 +353,6 @@ impl ScramSecret {
             server_key: hmac(seed, &[b"pgwarden mock ServerKey\0", username.as_bytes()]),
         }
     }
-
-    /// A seed for [`ScramSecret::mock`] derived from a secret the server
-    /// keeps anyway (a password of its own): stable across restarts and
-    /// the same on every server that holds the secret, as PostgreSQL's
-    /// seed, kept in `pg_control`, is the same on a primary and its
-    /// standbys. Otherwise an unknown role's salt would change where a
-    /// real one cannot, and tell the two apart.
-    pub fn mock_seed_from(secret: &[u8]) -> [u8; 16] {
-        let mac = hmac(secret, &[b"pgwarden mock SCRAM seed"]);
-        let mut seed = [0; 16];
-        seed.copy_from_slice(&mac[..16]);
-        seed
-    }
 }
 
 impl fmt::Display for ScramSecret {

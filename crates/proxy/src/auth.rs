@@ -165,21 +165,12 @@ impl<T: Clone> Cache<T> {
 /// another count. Process-wide, like the seed, so a reload keeps it.
 static MOCK_ITERATIONS: AtomicU32 = AtomicU32::new(pgwarden_auth::scram::DEFAULT_ITERATIONS);
 
-/// The mock seed: derived from the auth user's password where `[auth]`
-/// has one, so that an unknown role's salt is the same after a restart and
-/// on every pgwarden of the cluster, as a real role's is; otherwise random.
-/// Fixed for the process by the first [`Authenticator`], so that a reload
-/// (which builds a new one) does not change it either.
-fn mock_seed(spec: &AuthSpec) -> [u8; 16] {
+/// The mock seed: one per process, so that a reload (which builds a new
+/// [`Authenticator`]) does not change an unknown role's salt and give it
+/// away.
+fn mock_seed() -> [u8; 16] {
     static SEED: std::sync::OnceLock<[u8; 16]> = std::sync::OnceLock::new();
-    *SEED.get_or_init(|| seed_for(spec.auth_password.as_deref()))
-}
-
-fn seed_for(password: Option<&str>) -> [u8; 16] {
-    match password {
-        Some(p) if !p.is_empty() => ScramSecret::mock_seed_from(p.as_bytes()),
-        _ => rand::random(),
-    }
+    *SEED.get_or_init(rand::random)
 }
 
 impl Authenticator {
@@ -190,7 +181,6 @@ impl Authenticator {
         if !client_ca {
             check_no_client_certs(&hba, &spec.hba_file)?;
         }
-        let mock_seed = mock_seed(&spec);
         Ok(Self {
             spec,
             hba,
@@ -199,7 +189,7 @@ impl Authenticator {
             login_cache: Mutex::new(Cache::new()),
             lookup: tokio::sync::Mutex::new(None),
             md5_encryption: Mutex::new(None),
-            mock_seed,
+            mock_seed: mock_seed(),
         })
     }
 
@@ -1087,11 +1077,7 @@ mod tests {
             Some(vec!["x".to_string(), "a\nb".to_string()])
         );
         assert_eq!(roles.get("x", Duration::ZERO), None, "expired");
-        // From the auth user's password: the same after a restart and on
-        // another pgwarden of the cluster; random without one.
-        assert_eq!(seed_for(Some("pw")), seed_for(Some("pw")));
-        assert_ne!(seed_for(Some("pw")), seed_for(Some("pw2")));
-        assert_ne!(seed_for(None), seed_for(None));
+        assert_eq!(mock_seed(), mock_seed(), "one seed per process");
     }
 
     fn hba(text: &str) -> Hba {
