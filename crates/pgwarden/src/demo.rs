@@ -44,6 +44,12 @@ pub struct Args {
 
 pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let stop = Interrupt::catch(runtime)?;
+    // What the demo's children leave behind when they die (an agent's
+    // initdb, the servers pg_ctl started) becomes the demo's child rather
+    // than init's, so that the demo can stop it, and only it, at the end.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        tracing::debug!(error = %e, "cannot adopt orphaned processes");
+    }
     if args.standalone {
         run_standalone(args, runtime, &stop)
     } else {
@@ -184,7 +190,6 @@ struct HaDemo {
     etcd: Option<Child>,
     run_as: RunAs,
     bins: PgBinaries,
-    base: PathBuf,
     /// The directory, when the demo made it: removed last.
     tmp: Option<tempfile::TempDir>,
 }
@@ -209,7 +214,7 @@ impl Drop for HaDemo {
         }
         // An agent killed while it ran initdb or pg_basebackup leaves it
         // running, and it would write into the directory being removed.
-        kill_leftovers(&self.base);
+        kill_leftovers();
         if let Some(tmp) = self.tmp.take() {
             let path = tmp.keep();
             // A process ending meanwhile may still create a file: again.
@@ -223,33 +228,40 @@ impl Drop for HaDemo {
     }
 }
 
-/// Kills every process whose command line names `dir`, and waits (up to
-/// 10 s) for them to be gone.
-fn kill_leftovers(dir: &Path) {
-    let needle = dir.as_os_str().as_encoded_bytes();
-    let own = std::process::id();
+/// Kills the demo's remaining children, which, the demo being a child
+/// subreaper, are the processes its own children left behind (an agent's
+/// `initdb` or `pg_basebackup`, a server), and reaps them; up to 10 s.
+/// Nothing else is touched: not a `tail` of the demo's logs, not the
+/// demo's own parent.
+fn kill_leftovers() {
+    let own = nix::unistd::Pid::this();
     let until = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < until {
-        let pids: Vec<i32> = std::fs::read_dir("/proc")
+    loop {
+        let children: Vec<nix::unistd::Pid> = std::fs::read_dir("/proc")
             .into_iter()
             .flatten()
             .filter_map(|e| {
-                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-                (pid != own && cmdline.windows(needle.len()).any(|w| w == needle))
-                    .then_some(pid as i32)
+                let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                // "pid (comm) state ppid ...": comm may hold anything.
+                let ppid: i32 = stat
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()?;
+                (ppid == own.as_raw()).then(|| nix::unistd::Pid::from_raw(pid))
             })
             .collect();
-        if pids.is_empty() {
+        if children.is_empty() || Instant::now() > until {
             return;
         }
-        for pid in pids {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        for &pid in &children {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -303,7 +315,6 @@ fn run_ha(args: Args, runtime: &tokio::runtime::Runtime, stop: &Interrupt) -> an
         etcd: Some(cmd.spawn().context("starting etcd")?),
         run_as,
         bins,
-        base: base.clone(),
         tmp,
     };
     wait_for(stop, Duration::from_secs(30), "etcd", || {
