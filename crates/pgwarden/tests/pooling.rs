@@ -2984,6 +2984,41 @@ async fn clients_on_a_unix_socket() {
     .await
     .unwrap();
     assert_eq!(one(&now, "SHOW transaction_read_only").await, "on");
+    drop(now);
+    // Two services swapping ports swap their sockets too, though each new
+    // path is the other's old one.
+    let mut spec = p.spec().clone();
+    let ro_port = p.service_addrs()["read_only"].port();
+    for s in spec.services.iter_mut() {
+        match s.name.as_str() {
+            "read_write" => {
+                s.read_only = false;
+                s.listen = format!("127.0.0.1:{ro_port}").parse().unwrap();
+            }
+            "read_only" => s.listen = format!("127.0.0.1:{port}").parse().unwrap(),
+            _ => {}
+        }
+    }
+    p.apply(spec).await.unwrap();
+    for (at, read_only) in [(port, "on"), (ro_port, "off")] {
+        let c = client(&format!(
+            "host={} port={at} user=postgres dbname=postgres",
+            sockets.display()
+        ))
+        .await
+        .unwrap_or_else(|e| {
+            let there: Vec<_> = std::fs::read_dir(&sockets)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            panic!("the socket of port {at}: {e}; the directory holds {there:?}")
+        });
+        assert_eq!(
+            one(&c, "SHOW transaction_read_only").await,
+            read_only,
+            "the socket of port {at}"
+        );
+    }
 }
 
 /// `spec` with every pooled service's size set to `size`.

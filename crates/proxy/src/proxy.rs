@@ -1402,12 +1402,18 @@ impl Proxy {
                 })
                 .collect(),
         };
-        // Sockets no longer wanted at all go.
+        // Sockets no longer wanted at all go, and so do those whose path
+        // another service takes over (services swapping ports): that path
+        // cannot be bound while its old listener holds it.
+        let taken: std::collections::HashSet<&std::path::PathBuf> = wanted.values().collect();
         let unwanted: Vec<String> = self
             .unix
-            .keys()
-            .filter(|name| !wanted.contains_key(*name))
-            .cloned()
+            .iter()
+            .filter(|(name, (path, _))| match wanted.get(*name) {
+                None => true,
+                Some(mine) => mine != path && taken.contains(path),
+            })
+            .map(|(name, _)| name.clone())
             .collect();
         for name in unwanted {
             if let Some((path, task)) = self.unix.remove(&name) {
