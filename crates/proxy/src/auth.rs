@@ -110,6 +110,8 @@ pub(crate) struct Authenticator {
     /// Whether each role may log in (`None`: no such role), for the
     /// methods that ask nothing of it ([`Authenticator::check_login`]).
     login_cache: Mutex<Cache<Option<bool>>>,
+    /// When a login check last could not be made.
+    login_unchecked: Mutex<Option<Instant>>,
     lookup: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
     /// Whether the server's `password_encryption` is `md5`, and when that
     /// was looked up.
@@ -187,6 +189,7 @@ impl Authenticator {
             cache: Mutex::new(Cache::new()),
             roles_cache: Mutex::new(Cache::new()),
             login_cache: Mutex::new(Cache::new()),
+            login_unchecked: Mutex::new(None),
             lookup: tokio::sync::Mutex::new(None),
             md5_encryption: Mutex::new(None),
             mock_seed: mock_seed(),
@@ -293,18 +296,27 @@ impl Authenticator {
     /// connections close. A lookup that fails (no primary to ask, within
     /// `primary_wait`) lets the client in: servers still check the logins
     /// they see, and refusing would make a read-only pool depend on the
-    /// primary for these methods.
+    /// primary for these methods. The failure is remembered for a second,
+    /// so that logins during an outage do not each try again.
     pub async fn check_login(
         &self,
         shared: &Shared,
         user: &str,
         primary_wait: Duration,
     ) -> Result<(), AuthError> {
+        let recently_failed = self
+            .login_unchecked
+            .lock()
+            .expect("poisoned")
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1));
         let cached = self
             .login_cache
             .lock()
             .expect("poisoned")
             .get(user, self.spec.cache_ttl);
+        if cached.is_none() && recently_failed {
+            return Ok(());
+        }
         let may = match cached {
             Some(v) => v,
             None => match self.look_up_login(shared, user, primary_wait).await {
@@ -319,6 +331,7 @@ impl Authenticator {
                 }
                 Err(e) => {
                     tracing::warn!(user, error = %e, "could not check that the role may log in; letting it in");
+                    *self.login_unchecked.lock().expect("poisoned") = Some(Instant::now());
                     return Ok(());
                 }
             },

@@ -448,13 +448,12 @@ async fn serve(
                 // A pooled client may get a server another client's login
                 // opened: a method that asked nothing of the role leaves
                 // PostgreSQL's login check to pgwarden.
-                if pool.is_some() && matches!(credential, Credential::None) {
-                    auth.check_login(
-                        shared,
-                        startup.user().unwrap_or_default(),
-                        spec.connect_wait_timeout,
-                    )
-                    .await?;
+                // Not for the admin console, whose users need not be roles.
+                // No wait for a primary: the check is not worth delaying
+                // every such login while there is none.
+                if !admin && pool.is_some() && matches!(credential, Credential::None) {
+                    auth.check_login(shared, startup.user().unwrap_or_default(), Duration::ZERO)
+                        .await?;
                 }
                 Ok::<_, crate::auth::AuthError>(credential)
             }))
@@ -944,7 +943,7 @@ where
             order.extend(
                 service
                     .selector
-                    .preference_order(topo, &spec.want, Some(p.index))
+                    .preference_order(topo, &spec.want, Some(p))
                     .into_iter()
                     .filter(|&j| j != p.index),
             );

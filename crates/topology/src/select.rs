@@ -316,16 +316,16 @@ impl Selector {
     /// the order the strategy prefers them: with round robin, those within
     /// the RTT window first, then the others by RTT; with `nearest`, by
     /// RTT. Hosts of unknown RTT come after those of known RTT. For trying
-    /// the next host when the one chosen fails: `after` is that one, and
-    /// the window's hosts follow it in turn (those after it, then those
-    /// before), so that clients moving off a failing host spread over the
-    /// window as the round robin would, rather than all landing on its
-    /// first host.
+    /// the next host when the one chosen fails: `after` is that one, as
+    /// [`peek`](Self::peek) chose it. The window's other hosts then come in
+    /// turn from a place that moves on with the round robin's turn, so that
+    /// clients moving off a failing host spread over the window as the
+    /// round robin would, rather than all landing on one host.
     pub fn preference_order(
         &self,
         topo: &Topology,
         want: &Want,
-        after: Option<usize>,
+        after: Option<Peeked>,
     ) -> Vec<usize> {
         let mut hosts = self.eligible(topo, want);
         let rtt = |i: usize| topo.hosts()[i].rtt.get();
@@ -336,14 +336,23 @@ impl Selector {
             Strategy::RoundRobin => hosts.clone(),
             Strategy::Nearest => Vec::new(),
         };
+        // Within the window the round robin treats all alike: by index,
+        // or after a failure the others rotated by the failed pick's turn.
+        let mut in_turn: Vec<usize> = window.clone();
+        in_turn.sort_unstable();
+        if let Some(f) = after {
+            in_turn.retain(|&i| i != f.index);
+            if !in_turn.is_empty() {
+                let by = f.turn % in_turn.len();
+                in_turn.rotate_left(by);
+            }
+        }
+        let place = |i: usize| in_turn.iter().position(|&w| w == i).unwrap_or(usize::MAX);
         hosts.sort_by(|&a, &b| {
             let key = |i: usize| (!window.contains(&i), rtt(i).is_none());
             key(a).cmp(&key(b)).then_with(|| {
                 if window.contains(&a) {
-                    // Within the window the round robin treats all alike:
-                    // the turn goes on from the host that failed.
-                    let turn = |i: usize| (after.is_some_and(|f| i <= f), i);
-                    turn(a).cmp(&turn(b))
+                    place(a).cmp(&place(b))
                 } else {
                     rtt(a)
                         .unwrap_or(f64::INFINITY)
@@ -869,18 +878,24 @@ mod tests {
             [1, 2, 3, 4]
         );
         assert_eq!(sel.preference_order(&t, &Want::Primary, None), [0]);
-        // After a failing host, the window's next ones in turn, so that
-        // clients leaving it do not all land on the window's first host.
+        // After a failing host, the window's others from a place that
+        // moves on with the failed pick's turn: clients leaving that host
+        // spread over the others rather than all landing on one.
+        let failed = |index, turn| Some(Peeked { index, turn });
+        let firsts: std::collections::BTreeSet<usize> = (0..3)
+            .map(|turn| no_window.preference_order(&t, &Want::Replica, failed(2, turn))[0])
+            .collect();
+        assert_eq!(firsts, [1, 3, 4].into());
         assert_eq!(
-            no_window.preference_order(&t, &Want::Replica, Some(2)),
+            no_window.preference_order(&t, &Want::Replica, failed(2, 1)),
             [3, 4, 1, 2]
         );
         assert_eq!(
-            sel.preference_order(&t, &Want::Replica, Some(1)),
+            sel.preference_order(&t, &Want::Replica, failed(1, 5)),
             [3, 1, 4, 2]
         );
         assert_eq!(
-            nearest.preference_order(&t, &Want::Replica, Some(1)),
+            nearest.preference_order(&t, &Want::Replica, failed(1, 0)),
             [1, 3, 4, 2],
             "nearest takes no turns"
         );
