@@ -96,47 +96,53 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     result
 }
 
-/// `etcd` with the files it names resolved against the directory of the
-/// configuration file at `config_path`.
 /// `agent` with the API's certificate, key and CA files resolved against
 /// the configuration file's directory.
 pub(crate) fn agent_files_resolved(
     agent: &pgwarden_config::AgentConfig,
     config_path: &std::path::Path,
 ) -> pgwarden_config::AgentConfig {
-    let dir = config_path.parent().unwrap_or(std::path::Path::new("."));
     let mut agent = agent.clone();
-    for f in [
-        &mut agent.api_cert_file,
-        &mut agent.api_key_file,
-        &mut agent.api_ca_file,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        *f = dir.join(&*f);
-    }
+    resolve_against(
+        config_path,
+        [
+            &mut agent.api_cert_file,
+            &mut agent.api_key_file,
+            &mut agent.api_ca_file,
+        ],
+    );
     agent
 }
 
+/// `etcd` with the files it names resolved against the directory of the
+/// configuration file at `config_path`.
 pub(crate) fn etcd_files_resolved(
     etcd: &pgwarden_config::EtcdConfig,
     config_path: &std::path::Path,
 ) -> pgwarden_config::EtcdConfig {
-    let dir = config_path.parent().unwrap_or(std::path::Path::new("."));
     let mut etcd = etcd.clone();
-    for f in [
-        &mut etcd.ca_file,
-        &mut etcd.cert_file,
-        &mut etcd.key_file,
-        &mut etcd.password_file,
-    ]
-    .into_iter()
-    .flatten()
-    {
+    resolve_against(
+        config_path,
+        [
+            &mut etcd.ca_file,
+            &mut etcd.cert_file,
+            &mut etcd.key_file,
+            &mut etcd.password_file,
+        ],
+    );
+    etcd
+}
+
+/// Makes the paths of `files` relative to the configuration file's
+/// directory (an absolute one stays as it is).
+fn resolve_against<'a>(
+    config_path: &std::path::Path,
+    files: impl IntoIterator<Item = &'a mut Option<std::path::PathBuf>>,
+) {
+    let dir = config_path.parent().unwrap_or(std::path::Path::new("."));
+    for f in files.into_iter().flatten() {
         *f = dir.join(&*f);
     }
-    etcd
 }
 
 /// With `on_sync_blocked = "reject"`: while the leader's commits wait for
