@@ -44,12 +44,6 @@ pub struct Args {
 
 pub fn run(args: Args, runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     let stop = Interrupt::catch(runtime)?;
-    // What the demo's children leave behind when they die (an agent's
-    // initdb, the servers pg_ctl started) becomes the demo's child rather
-    // than init's, so that the demo can stop it, and only it, at the end.
-    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
-        tracing::debug!(error = %e, "cannot adopt orphaned processes");
-    }
     if args.standalone {
         run_standalone(args, runtime, &stop)
     } else {
@@ -181,10 +175,10 @@ struct DemoNode {
     agent: Child,
 }
 
-/// Everything the HA demo started, stopped in reverse on drop: agents,
-/// then their PostgreSQL servers (which outlive an agent by design), then
-/// etcd, then whatever an agent had running in the demo's directory
-/// (`initdb`, `pg_basebackup`), before the directory goes.
+/// Everything the HA demo started, stopped in reverse on drop: agents
+/// (with what they run at that moment, `initdb` or `pg_basebackup`), then
+/// their PostgreSQL servers (which outlive an agent by design), then etcd,
+/// then the directory.
 struct HaDemo {
     nodes: Vec<DemoNode>,
     etcd: Option<Child>,
@@ -196,10 +190,21 @@ struct HaDemo {
 
 impl Drop for HaDemo {
     fn drop(&mut self) {
+        // What an agent runs at this moment (initdb, pg_basebackup) would
+        // outlive it and write into the directory being removed: found
+        // before the agents die, while they are still its parents. The
+        // servers among them are left to the clean stop below.
+        let agents: Vec<i32> = self.nodes.iter().map(|n| n.agent.id() as i32).collect();
+        let spawned: Vec<i32> = descendants(&agents)
+            .into_iter()
+            .filter(|(_, name)| name != "postgres")
+            .map(|(pid, _)| pid)
+            .collect();
         for n in &mut self.nodes {
             let _ = n.agent.kill();
             let _ = n.agent.wait();
         }
+        kill_and_wait(&spawned);
         for n in &self.nodes {
             let mut i = pgwarden_pgctl::Instance::new(
                 pgwarden_pgctl::InstanceSpec::new(&n.name, &n.data_dir, 0),
@@ -212,9 +217,6 @@ impl Drop for HaDemo {
             let _ = e.kill();
             let _ = e.wait();
         }
-        // An agent killed while it ran initdb or pg_basebackup leaves it
-        // running, and it would write into the directory being removed.
-        kill_leftovers();
         if let Some(tmp) = self.tmp.take() {
             let path = tmp.keep();
             // A process ending meanwhile may still create a file: again.
@@ -228,39 +230,58 @@ impl Drop for HaDemo {
     }
 }
 
-/// Kills the demo's remaining children, which, the demo being a child
-/// subreaper, are the processes its own children left behind (an agent's
-/// `initdb` or `pg_basebackup`, a server), and reaps them; up to 10 s.
-/// Nothing else is touched: not a `tail` of the demo's logs, not the
-/// demo's own parent.
-fn kill_leftovers() {
-    let own = nix::unistd::Pid::this();
+/// Every process below `roots` (children, their children, ...), with its
+/// name, from the parent links in `/proc`.
+fn descendants(roots: &[i32]) -> Vec<(i32, String)> {
+    let links: Vec<(i32, i32, String)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // "pid (comm) state ppid ...": comm may hold anything.
+            let (head, rest) = stat.rsplit_once(')')?;
+            let name = head.split_once('(')?.1.to_string();
+            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid, name))
+        })
+        .collect();
+    let mut found: Vec<(i32, String)> = Vec::new();
+    let mut parents = roots.to_vec();
+    while let Some(parent) = parents.pop() {
+        for (pid, ppid, name) in &links {
+            if *ppid == parent && !found.iter().any(|(p, _)| p == pid) {
+                found.push((*pid, name.clone()));
+                parents.push(*pid);
+            }
+        }
+    }
+    found
+}
+
+/// Whether `pid` runs (a zombie does not: an orphan waits for init to
+/// reap it, which some containers' init never does).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .is_some_and(|zombie| !zombie)
+}
+
+/// Kills `pids` and waits (up to 10 s) for them to be gone: orphans, so
+/// init reaps them.
+fn kill_and_wait(pids: &[i32]) {
+    for &pid in pids {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
     let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let children: Vec<nix::unistd::Pid> = std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .filter_map(|e| {
-                let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                // "pid (comm) state ppid ...": comm may hold anything.
-                let ppid: i32 = stat
-                    .rsplit_once(')')?
-                    .1
-                    .split_whitespace()
-                    .nth(1)?
-                    .parse()
-                    .ok()?;
-                (ppid == own.as_raw()).then(|| nix::unistd::Pid::from_raw(pid))
-            })
-            .collect();
-        if children.is_empty() || Instant::now() > until {
-            return;
-        }
-        for &pid in &children {
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
-        }
+    while Instant::now() < until && pids.iter().any(|&p| running(p)) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }

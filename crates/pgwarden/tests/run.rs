@@ -1153,25 +1153,43 @@ async fn the_log_section_sets_level_and_format() {
 }
 
 /// Ctrl-C while `pgwarden demo` still starts its cluster (the first agent
-/// creating it) stops every process it started and removes its directory,
-/// as it does once the cluster runs.
+/// creating it) stops every process it started and removes its directory.
 #[test]
 fn a_demo_interrupted_while_it_starts_cleans_up() {
+    stop_demo(false);
+}
+
+/// Ctrl-C once the demo's cluster runs stops it, promptly, and removes
+/// its directory.
+#[test]
+fn a_running_demo_stops_at_ctrl_c_and_cleans_up() {
+    stop_demo(true);
+}
+
+/// Starts `pgwarden demo` with one replica, sends it SIGINT while it
+/// starts or once it runs, and checks that it ends within 30 s leaving no
+/// directory and no process behind.
+fn stop_demo(running: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let stderr = dir.path().join("demo.stderr");
+    let (stdout, stderr) = (
+        dir.path().join("demo.stdout"),
+        dir.path().join("demo.stderr"),
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_pgwarden"))
         .args(["demo", "--replicas", "1", "--quiet"])
-        .stdout(Stdio::null())
+        .stdout(std::fs::File::create(&stdout).unwrap())
         .stderr(std::fs::File::create(&stderr).unwrap())
         .spawn()
         .expect("start pgwarden demo");
-    let deadline = std::time::Instant::now() + Duration::from_secs(90);
-    let until = |what: &str, mut done: Box<dyn FnMut() -> bool + '_>| {
+    let read = |f: &Path| std::fs::read_to_string(f).unwrap_or_default();
+    let until = |what: &str, within: Duration, mut done: Box<dyn FnMut() -> bool + '_>| {
+        let deadline = std::time::Instant::now() + within;
         while !done() {
             assert!(
                 std::time::Instant::now() < deadline,
-                "timed out waiting for {what}: {}",
-                std::fs::read_to_string(&stderr).unwrap_or_default()
+                "timed out waiting for {what}: {}{}",
+                read(&stdout),
+                read(&stderr)
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -1180,9 +1198,9 @@ fn a_demo_interrupted_while_it_starts_cleans_up() {
     let mut base = None;
     until(
         "the agents to start",
+        Duration::from_secs(90),
         Box::new(|| {
-            let log = std::fs::read_to_string(&stderr).unwrap_or_default();
-            base = log.lines().find_map(|l| {
+            base = read(&stderr).lines().find_map(|l| {
                 l.split_once(" agents under ")
                     .map(|(_, b)| b.trim().to_string())
             });
@@ -1190,13 +1208,23 @@ fn a_demo_interrupted_while_it_starts_cleans_up() {
         }),
     );
     let base = std::path::PathBuf::from(base.unwrap());
-    // Once a PostgreSQL process works in the first node's directory (the
-    // single-user server of its initdb, or the server itself): there is
-    // something to stop, which the agent's death alone does not.
-    until(
-        "the first node's server",
-        Box::new(|| base.join("n1").join("postmaster.pid").exists()),
-    );
+    if running {
+        until(
+            "the cluster to run",
+            Duration::from_secs(120),
+            Box::new(|| read(&stdout).contains("Ctrl-C stops everything")),
+        );
+    } else {
+        // Once a PostgreSQL process works in the first node's directory
+        // (the single-user server of its initdb, or the server itself):
+        // there is something to stop, which the agent's death alone does
+        // not.
+        until(
+            "the first node's server",
+            Duration::from_secs(90),
+            Box::new(|| base.join("n1").join("postmaster.pid").exists()),
+        );
+    }
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGINT,
@@ -1204,13 +1232,14 @@ fn a_demo_interrupted_while_it_starts_cleans_up() {
     .unwrap();
     until(
         "the demo to exit",
+        Duration::from_secs(30),
         Box::new(|| child.try_wait().unwrap().is_some()),
     );
     assert!(
         !base.exists(),
         "{} left behind: {}",
         base.display(),
-        std::fs::read_to_string(&stderr).unwrap_or_default()
+        read(&stderr)
     );
     // Nothing it started runs on: no process names its directory.
     let needle = base.to_string_lossy().into_owned();
