@@ -159,12 +159,27 @@ pub enum AgentError {
     },
 }
 
-/// Whether a running agent can take `new` in place of `old` by
-/// reconnecting ([`AgentHandle::reconnect_etcd`]): the endpoints, TLS files
-/// and credentials may change; the cluster's keys (`namespace`, `cluster`)
-/// and `op_timeout` need a restart.
-pub fn etcd_reloadable(old: &EtcdConfig, new: &EtcdConfig) -> bool {
-    old.namespace == new.namespace && old.cluster == new.cluster && old.op_timeout == new.op_timeout
+/// What a running agent on `old` can take of `new` by reconnecting
+/// ([`AgentHandle::reconnect_etcd`]): the endpoints, TLS files and
+/// credentials; the cluster's keys (`namespace`, `cluster`) and
+/// `op_timeout` need a restart, so they keep `old`'s values, and the keys
+/// so held back are returned beside.
+pub fn etcd_reloadable(old: &EtcdConfig, new: &EtcdConfig) -> (EtcdConfig, Vec<&'static str>) {
+    let mut wanted = new.clone();
+    let mut held = Vec::new();
+    if wanted.namespace != old.namespace {
+        held.push("etcd.namespace");
+        wanted.namespace = old.namespace.clone();
+    }
+    if wanted.cluster != old.cluster {
+        held.push("etcd.cluster");
+        wanted.cluster = old.cluster.clone();
+    }
+    if wanted.op_timeout != old.op_timeout {
+        held.push("etcd.op_timeout");
+        wanted.op_timeout = old.op_timeout;
+    }
+    (wanted, held)
 }
 
 /// Loads the files the agent's configuration names (etcd's CA,

@@ -348,23 +348,9 @@ pub async fn serve(
                                 tracing::warn!(keys = %pending.join(", "), "changed settings that take effect at the next restart of the agent (the others are reloaded; the API's certificate files are read again, at the same paths)");
                             }
                             if let (Some(old_etcd), Some(new_etcd)) = (applied_etcd.clone(), &new.etcd) {
-                                // Namespace, cluster and time-out stay until
-                                // a restart; endpoints, credentials and TLS
-                                // are reloaded whatever else changed.
-                                let mut wanted = new_etcd.clone();
-                                let mut held = Vec::new();
-                                if wanted.namespace != old_etcd.namespace {
-                                    held.push("etcd.namespace");
-                                    wanted.namespace = old_etcd.namespace.clone();
-                                }
-                                if wanted.cluster != old_etcd.cluster {
-                                    held.push("etcd.cluster");
-                                    wanted.cluster = old_etcd.cluster.clone();
-                                }
-                                if wanted.op_timeout != old_etcd.op_timeout {
-                                    held.push("etcd.op_timeout");
-                                    wanted.op_timeout = old_etcd.op_timeout;
-                                }
+                                // Endpoints, credentials and TLS are
+                                // reloaded whatever else changed.
+                                let (wanted, held) = pgwarden_agent::etcd_reloadable(&old_etcd, new_etcd);
                                 if !held.is_empty() {
                                     tracing::warn!(keys = %held.join(", "), "take effect at the next restart; the other etcd settings are reloaded");
                                 }

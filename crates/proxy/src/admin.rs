@@ -1158,17 +1158,28 @@ fn show_time(unix_s: u64) -> String {
     )
 }
 
-/// The local end of a session's socket (the client's, or a relayed
-/// session's server socket), as SHOW CLIENTS and SHOW SERVERS show it.
-fn local_end(fd: std::os::fd::RawFd) -> Option<std::net::SocketAddr> {
+/// The local and the remote end of a session's socket (the client's, or
+/// a relayed session's server socket), as SHOW CLIENTS and SHOW SERVERS
+/// show them.
+fn socket_ends(
+    fd: std::os::fd::RawFd,
+) -> (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>) {
     // SAFETY: called with the sessions lock held, while the entry, and so
     // the socket (see SessionGuard), lives.
     #[allow(unsafe_code)]
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    socket2::SockRef::from(&fd)
-        .local_addr()
-        .ok()
-        .and_then(|a| a.as_socket())
+    let sock = socket2::SockRef::from(&fd);
+    (
+        sock.local_addr().ok().and_then(|a| a.as_socket()),
+        sock.peer_addr().ok().and_then(|a| a.as_socket()),
+    )
+}
+
+/// An address as the `addr` and `port` columns show it; empty for none.
+fn addr_cells(a: Option<std::net::SocketAddr>) -> (String, String) {
+    a.map_or((String::new(), String::new()), |a| {
+        (a.ip().to_string(), a.port().to_string())
+    })
 }
 
 fn show_clients(shared: &Shared, out: &mut BytesMut) {
@@ -1194,10 +1205,7 @@ fn show_clients(shared: &Shared, out: &mut BytesMut) {
             } else {
                 "idle"
             };
-            let (local_addr, local_port) = local_end(e.client_fd)
-                .map_or((String::new(), String::new()), |a| {
-                    (a.ip().to_string(), a.port().to_string())
-                });
+            let (local_addr, local_port) = addr_cells(socket_ends(e.client_fd).0);
             let connected = show_time(e.connected_s);
             vec![
                 "C".into(),
@@ -1279,18 +1287,6 @@ fn relayed_server_ptr(client_id: u64) -> String {
     format!("r{client_id:x}")
 }
 
-/// The remote end of a session's socket, as [`local_end`] finds the local
-/// one.
-fn peer_end(fd: std::os::fd::RawFd) -> Option<std::net::SocketAddr> {
-    // SAFETY: as for `local_end`.
-    #[allow(unsafe_code)]
-    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    socket2::SockRef::from(&fd)
-        .peer_addr()
-        .ok()
-        .and_then(|a| a.as_socket())
-}
-
 /// One SHOW SERVERS row; what is not known stays empty.
 #[derive(Default)]
 struct ServerRow<'a> {
@@ -1312,12 +1308,8 @@ struct ServerRow<'a> {
 
 impl ServerRow<'_> {
     fn cells(self) -> Vec<String> {
-        let split = |a: Option<std::net::SocketAddr>| {
-            a.map_or((String::new(), String::new()), |a| {
-                (a.ip().to_string(), a.port().to_string())
-            })
-        };
-        let ((addr, port), (local_addr, local_port)) = (split(self.peer), split(self.local));
+        let ((addr, port), (local_addr, local_port)) =
+            (addr_cells(self.peer), addr_cells(self.local));
         vec![
             "S".into(),
             self.user.into(),
@@ -1362,10 +1354,11 @@ fn show_servers(shared: &Shared, out: &mut BytesMut) {
             ..ServerRow::default()
         };
         match (&e.host, &e.pooled, e.server_fd) {
-            (Some(host), _, Some(fd)) => rows.push(
+            (Some(host), _, Some(fd)) => rows.push({
+                let (local, peer) = socket_ends(fd);
                 ServerRow {
-                    peer: peer_end(fd),
-                    local: local_end(fd),
+                    peer,
+                    local,
                     connected_s: e.connected_s,
                     used_s: e.connected_s,
                     ptr: relayed_server_ptr(*id),
@@ -1373,8 +1366,8 @@ fn show_servers(shared: &Shared, out: &mut BytesMut) {
                     server: host.to_string(),
                     ..base
                 }
-                .cells(),
-            ),
+                .cells()
+            }),
             (None, Some(slot), _) => {
                 if let (Some(b), _) = slot.state() {
                     rows.push(
