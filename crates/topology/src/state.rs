@@ -877,10 +877,16 @@ impl Topology {
         let reasons: Vec<Option<String>> = (0..self.hosts.len())
             .map(|i| {
                 let h = &self.hosts[i];
-                let (p, paddr, ptl) = primary.as_ref()?;
                 if !h.is_live_replica() {
                     return None;
                 }
+                // With no primary resolved (it is down, or two claim it on
+                // one timeline) there is nothing to compare against: a
+                // replica found on a dead-end fork stays flagged rather
+                // than serve its stale data until a primary is known again.
+                let Some((p, paddr, ptl)) = primary.as_ref() else {
+                    return h.off_primary.clone();
+                };
                 let timeline = match (h.timeline, *ptl) {
                     (Some(tl), Some(ptl)) if tl != ptl => Some((
                         tl < ptl,
@@ -2221,6 +2227,36 @@ pub(crate) mod tests {
         assert_eq!(t.hosts()[1].lag_bytes, None);
         let sel = crate::Selector::default();
         assert_eq!(sel.eligible(&t, &crate::Want::Replica), [0]);
+    }
+
+    /// Without a primary to compare against, a replica found on a
+    /// dead-end fork is not let back in.
+    #[test]
+    fn a_flag_outlasts_the_primary() {
+        let t0 = Instant::now();
+        let mut t = topo(&["new", "r", "other"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(2, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 4000, 1)), t0);
+        let reason = t.hosts()[1].off_primary.clone().expect("flagged");
+        // The primary goes down: nothing says the replica is right now.
+        t.apply(0, ProbeResult::Down("gone".into()), t0);
+        assert_eq!(t.primary(), None);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 4000, 1)), t0);
+        assert_eq!(t.hosts()[1].off_primary.as_ref(), Some(&reason));
+        // Two primaries on one timeline: none resolved, still flagged.
+        t.apply(0, ProbeResult::Ok(primary_obs(2, 5000)), t0);
+        t.apply(2, ProbeResult::Ok(primary_obs(2, 5000)), t0);
+        assert!(t.conflict());
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 4000, 1)), t0);
+        assert_eq!(t.hosts()[1].off_primary.as_ref(), Some(&reason));
+        let sel = crate::Selector::default();
+        assert!(!sel.eligible(&t, &crate::Want::Replica).contains(&1));
+        // Promoted, it is no replica and carries no flag.
+        t.apply(2, ProbeResult::Down("gone".into()), t0);
+        t.apply(0, ProbeResult::Down("gone".into()), t0);
+        t.apply(1, ProbeResult::Ok(primary_obs(3, 4000)), t0);
+        assert_eq!(t.hosts()[1].off_primary, None);
+        assert_eq!(t.primary(), Some(1));
     }
 
     #[test]
