@@ -1212,6 +1212,31 @@ async fn a_reload_with_an_address_in_use_changes_nothing() {
     drop(taken);
 }
 
+/// A reload takes the round robin up where it was: alternating replicas
+/// go on alternating, rather than the next client going back to the
+/// first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_round_robin_turn() {
+    let c = TestCluster::builder().replicas(2).start();
+    let (e, mut p) = proxy(&c.addrs(), Duration::from_secs(3)).await;
+    ready(&e, 3).await;
+    let mut ports = Vec::new();
+    for _ in 0..4 {
+        let ro = client(&via(&p, "read_only")).await.unwrap();
+        ports.push(one(&ro, "SELECT inet_server_port()").await);
+        p.apply(p.spec().clone()).await.unwrap();
+    }
+    let replicas = [c.port(1).to_string(), c.port(2).to_string()];
+    assert!(
+        ports.iter().all(|port| replicas.contains(port)),
+        "{ports:?}"
+    );
+    assert!(
+        ports.windows(2).all(|w| w[0] != w[1]),
+        "each reload went back to the first replica: {ports:?}"
+    );
+}
+
 /// A host the probes still call up but that refuses new connections (a
 /// restart, a full listen queue) is tried again within the client's
 /// `connect_wait_timeout`, not only when the topology changes: the client

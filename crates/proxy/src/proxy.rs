@@ -1331,7 +1331,9 @@ impl Proxy {
                 recent_pool: Default::default(),
             };
             if let Some(l) = self.listeners.get(&name) {
-                let hint = l.service.load().home_hint.load(Ordering::Relaxed);
+                let previous = l.service.load_full();
+                service.selector.continue_from(&previous.selector);
+                let hint = previous.home_hint.load(Ordering::Relaxed);
                 service.home_hint.store(hint, Ordering::Relaxed);
                 l.service.store(Arc::new(service));
                 continue;
@@ -1341,6 +1343,7 @@ impl Proxy {
             };
             let handle = match given_up.get(&name) {
                 Some(handle) => {
+                    service.selector.continue_from(&handle.load().selector);
                     handle.store(Arc::new(service));
                     handle.clone()
                 }

@@ -239,6 +239,23 @@ impl Selector {
         }
     }
 
+    /// Takes up the round robin where `previous` (the selector this one
+    /// replaces, on a reload) left it, with the dynamic overrides set on
+    /// it: a reload does not send the next clients back to the first
+    /// host.
+    pub fn continue_from(&self, previous: &Selector) {
+        self.counter
+            .store(previous.counter.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.threshold_override.store(
+            previous.threshold_override.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        self.enabled_override.store(
+            previous.enabled_override.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+    }
+
     /// Overrides the static RTT threshold from now on (`None` restores it).
     pub fn set_rtt_threshold_override(&self, threshold: Option<Duration>) {
         let v = threshold.map_or(NO_OVERRIDE, |d| {
