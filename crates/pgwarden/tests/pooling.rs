@@ -4209,6 +4209,43 @@ async fn a_read_only_session_holding_a_statement_still_ends_with_its_host() {
     }
 }
 
+/// A server cut off while idle in the pool answers nothing: a client whose
+/// start-up settings are being applied on it at login gets an error once
+/// its `query_wait_timeout` is over, rather than waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_on_a_silent_server_ends_within_the_wait() {
+    let c = TestCluster::builder().replicas(0).start();
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        pool(1, Duration::from_secs(2)),
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    let url = via(&p, "read_write");
+    // Leaves its server idle in the pool, without the setting below.
+    let first = client(&url).await.unwrap();
+    assert_eq!(one(&first, "SELECT 1").await, "1");
+    drop(first);
+    let wanted = format!("{url} options='-c work_mem=7MB'");
+    relay.set_blackhole(true);
+    let err = tokio::time::timeout(WAIT, client(&wanted))
+        .await
+        .expect("the login is answered")
+        .expect_err("the server is silent");
+    relay.set_blackhole(false);
+    let db = err.as_db_error().expect("an ErrorResponse");
+    assert_eq!(db.code().code(), "08006", "{db:?}");
+    assert!(db.message().contains("query_wait_timeout"), "{db:?}");
+    // The silent server was closed, not given back: once the host
+    // answers again, the next login is served.
+    ready(&e, 1).await;
+    let again = client(&wanted).await.unwrap();
+    assert_eq!(one(&again, "SHOW work_mem").await, "7MB");
+}
+
 /// A client that pipelines a large statement behind one with a large
 /// result, reading while it writes (as libpq's pipeline mode does), is
 /// served as PostgreSQL serves it. The server reads no more input while

@@ -634,7 +634,30 @@ async fn greet(
         .register_dynamic(session.cancel_target.clone());
     // Applied on the first server before the client is let in: a setting
     // PostgreSQL refuses refuses the login, as it would without pgwarden.
-    if let Err((f, reusable)) = session.apply_login_settings(&mut first).await {
+    // Bounded, and given up when the client goes: a server cut off while
+    // idle answers nothing, and a client not yet in the session table is
+    // reached by no host-down kill.
+    let applied = {
+        let wait = session.settings.query_wait_timeout;
+        let host = first.pool.key.host.clone();
+        let work = session.apply_login_settings(&mut first);
+        tokio::select! {
+            biased;
+            () = client.closed() => Err((client_gone(), false)),
+            r = crate::timer::timeout(wait, work) => r.unwrap_or_else(|_| {
+                Err((
+                    Fatal::new(
+                        sqlstate::CONNECTION_FAILURE,
+                        format!(
+                            "terminating connection: the server at {host} did not answer within query_wait_timeout"
+                        ),
+                    ),
+                    false,
+                ))
+            }),
+        }
+    };
+    if let Err((f, reusable)) = applied {
         shared.cancel.remove(key);
         first.release(reusable);
         let _ = client.write_all(&f.into_message()).await;
