@@ -1050,7 +1050,23 @@ pub struct Checkout {
     /// socket is readable there is no need to poll it again (see
     /// [`crate::stream::ServerStream::quiet`]). False for a new loan.
     pub read_armed: bool,
-    _permit: OwnedSemaphorePermit,
+    /// Taken by [`Checkout::release`], or by the drop of a loan never
+    /// released.
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+/// A loan dropped without [`Checkout::release`] (a session task that
+/// panicked, a future dropped while it held one) is closed and counted
+/// back: otherwise the pool would count it lent for ever, and a pause
+/// waiting for its transactions to end (a switchover) would never see
+/// them done.
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(permit) = self.permit.take() {
+            let (_, _permit) = settle(&self.pool, &self.conn, self.traffic, permit, false);
+            self.pool.closed(1);
+        }
+    }
 }
 
 /// Counts of one loan of a server connection. Part of every attached
@@ -1614,7 +1630,7 @@ impl Pool {
             pool: self.clone(),
             traffic: Traffic::starting(),
             read_armed: false,
-            _permit: permit,
+            permit: Some(permit),
         })
     }
 
@@ -1863,7 +1879,7 @@ impl Pool {
             pool: self.clone(),
             traffic: Traffic::starting(),
             read_armed: false,
-            _permit: permit,
+            permit: Some(permit),
         };
         Ok((checkout, Duration::from_micros(waited)))
     }
@@ -1893,91 +1909,114 @@ impl Checkout {
     /// Returns the connection to its pool (it must be idle, outside a
     /// transaction), or closes it when `reusable` is false, the pool was
     /// retired or the connection outlived `server_lifetime`.
-    pub fn release(self, reusable: bool) {
-        let Checkout {
-            mut conn,
-            pool,
-            traffic,
-            _permit,
-            ..
-        } = self;
-        pool.stats.active.fetch_sub(1, Ordering::Relaxed);
-        // A loan that ran nothing (a login's greeting, a wait cancelled
-        // as the server came) is no transaction.
-        let (transactions, xact_us) = traffic.transaction_totals();
-        if transactions > 0 {
-            pool.stats
-                .transactions
-                .fetch_add(transactions, Ordering::Relaxed);
-        }
-        pool.stats
-            .queries
-            .fetch_add(traffic.queries, Ordering::Relaxed);
-        pool.stats
-            .received
-            .fetch_add(traffic.received, Ordering::Relaxed);
-        pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
-        let ended = traffic.ended();
-        if traffic.queries > 0 {
-            pool.stats.xact_us.fetch_add(xact_us, Ordering::Relaxed);
-            pool.stats
-                .query_us
-                .fetch_add(traffic.query_us, Ordering::Relaxed);
-        }
-        let settings = pool.settings.load();
-        // A permit a reload took away ends with this loan.
-        let which = usize::from(!Arc::ptr_eq(_permit.semaphore(), &pool.permits));
-        if pool.owed[which].load(Ordering::Relaxed) > 0
-            && pool.owed[which]
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-        {
-            _permit.forget();
-        }
-        let lifetime = settings.server_lifetime;
-        let renewed = conn.created < pool.renew_before.load(Ordering::Relaxed);
-        if renewed {
-            let _ = pool
-                .stale
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-        }
-        // Above a size a reload lowered, connections close as they come
-        // back (steadily there are never more than size and reserve).
-        let excess =
-            pool.stats.total.load(Ordering::Relaxed) > settings.size + settings.reserve_size;
-        let expired = lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l))
-            || renewed
-            || excess;
-        if reusable && !expired && !pool.is_retired() {
-            conn.last_used = ended;
-            let promise = {
-                let mut idle = pool.idle.lock().expect("poisoned");
-                idle.push(conn);
-                // Its own clients waiting under a cap come before the
-                // line: they were in it earlier, and room under the cap
-                // may not free up while the line keeps every connection
-                // busy.
-                let promised = pool.promised.load(Ordering::Relaxed);
-                let promise = pool.stats.capped.load(Ordering::Relaxed) > promised;
-                if promise {
-                    pool.promised.store(promised + 1, Ordering::Relaxed);
-                }
-                promise
-            };
-            if promise {
-                pool.promised_signal.notify_one();
-            } else if pool.stats.waiting.load(Ordering::Relaxed) == 0
-                && pool.limits.iter().any(|l| l.wants_room())
-            {
-                // Kept idle first, then the caps looked at: a pool that
-                // starts waiting for a slot meanwhile either finds it idle
-                // or is seen here.
-                pool.close_idle();
-            }
-        } else {
+    pub fn release(mut self, reusable: bool) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped nor used again, so the
+        // connection and the pool are moved out of it once; the other
+        // fields own nothing (the permit was taken above).
+        #[allow(unsafe_code)]
+        let (mut conn, pool) = unsafe { (std::ptr::read(&this.conn), std::ptr::read(&this.pool)) };
+        let traffic = this.traffic;
+        // Held until the connection is back (or counted closed): a client
+        // woken by the permit must find it idle, not open another.
+        let (reuse, _permit) = settle(&pool, &conn, traffic, permit, reusable);
+        if !reuse {
             pool.closed(1);
+            return;
+        }
+        conn.last_used = traffic.ended();
+        let promise = {
+            let mut idle = pool.idle.lock().expect("poisoned");
+            idle.push(conn);
+            // Its own clients waiting under a cap come before the
+            // line: they were in it earlier, and room under the cap
+            // may not free up while the line keeps every connection
+            // busy.
+            let promised = pool.promised.load(Ordering::Relaxed);
+            let promise = pool.stats.capped.load(Ordering::Relaxed) > promised;
+            if promise {
+                pool.promised.store(promised + 1, Ordering::Relaxed);
+            }
+            promise
+        };
+        if promise {
+            pool.promised_signal.notify_one();
+        } else if pool.stats.waiting.load(Ordering::Relaxed) == 0
+            && pool.limits.iter().any(|l| l.wants_room())
+        {
+            // Kept idle first, then the caps looked at: a pool that
+            // starts waiting for a slot meanwhile either finds it idle
+            // or is seen here.
+            pool.close_idle();
         }
     }
+}
+
+/// The accounting of a loan that ends: its traffic added to the pool's
+/// counts, a permit a reload took away forgotten. True when `conn` may go
+/// back to the pool (`reusable`, and neither expired nor retired); false
+/// when the caller is to close it and count it closed. The permit comes
+/// back unless it was forgotten, for the caller to drop once it is done.
+fn settle(
+    pool: &Arc<Pool>,
+    conn: &ServerConn,
+    traffic: Traffic,
+    permit: OwnedSemaphorePermit,
+    reusable: bool,
+) -> (bool, Option<OwnedSemaphorePermit>) {
+    pool.stats.active.fetch_sub(1, Ordering::Relaxed);
+    // A loan that ran nothing (a login's greeting, a wait cancelled
+    // as the server came) is no transaction.
+    let (transactions, xact_us) = traffic.transaction_totals();
+    if transactions > 0 {
+        pool.stats
+            .transactions
+            .fetch_add(transactions, Ordering::Relaxed);
+    }
+    pool.stats
+        .queries
+        .fetch_add(traffic.queries, Ordering::Relaxed);
+    pool.stats
+        .received
+        .fetch_add(traffic.received, Ordering::Relaxed);
+    pool.stats.sent.fetch_add(traffic.sent, Ordering::Relaxed);
+    let ended = traffic.ended();
+    if traffic.queries > 0 {
+        pool.stats.xact_us.fetch_add(xact_us, Ordering::Relaxed);
+        pool.stats
+            .query_us
+            .fetch_add(traffic.query_us, Ordering::Relaxed);
+    }
+    let settings = pool.settings.load();
+    // A permit a reload took away ends with this loan.
+    let which = usize::from(!Arc::ptr_eq(permit.semaphore(), &pool.permits));
+    let permit = if pool.owed[which].load(Ordering::Relaxed) > 0
+        && pool.owed[which]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    {
+        permit.forget();
+        None
+    } else {
+        Some(permit)
+    };
+    let lifetime = settings.server_lifetime;
+    let renewed = conn.created < pool.renew_before.load(Ordering::Relaxed);
+    if renewed {
+        let _ = pool
+            .stale
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+    // Above a size a reload lowered, connections close as they come
+    // back (steadily there are never more than size and reserve).
+    let excess = pool.stats.total.load(Ordering::Relaxed) > settings.size + settings.reserve_size;
+    let expired = lifetime.is_some_and(|l| ended.saturating_sub(conn.created) >= nanos(l))
+        || renewed
+        || excess;
+    (reusable && !expired && !pool.is_retired(), permit)
 }
 
 /// The start-up parameter a new server connection takes from the client

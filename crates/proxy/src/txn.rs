@@ -842,19 +842,6 @@ enum ToClient {
     Owned(BytesMut),
 }
 
-/// A session that ends any other way than through its own release (a
-/// panic unwinding its task) gives its server back here, to be closed: a
-/// loan never returned would count as busy for ever, and a pause waiting
-/// for the pool's transactions to finish (a switchover) would never see
-/// them done.
-impl Drop for Session {
-    fn drop(&mut self) {
-        if let Some(c) = self.attached.take() {
-            c.release(false);
-        }
-    }
-}
-
 struct Session {
     shared: Arc<Shared>,
     service: Arc<Service>,
