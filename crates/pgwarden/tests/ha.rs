@@ -2730,6 +2730,37 @@ async fn a_reloaded_node_file_changes_tags_parameters_and_timing_in_place() {
         Some(pid),
         "PostgreSQL restarted"
     );
+
+    // A file the agent would read that does not load (the CA it would
+    // trust the other members' API with) refuses the reload whole: the
+    // timing beside it stays.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let broken = text
+        .replacen(
+            "[agent]\n",
+            "[agent]\napi_ca_file = \"missing-ca.pem\"\n",
+            1,
+        )
+        .replace("loop_wait = 2", "loop_wait = 1");
+    assert_ne!(broken, text);
+    std::fs::write(&file, broken).unwrap();
+    c.reload_agent(1);
+    eventually(
+        "the reload is rejected",
+        Duration::from_secs(20),
+        || async {
+            let log = c.node(1).agent_log();
+            (log.contains("reload rejected") && log.contains("missing-ca.pem"))
+                .then_some(())
+                .ok_or_else(|| log[log.len().saturating_sub(3000)..].to_string())
+        },
+    )
+    .await;
+    assert_eq!(
+        member_status(&c, 1).await.unwrap()["settings"]["loop_wait"],
+        2.0
+    );
+    assert_eq!(post("rotated").await, 202);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
