@@ -2786,6 +2786,59 @@ async fn reconnect_replaces_server_connections_gracefully() {
     );
 }
 
+/// A client that stops reading a large result leaves its session blocked
+/// writing to it; KILL still ends the session and frees its server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_ends_a_session_whose_client_stopped_reading() {
+    use std::io::Write;
+    let c = TestCluster::builder().replicas(0).start();
+    let (_engine, p) = pooled(&c, 2).await;
+    let url = via(&p, "read_write");
+    let admin = client(&url.replace("dbname=postgres", "dbname=pgwarden"))
+        .await
+        .unwrap();
+    let mut stuck = RawClient::connect(p.service_addrs()["read_write"], "UTF8");
+    // Far more than the sockets between the three of them hold.
+    stuck
+        .0
+        .write_all(&msg_query(
+            b"SELECT repeat('x', 1000000) FROM generate_series(1, 500)",
+        ))
+        .unwrap();
+    let direct = c.conninfo(0);
+    pgwarden_testkit::eventually("the server blocks on its write", WAIT, || {
+        let direct = direct.clone();
+        async move {
+            match sql_value(
+                &direct,
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event = 'ClientWrite' AND query LIKE 'SELECT repeat%'",
+            )
+            .await
+            .as_deref()
+            {
+                Some("1") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    admin.batch_execute("KILL postgres").await.unwrap();
+    pgwarden_testkit::eventually("its server connection closed", WAIT, || {
+        let direct = direct.clone();
+        async move {
+            match server_connections(&direct).await {
+                0 => Ok(()),
+                n => Err(format!("{n} left")),
+            }
+        }
+    })
+    .await;
+    drop(stuck);
+    let fresh = client(&url).await.unwrap();
+    assert_eq!(one(&fresh, "SELECT 2").await, "2");
+}
+
 /// KILL in the admin console ends every client of a database at once,
 /// between transactions or in one (57P01), and closes its pools' server
 /// connections; new clients are served as before.

@@ -61,18 +61,30 @@ impl ClientStream {
     /// reply smaller than the socket's buffer); what it does not take is
     /// written as `write_all` does.
     pub async fn send_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        let n = match self {
-            ClientStream::Plain(s) => taken(crate::sock::try_send(s, buf))?,
-            ClientStream::Local(s) => taken(crate::sock::try_send(s, buf))?,
-            ClientStream::Tls(_) | ClientStream::Gone => 0,
-        };
+        let n = self.try_send(buf)?;
         if n < buf.len() {
-            self.write_all(&buf[n..]).await?;
-            // TLS may hold the end in its buffer while the socket is full;
-            // see `relay::send_all`.
-            self.flush().await?;
+            self.send_rest(&buf[n..]).await?;
         }
         Ok(())
+    }
+
+    /// Sends what a plain socket takes of `buf` now, without waiting; how
+    /// much that was (TLS: nothing, [`send_rest`](Self::send_rest) does it).
+    #[inline]
+    pub fn try_send(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            ClientStream::Plain(s) => taken(crate::sock::try_send(s, buf)),
+            ClientStream::Local(s) => taken(crate::sock::try_send(s, buf)),
+            ClientStream::Tls(_) | ClientStream::Gone => Ok(0),
+        }
+    }
+
+    /// Writes all of `buf`, waiting for room as needed.
+    pub async fn send_rest(&mut self, buf: &[u8]) -> io::Result<()> {
+        self.write_all(buf).await?;
+        // TLS may hold the end in its buffer while the socket is full;
+        // see `relay::send_all`.
+        self.flush().await
     }
 
     /// Whether the session runs over TLS.

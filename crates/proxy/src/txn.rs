@@ -395,11 +395,13 @@ pub(crate) async fn run(
                         }
                         let out = session.server_bytes(&mut sbuf)?;
                         let written = match &out {
-                            ToClient::Prefix(n) => client.send_all(&sbuf[..*n]).await.map(|()| *n),
-                            ToClient::Owned(o) => client.send_all(o).await.map(|()| o.len()),
+                            ToClient::Prefix(n) => send_unless_killed(client, &sbuf[..*n], &killed).await.map(|()| *n),
+                            ToClient::Owned(o) => send_unless_killed(client, o, &killed).await.map(|()| o.len()),
                         };
                         let Ok(written) = written else {
-                            return Ok(());
+                            // The client is gone, or was told to end
+                            // while it read nothing.
+                            return ended(&killed);
                         };
                         to_client.inc_by(written as u64);
                         if let Some(c) = session.attached.as_mut() {
@@ -588,6 +590,31 @@ fn terminate_ahead(mut ahead: &[u8]) -> bool {
         }
     }
     false
+}
+
+/// Sends the server's replies to the client; gives up (with an error) when
+/// the session is told to end meanwhile. A kill shuts the read side of the
+/// client's socket, which wakes no write: a client that stopped reading
+/// would otherwise hold its session, and the server lent to it, past an
+/// administrator's KILL, a shutdown or its host going down. The wait is
+/// boxed: rare, and part of every client's future otherwise.
+async fn send_unless_killed(
+    client: &mut ClientStream,
+    buf: &[u8],
+    killed: &KillState,
+) -> std::io::Result<()> {
+    let n = client.try_send(buf)?;
+    if n == buf.len() {
+        return Ok(());
+    }
+    Box::pin(async move {
+        tokio::select! {
+            biased;
+            () = killed.told() => Err(std::io::ErrorKind::Interrupted.into()),
+            r = client.send_rest(&buf[n..]) => r,
+        }
+    })
+    .await
 }
 
 /// A waiting client closed its connection (or was killed): its statement
