@@ -33,7 +33,7 @@ pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::ConfigError;
 pub use sections::{
     AuthConfig, ClientTls, ClusterConfig, EngineConfig, ListenConfig, LogConfig, LogFormat,
-    PoolConfig, PoolMode, PoolOverride, ServerTls, TlsConfig, DEFAULT_AUTH_QUERY,
+    PoolConfig, PoolMode, PoolOverride, ServerTls, TcpTimings, TlsConfig, DEFAULT_AUTH_QUERY,
 };
 pub use service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
 

@@ -236,6 +236,10 @@ pub(crate) struct RawEngine {
     pub connect_wait_timeout: Option<Dur>,
     pub server_connect_timeout: Option<PositiveDur>,
     pub shutdown_timeout: Option<Dur>,
+    pub tcp_keepalives_idle: Option<Spanned<Dur>>,
+    pub tcp_keepalives_interval: Option<Spanned<Dur>>,
+    pub tcp_keepalives_count: Option<Spanned<u32>>,
+    pub tcp_user_timeout: Option<Spanned<Dur>>,
 }
 
 #[derive(Default, Deserialize)]

@@ -17,7 +17,7 @@ use crate::raw::{
     RawService,
 };
 use crate::sections::{
-    ClusterConfig, EngineConfig, ListenConfig, LogConfig, PoolConfig, PoolOverride,
+    ClusterConfig, EngineConfig, ListenConfig, LogConfig, PoolConfig, PoolOverride, TcpTimings,
 };
 use crate::service::{ServiceConfig, ServiceKind, READ_ONLY, READ_WRITE};
 use crate::Config;
@@ -375,6 +375,66 @@ fn engine(raw: &RawEngine, src: &Source<'_>) -> Result<EngineConfig, ConfigError
             .server_connect_timeout
             .map_or(d.server_connect_timeout, |v| v.0),
         shutdown_timeout: raw.shutdown_timeout.map_or(d.shutdown_timeout, |v| v.0),
+        tcp: tcp_timings(raw, src)?,
+    })
+}
+
+/// Linux's largest keepalive idle time and interval (seconds) and probe
+/// count.
+const MAX_KEEPALIVE_SECS: u64 = 32_767;
+const MAX_KEEPALIVE_COUNT: u32 = 127;
+
+/// Zero keeps the system's value, as in PostgreSQL.
+fn tcp_timings(raw: &RawEngine, src: &Source<'_>) -> Result<TcpTimings, ConfigError> {
+    let seconds = |v: &Option<Spanned<Dur>>, key: &str| -> Result<Option<Duration>, ConfigError> {
+        let Some(v) = v else {
+            return Ok(None);
+        };
+        let d = v.get_ref().0;
+        if d.subsec_nanos() != 0 || d.as_secs() > MAX_KEEPALIVE_SECS {
+            return Err(src.invalid(
+                Some(v.span()),
+                key,
+                format!(
+                    "expected whole seconds from 0 (the system's default) to {MAX_KEEPALIVE_SECS}"
+                ),
+            ));
+        }
+        Ok((!d.is_zero()).then_some(d))
+    };
+    let keepalives_count = match &raw.tcp_keepalives_count {
+        Some(n) if *n.get_ref() > MAX_KEEPALIVE_COUNT => {
+            return Err(src.invalid(
+                Some(n.span()),
+                "engine.tcp_keepalives_count",
+                format!(
+                "{} is out of range: expected 0 (the system's default) to {MAX_KEEPALIVE_COUNT}",
+                n.get_ref()
+            ),
+            ))
+        }
+        Some(n) => Some(*n.get_ref()).filter(|&n| n > 0),
+        None => None,
+    };
+    let user_timeout = match &raw.tcp_user_timeout {
+        Some(v) if v.get_ref().0.as_millis() > u128::from(u32::MAX) => {
+            return Err(src.invalid(
+                Some(v.span()),
+                "engine.tcp_user_timeout",
+                "too long: at most 4294967295ms (about 49 days)",
+            ))
+        }
+        Some(v) => Some(v.get_ref().0).filter(|d| !d.is_zero()),
+        None => None,
+    };
+    Ok(TcpTimings {
+        keepalives_idle: seconds(&raw.tcp_keepalives_idle, "engine.tcp_keepalives_idle")?,
+        keepalives_interval: seconds(
+            &raw.tcp_keepalives_interval,
+            "engine.tcp_keepalives_interval",
+        )?,
+        keepalives_count,
+        user_timeout,
     })
 }
 

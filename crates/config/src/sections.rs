@@ -147,6 +147,25 @@ pub struct EngineConfig {
     pub server_connect_timeout: Duration,
     /// On shutdown, how long to let clients finish before closing them.
     pub shutdown_timeout: Duration,
+    /// TCP keepalive and retransmission timings of client and server
+    /// connections.
+    pub tcp: TcpTimings,
+}
+
+/// TCP timings of every client and server connection, as PostgreSQL's
+/// `tcp_keepalives_*` and `tcp_user_timeout` settings name them; `None`
+/// keeps the system's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpTimings {
+    /// Idle time before the first keepalive probe (whole seconds).
+    pub keepalives_idle: Option<Duration>,
+    /// Time between unanswered probes (whole seconds).
+    pub keepalives_interval: Option<Duration>,
+    /// Unanswered probes before the connection is dropped.
+    pub keepalives_count: Option<u32>,
+    /// Longest sent data may stay unacknowledged before the connection is
+    /// dropped (milliseconds).
+    pub user_timeout: Option<Duration>,
 }
 
 impl Default for EngineConfig {
@@ -158,6 +177,7 @@ impl Default for EngineConfig {
             connect_wait_timeout: Duration::from_secs(5),
             server_connect_timeout: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(30),
+            tcp: TcpTimings::default(),
         }
     }
 }

@@ -1761,3 +1761,65 @@ fn tls_modes_that_need_more_name_their_line() {
         "need the CA",
     );
 }
+
+#[test]
+fn tcp_timings_take_postgresqls_names_and_zero_keeps_the_systems() {
+    let c = parse(&with("[engine]\n"), FILE).unwrap();
+    assert_eq!(c.engine.tcp, pgwarden_config::TcpTimings::default());
+    let c = parse(
+        &with(
+            "[engine]\ntcp_keepalives_idle = \"60s\"\ntcp_keepalives_interval = \"10s\"\n\
+             tcp_keepalives_count = 6\ntcp_user_timeout = \"30s\"\n",
+        ),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(
+        c.engine.tcp,
+        pgwarden_config::TcpTimings {
+            keepalives_idle: Some(Duration::from_secs(60)),
+            keepalives_interval: Some(Duration::from_secs(10)),
+            keepalives_count: Some(6),
+            user_timeout: Some(Duration::from_secs(30)),
+        }
+    );
+    let c = parse(
+        &with(
+            "[engine]\ntcp_keepalives_idle = 0\ntcp_keepalives_count = 0\ntcp_user_timeout = \"0s\"\n",
+        ),
+        FILE,
+    )
+    .unwrap();
+    assert_eq!(c.engine.tcp, pgwarden_config::TcpTimings::default());
+    fails(
+        &with("[engine]\ntcp_keepalives_idle = \"1500ms\"\n"),
+        4,
+        "engine.tcp_keepalives_idle",
+        "whole seconds",
+    );
+    // A bare integer counts milliseconds, as for every duration.
+    fails(
+        &with("[engine]\ntcp_keepalives_interval = 10\n"),
+        4,
+        "engine.tcp_keepalives_interval",
+        "whole seconds",
+    );
+    fails(
+        &with("[engine]\n\ntcp_keepalives_interval = \"10h\"\n"),
+        5,
+        "engine.tcp_keepalives_interval",
+        "32767",
+    );
+    fails(
+        &with("[engine]\ntcp_keepalives_count = 128\n"),
+        4,
+        "engine.tcp_keepalives_count",
+        "out of range",
+    );
+    fails(
+        &with("[engine]\ntcp_user_timeout = \"50d\"\n"),
+        4,
+        "engine.tcp_user_timeout",
+        "too long",
+    );
+}

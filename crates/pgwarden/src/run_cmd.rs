@@ -619,6 +619,19 @@ fn settings_view(config: &Config) -> Vec<(String, String)> {
             "engine.pool_affinity",
             config.engine.pool_affinity.to_string(),
         ),
+        (
+            "engine.tcp_keepalives_idle",
+            d(config.engine.tcp.keepalives_idle),
+        ),
+        (
+            "engine.tcp_keepalives_interval",
+            d(config.engine.tcp.keepalives_interval),
+        ),
+        (
+            "engine.tcp_keepalives_count",
+            config.engine.tcp.keepalives_count.unwrap_or(0).to_string(),
+        ),
+        ("engine.tcp_user_timeout", d(config.engine.tcp.user_timeout)),
     ];
     let path = |p: &Option<std::path::PathBuf>| {
         p.as_ref()
@@ -769,6 +782,15 @@ pub fn proxy_spec(
         unix_socket_dir: config.listen.unix_socket_dir.clone(),
         server_connect_timeout: config.engine.server_connect_timeout,
         shutdown_timeout: config.engine.shutdown_timeout,
+        tcp: {
+            let t = config.engine.tcp;
+            pgwarden_proxy::TcpTimings {
+                keepalives_idle: t.keepalives_idle,
+                keepalives_interval: t.keepalives_interval,
+                keepalives_count: t.keepalives_count,
+                user_timeout: t.user_timeout,
+            }
+        },
         max_client_conn: p.max_client_conn as usize,
         pool_affinity: config.engine.pool_affinity,
         worker_fill: config.engine.worker_fill,

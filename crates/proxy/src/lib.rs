@@ -36,7 +36,7 @@ pub use proxy::{
     check_spec, ClientTlsMode, ConnLimits, CredentialSource, PoolOverrides, Proxy, ProxyError,
     ProxySpec, RefusalSwitch, ReloadReply, ServiceSpec, TlsSpec, WRITERS,
 };
-pub use stream::{tls_acceptor, ClientTls, ServerStream, ServerTls, ServerTlsMode};
+pub use stream::{tls_acceptor, ClientTls, ServerStream, ServerTls, ServerTlsMode, TcpTimings};
 
 /// Tunes the C allocator for the connection manager; call once at
 /// start-up, before any thread is spawned.

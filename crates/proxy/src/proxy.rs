@@ -100,6 +100,9 @@ pub struct ProxySpec {
     pub auth: Option<crate::auth::AuthSpec>,
     /// The period the admin console's averages (`avg_*`) cover.
     pub stats_period: Duration,
+    /// TCP keepalive and retransmission timings of new client and server
+    /// connections.
+    pub tcp: crate::stream::TcpTimings,
 }
 
 /// Whether clients may or must use TLS.
@@ -903,6 +906,7 @@ impl Proxy {
         changes: watch::Receiver<u64>,
     ) -> Result<Proxy, ProxyError> {
         let (reload_tx, reload_rx) = tokio::sync::mpsc::channel(4);
+        crate::stream::set_tcp_timings(&spec.tcp);
         let shared = Arc::new(Shared {
             snapshot,
             changes: changes.clone(),
@@ -1286,6 +1290,7 @@ impl Proxy {
             self.shared.server_tls.store(Arc::new(t));
         }
         *self.shared.auth_timeout.lock().expect("poisoned") = spec.auth_timeout;
+        crate::stream::set_tcp_timings(&spec.tcp);
         if let Some(auth) = auth {
             self.shared.auth.store(auth.map(Arc::new));
         }

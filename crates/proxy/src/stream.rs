@@ -2,8 +2,10 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -646,14 +648,75 @@ impl std::fmt::Debug for ServerStream {
     }
 }
 
+/// TCP timings of every client and server connection pgwarden opens or
+/// accepts (PostgreSQL's `tcp_keepalives_*` and `tcp_user_timeout`);
+/// `None` keeps the system's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpTimings {
+    /// Idle time before the first keepalive probe (whole seconds).
+    pub keepalives_idle: Option<Duration>,
+    /// Time between unanswered probes (whole seconds).
+    pub keepalives_interval: Option<Duration>,
+    /// Unanswered probes before the connection is dropped.
+    pub keepalives_count: Option<u32>,
+    /// Longest sent data may stay unacknowledged before the connection is
+    /// dropped.
+    pub user_timeout: Option<Duration>,
+}
+
+/// The timings in force, 0 for the system's: process-wide, since one
+/// connection manager runs per process, and read with no lock by every
+/// new connection.
+static KEEPALIVE_IDLE_S: AtomicU32 = AtomicU32::new(0);
+static KEEPALIVE_INTERVAL_S: AtomicU32 = AtomicU32::new(0);
+static KEEPALIVE_COUNT: AtomicU32 = AtomicU32::new(0);
+static USER_TIMEOUT_MS: AtomicU32 = AtomicU32::new(0);
+
+/// Makes `t` the timings of connections opened or accepted from now on.
+pub(crate) fn set_tcp_timings(t: &TcpTimings) {
+    let secs =
+        |d: Option<Duration>| d.map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX));
+    KEEPALIVE_IDLE_S.store(secs(t.keepalives_idle), Ordering::Relaxed);
+    KEEPALIVE_INTERVAL_S.store(secs(t.keepalives_interval), Ordering::Relaxed);
+    KEEPALIVE_COUNT.store(t.keepalives_count.unwrap_or(0), Ordering::Relaxed);
+    let ms = t
+        .user_timeout
+        .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
+    USER_TIMEOUT_MS.store(ms, Ordering::Relaxed);
+}
+
 /// Socket options for every client and server connection: no Nagle
-/// delay, and TCP keepalive with the system's timings, as PostgreSQL and
-/// libpq set it, so a peer that vanished without a word (a crashed host,
-/// a NAT that forgot the flow) is found out and its connection, and the
-/// backend behind a relayed session, freed.
+/// delay, and TCP keepalive, as PostgreSQL and libpq set it, so a peer
+/// that vanished without a word (a crashed host, a NAT or load balancer
+/// that forgot the flow) is found out and its connection, and the backend
+/// behind a relayed session, freed. With the system's timings unless
+/// configured ([`set_tcp_timings`]): two hours of silence before the first
+/// probe is longer than many middleboxes keep an idle flow.
 pub(crate) fn tune(tcp: &TcpStream) {
     let _ = tcp.set_nodelay(true);
-    let _ = socket2::SockRef::from(tcp).set_keepalive(true);
+    let sock = socket2::SockRef::from(tcp);
+    let idle = KEEPALIVE_IDLE_S.load(Ordering::Relaxed);
+    let interval = KEEPALIVE_INTERVAL_S.load(Ordering::Relaxed);
+    let count = KEEPALIVE_COUNT.load(Ordering::Relaxed);
+    if idle == 0 && interval == 0 && count == 0 {
+        let _ = sock.set_keepalive(true);
+    } else {
+        let mut k = socket2::TcpKeepalive::new();
+        if idle > 0 {
+            k = k.with_time(Duration::from_secs(idle.into()));
+        }
+        if interval > 0 {
+            k = k.with_interval(Duration::from_secs(interval.into()));
+        }
+        if count > 0 {
+            k = k.with_retries(count);
+        }
+        let _ = sock.set_tcp_keepalive(&k);
+    }
+    let user = USER_TIMEOUT_MS.load(Ordering::Relaxed);
+    if user > 0 {
+        let _ = sock.set_tcp_user_timeout(Some(Duration::from_millis(user.into())));
+    }
 }
 
 /// What a `try_write` took: nothing when the socket had no room.
@@ -829,5 +892,66 @@ fn os_user_name(uid: u32) -> Result<String, String> {
         Ok(Some(u)) => Ok(u.name),
         Ok(None) => Err(format!("local user with ID {uid} does not exist")),
         Err(e) => Err(format!("could not look up local user ID {uid}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{set_tcp_timings, tune, TcpTimings};
+    use std::time::Duration;
+
+    /// Configured timings reach the sockets tuned after them; unset ones
+    /// leave the system's.
+    #[tokio::test]
+    async fn tuned_sockets_take_the_configured_tcp_timings() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connect = || async { tokio::net::TcpStream::connect(addr).await.unwrap() };
+        let system = connect().await;
+        let s = socket2::SockRef::from(&system);
+        let (idle, interval, count) = (
+            s.tcp_keepalive_time().unwrap(),
+            s.tcp_keepalive_interval().unwrap(),
+            s.tcp_keepalive_retries().unwrap(),
+        );
+
+        set_tcp_timings(&TcpTimings {
+            keepalives_idle: Some(Duration::from_secs(61)),
+            keepalives_interval: Some(Duration::from_secs(7)),
+            keepalives_count: Some(4),
+            user_timeout: Some(Duration::from_millis(12_500)),
+        });
+        let tuned = connect().await;
+        tune(&tuned);
+        let t = socket2::SockRef::from(&tuned);
+        assert!(t.keepalive().unwrap());
+        assert_eq!(t.tcp_keepalive_time().unwrap(), Duration::from_secs(61));
+        assert_eq!(t.tcp_keepalive_interval().unwrap(), Duration::from_secs(7));
+        assert_eq!(t.tcp_keepalive_retries().unwrap(), 4);
+        assert_eq!(
+            t.tcp_user_timeout().unwrap(),
+            Some(Duration::from_millis(12_500))
+        );
+
+        set_tcp_timings(&TcpTimings {
+            keepalives_count: Some(3),
+            ..TcpTimings::default()
+        });
+        let partly = connect().await;
+        tune(&partly);
+        let t = socket2::SockRef::from(&partly);
+        assert!(t.keepalive().unwrap());
+        assert_eq!(t.tcp_keepalive_time().unwrap(), idle);
+        assert_eq!(t.tcp_keepalive_interval().unwrap(), interval);
+        assert_eq!(t.tcp_keepalive_retries().unwrap(), 3);
+        assert_eq!(t.tcp_user_timeout().unwrap(), None);
+
+        set_tcp_timings(&TcpTimings::default());
+        let plain = connect().await;
+        tune(&plain);
+        let t = socket2::SockRef::from(&plain);
+        assert!(t.keepalive().unwrap());
+        assert_eq!(t.tcp_keepalive_retries().unwrap(), count);
+        assert_eq!(t.tcp_user_timeout().unwrap(), None);
     }
 }

@@ -156,6 +156,7 @@ pub async fn proxy_full(
         server_tls: SERVER_TLS.with(|t| t.borrow().0),
         server_ca: SERVER_TLS.with(|t| t.borrow().1.clone()),
         unix_socket_dir: UNIX_SOCKET_DIR.with(|d| d.borrow().clone()),
+        tcp: Default::default(),
     };
     let p = Proxy::start(spec, e.snapshot_handle(), e.changes())
         .await
