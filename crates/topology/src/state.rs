@@ -61,6 +61,12 @@ pub struct HostState {
     /// on an older timeline, or streams from a server that claims to be
     /// primary but is not the chosen one); such a replica takes no reads.
     pub off_primary: Option<String>,
+    /// The primary `off_primary` was found against, when the flag is to
+    /// outlast it: a replica behind it, or fed by another server, stays
+    /// flagged while no primary is resolved, as long as that primary is
+    /// still configured. `None` for a replica ahead of it (on a later
+    /// timeline), which may well hold the newest data.
+    off_primary_kept: Option<HostAddr>,
     /// The index (in [`Topology::hosts`]) of another entry that is the same
     /// server under another name, when this live entry is one: the first
     /// live entry of the server in configuration order. Such an
@@ -104,6 +110,7 @@ impl HostState {
             last_ok: None,
             lag_excluded: false,
             off_primary: None,
+            off_primary_kept: None,
             duplicate_of: None,
             restarted_from: None,
             under_limit_since: None,
@@ -874,7 +881,8 @@ impl Topology {
             (p, h.config.addr.clone(), h.timeline)
         });
         let listed = self.listed_replicas();
-        let reasons: Vec<Option<String>> = (0..self.hosts.len())
+        // Each flag, with the primary it outlasts (see `off_primary_kept`).
+        let reasons: Vec<Option<(String, Option<HostAddr>)>> = (0..self.hosts.len())
             .map(|i| {
                 let h = &self.hosts[i];
                 if !h.is_live_replica() {
@@ -882,10 +890,18 @@ impl Topology {
                 }
                 // With no primary resolved (it is down, or two claim it on
                 // one timeline) there is nothing to compare against: a
-                // replica found on a dead-end fork stays flagged rather
-                // than serve its stale data until a primary is known again.
+                // replica found behind the last one, or fed by another
+                // server, stays flagged rather than serve its stale data
+                // until a primary is known again; unless that primary left
+                // the configuration.
                 let Some((p, paddr, ptl)) = primary.as_ref() else {
-                    return h.off_primary.clone();
+                    let kept = h.off_primary_kept.as_ref()?;
+                    let reason = h.off_primary.clone()?;
+                    return self
+                        .hosts
+                        .iter()
+                        .any(|x| &x.config.addr == kept)
+                        .then(|| (reason, Some(kept.clone())));
                 };
                 let timeline = match (h.timeline, *ptl) {
                     (Some(tl), Some(ptl)) if tl != ptl => Some((
@@ -895,7 +911,7 @@ impl Topology {
                     _ => None,
                 };
                 if let Some((true, behind)) = timeline {
-                    return Some(behind);
+                    return Some((behind, Some(paddr.clone())));
                 }
                 // The server it streams from, when known, says more than
                 // a later timeline does.
@@ -913,14 +929,17 @@ impl Topology {
                         )
                     })
                 });
-                fed.or(timeline.map(|(_, ahead)| ahead))
+                fed.map(|r| (r, Some(paddr.clone())))
+                    .or(timeline.map(|(_, ahead)| (ahead, None)))
             })
             .collect();
-        for (h, reason) in self.hosts.iter_mut().zip(reasons) {
+        for (h, flag) in self.hosts.iter_mut().zip(reasons) {
             if !h.alive {
                 // Kept while down: being down proves nothing either way.
                 continue;
             }
+            let (reason, kept) = flag.map_or((None, None), |(r, k)| (Some(r), k));
+            h.off_primary_kept = kept;
             if reason == h.off_primary {
                 continue;
             }
@@ -2257,6 +2276,30 @@ pub(crate) mod tests {
         t.apply(1, ProbeResult::Ok(primary_obs(3, 4000)), t0);
         assert_eq!(t.hosts()[1].off_primary, None);
         assert_eq!(t.primary(), Some(1));
+
+        // A primary taken out of the configuration is nothing to be
+        // behind: the flag goes with it.
+        let mut t = topo(&["new", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(2, 5000)), t0);
+        t.apply(1, ProbeResult::Ok(replica_obs("r", 4000, 1)), t0);
+        assert!(t.hosts()[1].off_primary.is_some());
+        t.apply(0, ProbeResult::Down("gone".into()), t0);
+        assert!(t.hosts()[1].off_primary.is_some());
+        t.set_hosts(vec![cfg("r")]);
+        assert_eq!(t.hosts()[0].off_primary, None);
+
+        // A replica ahead of the primary chosen (which it cannot follow)
+        // may hold the newest data: once that primary is gone, it is
+        // flagged no more.
+        let mut t = topo(&["old", "r"]);
+        t.apply(0, ProbeResult::Ok(primary_obs(1, 5000)), t0);
+        let mut ahead = replica_obs("r", 4000, 1);
+        ahead.timeline = Some(2);
+        t.apply(1, ProbeResult::Ok(ahead.clone()), t0);
+        assert!(t.hosts()[1].off_primary.is_some());
+        t.apply(0, ProbeResult::Down("stopped".into()), t0);
+        t.apply(1, ProbeResult::Ok(ahead), t0);
+        assert_eq!(t.hosts()[1].off_primary, None);
     }
 
     #[test]
