@@ -417,11 +417,12 @@ fn tcp_timings(raw: &RawEngine, src: &Source<'_>) -> Result<TcpTimings, ConfigEr
         None => None,
     };
     let user_timeout = match &raw.tcp_user_timeout {
-        Some(v) if v.get_ref().0.as_millis() > u128::from(u32::MAX) => {
+        // The kernel reads it as a signed int of milliseconds.
+        Some(v) if v.get_ref().0.as_millis() > i32::MAX as u128 => {
             return Err(src.invalid(
                 Some(v.span()),
                 "engine.tcp_user_timeout",
-                "too long: at most 4294967295ms (about 49 days)",
+                "too long: at most 2147483647ms (about 24 days)",
             ))
         }
         Some(v) => Some(v.get_ref().0).filter(|d| !d.is_zero()),

@@ -1817,7 +1817,7 @@ fn tcp_timings_take_postgresqls_names_and_zero_keeps_the_systems() {
         "out of range",
     );
     fails(
-        &with("[engine]\ntcp_user_timeout = \"50d\"\n"),
+        &with("[engine]\ntcp_user_timeout = \"25d\"\n"),
         4,
         "engine.tcp_user_timeout",
         "too long",
