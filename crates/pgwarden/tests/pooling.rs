@@ -1755,6 +1755,50 @@ async fn a_pinned_client_is_paused_between_transactions_not_waited_for() {
     assert_eq!(listening, "1");
 }
 
+/// A pinned client left idle on a pool that was retired (its host removed
+/// while still running) keeps its server until its next message; it must
+/// not be taken for a client between transactions of the pools in use,
+/// or a drain would answer "no transaction in flight" while one runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_kept_on_a_retired_pool_does_not_hide_a_transaction_from_a_drain() {
+    let c = TestCluster::builder().replicas(1).start();
+    let (e, p) =
+        common::proxy_with(&c.addrs(), Duration::from_secs(10), pool(2, WAIT), 10_000).await;
+    ready(&e, 2).await;
+    let http = p.http_addr().unwrap();
+    let pinned = client(&via(&p, "read_only")).await.unwrap();
+    pinned
+        .batch_execute("SELECT pg_advisory_lock(7)")
+        .await
+        .unwrap();
+    assert_eq!(
+        one(&pinned, "SELECT inet_server_port()").await,
+        c.port(1).to_string()
+    );
+    // The replica leaves the configuration but keeps running.
+    e.set_hosts(common::hosts(&c.addrs()[..1]));
+    pgwarden_testkit::eventually("the replica is gone", WAIT, || {
+        let n = e.snapshot().topology.hosts().len();
+        async move { (n == 1).then_some(()).ok_or(n.to_string()) }
+    })
+    .await;
+    // Read-only traffic falls back to the primary, in a transaction now.
+    let busy = client(&via(&p, "read_only")).await.unwrap();
+    busy.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        one(&busy, "SELECT inet_server_port()").await,
+        c.port(0).to_string()
+    );
+    let (code, body) = post(http, "/pause?service=read_only&wait_ms=300").await;
+    assert_eq!(
+        (code, body.as_str()),
+        (503, "paused read_only; 1 transactions still in flight\n")
+    );
+    assert_eq!(post(http, "/resume?service=read_only").await.0, 200);
+    busy.batch_execute("COMMIT").await.unwrap();
+    drop(pinned);
+}
+
 /// A cancel request for a pinned client whose statement waits for a paused
 /// service to resume cancels that statement (57014): it never runs, and
 /// the client keeps its server and session state. Sent on to the idle

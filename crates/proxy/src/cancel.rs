@@ -64,10 +64,6 @@ enum Target {
 #[derive(Default)]
 pub struct CancelSlot {
     state: Mutex<SlotState>,
-    /// The client keeps its server between transactions (pinned, or a
-    /// session-pooled client) and is between two now: the server is lent
-    /// but no transaction runs on it.
-    held_idle: std::sync::atomic::AtomicBool,
 }
 
 /// A backend let go of while cancel requests to it were in flight.
@@ -153,19 +149,6 @@ impl CancelSlot {
             std::task::Poll::Pending
         })
         .await
-    }
-
-    /// Marks whether the client's kept server is between transactions.
-    /// Sequentially consistent: a pause that looks at it after its switch
-    /// was set must see a transaction that started before.
-    pub fn set_held_idle(&self, idle: bool) {
-        self.held_idle
-            .store(idle, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Whether the client's kept server is between transactions.
-    pub fn held_idle(&self) -> bool {
-        self.held_idle.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The backend the client uses now, and since when it waits for one,

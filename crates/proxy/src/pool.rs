@@ -725,6 +725,10 @@ pub struct Pool {
     warm_after: AtomicU64,
     /// Connections being opened for clients now.
     opening: AtomicUsize,
+    /// Loans kept by their clients between two transactions (pinned by
+    /// session state, or session-pooled): lent, yet no transaction runs
+    /// on them ([`Checkout::set_held`]).
+    held: AtomicUsize,
     /// The clients waiting for a server connection, in the order they
     /// began to: a ticket and since when.
     waiters: Mutex<std::collections::VecDeque<(u64, Instant)>>,
@@ -844,6 +848,24 @@ impl<'a> Counted<'a> {
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, self.1);
+    }
+}
+
+/// A connection being opened to warm a pool ([`Pool::warm`]): counted
+/// from before its task is spawned until it is open or failed, however
+/// the task ends.
+struct Warming(Arc<Pool>);
+
+impl Warming {
+    fn new(pool: Arc<Pool>) -> Warming {
+        pool.warming.fetch_add(1, Ordering::Relaxed);
+        Warming(pool)
+    }
+}
+
+impl Drop for Warming {
+    fn drop(&mut self) {
+        self.0.warming.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -1050,6 +1072,8 @@ pub struct Checkout {
     /// socket is readable there is no need to poll it again (see
     /// [`crate::stream::ServerStream::quiet`]). False for a new loan.
     pub read_armed: bool,
+    /// Kept by its client between two transactions ([`Checkout::set_held`]).
+    held: bool,
     /// Taken by [`Checkout::release`], or by the drop of a loan never
     /// released.
     permit: Option<OwnedSemaphorePermit>,
@@ -1063,6 +1087,9 @@ pub struct Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(permit) = self.permit.take() {
+            if self.held {
+                self.pool.held.fetch_sub(1, Ordering::SeqCst);
+            }
             let (_, _permit) = settle(&self.pool, &self.conn, self.traffic, permit, false);
             self.pool.closed(1);
         }
@@ -1226,6 +1253,7 @@ impl Pool {
             warming: AtomicUsize::new(0),
             warm_after: AtomicU64::new(0),
             opening: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
             waiters: Mutex::new(std::collections::VecDeque::new()),
             next_waiter: AtomicU64::new(0),
             capped_waiters: Mutex::new(Vec::new()),
@@ -1461,7 +1489,7 @@ impl Pool {
         let missing = min.saturating_sub(have);
         for _ in 0..missing {
             let pool = self.clone();
-            pool.warming.fetch_add(1, Ordering::Relaxed);
+            let warming = Warming::new(self.clone());
             tokio::spawn(async move {
                 let startup = StartupMessage::new(vec![
                     ("user".into(), pool.key.user.clone()),
@@ -1474,7 +1502,7 @@ impl Pool {
                 let r = pool
                     .checkout_inner(&startup, deadline, &mut None, true)
                     .await;
-                pool.warming.fetch_sub(1, Ordering::Relaxed);
+                drop(warming);
                 match r {
                     Ok((c, _)) => c.release(true),
                     // No room free now: not the server's doing.
@@ -1555,6 +1583,16 @@ impl Pool {
         self.stats.active.load(Ordering::SeqCst) + self.opening.load(Ordering::SeqCst)
     }
 
+    /// Server connections lent to or being opened for clients that are in
+    /// a transaction (or about to start one): [`busy_count`](Self::busy_count)
+    /// less the loans kept between transactions.
+    pub fn in_transaction(&self) -> usize {
+        // The loans first: a held one released in between is then
+        // counted in (a pause waits a moment longer), never out twice.
+        let busy = self.busy_count();
+        busy.saturating_sub(self.held.load(Ordering::SeqCst))
+    }
+
     /// Idle connections now.
     pub fn idle_count(&self) -> usize {
         self.idle.lock().expect("poisoned").len()
@@ -1630,6 +1668,7 @@ impl Pool {
             pool: self.clone(),
             traffic: Traffic::starting(),
             read_armed: false,
+            held: false,
             permit: Some(permit),
         })
     }
@@ -1879,6 +1918,7 @@ impl Pool {
             pool: self.clone(),
             traffic: Traffic::starting(),
             read_armed: false,
+            held: false,
             permit: Some(permit),
         };
         Ok((checkout, Duration::from_micros(waited)))
@@ -1906,6 +1946,21 @@ fn resize(sem: &Semaphore, owed: &AtomicUsize, from: usize, to: usize) {
 }
 
 impl Checkout {
+    /// Marks whether the client keeps this server between two
+    /// transactions now, as [`Pool::in_transaction`] counts it.
+    /// Sequentially consistent: a pause that looks after its switch was
+    /// set must see a transaction that started before.
+    pub fn set_held(&mut self, on: bool) {
+        if self.held != on {
+            self.held = on;
+            if on {
+                self.pool.held.fetch_add(1, Ordering::SeqCst);
+            } else {
+                self.pool.held.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Returns the connection to its pool (it must be idle, outside a
     /// transaction), or closes it when `reusable` is false, the pool was
     /// retired or the connection outlived `server_lifetime`.
@@ -1920,6 +1975,9 @@ impl Checkout {
         #[allow(unsafe_code)]
         let (mut conn, pool) = unsafe { (std::ptr::read(&this.conn), std::ptr::read(&this.pool)) };
         let traffic = this.traffic;
+        if this.held {
+            pool.held.fetch_sub(1, Ordering::SeqCst);
+        }
         // Held until the connection is back (or counted closed): a client
         // woken by the permit must find it idle, not open another.
         let (reuse, _permit) = settle(&pool, &conn, traffic, permit, reusable);
@@ -1930,6 +1988,16 @@ impl Checkout {
         conn.last_used = traffic.ended();
         let promise = {
             let mut idle = pool.idle.lock().expect("poisoned");
+            if pool.is_retired() {
+                // Retired since `settle` looked, its idle connections
+                // already closed: one pushed now would stay open, and
+                // counted, in a pool nobody uses any more. (Seen here
+                // under the lock, which the retirement takes after
+                // setting the flag.)
+                drop(idle);
+                pool.closed(1);
+                return;
+            }
             idle.push(conn);
             // Its own clients waiting under a cap come before the
             // line: they were in it earlier, and room under the cap
@@ -1967,7 +2035,9 @@ fn settle(
     permit: OwnedSemaphorePermit,
     reusable: bool,
 ) -> (bool, Option<OwnedSemaphorePermit>) {
-    pool.stats.active.fetch_sub(1, Ordering::Relaxed);
+    // After the `held` count (by the callers): a drain that sees the loan
+    // gone sees it no longer held either, and never counts it out twice.
+    pool.stats.active.fetch_sub(1, Ordering::SeqCst);
     // A loan that ran nothing (a login's greeting, a wait cancelled
     // as the server came) is no transaction.
     let (transactions, xact_us) = traffic.transaction_totals();

@@ -679,35 +679,23 @@ impl Shared {
         // the pause set before this is seen by any client counted after.
         std::sync::atomic::fence(Ordering::SeqCst);
         let (mut writers, mut readers) = (false, false);
-        let mut kind = HashMap::new();
         for (name, s) in self.services.lock().expect("poisoned").iter() {
-            let read_only = s.load().spec.read_only;
             if services.contains(name) {
+                let read_only = s.load().spec.read_only;
                 writers |= !read_only;
                 readers |= read_only;
             }
-            kind.insert(name.clone(), read_only);
         }
         let counted = |read_only: bool| if read_only { readers } else { writers };
-        let lent: usize = self
-            .pools
+        // Counted per pool: a client kept on a pool since retired (its
+        // host removed, no longer primary) counts on neither side.
+        self.pools
             .lock()
             .expect("poisoned")
             .iter()
             .filter(|(k, _)| counted(k.read_only))
-            .map(|(_, p)| p.busy_count())
-            .sum();
-        let held = self
-            .sessions
-            .lock()
-            .expect("poisoned")
-            .values()
-            .filter(|e| {
-                kind.get(&*e.service).is_some_and(|ro| counted(*ro))
-                    && e.pooled.as_ref().is_some_and(|slot| slot.held_idle())
-            })
-            .count();
-        lent.saturating_sub(held)
+            .map(|(_, p)| p.in_transaction())
+            .sum()
     }
 
     /// Pauses or resumes a service; false if there is no such service.

@@ -400,7 +400,10 @@ pub(crate) async fn run(
                         };
                         let Ok(written) = written else {
                             // The client is gone, or was told to end
-                            // while it read nothing.
+                            // while it read nothing, perhaps in the middle
+                            // of a message: it is told nothing more (see
+                            // the end of the session).
+                            session.skip = session.skip.max(1);
                             return ended(&killed);
                         };
                         to_client.inc_by(written as u64);
@@ -429,7 +432,9 @@ pub(crate) async fn run(
                             // Its next message starts a transaction, which
                             // a pause holds as any other client's.
                             session.held_idle = true;
-                            session.cancel_target.set_held_idle(true);
+                            if let Some(c) = session.attached.as_mut() {
+                                c.set_held(true);
+                            }
                         }
                     }
                     // Not while bytes wait to go: the messages held would
@@ -530,10 +535,10 @@ pub(crate) async fn run(
     // Counted as a relayed session's end is: only when pgwarden's kill is
     // what ended it, by why.
     let kill = outcome.as_ref().err().and_then(|f| f.kill);
-    // A client in the middle of a message the server began cannot be told
-    // anything: an ErrorResponse there would read as the rest of that
-    // message. Its connection is just closed, as a server that dies
-    // mid-row closes it.
+    // A client in the middle of a message the server began (or one whose
+    // reply was cut off being written) cannot be told anything: an
+    // ErrorResponse there would read as the rest of that message. Its
+    // connection is just closed, as a server that dies mid-row closes it.
     if let (Err(f), 0) = (outcome, session.skip) {
         let out = f.into_message();
         let _ = crate::timer::timeout(Duration::from_secs(1), client.write_all(&out)).await;
@@ -549,7 +554,7 @@ pub(crate) async fn run(
             .inc();
     }
     drop(registration);
-    shared.cancel.remove(key);
+    drop(key);
     // TLS ends with close_notify; a plain socket's close sends the FIN a
     // shutdown would, one system call sooner.
     if client.is_tls() {
@@ -597,7 +602,9 @@ fn terminate_ahead(mut ahead: &[u8]) -> bool {
 /// client's socket, which wakes no write: a client that stopped reading
 /// would otherwise hold its session, and the server lent to it, past an
 /// administrator's KILL, a shutdown or its host going down. The wait is
-/// boxed: rare, and part of every client's future otherwise.
+/// boxed, off the common path of a plain socket that takes the reply at
+/// once (a TLS client's replies all take it), and out of every client's
+/// future.
 async fn send_unless_killed(
     client: &mut ClientStream,
     buf: &[u8],
@@ -631,11 +638,11 @@ fn client_gone() -> Fatal {
 /// start-up settings there, sends the greeting and gives the server back
 /// (session pooling keeps it). The client's cancel key, or `None` when
 /// the client has been told why not.
-async fn greet(
-    shared: &Arc<Shared>,
+async fn greet<'a>(
+    shared: &'a Arc<Shared>,
     session: &mut Session,
     client: &mut ClientStream,
-) -> Option<(i32, i32)> {
+) -> Option<KeyHeld<'a>> {
     // No cancel key is out yet, so nothing can cancel this wait. The
     // client is no session yet either, which a shutdown would end: it
     // watches the shutdown itself.
@@ -656,9 +663,13 @@ async fn greet(
             return None;
         }
     };
-    let key = shared
-        .cancel
-        .register_dynamic(session.cancel_target.clone());
+    let registered = KeyHeld {
+        cancel: &shared.cancel,
+        key: shared
+            .cancel
+            .register_dynamic(session.cancel_target.clone()),
+    };
+    let key = registered.key;
     // Applied on the first server before the client is let in: a setting
     // PostgreSQL refuses refuses the login, as it would without pgwarden.
     // Bounded, and given up when the client goes: a server cut off while
@@ -685,7 +696,6 @@ async fn greet(
         }
     };
     if let Err((f, reusable)) = applied {
-        shared.cancel.remove(key);
         first.release(reusable);
         let _ = client.write_all(&f.into_message()).await;
         return None;
@@ -698,7 +708,6 @@ async fn greet(
                 sqlstate::READ_ONLY_SQL_TRANSACTION,
                 format!("client_encoding {v} is not allowed on a read-only service"),
             );
-            shared.cancel.remove(key);
             first.release(true);
             let _ = client.write_all(&f.into_message()).await;
             return None;
@@ -709,7 +718,6 @@ async fn greet(
         // Session pooling: the server that answered the login stays.
         if let Err(f) = Box::pin(session.attach_checkout(first, client)).await {
             let _ = client.write_all(&f.into_message()).await;
-            shared.cancel.remove(key);
             session.detach(false);
             return None;
         }
@@ -718,19 +726,32 @@ async fn greet(
         // statement as any other.
         if let Some(c) = session.attached.as_mut() {
             c.traffic.settle();
+            c.set_held(true);
         }
         session.held_idle = true;
-        session.cancel_target.set_held_idle(true);
     } else {
         first.release(true);
     }
     if client.send_all(&hello).await.is_err() {
-        shared.cancel.remove(key);
         // Nothing ran on it.
         session.detach(true);
         return None;
     }
-    Some(key)
+    Some(registered)
+}
+
+/// A pooled client's cancel key, taken out of the registry however its
+/// session ends (a panic included): an entry left behind would stay for
+/// good, pointing at a server the client no longer uses.
+struct KeyHeld<'a> {
+    cancel: &'a crate::cancel::CancelRegistry,
+    key: (i32, i32),
+}
+
+impl Drop for KeyHeld<'_> {
+    fn drop(&mut self) {
+        self.cancel.remove(self.key);
+    }
 }
 
 /// What a client gets on login: the server's parameters (the client's
@@ -1372,18 +1393,25 @@ impl Session {
         slow.await
     }
 
+    /// Marks whether the client's kept server is between transactions.
+    fn set_held(&mut self, on: bool) {
+        if let Some(c) = self.attached.as_mut() {
+            c.set_held(on);
+        }
+    }
+
     /// A client that kept its server between transactions starts the next
     /// one: while its service is paused it waits for the resume (bounded
     /// by `query_wait_timeout`), as clients that need a server do.
     async fn start_held_transaction(&mut self, client: &ClientStream) -> Result<bool, Fatal> {
         // Marked busy before the pause is looked at: a pause that then
         // found it between transactions must not see it start one.
-        self.cancel_target.set_held_idle(false);
+        self.set_held(false);
         if !*self.paused.borrow() {
             self.held_idle = false;
             return Ok(true);
         }
-        self.cancel_target.set_held_idle(true);
+        self.set_held(true);
         let pool = self.attached.as_ref().expect("attached").pool.clone();
         let _waiting = pool.count_waiting();
         let deadline = tokio::time::Instant::now() + self.settings.query_wait_timeout;
@@ -1413,23 +1441,23 @@ impl Session {
                 () = self.killed.told() => break Err(client_gone()),
                 () = slot.cancelled() => break Ok(false),
             }
-            self.cancel_target.set_held_idle(false);
+            self.set_held(false);
             if !*self.paused.borrow() {
                 break Ok(true);
             }
-            self.cancel_target.set_held_idle(true);
+            self.set_held(true);
         };
         let cancelled = slot.stop_waiting();
         match outcome {
             Ok(true) if !cancelled => {
                 self.held_idle = false;
-                self.cancel_target.set_held_idle(false);
+                self.set_held(false);
                 Ok(true)
             }
             // Cancelled, also just as the service resumed: nothing ran,
             // and the client is still between transactions.
             Ok(_) => {
-                self.cancel_target.set_held_idle(true);
+                self.set_held(true);
                 Ok(false)
             }
             Err(f) => Err(f),
