@@ -675,7 +675,16 @@ async fn greet<'a>(
     // Bounded, and given up when the client goes: a server cut off while
     // idle answers nothing, and a client not yet in the session table is
     // reached by no host-down kill.
-    let applied = {
+    // Most logins have nothing to apply: those skip the watch on the
+    // client, which would cost a system call per connection.
+    let pending = first.conn.extras != session.extras
+        || session
+            .params
+            .iter()
+            .any(|(k, v)| first.conn.tracked.get(k) != Some(v));
+    let applied = if !pending {
+        Ok(())
+    } else {
         let wait = session.settings.query_wait_timeout;
         let host = first.pool.key.host.clone();
         let work = session.apply_login_settings(&mut first);
@@ -1542,9 +1551,13 @@ impl Session {
         // statement would run after all.
         let slot = self.cancel_target.clone();
         let watched = !sets.is_empty() || c.conn.extras != self.extras;
-        if watched {
-            slot.start_waiting();
+        if !watched {
+            // Nothing to set (a server found after a wait in line): no
+            // round trip to watch over.
+            self.bind(c);
+            return Ok(true);
         }
+        slot.start_waiting();
         // Bounded, and given up when the client goes (or is killed): a
         // server cut off while idle answers nothing, and with no backend
         // attached yet no host-down kill reaches this wait.
@@ -1581,7 +1594,7 @@ impl Session {
             c.release(reusable);
             return Err(fatal);
         }
-        if watched && slot.stop_waiting() {
+        if slot.stop_waiting() {
             c.release(true);
             return Ok(false);
         }
