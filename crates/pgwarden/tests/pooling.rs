@@ -28,6 +28,29 @@ async fn pooled(c: &TestCluster, size: usize) -> (pgwarden_probe::Engine, pgward
     pooled_for(c, size, WAIT).await
 }
 
+/// A pgwarden in front of `c` (one node) reached through a TCP relay,
+/// for faults, with `settings` as its pool, once the topology engine has
+/// seen the node.
+async fn behind_relay(
+    c: &TestCluster,
+    settings: Option<PoolSettings>,
+) -> (
+    pgwarden_testkit::Relay,
+    pgwarden_probe::Engine,
+    pgwarden_proxy::Proxy,
+) {
+    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
+    let (e, p) = proxy_with(
+        &[relay.addr().to_string()],
+        Duration::from_secs(3),
+        settings,
+        10_000,
+    )
+    .await;
+    ready(&e, 1).await;
+    (relay, e, p)
+}
+
 /// One server connection that keeps at most `bound` prepared statements.
 async fn pooled_bounded(
     c: &TestCluster,
@@ -4312,15 +4335,7 @@ async fn a_read_only_session_holding_a_statement_still_ends_with_its_host() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_login_on_a_silent_server_ends_within_the_wait() {
     let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(3),
-        pool(1, Duration::from_secs(2)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (relay, e, p) = behind_relay(&c, pool(1, Duration::from_secs(2))).await;
     let url = via(&p, "read_write");
     // Leaves its server idle in the pool, without the setting below.
     let first = client(&url).await.unwrap();
@@ -5526,15 +5541,7 @@ async fn b_is_being_set(direct: &str) {
 }
 
 async fn sync_rig(c: &TestCluster, table: &str) -> SyncRig {
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(3),
-        pool(1, WAIT),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (relay, e, p) = behind_relay(c, pool(1, WAIT)).await;
     let direct = c.conninfo(0);
     client(&direct)
         .await
@@ -5661,15 +5668,7 @@ async fn pause_waits_for_a_transaction_still_setting_its_parameters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_cancel_request_does_not_cancel_the_next_clients_query() {
     let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(3),
-        pool(1, WAIT),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (relay, _e, p) = behind_relay(&c, pool(1, WAIT)).await;
     let direct = c.conninfo(0);
     let locks = client(&direct).await.unwrap();
     locks
@@ -6762,15 +6761,7 @@ async fn without_auth_the_admin_console_asks_the_server_who_you_are() {
 async fn a_pooled_client_is_served_when_its_host_accepts_again() {
     use pgwarden_testkit::Listener;
     let c = TestCluster::builder().replicas(0).start();
-    let relay = pgwarden_testkit::Relay::start(c.addr(0).parse().unwrap()).unwrap();
-    let (e, p) = proxy_with(
-        &[relay.addr().to_string()],
-        Duration::from_secs(3),
-        pool(2, Duration::from_secs(20)),
-        10_000,
-    )
-    .await;
-    ready(&e, 1).await;
+    let (relay, _e, p) = behind_relay(&c, pool(2, Duration::from_secs(20))).await;
     relay.set_listener(Listener::Closed);
     let conninfo = via(&p, "read_write");
     let pending = tokio::spawn(async move {
