@@ -675,8 +675,8 @@ async fn greet<'a>(
     // Bounded, and given up when the client goes: a server cut off while
     // idle answers nothing, and a client not yet in the session table is
     // reached by no host-down kill.
-    // Most logins have nothing to apply: those skip the watch on the
-    // client, which would cost a system call per connection.
+    // Most logins have nothing to apply: those skip the watch (a readiness
+    // check of the client's socket, perhaps a peek, and a timer).
     let pending = first.conn.extras != session.extras
         || session
             .params
