@@ -113,6 +113,18 @@ async fn server_connections(conninfo: &str) -> usize {
     .unwrap()
 }
 
+/// Waits until no client backend but the probe's is connected to the
+/// server at `conninfo`.
+async fn until_no_server_connections(conninfo: &str) {
+    pgwarden_testkit::eventually("server connections closed", WAIT, || async {
+        match server_connections(conninfo).await {
+            0 => Ok(()),
+            n => Err(format!("{n} left")),
+        }
+    })
+    .await;
+}
+
 fn pgbench(port: u16, args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new("pgbench")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
@@ -2891,16 +2903,7 @@ async fn kill_ends_a_session_whose_client_stopped_reading() {
     })
     .await;
     admin.batch_execute("KILL postgres").await.unwrap();
-    pgwarden_testkit::eventually("its server connection closed", WAIT, || {
-        let direct = direct.clone();
-        async move {
-            match server_connections(&direct).await {
-                0 => Ok(()),
-                n => Err(format!("{n} left")),
-            }
-        }
-    })
-    .await;
+    until_no_server_connections(&direct).await;
     drop(stuck);
     let fresh = client(&url).await.unwrap();
     assert_eq!(one(&fresh, "SELECT 2").await, "2");
@@ -2944,16 +2947,7 @@ async fn kill_ends_a_databases_clients_and_server_connections() {
     })
     .await;
     let direct = c.conninfo(0);
-    pgwarden_testkit::eventually("server connections closed", WAIT, || {
-        let direct = direct.clone();
-        async move {
-            match server_connections(&direct).await {
-                0 => Ok(()),
-                n => Err(format!("{n} left")),
-            }
-        }
-    })
-    .await;
+    until_no_server_connections(&direct).await;
     let fresh = client(&url).await.unwrap();
     assert_eq!(one(&fresh, "SELECT 2").await, "2");
     // Both pooled clients count as sessions ended by the administrator.

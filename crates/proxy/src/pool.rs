@@ -1087,10 +1087,14 @@ pub struct Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(permit) = self.permit.take() {
-            if self.held {
-                self.pool.held.fetch_sub(1, Ordering::SeqCst);
-            }
-            let (_, _permit) = settle(&self.pool, &self.conn, self.traffic, permit, false);
+            let (_, _permit) = settle(
+                &self.pool,
+                &self.conn,
+                self.traffic,
+                self.held,
+                permit,
+                false,
+            );
             self.pool.closed(1);
         }
     }
@@ -1975,12 +1979,9 @@ impl Checkout {
         #[allow(unsafe_code)]
         let (mut conn, pool) = unsafe { (std::ptr::read(&this.conn), std::ptr::read(&this.pool)) };
         let traffic = this.traffic;
-        if this.held {
-            pool.held.fetch_sub(1, Ordering::SeqCst);
-        }
         // Held until the connection is back (or counted closed): a client
         // woken by the permit must find it idle, not open another.
-        let (reuse, _permit) = settle(&pool, &conn, traffic, permit, reusable);
+        let (reuse, _permit) = settle(&pool, &conn, traffic, this.held, permit, reusable);
         if !reuse {
             pool.closed(1);
             return;
@@ -2024,7 +2025,8 @@ impl Checkout {
 }
 
 /// The accounting of a loan that ends: its traffic added to the pool's
-/// counts, a permit a reload took away forgotten. True when `conn` may go
+/// counts, no longer counted as `held` between transactions, a permit a
+/// reload took away forgotten. True when `conn` may go
 /// back to the pool (`reusable`, and neither expired nor retired); false
 /// when the caller is to close it and count it closed. The permit comes
 /// back unless it was forgotten, for the caller to drop once it is done.
@@ -2032,11 +2034,15 @@ fn settle(
     pool: &Arc<Pool>,
     conn: &ServerConn,
     traffic: Traffic,
+    held: bool,
     permit: OwnedSemaphorePermit,
     reusable: bool,
 ) -> (bool, Option<OwnedSemaphorePermit>) {
-    // After the `held` count (by the callers): a drain that sees the loan
-    // gone sees it no longer held either, and never counts it out twice.
+    if held {
+        pool.held.fetch_sub(1, Ordering::SeqCst);
+    }
+    // After the `held` count: a drain that sees the loan gone sees it no
+    // longer held either, and never counts it out twice.
     pool.stats.active.fetch_sub(1, Ordering::SeqCst);
     // A loan that ran nothing (a login's greeting, a wait cancelled
     // as the server came) is no transaction.
